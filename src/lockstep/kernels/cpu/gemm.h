@@ -1,0 +1,53 @@
+// Packed single-precision GEMM: C(M, N) = init + op(A)(M, K) * op(B)(K, N).
+//
+// Layouts are row-major. op(A) = A (M x K, leading dimension lda) for Trans::N, or the transpose of
+// A stored K x M for Trans::T; likewise op(B) = B (K x N) or the transpose of B stored N x K. A
+// linear layer y = x W^T with W stored (out, in) is gemm(y, x, N, W, T); its input gradient is
+// gemm(dx, dy, N, W, N) and its weight gradient gemm(dW, dy, T, x, N, accumulate).
+//
+// Determinism guarantee (what every caller may rely on, and tests check bitwise):
+//   Each output element is one sequential chain of fused multiply-adds over k = 0, 1, ..., K-1:
+//       acc = init;  for k in 0..K-1: acc = fma(op(A)[i][k], op(B)[k][j], acc);  C[i][j] = acc
+//   with init = C[i][j] (accumulate), else bias[j] (bias given), else 0. So:
+//   - the result is bitwise independent of the thread count, of how M and N are partitioned into
+//     tiles, of the cache blocking, and of the instruction set (the AVX2 micro-kernel and the
+//     portable one give the same bits);
+//   - accumulating two calls over K-ranges [0, K1) then [K1, K) equals one call over [0, K): a
+//     gradient summed over micro-batches is the same as over their concatenation.
+//   With k_segments = {s0 = 0, s1, ..., sS = K} (caller-given boundaries), each segment is its own
+//   chain P_s started from 0, and C = (((init + P_0) + P_1) + ...) + P_{S-1}: this fixes how a
+//   reduction that a parallel layout splits along K (row-parallel layers) is combined.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+namespace lockstep {
+
+enum class Trans : uint8_t { N, T };
+
+struct GemmOptions {
+  bool accumulate = false;               // init = C (else bias or 0)
+  const float* bias = nullptr;           // (N), init when not accumulating
+  std::span<const int64_t> k_segments;   // empty: one chain over all of K
+};
+
+void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
+          int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt = {});
+
+// Contiguous operands: lda/ldb/ldc are the natural row lengths.
+inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, int64_t M,
+                 int64_t N, int64_t K, const GemmOptions& opt = {}) {
+  gemm(C, N, A, ta == Trans::N ? K : M, ta, B, tb == Trans::N ? N : K, tb, M, N, K, opt);
+}
+
+// Which micro-kernel gemm() runs on this machine ("avx2-6x16", "portable").
+const char* gemm_kernel_name();
+
+namespace detail {
+// The portable micro-kernel path, exposed so tests can check it against the vector one bitwise.
+void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
+                   int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt);
+}  // namespace detail
+
+}  // namespace lockstep

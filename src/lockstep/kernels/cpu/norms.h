@@ -1,0 +1,30 @@
+// LayerNorm and RMSNorm over the last dimension C of N rows.
+//
+//   layernorm: out = (x - mean) * rstd * weight + bias,  rstd = 1 / sqrt(var + eps), biased var
+//   rmsnorm:   out = x * rstd * weight,                  rstd = 1 / sqrt(mean(x^2) + eps)
+//
+// Forward saves per-row statistics (mean, rstd) for backward. Backward *adds* into dinp (the
+// norm's input is the residual stream, whose gradient is a sum) and into dweight / dbias
+// (parameter gradients accumulate over micro-batches).
+//
+// Determinism: row statistics are sums over C in one fixed order per row; dweight/dbias are
+// column sums over the N rows taken in row order, each column owned by one thread. Bits do not
+// depend on the thread count.
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep {
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps);
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C);
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps);
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C);
+
+}  // namespace lockstep

@@ -1,0 +1,34 @@
+// AdamW on FP32 master weights, and the global gradient norm.
+//
+// adamw_update follows torch.optim.AdamW exactly, operation for operation:
+//   g = grad * grad_scale               (grad_scale carries gradient clipping)
+//   p = p * (1 - lr * weight_decay)     (decoupled weight decay)
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g * g
+//   p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// Elementwise, so trivially deterministic.
+//
+// sum_of_squares: fixed blocks of kNormBlock elements, each summed sequentially in double, block
+// sums added in block order in double: the value depends on n only, never on the thread count.
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep {
+
+struct AdamW {
+  float lr = 3e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+// step counts from 1.
+void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
+                  const AdamW& hp, int64_t step, float grad_scale);
+
+inline constexpr int64_t kNormBlock = 16384;
+double sum_of_squares(const float* x, int64_t n);
+
+}  // namespace lockstep

@@ -1,0 +1,22 @@
+// Rotary position embedding (RoPE), rotate-half layout (GPT-NeoX / Hugging Face Llama / Megatron
+// default): within each head of size HS, element i < HS/2 pairs with element i + HS/2 and the
+// pair is rotated by angle pos * theta^(-2i/HS).
+//
+// Works in place on the fused qkv rows: each of the N = B*T rows holds `heads` rotated heads
+// (the query heads then the key heads) at its start, row_stride floats apart; position = row % T.
+// Backward applies the inverse rotation to the gradient, in place.
+#pragma once
+
+#include <cstdint>
+
+namespace lockstep {
+
+// cos, sin: (T, HS/2), angles computed in double and rounded once.
+void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta);
+
+void rope_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t T,
+                  int64_t heads, int64_t HS, int64_t row_stride);
+void rope_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t T,
+                   int64_t heads, int64_t HS, int64_t row_stride);
+
+}  // namespace lockstep

@@ -1,0 +1,84 @@
+// Shared helpers for the test suite: deterministic random inputs, comparison against
+// double-precision references, and central finite differences.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/philox.h"
+
+namespace lockstep::testing {
+
+// n normal values * scale, drawn from Philox keyed by (seed, name).
+inline std::vector<float> randn(int64_t n, uint64_t seed, const std::string& name = "test",
+                                float scale = 1.0f) {
+  std::vector<float> v(static_cast<size_t>(n));
+  RandomStream(seed, purpose_id(name)).fill_normal(v.data(), n, scale);
+  return v;
+}
+
+inline std::vector<double> to_double(const std::vector<float>& v) {
+  return std::vector<double>(v.begin(), v.end());
+}
+
+// Largest |got - ref| / (atol + |ref|) over the elements; a value <= 1 means within tolerance.
+// Reports the first offending index through `where`.
+inline ::testing::AssertionResult all_close(const float* got, const double* ref, int64_t n,
+                                            double rtol, double atol, const std::string& what = "") {
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = std::abs(static_cast<double>(got[i]) - ref[i]);
+    if (!(d <= atol + rtol * std::abs(ref[i]))) {
+      return ::testing::AssertionFailure()
+             << what << "[" << i << "]: got " << got[i] << ", reference " << ref[i] << " (|diff| "
+             << d << " > atol " << atol << " + rtol " << rtol << " * |ref|)";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+inline ::testing::AssertionResult all_close(const std::vector<float>& got,
+                                            const std::vector<double>& ref, double rtol,
+                                            double atol, const std::string& what = "") {
+  if (got.size() != ref.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
+  return all_close(got.data(), ref.data(), static_cast<int64_t>(got.size()), rtol, atol, what);
+}
+
+inline ::testing::AssertionResult bitwise_equal(const float* a, const float* b, int64_t n,
+                                                const std::string& what = "") {
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " vs " << b[i]
+                                           << " differ in bits";
+    }
+  }
+  return ::testing::AssertionSuccess();
+}
+inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& a,
+                                                const std::vector<float>& b,
+                                                const std::string& what = "") {
+  if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
+  return bitwise_equal(a.data(), b.data(), static_cast<int64_t>(a.size()), what);
+}
+
+// Central differences of a scalar function of x (in double): g[i] = (f(x+h e_i) - f(x-h e_i)) / 2h.
+inline std::vector<double> finite_difference(const std::function<double(const std::vector<double>&)>& f,
+                                             std::vector<double> x, double h = 1e-5) {
+  std::vector<double> g(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    const double xi = x[i];
+    x[i] = xi + h;
+    const double fp = f(x);
+    x[i] = xi - h;
+    const double fm = f(x);
+    x[i] = xi;
+    g[i] = (fp - fm) / (2 * h);
+  }
+  return g;
+}
+
+}  // namespace lockstep::testing
