@@ -1,0 +1,207 @@
+#include "lockstep/kernels/cpu/norms.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/vecmath.h"
+
+namespace lockstep {
+namespace {
+
+// Each formula is written once, as a template over the lane type V: float (scalar tails and the
+// portable build) or __m256 (AVX2). GCC's vector extensions give __m256 the arithmetic operators,
+// one IEEE operation per lane (a float operand is broadcast), so both instantiations compute the
+// same bits for an element.
+template <class V> V load(const float* p);
+template <> float load<float>(const float* p) { return *p; }
+inline void store(float* p, float v) { *p = v; }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+#ifdef LOCKSTEP_AVX2
+template <> __m256 load<__m256>(const float* p) { return _mm256_loadu_ps(p); }
+inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+// f(i, V{}) over [begin, end): 8 elements at a time under AVX2, then one at a time.
+template <class F>
+void for_lanes(int64_t begin, int64_t end, F f) {
+  int64_t i = begin;
+#ifdef LOCKSTEP_AVX2
+  for (; i + 8 <= end; i += 8) f(i, __m256{});
+#endif
+  for (; i < end; ++i) f(i, 0.0f);
+}
+
+// K sums over a row of C elements in one fixed order. step(i, acc) adds the terms of elements
+// [i, i + lanes) into acc[0..K). Element i goes to lane i % 8 of chain (i / 8) % 4 while whole
+// 32-element blocks last (four chains hide the add latency); the chains are combined as
+// (0 + 1) + (2 + 3); the remaining whole 8-element blocks add into that; the lanes are summed in
+// vm::hsum order; the last C % 8 elements add one by one. The portable build runs exactly this
+// order with scalar lanes, so both builds give the same bits.
+template <int K, class Step>
+void row_sums(float* total, int64_t C, Step step) {
+  int64_t i = 0;
+#ifdef LOCKSTEP_AVX2
+  __m256 chain[4][K] = {};
+  for (; i + 32 <= C; i += 32)
+    for (int c = 0; c < 4; ++c) step(i + 8 * c, chain[c]);
+  __m256 acc[K];
+  for (int k = 0; k < K; ++k) acc[k] = (chain[0][k] + chain[1][k]) + (chain[2][k] + chain[3][k]);
+  for (; i + 8 <= C; i += 8) step(i, acc);
+  for (int k = 0; k < K; ++k) total[k] = vm::hsum(acc[k]);
+#else
+  float chain[4][8][K] = {};
+  for (; i + 32 <= C; i += 32)
+    for (int c = 0; c < 4; ++c)
+      for (int l = 0; l < 8; ++l) step(i + 8 * c + l, chain[c][l]);
+  float acc[8][K];
+  for (int l = 0; l < 8; ++l)
+    for (int k = 0; k < K; ++k)
+      acc[l][k] = (chain[0][l][k] + chain[1][l][k]) + (chain[2][l][k] + chain[3][l][k]);
+  for (; i + 8 <= C; i += 8)
+    for (int l = 0; l < 8; ++l) step(i + l, acc[l]);
+  for (int k = 0; k < K; ++k) {
+    float lanes[8];
+    for (int l = 0; l < 8; ++l) lanes[l] = acc[l][k];
+    total[k] = vm::hsum8(lanes);
+  }
+#endif
+  for (; i < C; ++i) step(i, total);
+}
+
+// kCentered: LayerNorm (subtract the mean, add bias); otherwise RMSNorm.
+template <bool kCentered>
+void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                  const float* bias, int64_t N, int64_t C, float eps) {
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* x = inp + n * C;
+      float* o = out + n * C;
+      float m = 0.0f;
+      if constexpr (kCentered) {
+        float sum;
+        row_sums<1>(&sum, C, [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + load<V>(x + i); });
+        m = sum / static_cast<float>(C);
+        mean[n] = m;
+      }
+      // Two passes (mean, then squared deviations): no cancellation when |mean| >> std.
+      float sq = 0.0f;
+      row_sums<1>(&sq, C, [&]<class V>(int64_t i, V* acc) {
+        const V d = load<V>(x + i) - m;
+        acc[0] = fma(d, d, acc[0]);
+      });
+      const float s = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
+      rstd[n] = s;
+      for_lanes(0, C, [&]<class V>(int64_t i, V) {
+        const V xhat = (load<V>(x + i) - m) * s;
+        if constexpr (kCentered) {
+          store(o + i, fma(xhat, load<V>(weight + i), load<V>(bias + i)));
+        } else {
+          store(o + i, xhat * load<V>(weight + i));
+        }
+      });
+    }
+  });
+}
+
+// dinp += d(out)/d(inp) applied to dout, row by row.
+template <bool kCentered>
+void norm_backward_rows(float* dinp, const float* dout, const float* inp, const float* weight,
+                        const float* mean, const float* rstd, int64_t N, int64_t C) {
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* x = inp + n * C;
+      const float* dy = dout + n * C;
+      float* dx = dinp + n * C;
+      const float m = kCentered ? mean[n] : 0.0f;
+      const float s = rstd[n];
+      // sums[0] = sum(g), sums[1] = sum(g * xhat) with g = dout * weight.
+      float sums[2] = {0.0f, 0.0f};
+      row_sums<kCentered ? 2 : 1>(kCentered ? sums : sums + 1, C, [&]<class V>(int64_t i, V* acc) {
+        const V g = load<V>(dy + i) * load<V>(weight + i);
+        const V xhat = (load<V>(x + i) - m) * s;
+        if constexpr (kCentered) {
+          acc[0] = acc[0] + g;
+          acc[1] = fma(g, xhat, acc[1]);
+        } else {
+          acc[0] = fma(g, xhat, acc[0]);
+        }
+      });
+      const float g_mean = sums[0] / static_cast<float>(C);
+      const float gx_mean = sums[1] / static_cast<float>(C);
+      for_lanes(0, C, [&]<class V>(int64_t i, V) {
+        const V g = load<V>(dy + i) * load<V>(weight + i);
+        const V xhat = (load<V>(x + i) - m) * s;
+        V t;
+        if constexpr (kCentered) {
+          t = g - (xhat * gx_mean + g_mean);
+        } else {
+          t = g - xhat * gx_mean;
+        }
+        store(dx + i, load<V>(dx + i) + t * s);
+      });
+    }
+  });
+}
+
+// dweight[j] += sum_n dout[n, j] * xhat[n, j], dbias[j] += sum_n dout[n, j], rows in order. Each
+// thread owns a range of columns; a column's arithmetic is the same in a vector lane or in the
+// scalar tail, so the column split does not change any bit.
+template <bool kCentered>
+void norm_backward_columns(float* dweight, float* dbias, const float* dout, const float* inp,
+                           const float* mean, const float* rstd, int64_t N, int64_t C) {
+  // Column tiles short enough that their accumulators stay in L1 while the rows stream by.
+  constexpr int64_t kTile = 256;
+  parallel_for((C + 7) / 8, [&](int64_t block_begin, int64_t block_end) {
+    const int64_t col_end = std::min(block_end * 8, C);
+    for (int64_t c0 = block_begin * 8; c0 < col_end; c0 += kTile) {
+      const int64_t width = std::min(kTile, col_end - c0);
+      alignas(32) float dw[kTile] = {};
+      alignas(32) float db[kTile] = {};
+      for (int64_t n = 0; n < N; ++n) {
+        const float* x = inp + n * C + c0;
+        const float* dy = dout + n * C + c0;
+        const float m = kCentered ? mean[n] : 0.0f;
+        const float s = rstd[n];
+        for_lanes(0, width, [&]<class V>(int64_t j, V) {
+          const V g = load<V>(dy + j);
+          const V xhat = (load<V>(x + j) - m) * s;
+          store(dw + j, fma(g, xhat, load<V>(dw + j)));
+          if constexpr (kCentered) store(db + j, load<V>(db + j) + g);
+        });
+      }
+      for (int64_t j = 0; j < width; ++j) {
+        dweight[c0 + j] += dw[j];
+        if constexpr (kCentered) dbias[c0 + j] += db[j];
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
+                       const float* bias, int64_t N, int64_t C, float eps) {
+  norm_forward<true>(out, mean, rstd, inp, weight, bias, N, C, eps);
+}
+
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
+                        const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C) {
+  norm_backward_rows<true>(dinp, dout, inp, weight, mean, rstd, N, C);
+  norm_backward_columns<true>(dweight, dbias, dout, inp, mean, rstd, N, C);
+}
+
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
+                     int64_t C, float eps) {
+  norm_forward<false>(out, nullptr, rstd, inp, weight, nullptr, N, C, eps);
+}
+
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
+                      const float* weight, const float* rstd, int64_t N, int64_t C) {
+  norm_backward_rows<false>(dinp, dout, inp, weight, nullptr, rstd, N, C);
+  norm_backward_columns<false>(dweight, nullptr, dout, inp, nullptr, rstd, N, C);
+}
+
+}  // namespace lockstep
