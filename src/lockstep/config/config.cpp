@@ -1,0 +1,431 @@
+#include "lockstep/config/config.h"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+#include <set>
+#include <sstream>
+#include <variant>
+
+#include "lockstep/core/error.h"
+
+namespace lockstep {
+
+int64_t ModelConfig::ffn_hidden() const {
+  if (ffn_hidden_size) return ffn_hidden_size;
+  if (activation == "swiglu") return (8 * hidden_size / 3 + 63) / 64 * 64;
+  return 4 * hidden_size;
+}
+
+namespace {
+
+using IntRef = std::function<int64_t&(Config&)>;
+using U64Ref = std::function<uint64_t&(Config&)>;
+using FloatRef = std::function<double&(Config&)>;
+using BoolRef = std::function<bool&(Config&)>;
+using StringRef = std::function<std::string&(Config&)>;
+using Ref = std::variant<IntRef, U64Ref, FloatRef, BoolRef, StringRef>;
+
+struct Key {
+  std::string name;
+  Ref ref;
+  std::string help;
+  std::vector<std::string> choices;  // strings only; empty = free text
+};
+
+#define LS_KEY(path, ...) \
+  Key { #path, [](Config& c) -> auto& { return c.path; }, __VA_ARGS__ }
+
+const std::vector<Key>& keys() {
+  static const std::vector<Key> table = {
+      LS_KEY(determinism, "determinism level (run: same config + binary => same bits)", {"run"}),
+      LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
+                           "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
+             {"gpt2", "llama"}),
+      LS_KEY(model.num_layers, "transformer layers"),
+      LS_KEY(model.hidden_size, "model width C"),
+      LS_KEY(model.num_heads, "attention (query) heads"),
+      LS_KEY(model.num_query_groups, "key/value heads for grouped-query attention; 0 = num_heads"),
+      LS_KEY(model.ffn_hidden_size, "MLP width; 0 = 4*hidden (gelu), 8/3*hidden rounded to 64 (swiglu)"),
+      LS_KEY(model.seq_length, "tokens per sequence T"),
+      LS_KEY(model.vocab_size, "vocabulary size V"),
+      LS_KEY(model.normalization, "norm layer", {"layernorm", "rmsnorm"}),
+      LS_KEY(model.position_embedding, "position encoding", {"learned", "rope"}),
+      LS_KEY(model.activation, "MLP activation", {"gelu", "swiglu"}),
+      LS_KEY(model.bias, "biases in linear layers"),
+      LS_KEY(model.tie_embeddings, "output head shares the word embedding"),
+      LS_KEY(model.norm_eps, "epsilon of the norm layers"),
+      LS_KEY(model.rope_theta, "RoPE base"),
+      LS_KEY(model.init_std, "std of the normal init (residual projections: std / sqrt(2 * layers))"),
+      LS_KEY(train.steps, "optimizer steps"),
+      LS_KEY(train.global_batch, "sequences per optimizer step"),
+      LS_KEY(train.micro_batch, "sequences per forward/backward (global_batch / micro_batch "
+                                "micro-batches are accumulated)"),
+      LS_KEY(train.lr, "peak learning rate"),
+      LS_KEY(train.min_lr, "final learning rate of cosine / wsd decay"),
+      LS_KEY(train.lr_schedule, "learning-rate schedule after warmup", {"constant", "cosine", "wsd"}),
+      LS_KEY(train.warmup_steps, "linear warmup steps"),
+      LS_KEY(train.decay_steps, "wsd: steps of the final decay; 0 = 20% of train.steps"),
+      LS_KEY(train.seed, "seed of every random stream (init, data)"),
+      LS_KEY(train.threads, "worker threads; 0 = every core"),
+      LS_KEY(train.out_dir, "run directory (config.toml, metrics.jsonl, fingerprints/)"),
+      LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
+      LS_KEY(train.eval_batches, "micro-batches per evaluation"),
+      LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
+      LS_KEY(train.save_interval, "checkpoint interval in steps; 0 = never (checkpoints: not yet)"),
+      LS_KEY(train.resume, "checkpoint to resume from (checkpoints: not yet)"),
+      LS_KEY(optimizer.beta1, "AdamW beta1"),
+      LS_KEY(optimizer.beta2, "AdamW beta2"),
+      LS_KEY(optimizer.eps, "AdamW epsilon"),
+      LS_KEY(optimizer.weight_decay, "AdamW decoupled weight decay on weight matrices"),
+      LS_KEY(optimizer.clip_grad, "clip the global gradient norm to this; 0 = off"),
+      LS_KEY(data.source, "synthetic (built-in corpus) or text:PATH (bytes of a file, vocabulary 256)"),
+      LS_KEY(data.eval_fraction, "text: trailing fraction of the file held out for evaluation"),
+      LS_KEY(data.synthetic_bytes, "synthetic: bytes of generated training text"),
+      LS_KEY(precision.params, "parameter precision", {"fp32"}),
+  };
+  return table;
+}
+#undef LS_KEY
+
+const Key* find_key(std::string_view name) {
+  for (const Key& k : keys())
+    if (k.name == name) return &k;
+  return nullptr;
+}
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+
+[[noreturn]] void unknown_key(std::string_view name, const std::string& where) {
+  std::string best;
+  size_t best_d = 4;
+  for (const Key& k : keys()) {
+    const size_t d = edit_distance(name, k.name);
+    if (d < best_d) best_d = d, best = k.name;
+  }
+  user_error(where, "unknown config key '", name, "'",
+             best.empty() ? std::string(" (see `lockstep help config`)") : str(" (did you mean '", best, "'?)"));
+}
+
+const char* type_name(const Ref& r) {
+  switch (r.index()) {
+    case 0: return "an integer";
+    case 1: return "a non-negative integer";
+    case 2: return "a number";
+    case 3: return "true or false";
+    default: return "a string";
+  }
+}
+
+// A value before it is stored: from TOML (typed) or from the command line (text).
+using Value = std::variant<int64_t, double, bool, std::string>;
+
+std::string show(const Value& v) {
+  return std::visit(
+      [](const auto& x) -> std::string {
+        using X = std::decay_t<decltype(x)>;
+        if constexpr (std::is_same_v<X, std::string>) return "\"" + x + "\"";
+        else if constexpr (std::is_same_v<X, bool>) return x ? "true" : "false";
+        else return str(x);
+      },
+      v);
+}
+
+void assign(Config& c, const Key& key, const Value& v, const std::string& where) {
+  auto bad = [&]() {
+    user_error(where, key.name, " = ", show(v), ": expected ", type_name(key.ref));
+  };
+  std::visit(
+      [&](const auto& ref) {
+        using R = std::decay_t<decltype(ref)>;
+        if constexpr (std::is_same_v<R, IntRef>) {
+          if (!std::holds_alternative<int64_t>(v)) bad();
+          ref(c) = std::get<int64_t>(v);
+        } else if constexpr (std::is_same_v<R, U64Ref>) {
+          if (!std::holds_alternative<int64_t>(v) || std::get<int64_t>(v) < 0) bad();
+          ref(c) = static_cast<uint64_t>(std::get<int64_t>(v));
+        } else if constexpr (std::is_same_v<R, FloatRef>) {
+          if (std::holds_alternative<int64_t>(v)) ref(c) = static_cast<double>(std::get<int64_t>(v));
+          else if (std::holds_alternative<double>(v)) ref(c) = std::get<double>(v);
+          else bad();
+        } else if constexpr (std::is_same_v<R, BoolRef>) {
+          if (!std::holds_alternative<bool>(v)) bad();
+          ref(c) = std::get<bool>(v);
+        } else {
+          if (!std::holds_alternative<std::string>(v)) bad();
+          const std::string& s = std::get<std::string>(v);
+          if (!key.choices.empty() &&
+              std::find(key.choices.begin(), key.choices.end(), s) == key.choices.end()) {
+            std::string list;
+            for (const auto& ch : key.choices) list += (list.empty() ? "" : ", ") + ch;
+            user_error(where, key.name, " = \"", s, "\": expected one of ", list);
+          }
+          ref(c) = s;
+        }
+      },
+      key.ref);
+}
+
+// Command-line text to a value of the key's type.
+Value parse_text(const Key& key, const std::string& text, const std::string& where) {
+  auto fail = [&]() -> Value {
+    user_error(where, key.name, "=", text, ": expected ", type_name(key.ref));
+  };
+  switch (key.ref.index()) {
+    case 0:
+    case 1: {
+      int64_t x;
+      auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), x);
+      if (ec != std::errc() || p != text.data() + text.size()) return fail();
+      return x;
+    }
+    case 2: {
+      if (text.empty()) return fail();
+      char* end = nullptr;
+      const double x = std::strtod(text.c_str(), &end);
+      if (end != text.c_str() + text.size() || !std::isfinite(x)) return fail();
+      return x;
+    }
+    case 3:
+      if (text == "true") return true;
+      if (text == "false") return false;
+      return fail();
+    default: {
+      std::string s = text;
+      if (s.size() >= 2 && (s.front() == '"' || s.front() == '\'') && s.back() == s.front())
+        s = s.substr(1, s.size() - 2);
+      return s;
+    }
+  }
+}
+
+Value from_toml(const toml::node& node, const std::string& name, const std::string& where) {
+  if (auto v = node.as_integer()) return v->get();
+  if (auto v = node.as_floating_point()) return v->get();
+  if (auto v = node.as_boolean()) return v->get();
+  if (auto v = node.as_string()) return v->get();
+  user_error(where, name, ": expected a single value, got a ", node.type());
+}
+
+// Flattens a TOML table into dotted keys in document order.
+void flatten(const toml::table& t, const std::string& prefix,
+             std::vector<std::pair<std::string, const toml::node*>>& out) {
+  for (auto&& [k, node] : t) {
+    const std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
+    if (const toml::table* sub = node.as_table()) flatten(*sub, name, out);
+    else out.emplace_back(name, &node);
+  }
+}
+
+// Architecture defaults of each preset; any of them can be overridden after.
+const std::map<std::string, std::vector<std::pair<std::string, Value>>>& presets() {
+  static const std::map<std::string, std::vector<std::pair<std::string, Value>>> p = {
+      {"gpt2",
+       {{"model.normalization", std::string("layernorm")},
+        {"model.position_embedding", std::string("learned")},
+        {"model.activation", std::string("gelu")},
+        {"model.bias", true},
+        {"model.tie_embeddings", true}}},
+      {"llama",
+       {{"model.normalization", std::string("rmsnorm")},
+        {"model.position_embedding", std::string("rope")},
+        {"model.activation", std::string("swiglu")},
+        {"model.bias", false},
+        {"model.tie_embeddings", false}}},
+  };
+  return p;
+}
+
+void validate(const Config& c) {
+  const ModelConfig& m = c.model;
+  const TrainConfig& t = c.train;
+  auto positive = [](const char* name, int64_t v) {
+    if (v <= 0) user_error(name, " = ", v, ": must be positive");
+  };
+  positive("model.num_layers", m.num_layers);
+  positive("model.hidden_size", m.hidden_size);
+  positive("model.num_heads", m.num_heads);
+  positive("model.seq_length", m.seq_length);
+  positive("model.vocab_size", m.vocab_size);
+  positive("train.steps", t.steps);
+  positive("train.global_batch", t.global_batch);
+  positive("train.micro_batch", t.micro_batch);
+  if (m.num_query_groups < 0) user_error("model.num_query_groups = ", m.num_query_groups, ": must be >= 0");
+  if (m.ffn_hidden_size < 0) user_error("model.ffn_hidden_size = ", m.ffn_hidden_size, ": must be >= 0");
+  if (m.hidden_size % m.num_heads)
+    user_error("model.hidden_size = ", m.hidden_size, " is not divisible by model.num_heads = ", m.num_heads);
+  if (m.num_heads % m.query_groups())
+    user_error("model.num_heads = ", m.num_heads, " is not divisible by model.num_query_groups = ",
+               m.num_query_groups);
+  if (m.position_embedding == "rope" && m.head_dim() % 2)
+    user_error("model.position_embedding = \"rope\" needs an even head size, got hidden_size / num_heads = ",
+               m.head_dim());
+  if (!(m.norm_eps > 0)) user_error("model.norm_eps = ", m.norm_eps, ": must be positive");
+  if (!(m.rope_theta > 0)) user_error("model.rope_theta = ", m.rope_theta, ": must be positive");
+  if (!(m.init_std > 0)) user_error("model.init_std = ", m.init_std, ": must be positive");
+  if (t.global_batch % t.micro_batch)
+    user_error("train.global_batch = ", t.global_batch, " is not divisible by train.micro_batch = ",
+               t.micro_batch);
+  if (!(t.lr > 0)) user_error("train.lr = ", t.lr, ": must be positive");
+  if (t.min_lr < 0 || t.min_lr > t.lr)
+    user_error("train.min_lr = ", t.min_lr, ": must be in [0, train.lr = ", t.lr, "]");
+  if (t.warmup_steps < 0) user_error("train.warmup_steps = ", t.warmup_steps, ": must be >= 0");
+  if (t.decay_steps < 0 || t.decay_steps > t.steps)
+    user_error("train.decay_steps = ", t.decay_steps, ": must be in [0, train.steps = ", t.steps, "]");
+  if (t.threads < 0) user_error("train.threads = ", t.threads, ": must be >= 0 (0 = every core)");
+  if (t.eval_interval < 0) user_error("train.eval_interval = ", t.eval_interval, ": must be >= 0");
+  if (t.eval_interval > 0 && t.eval_batches <= 0)
+    user_error("train.eval_batches = ", t.eval_batches, ": must be positive when evaluating");
+  if (t.log_interval <= 0) user_error("train.log_interval = ", t.log_interval, ": must be positive");
+  if (t.out_dir.empty()) user_error("train.out_dir is empty");
+  if (t.save_interval != 0)
+    user_error("train.save_interval = ", t.save_interval, ": checkpoints are not implemented yet");
+  if (!t.resume.empty())
+    user_error("train.resume = \"", t.resume, "\": checkpoints are not implemented yet");
+  const OptimizerConfig& o = c.optimizer;
+  if (!(o.beta1 >= 0 && o.beta1 < 1)) user_error("optimizer.beta1 = ", o.beta1, ": must be in [0, 1)");
+  if (!(o.beta2 >= 0 && o.beta2 < 1)) user_error("optimizer.beta2 = ", o.beta2, ": must be in [0, 1)");
+  if (!(o.eps > 0)) user_error("optimizer.eps = ", o.eps, ": must be positive");
+  if (o.weight_decay < 0) user_error("optimizer.weight_decay = ", o.weight_decay, ": must be >= 0");
+  if (o.clip_grad < 0) user_error("optimizer.clip_grad = ", o.clip_grad, ": must be >= 0 (0 = off)");
+  const DataConfig& d = c.data;
+  if (d.source != "synthetic" && d.source.rfind("text:", 0) != 0)
+    user_error("data.source = \"", d.source, "\": expected \"synthetic\" or \"text:PATH\"");
+  if (d.source == "text:") user_error("data.source = \"text:\": the path is missing");
+  if (!(d.eval_fraction > 0 && d.eval_fraction < 1))
+    user_error("data.eval_fraction = ", d.eval_fraction, ": must be in (0, 1)");
+  if (d.synthetic_bytes < 4096)
+    user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
+  if (m.vocab_size < 256)
+    user_error("model.vocab_size = ", m.vocab_size, " is smaller than the data's byte vocabulary (256)");
+}
+
+std::string toml_value(Config& c, const Key& key) {
+  return std::visit(
+      [&](const auto& ref) -> std::string {
+        using R = std::decay_t<decltype(ref)>;
+        if constexpr (std::is_same_v<R, FloatRef>) {
+          char buf[40];
+          std::snprintf(buf, sizeof buf, "%.17g", ref(c));
+          std::string s = buf;
+          if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
+          return s;
+        } else if constexpr (std::is_same_v<R, BoolRef>) {
+          return ref(c) ? "true" : "false";
+        } else if constexpr (std::is_same_v<R, StringRef>) {
+          std::string out = "\"";
+          for (char ch : ref(c)) {
+            if (ch == '"' || ch == '\\') out += '\\';
+            out += ch;
+          }
+          return out + "\"";
+        } else {
+          return str(ref(c));
+        }
+      },
+      key.ref);
+}
+
+}  // namespace
+
+Config load_config(const std::string& file, const std::vector<std::string>& overrides) {
+  // Gather (key, value, where) in order of precedence: file first, then the command line.
+  struct Setting {
+    const Key* key;
+    Value value;
+    std::string where;
+  };
+  std::vector<Setting> settings;
+
+  if (!file.empty()) {
+    toml::table doc;
+    try {
+      doc = toml::parse_file(file);
+    } catch (const toml::parse_error& e) {
+      const auto& src = e.source();
+      user_error(file, ":", src.begin.line, ":", src.begin.column, ": ", e.description());
+    }
+    std::vector<std::pair<std::string, const toml::node*>> flat;
+    flatten(doc, "", flat);
+    for (const auto& [name, node] : flat) {
+      const std::string where = str(file, ":", node->source().begin.line, ": ");
+      const Key* key = find_key(name);
+      if (!key) unknown_key(name, where);
+      settings.push_back({key, from_toml(*node, name, where), where});
+    }
+  }
+  for (const std::string& arg : overrides) {
+    const size_t eq = arg.find('=');
+    if (eq == std::string::npos || eq == 0)
+      user_error("command line: '", arg, "' is not a key=value override (e.g. train.steps=20)");
+    const std::string name = arg.substr(0, eq);
+    const Key* key = find_key(name);
+    if (!key) unknown_key(name, "command line: ");
+    settings.push_back({key, parse_text(*key, arg.substr(eq + 1), "command line: "), "command line: "});
+  }
+
+  Config c;
+  // The preset goes first so that every explicit key can override what it sets.
+  for (const Setting& s : settings)
+    if (s.key->name == "model.preset") assign(c, *s.key, s.value, s.where);
+  for (const auto& [name, value] : presets().at(c.model.preset)) assign(c, *find_key(name), value, "preset: ");
+  for (const Setting& s : settings) assign(c, *s.key, s.value, s.where);
+  try {
+    validate(c);
+  } catch (const UserError& e) {
+    throw UserError(str("config: ", e.what()));
+  }
+  return c;
+}
+
+std::string config_to_toml(const Config& config) {
+  Config c = config;
+  std::ostringstream os;
+  os << "# lockstep job configuration, fully resolved\n";
+  std::string section;
+  for (const Key& k : keys()) {
+    const size_t dot = k.name.find('.');
+    const std::string sec = dot == std::string::npos ? "" : k.name.substr(0, dot);
+    const std::string leaf = dot == std::string::npos ? k.name : k.name.substr(dot + 1);
+    if (sec != section) {
+      os << "\n[" << sec << "]\n";
+      section = sec;
+    }
+    os << leaf << " = " << toml_value(c, k) << "\n";
+  }
+  return os.str();
+}
+
+std::string config_help() {
+  Config c;
+  std::ostringstream os;
+  for (const Key& k : keys()) {
+    std::string type = type_name(k.ref);
+    if (!k.choices.empty()) {
+      type = "one of";
+      for (const auto& ch : k.choices) type += " " + ch;
+    }
+    os << k.name << " = " << toml_value(c, k) << "    # " << k.help << " (" << type << ")\n";
+  }
+  return os.str();
+}
+
+}  // namespace lockstep

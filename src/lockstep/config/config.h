@@ -1,0 +1,97 @@
+// The job configuration: one struct per concern, filled from built-in defaults, then the model
+// preset, then a TOML file, then dotted `key=value` overrides (later wins), then validated.
+//
+// Every key is declared once, in the key table in config.cpp (name, type, help); that table drives
+// parsing, the command line, the resolved `config.toml` a run writes, and `lockstep help config`.
+// Errors name the file, key and value at fault (UserError).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace lockstep {
+
+struct ModelConfig {
+  std::string preset = "gpt2";           // gpt2 | llama: architecture defaults below
+  int64_t num_layers = 4;
+  int64_t hidden_size = 128;
+  int64_t num_heads = 4;
+  int64_t num_query_groups = 0;          // key/value heads (GQA); 0 = num_heads
+  int64_t ffn_hidden_size = 0;           // 0 = 4*hidden (gelu) or 8/3*hidden rounded up to 64 (swiglu)
+  int64_t seq_length = 128;
+  int64_t vocab_size = 256;
+  std::string normalization = "layernorm";  // layernorm | rmsnorm
+  std::string position_embedding = "learned";  // learned | rope
+  std::string activation = "gelu";       // gelu | swiglu
+  bool bias = true;                      // biases in linear layers
+  bool tie_embeddings = true;            // output head shares the word embedding
+  double norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  double init_std = 0.02;
+
+  int64_t query_groups() const { return num_query_groups ? num_query_groups : num_heads; }
+  int64_t head_dim() const { return hidden_size / num_heads; }
+  int64_t ffn_hidden() const;
+};
+
+struct TrainConfig {
+  int64_t steps = 300;
+  int64_t global_batch = 16;             // sequences per optimizer step
+  int64_t micro_batch = 8;               // sequences per forward/backward
+  double lr = 1e-3;
+  double min_lr = 1e-4;
+  std::string lr_schedule = "cosine";    // constant | cosine | wsd
+  int64_t warmup_steps = 20;
+  int64_t decay_steps = 0;               // wsd: length of the final decay (0 = 20% of steps)
+  uint64_t seed = 1234;
+  int64_t threads = 0;                   // 0 = every core
+  std::string out_dir = "runs/default";
+  int64_t eval_interval = 100;           // 0 = never
+  int64_t eval_batches = 4;              // micro-batches per evaluation
+  int64_t log_interval = 10;             // plain-text progress lines (not on a terminal)
+  int64_t save_interval = 0;
+  std::string resume;
+
+  int64_t accumulation_steps() const { return global_batch / micro_batch; }
+};
+
+struct OptimizerConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;             // on weight matrices only (not biases, norms)
+  double clip_grad = 1.0;                // global grad-norm clip; 0 = off
+};
+
+struct DataConfig {
+  std::string source = "synthetic";      // synthetic | text:PATH
+  double eval_fraction = 0.05;           // text: trailing fraction of the file held out
+  int64_t synthetic_bytes = 1 << 21;     // size of the generated training corpus
+};
+
+struct PrecisionConfig {
+  std::string params = "fp32";
+};
+
+struct Config {
+  std::string determinism = "run";
+  ModelConfig model;
+  TrainConfig train;
+  OptimizerConfig optimizer;
+  DataConfig data;
+  PrecisionConfig precision;
+};
+
+// Builds the configuration: defaults, the preset named by model.preset (from `file` or
+// `overrides`), the TOML file (if non-empty), then the overrides ("model.num_layers=4"), then
+// validation. Throws UserError.
+Config load_config(const std::string& file, const std::vector<std::string>& overrides);
+
+// The fully resolved configuration as TOML; load_config(path of this text, {}) gives it back.
+std::string config_to_toml(const Config& c);
+
+// One line per key: name, type, default, help.
+std::string config_help();
+
+}  // namespace lockstep

@@ -1,0 +1,42 @@
+// The attention sublayer: norm -> fused QKV projection -> RoPE (llama) -> causal GQA attention ->
+// output projection, added to the residual stream.
+#pragma once
+
+#include <string>
+
+#include "lockstep/config/config.h"
+#include "lockstep/model/arena.h"
+#include "lockstep/model/linear.h"
+#include "lockstep/model/norm.h"
+
+namespace lockstep {
+
+struct AttentionScratch {
+  float* dnorm;  // (N, C)
+  float* datt;   // (N, C)
+  float* dqkv;   // (N, QKV)
+};
+
+struct AttentionLayer {
+  AttentionLayer() = default;
+  AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
+                 int64_t B, int64_t T);
+
+  // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))).
+  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
+               const float* rope_cos, const float* rope_sin) const;
+  // dresid (N, C) holds d(resid_out) and receives d(resid_in) (the skip passes it through; the
+  // branch adds its part).
+  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
+                const float* rope_cos, const float* rope_sin, const AttentionScratch& s) const;
+
+  int64_t qkv_width() const { return (NH + 2 * NKV) * HS; }
+
+  Norm norm;
+  Linear qkv, proj;
+  int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;
+  bool rope = false;
+  ArenaSlice normed, qkv_out, att, lse;  // saved for backward
+};
+
+}  // namespace lockstep

@@ -1,0 +1,136 @@
+#include "lockstep/model/gpt.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/cross_entropy.h"
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/rope.h"
+
+namespace lockstep {
+
+namespace {
+// Logits held at once by the fused head + loss: about 16 MiB.
+constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
+}  // namespace
+
+GPT::GPT(const ModelConfig& m, int64_t B)
+    : m_(m), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
+  const float std = static_cast<float>(m.init_std);
+  wte_ = params_.add("embedding.word.weight", {V_, C_}, Init::normal, std, true);
+  if (m.position_embedding == "learned")
+    wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
+  for (int64_t l = 0; l < L_; ++l) {
+    const std::string prefix = "layers." + std::to_string(l) + ".";
+    attn_.emplace_back(params_, arena_, prefix, m, B_, T_);
+    mlp_.emplace_back(params_, arena_, prefix, m, N_);
+  }
+  final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, N_,
+                     static_cast<float>(m.norm_eps));
+  out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
+  params_.allocate();
+
+  for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(N_ * C_));
+  for (int64_t l = 0; l < L_; ++l) mid_.push_back(arena_.reserve(N_ * C_));
+  final_out_ = arena_.reserve(N_ * C_);
+  head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / V_, 1, N_);
+  logits_ = arena_.reserve(head_rows_ * V_);
+  losses_ = arena_.reserve(N_);
+  const int64_t F = mlp_.empty() ? 0 : mlp_[0].F;
+  const int64_t fcw = mlp_.empty() ? 0 : mlp_[0].fc_width();
+  const int64_t qkvw = attn_.empty() ? 0 : attn_[0].qkv_width();
+  dresid_ = arena_.reserve(N_ * C_);
+  dfinal_ = arena_.reserve(N_ * C_);
+  dnorm_ = arena_.reserve(N_ * C_);
+  datt_ = arena_.reserve(N_ * C_);
+  dqkv_ = arena_.reserve(N_ * qkvw);
+  dact_ = arena_.reserve(N_ * F);
+  dfc_ = arena_.reserve(N_ * fcw);
+  arena_.allocate();
+  order_.resize(static_cast<size_t>(N_));
+
+  if (m.position_embedding == "rope") {
+    const int64_t HS = m.head_dim();
+    rope_cos_.resize(static_cast<size_t>(T_ * HS / 2));
+    rope_sin_.resize(rope_cos_.size());
+    rope_table(rope_cos_.data(), rope_sin_.data(), T_, HS, m.rope_theta);
+  }
+}
+
+void GPT::forward(const int32_t* tokens) {
+  embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
+                    B_, T_, C_, V_);
+  for (int64_t l = 0; l < L_; ++l) {
+    attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data());
+    mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+  }
+  final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
+}
+
+void GPT::head(const int32_t* targets, bool backward, float grad_scale) {
+  const float* x = arena_(final_out_);
+  const float* w = params_.value(out_);
+  float* logits = arena_(logits_);
+  float* losses = arena_(losses_);
+  GemmOptions acc;
+  acc.accumulate = true;
+  for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
+    const int64_t rows = std::min(head_rows_, N_ - r0);
+    gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V_, C_);
+    if (!backward) {
+      cross_entropy_forward(losses + r0, logits, targets + r0, rows, V_, V_);
+      continue;
+    }
+    cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V_, V_, grad_scale);
+    gemm(arena_(dfinal_) + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V_);
+    gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V_, C_, rows, acc);
+  }
+}
+
+void GPT::backward(const int32_t* tokens) {
+  float* dresid = arena_(dresid_);
+  std::memset(dresid, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
+  final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), N_);
+  const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
+  const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
+  for (int64_t l = L_ - 1; l >= 0; --l) {
+    mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
+    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as);
+  }
+  embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
+                     tokens, B_, T_, C_);
+}
+
+namespace {
+double mean(const float* x, int64_t n) {
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return s / static_cast<double>(n);
+}
+}  // namespace
+
+double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
+  forward(tokens);
+  head(targets, true, grad_scale);
+  backward(tokens);
+  return mean(arena_(losses_), N_);
+}
+
+double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
+  forward(tokens);
+  head(targets, false, 0.0f);
+  return mean(arena_(losses_), N_);
+}
+
+double GPT::flops_per_token() const {
+  double matmul = static_cast<double>(V_ * C_);
+  for (int64_t l = 0; l < L_; ++l) {
+    matmul += static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
+    matmul += static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
+  }
+  return 6.0 * matmul + 6.0 * static_cast<double>(L_ * T_ * C_);
+}
+
+}  // namespace lockstep

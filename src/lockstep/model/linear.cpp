@@ -1,0 +1,49 @@
+#include "lockstep/model/linear.h"
+
+#include <cstring>
+
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gemm.h"
+
+namespace lockstep {
+
+Linear::Linear(ParamStore& ps, const std::string& name, int64_t in_, int64_t out_, bool bias, float init_std)
+    : in(in_), out(out_) {
+  w = ps.add(name + ".weight", {out, in}, Init::normal, init_std, /*decay=*/true);
+  if (bias) b = ps.add(name + ".bias", {out}, Init::zeros);
+}
+
+void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) const {
+  GemmOptions opt;
+  if (b >= 0) opt.bias = ps.value(b);
+  gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+}
+
+void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x,
+                              int64_t N) const {
+  const float* bias = b >= 0 ? ps.value(b) : nullptr;
+  const int64_t O = out;
+  parallel_for(N, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      if (bias) {
+        for (int64_t j = 0; j < O; ++j) y[r * O + j] = residual[r * O + j] + bias[j];
+      } else if (y != residual) {
+        std::memcpy(y + r * O, residual + r * O, static_cast<size_t>(O) * sizeof(float));
+      }
+    }
+  });
+  GemmOptions opt;
+  opt.accumulate = true;
+  gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+}
+
+void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {
+  gemm(dx, dy, Trans::N, ps.value(w), Trans::N, N, in, out);
+  GemmOptions acc;
+  acc.accumulate = true;
+  gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
+  if (b >= 0) bias_backward(ps.grad(b), dy, N, out);
+}
+
+}  // namespace lockstep

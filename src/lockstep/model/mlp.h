@@ -1,0 +1,37 @@
+// The MLP sublayer: norm -> fc (C -> F, or C -> 2F as [gate | up] for SwiGLU) -> GELU / SwiGLU ->
+// proj (F -> C), added to the residual stream.
+#pragma once
+
+#include <string>
+
+#include "lockstep/config/config.h"
+#include "lockstep/model/arena.h"
+#include "lockstep/model/linear.h"
+#include "lockstep/model/norm.h"
+
+namespace lockstep {
+
+struct MlpScratch {
+  float* dnorm;  // (N, C)
+  float* dact;   // (N, F)
+  float* dfc;    // (N, F or 2F)
+};
+
+struct MlpLayer {
+  MlpLayer() = default;
+  MlpLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t N);
+
+  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in) const;
+  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
+                const MlpScratch& s) const;
+
+  int64_t fc_width() const { return swiglu ? 2 * F : F; }
+
+  Norm norm;
+  Linear fc, proj;
+  int64_t N = 0, C = 0, F = 0;
+  bool swiglu = false;
+  ArenaSlice normed, fc_out, act;  // saved for backward
+};
+
+}  // namespace lockstep

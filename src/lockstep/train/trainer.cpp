@@ -1,0 +1,235 @@
+#include "lockstep/train/trainer.h"
+
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "lockstep/core/hash.h"
+#include "lockstep/core/tensor.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/data/dataset.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/json_line.h"
+#include "lockstep/train/lr_schedule.h"
+#include "lockstep/train/run_dir.h"
+
+namespace lockstep {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// Best GFLOP/s of a square GEMM on the current pool: the peak MFU is measured against.
+double measure_gemm_peak() {
+  constexpr int64_t n = 512;
+  FloatBuffer a(n * n), b(n * n), c(n * n);
+  for (int64_t i = 0; i < n * n; ++i) a[i] = b[i] = 1.0f / static_cast<float>(1 + i % 7);
+  double best = 0;
+  for (int rep = 0; rep < 8; ++rep) {
+    const auto t0 = Clock::now();
+    gemm(c.data(), a.data(), Trans::N, b.data(), Trans::T, n, n, n);
+    const double s = seconds_since(t0);
+    if (rep >= 2) best = std::max(best, 2.0 * n * n * n / s / 1e9);
+  }
+  return best;
+}
+
+double peak_memory_mb() {
+  rusage ru{};
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;
+}
+
+std::string duration_text(double s) {
+  const auto t = static_cast<int64_t>(s + 0.5);
+  char buf[32];
+  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60), (long long)(t % 60));
+  else std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(t / 60), (long long)(t % 60));
+  return buf;
+}
+
+class Optimizer {
+ public:
+  Optimizer(const ParamStore& ps, const OptimizerConfig& oc) : m_(ps.total()), v_(ps.total()), oc_(oc) {}
+
+  // Clips by the global norm and applies AdamW to every parameter. Returns the norm before
+  // clipping.
+  double step(ParamStore& ps, int64_t step, double lr) {
+    const double norm = std::sqrt(sum_of_squares(ps.grads(), ps.total()));
+    float scale = 1.0f;
+    if (oc_.clip_grad > 0) {
+      const double coeff = oc_.clip_grad / (norm + 1e-6);
+      if (coeff < 1.0) scale = static_cast<float>(coeff);
+    }
+    for (const ParamSpec& p : ps.specs()) {
+      AdamW hp;
+      hp.lr = static_cast<float>(lr);
+      hp.beta1 = static_cast<float>(oc_.beta1);
+      hp.beta2 = static_cast<float>(oc_.beta2);
+      hp.eps = static_cast<float>(oc_.eps);
+      hp.weight_decay = p.decay ? static_cast<float>(oc_.weight_decay) : 0.0f;
+      adamw_update(ps.values() + p.offset, m_.data() + p.offset, v_.data() + p.offset, ps.grads() + p.offset,
+                   p.shape.numel(), hp, step, scale);
+    }
+    return norm;
+  }
+
+  uint64_t hash() const {
+    Hasher h;
+    h.update(m_.data(), static_cast<size_t>(m_.size()) * sizeof(float));
+    h.update(v_.data(), static_cast<size_t>(v_.size()) * sizeof(float));
+    return h.digest();
+  }
+
+ private:
+  FloatBuffer m_, v_;
+  OptimizerConfig oc_;
+};
+
+}  // namespace
+
+TrainSummary train(const Config& config, std::FILE* out) {
+  const ModelConfig& mc = config.model;
+  const TrainConfig& tc = config.train;
+  const int threads = tc.threads ? static_cast<int>(tc.threads)
+                                 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  ThreadPool pool(threads);
+  ThreadPool::Bind bind(&pool);
+
+  const ByteDataset data(config.data, mc.seq_length, tc.seed);
+  GPT model(mc, tc.micro_batch);
+  model.params().init(tc.seed);
+  Optimizer optimizer(model.params(), config.optimizer);
+
+  create_run_dir(tc.out_dir);
+  write_file_atomic(tc.out_dir + "/config.toml", config_to_toml(config));
+  LineLog metrics(tc.out_dir + "/metrics.jsonl");
+  LineLog fingerprints(fingerprint_path(tc.out_dir, 0));
+
+  const bool live = isatty(fileno(out));
+  const double peak_gflops = measure_gemm_peak();
+  const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
+  const int64_t accum = tc.accumulation_steps();
+  const int64_t tokens_per_step = tc.global_batch * T;
+  const double flops_per_token = model.flops_per_token();
+  std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
+               mc.preset.c_str(), (long long)mc.num_layers, (long long)mc.hidden_size, (long long)mc.num_heads,
+               static_cast<double>(model.params().total()) / 1e6, data.description().c_str());
+  std::fprintf(out, "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld), %d threads, "
+               "GEMM peak %.1f GFLOP/s, run dir %s\n",
+               (long long)tc.steps, (long long)tc.global_batch, (long long)T, (long long)accum, (long long)B,
+               threads, peak_gflops, tc.out_dir.c_str());
+  std::fflush(out);
+
+  std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  auto evaluate = [&]() {
+    double sum = 0;
+    for (int64_t i = 0; i < tc.eval_batches; ++i) {
+      data.batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
+      sum += model.evaluate(tokens.data(), targets.data());
+    }
+    return sum / static_cast<double>(tc.eval_batches);
+  };
+
+  TrainSummary summary;
+  std::vector<double> step_seconds;
+  const auto start = Clock::now();
+  for (int64_t step = 1; step <= tc.steps; ++step) {
+    const auto t0 = Clock::now();
+    ParamStore& ps = model.params();
+    ps.zero_grads();
+    const float grad_scale = 1.0f / static_cast<float>(N * accum);
+    double loss = 0;
+    const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
+    for (int64_t micro = 0; micro < accum; ++micro) {
+      data.batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
+      loss += model.forward_backward(tokens.data(), targets.data(), grad_scale);
+    }
+    loss /= static_cast<double>(accum);
+    const double lr = learning_rate(tc, step);
+    const uint64_t grads_hash = hash_floats(ps.grads(), ps.total());
+    const double grad_norm = optimizer.step(ps, step, lr);
+    const double secs = seconds_since(t0);
+    if (step > 1 || tc.steps == 1) step_seconds.push_back(secs);
+
+    Fingerprint fp;
+    fp.step = step;
+    fp.loss = fp.lm_loss = loss;
+    fp.grad_norm = grad_norm;
+    fp.lr = lr;
+    fp.params = hash_floats(ps.values(), ps.total());
+    fp.grads = grads_hash;
+    fp.optimizer = optimizer.hash();
+    // The random state of a step: the seed and where the data stream stands.
+    const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
+    fp.rng = hash_bytes(rng_state, sizeof rng_state);
+    fingerprints.write(fp.json());
+
+    const double tok_s = static_cast<double>(tokens_per_step) / secs;
+    const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
+    metrics.write(JsonLine()
+                      .add("step", step)
+                      .add("loss", loss, 9)
+                      .add("lm_loss", loss, 9)
+                      .add("grad_norm", grad_norm, 9)
+                      .add("lr", lr, 9)
+                      .add("step_ms", secs * 1e3, 6)
+                      .add("tokens_per_s", tok_s, 6)
+                      .add("mfu", mfu, 4)
+                      .add("peak_mem_mb", peak_memory_mb(), 6)
+                      .str());
+    if (step == 1) summary.first_loss = loss;
+    summary.last_loss = loss;
+    summary.steps = step;
+
+    const bool eval_now = tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps);
+    double eval_loss = -1;
+    if (eval_now) {
+      eval_loss = evaluate();
+      summary.last_eval_loss = eval_loss;
+      metrics.write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
+    }
+
+    const double elapsed = seconds_since(start);
+    const double eta = elapsed / static_cast<double>(step) * static_cast<double>(tc.steps - step);
+    char line[256];
+    std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %.0f tok/s | MFU %.1f%% | ETA %s",
+                  (long long)step, (long long)tc.steps, loss, lr, tok_s, 100 * mfu, duration_text(eta).c_str());
+    if (live) {
+      std::fprintf(out, "\r\033[K%s", line);
+      if (eval_now) std::fprintf(out, "\n  eval loss %.4f\n", eval_loss);
+      std::fflush(out);
+    } else if (step == 1 || step % tc.log_interval == 0 || step == tc.steps || eval_now) {
+      std::fprintf(out, "%s\n", line);
+      if (eval_now) std::fprintf(out, "  eval loss %.4f\n", eval_loss);
+      std::fflush(out);
+    }
+  }
+  if (live) std::fprintf(out, "\n");
+
+  std::vector<double> sorted = step_seconds;
+  std::sort(sorted.begin(), sorted.end());
+  const double median = sorted.empty() ? 0 : sorted[sorted.size() / 2];
+  summary.tokens_per_s = median > 0 ? static_cast<double>(tokens_per_step) / median : 0;
+  summary.mfu = peak_gflops > 0 ? summary.tokens_per_s * flops_per_token / (peak_gflops * 1e9) : 0;
+  std::fprintf(out, "lockstep: done: %lld steps in %s, loss %.4f -> %.4f", (long long)summary.steps,
+               duration_text(seconds_since(start)).c_str(), summary.first_loss, summary.last_loss);
+  if (summary.last_eval_loss >= 0) std::fprintf(out, ", eval loss %.4f", summary.last_eval_loss);
+  std::fprintf(out, ", median %.0f tok/s, MFU %.1f%%\n", summary.tokens_per_s, 100 * summary.mfu);
+  return summary;
+}
+
+}  // namespace lockstep

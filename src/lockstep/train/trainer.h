@@ -1,0 +1,28 @@
+// The training loop: global batch = micro-batch x accumulation steps; AdamW on FP32 master
+// weights with global grad-norm clipping; LR schedule; held-out evaluation; live progress;
+// metrics.jsonl and fingerprints/rank-00000.jsonl in the run directory.
+//
+// Determinism (determinism = "run"): the loss, grad norm, parameters and optimizer state of
+// every step are a pure function of the config; the thread count changes nothing (checked by
+// comparing fingerprint files in tests).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "lockstep/config/config.h"
+
+namespace lockstep {
+
+struct TrainSummary {
+  int64_t steps = 0;
+  double first_loss = 0, last_loss = 0;
+  double last_eval_loss = -1;  // -1 when no evaluation ran
+  double tokens_per_s = 0;     // median over steps after the first
+  double mfu = 0;              // against the GEMM peak measured at start
+};
+
+// Trains per the config; progress goes to `out` (a live line when it is a terminal).
+TrainSummary train(const Config& config, std::FILE* out);
+
+}  // namespace lockstep
