@@ -8,8 +8,9 @@
 //   p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 // Elementwise, so trivially deterministic.
 //
-// sum_of_squares: fixed blocks of kNormBlock elements, each summed sequentially in double, block
-// sums added in block order in double: the value depends on n only, never on the thread count.
+// sum_of_squares: fixed blocks of kNormBlock elements, each summed in double over 16 fixed lanes
+// (element i to lane i % 16, lanes combined in one fixed tree), block sums added in block order in
+// double: the value depends on n and the data only, never on the thread count.
 #pragma once
 
 #include <cstdint>

@@ -1,0 +1,181 @@
+#include "lockstep/kernels/cpu/cross_entropy.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/vecmath.h"
+
+namespace lockstep {
+
+namespace {
+
+// Reductions over a chunk use 32 lanes (four 8-wide accumulators, for instruction-level
+// parallelism): element i of the 32-aligned body goes to lane i % 32; lanes are combined as
+// (a0 op a1) op (a2 op a3), then in vecmath's horizontal order; the tail (< 32 elements) follows
+// in element order. The portable path mirrors this lane by lane, so both give the same bits.
+constexpr int64_t kLanes = 32;
+
+// max(a, b) with the semantics of _mm256_max_ps(a, b), so that the portable path matches it even
+// for signed zeros.
+inline float max_ps(float a, float b) { return a > b ? a : b; }
+
+float chunk_max(const float* x, int64_t len) {
+  const int64_t body = len / kLanes * kLanes;
+  float m;
+#ifdef LOCKSTEP_AVX2
+  const __m256 ninf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  __m256 a0 = ninf, a1 = ninf, a2 = ninf, a3 = ninf;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    a0 = _mm256_max_ps(a0, _mm256_loadu_ps(x + i));
+    a1 = _mm256_max_ps(a1, _mm256_loadu_ps(x + i + 8));
+    a2 = _mm256_max_ps(a2, _mm256_loadu_ps(x + i + 16));
+    a3 = _mm256_max_ps(a3, _mm256_loadu_ps(x + i + 24));
+  }
+  m = vm::hmax(_mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
+#else
+  float a[kLanes];
+  for (float& v : a) v = -std::numeric_limits<float>::infinity();
+  for (int64_t i = 0; i < body; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) a[j] = max_ps(a[j], x[i + j]);
+  }
+  float l[8];
+  for (int k = 0; k < 8; ++k) l[k] = max_ps(max_ps(a[k], a[8 + k]), max_ps(a[16 + k], a[24 + k]));
+  const float h0 = max_ps(l[0], l[4]), h1 = max_ps(l[1], l[5]), h2 = max_ps(l[2], l[6]),
+              h3 = max_ps(l[3], l[7]);
+  m = max_ps(max_ps(h0, h2), max_ps(h1, h3));
+#endif
+  for (int64_t i = body; i < len; ++i) m = max_ps(m, x[i]);
+  return m;
+}
+
+// Sum of exp(x[i] - shift) over the chunk; with kStore, also writes each exp(x[i] - shift) to
+// e[i] (e may alias x).
+template <bool kStore>
+float chunk_sum_exp(float* e, const float* x, int64_t len, float shift) {
+  const int64_t body = len / kLanes * kLanes;
+  float s;
+#ifdef LOCKSTEP_AVX2
+  const __m256 vs = _mm256_set1_ps(shift);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t i = 0; i < body; i += kLanes) {
+    const __m256 e0 = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i), vs));
+    const __m256 e1 = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), vs));
+    const __m256 e2 = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i + 16), vs));
+    const __m256 e3 = vm::exp(_mm256_sub_ps(_mm256_loadu_ps(x + i + 24), vs));
+    if constexpr (kStore) {
+      _mm256_storeu_ps(e + i, e0);
+      _mm256_storeu_ps(e + i + 8, e1);
+      _mm256_storeu_ps(e + i + 16, e2);
+      _mm256_storeu_ps(e + i + 24, e3);
+    }
+    a0 = _mm256_add_ps(a0, e0);
+    a1 = _mm256_add_ps(a1, e1);
+    a2 = _mm256_add_ps(a2, e2);
+    a3 = _mm256_add_ps(a3, e3);
+  }
+  s = vm::hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+#else
+  float a[kLanes] = {};
+  for (int64_t i = 0; i < body; i += kLanes) {
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float v = vm::exp(x[i + j] - shift);
+      if constexpr (kStore) e[i + j] = v;
+      a[j] += v;
+    }
+  }
+  float l[8];
+  for (int k = 0; k < 8; ++k) l[k] = (a[k] + a[8 + k]) + (a[16 + k] + a[24 + k]);
+  s = vm::hsum8(l);
+#endif
+  for (int64_t i = body; i < len; ++i) {
+    const float v = vm::exp(x[i] - shift);
+    if constexpr (kStore) e[i] = v;
+    s += v;
+  }
+  return s;
+}
+
+// Loss of one row. With kBackward, the row is overwritten with its gradient: pass 1 stores
+// exp(x - chunk max) while reducing, pass 2 rescales each chunk by exp(chunk max - max) / sum, so
+// each logit goes through exp once. cmax: scratch of one float per chunk.
+template <bool kBackward>
+float row_loss(float* grad, const float* x, int64_t V, int32_t target, float grad_scale,
+               float* cmax) {
+  const float xt = x[target];
+  float M = 0.0f, S = 0.0f;
+  int64_t c = 0;
+  for (int64_t j = 0; j < V; j += kXentChunk, ++c) {
+    const int64_t len = std::min(kXentChunk, V - j);
+    const float m = chunk_max(x + j, len);
+    // A fully masked chunk (all -inf) contributes nothing; shifting by 0 keeps its exps at 0
+    // instead of exp(-inf - -inf) = NaN.
+    const float shift = m == -std::numeric_limits<float>::infinity() ? 0.0f : m;
+    const float s = chunk_sum_exp<kBackward>(kBackward ? grad + j : nullptr, x + j, len, shift);
+    cmax[c] = m;
+    if (j == 0) {
+      M = m;
+      S = s;
+    } else {
+      const float Mn = max_ps(M, m);
+      S = S * vm::exp(M - Mn) + s * vm::exp(m - Mn);
+      M = Mn;
+    }
+  }
+  if constexpr (kBackward) {
+    c = 0;
+    for (int64_t j = 0; j < V; j += kXentChunk, ++c) {
+      const int64_t len = std::min(kXentChunk, V - j);
+      const float k = vm::exp(cmax[c] - M) / S * grad_scale;
+      float* __restrict g = grad + j;
+      for (int64_t i = 0; i < len; ++i) g[i] *= k;
+    }
+    grad[target] -= grad_scale;
+  }
+  return (M + std::log(S)) - xt;
+}
+
+void check_targets(const int32_t* targets, int64_t N, int64_t V) {
+  for (int64_t n = 0; n < N; ++n) {
+    if (targets[n] >= V) {
+      user_error("cross_entropy: target ", targets[n], " at row ", n,
+                 " is outside the vocabulary [0, ", V, ")");
+    }
+  }
+}
+
+template <bool kBackward>
+void cross_entropy(float* losses, float* grad, const float* logits, const int32_t* targets,
+                   int64_t N, int64_t V, int64_t ld, float grad_scale) {
+  check_targets(targets, N, V);
+  const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    std::vector<float> cmax(static_cast<size_t>(chunks));
+    for (int64_t n = begin; n < end; ++n) {
+      if (targets[n] < 0) {
+        losses[n] = 0.0f;
+        if constexpr (kBackward) std::fill(grad + n * ld, grad + n * ld + V, 0.0f);
+        continue;
+      }
+      losses[n] = row_loss<kBackward>(kBackward ? grad + n * ld : nullptr, logits + n * ld, V,
+                                      targets[n], grad_scale, cmax.data());
+    }
+  });
+}
+
+}  // namespace
+
+void cross_entropy_forward(float* losses, const float* logits, const int32_t* targets, int64_t N,
+                           int64_t V, int64_t ld) {
+  cross_entropy<false>(losses, nullptr, logits, targets, N, V, ld, 0.0f);
+}
+
+void cross_entropy_forward_backward(float* losses, float* logits, const int32_t* targets,
+                                    int64_t N, int64_t V, int64_t ld, float grad_scale) {
+  cross_entropy<true>(losses, logits, logits, targets, N, V, ld, grad_scale);
+}
+
+}  // namespace lockstep

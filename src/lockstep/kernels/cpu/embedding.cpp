@@ -1,0 +1,81 @@
+#include "lockstep/kernels/cpu/embedding.h"
+
+#include <algorithm>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+
+namespace lockstep {
+
+namespace {
+// Column blocks of 16 floats (one cache line) so that two threads never write the same line.
+constexpr int64_t kColBlock = 16;
+
+inline void add_row(float* __restrict dst, const float* __restrict src, int64_t C) {
+  for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
+}
+}  // namespace
+
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
+                       int64_t B, int64_t T, int64_t C, int64_t V) {
+  // Validate everything before writing anything: a bad token leaves `out` untouched.
+  for (int64_t n = 0; n < B * T; ++n) {
+    if (tokens[n] < 0 || tokens[n] >= V) {
+      user_error("embedding: token ", tokens[n], " at position ", n, " (b ", n / T, ", t ", n % T,
+                 ") is outside the vocabulary [0, ", V, ")");
+    }
+  }
+  parallel_for(B * T, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* __restrict o = out + n * C;
+      const float* __restrict w = wte + static_cast<int64_t>(tokens[n]) * C;
+      if (wpe) {
+        const float* __restrict p = wpe + (n % T) * C;
+        for (int64_t c = 0; c < C; ++c) o[c] = w[c] + p[c];
+      } else {
+        std::copy(w, w + C, o);
+      }
+    }
+  });
+}
+
+void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
+                        const int32_t* tokens, int64_t B, int64_t T, int64_t C) {
+  const int64_t N = B * T;
+  // Positions ordered by (token, position): equal to a stable sort by token, but in place.
+  for (int64_t n = 0; n < N; ++n) order[n] = static_cast<int32_t>(n);
+  std::sort(order, order + N, [tokens](int32_t a, int32_t b) {
+    return tokens[a] != tokens[b] ? tokens[a] < tokens[b] : a < b;
+  });
+  // A chunk owns the segments (runs of one token) that start inside it, and follows its last one
+  // past the chunk end: each dwte row is written by one thread, in position order.
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    while (i < end && i > 0 && tokens[order[i]] == tokens[order[i - 1]]) ++i;
+    while (i < end) {
+      const int32_t v = tokens[order[i]];
+      float* row = dwte + static_cast<int64_t>(v) * C;
+      do {
+        add_row(row, dout + static_cast<int64_t>(order[i]) * C, C);
+        ++i;
+      } while (i < N && tokens[order[i]] == v);
+    }
+  });
+  if (dwpe) {
+    parallel_for(T, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        for (int64_t b = 0; b < B; ++b) add_row(dwpe + t * C, dout + (b * T + t) * C, C);
+      }
+    });
+  }
+}
+
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C) {
+  const int64_t blocks = (C + kColBlock - 1) / kColBlock;
+  parallel_for(blocks, [&](int64_t begin, int64_t end) {
+    const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock);
+    for (int64_t n = 0; n < N; ++n) add_row(dbias + c0, dout + n * C + c0, c1 - c0);
+  });
+}
+
+}  // namespace lockstep
