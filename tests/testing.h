@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -79,6 +82,36 @@ inline std::vector<double> finite_difference(const std::function<double(const st
     g[i] = (fp - fm) / (2 * h);
   }
   return g;
+}
+
+// A fresh directory under the system temp dir, removed with its contents at scope exit.
+class TempDir {
+ public:
+  TempDir() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string("lockstep-") + (info ? std::string(info->test_suite_name()) + "-" + info->name() : "test");
+    for (char& c : name)
+      if (c == '/') c = '_';
+    path_ = std::filesystem::temp_directory_path() / name;
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  std::string path(const std::string& leaf = "") const { return leaf.empty() ? path_.string() : (path_ / leaf).string(); }
+  std::string write(const std::string& leaf, const std::string& content) const {
+    std::ofstream(path(leaf), std::ios::binary) << content;
+    return path(leaf);
+  }
+
+ private:
+  std::filesystem::path path_;
+};
+
+inline std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
 }
 
 }  // namespace lockstep::testing

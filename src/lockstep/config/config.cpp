@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <cstdio>
 #include <functional>
 #include <map>
@@ -356,6 +358,8 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
   std::vector<Setting> settings;
 
   if (!file.empty()) {
+    if (std::FILE* f = std::fopen(file.c_str(), "rb")) std::fclose(f);
+    else user_error("cannot open config file '", file, "': ", std::strerror(errno));
     toml::table doc;
     try {
       doc = toml::parse_file(file);

@@ -1,0 +1,115 @@
+// Config loading: precedence (defaults < preset < file < command line), the resolved TOML round
+// trip, and the one-line errors for unknown keys, wrong types and impossible values.
+#include <gtest/gtest.h>
+
+#include "lockstep/config/config.h"
+#include "lockstep/core/error.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::TempDir;
+
+std::string error_of(const std::string& file, const std::vector<std::string>& overrides) {
+  try {
+    load_config(file, overrides);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(Config, DefaultsAreValidAndGpt2) {
+  const Config c = load_config("", {});
+  EXPECT_EQ(c.model.preset, "gpt2");
+  EXPECT_EQ(c.model.normalization, "layernorm");
+  EXPECT_TRUE(c.model.tie_embeddings);
+  EXPECT_EQ(c.data.source, "synthetic");
+}
+
+TEST(Config, PresetSetsArchitectureAndKeysOverrideIt) {
+  Config c = load_config("", {"model.preset=llama"});
+  EXPECT_EQ(c.model.normalization, "rmsnorm");
+  EXPECT_EQ(c.model.position_embedding, "rope");
+  EXPECT_EQ(c.model.activation, "swiglu");
+  EXPECT_FALSE(c.model.bias);
+  EXPECT_FALSE(c.model.tie_embeddings);
+  // An explicit key wins over the preset even when it comes before the preset.
+  c = load_config("", {"model.tie_embeddings=true", "model.preset=llama"});
+  EXPECT_TRUE(c.model.tie_embeddings);
+}
+
+TEST(Config, FileThenCommandLine) {
+  TempDir dir;
+  const std::string f = dir.write("job.toml", "[model]\nnum_layers = 3\nhidden_size = 96\n[train]\nlr = 0.01\n");
+  const Config c = load_config(f, {"model.num_layers=5", "train.lr=2e-3"});
+  EXPECT_EQ(c.model.num_layers, 5);
+  EXPECT_EQ(c.model.hidden_size, 96);
+  EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
+}
+
+TEST(Config, ResolvedTomlRoundTrips) {
+  TempDir dir;
+  const Config c = load_config("", {"model.preset=llama", "model.num_query_groups=2", "train.lr=0.00123",
+                                    "train.out_dir=some \"quoted\" dir", "data.eval_fraction=0.1"});
+  const std::string text = config_to_toml(c);
+  const Config back = load_config(dir.write("resolved.toml", text), {});
+  EXPECT_EQ(config_to_toml(back), text);
+  EXPECT_EQ(back.train.out_dir, "some \"quoted\" dir");
+  EXPECT_DOUBLE_EQ(back.train.lr, 0.00123);
+}
+
+TEST(Config, ShippedPresetsLoad) {
+  for (const char* name : {"debug", "gpt2-peer", "llama-tiny"}) {
+    SCOPED_TRACE(name);
+    EXPECT_NO_THROW(load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + name + ".toml", {}));
+  }
+}
+
+TEST(Config, UnknownKeySuggestsTheNearestName) {
+  EXPECT_EQ(error_of("", {"model.hiden_size=64"}),
+            "command line: unknown config key 'model.hiden_size' (did you mean 'model.hidden_size'?)");
+  TempDir dir;
+  const std::string f = dir.write("bad.toml", "[train]\nsteps = 10\nbogus_key = 1\n");
+  EXPECT_EQ(error_of(f, {}), f + ":3: unknown config key 'train.bogus_key' (see `lockstep help config`)");
+}
+
+TEST(Config, WrongTypesNameKeyAndValue) {
+  EXPECT_EQ(error_of("", {"model.num_layers=four"}), "command line: model.num_layers=four: expected an integer");
+  EXPECT_EQ(error_of("", {"model.bias=yes"}), "command line: model.bias=yes: expected true or false");
+  EXPECT_EQ(error_of("", {"train.lr=fast"}), "command line: train.lr=fast: expected a number");
+  TempDir dir;
+  const std::string f = dir.write("t.toml", "[model]\nnum_layers = \"four\"\n");
+  EXPECT_EQ(error_of(f, {}), f + ":2: model.num_layers = \"four\": expected an integer");
+  const std::string g = dir.write("u.toml", "[model]\nactivation = \"relu\"\n");
+  EXPECT_EQ(error_of(g, {}), g + ":2: model.activation = \"relu\": expected one of gelu, swiglu");
+}
+
+TEST(Config, ImpossibleValuesNameTheKeys) {
+  EXPECT_EQ(error_of("", {"model.hidden_size=100", "model.num_heads=3"}),
+            "config: model.hidden_size = 100 is not divisible by model.num_heads = 3");
+  EXPECT_EQ(error_of("", {"train.global_batch=10", "train.micro_batch=4"}),
+            "config: train.global_batch = 10 is not divisible by train.micro_batch = 4");
+  EXPECT_EQ(error_of("", {"model.num_layers=0"}), "config: model.num_layers = 0: must be positive");
+  EXPECT_EQ(error_of("", {"model.num_heads=4", "model.num_query_groups=3"}),
+            "config: model.num_heads = 4 is not divisible by model.num_query_groups = 3");
+  EXPECT_EQ(error_of("", {"model.vocab_size=100"}),
+            "config: model.vocab_size = 100 is smaller than the data's byte vocabulary (256)");
+  EXPECT_EQ(error_of("", {"data.source=parquet:x"}),
+            "config: data.source = \"parquet:x\": expected \"synthetic\" or \"text:PATH\"");
+  EXPECT_EQ(error_of("", {"determinism=layout"}),
+            "command line: determinism = \"layout\": expected one of run");
+}
+
+TEST(Config, MalformedInputs) {
+  EXPECT_EQ(error_of("", {"train.steps"}), "command line: 'train.steps' is not a key=value override (e.g. train.steps=20)");
+  TempDir dir;
+  const std::string f = dir.write("broken.toml", "[model\nnum_layers = 2\n");
+  const std::string e = error_of(f, {});
+  EXPECT_EQ(e.rfind(f + ":1:", 0), 0u) << e;
+  EXPECT_NE(error_of(dir.path("missing.toml"), {}).find("missing.toml"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace lockstep
