@@ -1,0 +1,240 @@
+#include "lockstep/kernels/cpu/gemm.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::bitwise_equal;
+
+// Operands of one GEMM with padded leading dimensions, so that a kernel reading or writing past a
+// row's end is caught (the padding of C holds a sentinel that must survive).
+struct Case {
+  int64_t M, N, K;
+  Trans ta, tb;
+  int64_t lda, ldb, ldc;
+  std::vector<float> A, B, C0, bias;
+
+  Case(int64_t M_, int64_t N_, int64_t K_, Trans ta_, Trans tb_, uint64_t seed, int64_t pad = 3)
+      : M(M_), N(N_), K(K_), ta(ta_), tb(tb_) {
+    lda = (ta == Trans::N ? K : M) + pad;
+    ldb = (tb == Trans::N ? N : K) + pad;
+    ldc = N + pad;
+    A = testing::randn((ta == Trans::N ? M : K) * lda, seed, "A");
+    B = testing::randn((tb == Trans::N ? K : N) * ldb, seed, "B");
+    C0 = testing::randn(M * ldc, seed, "C");
+    bias = testing::randn(N, seed, "bias");
+  }
+  float a(int64_t i, int64_t k) const { return ta == Trans::N ? A[i * lda + k] : A[k * lda + i]; }
+  float b(int64_t k, int64_t j) const { return tb == Trans::N ? B[k * ldb + j] : B[j * ldb + k]; }
+
+  std::vector<float> run(const GemmOptions& opt, bool portable = false) const {
+    std::vector<float> C = C0;
+    if (portable) {
+      detail::gemm_portable(C.data(), ldc, A.data(), lda, ta, B.data(), ldb, tb, M, N, K, opt);
+    } else {
+      gemm(C.data(), ldc, A.data(), lda, ta, B.data(), ldb, tb, M, N, K, opt);
+    }
+    return C;
+  }
+
+  // The contract of gemm.h, literally: one fma chain per element over k in [k0, k1).
+  float chain(int64_t i, int64_t j, float acc, int64_t k0, int64_t k1) const {
+    for (int64_t k = k0; k < k1; ++k) acc = std::fma(a(i, k), b(k, j), acc);
+    return acc;
+  }
+  float init(int64_t i, int64_t j, const GemmOptions& opt) const {
+    return opt.accumulate ? C0[i * ldc + j] : opt.bias ? opt.bias[j] : 0.0f;
+  }
+  std::vector<float> reference(const GemmOptions& opt) const {
+    std::vector<float> C = C0;
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        float v;
+        if (opt.k_segments.empty()) {
+          v = chain(i, j, init(i, j, opt), 0, K);
+        } else {
+          v = init(i, j, opt);
+          for (size_t s = 0; s + 1 < opt.k_segments.size(); ++s) {
+            v = v + chain(i, j, 0.0f, opt.k_segments[s], opt.k_segments[s + 1]);
+          }
+        }
+        C[i * ldc + j] = v;
+      }
+    }
+    return C;
+  }
+  std::vector<double> reference_double(const GemmOptions& opt) const {
+    std::vector<double> C(C0.begin(), C0.end());
+    for (int64_t i = 0; i < M; ++i) {
+      for (int64_t j = 0; j < N; ++j) {
+        double acc = init(i, j, opt);
+        for (int64_t k = 0; k < K; ++k) acc += double(a(i, k)) * double(b(k, j));
+        C[i * ldc + j] = acc;
+      }
+    }
+    return C;
+  }
+  std::string name() const {
+    return str(M, "x", N, "x", K, ta == Trans::N ? " N" : " T", tb == Trans::N ? "N" : "T");
+  }
+};
+
+const Trans kTrans[] = {Trans::N, Trans::T};
+
+TEST(Gemm, MatchesFmaChainAndDoubleReference) {
+  const int64_t sizes[] = {1, 5, 17, 67, 130};
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      for (int64_t M : sizes) {
+        for (int64_t N : sizes) {
+          for (int64_t K : sizes) {
+            const Case c(M, N, K, ta, tb, 1);
+            const std::vector<float> got = c.run({});
+            ASSERT_TRUE(bitwise_equal(got, c.reference({}), c.name()));
+            ASSERT_TRUE(testing::all_close(got, c.reference_double({}), 1e-5, 2e-6 * K, c.name()));
+          }
+        }
+      }
+    }
+  }
+}
+
+// Shapes that cross every cache block (K blocks, several M blocks, several N blocks) and edges.
+TEST(Gemm, CrossesCacheBlocks) {
+  const int64_t shapes[][3] = {{300, 37, 700}, {7, 4500, 3}, {45, 70, 1100}};
+  for (const auto& s : shapes) {
+    for (Trans ta : kTrans) {
+      for (Trans tb : kTrans) {
+        const Case c(s[0], s[1], s[2], ta, tb, 2);
+        GemmOptions opt;
+        opt.accumulate = true;
+        ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name()));
+      }
+    }
+  }
+}
+
+TEST(Gemm, AccumulateAndBias) {
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      const Case c(67, 130, 17, ta, tb, 3);
+      GemmOptions acc;
+      acc.accumulate = true;
+      ASSERT_TRUE(bitwise_equal(c.run(acc), c.reference(acc), c.name() + " accumulate"));
+      ASSERT_TRUE(testing::all_close(c.run(acc), c.reference_double(acc), 1e-5, 1e-4));
+      GemmOptions bias;
+      bias.bias = c.bias.data();
+      ASSERT_TRUE(bitwise_equal(c.run(bias), c.reference(bias), c.name() + " bias"));
+      // accumulate wins over bias: init is C.
+      GemmOptions both = acc;
+      both.bias = c.bias.data();
+      ASSERT_TRUE(bitwise_equal(c.run(both), c.reference(acc), c.name() + " both"));
+    }
+  }
+}
+
+TEST(Gemm, EmptyKWritesInit) {
+  const Case c(5, 17, 0, Trans::N, Trans::T, 4);
+  for (const bool accumulate : {false, true}) {
+    for (const bool bias : {false, true}) {
+      GemmOptions opt;
+      opt.accumulate = accumulate;
+      opt.bias = bias ? c.bias.data() : nullptr;
+      ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt)));
+    }
+  }
+}
+
+TEST(Gemm, KSegments) {
+  const std::vector<int64_t> segments = {0, 40, 40, 77, 130};
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      const Case c(17, 67, 130, ta, tb, 5);
+      for (int mode = 0; mode < 3; ++mode) {
+        GemmOptions opt;
+        opt.k_segments = segments;
+        opt.accumulate = mode == 1;
+        opt.bias = mode == 2 ? c.bias.data() : nullptr;
+        ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
+      }
+    }
+  }
+}
+
+TEST(Gemm, PortableKernelSameBits) {
+  const int64_t shapes[][3] = {{67, 130, 17}, {130, 67, 300}, {1, 5, 1}};
+  for (const auto& s : shapes) {
+    for (Trans ta : kTrans) {
+      for (Trans tb : kTrans) {
+        const Case c(s[0], s[1], s[2], ta, tb, 6);
+        GemmOptions opt;
+        opt.bias = c.bias.data();
+        ASSERT_TRUE(bitwise_equal(c.run(opt), c.run(opt, true), c.name() + " " + gemm_kernel_name()));
+      }
+    }
+  }
+}
+
+TEST(Gemm, SameBitsForAnyThreadCount) {
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      // Large enough to be split across threads, odd enough to give uneven splits.
+      const Case c(131, 173, 67, ta, tb, 7);
+      GemmOptions opt;
+      opt.accumulate = true;
+      std::vector<float> one;
+      for (int threads : {1, 2, 3}) {
+        ThreadPool pool(threads);
+        ThreadPool::Bind bind(&pool);
+        const std::vector<float> got = c.run(opt);
+        if (threads == 1) {
+          one = got;
+          ASSERT_TRUE(bitwise_equal(got, c.reference(opt), c.name()));
+        } else {
+          ASSERT_TRUE(bitwise_equal(got, one, c.name() + str(" threads ", threads)));
+        }
+      }
+    }
+  }
+}
+
+// Accumulating over [0, K1) then [K1, K) equals one call over [0, K): gradients summed over
+// micro-batches equal the gradient of the concatenated batch.
+TEST(Gemm, AccumulateSplitAlongK) {
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      const Case c(17, 130, 67, ta, tb, 8);
+      GemmOptions opt;
+      opt.accumulate = true;
+      const std::vector<float> whole = c.run(opt);
+      const int64_t K1 = 29;
+      std::vector<float> C = c.C0;
+      const float* A = c.A.data();
+      const float* B = c.B.data();
+      gemm(C.data(), c.ldc, A, c.lda, ta, B, c.ldb, tb, c.M, c.N, K1, opt);
+      gemm(C.data(), c.ldc, A + (ta == Trans::N ? K1 : K1 * c.lda), c.lda, ta,
+           B + (tb == Trans::N ? K1 * c.ldb : K1), c.ldb, tb, c.M, c.N, c.K - K1, opt);
+      ASSERT_TRUE(bitwise_equal(C, whole, c.name()));
+    }
+  }
+}
+
+TEST(Gemm, ContiguousOverload) {
+  const Case c(5, 17, 67, Trans::T, Trans::N, 9, 0);
+  std::vector<float> C(c.M * c.N);
+  gemm(C.data(), c.A.data(), c.ta, c.B.data(), c.tb, c.M, c.N, c.K);
+  ASSERT_TRUE(bitwise_equal(C, c.reference({})));
+}
+
+}  // namespace
+}  // namespace lockstep
