@@ -9,36 +9,12 @@
 namespace lockstep {
 namespace {
 
-// Each formula is written once, as a template over the lane type V: float (scalar tails and the
-// portable build) or __m256 (AVX2). GCC's vector extensions give __m256 the arithmetic operators,
-// one IEEE operation per lane (a float operand is broadcast), so both instantiations compute the
-// same bits for an element.
-template <class V> V load(const float* p);
-template <> float load<float>(const float* p) { return *p; }
-inline void store(float* p, float v) { *p = v; }
-inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
-#ifdef LOCKSTEP_AVX2
-template <> __m256 load<__m256>(const float* p) { return _mm256_loadu_ps(p); }
-inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
-inline __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
-#endif
-
-// f(i, V{}) over [begin, end): 8 elements at a time under AVX2, then one at a time.
-template <class F>
-void for_lanes(int64_t begin, int64_t end, F f) {
-  int64_t i = begin;
-#ifdef LOCKSTEP_AVX2
-  for (; i + 8 <= end; i += 8) f(i, __m256{});
-#endif
-  for (; i < end; ++i) f(i, 0.0f);
-}
-
-// K sums over a row of C elements in one fixed order. step(i, acc) adds the terms of elements
-// [i, i + lanes) into acc[0..K). Element i goes to lane i % 8 of chain (i / 8) % 4 while whole
-// 32-element blocks last (four chains hide the add latency); the chains are combined as
-// (0 + 1) + (2 + 3); the remaining whole 8-element blocks add into that; the lanes are summed in
-// vm::hsum order; the last C % 8 elements add one by one. The portable build runs exactly this
-// order with scalar lanes, so both builds give the same bits.
+// K sums over a row of C elements in one fixed order. step(i, acc), lane-generic (vecmath.h),
+// adds the terms of elements [i, i + lanes) into acc[0..K). Element i goes to lane i % 8 of chain
+// (i / 8) % 4 while whole 32-element blocks last (four chains hide the add latency); the chains
+// are combined as (0 + 1) + (2 + 3); the remaining whole 8-element blocks add into that; the lanes
+// are summed in vm::hsum order; the last C % 8 elements add one by one. The portable build runs
+// exactly this order with scalar lanes, so both builds give the same bits.
 template <int K, class Step>
 void row_sums(float* total, int64_t C, Step step) {
   int64_t i = 0;
@@ -81,24 +57,24 @@ void norm_forward(float* out, float* mean, float* rstd, const float* inp, const 
       float m = 0.0f;
       if constexpr (kCentered) {
         float sum;
-        row_sums<1>(&sum, C, [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + load<V>(x + i); });
+        row_sums<1>(&sum, C, [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + vm::load<V>(x + i); });
         m = sum / static_cast<float>(C);
         mean[n] = m;
       }
       // Two passes (mean, then squared deviations): no cancellation when |mean| >> std.
       float sq = 0.0f;
       row_sums<1>(&sq, C, [&]<class V>(int64_t i, V* acc) {
-        const V d = load<V>(x + i) - m;
-        acc[0] = fma(d, d, acc[0]);
+        const V d = vm::load<V>(x + i) - m;
+        acc[0] = vm::fma(d, d, acc[0]);
       });
       const float s = 1.0f / std::sqrt(sq / static_cast<float>(C) + eps);
       rstd[n] = s;
-      for_lanes(0, C, [&]<class V>(int64_t i, V) {
-        const V xhat = (load<V>(x + i) - m) * s;
+      vm::for_lanes(0, C, [&]<class V>(int64_t i, V) {
+        const V xhat = (vm::load<V>(x + i) - m) * s;
         if constexpr (kCentered) {
-          store(o + i, fma(xhat, load<V>(weight + i), load<V>(bias + i)));
+          vm::store(o + i, vm::fma(xhat, vm::load<V>(weight + i), vm::load<V>(bias + i)));
         } else {
-          store(o + i, xhat * load<V>(weight + i));
+          vm::store(o + i, xhat * vm::load<V>(weight + i));
         }
       });
     }
@@ -119,27 +95,27 @@ void norm_backward_rows(float* dinp, const float* dout, const float* inp, const 
       // sums[0] = sum(g), sums[1] = sum(g * xhat) with g = dout * weight.
       float sums[2] = {0.0f, 0.0f};
       row_sums<kCentered ? 2 : 1>(kCentered ? sums : sums + 1, C, [&]<class V>(int64_t i, V* acc) {
-        const V g = load<V>(dy + i) * load<V>(weight + i);
-        const V xhat = (load<V>(x + i) - m) * s;
+        const V g = vm::load<V>(dy + i) * vm::load<V>(weight + i);
+        const V xhat = (vm::load<V>(x + i) - m) * s;
         if constexpr (kCentered) {
           acc[0] = acc[0] + g;
-          acc[1] = fma(g, xhat, acc[1]);
+          acc[1] = vm::fma(g, xhat, acc[1]);
         } else {
-          acc[0] = fma(g, xhat, acc[0]);
+          acc[0] = vm::fma(g, xhat, acc[0]);
         }
       });
       const float g_mean = sums[0] / static_cast<float>(C);
       const float gx_mean = sums[1] / static_cast<float>(C);
-      for_lanes(0, C, [&]<class V>(int64_t i, V) {
-        const V g = load<V>(dy + i) * load<V>(weight + i);
-        const V xhat = (load<V>(x + i) - m) * s;
+      vm::for_lanes(0, C, [&]<class V>(int64_t i, V) {
+        const V g = vm::load<V>(dy + i) * vm::load<V>(weight + i);
+        const V xhat = (vm::load<V>(x + i) - m) * s;
         V t;
         if constexpr (kCentered) {
           t = g - (xhat * gx_mean + g_mean);
         } else {
           t = g - xhat * gx_mean;
         }
-        store(dx + i, load<V>(dx + i) + t * s);
+        vm::store(dx + i, vm::load<V>(dx + i) + t * s);
       });
     }
   });
@@ -164,11 +140,11 @@ void norm_backward_columns(float* dweight, float* dbias, const float* dout, cons
         const float* dy = dout + n * C + c0;
         const float m = kCentered ? mean[n] : 0.0f;
         const float s = rstd[n];
-        for_lanes(0, width, [&]<class V>(int64_t j, V) {
-          const V g = load<V>(dy + j);
-          const V xhat = (load<V>(x + j) - m) * s;
-          store(dw + j, fma(g, xhat, load<V>(dw + j)));
-          if constexpr (kCentered) store(db + j, load<V>(db + j) + g);
+        vm::for_lanes(0, width, [&]<class V>(int64_t j, V) {
+          const V g = vm::load<V>(dy + j);
+          const V xhat = (vm::load<V>(x + j) - m) * s;
+          vm::store(dw + j, vm::fma(g, xhat, vm::load<V>(dw + j)));
+          if constexpr (kCentered) vm::store(db + j, vm::load<V>(db + j) + g);
         });
       }
       for (int64_t j = 0; j < width; ++j) {

@@ -4,7 +4,7 @@
 // whatever the thread split. Accuracy: exp within 2 ulp of the true value on [-87.3, 88.3].
 //
 // exp(x): x < -87.3 gives exactly 0 (so exp(-inf) = 0 in masked softmax); x is clamped at 88.3
-// above. Range reduction x = n*ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, then 2^n from
+// above; NaN stays NaN (a diverging run must show NaN, not a tiny number). Range reduction x = n*ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, then 2^n from
 // the exponent bits.
 #pragma once
 
@@ -29,7 +29,9 @@ inline constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3
 
 inline float exp(float x) {
   const bool underflow = x < kExpLo;
-  x = std::fmin(std::fmax(x, kExpLo), kExpHi);
+  // The clamps mirror _mm256_max_ps(lo, x) and _mm256_min_ps(hi, x), which pass a NaN x through.
+  x = kExpLo > x ? kExpLo : x;
+  x = kExpHi < x ? kExpHi : x;
   const float n = std::nearbyint(x * kLog2e);
   float r = std::fma(n, -kLn2Hi, x);
   r = std::fma(n, -kLn2Lo, r);
@@ -41,7 +43,9 @@ inline float exp(float x) {
   p = std::fma(p, r, kP5);
   const float r2 = r * r;
   p = std::fma(p, r2, r) + 1.0f;
-  const float scale = std::bit_cast<float>(static_cast<int32_t>(static_cast<int32_t>(n) + 127) << 23);
+  // A NaN n must not reach the integer conversion (undefined); p is NaN then anyway.
+  const int32_t ni = n == n ? static_cast<int32_t>(n) : 0;
+  const float scale = std::bit_cast<float>((ni + 127) << 23);
   return underflow ? 0.0f : p * scale;
 }
 
@@ -51,7 +55,7 @@ inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 #ifdef LOCKSTEP_AVX2
 inline __m256 exp(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_LT_OQ);
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(kExpLo)), _mm256_set1_ps(kExpHi));
+  x = _mm256_min_ps(_mm256_set1_ps(kExpHi), _mm256_max_ps(_mm256_set1_ps(kExpLo), x));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
@@ -96,6 +100,34 @@ inline float hsum8(const float* p) {
   const float a0 = p[0] + p[4], a1 = p[1] + p[5], a2 = p[2] + p[6], a3 = p[3] + p[7];
   const float b0 = a0 + a2, b1 = a1 + a3;
   return b0 + b1;
+}
+
+// Lane-generic kernel bodies: write a formula once as a template over the lane type V (float, or
+// __m256 under AVX2) and both instantiations compute the same bits for an element. GCC's vector
+// extensions give __m256 the operators + - * / and unary minus, one IEEE operation per lane (a
+// float operand is broadcast); these overloads supply the rest.
+template <class V> V load(const float* p);
+template <> inline float load<float>(const float* p) { return *p; }
+template <class V> V splat(float x);
+template <> inline float splat<float>(float x) { return x; }
+inline void store(float* p, float v) { *p = v; }
+inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+#ifdef LOCKSTEP_AVX2
+template <> inline __m256 load<__m256>(const float* p) { return _mm256_loadu_ps(p); }
+template <> inline __m256 splat<__m256>(float x) { return _mm256_set1_ps(x); }
+inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
+#endif
+
+// f(i, V{}) over [begin, end): with V = __m256 for elements i..i+7 while 8 remain (AVX2), then
+// with V = float for each remaining element.
+template <class F>
+inline void for_lanes(int64_t begin, int64_t end, F&& f) {
+  int64_t i = begin;
+#ifdef LOCKSTEP_AVX2
+  for (; i + 8 <= end; i += 8) f(i, __m256{});
+#endif
+  for (; i < end; ++i) f(i, 0.0f);
 }
 
 }  // namespace lockstep::vm
