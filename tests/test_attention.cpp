@@ -1,0 +1,220 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/attention.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+struct Dims {
+  int64_t B, T, NH, NKV, HS;
+  int64_t C3() const { return (NH + 2 * NKV) * HS; }
+  int64_t qkv_size() const { return B * T * C3(); }
+  int64_t out_size() const { return B * T * NH * HS; }
+  int64_t lse_size() const { return B * NH * T; }
+};
+
+std::string name(const Dims& d) {
+  return str("B=", d.B, " T=", d.T, " NH=", d.NH, " NKV=", d.NKV, " HS=", d.HS);
+}
+
+// Offsets of query head h, key head g and value head g within a qkv row.
+int64_t q_at(const Dims& d, int64_t h) { return h * d.HS; }
+int64_t k_at(const Dims& d, int64_t g) { return (d.NH + g) * d.HS; }
+int64_t v_at(const Dims& d, int64_t g) { return (d.NH + d.NKV + g) * d.HS; }
+
+// Full masked softmax in double; p (T, T) of one (b, h), zero above the diagonal.
+void ref_probs(std::vector<double>& p, std::vector<double>* lse, const std::vector<double>& qkv,
+               const Dims& d, int64_t b, int64_t h) {
+  const int64_t g = h / (d.NH / d.NKV);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
+  p.assign(static_cast<size_t>(d.T * d.T), 0.0);
+  for (int64_t t = 0; t < d.T; ++t) {
+    const double* q = &qkv[(b * d.T + t) * d.C3() + q_at(d, h)];
+    double m = -std::numeric_limits<double>::infinity();
+    for (int64_t j = 0; j <= t; ++j) {
+      const double* k = &qkv[(b * d.T + j) * d.C3() + k_at(d, g)];
+      double s = 0;
+      for (int64_t c = 0; c < d.HS; ++c) s += q[c] * k[c];
+      p[t * d.T + j] = s * scale;
+      m = std::max(m, s * scale);
+    }
+    double sum = 0;
+    for (int64_t j = 0; j <= t; ++j) sum += std::exp(p[t * d.T + j] - m);
+    for (int64_t j = 0; j <= t; ++j) p[t * d.T + j] = std::exp(p[t * d.T + j] - m) / sum;
+    if (lse) (*lse)[(b * d.NH + h) * d.T + t] = m + std::log(sum);
+  }
+}
+
+void ref_forward(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
+                 const Dims& d) {
+  out.assign(static_cast<size_t>(d.out_size()), 0.0);
+  lse.assign(static_cast<size_t>(d.lse_size()), 0.0);
+  std::vector<double> p;
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.NH; ++h) {
+      ref_probs(p, &lse, qkv, d, b, h);
+      const int64_t g = h / (d.NH / d.NKV);
+      for (int64_t t = 0; t < d.T; ++t) {
+        double* o = &out[((b * d.T + t) * d.NH + h) * d.HS];
+        for (int64_t j = 0; j <= t; ++j) {
+          const double* v = &qkv[(b * d.T + j) * d.C3() + v_at(d, g)];
+          for (int64_t c = 0; c < d.HS; ++c) o[c] += p[t * d.T + j] * v[c];
+        }
+      }
+    }
+}
+
+// Gradient of sum(out * dout) with respect to qkv, in double.
+std::vector<double> ref_backward(const std::vector<double>& qkv, const std::vector<double>& dout,
+                                 const Dims& d) {
+  std::vector<double> dqkv(static_cast<size_t>(d.qkv_size()), 0.0);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
+  std::vector<double> p, dp(static_cast<size_t>(d.T));
+  for (int64_t b = 0; b < d.B; ++b)
+    for (int64_t h = 0; h < d.NH; ++h) {
+      ref_probs(p, nullptr, qkv, d, b, h);
+      const int64_t g = h / (d.NH / d.NKV);
+      auto row = [&](int64_t t) { return (b * d.T + t) * d.C3(); };
+      for (int64_t t = 0; t < d.T; ++t) {
+        const double* go = &dout[((b * d.T + t) * d.NH + h) * d.HS];
+        double D = 0;
+        for (int64_t j = 0; j <= t; ++j) {
+          const double* v = &qkv[row(j) + v_at(d, g)];
+          dp[j] = 0;
+          for (int64_t c = 0; c < d.HS; ++c) dp[j] += go[c] * v[c];
+          D += p[t * d.T + j] * dp[j];
+        }
+        for (int64_t j = 0; j <= t; ++j) {
+          const double pj = p[t * d.T + j], ds = pj * (dp[j] - D) * scale;
+          for (int64_t c = 0; c < d.HS; ++c) {
+            dqkv[row(t) + q_at(d, h) + c] += ds * qkv[row(j) + k_at(d, g) + c];
+            dqkv[row(j) + k_at(d, g) + c] += ds * qkv[row(t) + q_at(d, h) + c];
+            dqkv[row(j) + v_at(d, g) + c] += pj * go[c];
+          }
+        }
+      }
+    }
+  return dqkv;
+}
+
+struct Result {
+  std::vector<float> out, lse, dqkv;
+};
+
+// Forward then backward with dout; dqkv starts as NaN so that anything not assigned shows.
+Result run(const std::vector<float>& qkv, const std::vector<float>& dout, const Dims& d,
+        bool portable = false) {
+  Result r;
+  r.out.assign(static_cast<size_t>(d.out_size()), 0.0f);
+  r.lse.assign(static_cast<size_t>(d.lse_size()), 0.0f);
+  r.dqkv.assign(static_cast<size_t>(d.qkv_size()), std::numeric_limits<float>::quiet_NaN());
+  if (portable) {
+    detail::attention_forward_portable(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH,
+                                       d.NKV, d.HS);
+    detail::attention_backward_portable(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(),
+                                        r.lse.data(), d.B, d.T, d.NH, d.NKV, d.HS);
+  } else {
+    attention_forward(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS);
+    attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B,
+                       d.T, d.NH, d.NKV, d.HS);
+  }
+  return r;
+}
+
+std::vector<float> inputs(const Dims& d, uint64_t seed) {
+  return testing::randn(d.qkv_size(), seed, "attention/qkv", 1.5f);
+}
+std::vector<float> out_grad(const Dims& d, uint64_t seed) {
+  return testing::randn(d.out_size(), seed, "attention/dout");
+}
+
+TEST(Attention, ForwardMatchesReference) {
+  const Dims shapes[] = {
+      {1, 1, 2, 2, 8},   {2, 7, 4, 4, 16}, {1, 65, 4, 2, 64}, {1, 130, 4, 1, 8},
+      {2, 130, 8, 2, 16}, {1, 64, 2, 1, 64}, {1, 70, 3, 3, 12},
+  };
+  for (const Dims& d : shapes) {
+    const std::vector<float> qkv = inputs(d, 1);
+    std::vector<float> out(static_cast<size_t>(d.out_size())), lse(static_cast<size_t>(d.lse_size()));
+    attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS);
+    std::vector<double> ref_out, ref_lse;
+    ref_forward(ref_out, ref_lse, testing::to_double(qkv), d);
+    EXPECT_TRUE(testing::all_close(out, ref_out, 1e-5, 1e-5, "out " + name(d)));
+    EXPECT_TRUE(testing::all_close(lse, ref_lse, 1e-6, 1e-6, "lse " + name(d)));
+  }
+}
+
+TEST(Attention, BackwardMatchesFiniteDifferences) {
+  const Dims shapes[] = {{1, 5, 2, 1, 8}, {2, 3, 2, 2, 4}, {1, 9, 4, 2, 8}};
+  for (const Dims& d : shapes) {
+    const std::vector<float> qkv = inputs(d, 2);
+    const std::vector<float> dout = out_grad(d, 2);
+    const Result r = run(qkv, dout, d);
+    const std::vector<double> R = testing::to_double(dout);
+    auto loss = [&](const std::vector<double>& x) {
+      std::vector<double> out, lse;
+      ref_forward(out, lse, x, d);
+      double s = 0;
+      for (size_t i = 0; i < out.size(); ++i) s += out[i] * R[i];
+      return s;
+    };
+    const std::vector<double> fd = testing::finite_difference(loss, testing::to_double(qkv));
+    EXPECT_TRUE(testing::all_close(r.dqkv, fd, 1e-4, 1e-6, "dqkv " + name(d)));
+  }
+}
+
+TEST(Attention, BackwardMatchesReference) {
+  const Dims shapes[] = {{2, 130, 4, 2, 16}, {1, 100, 2, 2, 64}, {1, 67, 4, 1, 12}};
+  for (const Dims& d : shapes) {
+    const std::vector<float> qkv = inputs(d, 3);
+    const std::vector<float> dout = out_grad(d, 3);
+    const Result r = run(qkv, dout, d);
+    const std::vector<double> ref = ref_backward(testing::to_double(qkv), testing::to_double(dout), d);
+    EXPECT_TRUE(testing::all_close(r.dqkv, ref, 1e-4, 1e-5, "dqkv " + name(d)));
+  }
+}
+
+TEST(Attention, BitwiseIdenticalAcrossThreadCounts) {
+  const Dims shapes[] = {{3, 130, 4, 2, 64}, {2, 67, 6, 3, 12}};
+  for (const Dims& d : shapes) {
+    const std::vector<float> qkv = inputs(d, 4);
+    const std::vector<float> dout = out_grad(d, 4);
+    Result base;
+    for (int threads : {1, 2, 3}) {
+      ThreadPool pool(threads);
+      ThreadPool::Bind bind(&pool);
+      Result r = run(qkv, dout, d);
+      if (threads == 1) {
+        base = std::move(r);
+        continue;
+      }
+      const std::string what = str(name(d), " threads=", threads);
+      EXPECT_TRUE(testing::bitwise_equal(r.out, base.out, "out " + what));
+      EXPECT_TRUE(testing::bitwise_equal(r.lse, base.lse, "lse " + what));
+      EXPECT_TRUE(testing::bitwise_equal(r.dqkv, base.dqkv, "dqkv " + what));
+    }
+  }
+}
+
+TEST(Attention, PortableMatchesVectorBitwise) {
+  const Dims shapes[] = {{2, 67, 4, 2, 12}, {1, 130, 2, 1, 64}};
+  for (const Dims& d : shapes) {
+    const std::vector<float> qkv = inputs(d, 5);
+    const std::vector<float> dout = out_grad(d, 5);
+    const Result fast = run(qkv, dout, d);
+    const Result portable = run(qkv, dout, d, true);
+    EXPECT_TRUE(testing::bitwise_equal(fast.out, portable.out, "out " + name(d)));
+    EXPECT_TRUE(testing::bitwise_equal(fast.lse, portable.lse, "lse " + name(d)));
+    EXPECT_TRUE(testing::bitwise_equal(fast.dqkv, portable.dqkv, "dqkv " + name(d)));
+  }
+}
+
+}  // namespace
+}  // namespace lockstep
