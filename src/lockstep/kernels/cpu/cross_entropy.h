@@ -6,7 +6,8 @@
 // The forward-backward form overwrites the logits in place with
 //     dlogits[n, v] = (softmax[n, v] - [v == target[n]]) * grad_scale,
 // so the logits gradient never needs a second full-size buffer. Rows whose target is negative are
-// ignored: loss 0, gradient 0.
+// ignored: loss 0, gradient 0. A target >= V raises UserError naming it and its row, before
+// anything is written.
 //
 // Determinism: each row is owned by one thread and reduced in a fixed order.
 #pragma once

@@ -10,37 +10,48 @@
 
 namespace lockstep {
 
+namespace {
+// fp32 scalars of one update, derived once per step.
+struct AdamWScalars {
+  float decay, b1, c1, b2, c2, step_size, bc2_sqrt, eps, grad_scale;
+};
+
+// Plain IEEE operations in the header's order; the compiler vectorises this loop without changing
+// a bit (-ffp-contract=off, no fast-math). The scalars come by value so that it can keep them in
+// registers.
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v,
+                 const float* __restrict grad, int64_t n, const AdamWScalars s) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = grad[i] * s.grad_scale;
+    const float pi = p[i] * s.decay;
+    const float mi = s.b1 * m[i] + s.c1 * g;
+    const float vi = s.b2 * v[i] + s.c2 * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    p[i] = pi - s.step_size * mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps);
+  }
+}
+}  // namespace
+
 void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
                   const AdamW& hp, int64_t step, float grad_scale) {
   LOCKSTEP_CHECK(step >= 1, "AdamW step counts from 1, got ", step);
   // Scalars as torch computes them: in double (Python floats), rounded once to fp32 when they
   // meet the fp32 tensors.
-  const double lr = hp.lr;
-  const float decay = static_cast<float>(1.0 - lr * static_cast<double>(hp.weight_decay));
-  const float b1 = hp.beta1, b2 = hp.beta2, eps = hp.eps;
-  const float c1 = static_cast<float>(1.0 - static_cast<double>(hp.beta1));
-  const float c2 = static_cast<float>(1.0 - static_cast<double>(hp.beta2));
-  const double steps = static_cast<double>(step);
-  const float step_size =
-      static_cast<float>(lr / (1.0 - std::pow(static_cast<double>(hp.beta1), steps)));
-  const float bc2_sqrt =
-      static_cast<float>(std::sqrt(1.0 - std::pow(static_cast<double>(hp.beta2), steps)));
+  const double lr = hp.lr, b1 = hp.beta1, b2 = hp.beta2, steps = static_cast<double>(step);
+  const AdamWScalars s{
+      .decay = static_cast<float>(1.0 - lr * static_cast<double>(hp.weight_decay)),
+      .b1 = hp.beta1,
+      .c1 = static_cast<float>(1.0 - b1),
+      .b2 = hp.beta2,
+      .c2 = static_cast<float>(1.0 - b2),
+      .step_size = static_cast<float>(lr / (1.0 - std::pow(b1, steps))),
+      .bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(b2, steps))),
+      .eps = hp.eps,
+      .grad_scale = grad_scale,
+  };
   parallel_for(n, [&](int64_t begin, int64_t end) {
-    float* __restrict p = param;
-    float* __restrict pm = m;
-    float* __restrict pv = v;
-    const float* __restrict pg = grad;
-    // Plain IEEE operations in the header's order; the compiler vectorises this loop without
-    // changing a bit (-ffp-contract=off, no fast-math).
-    for (int64_t i = begin; i < end; ++i) {
-      const float g = pg[i] * grad_scale;
-      const float pi = p[i] * decay;
-      const float mi = b1 * pm[i] + c1 * g;
-      const float vi = b2 * pv[i] + c2 * g * g;
-      pm[i] = mi;
-      pv[i] = vi;
-      p[i] = pi - step_size * mi / (std::sqrt(vi) / bc2_sqrt + eps);
-    }
+    adamw_range(param + begin, m + begin, v + begin, grad + begin, end - begin, s);
   });
 }
 
