@@ -1,0 +1,67 @@
+#include "lockstep/kernels/cpu/rope.h"
+
+#include <cmath>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/vecmath.h"
+
+namespace lockstep {
+
+void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta) {
+  LOCKSTEP_CHECK(HS % 2 == 0, "rope head size must be even, got ", HS);
+  const int64_t half = HS / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const double inv_freq = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(HS));
+    for (int64_t t = 0; t < T; ++t) {
+      const double angle = static_cast<double>(t) * inv_freq;
+      cos[t * half + i] = static_cast<float>(std::cos(angle));
+      sin[t * half + i] = static_cast<float>(std::sin(angle));
+    }
+  }
+}
+
+namespace {
+
+// Rotates each pair (lo[i], hi[i]) by +angle, or by -angle (kInverse: the transpose, which is the
+// backward of the rotation). Negating sin is exact, so both directions share one formula.
+template <bool kInverse>
+void rope_rotate(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads,
+                 int64_t HS, int64_t row_stride) {
+  LOCKSTEP_CHECK(HS % 2 == 0, "rope head size must be even, got ", HS);
+  LOCKSTEP_CHECK(heads * HS <= row_stride, "rope: ", heads, " heads of ", HS,
+                 " do not fit a row of ", row_stride);
+  const int64_t half = HS / 2;
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* c = cos + (n % T) * half;
+      const float* s = sin + (n % T) * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* lo = x + n * row_stride + h * HS;
+        float* hi = lo + half;
+        vm::for_lanes(0, half, [&]<class V>(int64_t i, V) {
+          const V a = vm::load<V>(lo + i);
+          const V b = vm::load<V>(hi + i);
+          const V cv = vm::load<V>(c + i);
+          const V sv = kInverse ? -vm::load<V>(s + i) : vm::load<V>(s + i);
+          vm::store(lo + i, vm::fma(a, cv, -(b * sv)));
+          vm::store(hi + i, vm::fma(b, cv, a * sv));
+        });
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void rope_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t T,
+                  int64_t heads, int64_t HS, int64_t row_stride) {
+  rope_rotate<false>(x, cos, sin, N, T, heads, HS, row_stride);
+}
+
+void rope_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t T,
+                   int64_t heads, int64_t HS, int64_t row_stride) {
+  rope_rotate<true>(dx, cos, sin, N, T, heads, HS, row_stride);
+}
+
+}  // namespace lockstep
