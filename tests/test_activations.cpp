@@ -25,7 +25,8 @@ double silu_ref(double g) { return g / (1.0 + std::exp(-g)); }
 std::vector<double> swiglu_ref(const std::vector<double>& inp, int64_t N, int64_t H) {
   std::vector<double> out(N * H);
   for (int64_t n = 0; n < N; ++n) {
-    for (int64_t i = 0; i < H; ++i) out[n * H + i] = silu_ref(inp[n * 2 * H + i]) * inp[n * 2 * H + H + i];
+    for (int64_t i = 0; i < H; ++i)
+      out[n * H + i] = silu_ref(inp[n * 2 * H + i]) * inp[n * 2 * H + H + i];
   }
   return out;
 }
@@ -33,7 +34,8 @@ std::vector<double> swiglu_ref(const std::vector<double>& inp, int64_t N, int64_
 // Random values with a wide spread, plus the saturated and special regions.
 std::vector<float> gelu_inputs(int64_t n, uint64_t seed) {
   std::vector<float> x = randn(n, seed, "x", 3.0f);
-  const float special[] = {0.0f, -0.0f, 1.0f, -1.0f, 5.5f, -5.5f, 10.0f, -10.0f, 20.0f, -20.0f, 1e-20f};
+  const float special[] = {0.0f,  -0.0f,  1.0f,  -1.0f,  5.5f,  -5.5f,
+                           10.0f, -10.0f, 20.0f, -20.0f, 1e-20f};
   for (size_t i = 0; i < std::size(special) && i < x.size(); ++i) x[i * 7 % x.size()] = special[i];
   return x;
 }

@@ -56,7 +56,8 @@ NormInputs make_inputs(int64_t N, int64_t C, uint64_t seed) {
 
 // The kernel's forward against the double reference.
 void check_forward(bool centered, int64_t N, int64_t C) {
-  SCOPED_TRACE(::testing::Message() << (centered ? "layernorm" : "rmsnorm") << " N=" << N << " C=" << C);
+  SCOPED_TRACE(::testing::Message()
+               << (centered ? "layernorm" : "rmsnorm") << " N=" << N << " C=" << C);
   const NormInputs in = make_inputs(N, C, 7 + N * 1000 + C);
   std::vector<float> out(N * C), mean(N), rstd(N);
   if (centered) {
@@ -77,7 +78,8 @@ void check_forward(bool centered, int64_t N, int64_t C) {
 // The kernel's backward (which adds into dinp, dweight, dbias) against central differences of the
 // double reference, with loss = sum(out * R).
 void check_backward(bool centered, int64_t N, int64_t C) {
-  SCOPED_TRACE(::testing::Message() << (centered ? "layernorm" : "rmsnorm") << " N=" << N << " C=" << C);
+  SCOPED_TRACE(::testing::Message()
+               << (centered ? "layernorm" : "rmsnorm") << " N=" << N << " C=" << C);
   const NormInputs in = make_inputs(N, C, 11 + N * 1000 + C);
   const std::vector<float> R = randn(N * C, 3, "R");
   const std::vector<float> dinp0 = randn(N * C, 5, "dinp0"), dw0 = randn(C, 5, "dw0"),
@@ -118,36 +120,37 @@ void check_backward(bool centered, int64_t N, int64_t C) {
   }
 }
 
-// Sizes cover C below 8, whole 8-blocks, whole 32-blocks with 8-blocks and tails after them.
+// Sizes cover C below 8, whole 8-blocks, whole 32-blocks with 8-blocks and tails after them, and
+// (backward) more columns than one column tile.
 TEST(Norms, LayerNormForwardMatchesReference) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {4, 8}, {2, 77}, {5, 300},
-                      {64, 1000}}) {
+  for (auto [N, C] :
+       {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {4, 8}, {2, 77}, {5, 300}, {64, 1000}}) {
     check_forward(true, N, C);
   }
 }
 
 TEST(Norms, RMSNormForwardMatchesReference) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {4, 8}, {2, 77}, {5, 300},
-                      {64, 1000}}) {
+  for (auto [N, C] :
+       {std::pair<int64_t, int64_t>{1, 1}, {3, 5}, {4, 8}, {2, 77}, {5, 300}, {64, 1000}}) {
     check_forward(false, N, C);
   }
 }
 
 TEST(Norms, LayerNormBackwardMatchesFiniteDifferences) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 2}, {3, 5}, {2, 77}, {3, 109}}) {
+  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 2}, {3, 5}, {2, 77}, {3, 109}, {1, 2100}}) {
     check_backward(true, N, C);
   }
 }
 
 TEST(Norms, RMSNormBackwardMatchesFiniteDifferences) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 2}, {3, 5}, {2, 77}, {3, 109}}) {
+  for (auto [N, C] : {std::pair<int64_t, int64_t>{1, 2}, {3, 5}, {2, 77}, {3, 109}, {1, 2100}}) {
     check_backward(false, N, C);
   }
 }
 
 // Forward and backward outputs with 1, 2 and 3 threads must be the same bits.
 TEST(Norms, BitwiseIndependentOfThreadCount) {
-  for (auto [N, C] : {std::pair<int64_t, int64_t>{37, 300}, {7, 1029}}) {
+  for (auto [N, C] : {std::pair<int64_t, int64_t>{37, 300}, {7, 1029}, {3, 4133}}) {
     const NormInputs in = make_inputs(N, C, 17);
     const std::vector<float> dout = randn(N * C, 19, "dout");
     struct Result {
@@ -157,7 +160,7 @@ TEST(Norms, BitwiseIndependentOfThreadCount) {
       ThreadPool pool(threads);
       ThreadPool::Bind bind(&pool);
       Result r{std::vector<float>(N * C), std::vector<float>(N), std::vector<float>(N),
-               randn(N * C, 23, "dinp"), randn(C, 23, "dw"), randn(C, 23, "db"),
+               randn(N * C, 23, "dinp"),  randn(C, 23, "dw"),    randn(C, 23, "db"),
                std::vector<float>(N * C), std::vector<float>(N), randn(N * C, 29, "dinp"),
                randn(C, 29, "dw")};
       layernorm_forward(r.out.data(), r.mean.data(), r.rstd.data(), in.x.data(), in.w.data(),

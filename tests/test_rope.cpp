@@ -52,7 +52,8 @@ std::vector<double> rope_ref(const RopeCase& k, const Table& t, const std::vecto
 
 // Head sizes whose half is below 8, a multiple of 8, and 8k plus a tail; rows with values after
 // the rotated heads (the v part of qkv) that must stay untouched.
-const RopeCase kCases[] = {{1, 3, 1, 2, 2}, {2, 5, 3, 10, 47}, {2, 3, 2, 32, 96}, {1, 4, 3, 36, 3 * 36 + 5}};
+const RopeCase kCases[] = {
+    {1, 3, 1, 2, 2}, {2, 5, 3, 10, 47}, {2, 3, 2, 32, 96}, {1, 4, 3, 36, 3 * 36 + 5}};
 
 TEST(Rope, TableMatchesDoubleAngles) {
   for (auto [T, HS] : {std::pair<int64_t, int64_t>{7, 10}, {2048, 64}}) {

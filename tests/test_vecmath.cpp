@@ -102,11 +102,11 @@ TEST(VecMath, SigmoidAccuracy) {
 #ifdef LOCKSTEP_AVX2
 // Special and boundary values for the bitwise and edge-case checks.
 std::vector<float> edge_values() {
-  constexpr float inf = std::numeric_limits<float>::infinity();
-  std::vector<float> v = {0.0f, -0.0f, inf, -inf, std::numeric_limits<float>::denorm_min(),
-                          -std::numeric_limits<float>::denorm_min(),
-                          std::numeric_limits<float>::min(), 88.72f, 89.0f, 1e30f, -1e30f,
-                          std::numeric_limits<float>::max(), std::numeric_limits<float>::lowest()};
+  using lim = std::numeric_limits<float>;
+  constexpr float inf = lim::infinity();
+  std::vector<float> v = {
+      0.0f,   -0.0f, inf,   -inf,   lim::denorm_min(), -lim::denorm_min(), lim::min(),
+      88.72f, 89.0f, 1e30f, -1e30f, lim::max(),        lim::lowest()};
   for (float b : {vm::kExpLo, vm::kExpHi, -0.5f * 0.693147f, 0.5f * 0.693147f}) {
     float lo = b, hi = b;
     for (int i = 0; i < 4; ++i) {

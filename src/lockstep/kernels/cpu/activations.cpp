@@ -6,10 +6,11 @@
 namespace lockstep {
 namespace {
 
-// gelu(x) = x * sigmoid(z), z = 2u = x * (k + k c x^2) with k = 2 sqrt(2/pi), c = 0.044715.
-constexpr float kGeluK = 1.5957691216057308f;    // 2 sqrt(2/pi)
-constexpr float kGeluKC = 0.07135481627260025f;  // 2 sqrt(2/pi) * 0.044715
-constexpr float kGeluKC3 = 0.21406444881780076f; // 3 * 2 sqrt(2/pi) * 0.044715: dz/dx = k + 3kc x^2
+// gelu(x) = x * sigmoid(z), z = 2u = x * (k + kc x^2), dz/dx = k + 3kc x^2, with
+// k = 2 sqrt(2/pi) and c = 0.044715.
+constexpr float kGeluK = 1.5957691216057308f;     // k
+constexpr float kGeluKC = 0.07135481627260025f;   // k c
+constexpr float kGeluKC3 = 0.21406444881780076f;  // 3 k c
 
 }  // namespace
 

@@ -57,7 +57,8 @@ void norm_forward(float* out, float* mean, float* rstd, const float* inp, const 
       float m = 0.0f;
       if constexpr (kCentered) {
         float sum;
-        row_sums<1>(&sum, C, [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + vm::load<V>(x + i); });
+        row_sums<1>(&sum, C,
+                    [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + vm::load<V>(x + i); });
         m = sum / static_cast<float>(C);
         mean[n] = m;
       }
@@ -127,8 +128,9 @@ void norm_backward_rows(float* dinp, const float* dout, const float* inp, const 
 template <bool kCentered>
 void norm_backward_columns(float* dweight, float* dbias, const float* dout, const float* inp,
                            const float* mean, const float* rstd, int64_t N, int64_t C) {
-  // Column tiles short enough that their accumulators stay in L1 while the rows stream by.
-  constexpr int64_t kTile = 256;
+  // Wide column tiles: each row's slice of the tile is one long contiguous run (the prefetchers
+  // need it; 256 columns measured 1.7x slower), and the tile's accumulators (16 KiB) stay in L1.
+  constexpr int64_t kTile = 2048;
   parallel_for((C + 7) / 8, [&](int64_t block_begin, int64_t block_end) {
     const int64_t col_end = std::min(block_end * 8, C);
     for (int64_t c0 = block_begin * 8; c0 < col_end; c0 += kTile) {
@@ -163,8 +165,8 @@ void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, c
 }
 
 void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                        const float* inp, const float* weight, const float* mean,
-                        const float* rstd, int64_t N, int64_t C) {
+                        const float* inp, const float* weight, const float* mean, const float* rstd,
+                        int64_t N, int64_t C) {
   norm_backward_rows<true>(dinp, dout, inp, weight, mean, rstd, N, C);
   norm_backward_columns<true>(dweight, dbias, dout, inp, mean, rstd, N, C);
 }
