@@ -32,21 +32,28 @@ Table make_table(const RopeCase& k) {
   return t;
 }
 
-// Double-precision rotation with the table's values; elements outside the heads pass through.
-std::vector<double> rope_ref(const RopeCase& k, const Table& t, const std::vector<double>& x) {
-  std::vector<double> y = x;
+// Calls f(lo, hi, j) for every rotated pair: lo and hi index the rows, j the table.
+template <class F>
+void for_each_pair(const RopeCase& k, F f) {
   const int64_t half = k.half();
   for (int64_t n = 0; n < k.N(); ++n) {
     for (int64_t h = 0; h < k.heads; ++h) {
-      const int64_t base = n * k.row_stride + h * k.HS;
       for (int64_t i = 0; i < half; ++i) {
-        const double c = t.cos[(n % k.T) * half + i], s = t.sin[(n % k.T) * half + i];
-        const double a = x[base + i], b = x[base + half + i];
-        y[base + i] = a * c - b * s;
-        y[base + half + i] = b * c + a * s;
+        const int64_t lo = n * k.row_stride + h * k.HS + i;
+        f(lo, lo + half, (n % k.T) * half + i);
       }
     }
   }
+}
+
+// Double-precision rotation with the table's values; elements outside the heads pass through.
+std::vector<double> rope_ref(const RopeCase& k, const Table& t, const std::vector<double>& x) {
+  std::vector<double> y = x;
+  for_each_pair(k, [&](int64_t lo, int64_t hi, int64_t j) {
+    const double c = t.cos[j], s = t.sin[j];
+    y[lo] = x[lo] * c - x[hi] * s;
+    y[hi] = x[hi] * c + x[lo] * s;
+  });
   return y;
 }
 
@@ -118,20 +125,13 @@ TEST(Rope, LanesComputeTheScalarFormulaBitwise) {
   std::vector<float> fwd = x0, bwd = x0, want_fwd = x0, want_bwd = x0;
   rope_forward(fwd.data(), t.cos.data(), t.sin.data(), k.N(), k.T, k.heads, k.HS, k.row_stride);
   rope_backward(bwd.data(), t.cos.data(), t.sin.data(), k.N(), k.T, k.heads, k.HS, k.row_stride);
-  const int64_t half = k.half();
-  for (int64_t n = 0; n < k.N(); ++n) {
-    for (int64_t h = 0; h < k.heads; ++h) {
-      const int64_t base = n * k.row_stride + h * k.HS;
-      for (int64_t i = 0; i < half; ++i) {
-        const float c = t.cos[(n % k.T) * half + i], s = t.sin[(n % k.T) * half + i];
-        const float a = x0[base + i], b = x0[base + half + i];
-        want_fwd[base + i] = std::fma(a, c, -(b * s));
-        want_fwd[base + half + i] = std::fma(b, c, a * s);
-        want_bwd[base + i] = std::fma(a, c, b * s);
-        want_bwd[base + half + i] = std::fma(b, c, -(a * s));
-      }
-    }
-  }
+  for_each_pair(k, [&](int64_t lo, int64_t hi, int64_t j) {
+    const float c = t.cos[j], s = t.sin[j], a = x0[lo], b = x0[hi];
+    want_fwd[lo] = std::fma(a, c, -(b * s));
+    want_fwd[hi] = std::fma(b, c, a * s);
+    want_bwd[lo] = std::fma(a, c, b * s);
+    want_bwd[hi] = std::fma(b, c, -(a * s));
+  });
   EXPECT_TRUE(bitwise_equal(fwd, want_fwd, "forward"));
   EXPECT_TRUE(bitwise_equal(bwd, want_bwd, "backward"));
 }
