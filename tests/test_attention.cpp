@@ -110,7 +110,7 @@ struct Result {
 
 // Forward then backward with dout; dqkv starts as NaN so that anything not assigned shows.
 Result run(const std::vector<float>& qkv, const std::vector<float>& dout, const Dims& d,
-        bool portable = false) {
+           bool portable = false) {
   Result r;
   r.out.assign(static_cast<size_t>(d.out_size()), 0.0f);
   r.lse.assign(static_cast<size_t>(d.lse_size()), 0.0f);
@@ -122,8 +122,8 @@ Result run(const std::vector<float>& qkv, const std::vector<float>& dout, const 
                                         r.lse.data(), d.B, d.T, d.NH, d.NKV, d.HS);
   } else {
     attention_forward(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS);
-    attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B,
-                       d.T, d.NH, d.NKV, d.HS);
+    attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B, d.T,
+                       d.NH, d.NKV, d.HS);
   }
   return r;
 }
@@ -137,12 +137,13 @@ std::vector<float> out_grad(const Dims& d, uint64_t seed) {
 
 TEST(Attention, ForwardMatchesReference) {
   const Dims shapes[] = {
-      {1, 1, 2, 2, 8},   {2, 7, 4, 4, 16}, {1, 65, 4, 2, 64}, {1, 130, 4, 1, 8},
+      {1, 1, 2, 2, 8},    {2, 7, 4, 4, 16},  {1, 65, 4, 2, 64}, {1, 130, 4, 1, 8},
       {2, 130, 8, 2, 16}, {1, 64, 2, 1, 64}, {1, 70, 3, 3, 12},
   };
   for (const Dims& d : shapes) {
     const std::vector<float> qkv = inputs(d, 1);
-    std::vector<float> out(static_cast<size_t>(d.out_size())), lse(static_cast<size_t>(d.lse_size()));
+    std::vector<float> out(static_cast<size_t>(d.out_size())),
+        lse(static_cast<size_t>(d.lse_size()));
     attention_forward(out.data(), lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS);
     std::vector<double> ref_out, ref_lse;
     ref_forward(ref_out, ref_lse, testing::to_double(qkv), d);
@@ -176,7 +177,8 @@ TEST(Attention, BackwardMatchesReference) {
     const std::vector<float> qkv = inputs(d, 3);
     const std::vector<float> dout = out_grad(d, 3);
     const Result r = run(qkv, dout, d);
-    const std::vector<double> ref = ref_backward(testing::to_double(qkv), testing::to_double(dout), d);
+    const std::vector<double> ref =
+        ref_backward(testing::to_double(qkv), testing::to_double(dout), d);
     EXPECT_TRUE(testing::all_close(r.dqkv, ref, 1e-4, 1e-5, "dqkv " + name(d)));
   }
 }

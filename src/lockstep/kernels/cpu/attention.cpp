@@ -58,26 +58,20 @@ struct PortableOps {
     for (int i = 0; i < 8; ++i) a.x[i] = a.x[i] / b.x[i];
     return a;
   }
-  static float max1(float a, float b) { return a > b ? a : b; }
   static V max(V a, const V& b) {
-    for (int i = 0; i < 8; ++i) a.x[i] = max1(a.x[i], b.x[i]);
+    for (int i = 0; i < 8; ++i) a.x[i] = a.x[i] > b.x[i] ? a.x[i] : b.x[i];
     return a;
   }
   static V exp(V a) {
     for (float& e : a.x) e = vm::exp(e);
     return a;
   }
-  // Lanes at index >= n become fill.
-  static V keep_first(V a, int64_t n, float fill) {
-    for (int64_t i = std::max<int64_t>(n, 0); i < 8; ++i) a.x[i] = fill;
+  // Lanes at index < n become fill.
+  static V keep_from(V a, int64_t n, float fill) {
+    for (int64_t i = 0; i < std::min<int64_t>(n, 8); ++i) a.x[i] = fill;
     return a;
   }
   static float hsum(const V& a) { return vm::hsum8(a.x); }
-  static float hmax(const V& a) {
-    const float a0 = max1(a.x[0], a.x[4]), a1 = max1(a.x[1], a.x[5]);
-    const float a2 = max1(a.x[2], a.x[6]), a3 = max1(a.x[3], a.x[7]);
-    return max1(max1(a0, a2), max1(a1, a3));
-  }
 };
 
 #ifdef LOCKSTEP_AVX2
@@ -94,28 +88,27 @@ struct Avx2Ops {
   static V div(V a, V b) { return _mm256_div_ps(a, b); }
   static V max(V a, V b) { return _mm256_max_ps(a, b); }
   static V exp(V a) { return vm::exp(a); }
-  static V keep_first(V a, int64_t n, float fill) {
+  static V keep_from(V a, int64_t n, float fill) {
     const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const int32_t n32 = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
-    const __m256 keep = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n32), lane));
-    return _mm256_blendv_ps(_mm256_set1_ps(fill), a, keep);
+    const __m256 drop = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n32), lane));
+    return _mm256_blendv_ps(a, _mm256_set1_ps(fill), drop);
   }
   static float hsum(V a) { return vm::hsum(a); }
-  static float hmax(V a) { return vm::hmax(a); }
 };
 using FastOps = Avx2Ops;
 #else
 using FastOps = PortableOps;
 #endif
 
-// Causal trimming of a tile product, per group of 4 rows starting at r0: only columns below
-// round_up(r0 + n_off, 8) are computed, and the reduction runs over k in [r0 + k_begin_off,
-// r0 + k_end_off). The skipped terms are products with exact zeros (masked probabilities).
+// Causal trimming of a tile product, per group of 4 rows starting at r0: columns below
+// r0 + n_begin_off (rounded down to 8) are not computed, and the reduction runs over k in
+// [r0 + k_begin_off, r0 + k_end_off). The skipped terms are products with exact zeros (masked
+// probabilities).
 struct Band {
-  int64_t n_off = kFar;
+  int64_t n_begin_off = -kFar;
   int64_t k_begin_off = -kFar;
   int64_t k_end_off = kFar;
-  int64_t cols(int64_t r0, int64_t N) const { return std::min(N, round_up(r0 + n_off, 8)); }
 };
 
 // C (4 x 8*NV) = init + sum_k A(r, k) * Bm(k, :), one FMA chain per element over k ascending;
@@ -146,15 +139,14 @@ template <class O>
 void tile_mm(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks, const float* Bm,
              int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate, const Band& band) {
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
-    const int64_t n_end = band.cols(r0, N);
     const int64_t k_begin = std::max<int64_t>(0, r0 + band.k_begin_off);
     const int64_t k_end = std::min(K, r0 + band.k_end_off);
     float* c = C + r0 * ldc;
     const float* a = A + r0 * a_rs;
-    int64_t c0 = 0;
-    for (; c0 + 16 <= n_end; c0 += 16)
+    int64_t c0 = std::max<int64_t>(0, (r0 + band.n_begin_off) / 8 * 8);
+    for (; c0 + 16 <= N; c0 += 16)
       micro_tile<O, 2>(c + c0, ldc, a, a_rs, a_ks, Bm + c0, ldb, k_begin, k_end, accumulate);
-    if (c0 < n_end)
+    if (c0 < N)
       micro_tile<O, 1>(c + c0, ldc, a, a_rs, a_ks, Bm + c0, ldb, k_begin, k_end, accumulate);
   }
 }
@@ -173,15 +165,44 @@ void copy_rows(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_
   }
 }
 
-// dst (HSp x kBlk), dst[d][j] = src row j element d, zero-padded to n_pad columns.
+#ifdef LOCKSTEP_AVX2
+// dst[d][i] = src[i][d] * scale for an 8 x 8 block.
+inline void transpose8x8(float* dst, int64_t ldd, const float* src, int64_t lds, __m256 scale) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_mul_ps(_mm256_loadu_ps(src + i * lds), scale);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int d = 0; d < 4; ++d) {
+    _mm256_storeu_ps(dst + d * ldd, _mm256_permute2f128_ps(r[d], r[d + 4], 0x20));
+    _mm256_storeu_ps(dst + (d + 4) * ldd, _mm256_permute2f128_ps(r[d], r[d + 4], 0x31));
+  }
+}
+#endif
+
+// dst (HSp x kBlk), dst[d][i] = src row i element d * scale, zero-padded to n_pad columns. Pure
+// data movement and one multiply per element, so the AVX2 blocks give the scalar loop's bits.
 void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_t n,
-                     int64_t n_pad, int64_t HS) {
-  for (int64_t j = 0; j < n_pad; ++j) {
-    const float* s = src + j * ld_src;
-    int64_t d = 0;
-    if (j < n)
-      for (; d < HS; ++d) dst[d * kBlk + j] = s[d];
-    for (; d < HSp; ++d) dst[d * kBlk + j] = 0.0f;
+                     int64_t n_pad, int64_t HS, float scale) {
+  int64_t n8 = 0, hs8 = 0;
+#ifdef LOCKSTEP_AVX2
+  n8 = n / 8 * 8;
+  hs8 = HS / 8 * 8;
+  for (int64_t i = 0; i < n8; i += 8)
+    for (int64_t d = 0; d < hs8; d += 8)
+      transpose8x8(dst + d * kBlk + i, kBlk, src + i * ld_src + d, ld_src, _mm256_set1_ps(scale));
+#endif
+  for (int64_t i = 0; i < n_pad; ++i) {
+    const float* s = src + i * ld_src;
+    for (int64_t d = i < n8 ? hs8 : 0; d < HSp; ++d)
+      dst[d * kBlk + i] = i < n && d < HS ? s[d] * scale : 0.0f;
   }
 }
 
@@ -217,75 +238,85 @@ float* thread_scratch(size_t n) {
   return buf.data();
 }
 
+// Score tiles are transposed, (key j, query i), so that a vector holds 8 queries: the softmax
+// statistics of 8 queries advance together and the sums over keys need no horizontal reduction.
+// Key j may be seen by query i when k0 + j <= q0 + i, i.e. i >= j - diag with diag = q0 - k0.
+// Returns how many rows of query chunk [c, c + 8) hold a visible key: rows past it are all masked.
+inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) {
+  return std::min(nk, c + 8 + diag);
+}
+
 // One (b, h, query block): out rows and lse of the block.
 template <class O>
 void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int64_t b, int64_t h,
                    int64_t qb, float* scratch) {
   using V = typename O::V;
   const int64_t HSp = s.HSp;
-  float* qs = scratch;           // (kBlk, HSp) scaled queries
-  float* kt = qs + kBlk * HSp;   // (HSp, kBlk) keys, transposed
-  float* v = kt + HSp * kBlk;    // (kBlk, HSp)
-  float* acc = v + kBlk * HSp;   // (kBlk, HSp) unnormalised output
-  float* p = acc + kBlk * HSp;   // (kBlk, kBlk) scores, then probabilities
-  float* m = p + kBlk * kBlk;    // (kBlk) running max
+  float* qt = scratch;           // (HSp, kBlk) scaled queries, transposed
+  float* kr = qt + HSp * kBlk;   // (kBlk, HSp) keys
+  float* vr = kr + kBlk * HSp;   // (kBlk, HSp) values
+  float* acc = vr + kBlk * HSp;  // (kBlk, HSp) unnormalised output
+  float* pt = acc + kBlk * HSp;  // (kBlk keys, kBlk queries) scores, then probabilities
+  float* m = pt + kBlk * kBlk;   // (kBlk) running max
   float* l = m + kBlk;           // (kBlk) running sum
+  float* corr = l + kBlk;        // (kBlk) rescaling of acc for the current key block
 
   const int64_t g = h / s.group;
   const float* base = qkv + b * s.T * s.C3;
-  const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 4);
-  copy_rows(qs, HSp, base + q0 * s.C3 + h * s.HS, s.C3, nq, nqp, s.HS, s.scale);
+  const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 8);
+  copy_transposed(qt, HSp, base + q0 * s.C3 + h * s.HS, s.C3, nq, nqp, s.HS, s.scale);
   std::fill(acc, acc + nqp * HSp, 0.0f);
   std::fill(m, m + nqp, -kInf);
   std::fill(l, l + nqp, 0.0f);
 
   for (int64_t kb = 0; kb <= qb; ++kb) {
-    const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 8);
+    const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
     const int64_t diag = q0 - k0;
-    copy_transposed(kt, HSp, base + k0 * s.C3 + (s.NH + g) * s.HS, s.C3, nk, nkp, s.HS);
-    copy_rows(v, HSp, base + k0 * s.C3 + (s.NH + s.NKV + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
+    copy_rows(kr, HSp, base + k0 * s.C3 + (s.NH + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
+    copy_rows(vr, HSp, base + k0 * s.C3 + (s.NH + s.NKV + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
 
-    const Band score_band{.n_off = 4 + diag};
-    tile_mm<O>(p, kBlk, qs, HSp, 1, kt, kBlk, nqp, nkp, HSp, false, score_band);
-    for (int64_t r = 0; r < nqp; ++r) {
-      float* pr = p + r * kBlk;
-      const int64_t w = score_band.cols(r / 4 * 4, nkp);
-      const int64_t valid = std::min(nk, q0 + r + 1 - k0);
-      V vmax = O::set1(-kInf);
-      for (int64_t c = 0; c < w; c += 8) {
-        const V x = O::keep_first(O::load(pr + c), valid - c, -kInf);
-        O::store(pr + c, x);
-        vmax = O::max(vmax, x);
+    tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, Band{.n_begin_off = -diag});
+    for (int64_t c = 0; c < nqp; c += 8) {
+      const int64_t rows = visible_rows(c, diag, nk);
+      V bmax = O::set1(-kInf);
+      for (int64_t j = 0; j < rows; ++j) {
+        float* x = pt + j * kBlk + c;
+        V sc = O::load(x);
+        if (j - diag - c > 0) {
+          sc = O::keep_from(sc, j - diag - c, -kInf);
+          O::store(x, sc);
+        }
+        bmax = O::max(bmax, sc);
       }
-      const float bmax = O::hmax(vmax);
-      const float m_new = m[r] > bmax ? m[r] : bmax;
-      const V mv = O::set1(m_new);
-      V vsum = O::zero();
-      for (int64_t c = 0; c < w; c += 8) {
-        const V e = O::exp(O::sub(O::load(pr + c), mv));
-        O::store(pr + c, e);
-        vsum = O::add(vsum, e);
+      const V m_old = O::load(m + c);
+      const V m_new = O::max(m_old, bmax);
+      V sum = O::zero();
+      for (int64_t j = 0; j < rows; ++j) {
+        float* x = pt + j * kBlk + c;
+        const V p = O::exp(O::sub(O::load(x), m_new));
+        O::store(x, p);
+        sum = O::add(sum, p);
       }
-      std::fill(pr + w, pr + nkp, 0.0f);
-      if (m_new != m[r]) {
-        const float corr = vm::exp(m[r] - m_new);
-        const V cv = O::set1(corr);
-        float* ar = acc + r * HSp;
-        for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::mul(O::load(ar + d), cv));
-        l[r] *= corr;
-        m[r] = m_new;
-      }
-      l[r] += O::hsum(vsum);
+      for (int64_t j = rows; j < nkp; ++j) O::store(pt + j * kBlk + c, O::zero());
+      const V cv = O::exp(O::sub(m_old, m_new));
+      O::store(corr + c, cv);
+      O::store(m + c, m_new);
+      O::store(l + c, O::fma(O::load(l + c), cv, sum));
     }
-    tile_mm<O>(acc, HSp, p, kBlk, 1, v, HSp, nqp, HSp, nkp, true, Band{.k_end_off = 4 + diag});
+    for (int64_t i = 0; i < nqp; ++i) {
+      const V cv = O::set1(corr[i]);
+      float* ar = acc + i * HSp;
+      for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::mul(O::load(ar + d), cv));
+    }
+    tile_mm<O>(acc, HSp, pt, 1, kBlk, vr, HSp, nqp, HSp, nkp, true, Band{.k_end_off = 4 + diag});
   }
 
-  for (int64_t r = 0; r < nq; ++r) {
-    float* ar = acc + r * HSp;
-    const V lv = O::set1(l[r]);
+  for (int64_t i = 0; i < nq; ++i) {
+    float* ar = acc + i * HSp;
+    const V lv = O::set1(l[i]);
     for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::div(O::load(ar + d), lv));
-    std::memcpy(out + ((b * s.T + q0 + r) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
-    lse[(b * s.NH + h) * s.T + q0 + r] = m[r] + std::log(l[r]);
+    std::memcpy(out + ((b * s.T + q0 + i) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
+    lse[(b * s.NH + h) * s.T + q0 + i] = m[i] + std::log(l[i]);
   }
 }
 
@@ -293,8 +324,9 @@ template <class O>
 void forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
              int64_t NKV, int64_t HS) {
   const Shape s = make_shape(B, T, NH, NKV, HS);
+  const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 3 * kBlk);
   parallel_for(B * NH * s.blocks, [&](int64_t begin, int64_t end) {
-    float* scratch = thread_scratch(static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 2 * kBlk));
+    float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t qb = u % s.blocks, h = u / s.blocks % NH, b = u / (s.blocks * NH);
       forward_block<O>(out, lse, qkv, s, b, h, qb, scratch);
@@ -307,106 +339,109 @@ template <class O>
 void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out,
                     const float* lse, const Shape& s, int64_t b, int64_t g, float* scratch) {
   using V = typename O::V;
-  const int64_t HSp = s.HSp, Tp = round_up(s.T, 4), C = s.NH * s.HS;
-  float* kr = scratch;             // (kBlk, HSp) keys
-  float* kt = kr + kBlk * HSp;     // (HSp, kBlk) keys, transposed
-  float* vt = kt + HSp * kBlk;     // (HSp, kBlk) values, transposed
-  float* qs = vt + HSp * kBlk;     // (kBlk, HSp) scaled queries
-  float* go = qs + kBlk * HSp;     // (kBlk, HSp) dout
-  float* dk = go + kBlk * HSp;     // (kBlk, HSp)
-  float* dv = dk + kBlk * HSp;     // (kBlk, HSp)
-  float* p = dv + kBlk * HSp;      // (kBlk, kBlk) scores, then probabilities
-  float* ds = p + kBlk * kBlk;     // (kBlk, kBlk) dP, then dS
-  float* lse_t = ds + kBlk * kBlk; // (kBlk) lse of the query block, +inf on padding rows
-  float* row = lse_t + kBlk;       // (2, HSp) padded copies of one out and dout row
-  float* dd = row + 2 * HSp;       // (group, Tp) D
-  float* dq = dd + s.group * Tp;   // (group, Tp, HSp) unscaled dq
+  const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = round_up(s.T, 8), C = s.NH * s.HS;
+  float* kall = scratch;             // (Tk, HSp) keys
+  float* vall = kall + Tk * HSp;     // (Tk, HSp) values
+  float* dk = vall + Tk * HSp;       // (Tk, HSp)
+  float* dv = dk + Tk * HSp;         // (Tk, HSp)
+  float* lse_g = dv + Tk * HSp;      // (group, Tq) lse, +inf past T so padding queries get p = 0
+  float* dd = lse_g + s.group * Tq;  // (group, Tq) D
+  float* qs = dd + s.group * Tq;     // (kBlk, HSp) scaled queries of the query block
+  float* qt = qs + kBlk * HSp;       // (HSp, kBlk) the same, transposed
+  float* go = qt + HSp * kBlk;       // (kBlk, HSp) dout of the query block
+  float* got = go + kBlk * HSp;      // (HSp, kBlk) the same, transposed
+  float* dq = got + HSp * kBlk;      // (kBlk, HSp) unscaled dq of the query block
+  float* pt = dq + kBlk * HSp;       // (kBlk keys, kBlk queries) scores, then probabilities
+  float* dst = pt + kBlk * kBlk;     // (kBlk keys, kBlk queries) dP, then dS
+  float* row = dst + kBlk * kBlk;    // (2, HSp) padded copies of one out and dout row
 
   const float* base = qkv + b * s.T * s.C3;
+  copy_rows(kall, HSp, base + (s.NH + g) * s.HS, s.C3, s.T, Tk, s.HS, 1.0f);
+  copy_rows(vall, HSp, base + (s.NH + s.NKV + g) * s.HS, s.C3, s.T, Tk, s.HS, 1.0f);
+  std::fill(dk, dk + 2 * Tk * HSp, 0.0f);
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
-    for (int64_t t = 0; t < s.T; ++t) {
+    for (int64_t t = 0; t < Tq; ++t) {
+      if (t >= s.T) {
+        lse_g[hh * Tq + t] = kInf;
+        dd[hh * Tq + t] = 0.0f;
+        continue;
+      }
       const int64_t at = (b * s.T + t) * C + h * s.HS;
       copy_rows(row, HSp, out + at, 0, 1, 1, s.HS, 1.0f);
       copy_rows(row + HSp, HSp, dout + at, 0, 1, 1, s.HS, 1.0f);
       V acc = O::zero();
-      for (int64_t d = 0; d < HSp; d += 8) acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
-      dd[hh * Tp + t] = O::hsum(acc);
-    }
-    std::fill(dd + hh * Tp + s.T, dd + (hh + 1) * Tp, 0.0f);
-  }
-  std::fill(dq, dq + s.group * Tp * HSp, 0.0f);
-
-  for (int64_t kb = 0; kb < s.blocks; ++kb) {
-    const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 8);
-    const float* krow = base + k0 * s.C3 + (s.NH + g) * s.HS;
-    const float* vrow = base + k0 * s.C3 + (s.NH + s.NKV + g) * s.HS;
-    copy_rows(kr, HSp, krow, s.C3, nk, nkp, s.HS, 1.0f);
-    copy_transposed(kt, HSp, krow, s.C3, nk, nkp, s.HS);
-    copy_transposed(vt, HSp, vrow, s.C3, nk, nkp, s.HS);
-    std::fill(dk, dk + nkp * HSp, 0.0f);
-    std::fill(dv, dv + nkp * HSp, 0.0f);
-
-    for (int64_t hh = 0; hh < s.group; ++hh) {
-      const int64_t h = g * s.group + hh;
-      for (int64_t qb = kb; qb < s.blocks; ++qb) {
-        const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 4);
-        const int64_t diag = q0 - k0;
-        copy_rows(qs, HSp, base + q0 * s.C3 + h * s.HS, s.C3, nq, nqp, s.HS, s.scale);
-        copy_rows(go, HSp, dout + (b * s.T + q0) * C + h * s.HS, C, nq, nqp, s.HS, 1.0f);
-        const float* lse_row = lse + (b * s.NH + h) * s.T + q0;
-        for (int64_t r = 0; r < nqp; ++r) lse_t[r] = r < nq ? lse_row[r] : kInf;
-
-        const Band score_band{.n_off = 4 + diag};
-        tile_mm<O>(p, kBlk, qs, HSp, 1, kt, kBlk, nqp, nkp, HSp, false, score_band);
-        tile_mm<O>(ds, kBlk, go, HSp, 1, vt, kBlk, nqp, nkp, HSp, false, score_band);
-        const float* d_row = dd + hh * Tp + q0;
-        for (int64_t r = 0; r < nqp; ++r) {
-          float* pr = p + r * kBlk;
-          float* dsr = ds + r * kBlk;
-          const int64_t w = score_band.cols(r / 4 * 4, nkp);
-          const int64_t valid = std::min(nk, q0 + r + 1 - k0);
-          const V lv = O::set1(lse_t[r]), dv_ = O::set1(d_row[r]);
-          for (int64_t c = 0; c < w; c += 8) {
-            const V x = O::keep_first(O::load(pr + c), valid - c, -kInf);
-            const V e = O::exp(O::sub(x, lv));
-            O::store(pr + c, e);
-            O::store(dsr + c, O::mul(e, O::sub(O::load(dsr + c), dv_)));
-          }
-          std::fill(pr + w, pr + nkp, 0.0f);
-          std::fill(dsr + w, dsr + nkp, 0.0f);
-        }
-        const Band key_band{.k_begin_off = -diag};
-        tile_mm<O>(dv, HSp, p, 1, kBlk, go, HSp, nkp, HSp, nqp, true, key_band);
-        tile_mm<O>(dk, HSp, ds, 1, kBlk, qs, HSp, nkp, HSp, nqp, true, key_band);
-        tile_mm<O>(dq + (hh * Tp + q0) * HSp, HSp, ds, kBlk, 1, kr, HSp, nqp, HSp, nkp, true,
-                   Band{.k_end_off = 4 + diag});
-      }
-    }
-    for (int64_t j = 0; j < nk; ++j) {
-      float* drow = dqkv + (b * s.T + k0 + j) * s.C3;
-      std::memcpy(drow + (s.NH + g) * s.HS, dk + j * HSp, s.HS * sizeof(float));
-      std::memcpy(drow + (s.NH + s.NKV + g) * s.HS, dv + j * HSp, s.HS * sizeof(float));
+      for (int64_t d = 0; d < HSp; d += 8)
+        acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
+      dd[hh * Tq + t] = O::hsum(acc);
+      lse_g[hh * Tq + t] = lse[(b * s.NH + h) * s.T + t];
     }
   }
 
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
-    for (int64_t t = 0; t < s.T; ++t) {
-      float* drow = dqkv + (b * s.T + t) * s.C3 + h * s.HS;
-      const float* src = dq + (hh * Tp + t) * HSp;
-      for (int64_t d = 0; d < s.HS; ++d) drow[d] = src[d] * s.scale;
+    for (int64_t qb = 0; qb < s.blocks; ++qb) {
+      const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 8);
+      const float* qrow = base + q0 * s.C3 + h * s.HS;
+      const float* gorow = dout + (b * s.T + q0) * C + h * s.HS;
+      copy_rows(qs, HSp, qrow, s.C3, nq, nqp, s.HS, s.scale);
+      copy_transposed(qt, HSp, qrow, s.C3, nq, nqp, s.HS, s.scale);
+      copy_rows(go, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
+      copy_transposed(got, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
+      std::fill(dq, dq + nqp * HSp, 0.0f);
+      const float* lse_q = lse_g + hh * Tq + q0;
+      const float* d_q = dd + hh * Tq + q0;
+
+      for (int64_t kb = 0; kb <= qb; ++kb) {
+        const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
+        const int64_t diag = q0 - k0;
+        const float* kr = kall + k0 * HSp;
+        const Band score_band{.n_begin_off = -diag};
+        tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, score_band);
+        tile_mm<O>(dst, kBlk, vall + k0 * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
+        for (int64_t c = 0; c < nqp; c += 8) {
+          const int64_t rows = visible_rows(c, diag, nk);
+          const V lv = O::load(lse_q + c), dv_ = O::load(d_q + c);
+          for (int64_t j = 0; j < rows; ++j) {
+            float* x = pt + j * kBlk + c;
+            float* y = dst + j * kBlk + c;
+            V sc = O::load(x);
+            if (j - diag - c > 0) sc = O::keep_from(sc, j - diag - c, -kInf);
+            const V p = O::exp(O::sub(sc, lv));
+            O::store(x, p);
+            O::store(y, O::mul(p, O::sub(O::load(y), dv_)));
+          }
+          for (int64_t j = rows; j < nkp; ++j) {
+            O::store(pt + j * kBlk + c, O::zero());
+            O::store(dst + j * kBlk + c, O::zero());
+          }
+        }
+        const Band key_band{.k_begin_off = -diag};
+        tile_mm<O>(dv + k0 * HSp, HSp, pt, kBlk, 1, go, HSp, nkp, HSp, nqp, true, key_band);
+        tile_mm<O>(dk + k0 * HSp, HSp, dst, kBlk, 1, qs, HSp, nkp, HSp, nqp, true, key_band);
+        tile_mm<O>(dq, HSp, dst, 1, kBlk, kr, HSp, nqp, HSp, nkp, true,
+                   Band{.k_end_off = 4 + diag});
+      }
+      for (int64_t i = 0; i < nq; ++i) {
+        float* drow = dqkv + (b * s.T + q0 + i) * s.C3 + h * s.HS;
+        for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
+      }
     }
+  }
+  for (int64_t t = 0; t < s.T; ++t) {
+    float* drow = dqkv + (b * s.T + t) * s.C3;
+    std::memcpy(drow + (s.NH + g) * s.HS, dk + t * HSp, s.HS * sizeof(float));
+    std::memcpy(drow + (s.NH + s.NKV + g) * s.HS, dv + t * HSp, s.HS * sizeof(float));
   }
 }
 
 template <class O>
-void backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-              const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+void backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const Shape s = make_shape(B, T, NH, NKV, HS);
-  const int64_t Tp = round_up(T, 4);
-  const size_t need = static_cast<size_t>(7 * kBlk * s.HSp + 2 * kBlk * kBlk + kBlk + 2 * s.HSp +
-                                          s.group * Tp * (1 + s.HSp));
+  const int64_t Tk = round_up(T, 4), Tq = round_up(T, 8);
+  const size_t need = static_cast<size_t>(4 * Tk * s.HSp + 2 * s.group * Tq + 5 * kBlk * s.HSp +
+                                          2 * kBlk * kBlk + 2 * s.HSp);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u)
@@ -432,9 +467,9 @@ void attention_forward_portable(float* out, float* lse, const float* qkv, int64_
                                 int64_t NH, int64_t NKV, int64_t HS) {
   forward<PortableOps>(out, lse, qkv, B, T, NH, NKV, HS);
 }
-void attention_backward_portable(float* dqkv, const float* dout, const float* qkv,
-                                 const float* out, const float* lse, int64_t B, int64_t T,
-                                 int64_t NH, int64_t NKV, int64_t HS) {
+void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out,
+                                 const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                 int64_t HS) {
   backward<PortableOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
 }
 }  // namespace detail

@@ -4,22 +4,31 @@
 // heads, then NKV key heads, then NKV value heads, HS each. Query head h reads key/value head
 // h / (NH / NKV). Softmax scale 1/sqrt(HS); position t attends to positions 0..t.
 //
-// Forward: keys in blocks of kAttnBlock positions, online softmax (running max and sum, the output
-// accumulator rescaled when the max grows), never the full T x T score matrix. Saves lse (B, NH, T)
-// = log-sum-exp of each query's scaled scores. Backward recomputes the probabilities as
-// exp(score - lse), with D_t = dot(dout_t, out_t) and dS = P * (dP - D).
+// Forward: keys in blocks of kAttnBlock positions, online softmax (running max m and sum l, the
+// output accumulator rescaled when the max grows), never the full T x T score matrix. Saves
+// lse (B, NH, T) = log-sum-exp of each query's scaled scores. Backward recomputes the
+// probabilities as exp(score - lse), with D_t = dot(dout_t, out_t) and dS = P * (dP - D).
 //
-// Arithmetic, which fixes every bit: q is scaled once (q * scale, rounded); a score is one FMA chain
-// over d = 0..HS-1. The forward visits key blocks 0, 1, ... in order; within a block a row's
-// max and sum use a fixed lane order (vm::hsum), and out_t += p * v is one FMA chain over the keys
-// in order. In the backward, dv_j and dk_j are FMA chains over (query head of the group, then query
-// position ascending), and dq_t is one FMA chain over the keys 0..t, times scale at the end.
+// Arithmetic, which fixes every bit (scale = 1/sqrt(HS) rounded to float):
+//   qs = q * scale (rounded once); a score s_tj is one FMA chain over d = 0..HS-1 of
+//   k_j[d] * qs_t[d]; keys after the query get s = -inf, hence p = 0 exactly. exp is vm::exp.
+//   Forward, per key block in order 0, 1, ...: m' = max(m, max of the block's scores);
+//   p = exp(s - m'); l = fma(l, exp(m - m'), sum of the block's p in key order); acc = acc *
+//   exp(m - m'), then acc += p * v_j as one FMA chain over the block's keys in order. At the end
+//   out = acc / l and lse = m + log(l).
+//   Backward: D_t = 8 lane-partial FMA chains over d, combined in vm::hsum's order; dP_tj is one
+//   FMA chain over d of v_j[d] * dout_t[d]; dS = p * (dP - D). dv_j and dk_j are FMA chains over
+//   (query head of the group, then query position ascending) of p * dout_t and dS * qs_t; dq_t is
+//   one FMA chain over keys 0..t of dS * k_j, then times scale.
 //
 // Work split and determinism: the forward is split over (b, query head, query block of kAttnBlock
 // positions); the backward over (b, kv head): one thread computes dk and dv of that kv head and dq
-// of its NH/NKV query heads, so no output is written by two threads and there are no atomics. Block
-// sizes are constants, so the bits do not depend on the thread count. The AVX2 form and the
-// portable form (detail::) perform the same IEEE operations lane by lane and give the same bits.
+// of its NH/NKV query heads, so no output is written by two threads and there are no atomics (the
+// backward therefore has B*NKV parallel units). Block sizes are constants, so the bits do not
+// depend on the thread count. The AVX2 form and the portable form (detail::) perform the same IEEE
+// operations lane by lane and give the same bits. Scratch is thread-local and grows to the largest
+// shape seen (the backward holds k, v, dk, dv of one (b, kv head): 4*T*HS floats), so steady-state
+// calls do not allocate.
 #pragma once
 
 #include <cstdint>
@@ -34,7 +43,8 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 
 // dqkv (B, T, (NH + 2*NKV)*HS) is assigned. out and lse are what attention_forward returned.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                        int64_t HS);
 
 namespace detail {
 // The portable forms, exposed so tests can check them against the AVX2 forms bitwise.
