@@ -7,6 +7,7 @@
 #include <filesystem>
 
 #include "lockstep/config/config.h"
+#include "lockstep/core/error.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
 #include "testing.h"
@@ -106,14 +107,14 @@ TEST(Training, TextSourceErrorsNameTheFile) {
   try {
     quiet_train(debug_job(dir.path("run"), {"data.source=text:" + dir.path("nope.txt")}));
     FAIL() << "expected an error";
-  } catch (const UserError& e) {
+  } catch (const lockstep::UserError& e) {
     EXPECT_NE(std::string(e.what()).find(dir.path("nope.txt")), std::string::npos) << e.what();
   }
   const std::string tiny = dir.write("tiny.txt", "too short");
   try {
     quiet_train(debug_job(dir.path("run"), {"data.source=text:" + tiny}));
     FAIL() << "expected an error";
-  } catch (const UserError& e) {
+  } catch (const lockstep::UserError& e) {
     EXPECT_NE(std::string(e.what()).find("tiny.txt' has 9 bytes"), std::string::npos) << e.what();
   }
   EXPECT_FALSE(std::filesystem::exists(dir.path("run"))) << "nothing is written when the input is bad";
