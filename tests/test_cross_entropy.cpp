@@ -13,22 +13,10 @@ namespace lockstep {
 namespace {
 
 using testing::all_close;
+using testing::with_threads;
 using testing::bitwise_equal;
+using testing::random_ints;
 using testing::randn;
-
-template <typename Fn>
-void with_threads(int threads, Fn&& fn) {
-  ThreadPool pool(threads);
-  ThreadPool::Bind bind(&pool);
-  fn();
-}
-
-std::vector<int32_t> random_targets(int64_t n, int64_t V, uint64_t seed) {
-  const RandomStream rng(seed, purpose_id("targets"));
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng.bits(i) % V);
-  return t;
-}
 
 // Double-precision reference: loss of one row, and its gradient scaled by grad_scale.
 double ref_loss(const double* x, int64_t V, int32_t target) {
@@ -74,7 +62,7 @@ TEST(CrossEntropy, ForwardMatchesReference) {
     SCOPED_TRACE(V);
     const int64_t N = 4, ld = V + 3;
     const auto logits = randn(N * ld, 10, "logits", 3.0f);
-    auto targets = random_targets(N, V, 10);
+    auto targets = random_ints(N, V, 10, "targets");
     targets[2] = -1;
     std::vector<float> losses(N, -1.0f);
     cross_entropy_forward(losses.data(), logits.data(), targets.data(), N, V, ld);
@@ -107,7 +95,7 @@ TEST(CrossEntropy, GradientMatchesReferenceAcrossChunks) {
   const int64_t N = 4, V = 2 * kXentChunk + 4, ld = V + 11;
   const float grad_scale = 1.0f / 3.0f;
   const auto x0 = randn(N * ld, 12, "logits", 4.0f);
-  auto targets = random_targets(N, V, 12);
+  auto targets = random_ints(N, V, 12, "targets");
   targets[1] = static_cast<int32_t>(V - 1);  // the target in the last, short chunk
   std::vector<float> fwd_losses(N), losses(N);
   cross_entropy_forward(fwd_losses.data(), x0.data(), targets.data(), N, V, ld);
@@ -206,7 +194,7 @@ TEST(CrossEntropy, VectorBodyAndTailAgree) {
 TEST(CrossEntropy, BitwiseAcrossThreadCounts) {
   const int64_t N = 37, V = kXentChunk + 52, ld = V;
   const auto x0 = randn(N * ld, 18, "logits", 2.0f);
-  auto targets = random_targets(N, V, 18);
+  auto targets = random_ints(N, V, 18, "targets");
   targets[5] = -1;
   std::vector<float> fwd[4], losses[4], grads[4];
   for (int threads = 1; threads <= 3; ++threads) {

@@ -11,25 +11,13 @@ namespace lockstep {
 namespace {
 
 using testing::bitwise_equal;
+using testing::random_ints;
+using testing::with_threads;
 using testing::randn;
-
-template <typename Fn>
-void with_threads(int threads, Fn&& fn) {
-  ThreadPool pool(threads);
-  ThreadPool::Bind bind(&pool);
-  fn();
-}
-
-std::vector<int32_t> random_tokens(int64_t n, int64_t V, uint64_t seed) {
-  const RandomStream rng(seed, purpose_id("tokens"));
-  std::vector<int32_t> t(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng.bits(i) % V);
-  return t;
-}
 
 TEST(Embedding, ForwardMatchesReference) {
   const int64_t B = 2, T = 5, C = 13, V = 11;
-  const auto tokens = random_tokens(B * T, V, 1);
+  const auto tokens = random_ints(B * T, V, 1, "tokens");
   const auto wte = randn(V * C, 1, "wte"), wpe = randn(T * C, 1, "wpe");
   for (bool positions : {true, false}) {
     std::vector<float> out(B * T * C);
@@ -69,7 +57,7 @@ TEST(Embedding, ForwardRejectsTokenOutsideVocabulary) {
 // The backward is linear in dout: compare with the direct sum, computed in double.
 TEST(Embedding, BackwardMatchesReferenceSum) {
   const int64_t B = 3, T = 7, C = 19, V = 6;  // 21 positions over 6 tokens: many repeats
-  const auto tokens = random_tokens(B * T, V, 3);
+  const auto tokens = random_ints(B * T, V, 3, "tokens");
   const auto dout = randn(B * T * C, 3, "dout");
   auto dwte = randn(V * C, 3, "dwte0"), dwpe = randn(T * C, 3, "dwpe0");
   std::vector<double> ref_wte = testing::to_double(dwte), ref_wpe = testing::to_double(dwpe);
@@ -89,7 +77,7 @@ TEST(Embedding, BackwardMatchesReferenceSum) {
 // the plain serial loop, so the result must equal that loop bit for bit.
 TEST(Embedding, BackwardSumsInPositionOrder) {
   const int64_t B = 4, T = 9, C = 21, V = 5;
-  const auto tokens = random_tokens(B * T, V, 4);
+  const auto tokens = random_ints(B * T, V, 4, "tokens");
   const auto dout = randn(B * T * C, 4, "dout", 3.0f);
   auto dwte = randn(V * C, 4, "dwte0"), dwpe = randn(T * C, 4, "dwpe0");
   auto serial_wte = dwte, serial_wpe = dwpe;
@@ -115,9 +103,9 @@ struct TokenCase {
 TEST(Embedding, BitwiseAcrossThreadCounts) {
   const int64_t B = 4, T = 50, C = 37, V = 300;
   std::vector<TokenCase> cases;
-  cases.push_back({"uniform", random_tokens(B * T, V, 5)});
+  cases.push_back({"uniform", random_ints(B * T, V, 5, "tokens")});
   cases.push_back({"all one token", std::vector<int32_t>(B * T, 17)});
-  std::vector<int32_t> skewed = random_tokens(B * T, V, 6);
+  std::vector<int32_t> skewed = random_ints(B * T, V, 6, "tokens");
   for (size_t i = 0; i < skewed.size(); ++i) skewed[i] = skewed[i] % 3 == 0 ? 42 : skewed[i] % 4;
   cases.push_back({"four tokens and one frequent one", skewed});
 

@@ -33,13 +33,7 @@ struct Batch {
 };
 
 Batch make_batch(int64_t n, int64_t V, uint64_t seed) {
-  Batch b;
-  const RandomStream rng(seed, purpose_id("batch"));
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.push_back(static_cast<int32_t>(rng.bits(2 * i) % V));
-    b.targets.push_back(static_cast<int32_t>(rng.bits(2 * i + 1) % V));
-  }
-  return b;
+  return {testing::random_ints(n, V, seed, "tokens"), testing::random_ints(n, V, seed, "targets")};
 }
 
 // For each parameter tensor p and a random unit direction d inside it, compares the analytic

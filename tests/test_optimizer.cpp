@@ -13,15 +13,9 @@ namespace lockstep {
 namespace {
 
 using testing::all_close;
+using testing::with_threads;
 using testing::bitwise_equal;
 using testing::randn;
-
-template <typename Fn>
-void with_threads(int threads, Fn&& fn) {
-  ThreadPool pool(threads);
-  ThreadPool::Bind bind(&pool);
-  fn();
-}
 
 const AdamW kHp{.lr = 1e-2f, .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .weight_decay = 0.1f};
 

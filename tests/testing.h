@@ -15,8 +15,17 @@
 #include <vector>
 
 #include "lockstep/core/philox.h"
+#include "lockstep/core/thread_pool.h"
 
 namespace lockstep::testing {
+
+// Runs fn() with a pool of `threads` bound to this thread.
+template <typename Fn>
+void with_threads(int threads, Fn&& fn) {
+  ThreadPool pool(threads);
+  ThreadPool::Bind bind(&pool);
+  fn();
+}
 
 // n normal values * scale, drawn from Philox keyed by (seed, name).
 inline std::vector<float> randn(int64_t n, uint64_t seed, const std::string& name = "test",
@@ -24,6 +33,14 @@ inline std::vector<float> randn(int64_t n, uint64_t seed, const std::string& nam
   std::vector<float> v(static_cast<size_t>(n));
   RandomStream(seed, purpose_id(name)).fill_normal(v.data(), n, scale);
   return v;
+}
+
+// n integers uniform in [0, V) (token ids, targets), from Philox keyed by (seed, name).
+inline std::vector<int32_t> random_ints(int64_t n, int64_t V, uint64_t seed, const std::string& name) {
+  const RandomStream rng(seed, purpose_id(name));
+  std::vector<int32_t> t(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) t[i] = static_cast<int32_t>(rng.bits(i) % V);
+  return t;
 }
 
 inline std::vector<double> to_double(const std::vector<float>& v) {
