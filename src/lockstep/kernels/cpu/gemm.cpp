@@ -5,7 +5,7 @@
 // It loads the tile's running value (init on the first K block, C afterwards), continues the FMA
 // chain over the K block, and stores it back. Every element of C is therefore one chain
 // fma(a_k, b_k, acc) for k = 0..K-1 in order, whatever the blocking, the thread split or the
-// micro-kernel, which is the determinism contract of gemm.h.
+// micro-kernel, which is the determinism contract of gemm.h. Packing only copies values.
 #include "lockstep/kernels/cpu/gemm.h"
 
 #include <algorithm>
@@ -19,132 +19,16 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
+// GCC keeps a micro-kernel's accumulator array in registers only if the loops over it are unrolled
+// before its scalar-replacement pass; without this it spills them to the stack on every k.
+#define LOCKSTEP_UNROLL _Pragma("GCC unroll 64")
+
 namespace lockstep {
 
 namespace {
 
 // Where a tile's chain starts on this K block.
 enum class Init : uint8_t { kC, kZero, kBias };
-
-// Computes the MR x NR tile c (row stride ldc) over kc steps from packed panels a (kc x MR) and
-// b (kc x NR). init kBias reads NR values of bias.
-using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                             Init init, const float* bias);
-
-struct Kernel {
-  const char* name;
-  int mr, nr;
-  int64_t mc, kc, nc;  // cache blocks: A block mc x kc stays in L2, a B micro-panel kc x nr in L1
-  MicroKernel run;
-};
-
-constexpr int kMaxTile = 32 * 64;  // largest MR * NR of any micro-kernel below
-
-// ---------------------------------------------------------------- micro-kernels
-
-template <int MR, int NR>
-void kernel_portable(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                     const float* bias) {
-  float acc[MR][NR];
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) {
-      acc[i][j] = init == Init::kC ? c[i * ldc + j] : init == Init::kBias ? bias[j] : 0.0f;
-    }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-      for (int j = 0; j < NR; ++j) acc[i][j] = std::fma(a[i], b[j], acc[i][j]);
-    }
-    a += MR;
-    b += NR;
-  }
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < NR; ++j) c[i * ldc + j] = acc[i][j];
-  }
-}
-
-#ifdef LOCKSTEP_AVX2
-// MR rows of NV vectors of 8: MR * NV accumulators + NV for B + 1 broadcast of A <= 16 ymm.
-template <int MR, int NV>
-void kernel_avx2(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                 const float* bias) {
-  __m256 acc[MR][NV];
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) {
-      if (init == Init::kC) {
-        acc[i][v] = _mm256_loadu_ps(c + i * ldc + 8 * v);
-      } else if (init == Init::kBias) {
-        acc[i][v] = _mm256_loadu_ps(bias + 8 * v);
-      } else {
-        acc[i][v] = _mm256_setzero_ps();
-      }
-    }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    __m256 bv[NV];
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) bv[v] = _mm256_load_ps(b + 8 * v);
-    _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-      const __m256 av = _mm256_broadcast_ss(a + i);
-      _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
-    }
-    a += MR;
-    b += 8 * NV;
-  }
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
-  }
-}
-
-// Zen 4 runs a 512-bit FMA as two 256-bit halves, so AVX-512 does not raise the FLOP peak; it
-// doubles the register file, which allows a tile with half the loads per FMA.
-template <int MR, int NV>
-__attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const float* a, const float* b,
-                                                      float* c, int64_t ldc, Init init,
-                                                      const float* bias) {
-  __m512 acc[MR][NV];
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) {
-      if (init == Init::kC) {
-        acc[i][v] = _mm512_loadu_ps(c + i * ldc + 16 * v);
-      } else if (init == Init::kBias) {
-        acc[i][v] = _mm512_loadu_ps(bias + 16 * v);
-      } else {
-        acc[i][v] = _mm512_setzero_ps();
-      }
-    }
-  }
-  for (int64_t k = 0; k < kc; ++k) {
-    __m512 bv[NV];
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
-    _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-      const __m512 av = _mm512_set1_ps(a[i]);
-      _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
-    }
-    a += MR;
-    b += 16 * NV;
-  }
-  _Pragma("GCC unroll 64") for (int i = 0; i < MR; ++i) {
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
-  }
-}
-#endif
-
-const Kernel kPortable{"portable", 6, 16, 144, 256, 4080, kernel_portable<6, 16>};
-#ifdef LOCKSTEP_AVX2
-const Kernel kAvx2{"avx2-6x16", 6, 16, 144, 256, 4080, kernel_avx2<6, 2>};
-const Kernel kAvx512{"avx512-12x32", 12, 32, 144, 256, 4096, kernel_avx512<12, 2>};
-#endif
-
-const Kernel& best_kernel() {
-#ifdef LOCKSTEP_AVX2
-  static const Kernel& k = __builtin_cpu_supports("avx512f") ? kAvx512 : kAvx2;
-  return k;
-#else
-  return kPortable;
-#endif
-}
-
-// ---------------------------------------------------------------- operands and packing
 
 struct Problem {
   float* C;
@@ -159,6 +43,215 @@ struct Problem {
   Init init;
   const float* bias;
 };
+
+// ---------------------------------------------------------------- micro-kernels
+//
+// kernel(kc, a, b, c, ldc, init, bias): the MR x NR tile c (row stride ldc) continues its chains
+// over kc steps of the packed panels a (kc x MR) and b (kc x NR, 64-byte aligned). Init kBias
+// starts every row from bias[0 .. NR).
+// Kept out of line: inlined into the driver, their accumulators compete with its registers.
+using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
+                             Init init, const float* bias);
+
+template <int MR, int NR>
+[[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                     const float* bias) {
+  float acc[MR][NR];
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) {
+      acc[i][j] = init == Init::kC ? c[i * ldc + j] : init == Init::kBias ? bias[j] : 0.0f;
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+      LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = std::fma(a[i], b[j], acc[i][j]);
+    }
+    a += MR;
+    b += NR;
+  }
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) c[i * ldc + j] = acc[i][j];
+  }
+}
+
+#ifdef LOCKSTEP_AVX2
+// MR rows of NV vectors of 8: MR * NV accumulators, NV for B and one broadcast of A in 16 ymm.
+template <int MR, int NV>
+[[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                 const float* bias) {
+  __m256 acc[MR][NV];
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+      if (init == Init::kC) {
+        acc[i][v] = _mm256_loadu_ps(c + i * ldc + 8 * v);
+      } else if (init == Init::kBias) {
+        acc[i][v] = _mm256_loadu_ps(bias + 8 * v);
+      } else {
+        acc[i][v] = _mm256_setzero_ps();
+      }
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    __m256 bv[NV];
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm256_load_ps(b + 8 * v);
+    LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m256 av = _mm256_broadcast_ss(a + i);
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+    a += MR;
+    b += 8 * NV;
+  }
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
+  }
+}
+
+// Zen 4 executes a 512-bit FMA as two 256-bit halves, so AVX-512 does not raise the FLOP peak, but
+// its 32 registers hold a 4 x 64 tile: 4 loads of B and 4 broadcasts feed 16 FMAs. B streams from
+// L2 (kc x 64 panel), A from L1, which is what lets a large kc amortise the C tile's load/store.
+template <int MR, int NV>
+[[gnu::noinline]] __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const float* a, const float* b,
+                                                      float* c, int64_t ldc, Init init,
+                                                      const float* bias) {
+  __m512 acc[MR][NV];
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+      if (init == Init::kC) {
+        acc[i][v] = _mm512_loadu_ps(c + i * ldc + 16 * v);
+      } else if (init == Init::kBias) {
+        acc[i][v] = _mm512_loadu_ps(bias + 16 * v);
+      } else {
+        acc[i][v] = _mm512_setzero_ps();
+      }
+    }
+  }
+  for (int64_t k = 0; k < kc; ++k) {
+    __m512 bv[NV];
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
+    LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+      const __m512 av = _mm512_set1_ps(a[i]);
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+    }
+    a += MR;
+    b += 16 * NV;
+  }
+  LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+    LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
+  }
+}
+#endif
+
+// ---------------------------------------------------------------- packing
+//
+// A block of op(A) or op(B) is packed into panels of W (MR rows or NR columns), each panel K-major
+// (kc steps of W values), the last panel zero-padded. The source has one of two layouts, which
+// covers both operands in both transposes:
+//   pack_rows: element (k, x) at src[k * ld + x]   (A transposed, B not)
+//   pack_cols: element (k, x) at src[x * ld + k]   (A not transposed, B transposed)
+
+template <int W>
+void pack_rows(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc,
+               int64_t len) {
+  const int64_t full = len / W, rem = len % W, panel = kc * W;
+  // k outer: each source row is read once, front to back, and written to every panel.
+  for (int64_t k = 0; k < kc; ++k) {
+    const float* s = src + k * ld;
+    float* d = dst + k * W;
+    for (int64_t q = 0; q < full; ++q) {
+      LOCKSTEP_UNROLL for (int x = 0; x < W; ++x) d[q * panel + x] = s[q * W + x];
+    }
+    if (rem) {
+      float* dr = d + full * panel;
+      for (int64_t x = 0; x < rem; ++x) dr[x] = s[full * W + x];
+      for (int64_t x = rem; x < W; ++x) dr[x] = 0.0f;
+    }
+  }
+}
+
+#ifdef LOCKSTEP_AVX2
+// 8 source rows of 8 consecutive k -> 8 rows of 8 x, one per k, at dst + k * stride.
+inline void transpose_8x8(float* dst, int64_t stride, const float* src, int64_t ld) {
+  __m256 r[8], t[8];
+  LOCKSTEP_UNROLL for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * ld);
+  LOCKSTEP_UNROLL for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  LOCKSTEP_UNROLL for (int h = 0; h < 8; h += 4) {
+    r[h + 0] = _mm256_shuffle_ps(t[h], t[h + 2], 0x44);      // k0 | k4
+    r[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], 0xEE);      // k1 | k5
+    r[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0x44);  // k2 | k6
+    r[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], 0xEE);  // k3 | k7
+  }
+  LOCKSTEP_UNROLL for (int i = 0; i < 4; ++i) {
+    _mm256_storeu_ps(dst + i * stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(dst + (i + 4) * stride, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// 4 source rows of 8 consecutive k -> 32 contiguous values, 4 per k.
+inline void transpose_4x8(float* dst, const float* src, int64_t ld) {
+  const __m256 r0 = _mm256_loadu_ps(src), r1 = _mm256_loadu_ps(src + ld);
+  const __m256 r2 = _mm256_loadu_ps(src + 2 * ld), r3 = _mm256_loadu_ps(src + 3 * ld);
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+  const __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+  const __m256 k04 = _mm256_shuffle_ps(t0, t2, 0x44), k15 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 k26 = _mm256_shuffle_ps(t1, t3, 0x44), k37 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  _mm256_storeu_ps(dst, _mm256_permute2f128_ps(k04, k15, 0x20));
+  _mm256_storeu_ps(dst + 8, _mm256_permute2f128_ps(k26, k37, 0x20));
+  _mm256_storeu_ps(dst + 16, _mm256_permute2f128_ps(k04, k15, 0x31));
+  _mm256_storeu_ps(dst + 24, _mm256_permute2f128_ps(k26, k37, 0x31));
+}
+#endif
+
+template <int W>
+void pack_cols(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc,
+               int64_t len) {
+  for (int64_t x0 = 0; x0 < len; x0 += W, dst += kc * W) {
+    const int64_t rows = std::min<int64_t>(W, len - x0);
+    const float* s = src + x0 * ld;
+    int64_t k = 0;
+#ifdef LOCKSTEP_AVX2
+    if constexpr (W % 8 == 0) {
+      if (rows == W) {
+        for (; k + 8 <= kc; k += 8) {
+          for (int r = 0; r < W; r += 8) transpose_8x8(dst + k * W + r, W, s + r * ld + k, ld);
+        }
+      }
+    } else if constexpr (W == 4) {
+      if (rows == W) {
+        for (; k + 8 <= kc; k += 8) transpose_4x8(dst + k * W, s + k, ld);
+      }
+    }
+#endif
+    for (; k < kc; ++k) {
+      for (int64_t r = 0; r < rows; ++r) dst[k * W + r] = s[r * ld + k];
+      for (int64_t r = rows; r < W; ++r) dst[k * W + r] = 0.0f;
+    }
+  }
+}
+
+// op(A)[i0, i0 + mc) x [k0, k0 + kc) into panels of MR rows.
+template <int MR>
+void pack_a(float* dst, const Problem& p, int64_t i0, int64_t mc, int64_t k0, int64_t kc) {
+  if (p.ta == Trans::T) {
+    pack_rows<MR>(dst, p.A + k0 * p.lda + i0, p.lda, kc, mc);
+  } else {
+    pack_cols<MR>(dst, p.A + i0 * p.lda + k0, p.lda, kc, mc);
+  }
+}
+
+// op(B)[k0, k0 + kc) x [j0, j0 + nc) into panels of NR columns.
+template <int NR>
+void pack_b(float* dst, const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t nc) {
+  if (p.tb == Trans::N) {
+    pack_rows<NR>(dst, p.B + k0 * p.ldb + j0, p.ldb, kc, nc);
+  } else {
+    pack_cols<NR>(dst, p.B + j0 * p.ldb + k0, p.ldb, kc, nc);
+  }
+}
+
+// ---------------------------------------------------------------- driver
 
 // 64-byte aligned scratch that only grows: the packing buffers of one thread, reused across calls.
 class Scratch {
@@ -180,61 +273,6 @@ class Scratch {
   size_t size_ = 0;
 };
 
-// op(A)[i0 .. i0+mc) x [k0 .. k0+kc) into panels of mr rows: panel p holds, for each k, the mr
-// values of rows i0 + p*mr ..., rows past M zero.
-void pack_a(float* dst, const Problem& p, int64_t i0, int64_t mc, int64_t k0, int64_t kc, int mr) {
-  for (int64_t ip = 0; ip < mc; ip += mr) {
-    const int64_t rows = std::min<int64_t>(mr, mc - ip);
-    const int64_t i = i0 + ip;
-    if (p.ta == Trans::T) {
-      // Stored K x M: each k is a contiguous run of rows.
-      for (int64_t k = 0; k < kc; ++k) {
-        const float* src = p.A + (k0 + k) * p.lda + i;
-        float* d = dst + k * mr;
-        std::memcpy(d, src, rows * sizeof(float));
-        std::fill(d + rows, d + mr, 0.0f);
-      }
-    } else {
-      for (int64_t r = 0; r < rows; ++r) {
-        const float* src = p.A + (i + r) * p.lda + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * mr + r] = src[k];
-      }
-      for (int64_t r = rows; r < mr; ++r) {
-        for (int64_t k = 0; k < kc; ++k) dst[k * mr + r] = 0.0f;
-      }
-    }
-    dst += kc * mr;
-  }
-}
-
-// op(B)[k0 .. k0+kc) x [j0 .. j0+nc) into panels of nr columns, columns past N zero.
-void pack_b(float* dst, const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t nc, int nr) {
-  for (int64_t jp = 0; jp < nc; jp += nr) {
-    const int64_t cols = std::min<int64_t>(nr, nc - jp);
-    const int64_t j = j0 + jp;
-    if (p.tb == Trans::N) {
-      for (int64_t k = 0; k < kc; ++k) {
-        const float* src = p.B + (k0 + k) * p.ldb + j;
-        float* d = dst + k * nr;
-        std::memcpy(d, src, cols * sizeof(float));
-        std::fill(d + cols, d + nr, 0.0f);
-      }
-    } else {
-      // Stored N x K: read each column's K run contiguously, scatter into the L1-resident panel.
-      for (int64_t c = 0; c < cols; ++c) {
-        const float* src = p.B + (j + c) * p.ldb + k0;
-        for (int64_t k = 0; k < kc; ++k) dst[k * nr + c] = src[k];
-      }
-      for (int64_t c = cols; c < nr; ++c) {
-        for (int64_t k = 0; k < kc; ++k) dst[k * nr + c] = 0.0f;
-      }
-    }
-    dst += kc * nr;
-  }
-}
-
-// ---------------------------------------------------------------- driver
-
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Splits `len` into equal blocks of at most `cap`, each a multiple of `unit`: avoids a thin last
@@ -244,58 +282,92 @@ int64_t balanced_block(int64_t len, int64_t cap, int64_t unit) {
   return ceil_div(ceil_div(len, blocks), unit) * unit;
 }
 
-// The tile rows [m0, m1) x columns [n0, n1) of C, on the calling thread.
-void compute_region(const Kernel& kr, const Problem& p, int64_t m0, int64_t m1, int64_t n0,
+struct Blocks {
+  int64_t mc, kc, nc;  // cache blocks: a packed B block is kc x nc, a packed A block mc x kc
+};
+
+// The rows [m0, m1) x columns [n0, n1) of C, on the calling thread. Loop order of BLIS: for each
+// B block, for each A block, every B micro-panel against every A micro-panel.
+template <int MR, int NR, MicroKernel Micro>
+void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
                     int64_t n1) {
   thread_local Scratch a_scratch, b_scratch;
-  const int mr = kr.mr, nr = kr.nr;
-  const int64_t kc_max = balanced_block(p.K, kr.kc, 1);
-  const int64_t mc_max = balanced_block(m1 - m0, kr.mc, mr);
-  const int64_t nc_max = balanced_block(n1 - n0, kr.nc, nr);
+  const int64_t kc_max = balanced_block(p.K, bl.kc, 1);
+  const int64_t mc_max = balanced_block(m1 - m0, bl.mc, MR);
+  const int64_t nc_max = balanced_block(n1 - n0, bl.nc, NR);
   float* apack = a_scratch.get(static_cast<size_t>(mc_max * kc_max));
   float* bpack = b_scratch.get(static_cast<size_t>(nc_max * kc_max));
-  alignas(64) float tile[kMaxTile];
+  alignas(64) float tile[MR * NR];
 
   for (int64_t jc = n0; jc < n1; jc += nc_max) {
     const int64_t nc = std::min(nc_max, n1 - jc);
     for (int64_t pc = 0; pc < p.K; pc += kc_max) {
       const int64_t kc = std::min(kc_max, p.K - pc);
-      pack_b(bpack, p, pc, kc, jc, nc, nr);
+      pack_b<NR>(bpack, p, pc, kc, jc, nc);
       const Init init = pc == 0 ? p.init : Init::kC;
       for (int64_t ic = m0; ic < m1; ic += mc_max) {
         const int64_t mc = std::min(mc_max, m1 - ic);
-        pack_a(apack, p, ic, mc, pc, kc, mr);
-        for (int64_t jr = 0; jr < nc; jr += nr) {
-          const int64_t cols = std::min<int64_t>(nr, nc - jr);
+        pack_a<MR>(apack, p, ic, mc, pc, kc);
+        for (int64_t jr = 0; jr < nc; jr += NR) {
+          const int64_t cols = std::min<int64_t>(NR, nc - jr);
           const float* bias = p.bias ? p.bias + jc + jr : nullptr;
-          for (int64_t ir = 0; ir < mc; ir += mr) {
-            const int64_t rows = std::min<int64_t>(mr, mc - ir);
+          const float* bp = bpack + jr * kc;
+          for (int64_t ir = 0; ir < mc; ir += MR) {
+            const int64_t rows = std::min<int64_t>(MR, mc - ir);
             const float* ap = apack + ir * kc;
-            const float* bp = bpack + jr * kc;
             float* c = p.C + (ic + ir) * p.ldc + jc + jr;
-            if (rows == mr && cols == nr) {
-              kr.run(kc, ap, bp, c, p.ldc, init, bias);
+            if (rows == MR && cols == NR) {
+              Micro(kc, ap, bp, c, p.ldc, init, bias);
               continue;
             }
-            // Edge tile: run the full kernel on a copy holding the chain's current values.
-            for (int64_t i = 0; i < mr; ++i) {
-              for (int64_t j = 0; j < nr; ++j) {
+            // Edge tile: run the full kernel on a copy holding the chains' current values.
+            for (int64_t i = 0; i < MR; ++i) {
+              for (int64_t j = 0; j < NR; ++j) {
                 float v = 0.0f;
                 if (i < rows && j < cols) {
                   v = init == Init::kC ? c[i * p.ldc + j] : init == Init::kBias ? bias[j] : 0.0f;
                 }
-                tile[i * nr + j] = v;
+                tile[i * NR + j] = v;
               }
             }
-            kr.run(kc, ap, bp, tile, nr, Init::kC, nullptr);
+            Micro(kc, ap, bp, tile, NR, Init::kC, nullptr);
             for (int64_t i = 0; i < rows; ++i) {
-              std::memcpy(c + i * p.ldc, tile + i * nr, cols * sizeof(float));
+              std::memcpy(c + i * p.ldc, tile + i * NR, cols * sizeof(float));
             }
           }
         }
       }
     }
   }
+}
+
+struct Kernel {
+  const char* name;
+  int mr, nr;
+  Blocks blocks;
+  void (*region)(const Problem&, const Blocks&, int64_t, int64_t, int64_t, int64_t);
+};
+
+const Kernel kPortable{"portable", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
+#ifdef LOCKSTEP_AVX2
+const Kernel kAvx2{"avx2-6x16", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
+const Kernel kAvx512{"avx512-4x64", 4, 64, {256, 768, 4096}, compute_region<4, 64, kernel_avx512<4, 4>>};
+#endif
+
+// Fastest first.
+std::vector<const Kernel*> runnable_kernels() {
+  std::vector<const Kernel*> kernels;
+#ifdef LOCKSTEP_AVX2
+  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&kAvx512);
+  kernels.push_back(&kAvx2);
+#endif
+  kernels.push_back(&kPortable);
+  return kernels;
+}
+
+const Kernel& best_kernel() {
+  static const Kernel& k = *runnable_kernels().front();
+  return k;
 }
 
 void write_init(const Problem& p) {
@@ -311,8 +383,8 @@ void write_init(const Problem& p) {
 }
 
 // Splits C into a grid of tm x tn rectangles, one per thread, along tile boundaries. Any split
-// gives the same bits; this one balances the tiles and then minimises the packing (a thread packs
-// the A rows and B columns of its rectangle).
+// gives the same bits; this one balances the tiles, then minimises packing (a thread packs the A
+// rows and B columns of its rectangle).
 void run(const Kernel& kr, const Problem& p) {
   if (p.M == 0 || p.N == 0) return;
   if (p.K == 0) {
@@ -325,7 +397,7 @@ void run(const Kernel& kr, const Problem& p) {
   constexpr int64_t kMinParallelWork = int64_t{1} << 18;
   const int T = pool && p.M * p.N * p.K >= kMinParallelWork ? pool->threads() : 1;
   if (T == 1) {
-    compute_region(kr, p, 0, p.M, 0, p.N);
+    kr.region(p, kr.blocks, 0, p.M, 0, p.N);
     return;
   }
   int64_t best_tm = 1, best_cost = -1, best_perimeter = 0;
@@ -346,7 +418,7 @@ void run(const Kernel& kr, const Problem& p) {
     const int64_t m1 = std::min(p.M, chunk_begin(units_m, bm + 1, tm) * kr.mr);
     const int64_t n0 = std::min(p.N, chunk_begin(units_n, bn, tn) * kr.nr);
     const int64_t n1 = std::min(p.N, chunk_begin(units_n, bn + 1, tn) * kr.nr);
-    if (m0 < m1 && n0 < n1) compute_region(kr, p, m0, m1, n0, n1);
+    if (m0 < m1 && n0 < n1) kr.region(p, kr.blocks, m0, m1, n0, n1);
   });
 }
 
@@ -363,13 +435,15 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
     return;
   }
 
+  // Each segment's chain goes to a scratch matrix, then is added to C: rare (row-parallel layouts
+  // under determinism = "layout"), so simplicity wins over the extra pass.
   const auto seg = opt.k_segments;
   LOCKSTEP_CHECK(seg.size() >= 2 && seg.front() == 0 && seg.back() == K,
                  "gemm k_segments must run from 0 to K=", K);
   std::vector<float> partial(static_cast<size_t>(M * N));
   for (size_t s = 0; s + 1 < seg.size(); ++s) {
     const int64_t k0 = seg[s], k1 = seg[s + 1];
-    LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments not increasing at ", s);
+    LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
     const float* As = A + (ta == Trans::N ? k0 : k0 * lda);
     const float* Bs = B + (tb == Trans::N ? k0 * ldb : k0);
     run(kr, Problem{partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0, Init::kZero,
@@ -401,6 +475,21 @@ namespace detail {
 void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
                    int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   gemm_with(kPortable, C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
+}
+
+std::vector<std::string> gemm_kernels() {
+  std::vector<std::string> names;
+  for (const Kernel* k : runnable_kernels()) names.emplace_back(k->name);
+  return names;
+}
+
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A,
+                      int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M,
+                      int64_t N, int64_t K, const GemmOptions& opt) {
+  for (const Kernel* k : runnable_kernels()) {
+    if (kernel == k->name) return gemm_with(*k, C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
+  }
+  LOCKSTEP_CHECK(false, "no GEMM micro-kernel named ", kernel, " on this machine");
 }
 }  // namespace detail
 

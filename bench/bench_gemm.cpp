@@ -1,0 +1,125 @@
+// lockstep gemm against OpenBLAS cblas_sgemm, side by side: each shape runs lockstep then OpenBLAS
+// at the same thread count, so machine noise hits both. Counter FLOPS = 2*M*N*K per second.
+//
+//   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE build/bench_gemm [--benchmark_filter=...]
+//
+// Shapes: the square/rectangular references at 1 and 2 threads, then every linear layer of the
+// GPT-2 peer model (1024 tokens, hidden 256) in its three products, at 2 threads:
+//   forward y = x W^T        NT  M=tokens N=out K=in
+//   input grad dx = dy W     NN  M=tokens N=in  K=out
+//   weight grad dW += dy^T x TN  M=out    N=in  K=tokens (accumulate)
+#include <benchmark/benchmark.h>
+#include <cblas.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lockstep/core/philox.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/gemm.h"
+
+extern "C" {
+void openblas_set_num_threads(int num_threads);
+char* openblas_get_corename(void);
+}
+
+namespace {
+
+using lockstep::Trans;
+
+struct Shape {
+  int64_t M, N, K;
+  Trans ta, tb;
+  bool accumulate;
+};
+
+struct Operands {
+  std::vector<float> A, B, C;
+  explicit Operands(const Shape& s)
+      : A(static_cast<size_t>(s.M * s.K)), B(static_cast<size_t>(s.K * s.N)),
+        C(static_cast<size_t>(s.M * s.N)) {
+    lockstep::RandomStream(1, lockstep::purpose_id("bench/A")).fill_normal(A.data(), s.M * s.K, 1);
+    lockstep::RandomStream(1, lockstep::purpose_id("bench/B")).fill_normal(B.data(), s.K * s.N, 1);
+    // Accumulating runs repeat on the same C: keep it small so it stays finite.
+    lockstep::RandomStream(1, lockstep::purpose_id("bench/C")).fill_normal(C.data(), s.M * s.N, 1e-3f);
+  }
+};
+
+void set_flops(benchmark::State& state, const Shape& s) {
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * s.M * s.N * s.K,
+                                               benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::OneK::kIs1000);
+}
+
+void bm_lockstep(benchmark::State& state, Shape s, int threads) {
+  Operands op(s);
+  lockstep::ThreadPool pool(threads);
+  lockstep::ThreadPool::Bind bind(&pool);
+  lockstep::GemmOptions opt;
+  opt.accumulate = s.accumulate;
+  for (auto _ : state) {
+    lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, s);
+}
+
+void bm_openblas(benchmark::State& state, Shape s, int threads) {
+  Operands op(s);
+  openblas_set_num_threads(threads);
+  const auto ta = s.ta == Trans::N ? CblasNoTrans : CblasTrans;
+  const auto tb = s.tb == Trans::N ? CblasNoTrans : CblasTrans;
+  const int64_t lda = s.ta == Trans::N ? s.K : s.M, ldb = s.tb == Trans::N ? s.N : s.K;
+  for (auto _ : state) {
+    cblas_sgemm(CblasRowMajor, ta, tb, s.M, s.N, s.K, 1.0f, op.A.data(), lda, op.B.data(), ldb,
+                s.accumulate ? 1.0f : 0.0f, op.C.data(), s.N);
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, s);
+}
+
+std::string shape_name(const Shape& s) {
+  return std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) + "/" +
+         (s.ta == Trans::N ? "N" : "T") + (s.tb == Trans::N ? "N" : "T");
+}
+
+void register_pair(const std::string& group, const Shape& s, int threads) {
+  const std::string suffix = "/" + shape_name(s) + "/threads:" + std::to_string(threads);
+  for (const bool lockstep : {true, false}) {
+    const std::string name = group + (lockstep ? "/lockstep" : "/openblas") + suffix;
+    auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads)
+                       : benchmark::RegisterBenchmark(name.c_str(), bm_openblas, s, threads);
+    b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+  }
+}
+
+void register_all() {
+  const Shape reference[] = {{1024, 1024, 1024, Trans::N, Trans::N, false},
+                             {256, 4096, 1024, Trans::N, Trans::N, false},
+                             {256, 1024, 4096, Trans::N, Trans::N, false}};
+  for (const Shape& s : reference) {
+    for (int threads : {1, 2}) register_pair("ref", s, threads);
+  }
+  constexpr int64_t tokens = 1024;
+  // (out, in) of the peer's linear layers: qkv, attention proj, fc, fc proj, lm head.
+  const int64_t layers[][2] = {{768, 256}, {256, 256}, {1024, 256}, {256, 1024}, {8192, 256}};
+  for (const auto& l : layers) {
+    const int64_t out = l[0], in = l[1];
+    register_pair("model", {tokens, out, in, Trans::N, Trans::T, false}, 2);
+    register_pair("model", {tokens, in, out, Trans::N, Trans::N, false}, 2);
+    register_pair("model", {out, in, tokens, Trans::T, Trans::N, true}, 2);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  benchmark::AddCustomContext("lockstep_gemm_kernel", lockstep::gemm_kernel_name());
+  benchmark::AddCustomContext("openblas_core", openblas_get_corename());
+  register_all();
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
