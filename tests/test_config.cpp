@@ -113,3 +113,15 @@ TEST(Config, MalformedInputs) {
 
 }  // namespace
 }  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+TEST(Config, DocumentedKeyListMatchesTheProgram) {
+  const std::string doc = testing::read_file(std::string(LOCKSTEP_SOURCE_DIR) + "/docs/configuration.md");
+  EXPECT_NE(doc.find("```\n" + config_help() + "```"), std::string::npos)
+      << "docs/configuration.md is out of date: paste the output of `build/lockstep help config`";
+}
+
+}  // namespace
+}  // namespace lockstep

@@ -79,8 +79,6 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
-      LS_KEY(train.save_interval, "checkpoint interval in steps; 0 = never (checkpoints: not yet)"),
-      LS_KEY(train.resume, "checkpoint to resume from (checkpoints: not yet)"),
       LS_KEY(optimizer.beta1, "AdamW beta1"),
       LS_KEY(optimizer.beta2, "AdamW beta2"),
       LS_KEY(optimizer.eps, "AdamW epsilon"),
@@ -298,10 +296,6 @@ void validate(const Config& c) {
     user_error("train.eval_batches = ", t.eval_batches, ": must be positive when evaluating");
   if (t.log_interval <= 0) user_error("train.log_interval = ", t.log_interval, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");
-  if (t.save_interval != 0)
-    user_error("train.save_interval = ", t.save_interval, ": checkpoints are not implemented yet");
-  if (!t.resume.empty())
-    user_error("train.resume = \"", t.resume, "\": checkpoints are not implemented yet");
   const OptimizerConfig& o = c.optimizer;
   if (!(o.beta1 >= 0 && o.beta1 < 1)) user_error("optimizer.beta1 = ", o.beta1, ": must be in [0, 1)");
   if (!(o.beta2 >= 0 && o.beta2 < 1)) user_error("optimizer.beta2 = ", o.beta2, ": must be in [0, 1)");
@@ -325,8 +319,12 @@ std::string toml_value(Config& c, const Key& key) {
       [&](const auto& ref) -> std::string {
         using R = std::decay_t<decltype(ref)>;
         if constexpr (std::is_same_v<R, FloatRef>) {
+          // The shortest text that reads back as the same double.
           char buf[40];
-          std::snprintf(buf, sizeof buf, "%.17g", ref(c));
+          for (int digits = 1; digits <= 17; ++digits) {
+            std::snprintf(buf, sizeof buf, "%.*g", digits, ref(c));
+            if (std::strtod(buf, nullptr) == ref(c)) break;
+          }
           std::string s = buf;
           if (s.find_first_of(".eEn") == std::string::npos) s += ".0";
           return s;

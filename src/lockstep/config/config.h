@@ -50,8 +50,6 @@ struct TrainConfig {
   int64_t eval_interval = 100;           // 0 = never
   int64_t eval_batches = 4;              // micro-batches per evaluation
   int64_t log_interval = 10;             // plain-text progress lines (not on a terminal)
-  int64_t save_interval = 0;
-  std::string resume;
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };
