@@ -316,6 +316,10 @@ void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, 
             const int64_t rows = std::min<int64_t>(MR, mc - ir);
             const float* ap = apack + ir * kc;
             float* c = p.C + (ic + ir) * p.ldc + jc + jr;
+            // The next tile's C rows are strided, which the hardware prefetcher does not follow.
+            for (int64_t i = MR; i < std::min<int64_t>(2 * MR, mc - ir); ++i) {
+              for (int64_t j = 0; j < cols; j += 16) __builtin_prefetch(c + i * p.ldc + j, 1, 3);
+            }
             if (rows == MR && cols == NR) {
               Micro(kc, ap, bp, c, p.ldc, init, bias);
               continue;
@@ -351,7 +355,7 @@ struct Kernel {
 const Kernel kPortable{"portable", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
 #ifdef LOCKSTEP_AVX2
 const Kernel kAvx2{"avx2-6x16", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
-const Kernel kAvx512{"avx512-4x64", 4, 64, {256, 768, 4096}, compute_region<4, 64, kernel_avx512<4, 4>>};
+const Kernel kAvx512{"avx512-4x64", 4, 64, {32, 768, 4096}, compute_region<4, 64, kernel_avx512<4, 4>>};
 #endif
 
 // Fastest first.
