@@ -352,9 +352,9 @@ struct Kernel {
   void (*region)(const Problem&, const Blocks&, int64_t, int64_t, int64_t, int64_t);
 };
 
-const Kernel kPortable{"portable", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
+const Kernel kPortable{"portable", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
 #ifdef LOCKSTEP_AVX2
-const Kernel kAvx2{"avx2-6x16", 6, 16, {144, 256, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
+const Kernel kAvx2{"avx2-6x16", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
 const Kernel kAvx512{"avx512-4x64", 4, 64, {32, 768, 4096}, compute_region<4, 64, kernel_avx512<4, 4>>};
 #endif
 
