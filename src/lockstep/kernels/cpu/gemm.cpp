@@ -157,6 +157,12 @@ void pack_rows(float* __restrict dst, const float* __restrict src, int64_t ld, i
   for (int64_t k = 0; k < kc; ++k) {
     const float* s = src + k * ld;
     float* d = dst + k * W;
+    // Rows are ld apart, often pages apart (A^T of the weight gradient): the hardware prefetcher
+    // does not cross pages, so fetch a few rows ahead.
+    constexpr int64_t kAhead = 8;
+    if (k + kAhead < kc) {
+      for (int64_t x = 0; x < len; x += 16) __builtin_prefetch(s + kAhead * ld + x);
+    }
     for (int64_t q = 0; q < full; ++q) {
       LOCKSTEP_UNROLL for (int x = 0; x < W; ++x) d[q * panel + x] = s[q * W + x];
     }
