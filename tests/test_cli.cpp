@@ -29,7 +29,7 @@ TEST(Cli, HelpListsCommandsAndConfigKeys) {
   TempDir dir;
   Result r = run(dir, "help");
   EXPECT_EQ(r.status, 0);
-  EXPECT_NE(r.out.find("lockstep train"), std::string::npos);
+  EXPECT_NE(r.out.find("lockstep train [-c FILE.toml]"), std::string::npos) << r.out;
   r = run(dir, "help config");
   EXPECT_EQ(r.status, 0);
   EXPECT_NE(r.out.find("model.num_layers = 4"), std::string::npos) << r.out;
