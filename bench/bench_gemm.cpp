@@ -37,19 +37,21 @@ struct Shape {
 struct Operands {
   std::vector<float> A, B, C;
   explicit Operands(const Shape& s)
-      : A(static_cast<size_t>(s.M * s.K)), B(static_cast<size_t>(s.K * s.N)),
+      : A(static_cast<size_t>(s.M * s.K)),
+        B(static_cast<size_t>(s.K * s.N)),
         C(static_cast<size_t>(s.M * s.N)) {
     lockstep::RandomStream(1, lockstep::purpose_id("bench/A")).fill_normal(A.data(), s.M * s.K, 1);
     lockstep::RandomStream(1, lockstep::purpose_id("bench/B")).fill_normal(B.data(), s.K * s.N, 1);
     // Accumulating runs repeat on the same C: keep it small so it stays finite.
-    lockstep::RandomStream(1, lockstep::purpose_id("bench/C")).fill_normal(C.data(), s.M * s.N, 1e-3f);
+    lockstep::RandomStream(1, lockstep::purpose_id("bench/C"))
+        .fill_normal(C.data(), s.M * s.N, 1e-3f);
   }
 };
 
 void set_flops(benchmark::State& state, const Shape& s) {
-  state.counters["FLOPS"] = benchmark::Counter(2.0 * s.M * s.N * s.K,
-                                               benchmark::Counter::kIsIterationInvariantRate,
-                                               benchmark::Counter::OneK::kIs1000);
+  state.counters["FLOPS"] =
+      benchmark::Counter(2.0 * s.M * s.N * s.K, benchmark::Counter::kIsIterationInvariantRate,
+                         benchmark::Counter::OneK::kIs1000);
 }
 
 void bm_lockstep(benchmark::State& state, Shape s, int threads) {

@@ -1,5 +1,3 @@
-#include "lockstep/kernels/cpu/gemm.h"
-
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +7,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/gemm.h"
 #include "testing.h"
 
 namespace lockstep {

@@ -54,8 +54,8 @@ using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* 
                              Init init, const float* bias);
 
 template <int MR, int NR>
-[[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                     const float* bias) {
+[[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c,
+                                       int64_t ldc, Init init, const float* bias) {
   float acc[MR][NR];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) {
@@ -77,8 +77,8 @@ template <int MR, int NR>
 #ifdef LOCKSTEP_AVX2
 // MR rows of NV vectors of 8: MR * NV accumulators, NV for B and one broadcast of A in 16 ymm.
 template <int MR, int NV>
-[[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                 const float* bias) {
+[[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c,
+                                   int64_t ldc, Init init, const float* bias) {
   __m256 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -96,7 +96,9 @@ template <int MR, int NV>
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm256_load_ps(b + 8 * v);
     LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
       const __m256 av = _mm256_broadcast_ss(a + i);
-      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+        acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
+      }
     }
     a += MR;
     b += 8 * NV;
@@ -110,9 +112,9 @@ template <int MR, int NV>
 // its 32 registers hold a 4 x 64 tile: 4 loads of B and 4 broadcasts feed 16 FMAs. B streams from
 // L2 (kc x 64 panel), A from L1, which is what lets a large kc amortise the C tile's load/store.
 template <int MR, int NV>
-[[gnu::noinline]] __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const float* a, const float* b,
-                                                      float* c, int64_t ldc, Init init,
-                                                      const float* bias) {
+[[gnu::noinline]] __attribute__((target("avx512f")))
+void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                   const float* bias) {
   __m512 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -130,7 +132,9 @@ template <int MR, int NV>
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
     LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 av = _mm512_set1_ps(a[i]);
-      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+        acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
+      }
     }
     a += MR;
     b += 16 * NV;
@@ -358,10 +362,15 @@ struct Kernel {
   void (*region)(const Problem&, const Blocks&, int64_t, int64_t, int64_t, int64_t);
 };
 
-const Kernel kPortable{"portable", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
+// Cache blocks measured on Zen 4 (32 KB L1d, 1 MB L2 per core), 2 threads: docs/performance.md.
+// For 4x64 the packed A block (32 x 768, 96 KB) stays in L2 next to the B micro-panel being swept
+// (768 x 64, 192 KB); kc = 768 amortises each tile's C load/store over 768 FMAs per element.
+const Kernel kPortable{
+    "portable", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
 #ifdef LOCKSTEP_AVX2
 const Kernel kAvx2{"avx2-6x16", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
-const Kernel kAvx512{"avx512-4x64", 4, 64, {32, 768, 4096}, compute_region<4, 64, kernel_avx512<4, 4>>};
+const Kernel kAvx512{
+    "avx512-4x64", 4, 64, {32, 768, 2048}, compute_region<4, 64, kernel_avx512<4, 4>>};
 #endif
 
 // Fastest first.
@@ -456,8 +465,8 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
     LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
     const float* As = A + (ta == Trans::N ? k0 : k0 * lda);
     const float* Bs = B + (tb == Trans::N ? k0 * ldb : k0);
-    run(kr, Problem{partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0, Init::kZero,
-                    nullptr});
+    run(kr,
+        Problem{partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0, Init::kZero, nullptr});
     const Init base = s == 0 ? init : Init::kC;
     parallel_for(M, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -474,8 +483,8 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
 
 }  // namespace
 
-void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
-          int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
+          Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   gemm_with(best_kernel(), C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
 }
 
@@ -493,9 +502,9 @@ std::vector<std::string> gemm_kernels() {
   return names;
 }
 
-void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A,
-                      int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M,
-                      int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda,
+                      Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N,
+                      int64_t K, const GemmOptions& opt) {
   for (const Kernel* k : runnable_kernels()) {
     if (kernel == k->name) return gemm_with(*k, C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
   }

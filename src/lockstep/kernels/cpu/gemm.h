@@ -10,8 +10,8 @@
 //       acc = init;  for k in 0..K-1: acc = fma(op(A)[i][k], op(B)[k][j], acc);  C[i][j] = acc
 //   with init = C[i][j] (accumulate), else bias[j] (bias given), else 0. So:
 //   - the result is bitwise independent of the thread count, of how M and N are partitioned into
-//     tiles, of the cache blocking, and of the instruction set (the AVX2 micro-kernel and the
-//     portable one give the same bits);
+//     tiles, of the cache blocking, and of the instruction set (the AVX-512, AVX2 and portable
+//     micro-kernels give the same bits);
 //   - accumulating two calls over K-ranges [0, K1) then [K1, K) equals one call over [0, K): a
 //     gradient summed over micro-batches is the same as over their concatenation.
 //   With k_segments = {s0 = 0, s1, ..., sS = K} (caller-given boundaries), each segment is its own
@@ -29,17 +29,17 @@ namespace lockstep {
 enum class Trans : uint8_t { N, T };
 
 struct GemmOptions {
-  bool accumulate = false;               // init = C (else bias or 0)
-  const float* bias = nullptr;           // (N), init when not accumulating
-  std::span<const int64_t> k_segments;   // empty: one chain over all of K
+  bool accumulate = false;              // init = C (else bias or 0)
+  const float* bias = nullptr;          // (N), init when not accumulating
+  std::span<const int64_t> k_segments;  // empty: one chain over all of K
 };
 
-void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
-          int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt = {});
+void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
+          Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt = {});
 
 // Contiguous operands: lda/ldb/ldc are the natural row lengths.
-inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, int64_t M,
-                 int64_t N, int64_t K, const GemmOptions& opt = {}) {
+inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, int64_t M, int64_t N,
+                 int64_t K, const GemmOptions& opt = {}) {
   gemm(C, N, A, ta == Trans::N ? K : M, ta, B, tb == Trans::N ? N : K, tb, M, N, K, opt);
 }
 
@@ -50,13 +50,13 @@ namespace detail {
 // The portable micro-kernel path, exposed so tests can check it against the vector one bitwise.
 void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
                    int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt);
-// Every micro-kernel this build has and this CPU can run (gemm_kernel_name() among them), and gemm()
-// forced onto one of them: tests check each against the others bitwise, also the AVX2 kernel on a
-// machine where gemm() would pick AVX-512.
+// Every micro-kernel this build has and this CPU can run (gemm_kernel_name() among them), and
+// gemm() forced onto one of them: tests check each against the others bitwise, also the AVX2 kernel
+// on a machine where gemm() would pick AVX-512.
 std::vector<std::string> gemm_kernels();
-void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A,
-                      int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M,
-                      int64_t N, int64_t K, const GemmOptions& opt);
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda,
+                      Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N,
+                      int64_t K, const GemmOptions& opt);
 }  // namespace detail
 
 }  // namespace lockstep
