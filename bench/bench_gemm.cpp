@@ -3,8 +3,9 @@
 //
 //   env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE build/bench_gemm [--benchmark_filter=...]
 //
-// Shapes: the square/rectangular references at 1 and 2 threads, then every linear layer of the
-// GPT-2 peer model (1024 tokens, hidden 256) in its three products, at 2 threads:
+// Shapes: the square/rectangular references at 1 and 2 threads (and at 2 threads with the
+// micro-kernels gemm() does not pick on this CPU), then every linear layer of the GPT-2 peer model
+// (1024 tokens, hidden 256) in its three products, at 2 threads:
 //   forward y = x W^T        NT  M=tokens N=out K=in
 //   input grad dx = dy W     NN  M=tokens N=in  K=out
 //   weight grad dW += dy^T x TN  M=out    N=in  K=tokens (accumulate)
@@ -54,14 +55,21 @@ void set_flops(benchmark::State& state, const Shape& s) {
                          benchmark::Counter::OneK::kIs1000);
 }
 
-void bm_lockstep(benchmark::State& state, Shape s, int threads) {
+// kernel: one of detail::gemm_kernels(), the one gemm() picks when empty.
+void bm_lockstep(benchmark::State& state, Shape s, int threads, const std::string& kernel) {
   Operands op(s);
   lockstep::ThreadPool pool(threads);
   lockstep::ThreadPool::Bind bind(&pool);
   lockstep::GemmOptions opt;
   opt.accumulate = s.accumulate;
+  const int64_t lda = s.ta == Trans::N ? s.K : s.M, ldb = s.tb == Trans::N ? s.N : s.K;
   for (auto _ : state) {
-    lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
+    if (kernel.empty()) {
+      lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
+    } else {
+      lockstep::detail::gemm_with_kernel(kernel, op.C.data(), s.N, op.A.data(), lda, s.ta,
+                                         op.B.data(), ldb, s.tb, s.M, s.N, s.K, opt);
+    }
     benchmark::ClobberMemory();
   }
   set_flops(state, s);
@@ -90,9 +98,23 @@ void register_pair(const std::string& group, const Shape& s, int threads) {
   const std::string suffix = "/" + shape_name(s) + "/threads:" + std::to_string(threads);
   for (const bool lockstep : {true, false}) {
     const std::string name = group + (lockstep ? "/lockstep" : "/openblas") + suffix;
-    auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads)
+    auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, "")
                        : benchmark::RegisterBenchmark(name.c_str(), bm_openblas, s, threads);
     b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+  }
+}
+
+// The micro-kernels gemm() does not pick here (AVX2 on an AVX-512 machine, portable): what a CPU
+// without AVX-512, or a portable build, would get.
+void register_other_kernels(const Shape& s, int threads) {
+  const std::vector<std::string> kernels = lockstep::detail::gemm_kernels();
+  for (size_t k = 1; k < kernels.size(); ++k) {
+    const std::string name =
+        "kernel/" + kernels[k] + "/" + shape_name(s) + "/threads:" + std::to_string(threads);
+    benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, kernels[k])
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.3);
   }
 }
 
@@ -103,6 +125,7 @@ void register_all() {
   for (const Shape& s : reference) {
     for (int threads : {1, 2}) register_pair("ref", s, threads);
   }
+  for (const Shape& s : reference) register_other_kernels(s, 2);
   constexpr int64_t tokens = 1024;
   // (out, in) of the peer's linear layers: qkv, attention proj, fc, fc proj, lm head.
   const int64_t layers[][2] = {{768, 256}, {256, 256}, {1024, 256}, {256, 1024}, {8192, 256}};
