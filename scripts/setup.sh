@@ -16,7 +16,7 @@ for arg in "$@"; do
   esac
 done
 
-packages=(g++ make cmake pkg-config libtomlplusplus-dev libxxhash-dev libgtest-dev)
+packages=(g++ make cmake pkg-config libtomlplusplus-dev libxxhash-dev libgtest-dev nlohmann-json3-dev)
 if [ "$bench" = 1 ]; then
   packages+=(libopenblas-dev libbenchmark-dev python3-torch)
 fi
