@@ -27,6 +27,11 @@ const Command kCommands[] = {
      "lockstep train [-c FILE.toml] [key=value ...]\n"
      "      train a GPT; with no arguments, the built-in default model on the built-in corpus.\n"
      "      Keys override the file: lockstep train -c configs/debug.toml train.steps=20"},
+    {"preprocess", lockstep::cli::preprocess_command,
+     "lockstep preprocess --input FILE [--input FILE ...] --output PREFIX [--tokenizer SPEC] [--json-key KEY]\n"
+     "                    [--append-eod] [--workers N]\n"
+     "      tokenize a corpus (JSONL, or text with one document per paragraph) into PREFIX.bin/.idx\n"
+     "      (Megatron's indexed dataset); SPEC: byte | gpt2:VOCAB_JSON,MERGES_TXT | hf:TOKENIZER_JSON"},
     {"help", help_command,
      "lockstep help [config]\n"
      "      this text; `lockstep help config` lists every config key with its default"},
