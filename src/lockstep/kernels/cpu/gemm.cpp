@@ -377,6 +377,7 @@ const Kernel kAvx512{
 std::vector<const Kernel*> runnable_kernels() {
   std::vector<const Kernel*> kernels;
 #ifdef LOCKSTEP_AVX2
+  __builtin_cpu_init();  // may run during static initialisation, before libgcc's own call
   if (__builtin_cpu_supports("avx512f")) kernels.push_back(&kAvx512);
   kernels.push_back(&kAvx2);
 #endif
