@@ -97,7 +97,7 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
   EXPECT_EQ(error_of("", {"model.vocab_size=100"}),
             "config: model.vocab_size = 100 is smaller than the data's byte vocabulary (256)");
   EXPECT_EQ(error_of("", {"data.source=parquet:x"}),
-            "config: data.source = \"parquet:x\": expected \"synthetic\" or \"text:PATH\"");
+            "config: data.source = \"parquet:x\": expected \"synthetic\", \"text:PATH\" or \"indexed:PREFIX\"");
   EXPECT_EQ(error_of("", {"determinism=layout"}),
             "command line: determinism = \"layout\": expected one of run");
 }

@@ -84,7 +84,9 @@ const std::vector<Key>& keys() {
       LS_KEY(optimizer.eps, "AdamW epsilon"),
       LS_KEY(optimizer.weight_decay, "AdamW decoupled weight decay on weight matrices"),
       LS_KEY(optimizer.clip_grad, "clip the global gradient norm to this; 0 = off"),
-      LS_KEY(data.source, "synthetic (built-in corpus) or text:PATH (bytes of a file, vocabulary 256)"),
+      LS_KEY(data.source, "synthetic (built-in corpus), text:PATH (bytes of a file, vocabulary 256) or "
+                          "indexed:PREFIX[:WEIGHT],... (Megatron .bin/.idx datasets, blended by weight)"),
+      LS_KEY(data.split, "indexed: train,valid[,test] weights splitting each dataset's documents"),
       LS_KEY(data.eval_fraction, "text: trailing fraction of the file held out for evaluation"),
       LS_KEY(data.synthetic_bytes, "synthetic: bytes of generated training text"),
       LS_KEY(precision.params, "parameter precision", {"fp32"}),
@@ -303,14 +305,15 @@ void validate(const Config& c) {
   if (o.weight_decay < 0) user_error("optimizer.weight_decay = ", o.weight_decay, ": must be >= 0");
   if (o.clip_grad < 0) user_error("optimizer.clip_grad = ", o.clip_grad, ": must be >= 0 (0 = off)");
   const DataConfig& d = c.data;
-  if (d.source != "synthetic" && d.source.rfind("text:", 0) != 0)
-    user_error("data.source = \"", d.source, "\": expected \"synthetic\" or \"text:PATH\"");
+  const bool indexed = d.source.rfind("indexed:", 0) == 0;
+  if (d.source != "synthetic" && d.source.rfind("text:", 0) != 0 && !indexed)
+    user_error("data.source = \"", d.source, "\": expected \"synthetic\", \"text:PATH\" or \"indexed:PREFIX\"");
   if (d.source == "text:") user_error("data.source = \"text:\": the path is missing");
   if (!(d.eval_fraction > 0 && d.eval_fraction < 1))
     user_error("data.eval_fraction = ", d.eval_fraction, ": must be in (0, 1)");
   if (d.synthetic_bytes < 4096)
     user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
-  if (m.vocab_size < 256)
+  if (!indexed && m.vocab_size < 256)
     user_error("model.vocab_size = ", m.vocab_size, " is smaller than the data's byte vocabulary (256)");
 }
 

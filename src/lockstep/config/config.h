@@ -63,7 +63,8 @@ struct OptimizerConfig {
 };
 
 struct DataConfig {
-  std::string source = "synthetic";      // synthetic | text:PATH
+  std::string source = "synthetic";      // synthetic | text:PATH | indexed:PREFIX[:WEIGHT],... (data/dataset.h)
+  std::string split = "98,2";            // indexed: train,valid[,test] weights over documents
   double eval_fraction = 0.05;           // text: trailing fraction of the file held out
   int64_t synthetic_bytes = 1 << 21;     // size of the generated training corpus
 };

@@ -1,18 +1,25 @@
-// Training data for now: a byte-level token stream (vocabulary 256) with a training part and a
-// held-out part, and a sampler whose batches are a pure function of (seed, sample index).
+// The trainer's data: batches of (tokens, targets) for a training and a held-out split, where
+// batch contents are a pure function of (config, seed, split, first sample index).
 //
-//   data.source = "synthetic"  - the built-in corpus (synthetic_corpus.h), generated from the seed
-//   data.source = "text:PATH"  - the bytes of a file; the trailing eval_fraction is held out
+//   data.source = "synthetic"   - the built-in corpus (synthetic_corpus.h), generated from the
+//                                 seed; bytes, vocabulary 256
+//   data.source = "text:PATH"   - the bytes of a file; the trailing data.eval_fraction is held out
+//   data.source = "indexed:PREFIX[:WEIGHT],indexed:PREFIX2[:WEIGHT2],..."
+//                               - Megatron indexed datasets (PREFIX.bin/.idx), blended by weight,
+//                                 documents split into train/valid by data.split; GPT-style
+//                                 samples crossing document boundaries (gpt_dataset.h)
 //
-// Sample i of a split is the window of seq_length + 1 tokens starting at an offset drawn from
-// Philox(seed, purpose "data/<split>", i). The training batch of optimizer step s (counting from
-// 1) holds samples (s-1)*global_batch ... s*global_batch - 1, whatever the micro-batch split, so a
-// run can restart at any step and draw exactly what it would have drawn.
+// Byte sources: sample i of a split is the window of seq_length + 1 tokens starting at an offset
+// drawn from Philox(seed, purpose "data/<split>", i).
+//
+// Either way, the training batch of optimizer step s (counting from 1) holds samples
+// (s-1)*global_batch ... s*global_batch - 1, whatever the micro-batch split, so a run restarted
+// at any step draws exactly what it would have drawn: the loader's state is the step.
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
-#include <vector>
 
 #include "lockstep/config/config.h"
 
@@ -20,24 +27,20 @@ namespace lockstep {
 
 enum class Split { train, eval };
 
-class ByteDataset {
+class Dataset {
  public:
-  // Throws UserError naming the file when it cannot be read or is too short for seq_length.
-  ByteDataset(const DataConfig& data, int64_t seq_length, uint64_t seed);
-
+  virtual ~Dataset() = default;
   // tokens, targets: (batch, seq_length) each; samples first .. first + batch - 1 of the split.
-  void batch(int32_t* tokens, int32_t* targets, Split split, uint64_t first, int64_t batch) const;
-
-  int64_t size(Split split) const {
-    return static_cast<int64_t>(split == Split::train ? train_.size() : eval_.size());
-  }
+  // Safe to call from several threads at once.
+  virtual void batch(int32_t* tokens, int32_t* targets, Split split, uint64_t first, int64_t batch) const = 0;
   const std::string& description() const { return description_; }
 
- private:
-  std::vector<uint8_t> train_, eval_;
-  int64_t T_;
-  uint64_t seed_;
+ protected:
   std::string description_;
 };
+
+// Opens data.source. Throws UserError naming the source, file or value at fault (a missing or
+// broken file, a split too short for one sample, a token id >= vocab_size when it is read).
+std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed);
 
 }  // namespace lockstep

@@ -111,7 +111,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
   ThreadPool pool(threads);
   ThreadPool::Bind bind(&pool);
 
-  const ByteDataset data(config.data, mc.seq_length, tc.seed);
+  const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
   GPT model(mc, tc.micro_batch);
   model.params().init(tc.seed);
   Optimizer optimizer(model.params(), config.optimizer);
@@ -129,7 +129,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
   const double flops_per_token = model.flops_per_token();
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
                mc.preset.c_str(), (long long)mc.num_layers, (long long)mc.hidden_size, (long long)mc.num_heads,
-               static_cast<double>(model.params().total()) / 1e6, data.description().c_str());
+               static_cast<double>(model.params().total()) / 1e6, data->description().c_str());
   std::fprintf(out, "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld), %d threads, "
                "GEMM peak %.1f GFLOP/s, run dir %s\n",
                (long long)tc.steps, (long long)tc.global_batch, (long long)T, (long long)accum, (long long)B,
@@ -140,7 +140,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
   auto evaluate = [&]() {
     double sum = 0;
     for (int64_t i = 0; i < tc.eval_batches; ++i) {
-      data.batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
+      data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
       sum += model.evaluate(tokens.data(), targets.data());
     }
     return sum / static_cast<double>(tc.eval_batches);
@@ -157,7 +157,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
     double loss = 0;
     const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
     for (int64_t micro = 0; micro < accum; ++micro) {
-      data.batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
+      data->batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
       loss += model.forward_backward(tokens.data(), targets.data(), grad_scale);
     }
     loss /= static_cast<double>(accum);
