@@ -34,6 +34,8 @@ using StringRef = std::function<std::string&(Config&)>;
 using Ref = std::variant<IntRef, U64Ref, FloatRef, BoolRef, StringRef>;
 
 struct Key {
+  Key(std::string name_, Ref ref_, std::string help_, std::vector<std::string> choices_ = {})
+      : name(std::move(name_)), ref(std::move(ref_)), help(std::move(help_)), choices(std::move(choices_)) {}
   std::string name;
   Ref ref;
   std::string help;
