@@ -172,6 +172,9 @@ PreprocessSummary preprocess(const PreprocessOptions& o) {
   std::condition_variable cv;
   std::deque<Chunk> todo;
   std::map<int64_t, Result> done;
+  // Written results go back here with their buffers' capacity: a fresh multi-megabyte vector per
+  // chunk would cost more in page faults than the tokenizing.
+  std::vector<Result> spare;
   bool closing = false;
   std::vector<std::thread> workers;
   for (int w = 0; w < o.workers; ++w)
@@ -186,6 +189,13 @@ PreprocessSummary preprocess(const PreprocessOptions& o) {
           todo.pop_front();
         }
         Result r;
+        {
+          std::lock_guard lock(mu);
+          if (!spare.empty()) {
+            r = std::move(spare.back());
+            spare.pop_back();
+          }
+        }
         try {
           process(c, *tok, key, o.append_eod, r);
         } catch (const std::exception& e) {
@@ -238,6 +248,14 @@ PreprocessSummary preprocess(const PreprocessOptions& o) {
       sum.skipped_invalid_utf8 += r.invalid;
       bytes_done += r.bytes;
       ++next_write;
+      r.tokens.clear();
+      r.lengths.clear();
+      r.empty = r.invalid = r.bytes = 0;
+      r.first_invalid.clear();
+      {
+        std::lock_guard lock(mu);
+        spare.push_back(std::move(r));
+      }
       if (live && now_s() - last_print > 0.25) {
         last_print = now_s();
         const double mb = static_cast<double>(bytes_done) / 1e6, total = static_cast<double>(sum.input_bytes) / 1e6;

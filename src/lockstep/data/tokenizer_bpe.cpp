@@ -1,6 +1,7 @@
 #include "lockstep/data/tokenizer_bpe.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 
 #include "lockstep/core/error.h"
@@ -8,6 +9,8 @@
 
 namespace lockstep {
 namespace {
+
+std::atomic<uint64_t> next_serial{1};  // BpeTokenizer::serial_
 
 constexpr std::string_view kMetaspace = "\xE2\x96\x81";  // U+2581 LOWER ONE EIGHTH BLOCK "▁"
 
@@ -40,7 +43,8 @@ BpeTokenizer::BpeTokenizer(BpeSpec spec, std::string name)
       split_metaspace_(spec.split_metaspace),
       ignore_merges_(spec.ignore_merges),
       byte_fallback_(spec.byte_fallback),
-      fuse_unk_(spec.fuse_unk) {
+      fuse_unk_(spec.fuse_unk),
+      serial_(next_serial++) {
   name_ = std::move(name);
   const std::string& src = spec.source;
   int32_t max_id = -1;
@@ -191,7 +195,41 @@ void BpeTokenizer::encode_normal(std::string_view text, bool at_start, std::vect
   for (std::string_view p : pieces) encode_piece(p, out);
 }
 
+// Natural text repeats its words (pieces) constantly: each thread keeps the ids of the short
+// pieces it has encoded, for the tokenizer instance it last served (instances are told apart by
+// a serial number, never by address, which a new instance may reuse).
+namespace {
+constexpr size_t kCachedPieceBytes = 48, kCacheEntries = 1 << 16;
+struct PieceCache {
+  uint64_t serial = 0;
+  std::unordered_map<std::string, std::vector<int32_t>> ids;
+};
+}  // namespace
+
 void BpeTokenizer::encode_piece(std::string_view piece, std::vector<int32_t>& out) const {
+  thread_local PieceCache cache;
+  const bool cacheable = piece.size() <= kCachedPieceBytes;
+  if (cacheable) {
+    if (cache.serial != serial_ || cache.ids.size() >= kCacheEntries) {
+      cache.ids.clear();
+      cache.serial = serial_;
+    }
+    thread_local std::string key;
+    key.assign(piece);
+    const auto it = cache.ids.find(key);
+    if (it != cache.ids.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+    const size_t before = out.size();
+    encode_uncached(piece, out);
+    cache.ids.emplace(key, std::vector<int32_t>(out.begin() + static_cast<std::ptrdiff_t>(before), out.end()));
+    return;
+  }
+  encode_uncached(piece, out);
+}
+
+void BpeTokenizer::encode_uncached(std::string_view piece, std::vector<int32_t>& out) const {
   thread_local std::vector<int32_t> symbols;
   thread_local std::string key;
   symbols.clear();

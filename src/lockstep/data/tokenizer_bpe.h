@@ -46,6 +46,7 @@ class BpeTokenizer : public Tokenizer {
  private:
   void encode_normal(std::string_view text, bool at_start, std::vector<int32_t>& out) const;
   void encode_piece(std::string_view piece, std::vector<int32_t>& out) const;
+  void encode_uncached(std::string_view piece, std::vector<int32_t>& out) const;
   void merge(std::vector<int32_t>& symbols) const;
   int32_t find(const std::string& token) const;
 
@@ -53,6 +54,7 @@ class BpeTokenizer : public Tokenizer {
   SplitPattern split_;
   bool add_prefix_space_, metaspace_, prepend_metaspace_, split_metaspace_, ignore_merges_, byte_fallback_, fuse_unk_;
   int32_t unk_ = -1;
+  uint64_t serial_;  // tells instances apart in the per-thread piece cache
   std::unordered_map<std::string, int32_t> ids_;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (left << 32 | right) -> (rank, merged)
   std::vector<int32_t> byte_ids_;    // byte-level: the id of each byte's character; byte-fallback: <0xNN>
