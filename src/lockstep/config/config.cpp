@@ -26,6 +26,60 @@ int64_t ModelConfig::ffn_hidden() const {
 
 namespace {
 
+// moe.layer_freq: "N", or a 0/1 pattern "[0,1,1]" / "([0]*1+[1]*3)" (Megatron's forms).
+std::vector<bool> moe_layer_pattern(const std::string& text, int64_t L) {
+  auto bad = [&](const char* why) -> std::vector<bool> {
+    user_error("moe.layer_freq = \"", text, "\": ", why);
+  };
+  std::string s;
+  for (char ch : text)
+    if (ch != ' ' && ch != '\t') s += ch;
+  if (s.empty()) return bad("empty");
+  if (std::all_of(s.begin(), s.end(), [](char ch) { return ch >= '0' && ch <= '9'; })) {
+    if (s.size() > 9) return bad("too large");
+    const int64_t every = std::stoll(s);
+    if (every <= 0) return bad("must be positive");
+    std::vector<bool> p(static_cast<size_t>(L));
+    for (int64_t l = 0; l < L; ++l) p[l] = l % every == 0;
+    return p;
+  }
+  if (s.front() == '(' && s.back() == ')') s = s.substr(1, s.size() - 2);
+  std::vector<bool> p;
+  size_t i = 0;
+  while (i < s.size()) {
+    if (s[i] != '[') return bad("expected a list like [0,1,1]");
+    const size_t close = s.find(']', i);
+    if (close == std::string::npos) return bad("missing ']'");
+    std::vector<bool> term;
+    for (size_t j = i + 1; j < close; ++j) {
+      if (s[j] == '0' || s[j] == '1') term.push_back(s[j] == '1');
+      else if (s[j] != ',') return bad("list entries must be 0 or 1");
+    }
+    i = close + 1;
+    int64_t times = 1;
+    if (i < s.size() && s[i] == '*') {
+      size_t j = ++i;
+      while (j < s.size() && s[j] >= '0' && s[j] <= '9') ++j;
+      if (j == i || j - i > 6) return bad("expected a count after '*'");
+      times = std::stoll(s.substr(i, j - i));
+      i = j;
+    }
+    for (int64_t r = 0; r < times; ++r) p.insert(p.end(), term.begin(), term.end());
+    if (i < s.size() && s[i++] != '+') return bad("expected '+' between lists");
+  }
+  if (static_cast<int64_t>(p.size()) != L)
+    user_error("moe.layer_freq = \"", text, "\" has ", p.size(), " entries, model.num_layers = ", L);
+  return p;
+}
+
+}  // namespace
+
+bool MoeConfig::is_moe_layer(int64_t l, int64_t L) const {
+  return num_experts > 0 && moe_layer_pattern(layer_freq, L)[static_cast<size_t>(l)];
+}
+
+namespace {
+
 using IntRef = std::function<int64_t&(Config&)>;
 using U64Ref = std::function<uint64_t&(Config&)>;
 using FloatRef = std::function<double&(Config&)>;
@@ -92,6 +146,27 @@ const std::vector<Key>& keys() {
       LS_KEY(data.eval_fraction, "text: trailing fraction of the file held out for evaluation"),
       LS_KEY(data.synthetic_bytes, "synthetic: bytes of generated training text"),
       LS_KEY(precision.params, "parameter precision", {"fp32"}),
+      LS_KEY(moe.num_experts, "routed experts per MoE layer; 0 = dense model"),
+      LS_KEY(moe.router_topk, "experts per token k"),
+      LS_KEY(moe.router_score_function, "router scores", {"softmax", "sigmoid"}),
+      LS_KEY(moe.router_pre_softmax, "softmax over all experts before top-k (else softmax over the k logits)"),
+      LS_KEY(moe.router_num_groups, "group-limited routing: expert groups; 0 = off"),
+      LS_KEY(moe.router_group_topk, "group-limited routing: groups kept per token"),
+      LS_KEY(moe.router_topk_scaling_factor, "multiplies the top-k routing weights"),
+      LS_KEY(moe.router_load_balancing_type, "comma list of aux_loss, seq_aux_loss, global_aux_loss; or none"),
+      LS_KEY(moe.aux_loss_coeff, "coefficient of each load-balancing loss"),
+      LS_KEY(moe.z_loss_coeff, "router z-loss coefficient (mean squared logsumexp of the logits)"),
+      LS_KEY(moe.expert_capacity_factor, "expert capacity = ceil(tokens * k / experts * factor); 0 = dropless"),
+      LS_KEY(moe.token_drop_policy, "which tokens an expert over capacity keeps", {"probs", "position"}),
+      LS_KEY(moe.pad_expert_input_to_capacity, "pad every expert's input to its capacity"),
+      LS_KEY(moe.router_enable_expert_bias, "aux-loss-free balancing: a per-expert bias that affects selection only"),
+      LS_KEY(moe.router_bias_update_rate, "expert bias += rate * sign(mean load - load) after each step"),
+      LS_KEY(moe.ffn_hidden_size, "expert MLP width; 0 = the dense MLP width"),
+      LS_KEY(moe.shared_expert_intermediate_size, "width of the shared expert; 0 = none"),
+      LS_KEY(moe.shared_expert_gate, "scale the shared expert's output by sigmoid(x . w_gate)"),
+      LS_KEY(moe.layer_freq, "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
+                             "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
+      LS_KEY(moe.input_jitter_eps, "router input multiplied by uniform(1 - eps, 1 + eps) in training; 0 = off"),
   };
   return table;
 }
@@ -258,6 +333,57 @@ const std::map<std::string, std::vector<std::pair<std::string, Value>>>& presets
   return p;
 }
 
+void validate_moe(const MoeConfig& e, int64_t L) {
+  if (e.num_experts < 0) user_error("moe.num_experts = ", e.num_experts, ": must be >= 0 (0 = dense)");
+  if (e.num_experts == 0) return;
+  const int64_t E = e.num_experts, K = e.router_topk;
+  if (K <= 0 || K > E) user_error("moe.router_topk = ", K, ": must be in [1, moe.num_experts = ", E, "]");
+  if (e.router_num_groups < 0 || e.router_group_topk < 0)
+    user_error("moe.router_num_groups and moe.router_group_topk must be >= 0");
+  if (e.router_num_groups > 0) {
+    const int64_t G = e.router_num_groups, GK = e.router_group_topk;
+    if (E % G) user_error("moe.num_experts = ", E, " is not divisible by moe.router_num_groups = ", G);
+    if (GK <= 0 || GK > G)
+      user_error("moe.router_group_topk = ", GK, ": must be in [1, moe.router_num_groups = ", G, "]");
+    if (K % GK) user_error("moe.router_topk = ", K, " is not divisible by moe.router_group_topk = ", GK);
+    if (K / GK > E / G)
+      user_error("moe.router_topk / moe.router_group_topk = ", K / GK, " exceeds the experts per group (", E / G, ")");
+    if (K > GK * (E / G)) user_error("moe.router_topk = ", K, " exceeds the experts in the kept groups");
+  } else if (e.router_group_topk > 0) {
+    user_error("moe.router_group_topk = ", e.router_group_topk, " needs moe.router_num_groups > 0");
+  }
+  if (!(e.router_topk_scaling_factor > 0))
+    user_error("moe.router_topk_scaling_factor = ", e.router_topk_scaling_factor, ": must be positive");
+  {
+    std::stringstream ss(e.router_load_balancing_type);
+    std::string item;
+    while (std::getline(ss, item, ',')) {
+      item.erase(std::remove(item.begin(), item.end(), ' '), item.end());
+      if (item != "aux_loss" && item != "seq_aux_loss" && item != "global_aux_loss" && item != "none")
+        user_error("moe.router_load_balancing_type = \"", e.router_load_balancing_type, "\": unknown type '", item,
+                   "' (expected a comma list of aux_loss, seq_aux_loss, global_aux_loss, or none)");
+    }
+  }
+  if (e.aux_loss_coeff < 0) user_error("moe.aux_loss_coeff = ", e.aux_loss_coeff, ": must be >= 0");
+  if (e.z_loss_coeff < 0) user_error("moe.z_loss_coeff = ", e.z_loss_coeff, ": must be >= 0");
+  if (e.expert_capacity_factor < 0)
+    user_error("moe.expert_capacity_factor = ", e.expert_capacity_factor, ": must be >= 0 (0 = dropless)");
+  if (e.pad_expert_input_to_capacity && e.expert_capacity_factor == 0)
+    user_error("moe.pad_expert_input_to_capacity = true needs moe.expert_capacity_factor > 0");
+  if (e.router_enable_expert_bias && e.router_score_function != "sigmoid")
+    user_error("moe.router_enable_expert_bias = true needs moe.router_score_function = \"sigmoid\"");
+  if (e.router_bias_update_rate < 0)
+    user_error("moe.router_bias_update_rate = ", e.router_bias_update_rate, ": must be >= 0");
+  if (e.ffn_hidden_size < 0) user_error("moe.ffn_hidden_size = ", e.ffn_hidden_size, ": must be >= 0");
+  if (e.shared_expert_intermediate_size < 0)
+    user_error("moe.shared_expert_intermediate_size = ", e.shared_expert_intermediate_size, ": must be >= 0");
+  if (e.shared_expert_gate && e.shared_expert_intermediate_size == 0)
+    user_error("moe.shared_expert_gate = true needs moe.shared_expert_intermediate_size > 0");
+  if (!(e.input_jitter_eps >= 0 && e.input_jitter_eps < 1))
+    user_error("moe.input_jitter_eps = ", e.input_jitter_eps, ": must be in [0, 1)");
+  moe_layer_pattern(e.layer_freq, L);
+}
+
 void validate(const Config& c) {
   const ModelConfig& m = c.model;
   const TrainConfig& t = c.train;
@@ -317,6 +443,7 @@ void validate(const Config& c) {
     user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
   if (!indexed && m.vocab_size < 256)
     user_error("model.vocab_size = ", m.vocab_size, " is smaller than the data's byte vocabulary (256)");
+  validate_moe(c.moe, m.num_layers);
 }
 
 std::string toml_value(Config& c, const Key& key) {

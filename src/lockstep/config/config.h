@@ -69,6 +69,33 @@ struct DataConfig {
   int64_t synthetic_bytes = 1 << 21;     // size of the generated training corpus
 };
 
+// Mixture of experts (Megatron's --moe-* options without the prefix; docs/moe.md has the formulas).
+struct MoeConfig {
+  int64_t num_experts = 0;               // 0 = dense model
+  int64_t router_topk = 2;
+  std::string router_score_function = "softmax";  // softmax | sigmoid
+  bool router_pre_softmax = false;       // softmax over all experts before top-k
+  int64_t router_num_groups = 0;         // group-limited routing: expert groups (0 = off)
+  int64_t router_group_topk = 0;         // groups kept per token
+  double router_topk_scaling_factor = 1.0;
+  std::string router_load_balancing_type = "aux_loss";  // comma list of aux_loss, seq_aux_loss, global_aux_loss; or none
+  double aux_loss_coeff = 0.0;
+  double z_loss_coeff = 0.0;
+  double expert_capacity_factor = 0.0;   // 0 = dropless
+  std::string token_drop_policy = "probs";  // probs | position
+  bool pad_expert_input_to_capacity = false;
+  bool router_enable_expert_bias = false;
+  double router_bias_update_rate = 1e-3;
+  int64_t ffn_hidden_size = 0;           // expert width; 0 = model.ffn_hidden_size
+  int64_t shared_expert_intermediate_size = 0;  // 0 = no shared expert
+  bool shared_expert_gate = false;
+  std::string layer_freq = "1";          // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
+  double input_jitter_eps = 0.0;
+
+  // Layer l of L is an MoE layer (num_experts > 0 and layer_freq selects it).
+  bool is_moe_layer(int64_t l, int64_t L) const;
+};
+
 struct PrecisionConfig {
   std::string params = "fp32";
 };
@@ -80,6 +107,7 @@ struct Config {
   OptimizerConfig optimizer;
   DataConfig data;
   PrecisionConfig precision;
+  MoeConfig moe;
 };
 
 // Builds the configuration: defaults, the preset named by model.preset (from `file` or

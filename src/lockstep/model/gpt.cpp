@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/embedding.h"
@@ -16,7 +17,7 @@ namespace {
 constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
-GPT::GPT(const ModelConfig& m, int64_t B)
+GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
     : m_(m), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
   const float std = static_cast<float>(m.init_std);
   wte_ = params_.add("embedding.word.weight", {V_, C_}, Init::normal, std, true);
@@ -25,7 +26,13 @@ GPT::GPT(const ModelConfig& m, int64_t B)
   for (int64_t l = 0; l < L_; ++l) {
     const std::string prefix = "layers." + std::to_string(l) + ".";
     attn_.emplace_back(params_, arena_, prefix, m, B_, T_);
-    mlp_.emplace_back(params_, arena_, prefix, m, N_);
+    if (moe.is_moe_layer(l, L_)) {
+      mlp_.emplace_back();
+      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_));
+    } else {
+      mlp_.emplace_back(params_, arena_, prefix, m, N_);
+      moe_.push_back(nullptr);
+    }
   }
   final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, N_,
                      static_cast<float>(m.norm_eps));
@@ -38,8 +45,8 @@ GPT::GPT(const ModelConfig& m, int64_t B)
   head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / V_, 1, N_);
   logits_ = arena_.reserve(head_rows_ * V_);
   losses_ = arena_.reserve(N_);
-  const int64_t F = mlp_.empty() ? 0 : mlp_[0].F;
-  const int64_t fcw = mlp_.empty() ? 0 : mlp_[0].fc_width();
+  int64_t F = 0, fcw = 0;
+  for (const MlpLayer& mlp : mlp_) F = std::max(F, mlp.F), fcw = std::max(fcw, mlp.F ? mlp.fc_width() : 0);
   const int64_t qkvw = attn_.empty() ? 0 : attn_[0].qkv_width();
   dresid_ = arena_.reserve(N_ * C_);
   dfinal_ = arena_.reserve(N_ * C_);
@@ -48,7 +55,31 @@ GPT::GPT(const ModelConfig& m, int64_t B)
   dqkv_ = arena_.reserve(N_ * qkvw);
   dact_ = arena_.reserve(N_ * F);
   dfc_ = arena_.reserve(N_ * fcw);
+  const MoeLayer* first_moe = nullptr;
+  for (const auto& layer : moe_)
+    if (layer && !first_moe) first_moe = layer.get();
+  if (first_moe) {
+    // Every MoE layer has the same sizes, so one set of backward scratch serves them all.
+    const int64_t R = first_moe->max_rows();
+    moe_dnorm_ = arena_.reserve(N_ * C_);
+    moe_drouter_ = arena_.reserve(N_ * C_);
+    moe_dlogits_ = arena_.reserve(N_ * moe.num_experts);
+    moe_dprobs_ = arena_.reserve(N_ * moe.router_topk);
+    moe_drows_ = arena_.reserve(R * C_);
+    moe_drows_in_ = arena_.reserve(R * C_);
+    moe_dact_ = arena_.reserve(R * first_moe->expert_ffn());
+    moe_dfc_ = arena_.reserve(R * first_moe->expert_fc_width());
+    sh_dout_ = arena_.reserve(N_ * C_);
+    sh_dact_ = arena_.reserve(N_ * first_moe->shared_ffn());
+    sh_dfc_ = arena_.reserve(N_ * first_moe->shared_fc_width());
+    sh_dx_ = arena_.reserve(N_ * C_);
+  }
   arena_.allocate();
+  if (first_moe)
+    moe_scratch_ = MoeScratch{arena_(moe_dnorm_), arena_(moe_drouter_), arena_(moe_dlogits_), arena_(moe_dprobs_),
+                              arena_(moe_drows_), arena_(moe_drows_in_),
+                              ExpertsScratch{arena_(moe_dact_), arena_(moe_dfc_)},
+                              SharedExpertScratch{arena_(sh_dout_), arena_(sh_dact_), arena_(sh_dfc_), arena_(sh_dx_)}};
   order_.resize(static_cast<size_t>(N_));
 
   if (m.position_embedding == "rope") {
@@ -59,12 +90,18 @@ GPT::GPT(const ModelConfig& m, int64_t B)
   }
 }
 
-void GPT::forward(const int32_t* tokens) {
+void GPT::forward(const int32_t* tokens, bool training) {
+  aux_loss_ = 0;
   embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
                     B_, T_, C_, V_);
   for (int64_t l = 0; l < L_; ++l) {
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data());
-    mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+    if (moe_[l]) {
+      moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), training, seed_, step_, micro_);
+      aux_loss_ += moe_[l]->aux_losses().total();
+    } else {
+      mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+    }
   }
   final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
 }
@@ -89,14 +126,15 @@ void GPT::head(const int32_t* targets, bool backward, float grad_scale) {
   }
 }
 
-void GPT::backward(const int32_t* tokens) {
+void GPT::backward(const int32_t* tokens, float aux_scale) {
   float* dresid = arena_(dresid_);
   std::memset(dresid, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
   final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), N_);
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
   for (int64_t l = L_ - 1; l >= 0; --l) {
-    mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
+    if (moe_[l]) moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
+    else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
     attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as);
   }
   embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
@@ -112,14 +150,15 @@ double mean(const float* x, int64_t n) {
 }  // namespace
 
 double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
-  forward(tokens);
+  forward(tokens, true);
   head(targets, true, grad_scale);
-  backward(tokens);
+  backward(tokens, grad_scale * static_cast<float>(N_));
+  ++micro_;
   return mean(arena_(losses_), N_);
 }
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
-  forward(tokens);
+  forward(tokens, false);
   head(targets, false, 0.0f);
   return mean(arena_(losses_), N_);
 }
@@ -128,9 +167,33 @@ double GPT::flops_per_token() const {
   double matmul = static_cast<double>(V_ * C_);
   for (int64_t l = 0; l < L_; ++l) {
     matmul += static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
-    matmul += static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
+    if (moe_[l]) matmul += moe_[l]->matmul_params_per_token();
+    else matmul += static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
   }
   return 6.0 * matmul + 6.0 * static_cast<double>(L_ * T_ * C_);
+}
+
+void GPT::begin_step(uint64_t seed, int64_t step) {
+  seed_ = seed;
+  step_ = step;
+  micro_ = 0;
+  for (auto& layer : moe_)
+    if (layer) layer->begin_step();
+}
+
+std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate) {
+  std::vector<MoeTokenStats> stats;
+  for (auto& layer : moe_)
+    if (layer) stats.push_back(layer->finish_step(bias_update_rate));
+  return stats;
+}
+
+uint64_t GPT::state_hash() const {
+  Hasher h;
+  h.update(params_.values(), static_cast<size_t>(params_.total()) * sizeof(float));
+  for (const auto& layer : moe_)
+    if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
+  return h.digest();
 }
 
 }  // namespace lockstep

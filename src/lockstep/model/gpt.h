@@ -17,12 +17,14 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/model/attention.h"
 #include "lockstep/model/mlp.h"
+#include "lockstep/model/moe/moe_layer.h"
 #include "lockstep/model/norm.h"
 #include "lockstep/model/param_table.h"
 
@@ -31,15 +33,30 @@ namespace lockstep {
 class GPT {
  public:
   // B: sequences per micro-batch; T = m.seq_length. Declares and allocates every parameter (not
-  // yet initialised: call params().init(seed)) and the activation arena.
-  GPT(const ModelConfig& m, int64_t B);
+  // yet initialised: call params().init(seed)) and the activation arena. With moe.num_experts > 0
+  // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
+  // MLP; with 0 the model is the dense one, bit for bit.
+  GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
-  // Returns the mean loss over the micro-batch's tokens.
+  // Returns the mean LM loss over the micro-batch's tokens. The MoE load-balancing losses
+  // (aux_loss()) are part of the training loss: their gradients are scaled by grad_scale * B * T,
+  // i.e. the loss is lm_loss + the mean over micro-batches of aux_loss().
   double forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale);
-  // Forward only; mean loss.
+  // Forward only; mean LM loss (no router jitter, no step statistics).
   double evaluate(const int32_t* tokens, const int32_t* targets);
+  // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
+  double aux_loss() const { return aux_loss_; }
+
+  // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
+  // draws from (seed, layer, step, global element index); clears the step's counters), finish_step
+  // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics).
+  void begin_step(uint64_t seed, int64_t step);
+  std::vector<MoeTokenStats> finish_step(double bias_update_rate);
+  // Parameters and, for MoE models, the expert biases (state the optimizer does not own).
+  uint64_t state_hash() const;
+  const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
@@ -49,9 +66,9 @@ class GPT {
   int64_t activation_bytes() const { return arena_.total_floats() * 4; }
 
  private:
-  void forward(const int32_t* tokens);
+  void forward(const int32_t* tokens, bool training);
   void head(const int32_t* targets, bool backward, float grad_scale);
-  void backward(const int32_t* tokens);
+  void backward(const int32_t* tokens, float aux_scale);
 
   ModelConfig m_;
   int64_t B_, T_, C_, V_, L_, N_;
@@ -60,7 +77,8 @@ class GPT {
   Arena arena_;
   int wte_ = -1, wpe_ = -1, out_ = -1;
   std::vector<AttentionLayer> attn_;
-  std::vector<MlpLayer> mlp_;
+  std::vector<MlpLayer> mlp_;                  // dense layers (default-constructed on MoE layers)
+  std::vector<std::unique_ptr<MoeLayer>> moe_;  // MoE layers (null on dense layers)
   Norm final_norm_;
   std::vector<float> rope_cos_, rope_sin_;
   // Activations: resid[l] is layer l's input (N, C), resid[L] the last output; mid[l] the residual
@@ -70,6 +88,12 @@ class GPT {
   // Backward scratch, shared by all layers.
   ArenaSlice dresid_, dfinal_, dnorm_, datt_, dqkv_, dact_, dfc_;
   std::vector<int32_t> order_;
+  MoeScratch moe_scratch_{};
+  ArenaSlice moe_dnorm_, moe_drouter_, moe_dlogits_, moe_dprobs_, moe_drows_, moe_drows_in_, moe_dact_, moe_dfc_,
+      sh_dout_, sh_dact_, sh_dfc_, sh_dx_;
+  double aux_loss_ = 0;
+  uint64_t seed_ = 0;
+  int64_t step_ = 0, micro_ = 0;
 };
 
 }  // namespace lockstep

@@ -20,6 +20,8 @@ std::string Fingerprint::json() const {
       .add("cp", cp)
       .add("loss", bits(loss))
       .add("lm_loss", bits(lm_loss))
+      .add("aux_loss", bits(aux_loss))
+      .add("mtp_loss", bits(mtp_loss))
       .add("grad_norm", bits(grad_norm))
       .add("lr", bits(lr))
       .add("params", hex64(params))

@@ -3,7 +3,8 @@
 // bit for bit exactly when their fingerprint files are identical.
 //
 //   {"step":1,"rank":0,"dp":0,"tp":0,"pp":0,"ep":0,"cp":0,
-//    "loss":"<hex of the fp64 bits>","lm_loss":"...","grad_norm":"...","lr":"...",
+//    "loss":"<hex of the fp64 bits>","lm_loss":"...","aux_loss":"...","mtp_loss":"...",
+//    "grad_norm":"...","lr":"...",
 //    "params":"<xxh3>","grads":"<xxh3>","optimizer":"<xxh3 of Adam m then v>","rng":"<xxh3>"}
 #pragma once
 
@@ -15,7 +16,7 @@ namespace lockstep {
 struct Fingerprint {
   int64_t step = 0;
   int rank = 0, dp = 0, tp = 0, pp = 0, ep = 0, cp = 0;
-  double loss = 0, lm_loss = 0, grad_norm = 0, lr = 0;
+  double loss = 0, lm_loss = 0, aux_loss = 0, mtp_loss = 0, grad_norm = 0, lr = 0;
   uint64_t params = 0, grads = 0, optimizer = 0, rng = 0;
 
   std::string json() const;

@@ -49,6 +49,17 @@ double measure_gemm_peak() {
   return best;
 }
 
+// Tokens each expert processed this step, per MoE layer: "moe.<layer>.tokens_min" etc.
+JsonLine with_moe_stats(JsonLine line, const std::vector<MoeTokenStats>& stats) {
+  for (const MoeTokenStats& st : stats) {
+    const std::string key = "moe." + std::to_string(st.layer) + ".";
+    line.add((key + "tokens_min").c_str(), st.min)
+        .add((key + "tokens_max").c_str(), st.max)
+        .add((key + "imbalance").c_str(), st.imbalance, 6);
+  }
+  return line;
+}
+
 double peak_memory_mb() {
   rusage ru{};
   getrusage(RUSAGE_SELF, &ru);
@@ -112,7 +123,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch);
+  GPT model(mc, tc.micro_batch, config.moe);
   model.params().init(tc.seed);
   Optimizer optimizer(model.params(), config.optimizer);
 
@@ -154,25 +165,33 @@ TrainSummary train(const Config& config, std::FILE* out) {
     ParamStore& ps = model.params();
     ps.zero_grads();
     const float grad_scale = 1.0f / static_cast<float>(N * accum);
-    double loss = 0;
+    double lm_loss = 0, aux_loss = 0;
     const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
+    model.begin_step(tc.seed, step);
     for (int64_t micro = 0; micro < accum; ++micro) {
       data->batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
-      loss += model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      lm_loss += model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      aux_loss += model.aux_loss();
     }
-    loss /= static_cast<double>(accum);
+    lm_loss /= static_cast<double>(accum);
+    aux_loss /= static_cast<double>(accum);
+    // The training loss: Megatron adds each micro-batch's aux losses with weight 1 / micro-batches.
+    const double loss = lm_loss + aux_loss;
     const double lr = learning_rate(tc, step);
     const uint64_t grads_hash = hash_floats(ps.grads(), ps.total());
     const double grad_norm = optimizer.step(ps, step, lr);
+    const std::vector<MoeTokenStats> moe_stats = model.finish_step(config.moe.router_bias_update_rate);
     const double secs = seconds_since(t0);
     if (step > 1 || tc.steps == 1) step_seconds.push_back(secs);
 
     Fingerprint fp;
     fp.step = step;
-    fp.loss = fp.lm_loss = loss;
+    fp.loss = loss;
+    fp.lm_loss = lm_loss;
+    fp.aux_loss = aux_loss;
     fp.grad_norm = grad_norm;
     fp.lr = lr;
-    fp.params = hash_floats(ps.values(), ps.total());
+    fp.params = model.state_hash();
     fp.grads = grads_hash;
     fp.optimizer = optimizer.hash();
     // The random state of a step: the seed and where the data stream stands.
@@ -182,16 +201,18 @@ TrainSummary train(const Config& config, std::FILE* out) {
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
-    metrics.write(JsonLine()
+    metrics.write(with_moe_stats(JsonLine()
                       .add("step", step)
                       .add("loss", loss, 9)
-                      .add("lm_loss", loss, 9)
+                      .add("lm_loss", lm_loss, 9)
+                      .add("aux_loss", aux_loss, 9)
                       .add("grad_norm", grad_norm, 9)
                       .add("lr", lr, 9)
                       .add("step_ms", secs * 1e3, 6)
                       .add("tokens_per_s", tok_s, 6)
                       .add("mfu", mfu, 4)
-                      .add("peak_mem_mb", peak_memory_mb(), 6)
+                      .add("peak_mem_mb", peak_memory_mb(), 6),
+                      moe_stats)
                       .str());
     if (step == 1) summary.first_loss = loss;
     summary.last_loss = loss;

@@ -1,0 +1,32 @@
+// Grouped GEMM over the experts of an MoE layer: one call runs every local expert's matrix
+// product on its own contiguous block of rows.
+//
+// Rows of the expert input are grouped by expert: expert e owns rows [offsets[e], offsets[e+1]).
+//   grouped_gemm:        C[rows of e] (init) + A[rows of e] op(W_e)   (forward, input gradient)
+//   grouped_gemm_wgrad:  dW_e (+)= dY[rows of e]^T X[rows of e]       (weight gradient)
+// W is (E, Nout, K) for op = T (a linear layer's weight) or (E, K, Nout) for op = N.
+//
+// Determinism guarantee: each expert's block is one lockstep::gemm call (gemm.h: each output
+// element is one sequential FMA chain over K, bitwise independent of threads and tiling), and
+// every output row (grouped_gemm) or weight matrix (wgrad) belongs to exactly one expert, so no
+// element is written twice and no reduction crosses experts. An expert with no rows writes
+// nothing (grouped_gemm) or leaves dW_e unchanged (wgrad).
+#pragma once
+
+#include <cstdint>
+
+#include "lockstep/kernels/cpu/gemm.h"
+
+namespace lockstep {
+
+// C (R, Nout) with R = offsets[E]; A (R, K); W_e = W + e * Nout * K; bias (E, Nout) or null.
+// accumulate: C starts from its own values; else from bias[e] (or 0).
+void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias,
+                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate);
+
+// dW_e (Nout, K) += dY_e^T X_e for every expert: dY (R, Nout), X (R, K), dW (E, Nout, K).
+// dbias_e (Nout) += column sums of dY_e when dbias is not null (rows in order).
+void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
+                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K);
+
+}  // namespace lockstep

@@ -1,0 +1,67 @@
+#include "lockstep/model/moe/dispatcher.h"
+
+#include <algorithm>
+
+#include "lockstep/core/error.h"
+#include "lockstep/kernels/cpu/permute.h"
+
+namespace lockstep {
+
+LocalDispatcher::LocalDispatcher(int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad)
+    : E_(E), K_(K), C_(C), capacity_(capacity), pad_(pad), counts_(static_cast<size_t>(E)),
+      offsets_(static_cast<size_t>(E + 1)) {
+  LOCKSTEP_CHECK(!pad || capacity > 0, "padding needs a capacity");
+  slot_.resize(static_cast<size_t>(max_tokens * K));
+  row_choice_.resize(static_cast<size_t>(max_rows_for(max_tokens)));
+}
+
+int64_t LocalDispatcher::max_rows_for(int64_t tokens) const {
+  return pad_ ? E_ * capacity_ : tokens * K_;
+}
+
+int64_t LocalDispatcher::max_rows() const { return static_cast<int64_t>(row_choice_.size()); }
+
+void LocalDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N) {
+  LOCKSTEP_CHECK(N * K_ <= static_cast<int64_t>(slot_.size()), "dispatcher planned for fewer tokens");
+  N_ = N;
+  std::fill(counts_.begin(), counts_.end(), 0);
+  for (int64_t i = 0; i < N * K_; ++i)
+    if (kept[i]) ++counts_[idx[i]];
+  offsets_[0] = 0;
+  for (int64_t e = 0; e < E_; ++e) {
+    LOCKSTEP_CHECK(!pad_ || counts_[e] <= capacity_, "expert over capacity after dropping");
+    offsets_[e + 1] = offsets_[e] + (pad_ ? capacity_ : counts_[e]);
+  }
+  std::vector<int64_t> fill(offsets_.begin(), offsets_.end() - 1);
+  std::fill(row_choice_.begin(), row_choice_.begin() + offsets_[E_], -1);
+  // Choices in token order, so each expert's rows are in token order.
+  for (int64_t i = 0; i < N * K_; ++i) {
+    if (!kept[i]) {
+      slot_[i] = -1;
+      continue;
+    }
+    const int64_t r = fill[idx[i]]++;
+    slot_[i] = static_cast<int32_t>(r);
+    row_choice_[r] = static_cast<int32_t>(i);
+  }
+}
+
+void LocalDispatcher::dispatch(float* expert_in, const float* x) const {
+  permute_forward(expert_in, x, row_choice_.data(), rows(), K_, C_);
+}
+
+void LocalDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
+  permute_backward(dx, dexpert_in, slot_.data(), N_, K_, C_);
+}
+
+void LocalDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
+  combine_forward(out, base, expert_out, slot_.data(), probs, N_, K_, C_);
+}
+
+void LocalDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout,
+                                       const float* expert_out, const float* probs) const {
+  lockstep::combine_backward(dexpert_out, dprobs, dout, expert_out, slot_.data(), row_choice_.data(), probs, N_,
+                             rows(), K_, C_);
+}
+
+}  // namespace lockstep

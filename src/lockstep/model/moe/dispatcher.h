@@ -1,0 +1,67 @@
+// Token dispatch: the step between routing and the experts, and its mirror, the combine.
+//
+// A dispatcher turns a routing decision (K expert choices per token, some dropped by capacity) into
+// expert-input rows grouped by expert, runs the permutation, and after the experts combines each
+// token's expert outputs with its routing weights. The interface is what the expert-parallel
+// dispatchers (all-gather, all-to-all) implement later; LocalDispatcher keeps every expert in this
+// process.
+//
+// Layout: expert e owns rows [offsets()[e], offsets()[e + 1]); inside an expert, tokens are in token
+// order (then choice order). With padding to capacity every expert owns exactly `capacity` rows and
+// the rows past its tokens are zeros whose outputs are ignored.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace lockstep {
+
+class Dispatcher {
+ public:
+  virtual ~Dispatcher() = default;
+  // Builds the layout of a micro-batch from idx (N, K) and kept (N, K).
+  virtual void plan(const int32_t* idx, const uint8_t* kept, int64_t N) = 0;
+  // expert_in (rows(), C) = the routed tokens of x (N, C).
+  virtual void dispatch(float* expert_in, const float* x) const = 0;
+  // dx (N, C) += the gradient of dispatch from dexpert_in (rows(), C).
+  virtual void dispatch_backward(float* dx, const float* dexpert_in) const = 0;
+  // out (N, C) = base + sum over kept choices k (in order) of probs[t, k] * expert_out[row].
+  virtual void combine(float* out, const float* base, const float* expert_out, const float* probs) const = 0;
+  // dexpert_out (rows(), C) and dprobs (N, K) from dout (N, C).
+  virtual void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
+                                const float* probs) const = 0;
+
+  virtual int64_t rows() const = 0;
+  virtual const int64_t* offsets() const = 0;              // (E + 1), local experts
+  virtual const std::vector<int64_t>& tokens_per_expert() const = 0;  // kept tokens (no padding)
+};
+
+class LocalDispatcher final : public Dispatcher {
+ public:
+  // capacity: rows per expert when padding (pad = true), else unused.
+  LocalDispatcher(int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
+
+  void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
+  void dispatch(float* expert_in, const float* x) const override;
+  void dispatch_backward(float* dx, const float* dexpert_in) const override;
+  void combine(float* out, const float* base, const float* expert_out, const float* probs) const override;
+  void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
+                        const float* probs) const override;
+
+  int64_t rows() const override { return offsets_[E_]; }
+  const int64_t* offsets() const override { return offsets_.data(); }
+  const std::vector<int64_t>& tokens_per_expert() const override { return counts_; }
+  // Most rows a micro-batch can need (arena sizing).
+  int64_t max_rows() const;
+  int64_t max_rows_for(int64_t tokens) const;
+  const std::vector<int32_t>& slots() const { return slot_; }
+
+ private:
+  int64_t E_, K_, C_, N_ = 0, capacity_;
+  bool pad_;
+  std::vector<int64_t> counts_, offsets_;
+  std::vector<int32_t> slot_;        // (N, K): row of each choice, -1 when dropped
+  std::vector<int32_t> row_choice_;  // (rows): t * K + k, -1 for padding
+};
+
+}  // namespace lockstep

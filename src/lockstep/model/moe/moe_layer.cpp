@@ -1,0 +1,162 @@
+#include "lockstep/model/moe/moe_layer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "lockstep/core/philox.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/gemm.h"
+
+namespace lockstep {
+
+MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
+                   const MoeConfig& moe, int64_t B, int64_t T)
+    : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
+      K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias) {
+  norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, N_, static_cast<float>(m.norm_eps));
+  router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
+  const int64_t capacity = expert_capacity(spec_, N_);
+  dispatcher_ = std::make_unique<LocalDispatcher>(E_, K_, C_, N_, capacity, moe.pad_expert_input_to_capacity);
+  const int64_t R = dispatcher_->max_rows();
+  const int64_t F = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
+  experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, E_, F, R);
+  if (moe.shared_expert_intermediate_size > 0)
+    shared_ = std::make_unique<SharedExpert>(ps, arena, prefix + "moe.shared.", m, moe.shared_expert_intermediate_size,
+                                             moe.shared_expert_gate, N_);
+  normed_ = arena.reserve(N_ * C_);
+  if (jitter_eps_ > 0) {
+    router_x_ = arena.reserve(N_ * C_);
+    jitter_ = arena.reserve(N_ * C_);
+  }
+  logits_ = arena.reserve(N_ * E_);
+  probs_ = arena.reserve(N_ * K_);
+  rows_in_ = arena.reserve(R * C_);
+  rows_out_ = arena.reserve(R * C_);
+  idx_.resize(static_cast<size_t>(N_ * K_));
+  kept_.resize(static_cast<size_t>(N_ * K_));
+  expert_bias_.assign(static_cast<size_t>(E_), 0.0f);
+  step_counts_.assign(static_cast<size_t>(E_), 0);
+  global_counts_sum_.assign(static_cast<size_t>(E_), 0);
+  global_counts_.assign(static_cast<size_t>(E_), 0.0f);
+}
+
+void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
+                       bool training, uint64_t seed, int64_t step, int64_t micro) {
+  float* x = arena(normed_);
+  norm_.forward(ps, arena, x, resid_in, N_);
+
+  // Route. The jitter multiplies the router's input only; the experts see x itself.
+  const float* rx = x;
+  jittered_ = training && jitter_eps_ > 0;
+  if (jittered_) {
+    const RandomStream rng(seed, mix_purpose(mix_purpose(purpose_id("moe/router_jitter"), static_cast<uint64_t>(layer_)),
+                                             static_cast<uint64_t>(step)));
+    float* u = arena(jitter_);
+    float* xr = arena(router_x_);
+    const float lo = static_cast<float>(1.0 - jitter_eps_), width = static_cast<float>(2.0 * jitter_eps_);
+    const uint64_t first = static_cast<uint64_t>(micro * N_ * C_);  // global element index in the step's batch
+    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        u[i] = lo + width * rng.uniform(first + static_cast<uint64_t>(i));
+        xr[i] = x[i] * u[i];
+      }
+    });
+    rx = xr;
+  }
+  float* logits = arena(logits_);
+  float* probs = arena(probs_);
+  gemm(logits, rx, Trans::N, ps.value(router_w_), Trans::T, N_, E_, C_);
+  route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N_);
+  apply_capacity(kept_.data(), idx_.data(), probs, spec_, N_);
+  aux_ = aux_losses_forward(logits, spec_, B_, T_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
+                            counts_seq_);
+
+  // Dispatch, experts, combine.
+  dispatcher_->plan(idx_.data(), kept_.data(), N_);
+  dispatcher_->dispatch(arena(rows_in_), x);
+  experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
+  const float* base = resid_in;
+  if (shared_) {
+    shared_->forward(ps, arena, resid_out, resid_in, x);
+    base = resid_out;
+  }
+  dispatcher_->combine(resid_out, base, arena(rows_out_), probs);
+
+  if (training) {
+    const std::vector<int64_t>& counts = dispatcher_->tokens_per_expert();
+    for (int64_t e = 0; e < E_; ++e) step_counts_[e] += counts[e];
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t e = 0; e < E_; ++e) global_counts_sum_[e] += counts_seq_[b * E_ + e];
+    ++global_micro_;
+  }
+}
+
+void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
+                        const MoeScratch& s, float aux_scale) const {
+  const float* x = arena(normed_);
+  const float* logits = arena(logits_);
+  dispatcher_->combine_backward(s.drows, s.dprobs, dresid, arena(rows_out_), arena(probs_));
+  experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), s.experts);
+  std::memset(s.dnorm, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
+  dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
+  if (shared_) shared_->backward(ps, arena, s.dnorm, dresid, x, s.shared);
+
+  route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N_);
+  aux_losses_backward(s.dlogits, logits, spec_, B_, T_, global_counts_.data(), counts_seq_, aux_scale);
+  const float* rx = jittered_ ? arena(router_x_) : x;
+  GemmOptions acc;
+  acc.accumulate = true;
+  gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N_, acc);
+  if (jittered_) {
+    gemm(s.drouter_x, s.dlogits, Trans::N, ps.value(router_w_), Trans::N, N_, C_, E_);
+    const float* u = arena(jitter_);
+    float* d = s.dnorm;
+    const float* dr = s.drouter_x;
+    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) d[i] += dr[i] * u[i];
+    });
+  } else {
+    gemm(s.dnorm, s.dlogits, Trans::N, ps.value(router_w_), Trans::N, N_, C_, E_, acc);
+  }
+  norm_.backward(ps, arena, dresid, s.dnorm, resid_in, N_);
+}
+
+void MoeLayer::begin_step() {
+  std::fill(step_counts_.begin(), step_counts_.end(), 0);
+  std::fill(global_counts_sum_.begin(), global_counts_sum_.end(), 0);
+  global_micro_ = 0;
+}
+
+MoeTokenStats MoeLayer::finish_step(double bias_update_rate) {
+  MoeTokenStats st;
+  st.layer = layer_;
+  int64_t total = 0;
+  st.min = step_counts_[0];
+  st.max = step_counts_[0];
+  for (int64_t e = 0; e < E_; ++e) {
+    total += step_counts_[e];
+    st.min = std::min(st.min, step_counts_[e]);
+    st.max = std::max(st.max, step_counts_[e]);
+  }
+  const double mean = static_cast<double>(total) / static_cast<double>(E_);
+  st.imbalance = mean > 0 ? static_cast<double>(st.max) / mean : 0;
+  if (expert_bias_on_ && total > 0) {
+    // Megatron's update: bias += rate * sign(mean load - load); underloaded experts gain.
+    const float rate = static_cast<float>(bias_update_rate);
+    for (int64_t e = 0; e < E_; ++e) {
+      const double off = mean - static_cast<double>(step_counts_[e]);
+      expert_bias_[e] += off > 0 ? rate : off < 0 ? -rate : 0.0f;
+    }
+  }
+  return st;
+}
+
+double MoeLayer::matmul_params_per_token() const {
+  double p = static_cast<double>(E_ * C_) +
+             static_cast<double>(K_) * static_cast<double>(C_ * experts_.fc_width() + experts_.F * C_);
+  if (shared_) p += static_cast<double>(C_ * shared_->fc_width() + shared_->F * C_ + (shared_->gate_w >= 0 ? C_ : 0));
+  return p;
+}
+
+}  // namespace lockstep

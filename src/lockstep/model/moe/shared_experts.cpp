@@ -1,0 +1,84 @@
+#include "lockstep/model/moe/shared_experts.h"
+
+#include <cmath>
+
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/activations.h"
+
+namespace lockstep {
+
+SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
+                           int64_t F_, bool use_gate, int64_t N_)
+    : N(N_), C(m.hidden_size), F(F_), swiglu(m.activation == "swiglu") {
+  const float std = static_cast<float>(m.init_std);
+  const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
+  fc = Linear(ps, prefix + "fc", C, fc_width(), m.bias, std);
+  proj = Linear(ps, prefix + "proj", F, C, m.bias, out_std);
+  if (use_gate) gate_w = ps.add(prefix + "gate.weight", {1, C}, Init::normal, std, true);
+  fc_out = arena.reserve(N * fc_width());
+  act = arena.reserve(N * F);
+  y = arena.reserve(N * C);
+  gate = arena.reserve(N);
+}
+
+void SharedExpert::forward(const ParamStore& ps, const Arena& arena, float* out, const float* base,
+                           const float* x) const {
+  fc.forward(ps, arena(fc_out), x, N);
+  if (swiglu) swiglu_forward(arena(act), arena(fc_out), N, F);
+  else gelu_forward(arena(act), arena(fc_out), N * F);
+  proj.forward(ps, arena(y), arena(act), N);
+  const float* w = gate_w >= 0 ? ps.value(gate_w) : nullptr;
+  float* g = arena(gate);
+  const float* yy = arena(y);
+  parallel_for(N, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      float gt = 1.0f;
+      if (w) {
+        float dot = 0;
+        for (int64_t c = 0; c < C; ++c) dot = std::fma(x[t * C + c], w[c], dot);
+        gt = 1.0f / (1.0f + std::exp(-dot));
+      }
+      g[t] = gt;
+      for (int64_t c = 0; c < C; ++c) out[t * C + c] = base[t * C + c] + (w ? gt * yy[t * C + c] : yy[t * C + c]);
+    }
+  });
+}
+
+void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
+                            const float* x, const SharedExpertScratch& s) const {
+  const float* g = arena(gate);
+  const float* yy = arena(y);
+  const float* w = gate_w >= 0 ? ps.value(gate_w) : nullptr;
+  // d(ungated output) = gate * dout; the gate logit's gradient dl_t = <dout_t, y_t> g (1 - g).
+  std::vector<float> dlogit(w ? static_cast<size_t>(N) : 0);
+  parallel_for(N, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      if (w) {
+        float dot = 0;
+        for (int64_t c = 0; c < C; ++c) dot = std::fma(dout[t * C + c], yy[t * C + c], dot);
+        dlogit[t] = dot * g[t] * (1.0f - g[t]);
+        for (int64_t c = 0; c < C; ++c) s.dout[t * C + c] = g[t] * dout[t * C + c];
+      } else {
+        for (int64_t c = 0; c < C; ++c) s.dout[t * C + c] = dout[t * C + c];
+      }
+    }
+  });
+  proj.backward(ps, s.dact, s.dout, arena(act), N);
+  if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
+  else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  fc.backward(ps, s.dx, s.dfc, x, N);
+  float* dw = w ? ps.grad(gate_w) : nullptr;
+  // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.
+  if (w)
+    parallel_for(C, [&](int64_t c0, int64_t c1) {
+      for (int64_t t = 0; t < N; ++t)
+        for (int64_t c = c0; c < c1; ++c) dw[c] += dlogit[t] * x[t * C + c];
+    });
+  parallel_for(N, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t c = 0; c < C; ++c)
+        dx[t * C + c] += s.dx[t * C + c] + (w ? dlogit[t] * w[c] : 0.0f);
+  });
+}
+
+}  // namespace lockstep

@@ -1,0 +1,588 @@
+// Mixture of experts: the router (every score function and option) and every load-balancing loss
+// against finite differences and hand-computed values; permute / combine / grouped GEMM against
+// references and finite differences; capacity dropping; the expert bias; one expert = the dense
+// MLP; the whole MoE model's gradient; bitwise determinism of MoE training.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "lockstep/config/config.h"
+#include "lockstep/core/error.h"
+#include "lockstep/core/hash.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
+#include "lockstep/kernels/cpu/permute.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/model/moe/dispatcher.h"
+#include "lockstep/model/moe/router.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/trainer.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::randn;
+
+RouterSpec spec_of(std::vector<std::string> overrides) {
+  bool has_e = false;
+  for (const auto& o : overrides) has_e |= o.rfind("moe.num_experts=", 0) == 0;
+  if (!has_e) overrides.push_back("moe.num_experts=8");
+  return RouterSpec(load_config("", overrides).moe);
+}
+
+// sum over (t, k) of w[t, k] * probs[t, k]: a scalar function of the logits for finite differences.
+double weighted_probs(const std::vector<float>& logits, const std::vector<float>& w, const float* bias,
+                      const RouterSpec& s, int64_t N, std::vector<int32_t>* idx_out = nullptr) {
+  std::vector<int32_t> idx(static_cast<size_t>(N * s.K));
+  std::vector<float> probs(idx.size());
+  route_topk(idx.data(), probs.data(), logits.data(), bias, s, N);
+  if (idx_out) *idx_out = idx;
+  double f = 0;
+  for (size_t i = 0; i < probs.size(); ++i) f += static_cast<double>(w[i]) * probs[i];
+  return f;
+}
+
+void check_router_gradient(const std::vector<std::string>& options, bool with_bias = false) {
+  SCOPED_TRACE(::testing::PrintToString(options));
+  const RouterSpec s = spec_of(options);
+  const int64_t N = 6;
+  std::vector<float> logits = randn(N * s.E, 1, "logits");
+  const std::vector<float> w = randn(N * s.K, 2, "w");
+  std::vector<float> bias = randn(s.E, 3, "bias", 0.3f);
+  const float* b = with_bias ? bias.data() : nullptr;
+  std::vector<int32_t> idx(static_cast<size_t>(N * s.K));
+  std::vector<float> probs(idx.size());
+  route_topk(idx.data(), probs.data(), logits.data(), b, s, N);
+  std::vector<float> dlogits(logits.size());
+  route_topk_backward(dlogits.data(), w.data(), logits.data(), idx.data(), s, N);
+  const double h = 1e-3;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float x = logits[i];
+    std::vector<int32_t> ip, im;
+    logits[i] = static_cast<float>(x + h);
+    const double fp = weighted_probs(logits, w, b, s, N, &ip);
+    logits[i] = static_cast<float>(x - h);
+    const double fm = weighted_probs(logits, w, b, s, N, &im);
+    logits[i] = x;
+    ASSERT_EQ(ip, idx) << "selection changed under the finite-difference step";
+    ASSERT_EQ(im, idx);
+    EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-3) << "logit " << i;
+  }
+}
+
+TEST(MoeRouter, GradientsMatchFiniteDifferences) {
+  check_router_gradient({"moe.router_topk=2"});
+  check_router_gradient({"moe.router_topk=3", "moe.router_pre_softmax=true"});
+  check_router_gradient({"moe.router_topk=2", "moe.router_score_function=sigmoid"});
+  check_router_gradient({"moe.router_topk=1", "moe.router_score_function=sigmoid"});
+  check_router_gradient({"moe.router_topk=4", "moe.router_score_function=sigmoid", "moe.router_num_groups=4",
+                         "moe.router_group_topk=2", "moe.router_topk_scaling_factor=2.5",
+                         "moe.router_enable_expert_bias=true"},
+                        true);
+  check_router_gradient({"moe.router_topk=2", "moe.router_num_groups=2", "moe.router_group_topk=1",
+                         "moe.router_topk_scaling_factor=1.5"});
+}
+
+TEST(MoeRouter, SelectionAndWeightsFollowTheFormulas) {
+  // One token, E = 4 logits.
+  const std::vector<float> z = {0.5f, 2.0f, -1.0f, 1.0f};
+  int32_t idx[4];
+  float p[4];
+  // softmax, not pre: top-2 logits {1, 3}, weights softmax over (2.0, 1.0), ascending expert order.
+  route_topk(idx, p, z.data(), nullptr, spec_of({"moe.num_experts=4", "moe.router_topk=2"}), 1);
+  EXPECT_EQ(idx[0], 1);
+  EXPECT_EQ(idx[1], 3);
+  EXPECT_NEAR(p[0], 1.0 / (1.0 + std::exp(-1.0)), 1e-6);
+  EXPECT_NEAR(p[1], 1.0 / (1.0 + std::exp(1.0)), 1e-6);
+  // pre-softmax: the weights are the full softmax's entries, not renormalised.
+  route_topk(idx, p, z.data(), nullptr, spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.router_pre_softmax=true"}), 1);
+  double denom = 0;
+  for (float v : z) denom += std::exp(static_cast<double>(v));
+  EXPECT_NEAR(p[0], std::exp(2.0) / denom, 1e-6);
+  EXPECT_NEAR(p[1], std::exp(1.0) / denom, 1e-6);
+  // sigmoid with scaling 2: sigmoid scores of the top-2 renormalised, times 2.
+  route_topk(idx, p, z.data(), nullptr,
+             spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.router_score_function=sigmoid",
+                      "moe.router_topk_scaling_factor=2"}),
+             1);
+  auto sg = [](double x) { return 1 / (1 + std::exp(-x)); };
+  EXPECT_NEAR(p[0], 2 * sg(2.0) / (sg(2.0) + sg(1.0)), 1e-6);
+  // Group-limited: groups {0,1} and {2,3}; group scores = best logit (K/group_topk = 1):
+  // 2.0 vs 1.0, so only group 0 stays and the top-2 come from experts 0 and 1.
+  route_topk(idx, p, z.data(), nullptr,
+             spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.router_num_groups=2", "moe.router_group_topk=1"}), 1);
+  EXPECT_EQ(idx[0], 0);
+  EXPECT_EQ(idx[1], 1);
+}
+
+TEST(MoeRouter, ExpertBiasChangesSelectionButNotWeights) {
+  const RouterSpec s = spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.router_score_function=sigmoid",
+                                "moe.router_enable_expert_bias=true"});
+  const std::vector<float> z = {0.5f, 2.0f, -1.0f, 1.0f};
+  const std::vector<float> bias = {0.0f, 0.0f, 5.0f, 0.0f};  // pushes expert 2 into the top-2
+  int32_t idx[2];
+  float p[2];
+  route_topk(idx, p, z.data(), bias.data(), s, 1);
+  EXPECT_EQ(idx[0], 1);
+  EXPECT_EQ(idx[1], 2);
+  auto sg = [](double x) { return 1 / (1 + std::exp(-x)); };
+  // The weights come from the unbiased scores of the chosen experts.
+  EXPECT_NEAR(p[0], sg(2.0) / (sg(2.0) + sg(-1.0)), 1e-6);
+  EXPECT_NEAR(p[1], sg(-1.0) / (sg(2.0) + sg(-1.0)), 1e-6);
+}
+
+TEST(MoeAuxLoss, HandComputedValues) {
+  // Two sequences of one token, E = 2, K = 1: softmax rows (0.75, 0.25) and (0.25, 0.75).
+  const float l3 = static_cast<float>(std::log(3.0));
+  const std::vector<float> logits = {l3, 0.0f, 0.0f, l3};
+  std::vector<int64_t> counts;
+  float global[2];
+  auto losses = [&](const std::string& type, const int64_t* prev, int64_t prev_micro, const char* score = "softmax") {
+    const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
+                                  "moe.z_loss_coeff=0.01", "moe.router_load_balancing_type=" + type,
+                                  std::string("moe.router_score_function=") + score});
+    return aux_losses_forward(logits.data(), s, 2, 1, prev, prev_micro, global, counts);
+  };
+  // switch: 0.1 * E / (K N^2) * sum_e T_e P_e = 0.1 * 2/4 * (1 * 1.0 + 1 * 1.0) = 0.1.
+  AuxLosses a = losses("aux_loss", nullptr, 0);
+  EXPECT_NEAR(a.aux, 0.1, 1e-7);
+  // z-loss: 0.01 * mean(lse^2), lse = ln 4 for both tokens.
+  EXPECT_NEAR(a.z, 0.01 * std::log(4.0) * std::log(4.0), 1e-7);
+  EXPECT_EQ(counts, (std::vector<int64_t>{1, 0, 0, 1}));
+  // seq: per sequence E/(K T^2) * 1 * 0.75 = 1.5; mean over 2 sequences; * 0.1.
+  a = losses("seq_aux_loss", nullptr, 0);
+  EXPECT_NEAR(a.seq_aux, 0.15, 1e-7);
+  EXPECT_EQ(a.aux, 0.0);
+  // global: earlier micro-batch counts (3, 1) -> running mean ((3+1)/2, (1+1)/2) = (2, 1);
+  // 0.1 * 2/4 * (2 * 1.0 + 1 * 1.0) = 0.15.
+  const int64_t prev[2] = {3, 1};
+  a = losses("global_aux_loss", prev, 1);
+  EXPECT_NEAR(a.global_aux, 0.15, 1e-7);
+  EXPECT_FLOAT_EQ(global[0], 2.0f);
+  // Combined types add up.
+  a = losses("aux_loss,seq_aux_loss", nullptr, 0);
+  EXPECT_NEAR(a.total(), 0.1 + 0.15 + 0.01 * std::log(4.0) * std::log(4.0), 1e-7);
+  // sigmoid: aux scores are sigmoid(z) normalised. Token 0 (ln 3, 0): a = (0.75, 0.5) / 1.25;
+  // token 1 (0, 0): a = (0.5, 0.5), its top-1 tie goes to expert 0. T = (2, 0),
+  // P_0 = 0.6 + 0.5: aux = 0.1 * 2/4 * 2 * 1.1 = 0.11.
+  {
+    const std::vector<float> z = {l3, 0.0f, 0.0f, 0.0f};
+    const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
+                                  "moe.router_score_function=sigmoid"});
+    EXPECT_NEAR(aux_losses_forward(z.data(), s, 2, 1, nullptr, 0, global, counts).aux, 0.11, 1e-7);
+    EXPECT_EQ(counts, (std::vector<int64_t>{1, 0, 1, 0}));
+  }
+}
+
+void check_aux_gradient(const std::vector<std::string>& options) {
+  SCOPED_TRACE(::testing::PrintToString(options));
+  const RouterSpec s = spec_of(options);
+  const int64_t B = 2, T = 3, N = B * T;
+  std::vector<float> logits = randn(N * s.E, 4, "logits");
+  const int64_t prev[8] = {3, 1, 0, 2, 5, 1, 1, 0};
+  std::vector<int64_t> counts;
+  std::vector<float> global(static_cast<size_t>(s.E));
+  aux_losses_forward(logits.data(), s, B, T, prev, 2, global.data(), counts);
+  std::vector<float> dlogits(logits.size(), 0.0f);
+  aux_losses_backward(dlogits.data(), logits.data(), s, B, T, global.data(), counts, 1.0f);
+  const double h = 1e-3;
+  for (size_t i = 0; i < logits.size(); ++i) {
+    const float x = logits[i];
+    std::vector<int64_t> c;
+    std::vector<float> g(global.size());
+    logits[i] = static_cast<float>(x + h);
+    const double fp = aux_losses_forward(logits.data(), s, B, T, prev, 2, g.data(), c).total();
+    ASSERT_EQ(c, counts) << "routing map changed under the finite-difference step";
+    logits[i] = static_cast<float>(x - h);
+    const double fm = aux_losses_forward(logits.data(), s, B, T, prev, 2, g.data(), c).total();
+    logits[i] = x;
+    EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-4 * std::max(1.0, std::abs(static_cast<double>(dlogits[i])))) << "logit " << i;
+  }
+}
+
+TEST(MoeAuxLoss, GradientsMatchFiniteDifferences) {
+  for (const char* type : {"aux_loss", "seq_aux_loss", "global_aux_loss", "aux_loss,seq_aux_loss,global_aux_loss"})
+    for (const char* score : {"softmax", "sigmoid"})
+      check_aux_gradient({"moe.router_topk=2", "moe.aux_loss_coeff=0.5", std::string("moe.router_load_balancing_type=") + type,
+                          std::string("moe.router_score_function=") + score});
+  check_aux_gradient({"moe.router_topk=2", "moe.z_loss_coeff=0.3", "moe.router_load_balancing_type=none"});
+}
+
+// A hand-built routing: E = 3, K = 2, N = 4.
+struct Routing {
+  int64_t N = 4, K = 2, E = 3;
+  std::vector<int32_t> idx = {0, 1, 0, 2, 1, 2, 0, 1};
+  std::vector<float> probs = {0.6f, 0.4f, 0.3f, 0.7f, 0.5f, 0.5f, 0.9f, 0.1f};
+};
+
+TEST(MoeCapacity, DroppingKeepsExactlyWhatThePolicySays) {
+  const Routing r;
+  // capacity = ceil(4 * 2 / 3 * 0.5) = 2. Expert 0 has tokens 0 (0.6), 1 (0.3), 3 (0.9).
+  // Expert 1 has tokens 0 (0.4), 2 (0.5), 3 (0.1); expert 2 has tokens 1, 2 (fits).
+  for (const char* policy : {"probs", "position"}) {
+    RouterSpec s = spec_of({"moe.num_experts=3", "moe.router_topk=2", "moe.expert_capacity_factor=0.5",
+                            std::string("moe.token_drop_policy=") + policy});
+    EXPECT_EQ(expert_capacity(s, r.N), 2);
+    std::vector<uint8_t> kept(8);
+    apply_capacity(kept.data(), r.idx.data(), r.probs.data(), s, r.N);
+    if (std::string(policy) == "probs")  // expert 0 drops token 1 (lowest 0.3), expert 1 drops token 3 (0.1)
+      EXPECT_EQ(kept, (std::vector<uint8_t>{1, 1, 0, 1, 1, 1, 1, 0}));
+    else  // the first two in token order: expert 0 drops token 3, expert 1 drops token 3
+      EXPECT_EQ(kept, (std::vector<uint8_t>{1, 1, 1, 1, 1, 1, 0, 0}));
+  }
+  // Dropless keeps everything.
+  std::vector<uint8_t> kept(8);
+  apply_capacity(kept.data(), r.idx.data(), r.probs.data(), spec_of({"moe.num_experts=3"}), r.N);
+  EXPECT_EQ(kept, std::vector<uint8_t>(8, 1));
+}
+
+TEST(MoeDispatch, RowsAreGroupedByExpertInTokenOrderWithPadding) {
+  const Routing r;
+  const std::vector<uint8_t> kept = {1, 1, 0, 1, 1, 1, 1, 0};
+  LocalDispatcher d(r.E, r.K, /*C=*/2, r.N, /*capacity=*/3, /*pad=*/true);
+  d.plan(r.idx.data(), kept.data(), r.N);
+  EXPECT_EQ(d.rows(), 9);
+  EXPECT_EQ(d.tokens_per_expert(), (std::vector<int64_t>{2, 2, 2}));
+  // Expert 0: tokens 0, 3 then padding; expert 1: tokens 0, 2; expert 2: tokens 1, 2.
+  EXPECT_EQ(d.slots(), (std::vector<int32_t>{0, 3, -1, 6, 4, 7, 1, -1}));
+  const std::vector<float> x = {1, 2, 3, 4, 5, 6, 7, 8};  // (4, 2)
+  std::vector<float> rows(18, -1.0f);
+  d.dispatch(rows.data(), x.data());
+  EXPECT_EQ(rows, (std::vector<float>{1, 2, 7, 8, 0, 0, 1, 2, 5, 6, 0, 0, 3, 4, 5, 6, 0, 0}));
+}
+
+TEST(MoeDispatch, PermuteAndCombineMatchReferencesAndFiniteDifferences) {
+  const Routing r;
+  const int64_t C = 5;
+  const std::vector<uint8_t> kept = {1, 1, 0, 1, 1, 1, 1, 0};
+  LocalDispatcher d(r.E, r.K, C, r.N, 0, false);
+  d.plan(r.idx.data(), kept.data(), r.N);
+  const int64_t R = d.rows();
+  ASSERT_EQ(R, 6);
+  const std::vector<float> x = randn(r.N * C, 5, "x"), y = randn(R * C, 6, "y"), base = randn(r.N * C, 7, "base");
+  const std::vector<float> dout = randn(r.N * C, 8, "dout"), drows = randn(R * C, 9, "drows");
+  // Permute is linear: its backward is its adjoint, <P x, g> = <x, P^T g>.
+  std::vector<float> px(R * C), ptg(r.N * C, 0.0f);
+  d.dispatch(px.data(), x.data());
+  d.dispatch_backward(ptg.data(), drows.data());
+  double lhs = 0, rhs = 0;
+  for (int64_t i = 0; i < R * C; ++i) lhs += static_cast<double>(px[i]) * drows[i];
+  for (int64_t i = 0; i < r.N * C; ++i) rhs += static_cast<double>(x[i]) * ptg[i];
+  EXPECT_NEAR(lhs, rhs, 1e-5);
+  // Combine against a double reference.
+  std::vector<float> out(r.N * C);
+  d.combine(out.data(), base.data(), y.data(), r.probs.data());
+  const std::vector<int32_t>& slot = d.slots();
+  auto combine_ref = [&](const std::vector<double>& yy, const std::vector<double>& pp) {
+    std::vector<double> o(base.begin(), base.end());
+    for (int64_t t = 0; t < r.N; ++t)
+      for (int64_t k = 0; k < r.K; ++k)
+        if (slot[t * r.K + k] >= 0)
+          for (int64_t c = 0; c < C; ++c) o[t * C + c] += pp[t * r.K + k] * yy[slot[t * r.K + k] * C + c];
+    return o;
+  };
+  const std::vector<double> yd(y.begin(), y.end()), pd(r.probs.begin(), r.probs.end());
+  EXPECT_TRUE(testing::all_close(out, combine_ref(yd, pd), 1e-6, 1e-6, "combine"));
+  // Combine gradients against finite differences of <dout, combine(y, probs)>.
+  std::vector<float> dy(R * C), dprobs(r.N * r.K);
+  d.combine_backward(dy.data(), dprobs.data(), dout.data(), y.data(), r.probs.data());
+  auto f = [&](const std::vector<double>& yy, const std::vector<double>& pp) {
+    const std::vector<double> o = combine_ref(yy, pp);
+    double s = 0;
+    for (int64_t i = 0; i < r.N * C; ++i) s += o[i] * dout[i];
+    return s;
+  };
+  const std::vector<double> gy = testing::finite_difference([&](const std::vector<double>& v) { return f(v, pd); }, yd);
+  const std::vector<double> gp = testing::finite_difference([&](const std::vector<double>& v) { return f(yd, v); }, pd);
+  EXPECT_TRUE(testing::all_close(dy, gy, 1e-5, 1e-5, "dexpert_out"));
+  EXPECT_TRUE(testing::all_close(dprobs, gp, 1e-5, 1e-5, "dprobs"));
+  EXPECT_EQ(dprobs[2], 0.0f);  // dropped choice
+}
+
+TEST(MoeGroupedGemm, MatchesReferenceFiniteDifferencesAndThreads) {
+  const int64_t E = 3, N = 7, K = 5;
+  const std::vector<int64_t> off = {0, 4, 4, 9};  // expert 1 has no rows
+  const int64_t R = off[E];
+  const std::vector<float> x = randn(R * K, 1, "x"), w = randn(E * N * K, 2, "w"), b = randn(E * N, 3, "b");
+  std::vector<float> y(R * N);
+  grouped_gemm(y.data(), x.data(), w.data(), Trans::T, b.data(), off.data(), E, N, K, false);
+  std::vector<double> ref(R * N);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t r = off[e]; r < off[e + 1]; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        double s = b[e * N + n];
+        for (int64_t k = 0; k < K; ++k) s += static_cast<double>(x[r * K + k]) * w[(e * N + n) * K + k];
+        ref[r * N + n] = s;
+      }
+  EXPECT_TRUE(testing::all_close(y, ref, 1e-5, 1e-5, "grouped_gemm"));
+  // Gradients of <dy, y(x, w, b)>: dx = grouped_gemm(dy, w, N), dw and db from the wgrad.
+  const std::vector<float> dyv = randn(R * N, 4, "dy");
+  std::vector<float> dx(R * K), dw(E * N * K, 0.0f), db(E * N, 0.0f);
+  grouped_gemm(dx.data(), dyv.data(), w.data(), Trans::N, nullptr, off.data(), E, K, N, false);
+  grouped_gemm_wgrad(dw.data(), db.data(), dyv.data(), x.data(), off.data(), E, N, K);
+  auto f = [&](const std::vector<double>& xx, const std::vector<double>& ww, const std::vector<double>& bb) {
+    double s = 0;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = off[e]; r < off[e + 1]; ++r)
+        for (int64_t n = 0; n < N; ++n) {
+          double v = bb[e * N + n];
+          for (int64_t k = 0; k < K; ++k) v += xx[r * K + k] * ww[(e * N + n) * K + k];
+          s += v * dyv[r * N + n];
+        }
+    return s;
+  };
+  const std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end()), bd(b.begin(), b.end());
+  EXPECT_TRUE(testing::all_close(dx, testing::finite_difference([&](const auto& v) { return f(v, wd, bd); }, xd), 1e-4, 1e-4, "dx"));
+  EXPECT_TRUE(testing::all_close(dw, testing::finite_difference([&](const auto& v) { return f(xd, v, bd); }, wd), 1e-4, 1e-4, "dw"));
+  EXPECT_TRUE(testing::all_close(db, testing::finite_difference([&](const auto& v) { return f(xd, wd, v); }, bd), 1e-4, 1e-4, "db"));
+  // Bitwise the same on 1, 2 and 3 threads.
+  for (int threads : {2, 3}) {
+    std::vector<float> y2(R * N), dw2(E * N * K, 0.0f), db2(E * N, 0.0f);
+    testing::with_threads(threads, [&] {
+      grouped_gemm(y2.data(), x.data(), w.data(), Trans::T, b.data(), off.data(), E, N, K, false);
+      grouped_gemm_wgrad(dw2.data(), db2.data(), dyv.data(), x.data(), off.data(), E, N, K);
+    });
+    EXPECT_TRUE(testing::bitwise_equal(y, y2, "y"));
+    EXPECT_TRUE(testing::bitwise_equal(dw, dw2, "dw"));
+    EXPECT_TRUE(testing::bitwise_equal(db, db2, "db"));
+  }
+}
+
+// Tiny models for whole-model checks: vocabulary and sizes below what load_config allows.
+struct TinyMoe {
+  ModelConfig m;
+  MoeConfig moe;
+};
+
+TinyMoe tiny_moe(const std::string& preset, std::vector<std::string> moe_keys) {
+  moe_keys.push_back("model.preset=" + preset);
+  moe_keys.push_back("model.num_layers=2");
+  const Config c = load_config("", moe_keys);
+  TinyMoe t{c.model, c.moe};
+  t.m.hidden_size = 16;
+  t.m.num_heads = 4;
+  t.m.num_query_groups = preset == "llama" ? 2 : 0;
+  t.m.seq_length = 7;
+  t.m.vocab_size = 23;
+  t.m.init_std = 0.2;
+  return t;
+}
+
+std::vector<std::vector<int32_t>> routing_of(const GPT& g) {
+  std::vector<std::vector<int32_t>> out;
+  for (const auto& l : g.moe_layers())
+    if (l) out.emplace_back(l->topk_idx(), l->topk_idx() + l->dispatcher().slots().size());
+  return out;
+}
+
+void check_model_gradients(const TinyMoe& t) {
+  const int64_t B = 2, N = B * t.m.seq_length;
+  GPT model(t.m, B, t.moe);
+  ParamStore& ps = model.params();
+  ps.init(7);
+  const std::vector<int32_t> tokens = testing::random_ints(N, t.m.vocab_size, 3, "tokens");
+  const std::vector<int32_t> targets = testing::random_ints(N, t.m.vocab_size, 3, "targets");
+  ps.zero_grads();
+  model.begin_step(1, 1);
+  model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N));
+  EXPECT_GT(model.aux_loss(), 0.0);
+  const std::vector<float> grad(ps.grads(), ps.grads() + ps.total());
+  model.begin_step(1, 1);
+  model.evaluate(tokens.data(), targets.data());
+  const auto routing = routing_of(model);
+  for (const ParamSpec& p : ps.specs()) {
+    const int64_t n = p.shape.numel();
+    std::vector<float> d = randn(n, 11, "direction/" + p.name);
+    double norm = 0;
+    for (float x : d) norm += static_cast<double>(x) * x;
+    double analytic = 0;
+    for (int64_t i = 0; i < n; ++i) analytic += static_cast<double>(grad[p.offset + i]) * d[i] / std::sqrt(norm);
+    float* v = ps.values() + p.offset;
+    const std::vector<float> saved(v, v + n);
+    // Small enough that no token's expert choice flips (checked below), large enough for fp32.
+    const double h = 1e-3;
+    auto loss_at = [&](double s) {
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(saved[i] + s * d[i] / std::sqrt(norm));
+      model.begin_step(1, 1);
+      const double lm = model.evaluate(tokens.data(), targets.data());
+      EXPECT_EQ(routing_of(model), routing) << p.name << ": routing changed under the finite-difference step";
+      return lm + model.aux_loss();
+    };
+    const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
+    std::copy(saved.begin(), saved.end(), v);
+    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4) << p.name << " " << p.shape.to_string();
+  }
+}
+
+TEST(MoeModel, GradientsMatchFiniteDifferences) {
+  // gpt2 flavour, softmax top-2, every aux loss and the z-loss, position capacity with padding.
+  check_model_gradients(tiny_moe("gpt2", {"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.1",
+                                          "moe.z_loss_coeff=0.01", "moe.ffn_hidden_size=24",
+                                          "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss",
+                                          "moe.expert_capacity_factor=1.0", "moe.token_drop_policy=position",
+                                          "moe.pad_expert_input_to_capacity=true"}));
+  // llama flavour, DeepSeek style: sigmoid, groups, scaling, bias, seq aux, gated shared expert,
+  // dense first layer.
+  check_model_gradients(tiny_moe("llama", {"moe.num_experts=8", "moe.router_topk=4", "moe.router_score_function=sigmoid",
+                                           "moe.router_num_groups=4", "moe.router_group_topk=2",
+                                           "moe.router_topk_scaling_factor=2.5", "moe.router_enable_expert_bias=true",
+                                           "moe.router_load_balancing_type=seq_aux_loss", "moe.aux_loss_coeff=0.1",
+                                           "moe.ffn_hidden_size=16", "moe.shared_expert_intermediate_size=24",
+                                           "moe.shared_expert_gate=true", "moe.layer_freq=[0,1]"}));
+}
+
+TEST(MoeModel, OneExpertTopOneEqualsTheDenseMlp) {
+  for (const char* preset : {"gpt2", "llama"}) {
+    SCOPED_TRACE(preset);
+    const TinyMoe t = tiny_moe(preset, {"moe.num_experts=1", "moe.router_topk=1"});
+    const int64_t B = 2, N = B * t.m.seq_length;
+    GPT dense(t.m, B), moe(t.m, B, t.moe);
+    dense.params().init(5);
+    moe.params().init(5);
+    // Copy the dense MLP weights into the single expert (same shapes with a leading 1).
+    for (const ParamSpec& p : dense.params().specs()) {
+      std::string name = p.name;
+      const size_t at = name.find(".mlp.");
+      if (at != std::string::npos && name.find("mlp_norm") == std::string::npos)
+        name = name.substr(0, at) + ".moe.experts." + name.substr(at + 5);
+      const int j = moe.params().find(name);
+      ASSERT_GE(j, 0) << name;
+      std::copy(dense.params().value(static_cast<int>(&p - dense.params().specs().data())),
+                dense.params().value(static_cast<int>(&p - dense.params().specs().data())) + p.shape.numel(),
+                moe.params().value(j));
+    }
+    const std::vector<int32_t> tokens = testing::random_ints(N, t.m.vocab_size, 3, "tokens");
+    const std::vector<int32_t> targets = testing::random_ints(N, t.m.vocab_size, 3, "targets");
+    dense.params().zero_grads();
+    moe.params().zero_grads();
+    const double ld = dense.forward_backward(tokens.data(), targets.data(), 1.0f / N);
+    const double lm = moe.forward_backward(tokens.data(), targets.data(), 1.0f / N);
+    EXPECT_NEAR(ld, lm, 1e-6);
+    for (const ParamSpec& p : dense.params().specs()) {
+      std::string name = p.name;
+      const size_t at = name.find(".mlp.");
+      if (at != std::string::npos && name.find("mlp_norm") == std::string::npos)
+        name = name.substr(0, at) + ".moe.experts." + name.substr(at + 5);
+      const int j = moe.params().find(name);
+      const float* gd = dense.params().grad(static_cast<int>(&p - dense.params().specs().data()));
+      std::vector<double> ref(gd, gd + p.shape.numel());
+      EXPECT_TRUE(testing::all_close(moe.params().grad(j), ref.data(), p.shape.numel(), 1e-4, 1e-6, name));
+    }
+    // The router of a single expert gets no gradient: its weight is softmax over one logit = 1.
+    const int r = moe.params().find("layers.0.moe.router.weight");
+    for (int64_t i = 0; i < moe.params().specs()[r].shape.numel(); ++i) EXPECT_EQ(moe.params().grad(r)[i], 0.0f);
+  }
+}
+
+TEST(MoeModel, ExpertBiasMovesTowardsTheMeanLoad) {
+  const TinyMoe t = tiny_moe("llama", {"moe.num_experts=4", "moe.router_topk=1", "moe.router_score_function=sigmoid",
+                                       "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.25"});
+  const int64_t B = 2, N = B * t.m.seq_length;
+  GPT model(t.m, B, t.moe);
+  model.params().init(5);
+  const std::vector<int32_t> tokens = testing::random_ints(N, t.m.vocab_size, 3, "tokens");
+  model.begin_step(1, 1);
+  model.forward_backward(tokens.data(), tokens.data(), 1.0f / N);
+  const std::vector<int64_t> counts = model.moe_layers()[0]->dispatcher().tokens_per_expert();
+  const uint64_t params = hash_floats(model.params().values(), model.params().total());
+  const uint64_t state = model.state_hash();
+  const std::vector<MoeTokenStats> stats = model.finish_step(0.25);
+  ASSERT_EQ(stats.size(), 2u);
+  const double mean = static_cast<double>(N) / 4;
+  EXPECT_EQ(stats[0].max, *std::max_element(counts.begin(), counts.end()));
+  EXPECT_DOUBLE_EQ(stats[0].imbalance, static_cast<double>(stats[0].max) / mean);
+  for (int e = 0; e < 4; ++e) {
+    const float expect = counts[e] < mean ? 0.25f : counts[e] > mean ? -0.25f : 0.0f;
+    EXPECT_EQ(model.moe_layers()[0]->expert_bias()[e], expect) << e;
+  }
+  EXPECT_EQ(hash_floats(model.params().values(), model.params().total()), params);  // weights untouched
+  EXPECT_NE(model.state_hash(), state);  // the bias is part of the fingerprinted state
+}
+
+TEST(MoeConfig, LayerFreqAndValidation) {
+  auto moe = [](std::vector<std::string> k) { return load_config("", k).moe; };
+  const MoeConfig a = moe({"moe.num_experts=4", "model.num_layers=4", "moe.layer_freq=2"});
+  EXPECT_TRUE(a.is_moe_layer(0, 4));
+  EXPECT_FALSE(a.is_moe_layer(1, 4));
+  EXPECT_TRUE(a.is_moe_layer(2, 4));
+  const MoeConfig b = moe({"moe.num_experts=4", "model.num_layers=4", "moe.layer_freq=([0]*1+[1]*3)"});
+  EXPECT_FALSE(b.is_moe_layer(0, 4));
+  EXPECT_TRUE(b.is_moe_layer(3, 4));
+  auto error = [](std::vector<std::string> k) {
+    try {
+      load_config("", k);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error({"moe.num_experts=4", "model.num_layers=4", "moe.layer_freq=[0,1]"}).find("has 2 entries"),
+            std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=4", "moe.router_topk=5"}).find("moe.router_topk = 5"), std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=6", "moe.router_num_groups=4", "moe.router_group_topk=1"}).find("not divisible"),
+            std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=4", "moe.router_enable_expert_bias=true"}).find("sigmoid"), std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=4", "moe.router_load_balancing_type=sinkhorn"}).find("sinkhorn"), std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=4", "moe.pad_expert_input_to_capacity=true"}).find("expert_capacity_factor"),
+            std::string::npos);
+}
+
+// MoE training: bitwise determinism on fingerprints, and what the run directory records.
+Config moe_job(const std::string& out_dir, std::vector<std::string> extra = {}) {
+  extra.push_back("train.out_dir=" + out_dir);
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", extra);
+}
+
+TrainSummary quiet_train(const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  const TrainSummary s = train(c, sink);
+  std::fclose(sink);
+  return s;
+}
+
+TEST(MoeTraining, DeterministicAcrossRunsAndThreads) {
+  // Every routing feature at once, with jitter and two accumulated micro-batches.
+  const std::vector<std::string> keys = {
+      "train.steps=3",  "model.preset=llama", "model.num_query_groups=2", "moe.num_experts=8", "moe.router_topk=4",
+      "moe.router_score_function=sigmoid", "moe.router_num_groups=4", "moe.router_group_topk=2",
+      "moe.router_enable_expert_bias=true", "moe.router_load_balancing_type=seq_aux_loss,global_aux_loss",
+      "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true", "moe.input_jitter_eps=0.01",
+      "moe.expert_capacity_factor=1.5", "moe.layer_freq=[0,1]", "train.eval_interval=0"};
+  testing::TempDir dir;
+  auto with = [&](const char* threads) {
+    std::vector<std::string> k = keys;
+    k.push_back(std::string("train.threads=") + threads);
+    return k;
+  };
+  quiet_train(moe_job(dir.path("a"), with("1")));
+  quiet_train(moe_job(dir.path("b"), with("1")));
+  quiet_train(moe_job(dir.path("c"), with("2")));
+  const std::string a = testing::read_file(fingerprint_path(dir.path("a"), 0));
+  EXPECT_EQ(std::count(a.begin(), a.end(), '\n'), 3);
+  EXPECT_EQ(a, testing::read_file(fingerprint_path(dir.path("b"), 0)));
+  EXPECT_EQ(a, testing::read_file(fingerprint_path(dir.path("c"), 0)));
+}
+
+TEST(MoeTraining, MetricsAndFingerprintsCarryTheAuxLoss) {
+  testing::TempDir dir;
+  const TrainSummary s = quiet_train(moe_job(dir.path("run"), {"train.steps=2", "train.eval_interval=0"}));
+  EXPECT_EQ(s.steps, 2);
+  const std::string metrics = testing::read_file(dir.path("run/metrics.jsonl"));
+  for (const char* key : {"\"aux_loss\":", "\"lm_loss\":", "\"moe.0.tokens_min\":", "\"moe.1.tokens_max\":",
+                          "\"moe.1.imbalance\":"})
+    EXPECT_NE(metrics.find(key), std::string::npos) << key;
+  const std::string fp = testing::read_file(fingerprint_path(dir.path("run"), 0));
+  EXPECT_NE(fp.find("\"aux_loss\":\""), std::string::npos);
+  EXPECT_EQ(fp.find("\"aux_loss\":\"0000000000000000\""), std::string::npos) << "aux loss is on in moe-debug";
+}
+
+TEST(MoeTraining, DebugModelLearns) {
+  testing::TempDir dir;
+  const TrainSummary s = quiet_train(moe_job(dir.path("run")));
+  EXPECT_LT(s.last_loss, s.first_loss - 1.5);
+  EXPECT_LT(s.last_eval_loss, s.first_loss - 1.5);
+}
+
+}  // namespace
+}  // namespace lockstep
