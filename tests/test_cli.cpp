@@ -14,16 +14,8 @@ namespace {
 using testing::read_file;
 using testing::TempDir;
 
-struct Result {
-  int status;
-  std::string out, err;
-};
-
-Result run(const TempDir& dir, const std::string& args) {
-  const std::string cmd = std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
-  const int raw = std::system(cmd.c_str());
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, read_file(dir.path("out.txt")), read_file(dir.path("err.txt"))};
-}
+using Result = testing::CliResult;
+constexpr auto run = testing::run_cli;
 
 TEST(Cli, HelpListsCommandsAndConfigKeys) {
   TempDir dir;

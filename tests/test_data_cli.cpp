@@ -2,9 +2,7 @@
 // steps on indexed:PREFIX; bad data is one line on stderr and exit status 2.
 #include <gtest/gtest.h>
 
-#include <sys/wait.h>
-
-#include <cstdlib>
+#include <algorithm>
 #include <filesystem>
 
 #include "testing.h"
@@ -15,16 +13,8 @@ namespace {
 using testing::read_file;
 using testing::TempDir;
 
-struct Result {
-  int status;
-  std::string out, err;
-};
-
-Result run(const TempDir& dir, const std::string& args) {
-  const std::string cmd = std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
-  const int raw = std::system(cmd.c_str());
-  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, read_file(dir.path("out.txt")), read_file(dir.path("err.txt"))};
-}
+using Result = testing::CliResult;
+constexpr auto run = testing::run_cli;
 
 std::string corpus() {
   std::string s;

@@ -18,14 +18,7 @@ namespace {
 
 using testing::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+constexpr auto error_of = testing::user_error_of;
 
 // Document d holds tokens base + d*100 + 0, 1, ..., so every token names its document and place.
 void write_docs(const std::string& prefix, int docs, int base) {

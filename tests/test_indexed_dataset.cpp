@@ -35,14 +35,7 @@ std::string expected_idx(uint8_t code, int64_t elem, const std::vector<int32_t>&
   return s;
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+constexpr auto error_of = testing::user_error_of;
 
 const std::vector<std::vector<int32_t>> kDocs = {{5, 6, 7}, {}, {65535, 0}, {9}};
 

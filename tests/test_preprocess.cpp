@@ -16,14 +16,7 @@ namespace {
 using testing::read_file;
 using testing::TempDir;
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+constexpr auto error_of = testing::user_error_of;
 
 std::vector<std::string> documents_of(const std::string& prefix, const Tokenizer& tok, bool strip_eod) {
   const IndexedDataset ds(prefix);

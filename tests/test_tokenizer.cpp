@@ -215,14 +215,7 @@ TEST(Tokenizer, HfByteLevelWithSplitAndIgnoreMerges) {
   EXPECT_EQ(tok->decode(ids), kHard);
 }
 
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const UserError& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
+constexpr auto error_of = testing::user_error_of;
 
 TEST(Tokenizer, RefusesUnsupportedFeaturesByName) {
   TempDir dir;

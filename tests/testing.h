@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/wait.h>
+
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 
@@ -129,6 +133,27 @@ inline std::string read_file(const std::string& path) {
   std::stringstream ss;
   ss << f.rdbuf();
   return ss.str();
+}
+
+// The message of the UserError that fn() throws, or "(no error)".
+inline std::string user_error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+// Runs the lockstep binary with `args` in `dir`; exit status, stdout and stderr.
+struct CliResult {
+  int status;
+  std::string out, err;
+};
+inline CliResult run_cli(const TempDir& dir, const std::string& args) {
+  const std::string cmd = std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
+  const int raw = std::system(cmd.c_str());
+  return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, read_file(dir.path("out.txt")), read_file(dir.path("err.txt"))};
 }
 
 }  // namespace lockstep::testing
