@@ -5,6 +5,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <regex>
+
 #include "lockstep/core/error.h"
 #include "lockstep/data/pretokenizer.h"
 #include "lockstep/data/tokenizer.h"
@@ -61,6 +63,35 @@ TEST(PreTokenizer, PiecesCoverAnyBytesExactly) {
   EXPECT_TRUE(unicode::is_valid_utf8("naïve 🙂"));
   EXPECT_FALSE(unicode::is_valid_utf8("\xC0\x80"));      // overlong NUL
   EXPECT_FALSE(unicode::is_valid_utf8("\xED\xA0\x80"));  // surrogate
+}
+
+// Differential check of the hand-written scanners against std::regex (leftmost-first
+// alternation with backtracking, like Oniguruma) on random ASCII text from an alphabet that hits
+// every alternative: for ASCII, \p{L} is [A-Za-z] and \p{N} is [0-9], and the case-insensitive
+// contractions can be spelled out.
+TEST(PreTokenizer, MatchesRegexReferenceOnRandomAscii) {
+  const std::regex gpt2(R"('s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+)");
+  const std::string contractions = R"('[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])";
+  const std::string rest = R"(|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const std::regex llama3(contractions + rest);
+  std::string qwen2_rest = rest;
+  qwen2_rest.replace(qwen2_rest.find("[0-9]{1,3}"), 10, "[0-9]");
+  const std::regex qwen2(contractions + qwen2_rest);
+  auto reference = [](const std::regex& re, const std::string& text) {
+    std::vector<std::string> out;
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), re); it != std::sregex_iterator(); ++it)
+      out.push_back(it->str());
+    return out;
+  };
+  const std::string alphabet = "aZs0 9 '\t\n\r!.eElLdDtTrRvVmM  ";
+  const std::vector<int32_t> r = testing::random_ints(400 * 24, static_cast<int64_t>(alphabet.size()), 7, "pretok");
+  for (int n = 0; n < 400; ++n) {
+    std::string text;
+    for (int i = 0; i < 24; ++i) text += alphabet[static_cast<size_t>(r[n * 24 + i])];
+    EXPECT_EQ(split(SplitPattern::gpt2, text), reference(gpt2, text)) << "gpt2: '" << text << "'";
+    EXPECT_EQ(split(SplitPattern::llama3, text), reference(llama3, text)) << "llama3: '" << text << "'";
+    EXPECT_EQ(split(SplitPattern::qwen2, text), reference(qwen2, text)) << "qwen2: '" << text << "'";
+  }
 }
 
 TEST(PreTokenizer, RecognisesExactPatternStrings) {
@@ -187,6 +218,40 @@ TEST(Tokenizer, HfByteFallbackEncodesExpectedIds) {
     tok->encode(text, ids);
     EXPECT_EQ(tok->decode(ids), text);
   }
+}
+
+// GPT-2's own tokenizer.json: ByteLevel pre-tokenizer with its built-in regex; here with
+// add_prefix_space on, which puts a space before the text.
+TEST(Tokenizer, HfByteLevelGpt2StyleWithPrefixSpace) {
+  TempDir dir;
+  ByteLevelFixture fx;
+  json j;
+  json merges = json::array();
+  for (const auto& [a, b] : fx.merges) merges.push_back(a + " " + b);
+  j["model"] = {{"type", "BPE"}, {"vocab", fx.vocab}, {"merges", merges}};
+  j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"use_regex", true}};
+  const auto tok = make_tokenizer("hf:" + dir.write("tokenizer.json", j.dump()));
+  std::vector<int32_t> ids;
+  tok->encode("hello world", ids);
+  EXPECT_EQ(ids, (std::vector<int32_t>{' ', 259, 261, 'r', 'l', 'd'}));
+  EXPECT_EQ(tok->decode(ids), " hello world");
+}
+
+// Mistral-style tokenizer.json of newer versions: no normalizer, a Metaspace pre-tokenizer that
+// prepends "▁" and splits before each "▁".
+TEST(Tokenizer, HfMetaspacePreTokenizerSplits) {
+  TempDir dir;
+  json j = byte_fallback_json();
+  j["normalizer"] = nullptr;
+  j["pre_tokenizer"] = {{"type", "Metaspace"}, {"replacement", "▁"}, {"prepend_scheme", "first"}, {"split", true}};
+  // The best-ranked merge would join across the split, which must not happen.
+  j["model"]["vocab"]["i▁"] = 300;
+  j["model"]["merges"].insert(j["model"]["merges"].begin(), "i ▁");
+  const auto tok = make_tokenizer("hf:" + dir.write("tokenizer.json", j.dump()));
+  std::vector<int32_t> ids;
+  tok->encode("hi there", ids);
+  EXPECT_EQ(ids, (std::vector<int32_t>{266, 269, 270}));
+  EXPECT_EQ(tok->decode(ids), "hi there");
 }
 
 // Llama-3-style tokenizer.json: Split(llama3 pattern) + ByteLevel(use_regex false), ignore_merges.
