@@ -39,7 +39,7 @@ std::vector<DocRange> split_documents(const std::string& split, int64_t document
 
 class GptSampler {
  public:
-  // `what` names the dataset and split in errors and descriptions.
+  // split_name ("train", "valid") keys the shuffles and names the split in errors.
   GptSampler(std::shared_ptr<const IndexedDataset> data, DocRange docs, int64_t seq_length, int64_t vocab_size,
              uint64_t seed, const std::string& split_name);
 
