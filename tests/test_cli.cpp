@@ -42,7 +42,10 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"train -c missing.toml", "lockstep: error: cannot open config file 'missing.toml': No such file or directory\n"},
       {"train model.num_layers=x", "lockstep: error: command line: model.num_layers=x: expected an integer\n"},
-      {"train --nproc 2", "lockstep: error: command line: unknown option '--nproc' (see `lockstep help`)\n"},
+      {"train --threads 2", "lockstep: error: command line: unknown option '--threads' (see `lockstep help`)\n"},
+      {"train --nproc 0", "lockstep: error: command line: --nproc needs a positive number of ranks, got '0'\n"},
+      {"train parallel.tensor=2", "lockstep: error: config: parallel.tensor = 2: tensor parallelism is not implemented yet\n"},
+      {"train dist.backend=nccl", "lockstep: error: command line: dist.backend = \"nccl\": expected one of auto, threads, mpi\n"},
       {"train -c", "lockstep: error: command line: -c needs a file name\n"},
       {"frobnicate", "lockstep: error: unknown command 'frobnicate' (see `lockstep help`)\n"},
       {"train train.steps=0", "lockstep: error: config: train.steps = 0: must be positive\n"},

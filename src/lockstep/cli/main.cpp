@@ -4,6 +4,8 @@
 // A user error is one line on stderr, "lockstep: error: ...", and exit status 2; a broken
 // internal invariant is "lockstep: internal error: ..." and exit status 3.
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <new>
 #include <string>
 #include <vector>
@@ -24,9 +26,10 @@ int help_command(const std::vector<std::string>& args);
 
 const Command kCommands[] = {
     {"train", lockstep::cli::train_command,
-     "lockstep train [-c FILE.toml] [key=value ...]\n"
+     "lockstep train [-c FILE.toml] [--nproc N] [key=value ...]\n"
      "      train a GPT; with no arguments, the built-in default model on the built-in corpus.\n"
-     "      Keys override the file: lockstep train -c configs/debug.toml train.steps=20"},
+     "      Keys override the file: lockstep train -c configs/debug.toml train.steps=20\n"
+     "      --nproc N: N ranks as threads; under mpirun (mpirun -n N lockstep train ...) each process is a rank"},
     {"preprocess", lockstep::cli::preprocess_command,
      "lockstep preprocess --input FILE [--input FILE ...] --output PREFIX [--tokenizer SPEC] [--json-key KEY]\n"
      "                    [--append-eod] [--workers N]\n"
@@ -68,5 +71,12 @@ int main(int argc, char** argv) {
   } catch (const std::bad_alloc&) {
     std::fprintf(stderr, "lockstep: error: out of memory\n");
     return 2;
+  } catch (const std::exception& e) {
+    // A distributed failure (CommError: timeout, failed or exited peer). A rank thread may still be
+    // running (it never reached a collective): end the process without waiting for it.
+    std::fprintf(stderr, "lockstep: error: %s\n", e.what());
+    std::fflush(stdout);
+    std::fflush(stderr);
+    std::_Exit(1);
   }
 }

@@ -135,6 +135,14 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
+      LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
+      LS_KEY(parallel.context, "context-parallel size"),
+      LS_KEY(parallel.pipeline, "pipeline-parallel size"),
+      LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
+      LS_KEY(parallel.expert_tensor, "tensor-parallel size of the experts"),
+      LS_KEY(dist.backend, "communication backend: auto = mpi under mpirun, else threads (lockstep train --nproc N)",
+             {"auto", "threads", "mpi"}),
+      LS_KEY(dist.timeout_s, "seconds a collective may wait for a peer before every rank stops with an error"),
       LS_KEY(optimizer.beta1, "AdamW beta1"),
       LS_KEY(optimizer.beta2, "AdamW beta2"),
       LS_KEY(optimizer.eps, "AdamW epsilon"),
@@ -425,6 +433,17 @@ void validate(const Config& c) {
   if (t.eval_interval > 0 && t.eval_batches <= 0)
     user_error("train.eval_batches = ", t.eval_batches, ": must be positive when evaluating");
   if (t.log_interval <= 0) user_error("train.log_interval = ", t.log_interval, ": must be positive");
+  const std::pair<const char*, int64_t> layout[] = {{"tensor", c.parallel.tensor},
+                                                    {"context", c.parallel.context},
+                                                    {"pipeline", c.parallel.pipeline},
+                                                    {"expert", c.parallel.expert},
+                                                    {"expert_tensor", c.parallel.expert_tensor}};
+  for (const auto& [name, size] : layout) {
+    if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
+    if (size > 1) user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
+                             " parallelism is not implemented yet");
+  }
+  if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");
   const OptimizerConfig& o = c.optimizer;
   if (!(o.beta1 >= 0 && o.beta1 < 1)) user_error("optimizer.beta1 = ", o.beta1, ": must be in [0, 1)");

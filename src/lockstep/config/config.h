@@ -62,6 +62,21 @@ struct OptimizerConfig {
   double clip_grad = 1.0;                // global grad-norm clip; 0 = off
 };
 
+// Sizes of the parallel layout; data parallel is what remains of the world (comm/mesh.h).
+struct ParallelConfig {
+  int64_t tensor = 1;
+  int64_t context = 1;
+  int64_t pipeline = 1;
+  int64_t expert = 1;
+  int64_t expert_tensor = 1;
+};
+
+// The distributed runtime (comm/): backend and the timeout of every collective.
+struct DistConfig {
+  std::string backend = "auto";          // auto (mpi under mpirun, else threads) | threads | mpi
+  double timeout_s = 300;                // a collective not complete by then fails on every rank
+};
+
 struct DataConfig {
   std::string source = "synthetic";      // synthetic | text:PATH | indexed:PREFIX[:WEIGHT],... (data/dataset.h)
   std::string split = "98,2";            // indexed: train,valid[,test] weights over documents
@@ -105,6 +120,8 @@ struct Config {
   ModelConfig model;
   TrainConfig train;
   OptimizerConfig optimizer;
+  ParallelConfig parallel;
+  DistConfig dist;
   DataConfig data;
   PrecisionConfig precision;
   MoeConfig moe;

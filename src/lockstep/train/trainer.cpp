@@ -4,12 +4,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <memory>
 #include <thread>
 #include <vector>
 
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/mesh.h"
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/thread_pool.h"
@@ -115,10 +119,26 @@ class Optimizer {
 }  // namespace
 
 TrainSummary train(const Config& config, std::FILE* out) {
+  TrainSummary summary;
+  run_threads(1, config.dist.timeout_s, [&](Communicator& comm) { summary = train(config, out, comm); });
+  return summary;
+}
+
+TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
+  const ParallelConfig& pc = config.parallel;
+  const Mesh mesh(comm.size(), {static_cast<int>(pc.tensor), static_cast<int>(pc.context), static_cast<int>(pc.pipeline),
+                                static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
+  const MeshCoordinates coords = mesh.coordinates(comm.rank());
+  const bool leader = comm.rank() == 0;
+  // Progress lines come from rank 0; the other ranks print into a sink.
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
+  if (!leader) out = sink.get();
+  // Ranks on one machine share its cores.
   const int threads = tc.threads ? static_cast<int>(tc.threads)
-                                 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+                                 : static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
+                                                                     static_cast<unsigned>(comm.local_size())));
   ThreadPool pool(threads);
   ThreadPool::Bind bind(&pool);
 
@@ -128,9 +148,12 @@ TrainSummary train(const Config& config, std::FILE* out) {
   Optimizer optimizer(model.params(), config.optimizer);
 
   create_run_dir(tc.out_dir);
-  write_file_atomic(tc.out_dir + "/config.toml", config_to_toml(config));
-  LineLog metrics(tc.out_dir + "/metrics.jsonl");
-  LineLog fingerprints(fingerprint_path(tc.out_dir, 0));
+  std::unique_ptr<LineLog> metrics;
+  if (leader) {
+    write_file_atomic(tc.out_dir + "/config.toml", config_to_toml(config));
+    metrics = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl");
+  }
+  LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()));
 
   const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak();
@@ -197,11 +220,20 @@ TrainSummary train(const Config& config, std::FILE* out) {
     // The random state of a step: the seed and where the data stream stands.
     const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
     fp.rng = hash_bytes(rng_state, sizeof rng_state);
+    fp.rank = comm.rank(), fp.dp = coords.dp, fp.tp = coords.tp, fp.pp = coords.pp, fp.ep = coords.ep, fp.cp = coords.cp;
     fingerprints.write(fp.json());
+    // The ranks agree on the step's state exactly when max(h) and max(~h) over ranks are h and ~h.
+    const uint64_t fields[] = {fp.params, fp.optimizer, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
+    const uint64_t h = hash_bytes(fields, sizeof fields);
+    uint64_t agree[2] = {h, ~h};
+    comm.all_reduce(agree, 2, ReduceOp::max);
+    if (agree[0] != h || agree[1] != ~h)
+      throw CommError(str("rank ", comm.rank(), ": step ", step, ": the ranks' parameters, optimizer state or loss differ "
+                          "(they train the same model on the same data until data parallelism exists)"));
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
-    metrics.write(with_moe_stats(JsonLine()
+    if (metrics) metrics->write(with_moe_stats(JsonLine()
                       .add("step", step)
                       .add("loss", loss, 9)
                       .add("lm_loss", lm_loss, 9)
@@ -223,7 +255,7 @@ TrainSummary train(const Config& config, std::FILE* out) {
     if (eval_now) {
       eval_loss = evaluate();
       summary.last_eval_loss = eval_loss;
-      metrics.write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
+      if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
     }
 
     const double elapsed = seconds_since(start);

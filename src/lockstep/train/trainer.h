@@ -14,6 +14,8 @@
 
 namespace lockstep {
 
+class Communicator;
+
 struct TrainSummary {
   int64_t steps = 0;
   double first_loss = 0, last_loss = 0;
@@ -22,7 +24,13 @@ struct TrainSummary {
   double mfu = 0;              // against the GEMM peak measured at start
 };
 
-// Trains per the config; progress goes to `out` (a live line when it is a terminal).
+// Trains per the config on this rank of `comm`; progress goes to `out` (a live line when it is a
+// terminal) from rank 0 only. Rank 0 writes config.toml and metrics.jsonl, every rank its
+// fingerprints/rank-NNNNN.jsonl with its mesh coordinates (parallel.* over comm.size()). Until data
+// parallelism exists every rank trains the same model on the same data; the ranks check at every
+// step that they agree (an all-reduce of a checksum of the step's state).
+TrainSummary train(const Config& config, std::FILE* out, Communicator& comm);
+// The same on one rank (a world of one thread).
 TrainSummary train(const Config& config, std::FILE* out);
 
 }  // namespace lockstep

@@ -1,0 +1,380 @@
+#include "lockstep/comm/communicator.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+
+#include "lockstep/comm/progress.h"
+#include "lockstep/comm/transport.h"
+#include "lockstep/core/error.h"
+
+namespace lockstep {
+
+// ---------------------------------------------------------------------------------------------
+// Progress thread and handles
+
+ProgressThread::ProgressThread() : thread_([this] { loop(); }) {}
+
+ProgressThread::~ProgressThread() {
+  {
+    std::lock_guard lock(m_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+std::shared_ptr<OpState> ProgressThread::post(std::function<void()> run) {
+  auto op = std::make_shared<OpState>();
+  op->run = std::move(run);
+  {
+    std::lock_guard lock(m_);
+    queue_.push_back(op);
+  }
+  cv_.notify_one();
+  return op;
+}
+
+void ProgressThread::loop() {
+  for (;;) {
+    std::shared_ptr<OpState> op;
+    {
+      std::unique_lock lock(m_);
+      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      op = std::move(queue_.front());
+      queue_.pop_front();
+    }
+    std::exception_ptr error;
+    try {
+      op->run();
+    } catch (...) {
+      error = std::current_exception();
+    }
+    op->run = nullptr;  // drop captured buffers before waking the waiter
+    {
+      std::lock_guard lock(op->m);
+      op->done = true;
+      op->error = error;
+    }
+    op->cv.notify_all();
+  }
+}
+
+Work& Work::operator=(Work&& other) noexcept {
+  if (this != &other) {
+    try {
+      if (op_) wait();
+    } catch (...) {
+    }
+    op_ = std::move(other.op_);
+  }
+  return *this;
+}
+
+Work::~Work() {
+  try {
+    if (op_) wait();
+  } catch (...) {
+  }
+}
+
+void Work::wait() {
+  if (!op_) return;
+  std::shared_ptr<OpState> op = std::move(op_);
+  std::unique_lock lock(op->m);
+  op->cv.wait(lock, [&] { return op->done; });
+  if (op->error) std::rethrow_exception(op->error);
+}
+
+bool Work::done() const {
+  if (!op_) return true;
+  std::lock_guard lock(op_->m);
+  return op_->done;
+}
+
+std::string Transport::where(const OpInfo& op) const {
+  std::string s = str("rank ", world_rank(rank()), ": ", op.name, " over ranks [");
+  for (int r = 0; r < size(); ++r) s += str(r ? ", " : "", world_rank(r));
+  return s + "]";
+}
+
+// ---------------------------------------------------------------------------------------------
+// The ordered reduction
+
+namespace {
+
+template <typename T>
+inline T max_of(T acc, T x) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (std::isnan(acc)) return acc;  // the first NaN in rank order wins
+    return (std::isnan(x) || x > acc) ? x : acc;
+  } else {
+    return x > acc ? x : acc;
+  }
+}
+
+// out[i] = fold over r = 0..P-1 of contrib[r][i], in rank order. Tiled so that the running value
+// stays in cache while the contributions stream through; the order per element is the same.
+template <typename T>
+void ordered_fold(T* out, const T* const* contrib, int P, int64_t n, ReduceOp op) {
+  constexpr int64_t tile = 4096;
+  for (int64_t i0 = 0; i0 < n; i0 += tile) {
+    const int64_t m = std::min(n - i0, tile);
+    T* o = out + i0;
+    std::memcpy(o, contrib[0] + i0, static_cast<size_t>(m) * sizeof(T));
+    for (int r = 1; r < P; ++r) {
+      const T* c = contrib[r] + i0;
+      if (op == ReduceOp::sum) {
+        for (int64_t i = 0; i < m; ++i) o[i] = o[i] + c[i];
+      } else {
+        for (int64_t i = 0; i < m; ++i) o[i] = max_of(o[i], c[i]);
+      }
+    }
+  }
+}
+
+// Scratch of the progress thread: every operation runs there, one at a time.
+char* scratch(size_t bytes) {
+  thread_local std::vector<char> buf;
+  if (buf.size() < bytes) buf.resize(bytes);
+  return buf.data();
+}
+
+OpInfo op_info(const Transport& t, const char* name) {
+  OpInfo op;
+  op.name = name;
+  op.deadline = std::chrono::steady_clock::now() +
+                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(t.timeout_s()));
+  return op;
+}
+
+// Chunk r of n over P ranks.
+inline int64_t chunk_begin(int64_t n, int r, int P) { return n * r / P; }
+
+// One reduce-scatter step: rank q's block q of `in` (with block r = [off[r], off[r+1])) reduced in
+// rank order into out (off[me+1] - off[me] elements).
+template <typename T>
+void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<int64_t>& off, ReduceOp op,
+                         const OpInfo& info) {
+  const int P = t.size(), me = t.rank();
+  const int64_t count = off[me + 1] - off[me];
+  T* buf = reinterpret_cast<T*>(scratch(static_cast<size_t>(P * count) * sizeof(T)));
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  std::vector<const T*> contrib(P);
+  for (int q = 0; q < P; ++q) {
+    contrib[q] = buf + q * count;
+    if (q == me) continue;
+    sends.push_back({q, in + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
+    recvs.push_back({q, buf + q * count, count * int64_t(sizeof(T))});
+  }
+  // Our own contribution is copied too: out may alias it (all_reduce).
+  std::memcpy(buf + me * count, in + off[me], static_cast<size_t>(count) * sizeof(T));
+  t.exchange(sends, recvs, info);
+  ordered_fold(out, contrib.data(), P, count, op);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Communicator
+
+Communicator::Communicator(std::shared_ptr<Transport> transport, std::shared_ptr<ProgressThread> progress)
+    : transport_(std::move(transport)), progress_(std::move(progress)) {}
+Communicator::~Communicator() = default;
+Communicator::Communicator(Communicator&&) noexcept = default;
+Communicator& Communicator::operator=(Communicator&&) noexcept = default;
+
+int Communicator::rank() const { return transport_->rank(); }
+int Communicator::size() const { return transport_->size(); }
+int Communicator::world_rank(int r) const { return transport_->world_rank(r); }
+int Communicator::local_size() const { return transport_->local_size(); }
+std::string Communicator::backend() const { return transport_->backend(); }
+double Communicator::timeout_s() const { return transport_->timeout_s(); }
+
+template <typename T>
+Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
+  if (size() == 1) return Work();
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, data, n, op] {
+    const int P = t->size(), me = t->rank();
+    std::vector<int64_t> off(P + 1);
+    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
+    const OpInfo info = op_info(*t, "all_reduce");
+    reduce_scatter_step(*t, data + off[me], data, off, op, info);
+    // All-gather of the reduced chunks.
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    for (int q = 0; q < P; ++q) {
+      if (q == me) continue;
+      sends.push_back({q, data + off[me], (off[me + 1] - off[me]) * int64_t(sizeof(T))});
+      recvs.push_back({q, data + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
+    }
+    t->exchange(sends, recvs, info);
+  }));
+}
+
+template <typename T>
+Work Communicator::reduce_scatter_async(T* out, const T* in, int64_t count, ReduceOp op) {
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, out, in, count, op] {
+    const int P = t->size();
+    std::vector<int64_t> off(P + 1);
+    for (int r = 0; r <= P; ++r) off[r] = r * count;
+    reduce_scatter_step(*t, out, in, off, op, op_info(*t, "reduce_scatter"));
+  }));
+}
+
+#define LOCKSTEP_INSTANTIATE(T)                                                           \
+  template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                 \
+  template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);
+LOCKSTEP_COMM_REDUCE_TYPES(LOCKSTEP_INSTANTIATE)
+#undef LOCKSTEP_INSTANTIATE
+
+Work Communicator::all_gather_bytes(void* out, const void* in, int64_t bytes) {
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, out, in, bytes] {
+    const int P = t->size(), me = t->rank();
+    char* o = static_cast<char*>(out);
+    if (o + me * bytes != in) std::memmove(o + me * bytes, in, static_cast<size_t>(bytes));
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    for (int q = 0; q < P; ++q) {
+      if (q == me) continue;
+      sends.push_back({q, o + me * bytes, bytes});
+      recvs.push_back({q, o + q * bytes, bytes});
+    }
+    t->exchange(sends, recvs, op_info(*t, "all_gather"));
+  }));
+}
+
+Work Communicator::all_to_allv_bytes(void* out, std::vector<int64_t> recv_bytes, const void* in,
+                                     std::vector<int64_t> send_bytes) {
+  LOCKSTEP_CHECK(static_cast<int>(recv_bytes.size()) == size() && static_cast<int>(send_bytes.size()) == size(),
+                 "all_to_allv: ", size(), " ranks, ", send_bytes.size(), " send counts, ", recv_bytes.size(),
+                 " receive counts");
+  LOCKSTEP_CHECK(recv_bytes[rank()] == send_bytes[rank()], "all_to_allv: this rank sends itself ",
+                 send_bytes[rank()], " bytes but expects ", recv_bytes[rank()]);
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, out, in, recv_bytes = std::move(recv_bytes), send_bytes = std::move(send_bytes)] {
+    const int P = t->size(), me = t->rank();
+    std::vector<int64_t> roff(P + 1, 0), soff(P + 1, 0);
+    for (int q = 0; q < P; ++q) roff[q + 1] = roff[q] + recv_bytes[q], soff[q + 1] = soff[q] + send_bytes[q];
+    char* o = static_cast<char*>(out);
+    const char* i = static_cast<const char*>(in);
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    for (int q = 0; q < P; ++q) {
+      if (q == me) continue;
+      sends.push_back({q, i + soff[q], send_bytes[q]});
+      recvs.push_back({q, o + roff[q], recv_bytes[q]});
+    }
+    std::memcpy(o + roff[me], i + soff[me], static_cast<size_t>(send_bytes[me]));
+    t->exchange(sends, recvs, op_info(*t, "all_to_all"));
+  }));
+}
+
+Work Communicator::broadcast_bytes(void* data, int64_t bytes, int root) {
+  LOCKSTEP_CHECK(root >= 0 && root < size(), "broadcast: root ", root, " is not a rank of a group of ", size());
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, data, bytes, root] {
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    if (t->rank() == root) {
+      for (int q = 0; q < t->size(); ++q)
+        if (q != root) sends.push_back({q, data, bytes});
+    } else {
+      recvs.push_back({root, data, bytes});
+    }
+    t->exchange(sends, recvs, op_info(*t, "broadcast"));
+  }));
+}
+
+Work Communicator::send_bytes(const void* data, int64_t bytes, int peer, int tag) {
+  LOCKSTEP_CHECK(peer >= 0 && peer < size() && peer != rank(), "send: bad peer ", peer);
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, data, bytes, peer, tag] {
+    OpInfo op = op_info(*t, "send");
+    op.p2p = true, op.tag = tag;
+    t->exchange({{peer, data, bytes}}, {}, op);
+  }));
+}
+
+Work Communicator::recv_bytes(void* data, int64_t bytes, int peer, int tag) {
+  LOCKSTEP_CHECK(peer >= 0 && peer < size() && peer != rank(), "recv: bad peer ", peer);
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, data, bytes, peer, tag] {
+    OpInfo op = op_info(*t, "recv");
+    op.p2p = true, op.tag = tag;
+    t->exchange({}, {{peer, data, bytes}}, op);
+  }));
+}
+
+Work Communicator::send_recv_bytes(const void* send, int64_t send_bytes, int dst, void* recv, int64_t recv_bytes,
+                                   int src, int tag) {
+  LOCKSTEP_CHECK(dst >= 0 && dst < size() && dst != rank() && src >= 0 && src < size() && src != rank(),
+                 "send_recv: bad peers ", dst, ", ", src);
+  Transport* t = transport_.get();
+  return Work(progress_->post([=] {
+    OpInfo op = op_info(*t, "send_recv");
+    op.p2p = true, op.tag = tag;
+    t->exchange({{dst, send, send_bytes}}, {{src, recv, recv_bytes}}, op);
+  }));
+}
+
+Work Communicator::barrier_async() {
+  if (size() == 1) return Work();
+  Transport* t = transport_.get();
+  return Work(progress_->post([t] {
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    for (int q = 0; q < t->size(); ++q) {
+      if (q == t->rank()) continue;
+      sends.push_back({q, nullptr, 0});
+      recvs.push_back({q, nullptr, 0});
+    }
+    t->exchange(sends, recvs, op_info(*t, "barrier"));
+  }));
+}
+
+Communicator Communicator::split(int color, int key) {
+  std::shared_ptr<Transport> sub;
+  Transport* t = transport_.get();
+  Work(progress_->post([t, color, key, &sub] {
+    const int P = t->size(), me = t->rank();
+    std::vector<int32_t> all(2 * P);
+    all[2 * me] = color, all[2 * me + 1] = key;
+    std::vector<SendSpec> sends;
+    std::vector<RecvSpec> recvs;
+    for (int q = 0; q < P; ++q) {
+      if (q == me) continue;
+      sends.push_back({q, &all[2 * me], 2 * sizeof(int32_t)});
+      recvs.push_back({q, &all[2 * q], 2 * sizeof(int32_t)});
+    }
+    t->exchange(sends, recvs, op_info(*t, "split"));
+    std::vector<int> members;
+    for (int q = 0; q < P; ++q)
+      if (all[2 * q] == color) members.push_back(q);
+    std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
+    sub = t->subgroup(color, key, members);
+  })).wait();
+  return Communicator(std::move(sub), progress_);
+}
+
+Communicator Communicator::split_groups(const std::vector<std::vector<int>>& groups) {
+  int color = -1, key = -1;
+  std::vector<int> seen(size(), 0);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    for (size_t i = 0; i < groups[g].size(); ++i) {
+      const int r = groups[g][i];
+      LOCKSTEP_CHECK(r >= 0 && r < size() && !seen[r]++, "split_groups: rank ", r, " is out of range or listed twice");
+      if (r == rank()) color = static_cast<int>(g), key = static_cast<int>(i);
+    }
+  }
+  LOCKSTEP_CHECK(color >= 0, "split_groups: rank ", rank(), " is in no group");
+  return split(color, key);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,226 @@
+// One run of every collective on a communicator, checked against a serial reference computed on
+// each rank from every rank's (deterministic) inputs. Shared by the threads tests (test_comm.cpp)
+// and the MPI test program (mpi/test_comm_mpi.cpp), which also compares the hash of all outputs
+// between the two backends: same inputs, same bits.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/mesh.h"
+#include "lockstep/core/error.h"
+#include "lockstep/core/hash.h"
+#include "lockstep/core/philox.h"
+
+namespace lockstep::testing {
+
+struct SuiteResult {
+  uint64_t hash = 0;                  // of every output, in order
+  std::vector<std::string> failures;  // empty when every check passed
+};
+
+// n normal values of rank r for the check `what`.
+inline std::vector<float> rank_values(int r, int64_t n, const std::string& what) {
+  std::vector<float> v(static_cast<size_t>(n));
+  RandomStream(1000 + static_cast<uint64_t>(r), purpose_id(what)).fill_normal(v.data(), n, 1.0f);
+  return v;
+}
+
+// A value that says where it came from: (src, dst, i).
+inline float tagged(int src, int dst, int64_t i) { return static_cast<float>(src * 1000000 + dst * 10000 + i); }
+
+inline SuiteResult run_comm_suite(Communicator& comm) {
+  const int P = comm.size(), me = comm.rank();
+  SuiteResult res;
+  Hasher h;
+  auto fail = [&](const std::string& what) { res.failures.push_back(str("rank ", me, " of ", P, ": ", what)); };
+  auto same_bits = [&](const float* got, const float* want, int64_t n, const std::string& what) {
+    for (int64_t i = 0; i < n; ++i)
+      if (std::memcmp(&got[i], &want[i], sizeof(float))) {
+        fail(str(what, ": element ", i, " is ", got[i], ", expected ", want[i]));
+        return;
+      }
+  };
+
+  for (const int64_t n : {int64_t(1), int64_t(7), int64_t(1000), int64_t(40000)}) {
+    // all_reduce sum: the rank-order fold, bit for bit, and close to the exact sum.
+    std::vector<float> data = rank_values(me, n, "sum");
+    comm.all_reduce(data.data(), n);
+    std::vector<float> fold = rank_values(0, n, "sum");
+    std::vector<double> exact(fold.begin(), fold.end());
+    for (int r = 1; r < P; ++r) {
+      const std::vector<float> x = rank_values(r, n, "sum");
+      for (int64_t i = 0; i < n; ++i) fold[i] = fold[i] + x[i], exact[i] += x[i];
+    }
+    same_bits(data.data(), fold.data(), n, str("all_reduce sum n=", n));
+    for (int64_t i = 0; i < n; ++i)
+      if (std::abs(data[i] - exact[i]) > 1e-5 * P * (1 + std::abs(exact[i]))) {
+        fail(str("all_reduce sum n=", n, ": element ", i, " is ", data[i], ", exact sum ", exact[i]));
+        break;
+      }
+    h.update(data.data(), data.size() * sizeof(float));
+
+    // all_reduce max, with a NaN from the last rank at element 0 when n > 1.
+    std::vector<float> mx = rank_values(me, n, "max");
+    if (n > 1 && me == P - 1) mx[0] = std::nanf("");
+    comm.all_reduce(mx.data(), n, ReduceOp::max);
+    std::vector<float> maxima(n, -INFINITY);
+    for (int r = 0; r < P; ++r) {
+      const std::vector<float> x = rank_values(r, n, "max");
+      for (int64_t i = 0; i < n; ++i) maxima[i] = std::max(maxima[i], x[i]);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const float want = maxima[i];
+      if (n > 1 && i == 0) {
+        if (!std::isnan(mx[0])) fail(str("all_reduce max n=", n, ": a NaN contribution did not propagate"));
+      } else if (mx[i] != want) {
+        fail(str("all_reduce max n=", n, ": element ", i, " is ", mx[i], ", expected ", want));
+        break;
+      }
+    }
+    h.update(mx.data() + 1, (n - 1) * sizeof(float));
+
+    // reduce_scatter: block `me` of the rank-order fold.
+    std::vector<float> in = rank_values(me, n * P, "rs"), out(n);
+    comm.reduce_scatter(out.data(), in.data(), n);
+    std::vector<float> want = rank_values(0, n * P, "rs");
+    for (int r = 1; r < P; ++r) {
+      const std::vector<float> x = rank_values(r, n * P, "rs");
+      for (int64_t i = 0; i < n * P; ++i) want[i] = want[i] + x[i];
+    }
+    same_bits(out.data(), want.data() + me * n, n, str("reduce_scatter n=", n));
+    h.update(out.data(), out.size() * sizeof(float));
+
+    // all_gather
+    std::vector<float> mine = rank_values(me, n, "ag"), all(n * P);
+    comm.all_gather(all.data(), mine.data(), n);
+    for (int r = 0; r < P; ++r) same_bits(all.data() + r * n, rank_values(r, n, "ag").data(), n, str("all_gather n=", n));
+    h.update(all.data(), all.size() * sizeof(float));
+  }
+
+  // Other element types of the reductions.
+  {
+    std::vector<double> d(5);
+    std::vector<int64_t> k(5);
+    std::vector<uint64_t> u(2);
+    for (int i = 0; i < 5; ++i) d[i] = 0.1 * (me + 1) + i, k[i] = int64_t(me) * 1000 - i;
+    u[0] = uint64_t(me) << 40, u[1] = ~u[0];
+    comm.all_reduce(d.data(), 5);
+    comm.all_reduce(k.data(), 5);
+    comm.all_reduce(u.data(), 2, ReduceOp::max);
+    for (int i = 0; i < 5; ++i) {
+      double dw = 0.1 + i;
+      int64_t kw = 0;
+      for (int r = 1; r < P; ++r) dw = dw + (0.1 * (r + 1) + i);
+      for (int r = 0; r < P; ++r) kw += int64_t(r) * 1000 - i;
+      if (std::memcmp(&d[i], &dw, sizeof dw) || k[i] != kw) fail(str("all_reduce double/int64: element ", i));
+    }
+    if (u[0] != uint64_t(P - 1) << 40 || u[1] != ~uint64_t(0)) fail("all_reduce max uint64");
+    h.update(d.data(), 5 * sizeof(double));
+  }
+
+  // all_to_all and all_to_allv: every value says who sent it to whom.
+  {
+    const int64_t c = 3;
+    std::vector<float> in(c * P), out(c * P);
+    for (int q = 0; q < P; ++q)
+      for (int64_t i = 0; i < c; ++i) in[q * c + i] = tagged(me, q, i);
+    comm.all_to_all(out.data(), in.data(), c);
+    for (int r = 0; r < P; ++r)
+      for (int64_t i = 0; i < c; ++i)
+        if (out[r * c + i] != tagged(r, me, i)) fail(str("all_to_all: block ", r, " element ", i));
+    h.update(out.data(), out.size() * sizeof(float));
+
+    auto count = [](int src, int dst) { return int64_t((src + 2 * dst) % 5); };
+    std::vector<int64_t> sc(P), rc(P);
+    std::vector<float> vin, vout;
+    for (int q = 0; q < P; ++q) {
+      sc[q] = count(me, q), rc[q] = count(q, me);
+      for (int64_t i = 0; i < sc[q]; ++i) vin.push_back(tagged(me, q, i));
+    }
+    for (int r = 0; r < P; ++r) vout.resize(vout.size() + rc[r]);
+    comm.all_to_allv(vout.data(), rc, vin.data(), sc);
+    size_t at = 0;
+    for (int r = 0; r < P; ++r)
+      for (int64_t i = 0; i < rc[r]; ++i, ++at)
+        if (vout[at] != tagged(r, me, i)) fail(str("all_to_allv: from rank ", r, " element ", i));
+    h.update(vout.data(), vout.size() * sizeof(float));
+  }
+
+  // broadcast from every root
+  for (int root = 0; root < P; ++root) {
+    std::vector<float> b = me == root ? rank_values(root, 33, "bcast") : std::vector<float>(33, 0.0f);
+    comm.broadcast(b.data(), 33, root);
+    same_bits(b.data(), rank_values(root, 33, "bcast").data(), 33, str("broadcast from ", root));
+    h.update(b.data(), b.size() * sizeof(float));
+  }
+
+  // Point to point: a ring with send_recv, then ordered messages from rank 0 to the last rank.
+  if (P > 1) {
+    const int next = (me + 1) % P, prev = (me + P - 1) % P;
+    std::vector<float> s = rank_values(me, 17, "ring"), r(17);
+    comm.send_recv(s.data(), 17, next, r.data(), 17, prev, 5);
+    same_bits(r.data(), rank_values(prev, 17, "ring").data(), 17, "send_recv ring");
+    h.update(r.data(), r.size() * sizeof(float));
+    for (int m = 0; m < 3; ++m) {
+      float v = static_cast<float>(m);
+      if (me == 0) comm.send(&v, 1, P - 1, 9);
+      if (me == P - 1) {
+        comm.recv(&v, 1, 0, 9);
+        if (v != static_cast<float>(m)) fail(str("send/recv: message ", m, " arrived as ", v));
+      }
+    }
+  }
+  comm.barrier();
+
+  // Asynchronous operations in flight together.
+  {
+    std::vector<float> a = rank_values(me, 500, "async-a"), g(3 * P), gi = rank_values(me, 3, "async-g");
+    Work wa = comm.all_reduce_async(a.data(), 500);
+    Work wg = comm.all_gather_async(g.data(), gi.data(), 3);
+    wg.wait();
+    wa.wait();
+    std::vector<float> want = rank_values(0, 500, "async-a");
+    for (int r = 1; r < P; ++r) {
+      const std::vector<float> x = rank_values(r, 500, "async-a");
+      for (int i = 0; i < 500; ++i) want[i] = want[i] + x[i];
+    }
+    same_bits(a.data(), want.data(), 500, "all_reduce_async");
+    for (int r = 0; r < P; ++r) same_bits(g.data() + 3 * r, rank_values(r, 3, "async-g").data(), 3, "all_gather_async");
+  }
+
+  // Sub-groups: even and odd ranks, each ordered from the highest rank down; sums in group order.
+  {
+    Communicator sub = comm.split(me % 2, -me);
+    std::vector<int> members;
+    for (int r = P - 1; r >= 0; --r)
+      if (r % 2 == me % 2) members.push_back(r);
+    if (sub.size() != static_cast<int>(members.size()) || sub.world_rank(sub.rank()) != me) fail("split: membership");
+    std::vector<float> x = rank_values(me, 64, "sub");
+    sub.all_reduce(x.data(), 64);
+    std::vector<float> want = rank_values(members[0], 64, "sub");
+    for (size_t j = 1; j < members.size(); ++j) {
+      const std::vector<float> y = rank_values(members[j], 64, "sub");
+      for (int i = 0; i < 64; ++i) want[i] = want[i] + y[i];
+    }
+    same_bits(x.data(), want.data(), 64, "all_reduce in a split group");
+    h.update(x.data(), x.size() * sizeof(float));
+  }
+  // Mesh groups: with tp = 2 (even worlds), each tp group all-gathers its world ranks.
+  if (P % 2 == 0) {
+    const Mesh mesh(P, {2, 1, 1, 1, 1});
+    Communicator tp = comm.split_groups(mesh.groups(MeshGroup::tp));
+    std::vector<int32_t> ranks(tp.size());
+    const int32_t w = me;
+    tp.all_gather(ranks.data(), &w, 1);
+    if (std::vector<int>(ranks.begin(), ranks.end()) != mesh.group_of(MeshGroup::tp, me)) fail("split_groups: tp group");
+  }
+  res.hash = h.digest();
+  return res;
+}
+
+}  // namespace lockstep::testing
