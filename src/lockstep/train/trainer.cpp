@@ -19,11 +19,11 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/data/dataset.h"
 #include "lockstep/kernels/cpu/gemm.h"
-#include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
+#include "lockstep/train/optimizer.h"
 #include "lockstep/train/run_dir.h"
 
 namespace lockstep {
@@ -77,44 +77,6 @@ std::string duration_text(double s) {
   else std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(t / 60), (long long)(t % 60));
   return buf;
 }
-
-class Optimizer {
- public:
-  Optimizer(const ParamStore& ps, const OptimizerConfig& oc) : m_(ps.total()), v_(ps.total()), oc_(oc) {}
-
-  // Clips by the global norm and applies AdamW to every parameter. Returns the norm before
-  // clipping.
-  double step(ParamStore& ps, int64_t step, double lr) {
-    const double norm = std::sqrt(sum_of_squares(ps.grads(), ps.total()));
-    float scale = 1.0f;
-    if (oc_.clip_grad > 0) {
-      const double coeff = oc_.clip_grad / (norm + 1e-6);
-      if (coeff < 1.0) scale = static_cast<float>(coeff);
-    }
-    for (const ParamSpec& p : ps.specs()) {
-      AdamW hp;
-      hp.lr = static_cast<float>(lr);
-      hp.beta1 = static_cast<float>(oc_.beta1);
-      hp.beta2 = static_cast<float>(oc_.beta2);
-      hp.eps = static_cast<float>(oc_.eps);
-      hp.weight_decay = p.decay ? static_cast<float>(oc_.weight_decay) : 0.0f;
-      adamw_update(ps.values() + p.offset, m_.data() + p.offset, v_.data() + p.offset, ps.grads() + p.offset,
-                   p.shape.numel(), hp, step, scale);
-    }
-    return norm;
-  }
-
-  uint64_t hash() const {
-    Hasher h;
-    h.update(m_.data(), static_cast<size_t>(m_.size()) * sizeof(float));
-    h.update(v_.data(), static_cast<size_t>(v_.size()) * sizeof(float));
-    return h.digest();
-  }
-
- private:
-  FloatBuffer m_, v_;
-  OptimizerConfig oc_;
-};
 
 }  // namespace
 
