@@ -115,14 +115,15 @@ inline T max_of(T acc, T x) {
   }
 }
 
-// out[i] = fold over r = 0..P-1 of contrib[r][i], in rank order. Tiled so that the running value
-// stays in cache while the contributions stream through; the order per element is the same.
+// out[i] = fold over r = 0..P-1 of contrib[r][i], in rank order. A tile of the running values
+// stays in L1 while the contributions stream through, and is written to out only once every
+// contribution to it has been read, so out may alias a contribution. Same order per element.
 template <typename T>
 void ordered_fold(T* out, const T* const* contrib, int P, int64_t n, ReduceOp op) {
-  constexpr int64_t tile = 4096;
+  constexpr int64_t tile = 2048;
+  alignas(64) T o[tile];
   for (int64_t i0 = 0; i0 < n; i0 += tile) {
     const int64_t m = std::min(n - i0, tile);
-    T* o = out + i0;
     std::memcpy(o, contrib[0] + i0, static_cast<size_t>(m) * sizeof(T));
     for (int r = 1; r < P; ++r) {
       const T* c = contrib[r] + i0;
@@ -132,6 +133,7 @@ void ordered_fold(T* out, const T* const* contrib, int P, int64_t n, ReduceOp op
         for (int64_t i = 0; i < m; ++i) o[i] = max_of(o[i], c[i]);
       }
     }
+    std::memcpy(out + i0, o, static_cast<size_t>(m) * sizeof(T));
   }
 }
 
@@ -153,8 +155,8 @@ OpInfo op_info(const Transport& t, const char* name) {
 // Chunk r of n over P ranks.
 inline int64_t chunk_begin(int64_t n, int r, int P) { return n * r / P; }
 
-// One reduce-scatter step: rank q's block q of `in` (with block r = [off[r], off[r+1])) reduced in
-// rank order into out (off[me+1] - off[me] elements).
+// One reduce-scatter step: block `me` (block r = [off[r], off[r+1])) of every rank's `in`, reduced
+// in rank order into out (off[me+1] - off[me] elements; out may be that block of our own in).
 template <typename T>
 void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<int64_t>& off, ReduceOp op,
                          const OpInfo& info) {
@@ -165,13 +167,11 @@ void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<in
   std::vector<RecvSpec> recvs;
   std::vector<const T*> contrib(P);
   for (int q = 0; q < P; ++q) {
-    contrib[q] = buf + q * count;
+    contrib[q] = q == me ? in + off[me] : buf + q * count;
     if (q == me) continue;
     sends.push_back({q, in + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
     recvs.push_back({q, buf + q * count, count * int64_t(sizeof(T))});
   }
-  // Our own contribution is copied too: out may alias it (all_reduce).
-  std::memcpy(buf + me * count, in + off[me], static_cast<size_t>(count) * sizeof(T));
   t.exchange(sends, recvs, info);
   ordered_fold(out, contrib.data(), P, count, op);
 }

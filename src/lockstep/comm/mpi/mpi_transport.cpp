@@ -103,7 +103,7 @@ class MpiTransport final : public Transport {
                             waiting_for.size() > 1 ? "s " : " ", who, " (dist.timeout_s)"));
       }
       // Spin while messages flow (MPI progresses inside the test calls); back off when idle.
-      if (now - idle_since > std::chrono::milliseconds(2)) std::this_thread::sleep_for(std::chrono::microseconds(50));
+      if (now - idle_since > std::chrono::milliseconds(20)) std::this_thread::sleep_for(std::chrono::microseconds(20));
     }
   }
 
