@@ -133,6 +133,27 @@ TEST(CommFailures, AStalledSubGroupTimesOutWithItsRanks) {
       << o.errors[3];
 }
 
+TEST(CommAsync, PostingReturnsAtOnceAndWaitCompletesWhenThePeerArrives) {
+  std::vector<double> posted_after(2), waited_after(2);
+  std::vector<char> done_at_post(2);
+  run_threads(2, 10, [&](Communicator& comm) {
+    const int me = comm.rank();
+    if (me == 1) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::vector<float> x(1000, static_cast<float>(me + 1));
+    const auto t0 = Clock::now();
+    Work w = comm.all_reduce_async(x.data(), 1000);
+    posted_after[me] = std::chrono::duration<double>(Clock::now() - t0).count();
+    done_at_post[me] = w.done();
+    w.wait();
+    waited_after[me] = std::chrono::duration<double>(Clock::now() - t0).count();
+    EXPECT_EQ(x[999], 3.0f);
+  });
+  // Rank 0 posts long before rank 1 arrives: the post returns at once, the op completes later.
+  EXPECT_LT(posted_after[0], 0.05);
+  EXPECT_FALSE(done_at_post[0]);
+  EXPECT_GT(waited_after[0], 0.1);
+}
+
 TEST(CommLaunch, BackendChoice) {
   EXPECT_EQ(resolve_backend("threads"), "threads");
   if (!under_mpi_launcher()) {

@@ -155,24 +155,24 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
     // (lock released) notified nobody, since we were not waiting.
     bool copied = true;
     while (copied) {
-    copied = false;
-    for (size_t j = 0; j < recvs.size(); ++j) {
-      if (received[j]) continue;
-      auto it = W.mailbox.find(recv_keys[j]);
-      if (it == W.mailbox.end()) continue;
-      copied = true;
-      Posted* p = it->second;
-      if (p->bytes != recvs[j].bytes)
-        fail(str(where(op), ": rank ", recv_keys[j].src, " sends ", p->bytes, " bytes, this rank expects ", recvs[j].bytes));
-      W.mailbox.erase(it);
-      p->state = 1;
-      lock.unlock();
-      if (p->bytes) std::memcpy(recvs[j].data, p->data, static_cast<size_t>(p->bytes));
-      lock.lock();
-      p->state = 2;
-      received[j] = 1;
-      W.cvs[recv_keys[j].src].notify_all();
-    }
+      copied = false;
+      for (size_t j = 0; j < recvs.size(); ++j) {
+        if (received[j]) continue;
+        auto it = W.mailbox.find(recv_keys[j]);
+        if (it == W.mailbox.end()) continue;
+        copied = true;
+        Posted* p = it->second;
+        if (p->bytes != recvs[j].bytes)
+          fail(str(where(op), ": rank ", recv_keys[j].src, " sends ", p->bytes, " bytes, this rank expects ", recvs[j].bytes));
+        W.mailbox.erase(it);
+        p->state = 1;
+        lock.unlock();
+        if (p->bytes) std::memcpy(recvs[j].data, p->data, static_cast<size_t>(p->bytes));
+        lock.lock();
+        p->state = 2;
+        received[j] = 1;
+        W.cvs[recv_keys[j].src].notify_all();
+      }
     }
     std::set<int> waiting_for;
     for (size_t j = 0; j < recvs.size(); ++j)
