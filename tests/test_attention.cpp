@@ -29,16 +29,24 @@ int64_t q_at(const Dims& d, int64_t h) { return h * d.HS; }
 int64_t k_at(const Dims& d, int64_t g) { return (d.NH + g) * d.HS; }
 int64_t v_at(const Dims& d, int64_t g) { return (d.NH + d.NKV + g) * d.HS; }
 
-// Full masked softmax in double; p (T, T) of one (b, h), zero above the diagonal.
+// Per-token document starts (B, T), or empty for plain causal attention. Query t sees keys
+// first_key(t) .. t.
+using DocStarts = std::vector<int32_t>;
+int64_t first_key(const DocStarts& ds, const Dims& d, int64_t b, int64_t t) {
+  return ds.empty() ? 0 : ds[b * d.T + t];
+}
+
+// Full masked softmax in double; p (T, T) of one (b, h), zero outside each query's visible keys.
 void ref_probs(std::vector<double>& p, std::vector<double>* lse, const std::vector<double>& qkv,
-               const Dims& d, int64_t b, int64_t h) {
+               const Dims& d, int64_t b, int64_t h, const DocStarts& ds = {}) {
   const int64_t g = h / (d.NH / d.NKV);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
   p.assign(static_cast<size_t>(d.T * d.T), 0.0);
   for (int64_t t = 0; t < d.T; ++t) {
     const double* q = &qkv[(b * d.T + t) * d.C3() + q_at(d, h)];
     double m = -std::numeric_limits<double>::infinity();
-    for (int64_t j = 0; j <= t; ++j) {
+    const int64_t j0 = first_key(ds, d, b, t);
+    for (int64_t j = j0; j <= t; ++j) {
       const double* k = &qkv[(b * d.T + j) * d.C3() + k_at(d, g)];
       double s = 0;
       for (int64_t c = 0; c < d.HS; ++c) s += q[c] * k[c];
@@ -46,20 +54,20 @@ void ref_probs(std::vector<double>& p, std::vector<double>* lse, const std::vect
       m = std::max(m, s * scale);
     }
     double sum = 0;
-    for (int64_t j = 0; j <= t; ++j) sum += std::exp(p[t * d.T + j] - m);
-    for (int64_t j = 0; j <= t; ++j) p[t * d.T + j] = std::exp(p[t * d.T + j] - m) / sum;
+    for (int64_t j = j0; j <= t; ++j) sum += std::exp(p[t * d.T + j] - m);
+    for (int64_t j = j0; j <= t; ++j) p[t * d.T + j] = std::exp(p[t * d.T + j] - m) / sum;
     if (lse) (*lse)[(b * d.NH + h) * d.T + t] = m + std::log(sum);
   }
 }
 
 void ref_forward(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
-                 const Dims& d) {
+                 const Dims& d, const DocStarts& ds = {}) {
   out.assign(static_cast<size_t>(d.out_size()), 0.0);
   lse.assign(static_cast<size_t>(d.lse_size()), 0.0);
   std::vector<double> p;
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.NH; ++h) {
-      ref_probs(p, &lse, qkv, d, b, h);
+      ref_probs(p, &lse, qkv, d, b, h, ds);
       const int64_t g = h / (d.NH / d.NKV);
       for (int64_t t = 0; t < d.T; ++t) {
         double* o = &out[((b * d.T + t) * d.NH + h) * d.HS];
@@ -73,13 +81,13 @@ void ref_forward(std::vector<double>& out, std::vector<double>& lse, const std::
 
 // Gradient of sum(out * dout) with respect to qkv, in double.
 std::vector<double> ref_backward(const std::vector<double>& qkv, const std::vector<double>& dout,
-                                 const Dims& d) {
+                                 const Dims& d, const DocStarts& ds = {}) {
   std::vector<double> dqkv(static_cast<size_t>(d.qkv_size()), 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
   std::vector<double> p, dp(static_cast<size_t>(d.T));
   for (int64_t b = 0; b < d.B; ++b)
     for (int64_t h = 0; h < d.NH; ++h) {
-      ref_probs(p, nullptr, qkv, d, b, h);
+      ref_probs(p, nullptr, qkv, d, b, h, ds);
       const int64_t g = h / (d.NH / d.NKV);
       auto row = [&](int64_t t) { return (b * d.T + t) * d.C3(); };
       for (int64_t t = 0; t < d.T; ++t) {
@@ -110,20 +118,21 @@ struct Result {
 
 // Forward then backward with dout; dqkv starts as NaN so that anything not assigned shows.
 Result run(const std::vector<float>& qkv, const std::vector<float>& dout, const Dims& d,
-           bool portable = false) {
+           bool portable = false, const DocStarts& ds = {}) {
+  const int32_t* doc = ds.empty() ? nullptr : ds.data();
   Result r;
   r.out.assign(static_cast<size_t>(d.out_size()), 0.0f);
   r.lse.assign(static_cast<size_t>(d.lse_size()), 0.0f);
   r.dqkv.assign(static_cast<size_t>(d.qkv_size()), std::numeric_limits<float>::quiet_NaN());
   if (portable) {
     detail::attention_forward_portable(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH,
-                                       d.NKV, d.HS);
+                                       d.NKV, d.HS, doc);
     detail::attention_backward_portable(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(),
-                                        r.lse.data(), d.B, d.T, d.NH, d.NKV, d.HS);
+                                        r.lse.data(), d.B, d.T, d.NH, d.NKV, d.HS, doc);
   } else {
-    attention_forward(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS);
+    attention_forward(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS, doc);
     attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B, d.T,
-                       d.NH, d.NKV, d.HS);
+                       d.NH, d.NKV, d.HS, doc);
   }
   return r;
 }
@@ -216,6 +225,121 @@ TEST(Attention, PortableMatchesVectorBitwise) {
     EXPECT_TRUE(testing::bitwise_equal(fast.lse, portable.lse, "lse " + name(d)));
     EXPECT_TRUE(testing::bitwise_equal(fast.dqkv, portable.dqkv, "dqkv " + name(d)));
   }
+}
+
+// Document starts from the positions where documents begin in each row (besides 0); row b uses
+// starts[b % starts.size()], entries >= T ignored.
+DocStarts doc_starts(const Dims& d, const std::vector<std::vector<int64_t>>& starts) {
+  DocStarts ds(static_cast<size_t>(d.B * d.T));
+  for (int64_t b = 0; b < d.B; ++b) {
+    int64_t cur = 0;
+    const std::vector<int64_t>& row = starts[static_cast<size_t>(b) % starts.size()];
+    for (int64_t t = 0; t < d.T; ++t) {
+      for (int64_t s : row)
+        if (s == t) cur = t;
+      ds[b * d.T + t] = static_cast<int32_t>(cur);
+    }
+  }
+  return ds;
+}
+
+// Layouts that exercise the block logic (kAttnBlock = 64): documents crossing block boundaries,
+// a document starting exactly on a block (whole key blocks skipped), queries of one block whose
+// documents start in different blocks (some have seen no key when the first key block ends),
+// one-token documents, and a row without any boundary.
+const std::vector<std::vector<int64_t>> kLayouts = {
+    {3, 60, 70, 129}, {128, 140}, {1, 2, 3, 100, 140, 199}, {}, {64, 65, 190}};
+
+TEST(AttentionDocuments, MatchesBlockDiagonalReference) {
+  const Dims shapes[] = {{5, 200, 4, 2, 16}, {5, 130, 2, 1, 12}, {2, 70, 3, 3, 8}};
+  for (const Dims& d : shapes) {
+    const DocStarts ds = doc_starts(d, kLayouts);
+    const std::vector<float> qkv = inputs(d, 6);
+    const std::vector<float> dout = out_grad(d, 6);
+    const Result r = run(qkv, dout, d, false, ds);
+    std::vector<double> ref_out, ref_lse;
+    ref_forward(ref_out, ref_lse, testing::to_double(qkv), d, ds);
+    EXPECT_TRUE(testing::all_close(r.out, ref_out, 1e-5, 1e-5, "out " + name(d)));
+    EXPECT_TRUE(testing::all_close(r.lse, ref_lse, 1e-6, 1e-6, "lse " + name(d)));
+    const std::vector<double> ref =
+        ref_backward(testing::to_double(qkv), testing::to_double(dout), d, ds);
+    EXPECT_TRUE(testing::all_close(r.dqkv, ref, 1e-4, 1e-5, "dqkv " + name(d)));
+  }
+}
+
+TEST(AttentionDocuments, BackwardMatchesFiniteDifferences) {
+  const Dims d{2, 9, 2, 1, 8};
+  const DocStarts ds = doc_starts(d, {{2, 3, 7}, {5}});
+  const std::vector<float> qkv = inputs(d, 7);
+  const std::vector<float> dout = out_grad(d, 7);
+  const Result r = run(qkv, dout, d, false, ds);
+  const std::vector<double> R = testing::to_double(dout);
+  auto loss = [&](const std::vector<double>& x) {
+    std::vector<double> out, lse;
+    ref_forward(out, lse, x, d, ds);
+    double s = 0;
+    for (size_t i = 0; i < out.size(); ++i) s += out[i] * R[i];
+    return s;
+  };
+  const std::vector<double> fd = testing::finite_difference(loss, testing::to_double(qkv));
+  // One-token documents have dq = 0 exactly, but the kernel's dS = p * (dP - D) keeps the
+  // rounding difference of D (lane-partial chains) and dP (one chain): ~1e-6 absolute.
+  EXPECT_TRUE(testing::all_close(r.dqkv, fd, 1e-4, 1e-5, "dqkv " + name(d)));
+}
+
+TEST(AttentionDocuments, OneDocumentPerRowIsPlainCausalBitwise) {
+  const Dims d{2, 130, 4, 2, 16};
+  const DocStarts ds(static_cast<size_t>(d.B * d.T), 0);
+  const std::vector<float> qkv = inputs(d, 8);
+  const std::vector<float> dout = out_grad(d, 8);
+  const Result plain = run(qkv, dout, d);
+  const Result docs = run(qkv, dout, d, false, ds);
+  EXPECT_TRUE(testing::bitwise_equal(docs.out, plain.out, "out"));
+  EXPECT_TRUE(testing::bitwise_equal(docs.lse, plain.lse, "lse"));
+  EXPECT_TRUE(testing::bitwise_equal(docs.dqkv, plain.dqkv, "dqkv"));
+}
+
+// A document that starts on a block boundary: its queries skip the earlier key blocks entirely,
+// which must give the bits of running that document alone at the start of a row (same block
+// alignment, same terms).
+TEST(AttentionDocuments, BlockAlignedDocumentEqualsItsOwnRowBitwise) {
+  const Dims packed{1, 192, 2, 1, 16}, alone{1, 64, 2, 1, 16};
+  const DocStarts ds = doc_starts(packed, {{50, 128}});
+  const std::vector<float> qkv = inputs(packed, 9);
+  const std::vector<float> dout = out_grad(packed, 9);
+  const Result r = run(qkv, dout, packed, false, ds);
+  const std::vector<float> qkv_tail(qkv.begin() + 128 * packed.C3(), qkv.end());
+  const std::vector<float> dout_tail(dout.begin() + 128 * packed.NH * packed.HS, dout.end());
+  const Result a = run(qkv_tail, dout_tail, alone);
+  const std::vector<float> out_tail(r.out.begin() + 128 * packed.NH * packed.HS, r.out.end());
+  const std::vector<float> dqkv_tail(r.dqkv.begin() + 128 * packed.C3(), r.dqkv.end());
+  EXPECT_TRUE(testing::bitwise_equal(out_tail, a.out, "out"));
+  EXPECT_TRUE(testing::bitwise_equal(dqkv_tail, a.dqkv, "dqkv"));
+}
+
+TEST(AttentionDocuments, BitwiseAcrossThreadsAndPortable) {
+  const Dims d{5, 200, 4, 2, 12};
+  const DocStarts ds = doc_starts(d, kLayouts);
+  const std::vector<float> qkv = inputs(d, 10);
+  const std::vector<float> dout = out_grad(d, 10);
+  Result base;
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ThreadPool::Bind bind(&pool);
+    Result r = run(qkv, dout, d, false, ds);
+    if (threads == 1) {
+      base = std::move(r);
+      continue;
+    }
+    const std::string what = str(" threads=", threads);
+    EXPECT_TRUE(testing::bitwise_equal(r.out, base.out, "out" + what));
+    EXPECT_TRUE(testing::bitwise_equal(r.lse, base.lse, "lse" + what));
+    EXPECT_TRUE(testing::bitwise_equal(r.dqkv, base.dqkv, "dqkv" + what));
+  }
+  const Result portable = run(qkv, dout, d, true, ds);
+  EXPECT_TRUE(testing::bitwise_equal(portable.out, base.out, "out portable"));
+  EXPECT_TRUE(testing::bitwise_equal(portable.lse, base.lse, "lse portable"));
+  EXPECT_TRUE(testing::bitwise_equal(portable.dqkv, base.dqkv, "dqkv portable"));
 }
 
 }  // namespace

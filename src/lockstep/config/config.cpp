@@ -153,6 +153,11 @@ const std::vector<Key>& keys() {
       LS_KEY(data.split, "indexed: train,valid[,test] weights splitting each dataset's documents"),
       LS_KEY(data.eval_fraction, "text: trailing fraction of the file held out for evaluation"),
       LS_KEY(data.synthetic_bytes, "synthetic: bytes of generated training text"),
+      LS_KEY(data.eod_token, "indexed: end-of-document token id of the data's tokenizer (byte: 256); -1 = none"),
+      LS_KEY(data.reset_position_ids, "positions restart at 0 after each end-of-document token (needs data.eod_token)"),
+      LS_KEY(data.reset_attention_mask, "attention stays within each document of a sample (needs data.eod_token)"),
+      LS_KEY(data.eod_mask_loss, "no loss at positions whose input is the end-of-document token; the loss is "
+                                 "the mean over the other tokens of the step (needs data.eod_token)"),
       LS_KEY(precision.params, "parameter precision", {"fp32"}),
       LS_KEY(moe.num_experts, "routed experts per MoE layer; 0 = dense model"),
       LS_KEY(moe.router_topk, "experts per token k"),
@@ -462,6 +467,20 @@ void validate(const Config& c) {
     user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
   if (!indexed && m.vocab_size < 256)
     user_error("model.vocab_size = ", m.vocab_size, " is smaller than the data's byte vocabulary (256)");
+  if (d.eod_token < -1 || d.eod_token >= m.vocab_size)
+    user_error("data.eod_token = ", d.eod_token, ": must be -1 (none) or in [0, model.vocab_size = ",
+               m.vocab_size, ")");
+  for (const auto& [name, on] : {std::pair{"data.reset_position_ids", d.reset_position_ids},
+                                 {"data.reset_attention_mask", d.reset_attention_mask},
+                                 {"data.eod_mask_loss", d.eod_mask_loss}}) {
+    if (!on) continue;
+    if (!indexed)
+      user_error(name, " = true needs documents ended by an end-of-document token, but data.source = \"",
+                 d.source, "\" is bytes without one: use indexed data and set data.eod_token");
+    if (d.eod_token < 0)
+      user_error(name, " = true needs data.eod_token, the end-of-document id of the data's tokenizer "
+                       "(256 for the byte tokenizer)");
+  }
   validate_moe(c.moe, m.num_layers);
 }
 

@@ -82,6 +82,11 @@ struct DataConfig {
   std::string split = "98,2";            // indexed: train,valid[,test] weights over documents
   double eval_fraction = 0.05;           // text: trailing fraction of the file held out
   int64_t synthetic_bytes = 1 << 21;     // size of the generated training corpus
+  // Packed documents (data/documents.h), Megatron's flags; they need eod_token.
+  int64_t eod_token = -1;                // end-of-document id of the data's tokenizer; -1 = none
+  bool reset_position_ids = false;       // positions restart at 0 after each EOD
+  bool reset_attention_mask = false;     // attention stays inside each document
+  bool eod_mask_loss = false;            // no loss where the input token is EOD
 };
 
 // Mixture of experts (Megatron's --moe-* options without the prefix; docs/moe.md has the formulas).

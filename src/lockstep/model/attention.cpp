@@ -26,22 +26,24 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
 }
 
 void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out,
-                             const float* resid_in, const float* rope_cos, const float* rope_sin) const {
+                             const float* resid_in, const float* rope_cos, const float* rope_sin,
+                             const int32_t* positions, const int32_t* doc_start) const {
   const int64_t N = B * T;
   norm.forward(ps, arena, arena(normed), resid_in, N);
   qkv.forward(ps, arena(qkv_out), arena(normed), N);
-  if (rope) rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width());
-  attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS);
+  if (rope) rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+  attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
   proj.forward_residual(ps, resid_out, resid_in, arena(att), N);
 }
 
 void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
                               const float* resid_in, const float* rope_cos, const float* rope_sin,
-                              const AttentionScratch& s) const {
+                              const AttentionScratch& s, const int32_t* positions,
+                              const int32_t* doc_start) const {
   const int64_t N = B * T;
   proj.backward(ps, s.datt, dresid, arena(att), N);
-  attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS);
-  if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width());
+  attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
+  if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
   qkv.backward(ps, s.dnorm, s.dqkv, arena(normed), N);
   norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);
 }

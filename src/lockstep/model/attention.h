@@ -23,12 +23,16 @@ struct AttentionLayer {
                  int64_t B, int64_t T);
 
   // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))).
+  // positions (N) (RoPE) and doc_start (B, T) (attention): packed documents (data/documents.h);
+  // null = plain positions and causal attention.
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
-               const float* rope_cos, const float* rope_sin) const;
+               const float* rope_cos, const float* rope_sin, const int32_t* positions = nullptr,
+               const int32_t* doc_start = nullptr) const;
   // dresid (N, C) holds d(resid_out) and receives d(resid_in) (the skip passes it through; the
   // branch adds its part).
   void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
-                const float* rope_cos, const float* rope_sin, const AttentionScratch& s) const;
+                const float* rope_cos, const float* rope_sin, const AttentionScratch& s,
+                const int32_t* positions = nullptr, const int32_t* doc_start = nullptr) const;
 
   int64_t qkv_width() const { return (NH + 2 * NKV) * HS; }
 

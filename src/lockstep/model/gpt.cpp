@@ -5,6 +5,7 @@
 
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
@@ -90,12 +91,22 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
   }
 }
 
+void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask) {
+  eod_ = eod;
+  positions_.assign(reset_position_ids ? static_cast<size_t>(N_) : 0, 0);
+  doc_start_.assign(reset_attention_mask ? static_cast<size_t>(N_) : 0, 0);
+}
+
 void GPT::forward(const int32_t* tokens, bool training) {
   aux_loss_ = 0;
+  if (positions() || doc_start())
+    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
+                    tokens, B_, T_, eod_);
   embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
-                    B_, T_, C_, V_);
+                    B_, T_, C_, V_, positions());
   for (int64_t l = 0; l < L_; ++l) {
-    attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data());
+    attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
+                     positions(), doc_start());
     if (moe_[l]) {
       moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), training, seed_, step_, micro_);
       aux_loss_ += moe_[l]->aux_losses().total();
@@ -135,17 +146,20 @@ void GPT::backward(const int32_t* tokens, float aux_scale) {
   for (int64_t l = L_ - 1; l >= 0; --l) {
     if (moe_[l]) moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
     else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
-    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as);
+    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as,
+                      positions(), doc_start());
   }
   embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                     tokens, B_, T_, C_);
+                     tokens, B_, T_, C_, positions());
 }
 
 namespace {
-double mean(const float* x, int64_t n) {
+// Mean over the positions with a target (masked ones hold loss 0); 0 when every one is masked.
+double mean_loss(const float* x, const int32_t* targets, int64_t n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += x[i];
-  return s / static_cast<double>(n);
+  const int64_t count = count_targets(targets, n);
+  return count ? s / static_cast<double>(count) : 0.0;
 }
 }  // namespace
 
@@ -154,13 +168,13 @@ double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, floa
   head(targets, true, grad_scale);
   backward(tokens, grad_scale * static_cast<float>(N_));
   ++micro_;
-  return mean(arena_(losses_), N_);
+  return mean_loss(arena_(losses_), targets, N_);
 }
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
   forward(tokens, false);
   head(targets, false, 0.0f);
-  return mean(arena_(losses_), N_);
+  return mean_loss(arena_(losses_), targets, N_);
 }
 
 double GPT::flops_per_token() const {

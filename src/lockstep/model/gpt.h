@@ -40,12 +40,18 @@ class GPT {
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
-  // Returns the mean LM loss over the micro-batch's tokens. The MoE load-balancing losses
+  // Returns the mean LM loss over the micro-batch's tokens whose target is >= 0 (negative targets,
+  // e.g. data.eod_mask_loss, have loss 0 and no gradient; grad_scale is then 1 / the unmasked
+  // tokens of the global batch). The MoE load-balancing losses
   // (aux_loss()) are part of the training loss: their gradients are scaled by grad_scale * B * T,
   // i.e. the loss is lm_loss + the mean over micro-batches of aux_loss().
   double forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale);
   // Forward only; mean LM loss (no router jitter, no step statistics).
   double evaluate(const int32_t* tokens, const int32_t* targets);
+  // Packed documents (data/documents.h): from here on every forward derives the positions
+  // (reset_position_ids) and the attention's document starts (reset_attention_mask) of each
+  // token from the tokens and the end-of-document id eod.
+  void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
   // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
   double aux_loss() const { return aux_loss_; }
 
@@ -92,6 +98,11 @@ class GPT {
   ArenaSlice moe_dnorm_, moe_drouter_, moe_dlogits_, moe_dprobs_, moe_drows_, moe_drows_in_, moe_dact_, moe_dfc_,
       sh_dout_, sh_dact_, sh_dfc_, sh_dx_;
   double aux_loss_ = 0;
+  // Packed documents: (N) each, filled by forward when the flag is on; null pointers otherwise.
+  int32_t eod_ = -1;
+  std::vector<int32_t> positions_, doc_start_;
+  const int32_t* positions() const { return positions_.empty() ? nullptr : positions_.data(); }
+  const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
 };

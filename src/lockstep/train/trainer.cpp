@@ -18,6 +18,7 @@
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/data/dataset.h"
+#include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/train/fingerprint.h"
@@ -107,6 +108,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
   GPT model(mc, tc.micro_batch, config.moe);
   model.params().init(tc.seed);
+  const DataConfig& dc = config.data;
+  const auto eod = static_cast<int32_t>(dc.eod_token);
+  if (dc.reset_position_ids || dc.reset_attention_mask)
+    model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
   Optimizer optimizer(model.params(), config.optimizer);
 
   create_run_dir(tc.out_dir);
@@ -137,6 +142,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     double sum = 0;
     for (int64_t i = 0; i < tc.eval_batches; ++i) {
       data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
+      if (dc.eod_mask_loss) mask_eod_targets(targets.data(), tokens.data(), N, eod);
       sum += model.evaluate(tokens.data(), targets.data());
     }
     return sum / static_cast<double>(tc.eval_batches);
@@ -149,16 +155,29 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const auto t0 = Clock::now();
     ParamStore& ps = model.params();
     ps.zero_grads();
-    const float grad_scale = 1.0f / static_cast<float>(N * accum);
-    double lm_loss = 0, aux_loss = 0;
     const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
+    // Returns the micro-batch's tokens that carry a loss.
+    auto fetch = [&](int64_t micro) {
+      data->batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
+      return dc.eod_mask_loss ? mask_eod_targets(targets.data(), tokens.data(), N, eod) : N;
+    };
+    // The loss is the mean over the step's unmasked tokens, so they are counted before any
+    // backward (the loader is a pure function of the sample index: fetching twice is exact).
+    int64_t loss_tokens = N * accum;
+    if (dc.eod_mask_loss) {
+      loss_tokens = 0;
+      for (int64_t micro = 0; micro < accum; ++micro) loss_tokens += fetch(micro);
+    }
+    const float grad_scale = 1.0f / static_cast<float>(std::max<int64_t>(loss_tokens, 1));
+    double lm_loss = 0, aux_loss = 0;
     model.begin_step(tc.seed, step);
     for (int64_t micro = 0; micro < accum; ++micro) {
-      data->batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
-      lm_loss += model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      const int64_t counted = fetch(micro);
+      const double micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      lm_loss += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
       aux_loss += model.aux_loss();
     }
-    lm_loss /= static_cast<double>(accum);
+    lm_loss /= dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : static_cast<double>(accum);
     aux_loss /= static_cast<double>(accum);
     // The training loss: Megatron adds each micro-batch's aux losses with weight 1 / micro-batches.
     const double loss = lm_loss + aux_loss;

@@ -72,6 +72,16 @@ struct PortableOps {
     return a;
   }
   static float hsum(const V& a) { return vm::hsum8(a.x); }
+  // Lanes whose document start ds is after key position pos become fill.
+  static V mask_before_start(V a, const V& ds, float pos, float fill) {
+    for (int i = 0; i < 8; ++i) a.x[i] = ds.x[i] > pos ? fill : a.x[i];
+    return a;
+  }
+  // -inf lanes become 0: the shift of a softmax whose keys are all masked so far.
+  static V finite_shift(V a) {
+    for (float& e : a.x) e = e == -kInf ? 0.0f : e;
+    return a;
+  }
 };
 
 #ifdef LOCKSTEP_AVX2
@@ -95,6 +105,14 @@ struct Avx2Ops {
     return _mm256_blendv_ps(a, _mm256_set1_ps(fill), drop);
   }
   static float hsum(V a) { return vm::hsum(a); }
+  static V mask_before_start(V a, V ds, float pos, float fill) {
+    const __m256 drop = _mm256_cmp_ps(ds, _mm256_set1_ps(pos), _CMP_GT_OQ);
+    return _mm256_blendv_ps(a, _mm256_set1_ps(fill), drop);
+  }
+  static V finite_shift(V a) {
+    const __m256 ninf = _mm256_cmp_ps(a, _mm256_set1_ps(-kInf), _CMP_EQ_OQ);
+    return _mm256_blendv_ps(a, _mm256_setzero_ps(), ninf);
+  }
 };
 using FastOps = Avx2Ops;
 #else
@@ -246,10 +264,36 @@ inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) {
   return std::min(nk, c + 8 + diag);
 }
 
+// Document starts of a query block: dsf[i] = doc_start of query q0 + i as float (exact below 2^24
+// positions; 0 for padding queries, which then see what plain causal attention shows them).
+// Returns the first key block that any query of the block sees.
+int64_t block_doc_starts(float* dsf, const int32_t* ds, int64_t q0, int64_t nq, int64_t nqp) {
+  int64_t lo = q0;
+  for (int64_t i = 0; i < nqp; ++i) {
+    dsf[i] = i < nq ? static_cast<float>(ds[q0 + i]) : 0.0f;
+    if (i < nq) lo = std::min<int64_t>(lo, ds[q0 + i]);
+  }
+  return lo / kBlk;
+}
+
+// The largest document start among queries [c, c + 8): keys at or past it need no document mask.
+inline int64_t chunk_doc_start(const float* dsf, int64_t c) {
+  float hi = 0.0f;
+  for (int64_t i = c; i < c + 8; ++i) hi = std::max(hi, dsf[i]);
+  return static_cast<int64_t>(hi);
+}
+
+void check_doc_start(const int32_t* doc_start, int64_t B, int64_t T) {
+  if (!doc_start) return;
+  for (int64_t n = 0; n < B * T; ++n)
+    LOCKSTEP_CHECK(doc_start[n] >= 0 && doc_start[n] <= n % T, "attention: doc_start ",
+                   doc_start[n], " at (b ", n / T, ", t ", n % T, ") is outside [0, t]");
+}
+
 // One (b, h, query block): out rows and lse of the block.
 template <class O>
-void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int64_t b, int64_t h,
-                   int64_t qb, float* scratch) {
+void forward_block(float* out, float* lse, const float* qkv, const int32_t* doc_start,
+                   const Shape& s, int64_t b, int64_t h, int64_t qb, float* scratch) {
   using V = typename O::V;
   const int64_t HSp = s.HSp;
   float* qt = scratch;           // (HSp, kBlk) scaled queries, transposed
@@ -260,6 +304,7 @@ void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int
   float* m = pt + kBlk * kBlk;   // (kBlk) running max
   float* l = m + kBlk;           // (kBlk) running sum
   float* corr = l + kBlk;        // (kBlk) rescaling of acc for the current key block
+  float* dsf = corr + kBlk;      // (kBlk) document starts of the queries (doc_start only)
 
   const int64_t g = h / s.group;
   const float* base = qkv + b * s.T * s.C3;
@@ -268,8 +313,12 @@ void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int
   std::fill(acc, acc + nqp * HSp, 0.0f);
   std::fill(m, m + nqp, -kInf);
   std::fill(l, l + nqp, 0.0f);
+  // Key blocks before every query's document hold only masked keys: skipping them drops terms
+  // that are exact zeros (see finite_shift below), so the bits are those of computing them.
+  const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
+  const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
 
-  for (int64_t kb = 0; kb <= qb; ++kb) {
+  for (int64_t kb = kb_begin; kb <= qb; ++kb) {
     const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
     const int64_t diag = q0 - k0;
     copy_rows(kr, HSp, base + k0 * s.C3 + (s.NH + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
@@ -278,27 +327,33 @@ void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int
     tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, Band{.n_begin_off = -diag});
     for (int64_t c = 0; c < nqp; c += 8) {
       const int64_t rows = visible_rows(c, diag, nk);
+      const int64_t doc_rows = ds ? std::min(rows, chunk_doc_start(dsf, c) - k0) : 0;
+      const V dsv = ds ? O::load(dsf + c) : O::zero();
       V bmax = O::set1(-kInf);
       for (int64_t j = 0; j < rows; ++j) {
         float* x = pt + j * kBlk + c;
         V sc = O::load(x);
-        if (j - diag - c > 0) {
-          sc = O::keep_from(sc, j - diag - c, -kInf);
-          O::store(x, sc);
-        }
+        const bool causal = j - diag - c > 0, doc = j < doc_rows;
+        if (causal) sc = O::keep_from(sc, j - diag - c, -kInf);
+        if (doc) sc = O::mask_before_start(sc, dsv, static_cast<float>(k0 + j), -kInf);
+        if (causal || doc) O::store(x, sc);
         bmax = O::max(bmax, sc);
       }
       const V m_old = O::load(m + c);
       const V m_new = O::max(m_old, bmax);
+      // A query whose document starts in a later block has seen no key yet (m_new = -inf):
+      // shifting by 0 instead gives p = 0, corr = 0, l = 0, as if the block were skipped.
+      // Otherwise the shift is m_new itself.
+      const V shift = O::finite_shift(m_new);
       V sum = O::zero();
       for (int64_t j = 0; j < rows; ++j) {
         float* x = pt + j * kBlk + c;
-        const V p = O::exp(O::sub(O::load(x), m_new));
+        const V p = O::exp(O::sub(O::load(x), shift));
         O::store(x, p);
         sum = O::add(sum, p);
       }
       for (int64_t j = rows; j < nkp; ++j) O::store(pt + j * kBlk + c, O::zero());
-      const V cv = O::exp(O::sub(m_old, m_new));
+      const V cv = O::exp(O::sub(m_old, shift));
       O::store(corr + c, cv);
       O::store(m + c, m_new);
       O::store(l + c, O::fma(O::load(l + c), cv, sum));
@@ -322,14 +377,15 @@ void forward_block(float* out, float* lse, const float* qkv, const Shape& s, int
 
 template <class O>
 void forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-             int64_t NKV, int64_t HS) {
+             int64_t NKV, int64_t HS, const int32_t* doc_start) {
   const Shape s = make_shape(B, T, NH, NKV, HS);
-  const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 3 * kBlk);
+  check_doc_start(doc_start, B, T);
+  const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 4 * kBlk);
   parallel_for(B * NH * s.blocks, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t qb = u % s.blocks, h = u / s.blocks % NH, b = u / (s.blocks * NH);
-      forward_block<O>(out, lse, qkv, s, b, h, qb, scratch);
+      forward_block<O>(out, lse, qkv, doc_start, s, b, h, qb, scratch);
     }
   });
 }
@@ -337,7 +393,8 @@ void forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int
 // One (b, kv head g): dk, dv of g and dq of its query heads, all assigned.
 template <class O>
 void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out,
-                    const float* lse, const Shape& s, int64_t b, int64_t g, float* scratch) {
+                    const float* lse, const int32_t* doc_start, const Shape& s, int64_t b,
+                    int64_t g, float* scratch) {
   using V = typename O::V;
   const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = round_up(s.T, 8), C = s.NH * s.HS;
   float* kall = scratch;             // (Tk, HSp) keys
@@ -354,6 +411,8 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
   float* pt = dq + kBlk * HSp;       // (kBlk keys, kBlk queries) scores, then probabilities
   float* dst = pt + kBlk * kBlk;     // (kBlk keys, kBlk queries) dP, then dS
   float* row = dst + kBlk * kBlk;    // (2, HSp) padded copies of one out and dout row
+  float* dsf = row + 2 * HSp;        // (kBlk) document starts of the query block
+  const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
 
   const float* base = qkv + b * s.T * s.C3;
   copy_rows(kall, HSp, base + (s.NH + g) * s.HS, s.C3, s.T, Tk, s.HS, 1.0f);
@@ -391,8 +450,9 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
       std::fill(dq, dq + nqp * HSp, 0.0f);
       const float* lse_q = lse_g + hh * Tq + q0;
       const float* d_q = dd + hh * Tq + q0;
+      const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
 
-      for (int64_t kb = 0; kb <= qb; ++kb) {
+      for (int64_t kb = kb_begin; kb <= qb; ++kb) {
         const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
         const int64_t diag = q0 - k0;
         const float* kr = kall + k0 * HSp;
@@ -401,12 +461,15 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
         tile_mm<O>(dst, kBlk, vall + k0 * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
         for (int64_t c = 0; c < nqp; c += 8) {
           const int64_t rows = visible_rows(c, diag, nk);
+          const int64_t doc_rows = ds ? std::min(rows, chunk_doc_start(dsf, c) - k0) : 0;
+          const V dsv = ds ? O::load(dsf + c) : O::zero();
           const V lv = O::load(lse_q + c), dv_ = O::load(d_q + c);
           for (int64_t j = 0; j < rows; ++j) {
             float* x = pt + j * kBlk + c;
             float* y = dst + j * kBlk + c;
             V sc = O::load(x);
             if (j - diag - c > 0) sc = O::keep_from(sc, j - diag - c, -kInf);
+            if (j < doc_rows) sc = O::mask_before_start(sc, dsv, static_cast<float>(k0 + j), -kInf);
             const V p = O::exp(O::sub(sc, lv));
             O::store(x, p);
             O::store(y, O::mul(p, O::sub(O::load(y), dv_)));
@@ -437,40 +500,42 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
 
 template <class O>
 void backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+              const int32_t* doc_start) {
   const Shape s = make_shape(B, T, NH, NKV, HS);
+  check_doc_start(doc_start, B, T);
   const int64_t Tk = round_up(T, 4), Tq = round_up(T, 8);
   const size_t need = static_cast<size_t>(4 * Tk * s.HSp + 2 * s.group * Tq + 5 * kBlk * s.HSp +
-                                          2 * kBlk * kBlk + 2 * s.HSp);
+                                          2 * kBlk * kBlk + 2 * s.HSp + kBlk);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u)
-      backward_group<O>(dqkv, dout, qkv, out, lse, s, u / NKV, u % NKV, scratch);
+      backward_group<O>(dqkv, dout, qkv, out, lse, doc_start, s, u / NKV, u % NKV, scratch);
   });
 }
 
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                       int64_t NKV, int64_t HS) {
-  forward<FastOps>(out, lse, qkv, B, T, NH, NKV, HS);
+                       int64_t NKV, int64_t HS, const int32_t* doc_start) {
+  forward<FastOps>(out, lse, qkv, B, T, NH, NKV, HS, doc_start);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS) {
-  backward<FastOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
+                        int64_t HS, const int32_t* doc_start) {
+  backward<FastOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, doc_start);
 }
 
 namespace detail {
 void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                int64_t NH, int64_t NKV, int64_t HS) {
-  forward<PortableOps>(out, lse, qkv, B, T, NH, NKV, HS);
+                                int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
+  forward<PortableOps>(out, lse, qkv, B, T, NH, NKV, HS, doc_start);
 }
 void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out,
                                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                 int64_t HS) {
-  backward<PortableOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS);
+                                 int64_t HS, const int32_t* doc_start) {
+  backward<PortableOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, doc_start);
 }
 }  // namespace detail
 

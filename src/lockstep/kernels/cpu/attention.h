@@ -4,6 +4,14 @@
 // heads, then NKV key heads, then NKV value heads, HS each. Query head h reads key/value head
 // h / (NH / NKV). Softmax scale 1/sqrt(HS); position t attends to positions 0..t.
 //
+// Packed documents (doc_start, optional, (B, T) int32): query t attends to keys doc_start[b, t]
+// .. t only (a block-diagonal causal mask; Megatron's reset_attention_mask). Requires
+// 0 <= doc_start[b, t] <= t. Masked keys take the same path as the causal ones (score -inf,
+// p = 0 exactly), and key blocks that lie before the document start of every query of a query
+// block are skipped; skipping them only drops exact-zero terms, so the per-element arithmetic
+// below is unchanged. With doc_start = nullptr the kernel is plain causal attention, bit for bit
+// what it was before documents existed.
+//
 // Forward: keys in blocks of kAttnBlock positions, online softmax (running max m and sum l, the
 // output accumulator rescaled when the max grows), never the full T x T score matrix. Saves
 // lse (B, NH, T) = log-sum-exp of each query's scaled scores. Backward recomputes the
@@ -13,7 +21,7 @@
 //   qs = q * scale (rounded once); a score s_tj is one FMA chain over d = 0..HS-1 of
 //   k_j[d] * qs_t[d]; keys after the query get s = -inf, hence p = 0 exactly. exp is vm::exp.
 //   Forward, per key block in order 0, 1, ...: m' = max(m, max of the block's scores);
-//   p = exp(s - m'); l = fma(l, exp(m - m'), sum of the block's p in key order); acc = acc *
+//   p = exp(s - m') (shifted by 0 instead while m' is still -inf: the query has seen no key); l = fma(l, exp(m - m'), sum of the block's p in key order); acc = acc *
 //   exp(m - m'), then acc += p * v_j as one FMA chain over the block's keys in order. At the end
 //   out = acc / l and lse = m + log(l).
 //   Backward: D_t = 8 lane-partial FMA chains over d, combined in vm::hsum's order; dP_tj is one
@@ -39,20 +47,22 @@ inline constexpr int64_t kAttnBlock = 64;
 
 // out (B, T, NH*HS), lse (B, NH, T).
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                       int64_t NKV, int64_t HS);
+                       int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr);
 
 // dqkv (B, T, (NH + 2*NKV)*HS) is assigned. out and lse are what attention_forward returned.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS);
+                        int64_t HS, const int32_t* doc_start = nullptr);
 
 namespace detail {
 // The portable forms, exposed so tests can check them against the AVX2 forms bitwise.
 void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                int64_t NH, int64_t NKV, int64_t HS);
+                                int64_t NH, int64_t NKV, int64_t HS,
+                                const int32_t* doc_start = nullptr);
 void attention_backward_portable(float* dqkv, const float* dout, const float* qkv,
                                  const float* out, const float* lse, int64_t B, int64_t T,
-                                 int64_t NH, int64_t NKV, int64_t HS);
+                                 int64_t NH, int64_t NKV, int64_t HS,
+                                const int32_t* doc_start = nullptr);
 }  // namespace detail
 
 }  // namespace lockstep

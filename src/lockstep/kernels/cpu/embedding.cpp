@@ -14,10 +14,42 @@ constexpr int64_t kColBlock = 16;
 inline void add_row(float* __restrict dst, const float* __restrict src, int64_t C) {
   for (int64_t c = 0; c < C; ++c) dst[c] += src[c];
 }
+
+// dst[keys[n]] += dout[n] for every row n, as a sorted segment sum: rows ordered by (key, row),
+// each dst row summed by one thread in row order. order: scratch of N int32.
+void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* keys, int64_t N,
+                 int64_t C) {
+  // Rows ordered by (key, row): equal to a stable sort by key, but in place.
+  for (int64_t n = 0; n < N; ++n) order[n] = static_cast<int32_t>(n);
+  std::sort(order, order + N, [keys](int32_t a, int32_t b) {
+    return keys[a] != keys[b] ? keys[a] < keys[b] : a < b;
+  });
+  // A chunk owns the segments (runs of one key) that start inside it, and follows its last one
+  // past the chunk end: each dst row is written by one thread, in row order.
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    while (i < end && i > 0 && keys[order[i]] == keys[order[i - 1]]) ++i;
+    while (i < end) {
+      const int32_t v = keys[order[i]];
+      float* row = dst + static_cast<int64_t>(v) * C;
+      do {
+        add_row(row, dout + static_cast<int64_t>(order[i]) * C, C);
+        ++i;
+      } while (i < N && keys[order[i]] == v);
+    }
+  });
+}
+
+void check_positions(const int32_t* positions, int64_t N, int64_t T) {
+  if (!positions) return;
+  for (int64_t n = 0; n < N; ++n)
+    LOCKSTEP_CHECK(positions[n] >= 0 && positions[n] < T, "embedding: position ", positions[n],
+                   " of row ", n, " is outside [0, ", T, ")");
+}
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, int64_t V) {
+                       int64_t B, int64_t T, int64_t C, int64_t V, const int32_t* positions) {
   // Validate everything before writing anything: a bad token leaves `out` untouched.
   for (int64_t n = 0; n < B * T; ++n) {
     if (tokens[n] < 0 || tokens[n] >= V) {
@@ -25,12 +57,13 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
                  ") is outside the vocabulary [0, ", V, ")");
     }
   }
+  check_positions(wpe ? positions : nullptr, B * T, T);
   parallel_for(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* __restrict o = out + n * C;
       const float* __restrict w = wte + static_cast<int64_t>(tokens[n]) * C;
       if (wpe) {
-        const float* __restrict p = wpe + (n % T) * C;
+        const float* __restrict p = wpe + (positions ? positions[n] : n % T) * C;
         for (int64_t c = 0; c < C; ++c) o[c] = w[c] + p[c];
       } else {
         std::copy(w, w + C, o);
@@ -40,28 +73,13 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 }
 
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
-                        const int32_t* tokens, int64_t B, int64_t T, int64_t C) {
-  const int64_t N = B * T;
-  // Positions ordered by (token, position): equal to a stable sort by token, but in place.
-  for (int64_t n = 0; n < N; ++n) order[n] = static_cast<int32_t>(n);
-  std::sort(order, order + N, [tokens](int32_t a, int32_t b) {
-    return tokens[a] != tokens[b] ? tokens[a] < tokens[b] : a < b;
-  });
-  // A chunk owns the segments (runs of one token) that start inside it, and follows its last one
-  // past the chunk end: each dwte row is written by one thread, in position order.
-  parallel_for(N, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
-    while (i < end && i > 0 && tokens[order[i]] == tokens[order[i - 1]]) ++i;
-    while (i < end) {
-      const int32_t v = tokens[order[i]];
-      float* row = dwte + static_cast<int64_t>(v) * C;
-      do {
-        add_row(row, dout + static_cast<int64_t>(order[i]) * C, C);
-        ++i;
-      } while (i < N && tokens[order[i]] == v);
-    }
-  });
-  if (dwpe) {
+                        const int32_t* tokens, int64_t B, int64_t T, int64_t C,
+                        const int32_t* positions) {
+  segment_sum(dwte, order, dout, tokens, B * T, C);
+  if (dwpe && positions) {
+    check_positions(positions, B * T, T);
+    segment_sum(dwpe, order, dout, positions, B * T, C);
+  } else if (dwpe) {
     parallel_for(T, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
         for (int64_t b = 0; b < B; ++b) add_row(dwpe + t * C, dout + (b * T + t) * C, C);

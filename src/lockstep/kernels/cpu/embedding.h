@@ -1,10 +1,12 @@
 // Token (and learned position) embedding.
 //
-// Forward: out[b, t] = wte[tokens[b, t]] (+ wpe[t]).
+// Forward: out[b, t] = wte[tokens[b, t]] (+ wpe[pos]), pos = t, or positions[b, t] when given
+// (packed documents whose positions restart at each document; each in [0, T)).
 // Backward: dwte[v] += sum of dout[n] over the positions n with tokens[n] == v, as a sorted
 // segment sum: positions are ordered by (token, position), and each vocabulary row is summed by
-// one thread in position order. dwpe[t] += sum over b of dout[b, t], in b order. No atomics; bits
-// do not depend on the thread count.
+// one thread in position order. dwpe[t] += sum over b of dout[b, t], in b order; with positions,
+// dwpe[p] += the sum of dout[n] over the rows n with positions[n] == p, in row order (the same
+// sorted segment sum as dwte). No atomics; bits do not depend on the thread count.
 #pragma once
 
 #include <cstdint>
@@ -13,11 +15,13 @@ namespace lockstep {
 
 // Raises UserError naming the token when a token is outside [0, V).
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, int64_t V);
+                       int64_t B, int64_t T, int64_t C, int64_t V,
+                       const int32_t* positions = nullptr);
 
 // order: scratch of B*T int32.
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
-                        const int32_t* tokens, int64_t B, int64_t T, int64_t C);
+                        const int32_t* tokens, int64_t B, int64_t T, int64_t C,
+                        const int32_t* positions = nullptr);
 
 // dbias[c] += sum over the N rows of dout[n, c], in row order (one thread per column range).
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C);

@@ -3,7 +3,9 @@
 // pair is rotated by angle pos * theta^(-2i/HS).
 //
 // Works in place on the fused qkv rows: each of the N = B*T rows holds `heads` rotated heads
-// (the query heads then the key heads) at its start, row_stride floats apart; position = row % T.
+// (the query heads then the key heads) at its start, row_stride floats apart; position = row % T,
+// or positions[row] when given (packed documents whose positions restart at each document; each
+// must lie in [0, T), the rows of the table).
 // Backward applies the inverse rotation to the gradient, in place.
 #pragma once
 
@@ -15,8 +17,10 @@ namespace lockstep {
 void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta);
 
 void rope_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t T,
-                  int64_t heads, int64_t HS, int64_t row_stride);
+                  int64_t heads, int64_t HS, int64_t row_stride,
+                  const int32_t* positions = nullptr);
 void rope_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t T,
-                   int64_t heads, int64_t HS, int64_t row_stride);
+                   int64_t heads, int64_t HS, int64_t row_stride,
+                   const int32_t* positions = nullptr);
 
 }  // namespace lockstep
