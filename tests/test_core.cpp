@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -214,6 +215,33 @@ TEST(ThreadPool, RunOnAllCallsEachWorkerOnce) {
   for (int t = 0; t < 3; ++t) EXPECT_EQ(seen[t].load(), 1);
   EXPECT_EQ(ids[0], std::this_thread::get_id());  // the caller runs part 0
   EXPECT_NE(ids[1], ids[2]);
+}
+
+// run_parts runs every part exactly once, in any pool of 1 to 4 threads, also when the caller is
+// slow to finish its own part (the workers claim the rest); exceptions reach the caller.
+TEST(ThreadPool, RunPartsRunsEachPartOnce) {
+  for (int T = 1; T <= 4; ++T) {
+    ThreadPool pool(T);
+    for (int64_t parts : {0, 1, 2, 3, 7, 100}) {
+      for (int round = 0; round < 20; ++round) {
+        std::vector<std::atomic<int>> hits(static_cast<size_t>(parts));
+        pool.run_parts(parts, [&](int64_t p) {
+          if (p == 0 && round % 2) std::this_thread::sleep_for(std::chrono::microseconds(200));
+          hits[static_cast<size_t>(p)]++;
+        });
+        for (int64_t p = 0; p < parts; ++p) ASSERT_EQ(hits[p].load(), 1) << T << " threads, part " << p;
+      }
+    }
+    if (T > 1) {
+      EXPECT_THROW(pool.run_parts(9, [](int64_t p) {
+        if (p == 8) user_error("part ", p);
+      }),
+                   UserError);
+      std::atomic<int64_t> sum{0};
+      pool.run_parts(9, [&](int64_t p) { sum += p; });
+      EXPECT_EQ(sum.load(), 36);
+    }
+  }
 }
 
 TEST(ThreadPool, ExceptionsPropagateToTheCaller) {

@@ -240,6 +240,47 @@ TEST(Gemm, AccumulateSplitAlongK) {
   }
 }
 
+// A batch gives each item the bits of its own gemm() call (the FMA-chain reference), whatever the
+// thread count, with items of every transpose and init, empty items, and items large enough to be
+// cut into several rectangles.
+TEST(Gemm, BatchEqualsOneGemmPerItem) {
+  std::vector<Case> cases;
+  std::vector<GemmOptions> opts;
+  uint64_t seed = 20;
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      cases.emplace_back(211, 307, 67, ta, tb, seed++);  // ~4M FMAs: several rectangles
+      cases.emplace_back(5, 17, 33, ta, tb, seed++);
+      cases.emplace_back(0, 9, 4, ta, tb, seed++);        // no rows (an expert without tokens)
+      cases.emplace_back(6, 9, 0, ta, tb, seed++);        // K = 0: C = init
+    }
+  }
+  for (size_t i = 0; i < cases.size(); ++i) {
+    GemmOptions o;
+    o.accumulate = i % 3 == 0;
+    if (i % 3 == 1) o.bias = cases[i].bias.data();
+    opts.push_back(o);
+  }
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ThreadPool::Bind bind(&pool);
+    std::vector<std::vector<float>> out;
+    std::vector<GemmBatchItem> items;
+    for (const Case& c : cases) out.push_back(c.C0);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      GemmBatchItem it{out[i].data(), c.ldc, c.A.data(), c.lda, c.ta, c.B.data(), c.ldb, c.tb, c.M, c.N, c.K};
+      it.accumulate = opts[i].accumulate;
+      it.bias = opts[i].bias;
+      items.push_back(it);
+    }
+    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      ASSERT_TRUE(bitwise_equal(out[i], cases[i].reference(opts[i]), cases[i].name() + str(" threads ", threads)));
+    }
+  }
+}
+
 TEST(Gemm, ContiguousOverload) {
   const Case c(5, 17, 67, Trans::T, Trans::N, 9, 0);
   std::vector<float> C(c.M * c.N);

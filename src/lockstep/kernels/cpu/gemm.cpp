@@ -432,7 +432,8 @@ void run(const Kernel& kr, const Problem& p) {
     }
   }
   const int64_t tm = best_tm, tn = T / best_tm;
-  pool->run_on_all([&](int t) {
+  // Rectangles go to whichever threads are awake (run_parts): the bits are the same either way.
+  pool->run_parts(T, [&](int64_t t) {
     const int64_t bm = t / tn, bn = t % tn;
     const int64_t m0 = std::min(p.M, chunk_begin(units_m, bm, tm) * kr.mr);
     const int64_t m1 = std::min(p.M, chunk_begin(units_m, bm + 1, tm) * kr.mr);
@@ -440,6 +441,81 @@ void run(const Kernel& kr, const Problem& p) {
     const int64_t n1 = std::min(p.N, chunk_begin(units_n, bn + 1, tn) * kr.nr);
     if (m0 < m1 && n0 < n1) kr.region(p, kr.blocks, m0, m1, n0, n1);
   });
+}
+
+struct BatchPart {
+  int64_t item, m0, m1, n0, n1, work;
+};
+
+void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count) {
+  // Reused between calls (steady-state steps do not allocate); the parts below name the caller's
+  // instances, since a thread_local named inside a lambda would be the running thread's own.
+  thread_local std::vector<Problem> problems_store;
+  thread_local std::vector<BatchPart> parts_store;
+  std::vector<Problem>& problems = problems_store;
+  std::vector<BatchPart>& parts = parts_store;
+  problems.clear();
+  parts.clear();
+  int64_t total = 0;
+  for (int64_t i = 0; i < count; ++i) {
+    const GemmBatchItem& it = items[i];
+    LOCKSTEP_CHECK(it.M >= 0 && it.N >= 0 && it.K >= 0, "gemm_batch item ", i, " sizes M=", it.M, " N=", it.N,
+                   " K=", it.K);
+    LOCKSTEP_CHECK(it.ldc >= it.N, "gemm_batch item ", i, " ldc=", it.ldc, " < N=", it.N);
+    LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), "gemm_batch item ", i, " lda too small");
+    LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), "gemm_batch item ", i, " ldb too small");
+    const Init init = it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero;
+    problems.push_back(Problem{it.C, it.ldc, it.A, it.lda, it.ta, it.B, it.ldb, it.tb, it.M, it.N, it.K, init,
+                               it.bias});
+    if (it.M > 0 && it.N > 0 && it.K == 0) write_init(problems.back());
+    total += it.M * it.N * it.K;
+  }
+  ThreadPool* pool = ThreadPool::current();
+  const int T = pool ? pool->threads() : 1;
+  // About 8 rectangles per thread: enough that the last ones balance the threads (and that a
+  // thread the OS holds back leaves little behind), few enough that packing stays a small share
+  // (a rectangle packs its A rows and B columns).
+  constexpr int64_t kMinPartWork = int64_t{1} << 20;
+  const int64_t target = std::max<int64_t>(kMinPartWork, total / (8 * T) + 1);
+  for (int64_t i = 0; i < count; ++i) {
+    const Problem& p = problems[static_cast<size_t>(i)];
+    const int64_t work = p.M * p.N * p.K;
+    if (work == 0) continue;
+    const int64_t units_m = ceil_div(p.M, kr.mr), units_n = ceil_div(p.N, kr.nr);
+    const int64_t want = std::clamp<int64_t>((work + target / 2) / target, 1, units_m * units_n);
+    // The grid tm x tn = want with the smallest largest rectangle, then the least packing.
+    int64_t tm = 1, best_cost = -1, best_perimeter = 0;
+    for (int64_t m = 1; m <= want; ++m) {
+      if (want % m != 0 || m > units_m || want / m > units_n) continue;
+      const int64_t rows = ceil_div(units_m, m) * kr.mr, cols = ceil_div(units_n, want / m) * kr.nr;
+      const int64_t cost = rows * cols, perimeter = rows + cols;
+      if (best_cost < 0 || cost < best_cost || (cost == best_cost && perimeter < best_perimeter)) {
+        tm = m;
+        best_cost = cost;
+        best_perimeter = perimeter;
+      }
+    }
+    if (best_cost < 0) tm = std::min(want, units_m);  // a prime larger than units_n: rows only
+    const int64_t tn = best_cost < 0 ? 1 : want / tm;
+    for (int64_t bm = 0; bm < tm; ++bm) {
+      for (int64_t bn = 0; bn < tn; ++bn) {
+        const int64_t m0 = std::min(p.M, units_m * bm / tm * kr.mr), m1 = std::min(p.M, units_m * (bm + 1) / tm * kr.mr);
+        const int64_t n0 = std::min(p.N, units_n * bn / tn * kr.nr), n1 = std::min(p.N, units_n * (bn + 1) / tn * kr.nr);
+        if (m0 < m1 && n0 < n1) parts.push_back(BatchPart{i, m0, m1, n0, n1, (m1 - m0) * (n1 - n0) * p.K});
+      }
+    }
+  }
+  std::stable_sort(parts.begin(), parts.end(), [](const BatchPart& a, const BatchPart& b) { return a.work > b.work; });
+  const auto run_part = [&](int64_t j) {
+    const BatchPart& q = parts[static_cast<size_t>(j)];
+    kr.region(problems[static_cast<size_t>(q.item)], kr.blocks, q.m0, q.m1, q.n0, q.n1);
+  };
+  const int64_t n = static_cast<int64_t>(parts.size());
+  if (pool && T > 1) {
+    pool->run_parts(n, run_part);
+  } else {
+    for (int64_t j = 0; j < n; ++j) run_part(j);
+  }
 }
 
 void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t lda, Trans ta,
@@ -488,6 +564,8 @@ void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const fl
           Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   gemm_with(best_kernel(), C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
 }
+
+void gemm_batch(const GemmBatchItem* items, int64_t count) { gemm_batch_with(best_kernel(), items, count); }
 
 const char* gemm_kernel_name() { return best_kernel().name; }
 

@@ -43,6 +43,28 @@ inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, i
   gemm(C, N, A, ta == Trans::N ? K : M, ta, B, tb == Trans::N ? N : K, tb, M, N, K, opt);
 }
 
+// One product of a batch: C = init + op(A) op(B), sizes and layouts as gemm()'s; init = C
+// (accumulate), else bias (when given), else 0.
+struct GemmBatchItem {
+  float* C;
+  int64_t ldc;
+  const float* A;
+  int64_t lda;
+  Trans ta;
+  const float* B;
+  int64_t ldb;
+  Trans tb;
+  int64_t M, N, K;
+  bool accumulate = false;
+  const float* bias = nullptr;
+};
+
+// Every item of the batch in one parallel region: each item is cut into rectangles of C and all
+// the rectangles of all items are shared among the threads (largest first). Bitwise the same as
+// calling gemm() on each item (the guarantee above holds per item); items must not overlap in C.
+// For many small products (an MoE layer's experts), this replaces one region per product.
+void gemm_batch(const GemmBatchItem* items, int64_t count);
+
 // Which micro-kernel gemm() runs on this machine ("avx512-4x64", "avx2-6x16", "portable").
 const char* gemm_kernel_name();
 

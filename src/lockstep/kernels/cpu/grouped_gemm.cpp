@@ -1,31 +1,58 @@
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 
-#include "lockstep/kernels/cpu/embedding.h"
+#include <algorithm>
+#include <vector>
+
+#include "lockstep/core/thread_pool.h"
 
 namespace lockstep {
 
+namespace {
+// Column block of the bias gradient: one thread sums these columns of one expert over its rows.
+constexpr int64_t kBiasColBlock = 64;
+}  // namespace
+
 void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias,
                   const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+  thread_local std::vector<GemmBatchItem> items;
+  items.clear();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
     if (rows == 0) continue;
-    GemmOptions opt;
-    opt.accumulate = accumulate;
-    if (!accumulate && bias) opt.bias = bias + e * Nout;
-    gemm(C + r0 * Nout, A + r0 * K, Trans::N, W + e * Nout * K, tw, rows, Nout, K, opt);
+    GemmBatchItem it{C + r0 * Nout, Nout, A + r0 * K, K, Trans::N, W + e * Nout * K, tw == Trans::N ? Nout : K, tw,
+                     rows, Nout, K};
+    it.accumulate = accumulate;
+    if (!accumulate && bias) it.bias = bias + e * Nout;
+    items.push_back(it);
   }
+  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
 }
 
 void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
                         const int64_t* offsets, int64_t E, int64_t Nout, int64_t K) {
-  GemmOptions acc;
-  acc.accumulate = true;
+  thread_local std::vector<GemmBatchItem> items;
+  items.clear();
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
     if (rows == 0) continue;
-    gemm(dW + e * Nout * K, dY + r0 * Nout, Trans::T, X + r0 * K, Trans::N, Nout, K, rows, acc);
-    if (dbias) bias_backward(dbias + e * Nout, dY + r0 * Nout, rows, Nout);
+    GemmBatchItem it{dW + e * Nout * K, K, dY + r0 * Nout, Nout, Trans::T, X + r0 * K, K, Trans::N, Nout, K, rows};
+    it.accumulate = true;
+    items.push_back(it);
   }
+  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  if (!dbias) return;
+  // dbias_e[c] += dY[r, c] over the expert's rows in order, every (expert, column block) in one region.
+  const int64_t blocks = (Nout + kBiasColBlock - 1) / kBiasColBlock;
+  parallel_for(E * blocks, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t e = u / blocks, c0 = (u % blocks) * kBiasColBlock, c1 = std::min(Nout, c0 + kBiasColBlock);
+      float* db = dbias + e * Nout;
+      for (int64_t r = offsets[e]; r < offsets[e + 1]; ++r) {
+        const float* g = dY + r * Nout;
+        for (int64_t c = c0; c < c1; ++c) db[c] += g[c];
+      }
+    }
+  });
 }
 
 }  // namespace lockstep

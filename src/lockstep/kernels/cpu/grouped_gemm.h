@@ -6,11 +6,15 @@
 //   grouped_gemm_wgrad:  dW_e (+)= dY[rows of e]^T X[rows of e]       (weight gradient)
 // W is (E, Nout, K) for op = T (a linear layer's weight) or (E, K, Nout) for op = N.
 //
-// Determinism guarantee: each expert's block is one lockstep::gemm call (gemm.h: each output
-// element is one sequential FMA chain over K, bitwise independent of threads and tiling), and
-// every output row (grouped_gemm) or weight matrix (wgrad) belongs to exactly one expert, so no
-// element is written twice and no reduction crosses experts. An expert with no rows writes
-// nothing (grouped_gemm) or leaves dW_e unchanged (wgrad).
+// All experts' products run in one parallel region (gemm_batch, gemm.h): their rectangles are
+// shared among the threads, instead of one region (and one wait for the slowest thread) per expert.
+//
+// Determinism guarantee: each expert's product is bitwise what one lockstep::gemm call on its rows
+// gives (gemm.h: each output element is one sequential FMA chain over K, independent of threads and
+// tiling), and every output row (grouped_gemm) or weight matrix (wgrad) belongs to exactly one
+// expert, so no element is written twice and no reduction crosses experts. The bias gradient sums
+// an expert's rows in row order, one thread per (expert, column block). An expert with no rows
+// writes nothing (grouped_gemm) or leaves dW_e unchanged (wgrad).
 #pragma once
 
 #include <cstdint>
