@@ -135,6 +135,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                "GEMM peak %.1f GFLOP/s, run dir %s\n",
                (long long)tc.steps, (long long)tc.global_batch, (long long)T, (long long)accum, (long long)B,
                threads, peak_gflops, tc.out_dir.c_str());
+  if (comm.size() > 1)
+    std::fprintf(out, "lockstep: %d ranks (%s backend): tp %d x cp %d x dp %d x pp %d; experts: etp %d x ep %d x edp %d x pp %d\n",
+                 comm.size(), comm.backend().c_str(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.etp(), mesh.ep(),
+                 mesh.edp(), mesh.pp());
   std::fflush(out);
 
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
