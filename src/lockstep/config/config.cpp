@@ -120,6 +120,8 @@ const std::vector<Key>& keys() {
       LS_KEY(model.norm_eps, "epsilon of the norm layers"),
       LS_KEY(model.rope_theta, "RoPE base"),
       LS_KEY(model.init_std, "std of the normal init (residual projections: std / sqrt(2 * layers))"),
+      LS_KEY(model.mtp_num_layers, "multi-token prediction depths D (DeepSeek-V3 / Megatron MTP); 0 = off"),
+      LS_KEY(model.mtp_loss_scaling_factor, "MTP loss = factor / D * sum of the depths' mean losses"),
       LS_KEY(train.steps, "optimizer steps"),
       LS_KEY(train.global_batch, "sequences per optimizer step"),
       LS_KEY(train.micro_batch, "sequences per forward/backward (global_batch / micro_batch "
@@ -424,6 +426,10 @@ void validate(const Config& c) {
   if (!(m.norm_eps > 0)) user_error("model.norm_eps = ", m.norm_eps, ": must be positive");
   if (!(m.rope_theta > 0)) user_error("model.rope_theta = ", m.rope_theta, ": must be positive");
   if (!(m.init_std > 0)) user_error("model.init_std = ", m.init_std, ": must be positive");
+  if (m.mtp_num_layers < 0 || m.mtp_num_layers >= m.seq_length)
+    user_error("model.mtp_num_layers = ", m.mtp_num_layers, ": must be in [0, model.seq_length = ", m.seq_length, ")");
+  if (!(m.mtp_loss_scaling_factor >= 0))
+    user_error("model.mtp_loss_scaling_factor = ", m.mtp_loss_scaling_factor, ": must be >= 0");
   if (t.global_batch % t.micro_batch)
     user_error("train.global_batch = ", t.global_batch, " is not divisible by train.micro_batch = ",
                t.micro_batch);
@@ -489,8 +495,13 @@ std::string toml_value(Config& c, const Key& key) {
       [&](const auto& ref) -> std::string {
         using R = std::decay_t<decltype(ref)>;
         if constexpr (std::is_same_v<R, FloatRef>) {
-          // The shortest text that reads back as the same double.
+          // Whole numbers as "300.0"; others as the shortest text that reads back as the same double.
           char buf[40];
+          const double v = ref(c);
+          if (v == std::floor(v) && std::abs(v) < 1e15) {
+            std::snprintf(buf, sizeof buf, "%.1f", v);
+            return std::string(buf);
+          }
           for (int digits = 1; digits <= 17; ++digits) {
             std::snprintf(buf, sizeof buf, "%.*g", digits, ref(c));
             if (std::strtod(buf, nullptr) == ref(c)) break;

@@ -29,6 +29,8 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
+  int64_t mtp_num_layers = 0;            // multi-token prediction depths (model/mtp.h); 0 = off
+  double mtp_loss_scaling_factor = 0.1;  // MTP loss = factor / depths * sum of the depths' losses
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_heads; }
   int64_t head_dim() const { return hidden_size / num_heads; }

@@ -38,6 +38,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
   final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, N_,
                      static_cast<float>(m.norm_eps));
   out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
+  for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_));
   params_.allocate();
 
   for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(N_ * C_));
@@ -48,6 +49,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
   losses_ = arena_.reserve(N_);
   int64_t F = 0, fcw = 0;
   for (const MlpLayer& mlp : mlp_) F = std::max(F, mlp.F), fcw = std::max(fcw, mlp.F ? mlp.fc_width() : 0);
+  for (const auto& d : mtp_) F = std::max(F, d->mlp.F), fcw = std::max(fcw, d->mlp.fc_width());
   const int64_t qkvw = attn_.empty() ? 0 : attn_[0].qkv_width();
   dresid_ = arena_.reserve(N_ * C_);
   dfinal_ = arena_.reserve(N_ * C_);
@@ -56,6 +58,12 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
   dqkv_ = arena_.reserve(N_ * qkvw);
   dact_ = arena_.reserve(N_ * F);
   dfc_ = arena_.reserve(N_ * fcw);
+  if (!mtp_.empty()) {
+    const int64_t D = static_cast<int64_t>(mtp_.size());
+    mtp_tokens_.resize(static_cast<size_t>(D * N_));
+    mtp_targets_.resize(static_cast<size_t>(D * N_));
+    for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_}) *sl = arena_.reserve(N_ * C_);
+  }
   const MoeLayer* first_moe = nullptr;
   for (const auto& layer : moe_)
     if (layer && !first_moe) first_moe = layer.get();
@@ -117,8 +125,7 @@ void GPT::forward(const int32_t* tokens, bool training) {
   final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
 }
 
-void GPT::head(const int32_t* targets, bool backward, float grad_scale) {
-  const float* x = arena_(final_out_);
+void GPT::head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale) {
   const float* w = params_.value(out_);
   float* logits = arena_(logits_);
   float* losses = arena_(losses_);
@@ -132,9 +139,66 @@ void GPT::head(const int32_t* targets, bool backward, float grad_scale) {
       continue;
     }
     cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V_, V_, grad_scale);
-    gemm(arena_(dfinal_) + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V_);
+    gemm(dx + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V_);
     gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V_, C_, rows, acc);
   }
+}
+
+void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale) {
+  const int64_t D = static_cast<int64_t>(mtp_.size());
+  // Depth k reads t_{i+k} (rolled within the sequence, as Megatron) and predicts t_{i+k+1}.
+  for (int64_t k = 1; k <= D; ++k) {
+    int32_t* tk = mtp_tokens_.data() + (k - 1) * N_;
+    int32_t* gk = mtp_targets_.data() + (k - 1) * N_;
+    for (int64_t b = 0; b < B_; ++b)
+      for (int64_t i = 0; i < T_; ++i) {
+        tk[b * T_ + i] = tokens[b * T_ + (i + k) % T_];
+        gk[b * T_ + i] = i + k < T_ ? targets[b * T_ + i + k] : -1;
+      }
+  }
+  const int wpe = wpe_;
+  const float* prev = arena_(final_out_);
+  for (int64_t k = 0; k < D; ++k) {
+    mtp_[k]->forward(params_, arena_, mtp_tokens_.data() + k * N_, prev, wte_, wpe, positions(), doc_start(),
+                     rope_cos_.data(), rope_sin_.data());
+    prev = mtp_[k]->out(arena_);
+  }
+  const double weight = m_.mtp_loss_scaling_factor / static_cast<double>(D);
+  float* dh = arena_(mtp_dh_);
+  float* dnext = arena_(mtp_dnext_);
+  const MtpScratch s{arena_(mtp_dx_), arena_(mtp_de_), arena_(mtp_dhn_), arena_(mtp_demb_),
+                     MlpScratch{arena_(dnorm_), arena_(dact_), arena_(dfc_)},
+                     AttentionScratch{arena_(dnorm_), arena_(datt_), arena_(dqkv_)}};
+  std::vector<double> depth_loss(static_cast<size_t>(D), 0.0);
+  // Deepest first: depth k's input gradient (dnext) joins depth k-1's head gradient.
+  for (int64_t k = D - 1; k >= 0; --k) {
+    const int32_t* gk = mtp_targets_.data() + k * N_;
+    const int64_t valid = count_targets(gk, N_);
+    const float scale = valid ? static_cast<float>(weight * aux_scale / static_cast<double>(valid)) : 0.0f;
+    head(mtp_[k]->out(arena_), gk, dh, backward, scale);
+    double sum = 0;
+    const float* losses = arena_(losses_);
+    for (int64_t i = 0; i < N_; ++i) sum += losses[i];
+    depth_loss[static_cast<size_t>(k)] = valid ? sum / static_cast<double>(valid) : 0.0;
+    if (!backward) continue;
+    if (k + 1 < D) {
+      parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+        for (int64_t i = i0; i < i1; ++i) dh[i] += dnext[i];
+      });
+    }
+    std::memset(dnext, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
+    const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
+    mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte_, wpe, positions(),
+                      doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data());
+  }
+  if (backward) {
+    float* dfinal = arena_(dfinal_);
+    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) dfinal[i] += dnext[i];
+    });
+  }
+  mtp_loss_ = 0;
+  for (double l : depth_loss) mtp_loss_ += weight * l;
 }
 
 void GPT::backward(const int32_t* tokens, float aux_scale) {
@@ -165,7 +229,8 @@ double mean_loss(const float* x, const int32_t* targets, int64_t n) {
 
 double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
   forward(tokens, true);
-  head(targets, true, grad_scale);
+  head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
+  if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
   backward(tokens, grad_scale * static_cast<float>(N_));
   ++micro_;
   return mean_loss(arena_(losses_), targets, N_);
@@ -173,8 +238,10 @@ double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, floa
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
   forward(tokens, false);
-  head(targets, false, 0.0f);
-  return mean_loss(arena_(losses_), targets, N_);
+  head(arena_(final_out_), targets, nullptr, false, 0.0f);
+  const double lm = mean_loss(arena_(losses_), targets, N_);
+  if (!mtp_.empty()) mtp(tokens, targets, false, 0.0f);
+  return lm;
 }
 
 double GPT::flops_per_token() const {
@@ -184,7 +251,11 @@ double GPT::flops_per_token() const {
     if (moe_[l]) matmul += moe_[l]->matmul_params_per_token();
     else matmul += static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
   }
-  return 6.0 * matmul + 6.0 * static_cast<double>(L_ * T_ * C_);
+  for (const auto& d : mtp_)
+    matmul += static_cast<double>(2 * C_ * C_ + d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
+                                  d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out + V_ * C_);
+  const int64_t attn_layers = L_ + static_cast<int64_t>(mtp_.size());
+  return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * T_ * C_);
 }
 
 void GPT::begin_step(uint64_t seed, int64_t step) {

@@ -25,6 +25,7 @@
 #include "lockstep/model/attention.h"
 #include "lockstep/model/mlp.h"
 #include "lockstep/model/moe/moe_layer.h"
+#include "lockstep/model/mtp.h"
 #include "lockstep/model/norm.h"
 #include "lockstep/model/param_table.h"
 
@@ -54,6 +55,10 @@ class GPT {
   void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
   // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
   double aux_loss() const { return aux_loss_; }
+  // The multi-token prediction loss of the last forward_backward or evaluate (model/mtp.h):
+  // (mtp_loss_scaling_factor / D) * sum over depths of each depth's mean loss; 0 without MTP. It is
+  // part of the training loss like aux_loss(): its gradients are scaled by grad_scale * B * T.
+  double mtp_loss() const { return mtp_loss_; }
 
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
   // draws from (seed, layer, step, global element index); clears the step's counters), finish_step
@@ -73,7 +78,11 @@ class GPT {
 
  private:
   void forward(const int32_t* tokens, bool training);
-  void head(const int32_t* targets, bool backward, float grad_scale);
+  // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
+  void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
+  // The MTP depths after the main head: forward, losses, and with backward their gradients (the
+  // depth-1 input's added to d(final norm output)).
+  void mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale);
   void backward(const int32_t* tokens, float aux_scale);
 
   ModelConfig m_;
@@ -98,6 +107,11 @@ class GPT {
   ArenaSlice moe_dnorm_, moe_drouter_, moe_dlogits_, moe_dprobs_, moe_drows_, moe_drows_in_, moe_dact_, moe_dfc_,
       sh_dout_, sh_dact_, sh_dfc_, sh_dx_;
   double aux_loss_ = 0;
+  // Multi-token prediction: depths, their inputs and targets ((D, N) each), backward scratch.
+  std::vector<std::unique_ptr<MtpLayer>> mtp_;
+  std::vector<int32_t> mtp_tokens_, mtp_targets_;
+  ArenaSlice mtp_dh_, mtp_dnext_, mtp_dx_, mtp_de_, mtp_dhn_, mtp_demb_;
+  double mtp_loss_ = 0;
   // Packed documents: (N) each, filled by forward when the flag is on; null pointers otherwise.
   int32_t eod_ = -1;
   std::vector<int32_t> positions_, doc_start_;

@@ -173,18 +173,20 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       for (int64_t micro = 0; micro < accum; ++micro) loss_tokens += fetch(micro);
     }
     const float grad_scale = 1.0f / static_cast<float>(std::max<int64_t>(loss_tokens, 1));
-    double lm_loss = 0, aux_loss = 0;
+    double lm_loss = 0, aux_loss = 0, mtp_loss = 0;
     model.begin_step(tc.seed, step);
     for (int64_t micro = 0; micro < accum; ++micro) {
       const int64_t counted = fetch(micro);
       const double micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
       lm_loss += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
       aux_loss += model.aux_loss();
+      mtp_loss += model.mtp_loss();
     }
     lm_loss /= dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : static_cast<double>(accum);
     aux_loss /= static_cast<double>(accum);
-    // The training loss: Megatron adds each micro-batch's aux losses with weight 1 / micro-batches.
-    const double loss = lm_loss + aux_loss;
+    mtp_loss /= static_cast<double>(accum);
+    // The training loss: Megatron adds each micro-batch's aux (and MTP) losses with weight 1 / micro-batches.
+    const double loss = lm_loss + aux_loss + mtp_loss;
     const double lr = learning_rate(tc, step);
     const uint64_t grads_hash = hash_floats(ps.grads(), ps.total());
     const double grad_norm = optimizer.step(ps, step, lr);
@@ -197,6 +199,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     fp.loss = loss;
     fp.lm_loss = lm_loss;
     fp.aux_loss = aux_loss;
+    fp.mtp_loss = mtp_loss;
     fp.grad_norm = grad_norm;
     fp.lr = lr;
     fp.params = model.state_hash();
@@ -223,6 +226,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       .add("loss", loss, 9)
                       .add("lm_loss", lm_loss, 9)
                       .add("aux_loss", aux_loss, 9)
+                      .add("mtp_loss", mtp_loss, 9)
                       .add("grad_norm", grad_norm, 9)
                       .add("lr", lr, 9)
                       .add("step_ms", secs * 1e3, 6)

@@ -1,0 +1,65 @@
+#include "lockstep/model/mtp.h"
+
+#include <cstring>
+
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gemm.h"
+
+namespace lockstep {
+
+MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B_, int64_t T_)
+    : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size) {
+  const std::string prefix = "mtp.layers." + std::to_string(depth) + ".";
+  const bool rms = m.normalization == "rmsnorm";
+  const float eps = static_cast<float>(m.norm_eps);
+  enorm = Norm(ps, arena, prefix + "enorm", rms, C, N, eps);
+  hnorm = Norm(ps, arena, prefix + "hnorm", rms, C, N, eps);
+  proj_w = ps.add(prefix + "eh_proj.weight", {C, 2 * C}, Init::normal, static_cast<float>(m.init_std), true);
+  attn = AttentionLayer(ps, arena, prefix, m, B, T);
+  mlp = MlpLayer(ps, arena, prefix, m, N);
+  final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, N, eps);
+  for (ArenaSlice* s : {&emb, &e, &hn, &x, &mid, &y, &h}) *s = arena.reserve(N * C);
+}
+
+void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev,
+                       int wte, int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
+                       const float* rope_sin) const {
+  embedding_forward(arena(emb), tokens_k, ps.value(wte), wpe >= 0 ? ps.value(wpe) : nullptr, B, T, C, V, positions);
+  enorm.forward(ps, arena, arena(e), arena(emb), N);
+  hnorm.forward(ps, arena, arena(hn), h_prev, N);
+  // x = [e | hn] W^T as two GEMMs over the halves of K: by the GEMM's accumulate-split property
+  // this is bitwise the product with the concatenation, which is never built.
+  const float* w = ps.value(proj_w);
+  GemmOptions acc;
+  acc.accumulate = true;
+  gemm(arena(x), C, arena(e), C, Trans::N, w, 2 * C, Trans::T, N, C, C);
+  gemm(arena(x), C, arena(hn), C, Trans::N, w + C, 2 * C, Trans::T, N, C, C, acc);
+  attn.forward(ps, arena, arena(mid), arena(x), rope_cos, rope_sin, positions, doc_start);
+  mlp.forward(ps, arena, arena(y), arena(mid));
+  final_norm.forward(ps, arena, arena(h), arena(y), N);
+}
+
+void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
+                        const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
+                        const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order) const {
+  const size_t bytes = static_cast<size_t>(N * C) * sizeof(float);
+  std::memset(s.dx, 0, bytes);
+  final_norm.backward(ps, arena, s.dx, dh, arena(y), N);
+  mlp.backward(ps, arena, s.dx, arena(mid), s.mlp);
+  attn.backward(ps, arena, s.dx, arena(x), rope_cos, rope_sin, s.attn, positions, doc_start);
+  // eh_proj: d[e | hn] = dx W, dW += dx^T [e | hn], each half on its own columns.
+  const float* w = ps.value(proj_w);
+  float* dw = ps.grad(proj_w);
+  GemmOptions acc;
+  acc.accumulate = true;
+  gemm(s.de, C, s.dx, C, Trans::N, w, 2 * C, Trans::N, N, C, C);
+  gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
+  gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
+  gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);
+  hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);
+  std::memset(s.demb, 0, bytes);
+  enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);
+  embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions);
+}
+
+}  // namespace lockstep

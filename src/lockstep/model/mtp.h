@@ -1,0 +1,66 @@
+// Multi-token prediction (DeepSeek-V3, Megatron Core's MultiTokenPredictionLayer): D extra depths
+// after the main model, depth k predicting the token k + 1 positions ahead.
+//
+// Depth k = 1..D, over the same N = B x T positions as the main model (h_0: the main model's
+// output after its final norm, the input of the output head):
+//   e   = enorm(embed(t_{i+k}))            (N, C) the shared word (and position i) embedding
+//   x   = [e | hnorm(h_{k-1})] W^T          (N, C) eh_proj: W (C, 2C), no bias
+//   h_k = final_norm(layer(x))             (N, C) layer: one dense transformer layer (attention +
+//                                                  MLP sublayers, the model's flavour)
+//   L_k = mean over valid i of CE(head(h_k)_i, t_{i+k+1})   the shared output head
+// Within a sequence, t_{i+k} for i + k >= T wraps around (Megatron rolls the input ids); those
+// positions have no target (i + k + 1 > T), and under causal attention they cannot influence a
+// valid one. Targets masked in the batch (negative) stay masked, shifted with the tokens.
+// The MTP loss is (mtp_loss_scaling_factor / D) * sum_k L_k, added to the training loss.
+//
+// Parameters: mtp.layers.<k-1>.{enorm, hnorm, eh_proj, attn_norm, attn.*, mlp_norm, mlp.*,
+// final_norm} (the embedding and the output head are the main model's).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/model/arena.h"
+#include "lockstep/model/attention.h"
+#include "lockstep/model/mlp.h"
+#include "lockstep/model/norm.h"
+#include "lockstep/model/param_table.h"
+
+namespace lockstep {
+
+struct MtpScratch {
+  float* dx;     // (N, C) gradient of the depth's residual stream
+  float* de;     // (N, C) d(enorm output)
+  float* dhn;    // (N, C) d(hnorm output)
+  float* demb;   // (N, C) d(embedding)
+  MlpScratch mlp;
+  AttentionScratch attn;
+};
+
+struct MtpLayer {
+  MtpLayer() = default;
+  // depth: k - 1 (0-based), the index in the parameter names.
+  MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B, int64_t T);
+
+  // tokens_k (N): the inputs t_{i+k}. h_prev (N, C): h_{k-1}. Writes h_k (out()).
+  void forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
+               int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
+               const float* rope_sin) const;
+  // dh (N, C): d(h_k) (clobbered). dh_prev (N, C) += d(h_{k-1}); parameter gradients (the shared
+  // embedding's too) accumulate. order: (N) scratch for the embedding's segment sums.
+  void backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
+                const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
+                const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order) const;
+
+  const float* out(const Arena& arena) const { return arena(h); }
+
+  int64_t B = 0, T = 0, N = 0, C = 0, V = 0;
+  Norm enorm, hnorm, final_norm;
+  int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
+  AttentionLayer attn;
+  MlpLayer mlp;
+  ArenaSlice emb, e, hn, x, mid, y, h;  // saved for backward, (N, C) each
+};
+
+}  // namespace lockstep
