@@ -3,6 +3,7 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <sys/wait.h>
 
@@ -113,7 +114,8 @@ class TempDir {
     std::string name = std::string("lockstep-") + (info ? std::string(info->test_suite_name()) + "-" + info->name() : "test");
     for (char& c : name)
       if (c == '/') c = '_';
-    path_ = std::filesystem::temp_directory_path() / name;
+    // The pid keeps concurrent runs of the same test (two builds, ctest -j) out of each other's way.
+    path_ = std::filesystem::temp_directory_path() / (name + "-" + std::to_string(::getpid()));
     std::filesystem::remove_all(path_);
     std::filesystem::create_directories(path_);
   }
