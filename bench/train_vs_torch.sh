@@ -1,18 +1,29 @@
 #!/usr/bin/env bash
 # Training throughput of lockstep against the PyTorch peer (../shared/peers/torch_gpt.py), side by
-# side in one run on the same cores, on the peer's dense model (configs/gpt2-peer.toml: GPT-2
-# flavour, 4 layers, hidden 256, 4 heads, sequence 256, micro-batch 4, vocabulary 8192).
+# side in one run on the same cores, on one of the peer's models:
+#   dense  configs/gpt2-peer.toml: GPT-2 flavour, 4 layers, hidden 256, 4 heads, sequence 256,
+#          micro-batch 4, vocabulary 8192 (torch_gpt.py --model dense)
+#   moe    configs/moe-peer.toml: the same with every MLP an MoE layer of 8 experts, top-2, expert
+#          hidden 512, GELU, switch aux loss 0.01 (torch_gpt.py --model moe)
 #
-#   bench/train_vs_torch.sh [rounds]      (default 3; needs scripts/setup.sh --bench)
+#   bench/train_vs_torch.sh [dense|moe] [rounds]      (defaults: dense, 3; needs scripts/setup.sh --bench)
+#   LOCKSTEP=path/to/lockstep bench/train_vs_torch.sh ...   (another build of lockstep)
 #
 # Rounds alternate lockstep and every PyTorch thread setting, so that machine noise hits both;
 # the report takes each one's median tokens/s over rounds and the ratio against PyTorch's best
 # setting. OpenBLAS variables that pin a core type are unset for the PyTorch runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-rounds=${1:-3}
+model=${1:-dense}
+rounds=${2:-3}
+case "$model" in
+  dense) config=configs/gpt2-peer.toml ;;
+  moe) config=configs/moe-peer.toml ;;
+  *) echo "train_vs_torch.sh: model '$model' is not dense or moe" >&2; exit 2 ;;
+esac
+lockstep=${LOCKSTEP:-build/lockstep}
 peer=../shared/peers/torch_gpt.py
-[ -x build/lockstep ] || { echo "build/lockstep missing: run scripts/setup.sh --bench" >&2; exit 2; }
+[ -x "$lockstep" ] || { echo "$lockstep missing: run scripts/setup.sh --bench" >&2; exit 2; }
 [ -f "$peer" ] || { echo "$peer missing" >&2; exit 2; }
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -26,13 +37,13 @@ settings=("torch threads=1 openblas=2|OPENBLAS_NUM_THREADS=2|--threads 1"
 median() { sort -g | awk '{a[NR]=$1} END {print (NR%2 ? a[(NR+1)/2] : (a[NR/2]+a[NR/2+1])/2)}'; }
 
 for r in $(seq 1 "$rounds"); do
-  build/lockstep train -c configs/gpt2-peer.toml train.steps=12 train.threads=2 train.out_dir="$out/run" \
+  "$lockstep" train -c "$config" train.steps=12 train.threads=2 train.out_dir="$out/run" \
     > "$out/lockstep.log"
   grep -o 'median [0-9.]* tok/s, MFU [0-9.]*%' "$out/lockstep.log" | tee -a "$out/lockstep.txt" |
     sed "s/^/round $r lockstep threads=2: /"
   for i in "${!settings[@]}"; do
     IFS='|' read -r label envs args <<< "${settings[$i]}"
-    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $envs /usr/bin/python3 "$peer" --model dense $args --steps 10 --warmup 2 \
+    env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE $envs /usr/bin/python3 "$peer" --model "$model" $args --steps 10 --warmup 2 \
       > "$out/torch.log" 2>&1
     tps=$(grep -o 'tok_per_s=[0-9.]*' "$out/torch.log" | cut -d= -f2)
     echo "$tps" >> "$out/torch-$i.txt"
