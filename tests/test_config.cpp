@@ -61,10 +61,21 @@ TEST(Config, ResolvedTomlRoundTrips) {
 }
 
 TEST(Config, ShippedPresetsLoad) {
-  for (const char* name : {"debug", "gpt2-peer", "llama-tiny"}) {
+  for (const char* name : {"debug", "gpt2-peer", "llama-tiny", "moe-debug", "moe-peer", "mixtral-tiny",
+                           "deepseek-tiny", "mixtral-8x7b", "deepseek-v3"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + name + ".toml", {}));
   }
+}
+
+TEST(Config, FullSizeShapesAreTheirPublishedSizes) {
+  const Config mixtral = load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/mixtral-8x7b.toml", {});
+  EXPECT_EQ(mixtral.model.query_groups(), 8);
+  EXPECT_EQ(mixtral.moe.num_experts, 8);
+  const Config dsv3 = load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/deepseek-v3.toml", {});
+  EXPECT_EQ(dsv3.model.num_layers, 61);
+  EXPECT_EQ(dsv3.moe.num_experts, 256);
+  EXPECT_EQ(dsv3.moe.router_topk, 8);
 }
 
 TEST(Config, UnknownKeySuggestsTheNearestName) {
