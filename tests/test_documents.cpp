@@ -15,6 +15,7 @@
 #include "lockstep/kernels/cpu/rope.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -98,18 +99,7 @@ TEST(Documents, RopeWithPositionsRotatesByTheGivenPosition) {
   }
 }
 
-ModelConfig tiny(const std::string& preset, int64_t T) {
-  Config c = load_config("", {"model.preset=" + preset});
-  ModelConfig m = c.model;
-  m.num_layers = 2;
-  m.hidden_size = 16;
-  m.num_heads = 4;
-  m.num_query_groups = preset == "llama" ? 2 : 0;
-  m.seq_length = T;
-  m.vocab_size = 23;
-  m.init_std = 0.2;
-  return m;
-}
+ModelConfig tiny(const std::string& preset, int64_t T) { return testing::tiny_model(preset, T); }
 
 // Loss of each position alone: evaluate with every other target masked.
 std::vector<double> per_token_losses(GPT& model, const std::vector<int32_t>& tokens,

@@ -9,24 +9,13 @@
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/model/gpt.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
 namespace {
 
-ModelConfig tiny(const std::string& preset) {
-  // Vocabulary and sizes below what load_config allows, to keep finite differences cheap.
-  Config c = load_config("", {"model.preset=" + preset});
-  ModelConfig m = c.model;
-  m.num_layers = 2;
-  m.hidden_size = 16;
-  m.num_heads = 4;
-  m.num_query_groups = preset == "llama" ? 2 : 0;
-  m.seq_length = 7;
-  m.vocab_size = 23;
-  m.init_std = 0.2;  // larger than usual so every path carries a gradient well above float noise
-  return m;
-}
+ModelConfig tiny(const std::string& preset) { return testing::tiny_model(preset); }
 
 struct Batch {
   std::vector<int32_t> tokens, targets;
@@ -49,27 +38,12 @@ void check_gradients(const std::string& preset) {
   model.forward_backward(batch.tokens.data(), batch.targets.data(), 1.0f / static_cast<float>(B * m.seq_length));
   const std::vector<float> grad(ps.grads(), ps.grads() + ps.total());
 
-  for (const ParamSpec& p : ps.specs()) {
-    const int64_t n = p.shape.numel();
-    std::vector<float> d = testing::randn(n, 11, "direction/" + p.name);
-    double norm = 0;
-    for (float x : d) norm += static_cast<double>(x) * x;
-    for (float& x : d) x = static_cast<float>(x / std::sqrt(norm));
-    double analytic = 0;
-    for (int64_t i = 0; i < n; ++i) analytic += static_cast<double>(grad[p.offset + i]) * d[i];
-
-    float* v = ps.values() + p.offset;
-    const std::vector<float> saved(v, v + n);
-    const double h = 1e-2;
-    auto loss_at = [&](double s) {
-      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(saved[i] + s * d[i]);
-      return model.evaluate(batch.tokens.data(), batch.targets.data());
-    };
-    const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
-    std::copy(saved.begin(), saved.end(), v);
-    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4)
-        << preset << " parameter " << p.name << " " << p.shape.to_string();
-  }
+  testing::for_each_directional_derivative(
+      ps, grad, [&] { return model.evaluate(batch.tokens.data(), batch.targets.data()); },
+      [&](const ParamSpec& p, double analytic, double numeric) {
+        EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4)
+            << preset << " parameter " << p.name << " " << p.shape.to_string();
+      });
 }
 
 TEST(ModelGradients, Gpt2FlavourMatchesFiniteDifferences) { check_gradients("gpt2"); }

@@ -15,21 +15,14 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
 namespace {
 
 ModelConfig tiny_mtp(const std::string& preset, int64_t depths) {
-  Config c = load_config("", {"model.preset=" + preset});
-  ModelConfig m = c.model;
-  m.num_layers = 2;
-  m.hidden_size = 16;
-  m.num_heads = 4;
-  m.num_query_groups = preset == "llama" ? 2 : 0;
-  m.seq_length = 7;
-  m.vocab_size = 23;
-  m.init_std = 0.2;  // every path carries a gradient well above float noise
+  ModelConfig m = testing::tiny_model(preset);
   m.mtp_num_layers = depths;
   m.mtp_loss_scaling_factor = 0.7;  // large, so the MTP part of each gradient is visible
   return m;
@@ -56,31 +49,20 @@ void check_mtp_gradients(const std::string& preset) {
   // With eod-style masking grad_scale is 1 / valid, so the MTP gradients are scaled by N / valid.
   const double mtp_weight = static_cast<double>(N) / static_cast<double>(valid);
   int checked_mtp = 0;
-  for (const ParamSpec& p : ps.specs()) {
-    const int64_t n = p.shape.numel();
-    std::vector<float> d = testing::randn(n, 11, "direction/" + p.name);
-    double norm = 0;
-    for (float x : d) norm += static_cast<double>(x) * x;
-    for (float& x : d) x = static_cast<float>(x / std::sqrt(norm));
-    double analytic = 0;
-    for (int64_t i = 0; i < n; ++i) analytic += static_cast<double>(grad[p.offset + i]) * d[i];
-    float* v = ps.values() + p.offset;
-    const std::vector<float> saved(v, v + n);
-    const double h = 1e-2;
-    auto loss_at = [&](double s) {
-      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(saved[i] + s * d[i]);
-      const double lm = model.evaluate(tokens.data(), targets.data());
-      return lm + mtp_weight * model.mtp_loss();
-    };
-    const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
-    std::copy(saved.begin(), saved.end(), v);
-    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4)
-        << preset << " parameter " << p.name << " " << p.shape.to_string();
-    if (p.name.rfind("mtp.layers.", 0) == 0) {
-      ++checked_mtp;
-      EXPECT_GT(std::abs(numeric), 1e-4) << p.name << " gets no gradient";
-    }
-  }
+  testing::for_each_directional_derivative(
+      ps, grad,
+      [&] {
+        const double lm = model.evaluate(tokens.data(), targets.data());
+        return lm + mtp_weight * model.mtp_loss();
+      },
+      [&](const ParamSpec& p, double analytic, double numeric) {
+        EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4)
+            << preset << " parameter " << p.name << " " << p.shape.to_string();
+        if (p.name.rfind("mtp.layers.", 0) == 0) {
+          ++checked_mtp;
+          EXPECT_GT(std::abs(numeric), 1e-4) << p.name << " gets no gradient";
+        }
+      });
   EXPECT_GT(checked_mtp, 10);
 }
 

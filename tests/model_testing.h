@@ -1,0 +1,58 @@
+// Shared helpers for whole-model tests: a tiny model of either flavour and the directional
+// finite-difference check of every parameter tensor's gradient.
+#pragma once
+
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/model/param_table.h"
+#include "testing.h"
+
+namespace lockstep::testing {
+
+// 2 layers, hidden 16, 4 heads (2 key/value heads for llama), vocabulary 23: sizes below what
+// load_config allows, to keep finite differences cheap. init_std 0.2, larger than usual, so every
+// path carries a gradient well above float noise.
+inline ModelConfig tiny_model(const std::string& preset, int64_t T = 7) {
+  ModelConfig m = load_config("", {"model.preset=" + preset}).model;
+  m.num_layers = 2;
+  m.hidden_size = 16;
+  m.num_heads = 4;
+  m.num_query_groups = preset == "llama" ? 2 : 0;
+  m.seq_length = T;
+  m.vocab_size = 23;
+  m.init_std = 0.2;
+  return m;
+}
+
+// For each parameter tensor p and a random unit direction d inside it (Philox, keyed by the
+// name), calls check(p, analytic, numeric) with the analytic directional derivative <grad p, d>
+// and the central difference (loss(p + h d) - loss(p - h d)) / 2h. `grad` is the gradient the
+// model computed at the current parameters; `loss` evaluates the model; parameters are restored.
+inline void for_each_directional_derivative(
+    ParamStore& ps, const std::vector<float>& grad, const std::function<double()>& loss,
+    const std::function<void(const ParamSpec&, double analytic, double numeric)>& check, double h = 1e-2) {
+  for (const ParamSpec& p : ps.specs()) {
+    const int64_t n = p.shape.numel();
+    std::vector<float> d = randn(n, 11, "direction/" + p.name);
+    double norm = 0;
+    for (float x : d) norm += static_cast<double>(x) * x;
+    for (float& x : d) x = static_cast<float>(x / std::sqrt(norm));
+    double analytic = 0;
+    for (int64_t i = 0; i < n; ++i) analytic += static_cast<double>(grad[p.offset + i]) * d[i];
+    float* v = ps.values() + p.offset;
+    const std::vector<float> saved(v, v + n);
+    auto loss_at = [&](double s) {
+      for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(saved[i] + s * d[i]);
+      return loss();
+    };
+    const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
+    std::copy(saved.begin(), saved.end(), v);
+    check(p, analytic, numeric);
+  }
+}
+
+}  // namespace lockstep::testing
