@@ -18,10 +18,10 @@ File format (little-endian), version 1:
     u32 name length, name (UTF-8), u32 dtype (0 text, 1 f32, 2 i32, 3 f64), u32 ndim,
     ndim x i64 dims, the data (text: dims = [bytes]).
 Records: config (key=value lines for lockstep's load_config), tokens, targets (B, T) i32,
-logits (N, V) f32, token_losses (N) f32, loss / lm_loss / aux_loss f64, param/<name> and
-grad/<name> for every parameter (lockstep's names), step_loss (3) f64 (loss before each optimizer
-step), step_grad_norm (3) f64, final/<name> (parameters after the 3 steps), and for routers with
-an expert bias final_expert_bias/<layer> (E) f32.
+logits (N, V) f32, token_losses (N) f32, loss / lm_loss / aux_loss f64, with multi-token
+prediction mtp_loss f64, param/<name> and grad/<name> for every parameter (lockstep's names),
+step_loss (3) f64 (loss before each optimizer step), step_grad_norm (3) f64, final/<name>
+(parameters after the 3 steps), and for routers with an expert bias final_expert_bias/<layer> (E) f32.
 """
 import argparse
 import math
@@ -51,6 +51,7 @@ class Cfg:
         self.lb_types, self.aux_coeff, self.z_coeff = "aux_loss", 0.0, 0.0
         self.expert_bias, self.bias_rate = False, 1e-3
         self.expert_F, self.shared_F, self.shared_gate, self.layer_freq = 0, 0, False, None
+        self.mtp, self.mtp_scale = 0, 0.1  # multi-token prediction depths, loss scaling factor
         # AdamW's eps is 1e-4, not the usual 1e-8, for two reasons. It makes eps matter for the
         # smaller gradients, so that where eps sits in the update is tested. And some gradients are
         # zero in exact arithmetic (the key bias: softmax ignores a constant added to a row of
@@ -93,6 +94,8 @@ class Cfg:
             ]
             if self.layer_freq is not None:
                 lines.append("moe.layer_freq=[" + ",".join(str(v) for v in self.layer_freq) + "]")
+        if self.mtp:
+            lines += [f"model.mtp_num_layers={self.mtp}", f"model.mtp_loss_scaling_factor={self.mtp_scale!r}"]
         return "\n".join(lines) + "\n"
 
 
@@ -145,6 +148,20 @@ def make_params(cfg, gen):
     norm("final_norm")
     if not cfg.tie:
         w("output.weight", cfg.V, C, std=0.5)
+    # Multi-token prediction depths: norms, the [e | h] projection (no bias), one dense layer and
+    # a final norm each; the embedding and the output head are the main model's.
+    for d in range(cfg.mtp):
+        pre = f"mtp.layers.{d}."
+        norm(pre + "enorm")
+        norm(pre + "hnorm")
+        w(pre + "eh_proj.weight", C, 2 * C)
+        norm(pre + "attn_norm")
+        linear(pre + "attn.qkv", (cfg.NH + 2 * cfg.NKV) * HS, C)
+        linear(pre + "attn.proj", C, cfg.NH * HS)
+        norm(pre + "mlp_norm")
+        linear(pre + "mlp.fc", fcw(cfg.F), C)
+        linear(pre + "mlp.proj", C, cfg.F)
+        norm(pre + "final_norm")
     return p
 
 
@@ -289,6 +306,32 @@ def moe(cfg, p, pre, h, expert_bias, margins):
     return out.reshape(B, T, C), aux, counts
 
 
+def mtp_loss(cfg, p, tokens, targets, h, head):
+    """DeepSeek-V3 multi-token prediction on the main model's normed output h (B, T, C). Depth k
+    embeds t_{i+k} (the tokens rolled left by k within each sequence, at position i), projects
+    [enorm(e) | hnorm(h_{k-1})], runs one dense pre-norm layer and a final norm, and predicts
+    targets[i + k] with the shared head; positions i + k >= T have no target. Returns
+    (mtp_loss_scaling_factor / D) * sum_k (mean loss of depth k over its valid positions)."""
+    B, T = tokens.shape
+    total = torch.zeros((), dtype=torch.float64)
+    prev = h
+    for k in range(1, cfg.mtp + 1):
+        pre = f"mtp.layers.{k - 1}."
+        emb = p["embedding.word.weight"][tokens.roll(-k, dims=1)]
+        if cfg.pos == "learned":
+            emb = emb + p["embedding.position.weight"][:T][None]
+        eh = torch.cat([norm_fwd(cfg, p, pre + "enorm", emb), norm_fwd(cfg, p, pre + "hnorm", prev)], dim=-1)
+        x = eh @ p[pre + "eh_proj.weight"].T
+        x = x + attention(cfg, p, pre, norm_fwd(cfg, p, pre + "attn_norm", x))
+        hm = norm_fwd(cfg, p, pre + "mlp_norm", x)
+        x = x + linear_fwd(cfg, p, pre + "mlp.proj", activation(cfg, linear_fwd(cfg, p, pre + "mlp.fc", hm)))
+        prev = norm_fwd(cfg, p, pre + "final_norm", x)
+        shifted = torch.full_like(targets, -100)
+        shifted[:, : T - k] = targets[:, k:]
+        total = total + F.cross_entropy((prev @ head.T).reshape(B * T, cfg.V), shifted.reshape(-1), ignore_index=-100)
+    return cfg.mtp_scale / cfg.mtp * total
+
+
 def forward(cfg, p, tokens, targets, expert_bias):
     B, T = tokens.shape
     x = p["embedding.word.weight"][tokens]
@@ -311,7 +354,9 @@ def forward(cfg, p, tokens, targets, expert_bias):
     logits = (x @ head.T).reshape(B * T, cfg.V)
     token_losses = F.cross_entropy(logits, targets.reshape(-1), reduction="none")
     lm = token_losses.mean()
-    return lm + aux, lm, aux, logits, token_losses, counts, margins
+    mtp = mtp_loss(cfg, p, tokens, targets, x.reshape(B, T, cfg.C), head) if cfg.mtp else None
+    loss = lm + aux if mtp is None else lm + aux + mtp
+    return loss, lm, aux, mtp, logits, token_losses, counts, margins
 
 
 def run_case(name, cfg, seed):
@@ -334,7 +379,7 @@ def run_case(name, cfg, seed):
     step_loss, step_norm, all_margins = [], [], []
     for step in range(1, STEPS + 1):
         opt.zero_grad(set_to_none=False)
-        loss, lm, aux, logits, token_losses, counts, margins = forward(cfg, params, tokens, targets, expert_bias)
+        loss, lm, aux, mtp, logits, token_losses, counts, margins = forward(cfg, params, tokens, targets, expert_bias)
         loss.backward()
         all_margins += margins
         if step == 1:
@@ -342,6 +387,8 @@ def run_case(name, cfg, seed):
                         ("loss", torch.tensor([loss.item()], dtype=torch.float64), "f64"),
                         ("lm_loss", torch.tensor([lm.item()], dtype=torch.float64), "f64"),
                         ("aux_loss", torch.tensor([aux.item()], dtype=torch.float64), "f64")]
+            if mtp is not None:
+                records.append(("mtp_loss", torch.tensor([mtp.item()], dtype=torch.float64), "f64"))
             records += [("param/" + n, init[n]) for n in params]
             records += [("grad/" + n, t.grad.detach().clone()) for n, t in params.items()]
         step_loss.append(loss.item())
@@ -398,6 +445,9 @@ def cases():
                              tie=False, E=8, K=2, score="sigmoid", groups=4, group_topk=2, scaling=2.5,
                              lb_types="seq_aux_loss", aux_coeff=0.1, expert_bias=True, bias_rate=0.05,
                              expert_F=16, shared_F=16, shared_gate=True, layer_freq=[0, 1]), 4
+    # Multi-token prediction (one depth) on the GPT-2 flavour, one main layer: the tied embedding
+    # serves the main input, the MTP input and both heads; the learned positions enter twice.
+    yield "mtp", Cfg(L=1, mtp=1, mtp_scale=0.3), 5
 
 
 def main():
