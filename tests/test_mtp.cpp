@@ -163,3 +163,23 @@ TEST(MtpTraining, DeterministicAndLogged) {
 
 }  // namespace
 }  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+// forward_backward returns the main model's LM loss, not a depth's (the MTP heads reuse the
+// per-token loss buffer): it must equal what evaluate() reports on the same batch.
+TEST(MtpModel, ForwardBackwardReturnsTheMainLmLoss) {
+  const ModelConfig m = tiny_mtp("gpt2", 2);
+  const int64_t B = 2, N = B * m.seq_length;
+  GPT model(m, B);
+  model.params().init(3);
+  const std::vector<int32_t> tokens = testing::random_ints(N, m.vocab_size, 4, "tokens");
+  const std::vector<int32_t> targets = testing::random_ints(N, m.vocab_size, 4, "targets");
+  const double eval = model.evaluate(tokens.data(), targets.data());
+  model.params().zero_grads();
+  EXPECT_EQ(model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N)), eval);
+}
+
+}  // namespace
+}  // namespace lockstep

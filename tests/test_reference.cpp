@@ -256,11 +256,7 @@ TEST(Reference, MoeSigmoidGroupLimitedExpertBiasMatchesPyTorch) { check_case("mo
 // One MTP depth (model/mtp.h) on the GPT-2 flavour: the rolled inputs, the masked tail targets,
 // enorm / hnorm / eh_proj, the depth's layer and final norm, the tied embedding shared by the main
 // input, the MTP input and both heads, and the loss scaling factor.
-// Disabled until GPT::forward_backward returns the LM loss with MTP on: it averages the losses_
-// buffer after mtp() has overwritten it with depth 1's per-token losses (returns 6.9957, the
-// fixture's LM loss is 8.0779). The MTP loss, every gradient, every step's gradient norm and the
-// final parameters already match; remove DISABLED_ with the fix.
-TEST(Reference, DISABLED_MtpMatchesPyTorch) { check_case("mtp"); }
+TEST(Reference, MtpMatchesPyTorch) { check_case("mtp"); }
 
 // The comparison itself can fail: a fixture whose weights are nudged by one part in 10^3 in one
 // tensor is rejected, and the message names that tensor.

@@ -230,10 +230,12 @@ double mean_loss(const float* x, const int32_t* targets, int64_t n) {
 double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
   forward(tokens, true);
   head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
+  // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
+  const double lm = mean_loss(arena_(losses_), targets, N_);
   if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
   backward(tokens, grad_scale * static_cast<float>(N_));
   ++micro_;
-  return mean_loss(arena_(losses_), targets, N_);
+  return lm;
 }
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
