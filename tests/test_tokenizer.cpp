@@ -161,7 +161,7 @@ TEST(Tokenizer, RoundTripsHardText) {
   TempDir dir;
   ByteLevelFixture fx;
   const std::string v = dir.write("vocab.json", fx.vocab.dump()), m = dir.write("merges.txt", fx.merges_txt());
-  for (const std::string spec : {std::string("byte"), "gpt2:" + v + "," + m}) {
+  for (const std::string& spec : {std::string("byte"), "gpt2:" + v + "," + m}) {
     const auto tok = make_tokenizer(spec);
     for (const std::string& text : {kHard, std::string(""), std::string(1000, ' '), std::string("   lead")}) {
       std::vector<int32_t> ids;
