@@ -30,19 +30,40 @@ namespace {
 // Where a tile's chain starts on this K block.
 enum class Init : uint8_t { kC, kZero, kBias };
 
-struct Problem {
-  float* C;
-  int64_t ldc;
-  const float* A;
-  int64_t lda;
-  Trans ta;
-  const float* B;
-  int64_t ldb;
-  Trans tb;
-  int64_t M, N, K;
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One product as the kernels see it: the caller's operands and where each chain starts.
+struct Problem : GemmBatchItem {
   Init init;
-  const float* bias;
 };
+
+// Checks a product's sizes and leading dimensions (`what` names it in the message) and derives
+// where its chains start: C (accumulate), else bias (when given), else 0.
+Problem make_problem(const GemmBatchItem& it, const char* what) {
+  LOCKSTEP_CHECK(it.M >= 0 && it.N >= 0 && it.K >= 0, what, " sizes M=", it.M, " N=", it.N, " K=", it.K);
+  LOCKSTEP_CHECK(it.ldc >= it.N, what, " ldc=", it.ldc, " < N=", it.N);
+  LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), what, " lda=", it.lda, " too small");
+  LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), what, " ldb=", it.ldb, " too small");
+  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero};
+}
+
+// The grid tm x (parts / tm) of rectangles over units_m x units_n micro-tiles with the smallest
+// largest rectangle, then the least packing (a rectangle packs its A rows and B columns). Returns
+// tm. Any grid gives the same bits; this only balances the work.
+int64_t choose_grid_rows(int64_t units_m, int64_t units_n, int64_t parts, int64_t mr, int64_t nr) {
+  int64_t tm = -1, best_cost = -1, best_perimeter = 0;
+  for (int64_t m = 1; m <= parts; ++m) {
+    if (parts % m != 0 || m > units_m || parts / m > units_n) continue;
+    const int64_t rows = ceil_div(units_m, m) * mr, cols = ceil_div(units_n, parts / m) * nr;
+    const int64_t cost = rows * cols, perimeter = rows + cols;
+    if (best_cost < 0 || cost < best_cost || (cost == best_cost && perimeter < best_perimeter)) {
+      tm = m;
+      best_cost = cost;
+      best_perimeter = perimeter;
+    }
+  }
+  return tm;  // -1: no factorisation fits (parts prime and larger than units_n)
+}
 
 // ---------------------------------------------------------------- micro-kernels
 //
@@ -283,7 +304,6 @@ class Scratch {
   size_t size_ = 0;
 };
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Splits `len` into equal blocks of at most `cap`, each a multiple of `unit`: avoids a thin last
 // block (a K block of 3 steps would pay a full tile load/store for almost no work).
@@ -420,18 +440,9 @@ void run(const Kernel& kr, const Problem& p) {
     kr.region(p, kr.blocks, 0, p.M, 0, p.N);
     return;
   }
-  int64_t best_tm = 1, best_cost = -1, best_perimeter = 0;
-  for (int tm = 1; tm <= T; ++tm) {
-    if (T % tm != 0) continue;
-    const int64_t rows = ceil_div(units_m, tm) * kr.mr, cols = ceil_div(units_n, T / tm) * kr.nr;
-    const int64_t cost = rows * cols, perimeter = rows + cols;
-    if (best_cost < 0 || cost < best_cost || (cost == best_cost && perimeter < best_perimeter)) {
-      best_tm = tm;
-      best_cost = cost;
-      best_perimeter = perimeter;
-    }
-  }
-  const int64_t tm = best_tm, tn = T / best_tm;
+  const int64_t fit = choose_grid_rows(units_m, units_n, T, kr.mr, kr.nr);
+  // When no grid of T rectangles fits the tiles (tiny M and N): rows only, some of them empty.
+  const int64_t tm = fit > 0 ? fit : T, tn = T / tm;
   // Rectangles go to whichever threads are awake (run_parts): the bits are the same either way.
   pool->run_parts(T, [&](int64_t t) {
     const int64_t bm = t / tn, bn = t % tn;
@@ -459,14 +470,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) {
     const GemmBatchItem& it = items[i];
-    LOCKSTEP_CHECK(it.M >= 0 && it.N >= 0 && it.K >= 0, "gemm_batch item ", i, " sizes M=", it.M, " N=", it.N,
-                   " K=", it.K);
-    LOCKSTEP_CHECK(it.ldc >= it.N, "gemm_batch item ", i, " ldc=", it.ldc, " < N=", it.N);
-    LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), "gemm_batch item ", i, " lda too small");
-    LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), "gemm_batch item ", i, " ldb too small");
-    const Init init = it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero;
-    problems.push_back(Problem{it.C, it.ldc, it.A, it.lda, it.ta, it.B, it.ldb, it.tb, it.M, it.N, it.K, init,
-                               it.bias});
+    problems.push_back(make_problem(it, "gemm_batch item"));
     if (it.M > 0 && it.N > 0 && it.K == 0) write_init(problems.back());
     total += it.M * it.N * it.K;
   }
@@ -483,20 +487,9 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     if (work == 0) continue;
     const int64_t units_m = ceil_div(p.M, kr.mr), units_n = ceil_div(p.N, kr.nr);
     const int64_t want = std::clamp<int64_t>((work + target / 2) / target, 1, units_m * units_n);
-    // The grid tm x tn = want with the smallest largest rectangle, then the least packing.
-    int64_t tm = 1, best_cost = -1, best_perimeter = 0;
-    for (int64_t m = 1; m <= want; ++m) {
-      if (want % m != 0 || m > units_m || want / m > units_n) continue;
-      const int64_t rows = ceil_div(units_m, m) * kr.mr, cols = ceil_div(units_n, want / m) * kr.nr;
-      const int64_t cost = rows * cols, perimeter = rows + cols;
-      if (best_cost < 0 || cost < best_cost || (cost == best_cost && perimeter < best_perimeter)) {
-        tm = m;
-        best_cost = cost;
-        best_perimeter = perimeter;
-      }
-    }
-    if (best_cost < 0) tm = std::min(want, units_m);  // a prime larger than units_n: rows only
-    const int64_t tn = best_cost < 0 ? 1 : want / tm;
+    const int64_t fit = choose_grid_rows(units_m, units_n, want, kr.mr, kr.nr);
+    const int64_t tm = fit > 0 ? fit : std::min(want, units_m);  // no fit: rows only
+    const int64_t tn = fit > 0 ? want / fit : 1;
     for (int64_t bm = 0; bm < tm; ++bm) {
       for (int64_t bn = 0; bn < tn; ++bn) {
         const int64_t m0 = std::min(p.M, units_m * bm / tm * kr.mr), m1 = std::min(p.M, units_m * (bm + 1) / tm * kr.mr);
@@ -521,15 +514,12 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
 void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t lda, Trans ta,
                const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K,
                const GemmOptions& opt) {
-  LOCKSTEP_CHECK(M >= 0 && N >= 0 && K >= 0, "gemm sizes M=", M, " N=", N, " K=", K);
-  LOCKSTEP_CHECK(ldc >= N, "gemm ldc=", ldc, " < N=", N);
-  LOCKSTEP_CHECK(lda >= (ta == Trans::N ? K : M), "gemm lda=", lda, " too small");
-  LOCKSTEP_CHECK(ldb >= (tb == Trans::N ? N : K), "gemm ldb=", ldb, " too small");
-  const Init init = opt.accumulate ? Init::kC : opt.bias ? Init::kBias : Init::kZero;
+  const Problem p = make_problem({C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt.accumulate, opt.bias}, "gemm");
   if (opt.k_segments.empty()) {
-    run(kr, Problem{C, ldc, A, lda, ta, B, ldb, tb, M, N, K, init, opt.bias});
+    run(kr, p);
     return;
   }
+  const Init init = p.init;
 
   // Each segment's chain goes to a scratch matrix, then is added to C: rare (row-parallel layouts
   // under determinism = "layout"), so simplicity wins over the extra pass.
@@ -542,8 +532,7 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
     LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
     const float* As = A + (ta == Trans::N ? k0 : k0 * lda);
     const float* Bs = B + (tb == Trans::N ? k0 * ldb : k0);
-    run(kr,
-        Problem{partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0, Init::kZero, nullptr});
+    run(kr, make_problem({partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0}, "gemm segment"));
     const Init base = s == 0 ? init : Init::kC;
     parallel_for(M, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
