@@ -1,0 +1,309 @@
+#include "lockstep/kernels/cpu/quantize.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+
+#include "lockstep/core/error.h"
+#include "lockstep/core/philox.h"
+#include "lockstep/core/thread_pool.h"
+
+namespace lockstep {
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// max(m, |v|) that keeps a NaN once it has seen one.
+inline float max_abs(float m, float v) {
+  const float a = std::abs(v);
+  return (a > m || std::isnan(a)) ? a : m;
+}
+
+float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  float m = 0.0f;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* row = x + r * cols;
+    for (int64_t c = c0; c < c1; ++c) m = max_abs(m, row[c]);
+  }
+  return m;
+}
+
+// Rounds y (the element already multiplied by its block's encoding multiplier) to a code.
+class Encoder {
+ public:
+  Encoder(ElemFormat f, const StochasticRounding& sr, int64_t cols)
+      : f_(f), sr_(sr), rng_(sr.seed, sr_purpose(sr.tensor_id, sr.step)),
+        row_stride_(sr.global_cols > 0 ? sr.global_cols : cols) {}
+  uint8_t operator()(float y, int64_t r, int64_t c) const {
+    if (!sr_.enabled) return encode(f_, y);
+    const auto index = static_cast<uint64_t>(sr_.index_base + r * row_stride_ + c);
+    return encode_stochastic(f_, y, rng_.bits(index));
+  }
+
+ private:
+  ElemFormat f_;
+  StochasticRounding sr_;
+  RandomStream rng_;
+  int64_t row_stride_;
+};
+
+void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, ScaleFormat sf,
+             int64_t block_rows, int64_t block_cols) {
+  LOCKSTEP_CHECK(rows >= 0 && cols >= 0 && block_rows > 0 && block_cols > 0, "quantize sizes ", rows,
+                 "x", cols, " blocks ", block_rows, "x", block_cols);
+  LOCKSTEP_CHECK(f != ElemFormat::e2m1 || block_cols % 2 == 0 || block_cols >= cols,
+                 "E2M1 blocks must span whole bytes (even block_cols), got ", block_cols);
+  q.elem = f;
+  q.scale_format = sf;
+  q.rows = rows;
+  q.cols = cols;
+  q.block_rows = block_rows;
+  q.block_cols = block_cols;
+  q.tensor_scale = 1.0f;
+  q.codes.resize(static_cast<size_t>(rows * q.row_bytes()));
+  const auto grid = static_cast<size_t>(q.grid_rows() * q.grid_cols());
+  q.scales.resize(sf == ScaleFormat::f32 ? grid : 0);
+  q.scale_codes.resize(sf == ScaleFormat::f32 ? 0 : grid);
+}
+
+// Writes the codes of row r, columns [c0, c1) of x times `mult`. E2M1: c0 is even (blocks span
+// whole bytes), so each byte is written by one call.
+void encode_run(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
+                int64_t c1, float mult) {
+  const float* row = x + r * q.cols;
+  if (q.elem != ElemFormat::e2m1) {
+    uint8_t* out = q.codes.data() + r * q.cols;
+    for (int64_t c = c0; c < c1; ++c) out[c] = enc(row[c] * mult, r, c);
+    return;
+  }
+  uint8_t* out = q.codes.data() + r * q.row_bytes();
+  for (int64_t c = c0; c < c1; c += 2) {
+    const uint8_t lo = enc(row[c] * mult, r, c);
+    const uint8_t hi = c + 1 < c1 ? enc(row[c + 1] * mult, r, c + 1) : 0;
+    out[c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+  }
+}
+
+// The scale of one block: what is stored, and what the elements are multiplied by before encoding.
+struct BlockScale {
+  float stored_f32 = 0.0f;
+  uint8_t stored_code = 0;
+  float mult = 0.0f;
+};
+
+// For every block (in parallel over rows of blocks): amax_b, then scale_of(amax_b), then the codes.
+template <typename ScaleOf>
+void quantize_blocks(QuantizedTensor& q, const float* x, const Encoder& enc, ScaleOf scale_of) {
+  const int64_t gr = q.grid_rows(), gc = q.grid_cols();
+  parallel_for(gr, [&](int64_t b0, int64_t b1) {
+    for (int64_t br = b0; br < b1; ++br) {
+      const int64_t r0 = br * q.block_rows, r1 = std::min(q.rows, r0 + q.block_rows);
+      for (int64_t bc = 0; bc < gc; ++bc) {
+        const int64_t c0 = bc * q.block_cols, c1 = std::min(q.cols, c0 + q.block_cols);
+        const BlockScale s = scale_of(block_amax(x, q.cols, r0, r1, c0, c1));
+        const auto b = static_cast<size_t>(br * gc + bc);
+        if (q.scale_format == ScaleFormat::f32) {
+          q.scales[b] = s.stored_f32;
+        } else {
+          q.scale_codes[b] = s.stored_code;
+        }
+        for (int64_t r = r0; r < r1; ++r) encode_run(q, enc, x, r, c0, c1, s.mult);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+float QuantizedTensor::block_scale(int64_t br, int64_t bc) const {
+  const auto b = static_cast<size_t>(br * grid_cols() + bc);
+  switch (scale_format) {
+    case ScaleFormat::f32: return scales[b];
+    case ScaleFormat::e8m0: return decode_e8m0(scale_codes[b]);
+    case ScaleFormat::e4m3: break;
+  }
+  return decode_e4m3(scale_codes[b]);
+}
+
+float QuantizedTensor::value(int64_t r, int64_t c) const {
+  return (decode(elem, code(r, c)) * block_scale(r / block_rows, c / block_cols)) * tensor_scale;
+}
+
+int64_t QuantizedTensor::storage_bytes() const {
+  return static_cast<int64_t>(codes.size() + scales.size() * sizeof(float) + scale_codes.size()) +
+         (scale_format == ScaleFormat::e4m3 ? static_cast<int64_t>(sizeof(float)) : 0);
+}
+
+void dequantize(float* out, const QuantizedTensor& q) {
+  const std::array<float, 256>& table = decode_table(q.elem);
+  const int64_t gc = q.grid_cols();
+  parallel_for(q.rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = out + r * q.cols;
+      for (int64_t bc = 0; bc < gc; ++bc) {
+        const float s = q.block_scale(r / q.block_rows, bc);
+        const int64_t c1 = std::min(q.cols, (bc + 1) * q.block_cols);
+        for (int64_t c = bc * q.block_cols; c < c1; ++c) o[c] = (table[q.code(r, c)] * s) * q.tensor_scale;
+      }
+    }
+  });
+}
+
+float amax(const float* x, int64_t n) {
+  // A fixed number of parts, combined in order: the same bits whatever the thread count (max is
+  // exact in any order anyway; the order only fixes which NaN comes out).
+  constexpr int64_t kParts = 64;
+  const int64_t parts = std::min<int64_t>(kParts, std::max<int64_t>(1, n / 4096));
+  float partial[kParts];
+  parallel_for(parts, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      float m = 0.0f;
+      for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i) m = max_abs(m, x[i]);
+      partial[p] = m;
+    }
+  });
+  float m = 0.0f;
+  for (int64_t p = 0; p < parts; ++p) m = max_abs(m, partial[p]);
+  return m;
+}
+
+float fp8_scale_from_amax(float amax_value, ElemFormat f, int margin, float previous) {
+  if (!(amax_value > 0.0f) || !std::isfinite(amax_value)) return previous;
+  return (max_finite(f) / amax_value) / std::ldexp(1.0f, margin);
+}
+
+uint64_t sr_purpose(uint64_t tensor_id, uint64_t step) {
+  return mix_purpose(mix_purpose(purpose_id("quantize/stochastic_rounding"), tensor_id), step);
+}
+
+void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
+                         ElemFormat f, float scale, const StochasticRounding& sr) {
+  LOCKSTEP_CHECK(scale > 0.0f && std::isfinite(scale), "tensorwise FP8 scale must be positive and finite, got ", scale);
+  prepare(out, rows, cols, f, ScaleFormat::f32, std::max<int64_t>(rows, 1), std::max<int64_t>(cols, 1));
+  out.scales[0] = 1.0f / scale;
+  const Encoder enc(f, sr, cols);
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) encode_run(out, enc, x, r, 0, cols, scale);
+  });
+}
+
+void quantize_blockwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
+                        ElemFormat f, int64_t block_rows, int64_t block_cols,
+                        const StochasticRounding& sr) {
+  prepare(out, rows, cols, f, ScaleFormat::f32, block_rows, block_cols);
+  const float fmax = max_finite(f);
+  quantize_blocks(out, x, Encoder(f, sr, cols), [fmax](float amax_b) {
+    if (!std::isfinite(amax_b)) return BlockScale{kNaN, 0, kNaN};
+    if (amax_b == 0.0f) return BlockScale{1.0f, 0, 1.0f};
+    // 2^floor(log2(fmax / amax_b)): clear the mantissa of the fp32 quotient.
+    int e = std::ilogb(fmax / amax_b);  // fmax / tiny amax_b = inf: ilogb gives INT_MAX
+    e = std::clamp(e, -126, 127);
+    const float s = std::ldexp(1.0f, e);
+    return BlockScale{1.0f / s, 0, s};
+  });
+}
+
+void quantize_mxfp8(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols, ElemFormat f,
+                    ScaleRounding rounding, int64_t block_cols, const StochasticRounding& sr) {
+  prepare(out, rows, cols, f, ScaleFormat::e8m0, 1, block_cols);
+  const float fmax = max_finite(f);
+  const int emax = max_exponent(f);
+  quantize_blocks(out, x, Encoder(f, sr, cols), [=](float amax_b) {
+    if (!std::isfinite(amax_b)) return BlockScale{0.0f, 0xFF, kNaN};
+    uint8_t code;
+    if (rounding == ScaleRounding::up) {
+      code = encode_e8m0(amax_b / fmax, ScaleRounding::up);
+    } else {
+      // floor(log2 amax_b) - emax_elem (or nearest, for experiments), clamped at the smallest scale.
+      code = static_cast<uint8_t>(std::max(0, encode_e8m0(amax_b, rounding) - emax));
+    }
+    return BlockScale{0.0f, code, 1.0f / decode_e8m0(code)};  // a power of two: exact
+  });
+}
+
+void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
+                    int64_t block_rows, const StochasticRounding& sr) {
+  LOCKSTEP_CHECK(block_rows == 1 || block_rows == 16, "NVFP4 blocks are 1x16 or 16x16, got ", block_rows, "x16");
+  prepare(out, rows, cols, ElemFormat::e2m1, ScaleFormat::e4m3, block_rows, 16);
+  constexpr float kRange = 6.0f * 448.0f;
+  const float t = amax(x, rows * cols);
+  const float S = !std::isfinite(t) ? kNaN : t == 0.0f ? 1.0f : kRange / t;
+  out.tensor_scale = !std::isfinite(t) ? kNaN : t == 0.0f ? 1.0f : t / kRange;
+  quantize_blocks(out, x, Encoder(ElemFormat::e2m1, sr, cols), [S](float amax_b) {
+    if (!std::isfinite(amax_b)) return BlockScale{0.0f, encode_e4m3(kNaN), 0.0f};
+    const uint8_t code = encode_e4m3((amax_b / 6.0f) * S);
+    const float d = decode_e4m3(code);
+    return BlockScale{0.0f, code, d == 0.0f ? 0.0f : S / d};
+  });
+}
+
+// ---- Hadamard
+
+const std::array<float, 16>& hadamard16_signs() {
+  static const std::array<float, 16> signs = [] {
+    std::array<float, 16> s{};
+    const RandomStream rng(0, purpose_id("hadamard16/signs"));
+    for (int i = 0; i < 16; ++i) s[i] = (rng.bits(i) & 1u) ? -1.0f : 1.0f;
+    return s;
+  }();
+  return signs;
+}
+
+namespace {
+// v[k] (k = 0..15, v[k] at p + k * stride, `width` consecutive lanes each) <- (H16 diag(s) v) / 4.
+// The butterflies of the fast Walsh-Hadamard transform in a fixed order; the 1/4 is exact.
+void hadamard16_lanes(float* t, int64_t width) {
+  const std::array<float, 16>& s = hadamard16_signs();
+  for (int k = 0; k < 16; ++k) {
+    for (int64_t j = 0; j < width; ++j) t[k * width + j] *= s[k];
+  }
+  for (int h = 1; h < 16; h *= 2) {
+    for (int i = 0; i < 16; ++i) {
+      if (i & h) continue;
+      float* a = t + i * width;
+      float* b = t + (i + h) * width;
+      for (int64_t j = 0; j < width; ++j) {
+        const float u = a[j], v = b[j];
+        a[j] = u + v;
+        b[j] = u - v;
+      }
+    }
+  }
+  for (int64_t j = 0; j < 16 * width; ++j) t[j] *= 0.25f;
+}
+}  // namespace
+
+void hadamard16(float* out, const float* x, int64_t rows, int64_t cols, HadamardAxis axis) {
+  const int64_t len = axis == HadamardAxis::rows ? rows : cols;
+  LOCKSTEP_CHECK(len % 16 == 0, "hadamard16 needs a multiple of 16 along its axis, got ", len);
+  if (axis == HadamardAxis::rows) {
+    // Groups of 16 rows, a column strip at a time: t holds the strip's 16 rows.
+    constexpr int64_t kStrip = 64;
+    parallel_for(rows / 16, [&](int64_t g0, int64_t g1) {
+      float t[16 * kStrip];
+      for (int64_t g = g0; g < g1; ++g) {
+        for (int64_t c0 = 0; c0 < cols; c0 += kStrip) {
+          const int64_t w = std::min(kStrip, cols - c0);
+          for (int k = 0; k < 16; ++k) std::copy_n(x + (g * 16 + k) * cols + c0, w, t + k * w);
+          hadamard16_lanes(t, w);
+          for (int k = 0; k < 16; ++k) std::copy_n(t + k * w, w, out + (g * 16 + k) * cols + c0);
+        }
+      }
+    });
+    return;
+  }
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
+    float t[16];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+        std::copy_n(x + r * cols + c0, 16, t);
+        hadamard16_lanes(t, 1);
+        std::copy_n(t, 16, out + r * cols + c0);
+      }
+    }
+  });
+}
+
+}  // namespace lockstep

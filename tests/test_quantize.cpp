@@ -1,0 +1,408 @@
+// Quantisers (tensorwise / blockwise FP8, MXFP8, NVFP4), stochastic rounding and the random
+// Hadamard transform, against double-precision references.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "lockstep/core/float_formats.h"
+#include "lockstep/kernels/cpu/quantize.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::bitwise_equal;
+using testing::with_threads;
+
+struct FormatBits {
+  int M, emin;
+};
+FormatBits bits_of(ElemFormat f) {
+  return f == ElemFormat::e4m3 ? FormatBits{3, -6} : f == ElemFormat::e5m2 ? FormatBits{2, -14} : FormatBits{1, 0};
+}
+
+// Gap between the representable magnitudes around |y| (double), for |y| <= max_finite.
+double gap_at(ElemFormat f, double y) {
+  const FormatBits b = bits_of(f);
+  const int e = y == 0 ? b.emin : std::max(b.emin, static_cast<int>(std::floor(std::log2(std::abs(y)))));
+  return std::ldexp(1.0, e - b.M);
+}
+
+// Outliers on a normal background, with some exact zeros, rows x cols.
+std::vector<float> test_matrix(int64_t rows, int64_t cols, uint64_t seed, float scale = 1.0f) {
+  std::vector<float> x = testing::randn(rows * cols, seed, "quantize", scale);
+  for (int64_t i = 0; i < rows * cols; i += 97) x[i] *= 40.0f;
+  for (int64_t i = 5; i < rows * cols; i += 131) x[i] = 0.0f;
+  return x;
+}
+
+// The recipe-independent contract: value() is dequantize()'s output bit for bit, and each code is
+// the nearest (ties aside) to x / m, m = the element's multiplier (block scale * tensor scale), or
+// +-max when x / m is beyond it. Checked in double.
+void check_nearest(const QuantizedTensor& q, const std::vector<float>& x) {
+  std::vector<float> deq(static_cast<size_t>(q.rows * q.cols));
+  dequantize(deq.data(), q);
+  const double fmax = max_finite(q.elem);
+  for (int64_t r = 0; r < q.rows; ++r) {
+    for (int64_t c = 0; c < q.cols; ++c) {
+      const size_t i = static_cast<size_t>(r * q.cols + c);
+      ASSERT_TRUE(bitwise_equal(&deq[i], std::vector<float>{q.value(r, c)}.data(), 1));
+      const double m = static_cast<double>(q.block_scale(r / q.block_rows, c / q.block_cols)) * q.tensor_scale;
+      const double y = x[i] / m, v = decode(q.elem, q.code(r, c));
+      if (std::abs(y) >= fmax) {
+        ASSERT_EQ(std::abs(v), fmax) << r << "," << c << " y=" << y;
+      } else {
+        ASSERT_LE(std::abs(v - y), 0.5 * gap_at(q.elem, y) + 1e-6 * std::abs(y)) << r << "," << c << " y=" << y << " code value " << v;
+      }
+      ASSERT_EQ(std::signbit(v), std::signbit(x[i])) << r << "," << c;
+    }
+  }
+}
+
+// max over blocks of (max |value - x| in the block) / amax_b, in double.
+double worst_block_error(const QuantizedTensor& q, const std::vector<float>& x) {
+  double worst = 0;
+  for (int64_t br = 0; br < q.grid_rows(); ++br) {
+    for (int64_t bc = 0; bc < q.grid_cols(); ++bc) {
+      double amax_b = 0, err = 0;
+      for (int64_t r = br * q.block_rows; r < std::min(q.rows, (br + 1) * q.block_rows); ++r) {
+        for (int64_t c = bc * q.block_cols; c < std::min(q.cols, (bc + 1) * q.block_cols); ++c) {
+          const double xv = x[static_cast<size_t>(r * q.cols + c)];
+          amax_b = std::max(amax_b, std::abs(xv));
+          err = std::max(err, std::abs(static_cast<double>(q.value(r, c)) - xv));
+        }
+      }
+      if (amax_b > 0) worst = std::max(worst, err / amax_b);
+    }
+  }
+  return worst;
+}
+
+TEST(Quantize, ScaleFromAmaxFollowsTransformerEngine) {
+  EXPECT_EQ(fp8_scale_from_amax(2.0f, ElemFormat::e4m3), 224.0f);
+  EXPECT_EQ(fp8_scale_from_amax(2.0f, ElemFormat::e4m3, 1), 112.0f);
+  EXPECT_EQ(fp8_scale_from_amax(4.0f, ElemFormat::e5m2), 14336.0f);
+  EXPECT_EQ(fp8_scale_from_amax(0.0f, ElemFormat::e4m3, 0, 3.5f), 3.5f);  // keep the last scale
+  EXPECT_EQ(fp8_scale_from_amax(std::numeric_limits<float>::infinity(), ElemFormat::e4m3, 0, 2.0f), 2.0f);
+  EXPECT_EQ(fp8_scale_from_amax(std::nanf(""), ElemFormat::e4m3), 1.0f);
+  const std::vector<float> x = {0.5f, -3.0f, 2.0f, std::nanf("")};
+  EXPECT_EQ(amax(x.data(), 3), 3.0f);
+  EXPECT_TRUE(std::isnan(amax(x.data(), 4)));
+}
+
+TEST(Quantize, TensorwiseIsNearestWithinTheFormatsBound) {
+  for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
+    const std::vector<float> x = test_matrix(37, 53, 1);
+    const float scale = fp8_scale_from_amax(amax(x.data(), 37 * 53), f);
+    QuantizedTensor q;
+    quantize_tensorwise(q, x.data(), 37, 53, f, scale);
+    EXPECT_EQ(q.scales.size(), 1u);
+    EXPECT_EQ(q.scales[0], 1.0f / scale);
+    check_nearest(q, x);
+    // Relative error 2^-(M+1) in the normal range, absolute half a subnormal quantum below it.
+    const FormatBits b = bits_of(f);
+    for (int64_t i = 0; i < 37 * 53; ++i) {
+      const double err = std::abs(static_cast<double>(q.value(i / 53, i % 53)) - x[i]);
+      const double bound = std::max(std::ldexp(std::abs(x[i]), -(b.M + 1)),
+                                    std::ldexp(q.scales[0], b.emin - b.M - 1));
+      ASSERT_LE(err, bound * (1 + 1e-6)) << elem_format_name(f) << " " << x[i];
+    }
+  }
+}
+
+TEST(Quantize, BlockwiseUsesPowerOfTwoScalesPerBlock) {
+  const int64_t rows = 130, cols = 300;  // partial edge blocks both ways
+  const std::vector<float> x = test_matrix(rows, cols, 2);
+  for (auto [br, bc] : {std::pair<int64_t, int64_t>{1, 128}, {128, 1}, {128, 128}}) {
+    QuantizedTensor q;
+    quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e4m3, br, bc);
+    ASSERT_EQ(q.grid_rows(), (rows + br - 1) / br);
+    ASSERT_EQ(q.grid_cols(), (cols + bc - 1) / bc);
+    check_nearest(q, x);
+    for (int64_t gr = 0; gr < q.grid_rows(); ++gr) {
+      for (int64_t gc = 0; gc < q.grid_cols(); ++gc) {
+        double amax_b = 0;
+        for (int64_t r = gr * br; r < std::min(rows, (gr + 1) * br); ++r) {
+          for (int64_t c = gc * bc; c < std::min(cols, (gc + 1) * bc); ++c) amax_b = std::max(amax_b, std::abs(double(x[r * cols + c])));
+        }
+        const double want = amax_b == 0 ? 1 : std::ldexp(1.0, -static_cast<int>(std::floor(std::log2(448.0 / amax_b))));
+        ASSERT_EQ(q.block_scale(gr, gc), want) << br << "x" << bc << " block " << gr << "," << gc;
+      }
+    }
+    EXPECT_LE(worst_block_error(q, x), 0x1p-4) << br << "x" << bc;
+  }
+}
+
+TEST(Quantize, Mxfp8ScalesFollowOcpOrTransformerEngine) {
+  const int64_t rows = 9, cols = 100;
+  const std::vector<float> x = test_matrix(rows, cols, 3, 0.01f);
+  for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
+    for (ScaleRounding rule : {ScaleRounding::down, ScaleRounding::up}) {
+      QuantizedTensor q;
+      quantize_mxfp8(q, x.data(), rows, cols, f, rule);
+      ASSERT_EQ(q.scale_format, ScaleFormat::e8m0);
+      ASSERT_EQ(q.grid_cols(), 4);
+      check_nearest(q, x);
+      int saturated = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t gc = 0; gc < 4; ++gc) {
+          double amax_b = 0;
+          for (int64_t c = gc * 32; c < std::min(cols, gc * 32 + 32); ++c) amax_b = std::max(amax_b, std::abs(double(x[r * cols + c])));
+          const int e = rule == ScaleRounding::down
+                            ? static_cast<int>(std::floor(std::log2(amax_b))) - max_exponent(f)
+                            : static_cast<int>(std::ceil(std::log2(amax_b / max_finite(f))));
+          ASSERT_EQ(q.block_scale(r, gc), std::ldexp(1.0, e)) << r << "," << gc;
+          for (int64_t c = gc * 32; c < std::min(cols, gc * 32 + 32); ++c) {
+            saturated += std::abs(x[r * cols + c]) / q.block_scale(r, gc) > max_finite(f);
+          }
+        }
+      }
+      // TE's rule never saturates; OCP's does for blocks whose amax sits in [fmax, 2^(emax+1)) X.
+      if (rule == ScaleRounding::up) {
+        EXPECT_EQ(saturated, 0) << elem_format_name(f);
+      } else {
+        EXPECT_GT(saturated, 0) << elem_format_name(f);  // this data has such blocks
+      }
+      EXPECT_LE(worst_block_error(q, x), f == ElemFormat::e4m3 ? 0.125 : 0.25);
+    }
+  }
+}
+
+TEST(Quantize, Nvfp4TwoLevelScales) {
+  const int64_t rows = 32, cols = 88;  // 88 = 5.5 blocks of 16: a partial block, full bytes
+  const std::vector<float> x = test_matrix(rows, cols, 4);
+  const double t = amax(x.data(), rows * cols);
+  for (int64_t br : {1, 16}) {
+    QuantizedTensor q;
+    quantize_nvfp4(q, x.data(), rows, cols, br);
+    ASSERT_EQ(q.elem, ElemFormat::e2m1);
+    ASSERT_EQ(q.scale_format, ScaleFormat::e4m3);
+    ASSERT_EQ(q.row_bytes(), 44);
+    EXPECT_EQ(q.tensor_scale, static_cast<float>(t / 2688.0));
+    check_nearest(q, x);
+    for (int64_t gr = 0; gr < q.grid_rows(); ++gr) {
+      for (int64_t gc = 0; gc < q.grid_cols(); ++gc) {
+        double amax_b = 0;
+        for (int64_t r = gr * br; r < (gr + 1) * br; ++r) {
+          for (int64_t c = gc * 16; c < std::min(cols, gc * 16 + 16); ++c) amax_b = std::max(amax_b, std::abs(double(x[r * cols + c])));
+        }
+        // The E4M3 scale is the nearest to amax_b / 6 in units of the tensor scale.
+        const double s = amax_b / 6 / (t / 2688.0), got = q.block_scale(gr, gc);
+        ASSERT_LE(std::abs(got - s), 0.5 * gap_at(ElemFormat::e4m3, s) + 1e-5 * s) << gr << "," << gc;
+      }
+    }
+    // Half the widest E2M1 gap (4 to 6) over the block's top value 6, plus the scale's rounding.
+    EXPECT_LE(worst_block_error(q, x), (1.0 / 6) * (1 + 0x1p-4)) << br;
+  }
+  // A tensor of zeros: codes 0, values 0.
+  const std::vector<float> zeros(64, 0.0f);
+  QuantizedTensor z;
+  quantize_nvfp4(z, zeros.data(), 2, 32);
+  for (int64_t i = 0; i < 64; ++i) EXPECT_EQ(z.value(i / 32, i % 32), 0.0f);
+}
+
+TEST(Quantize, NaNPoisonsItsBlock) {
+  std::vector<float> x = test_matrix(2, 64, 5);
+  x[40] = std::nanf("");  // row 0, column 40
+  QuantizedTensor q;
+  quantize_blockwise(q, x.data(), 2, 64, ElemFormat::e4m3, 1, 32);
+  quantize_mxfp8(q, x.data(), 2, 64, ElemFormat::e4m3);
+  for (int64_t c = 0; c < 64; ++c) {
+    EXPECT_EQ(std::isnan(q.value(0, c)), c >= 32) << c;
+    EXPECT_FALSE(std::isnan(q.value(1, c)));
+  }
+  quantize_blockwise(q, x.data(), 2, 64, ElemFormat::e4m3, 1, 32);
+  EXPECT_TRUE(std::isnan(q.value(0, 33)) && !std::isnan(q.value(0, 3)));
+  quantize_nvfp4(q, x.data(), 2, 64);
+  EXPECT_TRUE(std::isnan(q.value(1, 0)));  // the tensor scale
+}
+
+// Mean of the dequantised values over `draws` SR keys (steps) must be x within 6 sigma per element;
+// nearest rounding of the same x is visibly biased.
+TEST(Quantize, StochasticRoundingIsUnbiased) {
+  const int64_t rows = 4, cols = 64, n = rows * cols;
+  std::vector<float> x(n);
+  // 1.3 falls 0.6 of a gap above 1 in NVFP4's units and 0.4 of a gap above 80 in FP8's (1.3 * 64):
+  // nearest rounding is biased by 0.4 gap. Every 16th element, 6, pins each block's scale.
+  for (int64_t i = 0; i < n; ++i) x[i] = i % 16 == 0 ? 6.0f : 1.3f;
+  const int draws = 400;
+  for (int recipe = 0; recipe < 2; ++recipe) {
+    std::vector<double> mean(n, 0.0), gap(n, 0.0);
+    QuantizedTensor q;
+    for (int s = 0; s < draws; ++s) {
+      StochasticRounding sr{true, 123, static_cast<uint64_t>(s), 7};
+      if (recipe == 0) {
+        quantize_nvfp4(q, x.data(), rows, cols, 1, sr);
+      } else {
+        quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e4m3, 1, 32, sr);
+      }
+      for (int64_t i = 0; i < n; ++i) mean[i] += q.value(i / cols, i % cols) / double(draws);
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      const double m = static_cast<double>(q.block_scale(i / cols / q.block_rows, i % cols / q.block_cols)) * q.tensor_scale;
+      gap[i] = gap_at(q.elem, x[i] / m) * m;
+      ASSERT_NEAR(mean[i], x[i], 6 * 0.5 * gap[i] / std::sqrt(draws) + 1e-6) << "recipe " << recipe << " element " << i;
+    }
+    // The same x rounded to nearest: the average error is a sizeable fraction of a gap.
+    if (recipe == 0) {
+      quantize_nvfp4(q, x.data(), rows, cols, 1);
+    } else {
+      quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e4m3, 1, 32);
+    }
+    double bias_nearest = 0, bias_sr = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      bias_nearest += (q.value(i / cols, i % cols) - x[i]) / gap[i];
+      bias_sr += (mean[i] - x[i]) / gap[i];
+    }
+    EXPECT_GT(std::abs(bias_nearest) / n, 0.05) << recipe;
+    EXPECT_LT(std::abs(bias_sr) / n, 0.01) << recipe;
+  }
+}
+
+TEST(Quantize, StochasticRoundingIsKeyedByGlobalIndex) {
+  const int64_t rows = 24, cols = 96;
+  const std::vector<float> x = test_matrix(rows, cols, 6);
+  const StochasticRounding sr{true, 9, 3, 77};
+  QuantizedTensor full, a, b;
+  quantize_mxfp8(full, x.data(), rows, cols, ElemFormat::e5m2, ScaleRounding::up, 32, sr);
+  quantize_mxfp8(a, x.data(), rows, cols, ElemFormat::e5m2, ScaleRounding::up, 32, sr);
+  EXPECT_EQ(full.codes, a.codes);
+  // Another step, another tensor: other draws.
+  quantize_mxfp8(a, x.data(), rows, cols, ElemFormat::e5m2, ScaleRounding::up, 32, {true, 9, 4, 77});
+  EXPECT_NE(full.codes, a.codes);
+  quantize_mxfp8(a, x.data(), rows, cols, ElemFormat::e5m2, ScaleRounding::up, 32, {true, 9, 3, 78});
+  EXPECT_NE(full.codes, a.codes);
+  // A shard of rows [8, 24) and a shard of columns [32, 96) draw what the full tensor drew.
+  quantize_mxfp8(a, x.data() + 8 * cols, 16, cols, ElemFormat::e5m2, ScaleRounding::up, 32,
+                 {true, 9, 3, 77, 8 * cols});
+  EXPECT_TRUE(std::equal(a.codes.begin(), a.codes.end(), full.codes.begin() + 8 * cols));
+  std::vector<float> right(rows * 64);
+  for (int64_t r = 0; r < rows; ++r) std::copy_n(x.data() + r * cols + 32, 64, right.data() + r * 64);
+  quantize_mxfp8(b, right.data(), rows, 64, ElemFormat::e5m2, ScaleRounding::up, 32, {true, 9, 3, 77, 32, cols});
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < 64; ++c) ASSERT_EQ(b.code(r, c), full.code(r, c + 32)) << r << "," << c;
+  }
+}
+
+TEST(Quantize, BitwiseIndependentOfThreads) {
+  const int64_t rows = 64, cols = 160;
+  const std::vector<float> x = test_matrix(rows, cols, 7);
+  const StochasticRounding sr{true, 5, 2, 1};
+  auto run_all = [&] {
+    std::vector<QuantizedTensor> out(6);
+    quantize_tensorwise(out[0], x.data(), rows, cols, ElemFormat::e4m3, 10.0f, sr);
+    quantize_blockwise(out[1], x.data(), rows, cols, ElemFormat::e4m3, 1, 128, sr);
+    quantize_blockwise(out[2], x.data(), rows, cols, ElemFormat::e5m2, 32, 32);
+    quantize_mxfp8(out[3], x.data(), rows, cols, ElemFormat::e4m3, ScaleRounding::down, 32, sr);
+    quantize_nvfp4(out[4], x.data(), rows, cols, 1, sr);
+    quantize_nvfp4(out[5], x.data(), rows, cols, 16);
+    return out;
+  };
+  std::vector<QuantizedTensor> one, two, three;
+  with_threads(1, [&] { one = run_all(); });
+  with_threads(2, [&] { two = run_all(); });
+  with_threads(3, [&] { three = run_all(); });
+  for (size_t i = 0; i < one.size(); ++i) {
+    for (const auto* other : {&two[i], &three[i]}) {
+      EXPECT_EQ(one[i].codes, other->codes) << i;
+      EXPECT_EQ(one[i].scale_codes, other->scale_codes) << i;
+      EXPECT_TRUE(bitwise_equal(one[i].scales, other->scales)) << i;
+      EXPECT_EQ(std::bit_cast<uint32_t>(one[i].tensor_scale), std::bit_cast<uint32_t>(other->tensor_scale));
+    }
+  }
+}
+
+TEST(Quantize, StorageIsWhatTheFormatsCost) {
+  const std::vector<float> x = test_matrix(32, 256, 8);
+  QuantizedTensor q;
+  quantize_mxfp8(q, x.data(), 32, 256, ElemFormat::e4m3);
+  EXPECT_EQ(q.storage_bytes(), 32 * 256 + 32 * 8);  // 8.25 bits per element
+  quantize_nvfp4(q, x.data(), 32, 256);
+  EXPECT_EQ(q.storage_bytes(), 32 * 128 + 32 * 16 + 4);  // 4.5 bits per element + tensor scale
+  quantize_blockwise(q, x.data(), 32, 256, ElemFormat::e4m3, 1, 128);
+  EXPECT_EQ(q.storage_bytes(), 32 * 256 + 32 * 2 * 4);
+}
+
+TEST(Hadamard, IsOrthogonalWithEntriesOfAQuarter) {
+  // Q is the transform of the identity (rows axis: column k of the output is Q e_k).
+  std::vector<float> I(256, 0.0f), Q(256);
+  for (int i = 0; i < 16; ++i) I[i * 16 + i] = 1.0f;
+  hadamard16(Q.data(), I.data(), 16, 16, HadamardAxis::rows);
+  int negatives = 0;
+  for (int i = 0; i < 16; ++i) {
+    for (int j = 0; j < 16; ++j) {
+      ASSERT_EQ(std::abs(Q[i * 16 + j]), 0.25f);
+      double dot = 0;
+      for (int k = 0; k < 16; ++k) dot += double(Q[i * 16 + k]) * Q[j * 16 + k];
+      ASSERT_EQ(dot, i == j ? 1.0 : 0.0) << i << "," << j;
+    }
+  }
+  for (float s : hadamard16_signs()) negatives += s < 0;
+  EXPECT_GT(negatives, 0);  // a random sign vector, not all +1
+  EXPECT_LT(negatives, 16);
+  // Q = H16 diag(s) / 4 by the definition.
+  for (int i = 0; i < 16; ++i) {
+    for (int k = 0; k < 16; ++k) {
+      const float h = (__builtin_popcount(i & k) & 1) ? -1.0f : 1.0f;
+      ASSERT_EQ(Q[i * 16 + k], h * hadamard16_signs()[k] * 0.25f);
+    }
+  }
+}
+
+TEST(Hadamard, MatchesTheMatrixProductAndBothAxesAgree) {
+  const int64_t rows = 48, cols = 20;
+  const std::vector<float> x = testing::randn(rows * cols, 9, "hadamard");
+  std::vector<float> y(rows * cols), xt(cols * rows), yt(cols * rows);
+  hadamard16(y.data(), x.data(), rows, cols, HadamardAxis::rows);
+  std::vector<double> ref(rows * cols, 0.0);
+  for (int64_t g = 0; g < rows / 16; ++g) {
+    for (int i = 0; i < 16; ++i) {
+      for (int k = 0; k < 16; ++k) {
+        const double q = ((__builtin_popcount(i & k) & 1) ? -0.25 : 0.25) * hadamard16_signs()[k];
+        for (int64_t j = 0; j < cols; ++j) ref[(g * 16 + i) * cols + j] += q * x[(g * 16 + k) * cols + j];
+      }
+    }
+  }
+  EXPECT_TRUE(testing::all_close(y, ref, 1e-6, 1e-6, "hadamard rows"));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) xt[c * rows + r] = x[r * cols + c];
+  }
+  hadamard16(yt.data(), xt.data(), cols, rows, HadamardAxis::cols);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(yt[c * rows + r], y[r * cols + c]);
+  }
+  // In place, and any thread count: the same bits.
+  std::vector<float> z = x;
+  with_threads(3, [&] { hadamard16(z.data(), z.data(), rows, cols, HadamardAxis::rows); });
+  EXPECT_TRUE(bitwise_equal(z, y));
+  EXPECT_THROW(hadamard16(z.data(), x.data(), 40, cols, HadamardAxis::rows), InternalError);
+}
+
+TEST(Hadamard, CancelsInTheWeightGradient) {
+  // dW = dY^T X over T tokens; with Q applied to both along tokens: (Q dY)^T (Q X) = dY^T X.
+  const int64_t T = 64, N = 24, K = 40;
+  const std::vector<float> dy = testing::randn(T * N, 10, "dy"), x = testing::randn(T * K, 10, "x");
+  std::vector<float> qdy(T * N), qx(T * K);
+  hadamard16(qdy.data(), dy.data(), T, N, HadamardAxis::rows);
+  hadamard16(qx.data(), x.data(), T, K, HadamardAxis::rows);
+  std::vector<float> dw(N * K, 0.0f);
+  std::vector<double> ref(N * K, 0.0);
+  for (int64_t n = 0; n < N; ++n) {
+    for (int64_t k = 0; k < K; ++k) {
+      double a = 0, b = 0;
+      for (int64_t t = 0; t < T; ++t) {
+        a += double(qdy[t * N + n]) * qx[t * K + k];
+        b += double(dy[t * N + n]) * x[t * K + k];
+      }
+      dw[n * K + k] = static_cast<float>(a);
+      ref[n * K + k] = b;
+    }
+  }
+  EXPECT_TRUE(testing::all_close(dw, ref, 1e-5, 1e-5, "transformed dW"));
+}
+
+}  // namespace
+}  // namespace lockstep
