@@ -142,6 +142,10 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.pipeline, "pipeline-parallel size"),
       LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
       LS_KEY(parallel.expert_tensor, "tensor-parallel size of the experts"),
+      LS_KEY(ddp.overlap_grad_reduce, "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
+      LS_KEY(ddp.overlap_param_gather, "optimizer.distributed: all-gather a bucket's updated parameters while the next "
+                                       "bucket is updated (bitwise the same)"),
+      LS_KEY(ddp.bucket_size, "gradient elements per bucket reduced at once (buckets hold whole parameters)"),
       LS_KEY(dist.backend, "communication backend: auto = mpi under mpirun, else threads (lockstep train --nproc N)",
              {"auto", "threads", "mpi"}),
       LS_KEY(dist.timeout_s, "seconds a collective may wait for a peer before every rank stops with an error"),
@@ -150,6 +154,8 @@ const std::vector<Key>& keys() {
       LS_KEY(optimizer.eps, "AdamW epsilon"),
       LS_KEY(optimizer.weight_decay, "AdamW decoupled weight decay on weight matrices"),
       LS_KEY(optimizer.clip_grad, "clip the global gradient norm to this; 0 = off"),
+      LS_KEY(optimizer.distributed, "ZeRO-1: each data-parallel rank keeps the Adam moments of its shard of the "
+                                    "parameters only, then all-gathers the updated parameters"),
       LS_KEY(data.source, "synthetic (built-in corpus), text:PATH (bytes of a file, vocabulary 256) or "
                           "indexed:PREFIX[:WEIGHT],... (Megatron .bin/.idx datasets, blended by weight)"),
       LS_KEY(data.split, "indexed: train,valid[,test] weights splitting each dataset's documents"),
@@ -454,6 +460,7 @@ void validate(const Config& c) {
     if (size > 1) user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
                              " parallelism is not implemented yet");
   }
+  if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");
   if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");
   const OptimizerConfig& o = c.optimizer;

@@ -62,6 +62,7 @@ struct OptimizerConfig {
   double eps = 1e-8;
   double weight_decay = 0.1;             // on weight matrices only (not biases, norms)
   double clip_grad = 1.0;                // global grad-norm clip; 0 = off
+  bool distributed = false;              // ZeRO-1: Adam state sharded over data-parallel ranks
 };
 
 // Sizes of the parallel layout; data parallel is what remains of the world (comm/mesh.h).
@@ -71,6 +72,13 @@ struct ParallelConfig {
   int64_t pipeline = 1;
   int64_t expert = 1;
   int64_t expert_tensor = 1;
+};
+
+// Data-parallel gradient reduction (parallel/data_parallel.h).
+struct DdpConfig {
+  bool overlap_grad_reduce = true;       // reduce each bucket as soon as backward finishes it
+  bool overlap_param_gather = false;     // distributed optimizer: gather a bucket's parameters while updating the next
+  int64_t bucket_size = 4000000;         // elements per gradient bucket (at least; buckets hold whole parameters)
 };
 
 // The distributed runtime (comm/): backend and the timeout of every collective.
@@ -128,6 +136,7 @@ struct Config {
   TrainConfig train;
   OptimizerConfig optimizer;
   ParallelConfig parallel;
+  DdpConfig ddp;
   DistConfig dist;
   DataConfig data;
   PrecisionConfig precision;

@@ -26,6 +26,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
     wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
   for (int64_t l = 0; l < L_; ++l) {
     const std::string prefix = "layers." + std::to_string(l) + ".";
+    layer_first_.push_back(static_cast<int>(params_.specs().size()));
     attn_.emplace_back(params_, arena_, prefix, m, B_, T_);
     if (moe.is_moe_layer(l, L_)) {
       mlp_.emplace_back();
@@ -35,6 +36,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
       moe_.push_back(nullptr);
     }
   }
+  layer_first_.push_back(static_cast<int>(params_.specs().size()));
   final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, N_,
                      static_cast<float>(m.norm_eps));
   out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
@@ -205,6 +207,8 @@ void GPT::backward(const int32_t* tokens, float aux_scale) {
   float* dresid = arena_(dresid_);
   std::memset(dresid, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
   final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), N_);
+  // The head and the MTP depths ran their backward before this one.
+  if (grads_ready_) grads_ready_(layer_first_[L_], static_cast<int>(params_.specs().size()));
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
   for (int64_t l = L_ - 1; l >= 0; --l) {
@@ -212,9 +216,11 @@ void GPT::backward(const int32_t* tokens, float aux_scale) {
     else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
     attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as,
                       positions(), doc_start());
+    if (grads_ready_) grads_ready_(layer_first_[l], layer_first_[l + 1]);
   }
   embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
                      tokens, B_, T_, C_, positions());
+  if (grads_ready_) grads_ready_(0, layer_first_[0]);
 }
 
 namespace {
@@ -260,18 +266,18 @@ double GPT::flops_per_token() const {
   return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * T_ * C_);
 }
 
-void GPT::begin_step(uint64_t seed, int64_t step) {
+void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
   seed_ = seed;
   step_ = step;
-  micro_ = 0;
+  micro_ = first_micro;
   for (auto& layer : moe_)
     if (layer) layer->begin_step();
 }
 
-std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate) {
+std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicator* dp) {
   std::vector<MoeTokenStats> stats;
   for (auto& layer : moe_)
-    if (layer) stats.push_back(layer->finish_step(bias_update_rate));
+    if (layer) stats.push_back(layer->finish_step(bias_update_rate, dp));
   return stats;
 }
 

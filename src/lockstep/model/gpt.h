@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -30,6 +31,8 @@
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
+
+class Communicator;
 
 class GPT {
  public:
@@ -63,8 +66,18 @@ class GPT {
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
   // draws from (seed, layer, step, global element index); clears the step's counters), finish_step
   // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics).
-  void begin_step(uint64_t seed, int64_t step);
-  std::vector<MoeTokenStats> finish_step(double bias_update_rate);
+  // first_micro: the global index of this rank's first micro-batch in the step (data parallelism:
+  // rank r's micro-batch m is the step's micro-batch r x micro-batches per rank + m), so that the
+  // router jitter is the same whatever the layout. dp: where the step's expert token counts are
+  // summed (the data-parallel group, so that every replica applies the same expert-bias update);
+  // null = this rank's counts only.
+  void begin_step(uint64_t seed, int64_t step, int64_t first_micro = 0);
+  std::vector<MoeTokenStats> finish_step(double bias_update_rate, Communicator* dp = nullptr);
+  // Called by backward as parameter gradients become final: every parameter of the table in
+  // [first, end) has had its last contribution of this micro-batch, so data parallelism can start
+  // reducing them while backward goes on (parallel/data_parallel.h). Table order is forward order,
+  // so the calls come in decreasing ranges and together cover the table once per micro-batch.
+  void set_grads_ready_hook(std::function<void(int first, int end)> hook) { grads_ready_ = std::move(hook); }
   // Parameters and, for MoE models, the expert biases (state the optimizer does not own).
   uint64_t state_hash() const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
@@ -119,6 +132,9 @@ class GPT {
   const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
+  // layer_first_[l]: the table index of layer l's first parameter; [L] that of the final norm.
+  std::vector<int> layer_first_;
+  std::function<void(int, int)> grads_ready_;
 };
 
 }  // namespace lockstep

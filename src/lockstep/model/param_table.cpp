@@ -8,13 +8,13 @@
 
 namespace lockstep {
 
-int ParamStore::add(std::string name, Shape shape, Init init, float std, bool decay) {
+int ParamStore::add(std::string name, Shape shape, Init init, float std, bool decay, bool expert) {
   LOCKSTEP_CHECK(values_.size() == 0, "parameter '", name, "' declared after allocation");
   LOCKSTEP_CHECK(find(name) < 0, "parameter '", name, "' declared twice");
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   const int64_t offset = (total_ + 15) / 16 * 16;
   total_ = offset + shape.numel();
-  specs_.push_back({std::move(name), std::move(shape), init, std, decay, offset});
+  specs_.push_back({std::move(name), std::move(shape), init, std, decay, offset, expert});
   return static_cast<int>(specs_.size()) - 1;
 }
 

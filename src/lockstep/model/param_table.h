@@ -25,12 +25,21 @@ struct ParamSpec {
   float std;          // Init::normal only
   bool decay;         // weight decay applies (weight matrices, not biases or norms)
   int64_t offset;     // in floats, into the flat buffers
+  bool expert;        // an MoE expert's: data parallelism reduces it over the expert data-parallel group
+};
+
+// Elements [begin, end) of parameter `param`, counted in the parameter's flattened (row-major)
+// elements: a rank's share of a parameter under the distributed optimizer (Megatron's "flattened
+// range").
+struct ParamRange {
+  int param;
+  int64_t begin, end;
 };
 
 class ParamStore {
  public:
   // Declares a parameter; returns its index. Only before allocate().
-  int add(std::string name, Shape shape, Init init, float std = 0.0f, bool decay = false);
+  int add(std::string name, Shape shape, Init init, float std = 0.0f, bool decay = false, bool expert = false);
   // Allocates the value and gradient buffers (zeroed).
   void allocate();
   // Draws every parameter from its Philox stream (in parallel over the current thread pool).

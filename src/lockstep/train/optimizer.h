@@ -1,13 +1,20 @@
-// The trainer's optimizer step, reusable on its own (the reference tests drive it directly):
-// global grad-norm clipping, then AdamW (kernels/cpu/optimizer.h) on every parameter of the table,
-// with weight decay on the parameters the table marks for it (weight matrices, not biases or
-// norms). Clipping follows torch.nn.utils.clip_grad_norm_: scale = clip / (norm + 1e-6) when that
-// is below 1; the scale enters AdamW as grad_scale, so the gradients themselves stay untouched.
+// The trainer's optimizer, reusable on its own (the reference tests drive it directly): global
+// grad-norm clipping, then AdamW (kernels/cpu/optimizer.h) on the parameter elements it owns, with
+// weight decay on the parameters the table marks for it (weight matrices, not biases or norms).
+// Clipping follows torch.nn.utils.clip_grad_norm_: scale = clip / (norm + 1e-6) when that is below
+// 1; the scale enters AdamW as grad_scale, so the gradients themselves stay untouched.
 //
-// Determinism: the norm is sum_of_squares' fixed-order reduction; the update is elementwise.
+// It owns every element of the table, or (optimizer.distributed, ZeRO-1) one data-parallel rank's
+// shard of it (parallel/data_parallel.h): a list of ParamRanges, at most one per parameter. The
+// Adam moments exist for the owned elements only; with fp32 parameters the master weights are the
+// parameters themselves, updated in place where owned.
+//
+// Determinism: the update is elementwise, so an element's new value does not depend on which
+// ranges it was updated in (the distributed and the replicated optimizer give the same bits).
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
@@ -17,17 +24,45 @@ namespace lockstep {
 
 class Optimizer {
  public:
-  // State (m, v) sized for ps, zeroed.
+  // Owns every element of ps; state zeroed.
   Optimizer(const ParamStore& ps, const OptimizerConfig& oc);
+  // Owns `owned` (at most one range per parameter); state zeroed.
+  Optimizer(const ParamStore& ps, const OptimizerConfig& oc, std::vector<ParamRange> owned);
 
-  // Clips by the global norm and applies AdamW to every parameter; step counts from 1. Returns the
-  // gradient norm before clipping.
+  // Single rank: clips by the norm of every gradient and updates everything it owns (which must be
+  // everything); step counts from 1. Returns the gradient norm before clipping.
   double step(ParamStore& ps, int64_t step, double lr);
+  // The clip factor for a global gradient norm (1 when no clipping applies).
+  float clip_scale(double grad_norm) const;
+  // AdamW on the owned elements, reading their gradients from ps.grads().
+  void update(ParamStore& ps, int64_t step, double lr, float grad_scale) { update(ps, step, lr, grad_scale, owned_); }
+  // The same on `ranges`, which must be owned.
+  void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges);
 
-  // xxh3 of the first then second moments.
-  uint64_t hash() const;
+  // The state of one owned range, for checkpoints: master = the parameter's values.
+  struct StateView {
+    ParamRange range;
+    float* master;
+    float* m;
+    float* v;
+  };
+  std::vector<StateView> state(ParamStore& ps);
+  const std::vector<ParamRange>& owned() const { return owned_; }
+  int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
+
+  // xxh3 of the first moments then the second moments of `ranges` (owned elements), in list order.
+  uint64_t hash(const std::vector<ParamRange>& ranges) const;
+  // The same over everything owned.
+  uint64_t hash() const { return hash(owned_); }
 
  private:
+  // Offset in m_ / v_ of element e of parameter p (which must be owned).
+  int64_t state_index(int p, int64_t e) const;
+
+  std::vector<ParamRange> owned_;
+  std::vector<int64_t> first_;  // per parameter: state offset of its owned range, -1 = none
+  std::vector<int64_t> begin_, end_;  // per parameter: its owned range
+  std::vector<bool> decay_;
   FloatBuffer m_, v_;
   OptimizerConfig oc_;
 };

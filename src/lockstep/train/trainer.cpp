@@ -21,6 +21,7 @@
 #include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/gpt.h"
+#include "lockstep/parallel/data_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
@@ -95,6 +96,16 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                                 static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
   const MeshCoordinates coords = mesh.coordinates(comm.rank());
   const bool leader = comm.rank() == 0;
+  // Each data-parallel rank takes its own micro-batches of the global batch (context parallelism
+  // would split sequences, not samples).
+  const int64_t dp_size = mesh.dp();
+  if (tc.global_batch % (tc.micro_batch * dp_size))
+    user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
+               ") x data-parallel size (", dp_size, ", the world of ", comm.size(), " ranks over parallel.tensor x "
+               "parallel.context x parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), ")");
+  // Dense gradients are reduced over dp x cp, expert gradients over the expert data-parallel group.
+  Communicator dense_dp = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+  Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -112,7 +123,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const auto eod = static_cast<int32_t>(dc.eod_token);
   if (dc.reset_position_ids || dc.reset_attention_mask)
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
-  Optimizer optimizer(model.params(), config.optimizer);
+  DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
+  model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
+  Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
   create_run_dir(tc.out_dir);
   std::unique_ptr<LineLog> metrics;
@@ -125,7 +138,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak();
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
-  const int64_t accum = tc.accumulation_steps();
+  const int64_t accum = tc.global_batch / (B * dp_size);  // micro-batches per rank and step
   const int64_t tokens_per_step = tc.global_batch * T;
   const double flops_per_token = model.flops_per_token();
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
@@ -139,16 +152,23 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     std::fprintf(out, "lockstep: %d ranks (%s backend): tp %d x cp %d x dp %d x pp %d; experts: etp %d x ep %d x edp %d x pp %d\n",
                  comm.size(), comm.backend().c_str(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.etp(), mesh.ep(),
                  mesh.edp(), mesh.pp());
+  std::fprintf(out, "lockstep: data parallel %lld, %lld micro-batches per rank; %s optimizer: %.2f MiB of Adam state on "
+               "rank 0; %lld gradient buckets, overlap grad reduce %s, param gather %s\n",
+               (long long)dp_size, (long long)accum, config.optimizer.distributed ? "distributed" : "replicated",
+               static_cast<double>(optimizer.state_bytes()) / (1 << 20), (long long)dp.num_buckets(),
+               config.ddp.overlap_grad_reduce ? "on" : "off", config.ddp.overlap_param_gather ? "on" : "off");
   std::fflush(out);
 
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  // Data-parallel ranks evaluate every dp_size-th batch; the mean is over all of them.
   auto evaluate = [&]() {
     double sum = 0;
-    for (int64_t i = 0; i < tc.eval_batches; ++i) {
+    for (int64_t i = coords.dp; i < tc.eval_batches; i += dp_size) {
       data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
       if (dc.eod_mask_loss) mask_eod_targets(targets.data(), tokens.data(), N, eod);
       sum += model.evaluate(tokens.data(), targets.data());
     }
+    if (dp_size > 1) dense_dp.all_reduce(&sum, 1);
     return sum / static_cast<double>(tc.eval_batches);
   };
 
@@ -160,37 +180,54 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     ParamStore& ps = model.params();
     ps.zero_grads();
     const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
+    // This rank's micro-batches of the global batch: the step's micro-batches first_micro ... +
+    // accum - 1, a pure function of (step, dp rank, micro).
+    const int64_t first_micro = coords.dp * accum;
     // Returns the micro-batch's tokens that carry a loss.
     auto fetch = [&](int64_t micro) {
-      data->batch(tokens.data(), targets.data(), Split::train, first_sample + static_cast<uint64_t>(micro * B), B);
+      data->batch(tokens.data(), targets.data(), Split::train,
+                  first_sample + static_cast<uint64_t>((first_micro + micro) * B), B);
       return dc.eod_mask_loss ? mask_eod_targets(targets.data(), tokens.data(), N, eod) : N;
     };
-    // The loss is the mean over the step's unmasked tokens, so they are counted before any
-    // backward (the loader is a pure function of the sample index: fetching twice is exact).
-    int64_t loss_tokens = N * accum;
+    // The loss is the mean over the global batch's unmasked tokens, so they are counted (over every
+    // data-parallel rank) before any backward (the loader is a pure function of the sample index:
+    // fetching twice is exact).
+    int64_t loss_tokens = N * accum * dp_size;
     if (dc.eod_mask_loss) {
       loss_tokens = 0;
       for (int64_t micro = 0; micro < accum; ++micro) loss_tokens += fetch(micro);
+      if (dp_size > 1) dense_dp.all_reduce(&loss_tokens, 1);
     }
     const float grad_scale = 1.0f / static_cast<float>(std::max<int64_t>(loss_tokens, 1));
-    double lm_loss = 0, aux_loss = 0, mtp_loss = 0;
-    model.begin_step(tc.seed, step);
+    // Sums over this rank's micro-batches of the LM loss (token-weighted with eod_mask_loss), aux
+    // and MTP losses, then over the data-parallel ranks.
+    double sums[3] = {0, 0, 0};
+    model.begin_step(tc.seed, step, first_micro);
     for (int64_t micro = 0; micro < accum; ++micro) {
       const int64_t counted = fetch(micro);
+      if (micro == accum - 1) dp.begin_last_micro();
       const double micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
-      lm_loss += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
-      aux_loss += model.aux_loss();
-      mtp_loss += model.mtp_loss();
+      sums[0] += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
+      sums[1] += model.aux_loss();
+      sums[2] += model.mtp_loss();
     }
-    lm_loss /= dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : static_cast<double>(accum);
-    aux_loss /= static_cast<double>(accum);
-    mtp_loss /= static_cast<double>(accum);
+    dp.finish_grad_sync();
+    if (dp_size > 1) dense_dp.all_reduce(sums, 3);
+    const double micros = static_cast<double>(accum * dp_size);
+    const double lm_loss = sums[0] / (dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
+    const double aux_loss = sums[1] / micros, mtp_loss = sums[2] / micros;
     // The training loss: Megatron adds each micro-batch's aux (and MTP) losses with weight 1 / micro-batches.
     const double loss = lm_loss + aux_loss + mtp_loss;
     const double lr = learning_rate(tc, step);
-    const uint64_t grads_hash = hash_floats(ps.grads(), ps.total());
-    const double grad_norm = optimizer.step(ps, step, lr);
-    const std::vector<MoeTokenStats> moe_stats = model.finish_step(config.moe.router_bias_update_rate);
+    // The summed gradients of this rank's shard (the same elements with either optimizer).
+    Hasher grads_hasher;
+    for (const ParamRange& r : dp.shard())
+      grads_hasher.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+    const uint64_t grads_hash = grads_hasher.digest();
+    const double grad_norm = dp.grad_norm();
+    dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm));
+    const std::vector<MoeTokenStats> moe_stats =
+        model.finish_step(config.moe.router_bias_update_rate, dp_size > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);
     if (step > 1 || tc.steps == 1) step_seconds.push_back(secs);
 
@@ -204,20 +241,22 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     fp.lr = lr;
     fp.params = model.state_hash();
     fp.grads = grads_hash;
-    fp.optimizer = optimizer.hash();
+    fp.optimizer = optimizer.hash(dp.shard());
     // The random state of a step: the seed and where the data stream stands.
     const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
     fp.rng = hash_bytes(rng_state, sizeof rng_state);
     fp.rank = comm.rank(), fp.dp = coords.dp, fp.tp = coords.tp, fp.pp = coords.pp, fp.ep = coords.ep, fp.cp = coords.cp;
     fingerprints.write(fp.json());
-    // The ranks agree on the step's state exactly when max(h) and max(~h) over ranks are h and ~h.
-    const uint64_t fields[] = {fp.params, fp.optimizer, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
-    const uint64_t h = hash_bytes(fields, sizeof fields);
-    uint64_t agree[2] = {h, ~h};
-    comm.all_reduce(agree, 2, ReduceOp::max);
-    if (agree[0] != h || agree[1] != ~h)
-      throw CommError(str("rank ", comm.rank(), ": step ", step, ": the ranks' parameters, optimizer state or loss differ "
-                          "(they train the same model on the same data until data parallelism exists)"));
+    // Data-parallel replicas hold the same parameters, expert biases and loss, bit for bit: they
+    // agree exactly when max(h) and max(~h) over the group are h and ~h (one tiny all-reduce).
+    if (dp_size > 1) {
+      const uint64_t fields[] = {fp.params, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
+      const uint64_t h = hash_bytes(fields, sizeof fields);
+      uint64_t agree[2] = {h, ~h};
+      dense_dp.all_reduce(agree, 2, ReduceOp::max);
+      if (agree[0] != h || agree[1] != ~h)
+        throw CommError(str("rank ", comm.rank(), ": step ", step, ": the data-parallel replicas' parameters or loss differ"));
+    }
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;

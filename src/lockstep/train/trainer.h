@@ -1,6 +1,6 @@
 // The training loop: global batch = micro-batch x accumulation steps; AdamW on FP32 master
 // weights with global grad-norm clipping; LR schedule; held-out evaluation; live progress;
-// metrics.jsonl and fingerprints/rank-00000.jsonl in the run directory.
+// metrics.jsonl and fingerprints/rank-NNNNN.jsonl in the run directory.
 //
 // Determinism (determinism = "run"): the loss, grad norm, parameters and optimizer state of
 // every step are a pure function of the config; the thread count changes nothing (checked by
@@ -26,9 +26,11 @@ struct TrainSummary {
 
 // Trains per the config on this rank of `comm`; progress goes to `out` (a live line when it is a
 // terminal) from rank 0 only. Rank 0 writes config.toml and metrics.jsonl, every rank its
-// fingerprints/rank-NNNNN.jsonl with its mesh coordinates (parallel.* over comm.size()). Until data
-// parallelism exists every rank trains the same model on the same data; the ranks check at every
-// step that they agree (an all-reduce of a checksum of the step's state).
+// fingerprints/rank-NNNNN.jsonl with its mesh coordinates (parallel.* over comm.size()). The ranks
+// are data parallel (parallel/data_parallel.h): each takes its own micro-batches of the global
+// batch (train.global_batch must divide by train.micro_batch x the data-parallel size), gradients
+// are summed over the group, and the replicas check at every step that their parameters and loss
+// agree bit for bit (an all-reduce of a checksum).
 TrainSummary train(const Config& config, std::FILE* out, Communicator& comm);
 // The same on one rank (a world of one thread).
 TrainSummary train(const Config& config, std::FILE* out);

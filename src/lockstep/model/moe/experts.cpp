@@ -12,10 +12,10 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     : E(E_), C(m.hidden_size), F(F_), swiglu(m.activation == "swiglu") {
   const float std = static_cast<float>(m.init_std);
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
-  fc_w = ps.add(prefix + "fc.weight", {E, fc_width(), C}, Init::normal, std, true);
-  if (m.bias) fc_b = ps.add(prefix + "fc.bias", {E, fc_width()}, Init::zeros);
-  proj_w = ps.add(prefix + "proj.weight", {E, C, F}, Init::normal, out_std, true);
-  if (m.bias) proj_b = ps.add(prefix + "proj.bias", {E, C}, Init::zeros);
+  fc_w = ps.add(prefix + "fc.weight", {E, fc_width(), C}, Init::normal, std, true, /*expert=*/true);
+  if (m.bias) fc_b = ps.add(prefix + "fc.bias", {E, fc_width()}, Init::zeros, 0.0f, false, /*expert=*/true);
+  proj_w = ps.add(prefix + "proj.weight", {E, C, F}, Init::normal, out_std, true, /*expert=*/true);
+  if (m.bias) proj_b = ps.add(prefix + "proj.bias", {E, C}, Init::zeros, 0.0f, false, /*expert=*/true);
   fc_out = arena.reserve(max_rows * fc_width());
   act = arena.reserve(max_rows * F);
 }

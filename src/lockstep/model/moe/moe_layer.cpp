@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
@@ -128,7 +129,8 @@ void MoeLayer::begin_step() {
   global_micro_ = 0;
 }
 
-MoeTokenStats MoeLayer::finish_step(double bias_update_rate) {
+MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {
+  if (dp && dp->size() > 1) dp->all_reduce(step_counts_.data(), E_);
   MoeTokenStats st;
   st.layer = layer_;
   int64_t total = 0;

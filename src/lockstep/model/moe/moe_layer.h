@@ -29,6 +29,8 @@
 
 namespace lockstep {
 
+class Communicator;
+
 // Backward scratch shared by every MoE layer of a model.
 struct MoeScratch {
   float* dnorm;       // (N, C)
@@ -62,8 +64,9 @@ class MoeLayer {
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
-  // End of a step: the expert-bias update from the step's counts; returns the step's statistics.
-  MoeTokenStats finish_step(double bias_update_rate);
+  // End of a step: the expert-bias update from the step's counts, summed over `dp` when given (the
+  // data-parallel replicas then apply the same update); returns the step's statistics.
+  MoeTokenStats finish_step(double bias_update_rate, Communicator* dp = nullptr);
 
   const AuxLosses& aux_losses() const { return aux_; }
   const std::vector<float>& expert_bias() const { return expert_bias_; }

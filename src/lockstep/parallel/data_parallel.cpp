@@ -1,0 +1,182 @@
+#include "lockstep/parallel/data_parallel.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "lockstep/core/error.h"
+#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/train/optimizer.h"
+
+namespace lockstep {
+
+DataParallel::DataParallel(ParamStore& ps, Communicator& dense, Communicator& expert, const DdpConfig& ddp,
+                           bool distributed)
+    : ps_(ps), dense_(dense), expert_(expert), ddp_(ddp), distributed_(distributed),
+      bucket_of_(ps.specs().size(), -1) {
+  const std::vector<ParamSpec>& specs = ps.specs();
+  // Fill one open bucket per buffer from the end of the table; close it once it is big enough.
+  std::vector<Bucket> open(2);
+  auto close = [&](Bucket& b) {
+    if (b.params.empty()) return;
+    std::reverse(b.params.begin(), b.params.end());
+    buckets_.push_back(std::move(b));
+    b = Bucket{};
+  };
+  for (int i = static_cast<int>(specs.size()) - 1; i >= 0; --i) {
+    Bucket& b = open[specs[i].expert ? 1 : 0];
+    b.comm = specs[i].expert ? &expert_ : &dense_;
+    b.params.push_back(i);
+    b.size += specs[i].shape.numel();
+    if (b.size >= ddp.bucket_size) close(b);
+  }
+  close(open[0]);
+  close(open[1]);
+  // Backward completes a bucket when it reaches the bucket's first parameter.
+  std::stable_sort(buckets_.begin(), buckets_.end(),
+                   [](const Bucket& a, const Bucket& b) { return a.params.front() > b.params.front(); });
+  for (size_t k = 0; k < buckets_.size(); ++k) {
+    Bucket& b = buckets_[k];
+    int64_t at = 0;
+    for (int p : b.params) {
+      b.at.push_back(at);
+      at += specs[p].shape.numel();
+      bucket_of_[p] = static_cast<int>(k);
+    }
+    const int P = b.comm->size();
+    b.chunk = (b.size + P - 1) / P;
+    b.mine = chunk_ranges(b, b.comm->rank());
+    shard_.insert(shard_.end(), b.mine.begin(), b.mine.end());
+    if (P > 1) {
+      b.packed.resize(b.chunk * P);  // zeroed: the padding stays zero
+      b.chunk_buf.resize(b.chunk);
+    }
+  }
+}
+
+std::vector<ParamRange> DataParallel::chunk_ranges(const Bucket& b, int r) const {
+  const int64_t lo = r * b.chunk, hi = std::min(b.size, (r + 1) * b.chunk);
+  std::vector<ParamRange> ranges;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const int64_t n = ps_.specs()[b.params[i]].shape.numel();
+    const int64_t begin = std::max(lo, b.at[i]), end = std::min(hi, b.at[i] + n);
+    if (begin < end) ranges.push_back({b.params[i], begin - b.at[i], end - b.at[i]});
+  }
+  return ranges;
+}
+
+std::vector<ParamRange> DataParallel::optimizer_ranges() const {
+  if (distributed_) return shard_;
+  std::vector<ParamRange> all;
+  for (size_t i = 0; i < ps_.specs().size(); ++i) all.push_back({static_cast<int>(i), 0, ps_.specs()[i].shape.numel()});
+  return all;
+}
+
+void DataParallel::begin_last_micro() {
+  for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
+  armed_ = ddp_.overlap_grad_reduce;
+}
+
+void DataParallel::grads_ready(int first, int end) {
+  if (!armed_) return;
+  for (int p = first; p < end; ++p) {
+    Bucket& b = buckets_[static_cast<size_t>(bucket_of_[p])];
+    LOCKSTEP_CHECK(b.pending > 0, "gradient of ", ps_.specs()[p].name, " reported final twice in one backward");
+    if (--b.pending == 0) post(b);
+  }
+}
+
+void DataParallel::post(Bucket& b) {
+  b.posted = true;
+  const int P = b.comm->size();
+  if (P == 1) return;
+  for (size_t i = 0; i < b.params.size(); ++i)
+    std::memcpy(b.packed.data() + b.at[i], ps_.grad(b.params[i]),
+                static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+  b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk)
+                        : b.comm->all_reduce_async(b.packed.data(), b.size);
+}
+
+void DataParallel::finish_grad_sync() {
+  for (Bucket& b : buckets_)
+    if (!b.posted) post(b);
+  for (Bucket& b : buckets_) {
+    b.posted = false;
+    if (b.comm->size() == 1) continue;
+    b.work.wait();
+    if (distributed_) {
+      const int64_t lo = b.comm->rank() * b.chunk;
+      for (const ParamRange& r : b.mine) {
+        const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
+        std::memcpy(ps_.grad(r.param) + r.begin, b.chunk_buf.data() + (b.at[i] + r.begin - lo),
+                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
+      }
+    } else {
+      for (size_t i = 0; i < b.params.size(); ++i)
+        std::memcpy(ps_.grad(b.params[i]), b.packed.data() + b.at[i],
+                    static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+    }
+  }
+  armed_ = false;
+}
+
+double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
+  double s = 0;
+  for (const Bucket& b : buckets_) {
+    if ((b.comm == &expert_) != expert) continue;
+    for (const ParamRange& x : chunk_ranges(b, r)) s += sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
+  }
+  return s;
+}
+
+double DataParallel::grad_norm() {
+  double total = 0;
+  for (const bool expert : {false, true}) {
+    Communicator& comm = expert ? expert_ : dense_;
+    const bool any = std::any_of(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return (b.comm == &expert_) == expert; });
+    if (!any) continue;
+    const int P = comm.size();
+    std::vector<double> chunks(static_cast<size_t>(P));
+    if (distributed_ && P > 1) {
+      // Only the owner holds a chunk's summed gradients.
+      const double mine = chunk_sum_of_squares(expert, comm.rank());
+      comm.all_gather(chunks.data(), &mine, 1);
+    } else {
+      for (int r = 0; r < P; ++r) chunks[static_cast<size_t>(r)] = chunk_sum_of_squares(expert, r);
+    }
+    double sum = 0;
+    for (double c : chunks) sum += c;
+    total += sum;
+  }
+  return std::sqrt(total);
+}
+
+void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale) {
+  if (!distributed_) {
+    optimizer.update(ps_, step, lr, grad_scale);
+    return;
+  }
+  auto unpack = [&](Bucket& b) {
+    b.work.wait();
+    for (size_t i = 0; i < b.params.size(); ++i)
+      std::memcpy(ps_.value(b.params[i]), b.packed.data() + b.at[i],
+                  static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+  };
+  for (Bucket& b : buckets_) {
+    optimizer.update(ps_, step, lr, grad_scale, b.mine);
+    if (b.comm->size() == 1) continue;
+    const int64_t lo = b.comm->rank() * b.chunk;
+    for (const ParamRange& r : b.mine) {
+      const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
+      std::memcpy(b.chunk_buf.data() + (b.at[i] + r.begin - lo), ps_.value(r.param) + r.begin,
+                  static_cast<size_t>(r.end - r.begin) * sizeof(float));
+    }
+    b.work = b.comm->all_gather_async(b.packed.data(), b.chunk_buf.data(), b.chunk);
+    if (!ddp_.overlap_param_gather) unpack(b);
+  }
+  if (ddp_.overlap_param_gather)
+    for (Bucket& b : buckets_)
+      if (b.comm->size() > 1) unpack(b);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,105 @@
+// Data parallelism: gradient buckets reduced over the data-parallel ranks, the distributed
+// optimizer's shards (ZeRO-1, as Megatron's DistributedOptimizer) and the global gradient norm.
+//
+// The parameters of the table form two gradient buffers: dense parameters, reduced over the
+// dp x cp group, and MoE expert parameters (ParamSpec::expert), reduced over the expert
+// data-parallel group edp, so that folding works once expert parallelism splits the experts (the
+// two groups are the same ranks while parallel.expert = 1). Each buffer is cut into buckets of at
+// least ddp.bucket_size elements, whole parameters, starting from the end of the table (backward
+// finishes the last parameters first). A bucket's gradients are packed into one contiguous
+// buffer, padded to a multiple of the group size P; rank r of the group owns the chunk
+// [r, r + 1) x padded / P of every bucket of its buffer: the elements whose optimizer state it
+// keeps under optimizer.distributed, and whose gradients and state its fingerprint hashes in
+// either mode.
+//
+// On the last micro-batch of a step (earlier ones accumulate locally, with no communication) a
+// bucket is posted as soon as backward reports all its parameters final (GPT's grads-ready hook,
+// ddp.overlap_grad_reduce), or after backward otherwise:
+//   replicated optimizer:  all-reduce of the bucket, every rank gets every summed gradient;
+//   distributed optimizer: reduce-scatter, each rank gets the sums of its chunk; after the
+//                          update the chunks of updated parameters are all-gathered.
+//
+// Determinism: each summed gradient element is the rank-order sum of the P contributions
+// (comm/communicator.h), whether it comes from an all-reduce or a reduce-scatter, whenever the
+// bucket is posted; the update is elementwise; the gradient norm is the same fold of per-chunk
+// sums of squares in both modes. So a step gives the same bits with the replicated and the
+// distributed optimizer, with overlap on or off, and with any bucket size whose chunks agree
+// (the norm's per-chunk partial sums depend on the chunking, so bucket_size is part of the
+// grad norm's bits when P > 1).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/config/config.h"
+#include "lockstep/core/tensor.h"
+#include "lockstep/model/param_table.h"
+
+namespace lockstep {
+
+class Optimizer;
+
+class DataParallel {
+ public:
+  // dense: the dp x cp group; expert: the edp group. distributed: optimizer.distributed.
+  DataParallel(ParamStore& ps, Communicator& dense, Communicator& expert, const DdpConfig& ddp, bool distributed);
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  // This rank's elements: one range per parameter that meets one of its chunks, in bucket order.
+  const std::vector<ParamRange>& shard() const { return shard_; }
+  // The elements an optimizer of this rank updates: the shard (distributed) or every parameter.
+  std::vector<ParamRange> optimizer_ranges() const;
+  int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
+
+  // Before the last micro-batch's backward: from here grads_ready() posts the buckets it completes
+  // (when ddp.overlap_grad_reduce; otherwise it ignores the calls).
+  void begin_last_micro();
+  // Backward's hook (GPT::set_grads_ready_hook): parameters [first, end) are final.
+  void grads_ready(int first, int end);
+  // After the last backward: posts the buckets not yet posted and waits for all. Then ps.grads()
+  // holds the group's sum at every element of shard() (and at every element when not distributed).
+  void finish_grad_sync();
+
+  // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
+  // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether
+  // the chunks' sums are computed here or gathered from their owners).
+  double grad_norm();
+
+  // The optimizer step on the owned elements, bucket by bucket; distributed: each bucket's
+  // updated chunks are all-gathered (while the next bucket is updated, with
+  // ddp.overlap_param_gather). Afterwards every rank holds every updated parameter.
+  void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale);
+
+ private:
+  struct Bucket {
+    Communicator* comm = nullptr;
+    std::vector<int> params;     // table indices, ascending
+    std::vector<int64_t> at;     // each parameter's offset in the packed bucket
+    int64_t size = 0, chunk = 0; // packed elements; elements per rank (padded size = chunk x P)
+    std::vector<ParamRange> mine;  // this rank's chunk as parameter ranges
+    int pending = 0;             // parameters not yet final this step
+    bool posted = false;
+    FloatBuffer packed;          // (chunk x P)
+    FloatBuffer chunk_buf;       // (chunk) reduce-scatter output / all-gather input
+    Work work;
+  };
+  // Rank r's chunk of bucket b as parameter ranges.
+  std::vector<ParamRange> chunk_ranges(const Bucket& b, int r) const;
+  void post(Bucket& b);
+  // Rank r's chunk's sum of squares over every bucket of one buffer.
+  double chunk_sum_of_squares(bool expert, int r) const;
+
+  ParamStore& ps_;
+  Communicator& dense_;
+  Communicator& expert_;
+  DdpConfig ddp_;
+  bool distributed_;
+  bool armed_ = false;
+  std::vector<Bucket> buckets_;  // in the order backward completes them
+  std::vector<int> bucket_of_;   // per parameter
+  std::vector<ParamRange> shard_;
+};
+
+}  // namespace lockstep

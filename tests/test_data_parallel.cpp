@@ -1,0 +1,179 @@
+// Data parallelism (parallel/data_parallel.h) through the trainer on the threads backend: the same
+// global batch on 1, 2 and 4 data-parallel ranks gives the same losses (within rounding: the
+// gradient sums over micro-batches and ranks associate differently); each layout is bitwise
+// deterministic; the replicated and the distributed optimizer, overlap on and off, give the same
+// bits; the distributed optimizer's state shrinks as 1 / DP.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <sstream>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/mesh.h"
+#include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/config/config.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/parallel/data_parallel.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/optimizer.h"
+#include "lockstep/train/trainer.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::read_file;
+using testing::TempDir;
+
+Config job(const std::string& preset, const std::string& out_dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1",
+                                "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
+}
+
+void run(int ranks, const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
+  std::fclose(sink);
+}
+
+// The exact training loss of every step, from rank 0's fingerprints.
+std::vector<double> losses(const std::string& run_dir) {
+  std::vector<double> out;
+  std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
+  for (std::string line; std::getline(in, line);)
+    out.push_back(std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)["loss"].get<std::string>(), nullptr, 16)));
+  return out;
+}
+
+// Every rank's fingerprint file, concatenated.
+std::string fingerprints(const std::string& run_dir, int ranks) {
+  std::string all;
+  for (int r = 0; r < ranks; ++r) all += read_file(fingerprint_path(run_dir, r));
+  return all;
+}
+
+// Global batch 8 as 4 micro-batches of 2 on one rank, 2 on each of 2 ranks, 1 on each of 4.
+void same_losses_on_1_2_4_ranks(const std::string& preset, std::vector<std::string> extra = {}) {
+  TempDir dir;
+  extra.push_back("train.micro_batch=2");
+  std::vector<std::vector<double>> l;
+  for (int ranks : {1, 2, 4}) {
+    const std::string out = dir.path("dp" + std::to_string(ranks));
+    run(ranks, job(preset, out, extra));
+    l.push_back(losses(out));
+    ASSERT_EQ(l.back().size(), 4u) << "dp " << ranks;
+  }
+  for (size_t s = 0; s < l[0].size(); ++s) {
+    double worst = 0;
+    for (size_t k = 1; k < l.size(); ++k) worst = std::max(worst, std::fabs(l[k][s] - l[0][s]));
+    std::printf("[ %s ] step %zu: loss %.9f (dp 1), largest |difference| over dp 2, 4: %.3g\n", preset.c_str(), s + 1,
+                l[0][s], worst);
+    EXPECT_LT(worst, 1e-6 * std::fabs(l[0][s])) << preset << " step " << s + 1;
+  }
+}
+
+TEST(DataParallel, DenseSameGlobalBatchSameLossesOnOneTwoFourRanks) { same_losses_on_1_2_4_ranks("debug"); }
+
+// The MoE preset with the aux-loss-free expert bias too: the token counts of its update are summed
+// over the data-parallel ranks.
+TEST(DataParallel, MoeSameGlobalBatchSameLossesOnOneTwoFourRanks) {
+  same_losses_on_1_2_4_ranks("moe-debug", {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
+                                    "moe.router_bias_update_rate=0.01"});
+}
+
+// Each layout, run twice: identical fingerprints on every rank. Then the distributed optimizer, and
+// overlap switched, leave every fingerprint as it was (several buckets per buffer).
+void bitwise_run_to_run_and_across_optimizer_and_overlap(const std::string& preset) {
+  for (int ranks : {2, 4}) {
+    TempDir dir;
+    const std::vector<std::string> base = {"train.micro_batch=2", "train.steps=2", "ddp.bucket_size=20000"};
+    auto with = [&](std::vector<std::string> more) {
+      more.insert(more.begin(), base.begin(), base.end());
+      return more;
+    };
+    run(ranks, job(preset, dir.path("a"), with({})));
+    const std::string a = fingerprints(dir.path("a"), ranks);
+    ASSERT_NE(a.find("\"step\":2"), std::string::npos);
+    run(ranks, job(preset, dir.path("b"), with({})));
+    EXPECT_EQ(fingerprints(dir.path("b"), ranks), a) << preset << " dp " << ranks << ": run to run";
+    run(ranks, job(preset, dir.path("c"), with({"optimizer.distributed=true"})));
+    EXPECT_EQ(fingerprints(dir.path("c"), ranks), a) << preset << " dp " << ranks << ": distributed optimizer";
+    run(ranks, job(preset, dir.path("d"), with({"optimizer.distributed=true", "ddp.overlap_grad_reduce=false",
+                                                "ddp.overlap_param_gather=true"})));
+    EXPECT_EQ(fingerprints(dir.path("d"), ranks), a) << preset << " dp " << ranks << ": overlap switched";
+  }
+}
+
+TEST(DataParallel, DenseBitwiseRunToRunAndAcrossOptimizerAndOverlap) {
+  bitwise_run_to_run_and_across_optimizer_and_overlap("debug");
+}
+TEST(DataParallel, MoeBitwiseRunToRunAndAcrossOptimizerAndOverlap) {
+  bitwise_run_to_run_and_across_optimizer_and_overlap("moe-debug");
+}
+
+// Rank r's fingerprint names its coordinates; rank 0 alone writes the run's files.
+TEST(DataParallel, RanksWriteTheirCoordinates) {
+  TempDir dir;
+  run(2, job("debug", dir.path("run"), {"train.steps=1"}));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(read_file(fingerprint_path(dir.path("run"), r)).find(str("\"rank\":", r, ",\"dp\":", r, ",")), std::string::npos);
+  EXPECT_FALSE(read_file(dir.path("run") + "/metrics.jsonl").empty());
+  EXPECT_FALSE(read_file(dir.path("run") + "/config.toml").empty());
+}
+
+TEST(DataParallel, GlobalBatchMustDivideByMicroBatchTimesDp) {
+  TempDir dir;
+  const Config c = job("debug", dir.path("run"));  // global 8, micro 4
+  std::string message = "(no error)";
+  try {
+    run(3, c);
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("train.global_batch = 8 is not divisible by train.micro_batch (4) x data-parallel size (3"),
+            std::string::npos)
+      << message;
+}
+
+// The distributed optimizer's Adam state: every element owned by exactly one rank of the group, at
+// most a bucket's padding more than 1 / DP of the parameters each.
+TEST(DataParallel, DistributedOptimizerStateShrinksAsOneOverDp) {
+  const Config c = job("moe-debug", "unused", {"ddp.bucket_size=30000"});
+  int64_t elements = 0;
+  {
+    GPT model(c.model, 1, c.moe);
+    for (const ParamSpec& p : model.params().specs()) elements += p.shape.numel();
+  }
+  for (int ranks : {1, 2, 4}) {
+    std::vector<int64_t> bytes(static_cast<size_t>(ranks));
+    std::vector<int64_t> buckets(static_cast<size_t>(ranks));
+    run_threads(ranks, 60, [&](Communicator& comm) {
+      GPT model(c.model, 1, c.moe);
+      const Mesh mesh(comm.size(), {});
+      Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+      Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+      DataParallel dp(model.params(), dense, expert, c.ddp, /*distributed=*/true);
+      const Optimizer opt(model.params(), c.optimizer, dp.optimizer_ranges());
+      bytes[static_cast<size_t>(comm.rank())] = opt.state_bytes();
+      buckets[static_cast<size_t>(comm.rank())] = dp.num_buckets();
+    });
+    int64_t sum = 0;
+    for (int r = 0; r < ranks; ++r) {
+      sum += bytes[static_cast<size_t>(r)];
+      std::printf("[ state ] dp %d rank %d: %lld bytes of Adam state (%lld parameters, %lld buckets)\n", ranks, r,
+                  (long long)bytes[static_cast<size_t>(r)], (long long)elements, (long long)buckets[0]);
+      EXPECT_LE(bytes[static_cast<size_t>(r)], 8 * (elements / ranks + buckets[0])) << "dp " << ranks << " rank " << r;
+    }
+    EXPECT_EQ(sum, 8 * elements) << "dp " << ranks;
+    EXPECT_GT(buckets[0], 2);  // dense and expert buckets
+  }
+}
+
+}  // namespace
+}  // namespace lockstep
