@@ -8,6 +8,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/quantize.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -286,6 +287,100 @@ TEST(Gemm, ContiguousOverload) {
   std::vector<float> C(c.M * c.N);
   gemm(C.data(), c.A.data(), c.ta, c.B.data(), c.tb, c.M, c.N, c.K);
   ASSERT_TRUE(bitwise_equal(C, c.reference({})));
+}
+
+
+// ---- Operands in low precision (bf16, FP8, MXFP8, NVFP4): decoded while packing, the result must
+// equal the fp32 GEMM on the dequantised matrices bit for bit.
+
+enum class Storage { f32, bf16, e4m3_tensor, e5m2_block, mxfp8, nvfp4, nvfp4_2d };
+const Storage kStorages[] = {Storage::f32, Storage::bf16, Storage::e4m3_tensor, Storage::e5m2_block,
+                             Storage::mxfp8, Storage::nvfp4, Storage::nvfp4_2d};
+
+// A stored rows x cols matrix in one storage, and the fp32 matrix it stands for.
+struct StoredOperand {
+  std::vector<float> dense;  // what the operand stands for (dequantised / widened), rows x cols
+  std::vector<bf16> half;
+  QuantizedTensor q;
+  Storage storage;
+  int64_t cols;
+  StoredOperand(Storage st, int64_t rows, int64_t cols_, uint64_t seed) : storage(st), cols(cols_) {
+    std::vector<float> x = testing::randn(rows * cols, seed, "operand");
+    dense.resize(x.size());
+    switch (st) {
+      case Storage::f32: dense = x; return;
+      case Storage::bf16:
+        for (float v : x) half.push_back(to_bf16(v));
+        for (size_t i = 0; i < x.size(); ++i) dense[i] = to_f32(half[i]);
+        return;
+      case Storage::e4m3_tensor:
+        quantize_tensorwise(q, x.data(), rows, cols, ElemFormat::e4m3, fp8_scale_from_amax(amax(x.data(), rows * cols), ElemFormat::e4m3));
+        break;
+      case Storage::e5m2_block: quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e5m2, 1, 128); break;
+      case Storage::mxfp8: quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3); break;
+      case Storage::nvfp4: quantize_nvfp4(q, x.data(), rows, cols, 1); break;
+      case Storage::nvfp4_2d: quantize_nvfp4(q, x.data(), rows, cols, 16); break;
+    }
+    dequantize(dense.data(), q);
+  }
+  GemmOperand operand(Trans t) const {
+    if (storage == Storage::f32) return gemm_operand(dense.data(), cols, t);
+    if (storage == Storage::bf16) return gemm_operand(half.data(), cols, t);
+    return gemm_operand(q, t);
+  }
+};
+
+TEST(GemmOperands, EqualTheFp32GemmOnTheDequantisedOperands) {
+  const int64_t M = 37, N = 45, K = 600;  // edge tiles, and K crosses a cache block
+  const std::vector<int64_t> segments = {0, 100, 333, 600};
+  int checked = 0;
+  for (size_t ia = 0; ia < std::size(kStorages); ++ia) {
+    for (size_t ib = 0; ib < std::size(kStorages); ++ib) {
+      // Every storage on each side against f32 and against itself, and a few mixed pairs.
+      if (!(ia == 0 || ib == 0 || ia == ib || (ia + ib) % 3 == 0)) continue;
+      for (Trans ta : {Trans::N, Trans::T}) {
+        for (Trans tb : {Trans::N, Trans::T}) {
+          const StoredOperand A(kStorages[ia], ta == Trans::N ? M : K, ta == Trans::N ? K : M, 100 + ia);
+          const StoredOperand B(kStorages[ib], tb == Trans::N ? K : N, tb == Trans::N ? N : K, 200 + ib);
+          const std::vector<float> C0 = testing::randn(M * N, 3, "C0"), bias = testing::randn(N, 3, "bias");
+          GemmOptions plain, acc, with_bias, segmented;
+          acc.accumulate = true;
+          with_bias.bias = bias.data();
+          segmented.k_segments = segments;
+          for (const GemmOptions* opt : {&plain, &acc, &with_bias, &segmented}) {
+            std::vector<float> want = C0, got = C0;
+            gemm(want.data(), N, A.dense.data(), A.cols, ta, B.dense.data(), B.cols, tb, M, N, K, *opt);
+            for (const std::string& kernel : detail::gemm_kernels()) {
+              got = C0;
+              detail::gemm_with_kernel(kernel, got.data(), N, A.operand(ta), B.operand(tb), M, N, K, *opt);
+              ASSERT_TRUE(bitwise_equal(got, want, kernel)) << "A storage " << ia << " B storage " << ib;
+            }
+            testing::with_threads(2, [&] {
+              got = C0;
+              gemm(got.data(), N, A.operand(ta), B.operand(tb), M, N, K, *opt);
+            });
+            ASSERT_TRUE(bitwise_equal(got, want, "2 threads")) << "A storage " << ia << " B storage " << ib;
+            ++checked;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 100);
+}
+
+TEST(GemmOperands, QuantisedViews) {
+  // A view at (row0, col0) of a quantised matrix reads the same values as that block of the
+  // dequantised matrix (its scales are the stored blocks', not re-derived).
+  const StoredOperand W(Storage::nvfp4_2d, 64, 96, 5);
+  const StoredOperand X(Storage::mxfp8, 20, 64, 6);
+  const int64_t M = 20, N = 24, K = 40;  // y(20 x 24) = x[:, 16:56] W[32:56, 16:56]^T
+  std::vector<float> got(M * N), want(M * N);
+  gemm(got.data(), N, gemm_operand(X.q, Trans::N, 0, 16), gemm_operand(W.q, Trans::T, 32, 16), M, N, K);
+  gemm(want.data(), N, X.dense.data() + 16, 64, Trans::N, W.dense.data() + 32 * 96 + 16, 96, Trans::T, M, N, K);
+  EXPECT_TRUE(bitwise_equal(got, want));
+  EXPECT_THROW(gemm(got.data(), N, gemm_operand(X.q, Trans::N, 0, 30), gemm_operand(W.q, Trans::T), M, N, K),
+               InternalError);
 }
 
 }  // namespace

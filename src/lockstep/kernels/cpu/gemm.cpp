@@ -5,7 +5,8 @@
 // It loads the tile's running value (init on the first K block, C afterwards), continues the FMA
 // chain over the K block, and stores it back. Every element of C is therefore one chain
 // fma(a_k, b_k, acc) for k = 0..K-1 in order, whatever the blocking, the thread split or the
-// micro-kernel, which is the determinism contract of gemm.h. Packing only copies values.
+// micro-kernel, which is the determinism contract of gemm.h. Packing only copies values (a bf16 or
+// quantised operand is decoded to exactly its dequantised fp32 values on the way).
 #include "lockstep/kernels/cpu/gemm.h"
 
 #include <algorithm>
@@ -16,7 +17,9 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/float_formats.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
 // GCC keeps a micro-kernel's accumulator array in registers only if the loops over it are unrolled
@@ -32,9 +35,11 @@ enum class Init : uint8_t { kC, kZero, kBias };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// One product as the kernels see it: the caller's operands and where each chain starts.
+// One product as the kernels see it: the caller's operands and where each chain starts. An operand
+// whose source kind is not f32 is read from its source (decoded while packing), not from A / B.
 struct Problem : GemmBatchItem {
   Init init;
+  GemmOperand a_src, b_src;
 };
 
 // Checks a product's sizes and leading dimensions (`what` names it in the message) and derives
@@ -44,7 +49,7 @@ Problem make_problem(const GemmBatchItem& it, const char* what) {
   LOCKSTEP_CHECK(it.ldc >= it.N, what, " ldc=", it.ldc, " < N=", it.N);
   LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), what, " lda=", it.lda, " too small");
   LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), what, " ldb=", it.ldb, " too small");
-  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero};
+  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero, {}, {}};
 }
 
 // The grid tm x (parts / tm) of rectangles over units_m x units_n micro-tiles with the smallest
@@ -262,26 +267,6 @@ void pack_cols(float* __restrict dst, const float* __restrict src, int64_t ld, i
   }
 }
 
-// op(A)[i0, i0 + mc) x [k0, k0 + kc) into panels of MR rows.
-template <int MR>
-void pack_a(float* dst, const Problem& p, int64_t i0, int64_t mc, int64_t k0, int64_t kc) {
-  if (p.ta == Trans::T) {
-    pack_rows<MR>(dst, p.A + k0 * p.lda + i0, p.lda, kc, mc);
-  } else {
-    pack_cols<MR>(dst, p.A + i0 * p.lda + k0, p.lda, kc, mc);
-  }
-}
-
-// op(B)[k0, k0 + kc) x [j0, j0 + nc) into panels of NR columns.
-template <int NR>
-void pack_b(float* dst, const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t nc) {
-  if (p.tb == Trans::N) {
-    pack_rows<NR>(dst, p.B + k0 * p.ldb + j0, p.ldb, kc, nc);
-  } else {
-    pack_cols<NR>(dst, p.B + j0 * p.ldb + k0, p.ldb, kc, nc);
-  }
-}
-
 // ---------------------------------------------------------------- driver
 
 // 64-byte aligned scratch that only grows: the packing buffers of one thread, reused across calls.
@@ -304,6 +289,102 @@ class Scratch {
   size_t size_ = 0;
 };
 
+
+// ---------------------------------------------------------------- decoding while packing
+//
+// A bf16 or quantised operand is decoded one stored row segment at a time into a small buffer
+// (L1 / L2 resident), which the fp32 packing routines then lay out: the packed panels hold exactly
+// the values dequantize() would produce, so the micro-kernels and the FMA chains are the fp32 ones.
+
+// Stored row r, columns [c, c + len) of the operand's storage (its view origin applied), as fp32.
+void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float* out) {
+  if (src.kind == GemmOperand::Kind::bf16) {
+    const bf16* p = static_cast<const bf16*>(src.data) + r * src.ld + c;
+    for (int64_t j = 0; j < len; ++j) out[j] = to_f32(p[j]);
+    return;
+  }
+  const auto& q = *static_cast<const QuantizedTensor*>(src.data);
+  r += src.row0;
+  c += src.col0;
+  const std::array<float, 256>& table = decode_table(q.elem);
+  const float ts = q.tensor_scale;
+  const int64_t br = r / q.block_rows, end = c + len;
+  const uint8_t* codes = q.codes.data() + r * q.row_bytes();
+  while (c < end) {
+    const int64_t bc = c / q.block_cols, stop = std::min(end, (bc + 1) * q.block_cols);
+    const float s = q.block_scale(br, bc);
+    if (q.elem != ElemFormat::e2m1) {
+      for (; c < stop; ++c) *out++ = (table[codes[c]] * s) * ts;
+    } else {
+      for (; c < stop; ++c) *out++ = (table[(codes[c >> 1] >> (4 * (c & 1))) & 0xF] * s) * ts;
+    }
+  }
+}
+
+// pack_rows from a decoded source: element (k, x) is stored (k0 + k, x0 + x).
+template <int W>
+void pack_rows_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0,
+                       int64_t len) {
+  thread_local Scratch row;
+  float* tmp = row.get(static_cast<size_t>(len));
+  const int64_t full = len / W, rem = len % W, panel = kc * W;
+  for (int64_t k = 0; k < kc; ++k) {
+    decode_row(src, k0 + k, x0, len, tmp);
+    float* d = dst + k * W;
+    for (int64_t q = 0; q < full; ++q) std::memcpy(d + q * panel, tmp + q * W, W * sizeof(float));
+    if (rem) {
+      float* dr = d + full * panel;
+      for (int64_t x = 0; x < rem; ++x) dr[x] = tmp[full * W + x];
+      for (int64_t x = rem; x < W; ++x) dr[x] = 0.0f;
+    }
+  }
+}
+
+// pack_cols from a decoded source: element (k, x) is stored (x0 + x, k0 + k); one panel of W stored
+// rows at a time is decoded, then transposed by pack_cols.
+template <int W>
+void pack_cols_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0,
+                       int64_t len) {
+  thread_local Scratch panel;
+  float* tmp = panel.get(static_cast<size_t>(W * kc));
+  for (int64_t x = 0; x < len; x += W, dst += kc * W) {
+    const int64_t rows = std::min<int64_t>(W, len - x);
+    for (int64_t r = 0; r < rows; ++r) decode_row(src, x0 + x + r, k0, kc, tmp + r * kc);
+    pack_cols<W>(dst, tmp, kc, kc, rows);
+  }
+}
+
+// op(A)[i0, i0 + mc) x [k0, k0 + kc) into panels of MR rows.
+template <int MR>
+void pack_a(float* dst, const Problem& p, int64_t i0, int64_t mc, int64_t k0, int64_t kc) {
+  if (p.a_src.kind != GemmOperand::Kind::f32) {
+    if (p.ta == Trans::T) {
+      pack_rows_decoded<MR>(dst, p.a_src, k0, kc, i0, mc);
+    } else {
+      pack_cols_decoded<MR>(dst, p.a_src, k0, kc, i0, mc);
+    }
+  } else if (p.ta == Trans::T) {
+    pack_rows<MR>(dst, p.A + k0 * p.lda + i0, p.lda, kc, mc);
+  } else {
+    pack_cols<MR>(dst, p.A + i0 * p.lda + k0, p.lda, kc, mc);
+  }
+}
+
+// op(B)[k0, k0 + kc) x [j0, j0 + nc) into panels of NR columns.
+template <int NR>
+void pack_b(float* dst, const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t nc) {
+  if (p.b_src.kind != GemmOperand::Kind::f32) {
+    if (p.tb == Trans::N) {
+      pack_rows_decoded<NR>(dst, p.b_src, k0, kc, j0, nc);
+    } else {
+      pack_cols_decoded<NR>(dst, p.b_src, k0, kc, j0, nc);
+    }
+  } else if (p.tb == Trans::N) {
+    pack_rows<NR>(dst, p.B + k0 * p.ldb + j0, p.ldb, kc, nc);
+  } else {
+    pack_cols<NR>(dst, p.B + j0 * p.ldb + k0, p.ldb, kc, nc);
+  }
+}
 
 // Splits `len` into equal blocks of at most `cap`, each a multiple of `unit`: avoids a thin last
 // block (a K block of 3 steps would pay a full tile load/store for almost no work).
@@ -511,10 +592,46 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   }
 }
 
-void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t lda, Trans ta,
-               const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K,
-               const GemmOptions& opt) {
-  const Problem p = make_problem({C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt.accumulate, opt.bias}, "gemm");
+// The problem C = init + op(A) op(B) on operands in any storage: an fp32 operand is read in place,
+// any other is decoded while packing (its view checked against the stored matrix here).
+Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
+                             int64_t M, int64_t N, int64_t K, const GemmOptions& opt, const char* what) {
+  const auto floats = [](const GemmOperand& o) {
+    return o.kind == GemmOperand::Kind::f32 ? static_cast<const float*>(o.data) : nullptr;
+  };
+  Problem p = make_problem({C, ldc, floats(A), A.ld, A.trans, floats(B), B.ld, B.trans, M, N, K,
+                            opt.accumulate, opt.bias}, what);
+  p.a_src = A;
+  p.b_src = B;
+  // Stored shape of op(X) (rows x cols) for an operand whose op is (outer x K) (A) or (K x outer) (B).
+  const auto check_view = [&](const GemmOperand& o, int64_t stored_rows, int64_t stored_cols, const char* name) {
+    if (o.kind != GemmOperand::Kind::quantized) return;
+    const auto& q = *static_cast<const QuantizedTensor*>(o.data);
+    LOCKSTEP_CHECK(o.row0 >= 0 && o.col0 >= 0 && o.row0 + stored_rows <= q.rows && o.col0 + stored_cols <= q.cols,
+                   what, " operand ", name, ": a ", stored_rows, "x", stored_cols, " view at (", o.row0, ", ",
+                   o.col0, ") does not fit the quantised ", q.rows, "x", q.cols);
+  };
+  if (M > 0 && N > 0 && K > 0) {
+    check_view(A, A.trans == Trans::N ? M : K, A.trans == Trans::N ? K : M, "A");
+    check_view(B, B.trans == Trans::N ? K : N, B.trans == Trans::N ? N : K, "B");
+  }
+  return p;
+}
+
+// The operand viewed from k0 on along K (K runs along its stored columns or rows).
+GemmOperand skip_k(GemmOperand o, bool k_along_cols, int64_t k0) {
+  const int64_t offset = k_along_cols ? k0 : k0 * o.ld;
+  switch (o.kind) {
+    case GemmOperand::Kind::f32: o.data = static_cast<const float*>(o.data) + offset; break;
+    case GemmOperand::Kind::bf16: o.data = static_cast<const bf16*>(o.data) + offset; break;
+    case GemmOperand::Kind::quantized: (k_along_cols ? o.col0 : o.row0) += k0; break;
+  }
+  return o;
+}
+
+void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
+               int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+  const Problem p = make_operand_problem(C, ldc, A, B, M, N, K, opt, "gemm");
   if (opt.k_segments.empty()) {
     run(kr, p);
     return;
@@ -530,9 +647,8 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
   for (size_t s = 0; s + 1 < seg.size(); ++s) {
     const int64_t k0 = seg[s], k1 = seg[s + 1];
     LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
-    const float* As = A + (ta == Trans::N ? k0 : k0 * lda);
-    const float* Bs = B + (tb == Trans::N ? k0 * ldb : k0);
-    run(kr, make_problem({partial.data(), N, As, lda, ta, Bs, ldb, tb, M, N, k1 - k0}, "gemm segment"));
+    const GemmOperand As = skip_k(A, A.trans == Trans::N, k0), Bs = skip_k(B, B.trans == Trans::T, k0);
+    run(kr, make_operand_problem(partial.data(), N, As, Bs, M, N, k1 - k0, {}, "gemm segment"));
     const Init base = s == 0 ? init : Init::kC;
     parallel_for(M, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
@@ -551,7 +667,16 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const float* A, int64_t 
 
 void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
           Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
-  gemm_with(best_kernel(), C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
+  gemm_with(best_kernel(), C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
+}
+
+GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0, int64_t col0) {
+  return {GemmOperand::Kind::quantized, &q, q.cols, t, row0, col0};
+}
+
+void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
+          int64_t K, const GemmOptions& opt) {
+  gemm_with(best_kernel(), C, ldc, A, B, M, N, K, opt);
 }
 
 void gemm_batch(const GemmBatchItem* items, int64_t count) { gemm_batch_with(best_kernel(), items, count); }
@@ -561,7 +686,7 @@ const char* gemm_kernel_name() { return best_kernel().name; }
 namespace detail {
 void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
                    int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
-  gemm_with(kPortable, C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
+  gemm_with(kPortable, C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
 std::vector<std::string> gemm_kernels() {
@@ -573,8 +698,13 @@ std::vector<std::string> gemm_kernels() {
 void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda,
                       Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N,
                       int64_t K, const GemmOptions& opt) {
+  gemm_with_kernel(kernel, C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
+}
+
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const GemmOperand& A,
+                      const GemmOperand& B, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   for (const Kernel* k : runnable_kernels()) {
-    if (kernel == k->name) return gemm_with(*k, C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt);
+    if (kernel == k->name) return gemm_with(*k, C, ldc, A, B, M, N, K, opt);
   }
   LOCKSTEP_CHECK(false, "no GEMM micro-kernel named ", kernel, " on this machine");
 }

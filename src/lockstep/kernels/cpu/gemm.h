@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/core/dtype.h"
+
 namespace lockstep {
 
 enum class Trans : uint8_t { N, T };
@@ -65,6 +67,41 @@ struct GemmBatchItem {
 // For many small products (an MoE layer's experts), this replaces one region per product.
 void gemm_batch(const GemmBatchItem* items, int64_t count);
 
+// ---- Operands in low precision
+//
+// One operand of a GEMM as it is stored: fp32, bf16, or a QuantizedTensor (FP8 / MXFP8 / NVFP4
+// codes with their scales, kernels/cpu/quantize.h). op(X) reads the stored matrix as is (Trans::N)
+// or its transpose (Trans::T), with the same meaning as gemm()'s A and B. Low-precision operands
+// are decoded to fp32 while the GEMM packs its panels (no extra pass over memory, and the memory
+// read is the codes', not fp32's); the arithmetic is the fp32 GEMM's.
+//
+// Determinism guarantee: gemm() on operands equals, bit for bit, gemm() on the fp32 matrices that
+// the operands stand for: a bf16 value widened exactly, a quantised one dequantised exactly as
+// dequantize() does (value = (decode(code) * block_scale) * tensor_scale in fp32). So the FMA-chain
+// guarantee above holds unchanged (threads, tiling, micro-kernel, split-K, k_segments).
+struct QuantizedTensor;
+
+struct GemmOperand {
+  enum class Kind : uint8_t { f32, bf16, quantized };
+  Kind kind = Kind::f32;
+  const void* data = nullptr;  // const float*, const bf16*, or const QuantizedTensor*
+  int64_t ld = 0;              // row length of the storage (a QuantizedTensor: its cols)
+  Trans trans = Trans::N;
+  int64_t row0 = 0, col0 = 0;  // a QuantizedTensor operand: the view's origin in the stored matrix
+};
+inline GemmOperand gemm_operand(const float* x, int64_t ld, Trans t) {
+  return {GemmOperand::Kind::f32, x, ld, t};
+}
+inline GemmOperand gemm_operand(const bf16* x, int64_t ld, Trans t) {
+  return {GemmOperand::Kind::bf16, x, ld, t};
+}
+// The view of q that starts at stored element (row0, col0) (a slice along K or along M / N).
+GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0 = 0, int64_t col0 = 0);
+
+// C(M, N) = init + op(A)(M, K) * op(B)(K, N) with A and B in any storage; options as gemm()'s.
+void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
+          int64_t K, const GemmOptions& opt = {});
+
 // Which micro-kernel gemm() runs on this machine ("avx512-4x64", "avx2-6x16", "portable").
 const char* gemm_kernel_name();
 
@@ -79,6 +116,8 @@ std::vector<std::string> gemm_kernels();
 void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda,
                       Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N,
                       int64_t K, const GemmOptions& opt);
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const GemmOperand& A,
+                      const GemmOperand& B, int64_t M, int64_t N, int64_t K, const GemmOptions& opt);
 }  // namespace detail
 
 }  // namespace lockstep
