@@ -9,6 +9,9 @@
 //   forward y = x W^T        NT  M=tokens N=out K=in
 //   input grad dx = dy W     NN  M=tokens N=in  K=out
 //   weight grad dW += dy^T x TN  M=out    N=in  K=tokens (accumulate)
+// Then lowp/: the same GEMM with both operands stored in bf16, FP8 (E4M3 per tensor, MXFP8) or
+// NVFP4, decoded while packing (gemm.h GemmOperand), against fp32 operands through the same call:
+//   build/bench_gemm --benchmark_filter=lowp/
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
@@ -19,6 +22,7 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/quantize.h"
 
 extern "C" {
 void openblas_set_num_threads(int num_threads);
@@ -133,6 +137,61 @@ void register_grouped() {
   }
 }
 
+// Both operands of a shape in one storage, through the GemmOperand overload of gemm().
+enum class Storage { f32, bf16, e4m3, mxfp8, nvfp4 };
+const char* storage_name(Storage st) {
+  switch (st) {
+    case Storage::f32: return "f32";
+    case Storage::bf16: return "bf16";
+    case Storage::e4m3: return "e4m3";
+    case Storage::mxfp8: return "mxfp8";
+    case Storage::nvfp4: break;
+  }
+  return "nvfp4";
+}
+
+struct StoredMatrix {
+  std::vector<float> f32;
+  std::vector<lockstep::bf16> half;
+  lockstep::QuantizedTensor q;
+  StoredMatrix(Storage st, const std::vector<float>& x, int64_t rows, int64_t cols) {
+    using lockstep::ElemFormat;
+    switch (st) {
+      case Storage::f32: f32 = x; break;
+      case Storage::bf16:
+        for (float v : x) half.push_back(lockstep::to_bf16(v));
+        break;
+      case Storage::e4m3:
+        lockstep::quantize_tensorwise(q, x.data(), rows, cols, ElemFormat::e4m3,
+                                      lockstep::fp8_scale_from_amax(lockstep::amax(x.data(), rows * cols), ElemFormat::e4m3));
+        break;
+      case Storage::mxfp8: lockstep::quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3); break;
+      case Storage::nvfp4: lockstep::quantize_nvfp4(q, x.data(), rows, cols); break;
+    }
+  }
+  lockstep::GemmOperand operand(Storage st, int64_t cols, Trans t) const {
+    if (st == Storage::f32) return lockstep::gemm_operand(f32.data(), cols, t);
+    if (st == Storage::bf16) return lockstep::gemm_operand(half.data(), cols, t);
+    return lockstep::gemm_operand(q, t);
+  }
+};
+
+void bm_lowp(benchmark::State& state, Shape s, Storage st, int threads) {
+  Operands op(s);
+  const int64_t a_cols = s.ta == Trans::N ? s.K : s.M, b_cols = s.tb == Trans::N ? s.N : s.K;
+  const StoredMatrix A(st, op.A, s.M * s.K / a_cols, a_cols), B(st, op.B, s.K * s.N / b_cols, b_cols);
+  const lockstep::GemmOperand a = A.operand(st, a_cols, s.ta), b = B.operand(st, b_cols, s.tb);
+  lockstep::ThreadPool pool(threads);
+  lockstep::ThreadPool::Bind bind(&pool);
+  lockstep::GemmOptions opt;
+  opt.accumulate = s.accumulate;
+  for (auto _ : state) {
+    lockstep::gemm(op.C.data(), s.N, a, b, s.M, s.N, s.K, opt);
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, s);
+}
+
 std::string shape_name(const Shape& s) {
   return std::to_string(s.M) + "x" + std::to_string(s.N) + "x" + std::to_string(s.K) + "/" +
          (s.ta == Trans::N ? "N" : "T") + (s.tb == Trans::N ? "N" : "T");
@@ -159,6 +218,23 @@ void register_other_kernels(const Shape& s, int threads) {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond)
         ->MinTime(0.3);
+  }
+}
+
+void register_lowp() {
+  const Shape shapes[] = {{1024, 1024, 1024, Trans::N, Trans::T, false},
+                          {1024, 1024, 256, Trans::N, Trans::T, false},    // fc forward
+                          {1024, 256, 1024, Trans::N, Trans::N, false},    // fc input grad
+                          {1024, 256, 1024, Trans::T, Trans::N, true}};    // fc weight grad
+  for (const Shape& s : shapes) {
+    for (int threads : {1, 2}) {
+      for (Storage st : {Storage::f32, Storage::bf16, Storage::e4m3, Storage::mxfp8, Storage::nvfp4}) {
+        const std::string name = std::string("lowp/") + storage_name(st) + "/" + shape_name(s) +
+                                 "/threads:" + std::to_string(threads);
+        benchmark::RegisterBenchmark(name.c_str(), bm_lowp, s, st, threads)
+            ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+      }
+    }
   }
 }
 
@@ -189,6 +265,7 @@ int main(int argc, char** argv) {
   benchmark::AddCustomContext("openblas_core", openblas_get_corename());
   register_all();
   register_grouped();
+  register_lowp();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;

@@ -379,6 +379,11 @@ TEST(GemmOperands, QuantisedViews) {
   gemm(got.data(), N, gemm_operand(X.q, Trans::N, 0, 16), gemm_operand(W.q, Trans::T, 32, 16), M, N, K);
   gemm(want.data(), N, X.dense.data() + 16, 64, Trans::N, W.dense.data() + 32 * 96 + 16, 96, Trans::T, M, N, K);
   EXPECT_TRUE(bitwise_equal(got, want));
+  // An odd column origin in packed E2M1 (a view starting in the high nibble of a byte).
+  const StoredOperand X4(Storage::nvfp4, 20, 64, 7);
+  gemm(got.data(), N, gemm_operand(X4.q, Trans::N, 0, 3), gemm_operand(W.q, Trans::T, 32, 16), M, N, K);
+  gemm(want.data(), N, X4.dense.data() + 3, 64, Trans::N, W.dense.data() + 32 * 96 + 16, 96, Trans::T, M, N, K);
+  EXPECT_TRUE(bitwise_equal(got, want, "odd origin"));
   EXPECT_THROW(gemm(got.data(), N, gemm_operand(X.q, Trans::N, 0, 30), gemm_operand(W.q, Trans::T), M, N, K),
                InternalError);
 }
