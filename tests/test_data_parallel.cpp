@@ -175,5 +175,36 @@ TEST(DataParallel, DistributedOptimizerStateShrinksAsOneOverDp) {
   }
 }
 
+// The overlap happens: on the last micro-batch backward itself posts every bucket's reduction, and
+// with the gather in the background the next forward completes every bucket's gather.
+TEST(DataParallel, BackwardPostsEveryBucketAndForwardCompletesEveryGather) {
+  const Config c = job("moe-debug", "unused", {"ddp.bucket_size=20000", "ddp.overlap_param_gather=true"});
+  const int64_t N = c.train.micro_batch * c.model.seq_length;
+  const std::vector<int32_t> tokens = testing::random_ints(N, 256, 1, "tokens"),
+                             targets = testing::random_ints(N, 256, 2, "targets");
+  run_threads(2, 60, [&](Communicator& comm) {
+    GPT model(c.model, c.train.micro_batch, c.moe);
+    model.params().init(1);
+    const Mesh mesh(comm.size(), {});
+    Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+    Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+    DataParallel dp(model.params(), dense, expert, c.ddp, /*distributed=*/true);
+    Optimizer opt(model.params(), c.optimizer, dp.optimizer_ranges());
+    model.set_grads_ready_hook([&](int first, int end) { dp.grads_ready(first, end); });
+    model.set_params_needed_hook([&](int first, int end) { dp.params_needed(first, end); });
+    ASSERT_GT(dp.num_buckets(), 3);
+    model.params().zero_grads();
+    model.begin_step(1, 1);
+    dp.begin_last_micro();
+    model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N));
+    EXPECT_EQ(dp.buckets_posted_in_backward(), dp.num_buckets());
+    dp.finish_grad_sync();
+    dp.step(opt, 1, 1e-3, opt.clip_scale(dp.grad_norm()));
+    EXPECT_EQ(dp.gathers_completed_in_forward(), 0);
+    model.evaluate(tokens.data(), targets.data());
+    EXPECT_EQ(dp.gathers_completed_in_forward(), dp.num_buckets());
+  });
+}
+
 }  // namespace
 }  // namespace lockstep

@@ -7,6 +7,8 @@
 #include <cmath>
 #include <cstdio>
 
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/data/documents.h"
@@ -246,22 +248,36 @@ TrainSummary quiet_train(const Config& c) {
 }
 
 // The step's loss is the mean over its unmasked tokens, whatever the micro-batch split: one
-// micro-batch of 4 and four of 1 (each with its own count of EOD tokens) agree. A per-micro-batch
-// mean would not.
+// micro-batch of 4, four of 1 (each with its own count of EOD tokens), and the same global batch on
+// 2 and 4 data-parallel ranks (the unmasked tokens are counted over the ranks) agree. A
+// per-micro-batch or per-rank mean would not.
 TEST(Documents, EodMaskLossNormalisesByTheStepsTokens) {
   testing::TempDir dir;
   const std::string prefix = write_documents(dir);
   std::vector<TrainSummary> runs;
-  for (const char* micro : {"4", "1"}) {
-    runs.push_back(quiet_train(load_config(
+  for (const auto& [micro, ranks] : {std::pair{"4", 1}, {"1", 1}, {"2", 2}, {"1", 4}}) {
+    const Config c = load_config(
         std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
         {"data.source=indexed:" + prefix, "data.eod_token=256", "data.eod_mask_loss=true",
          "data.reset_position_ids=true", "data.reset_attention_mask=true", "model.vocab_size=259",
          "model.seq_length=32", "train.steps=3", "train.global_batch=4", std::string("train.micro_batch=") + micro,
-         "train.eval_interval=0", "train.threads=2", "train.out_dir=" + dir.path(micro)})));
+         "train.eval_interval=0", ranks > 1 ? "train.threads=1" : "train.threads=2",
+         "train.out_dir=" + dir.path(micro + std::to_string(ranks))});
+    if (ranks == 1) {
+      runs.push_back(quiet_train(c));
+      continue;
+    }
+    std::FILE* sink = std::fopen("/dev/null", "w");
+    run_threads(ranks, 60, [&](Communicator& comm) {
+      const TrainSummary s = train(c, sink, comm);
+      if (comm.rank() == 0) runs.push_back(s);
+    });
+    std::fclose(sink);
   }
-  EXPECT_NEAR(runs[0].first_loss, runs[1].first_loss, 1e-6 * runs[0].first_loss);
-  EXPECT_NEAR(runs[0].last_loss, runs[1].last_loss, 1e-5 * runs[0].last_loss);
+  for (size_t k = 1; k < runs.size(); ++k) {
+    EXPECT_NEAR(runs[0].first_loss, runs[k].first_loss, 1e-6 * runs[0].first_loss) << k;
+    EXPECT_NEAR(runs[0].last_loss, runs[k].last_loss, 1e-5 * runs[0].last_loss) << k;
+  }
 }
 
 TEST(Documents, FlagsNeedAnEndOfDocumentToken) {

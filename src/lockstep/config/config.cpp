@@ -143,8 +143,8 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
       LS_KEY(parallel.expert_tensor, "tensor-parallel size of the experts"),
       LS_KEY(ddp.overlap_grad_reduce, "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
-      LS_KEY(ddp.overlap_param_gather, "optimizer.distributed: all-gather a bucket's updated parameters while the next "
-                                       "bucket is updated (bitwise the same)"),
+      LS_KEY(ddp.overlap_param_gather, "optimizer.distributed: all-gather the updated parameters in the background; the "
+                                       "next forward waits for each bucket before its first use (bitwise the same)"),
       LS_KEY(ddp.bucket_size, "gradient elements per bucket reduced at once (buckets hold whole parameters)"),
       LS_KEY(dist.backend, "communication backend: auto = mpi under mpirun, else threads (lockstep train --nproc N)",
              {"auto", "threads", "mpi"}),

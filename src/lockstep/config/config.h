@@ -77,7 +77,7 @@ struct ParallelConfig {
 // Data-parallel gradient reduction (parallel/data_parallel.h).
 struct DdpConfig {
   bool overlap_grad_reduce = true;       // reduce each bucket as soon as backward finishes it
-  bool overlap_param_gather = false;     // distributed optimizer: gather a bucket's parameters while updating the next
+  bool overlap_param_gather = false;     // distributed optimizer: gather parameters while the next forward runs
   int64_t bucket_size = 4000000;         // elements per gradient bucket (at least; buckets hold whole parameters)
 };
 

@@ -112,9 +112,12 @@ void GPT::forward(const int32_t* tokens, bool training) {
   if (positions() || doc_start())
     document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
                     tokens, B_, T_, eod_);
+  const int num_params = static_cast<int>(params_.specs().size());
+  if (params_needed_) params_needed_(0, layer_first_[0]);
   embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
                     B_, T_, C_, V_, positions());
   for (int64_t l = 0; l < L_; ++l) {
+    if (params_needed_) params_needed_(layer_first_[l], layer_first_[l + 1]);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
                      positions(), doc_start());
     if (moe_[l]) {
@@ -124,6 +127,8 @@ void GPT::forward(const int32_t* tokens, bool training) {
       mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
     }
   }
+  // The final norm, the untied head and the MTP depths.
+  if (params_needed_) params_needed_(layer_first_[L_], num_params);
   final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
 }
 

@@ -78,6 +78,9 @@ class GPT {
   // reducing them while backward goes on (parallel/data_parallel.h). Table order is forward order,
   // so the calls come in decreasing ranges and together cover the table once per micro-batch.
   void set_grads_ready_hook(std::function<void(int first, int end)> hook) { grads_ready_ = std::move(hook); }
+  // Called by forward before it reads parameters [first, end) of the table (in increasing ranges
+  // covering the table): data parallelism waits there for parameters still being all-gathered.
+  void set_params_needed_hook(std::function<void(int first, int end)> hook) { params_needed_ = std::move(hook); }
   // Parameters and, for MoE models, the expert biases (state the optimizer does not own).
   uint64_t state_hash() const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
@@ -134,7 +137,7 @@ class GPT {
   int64_t step_ = 0, micro_ = 0;
   // layer_first_[l]: the table index of layer l's first parameter; [L] that of the final norm.
   std::vector<int> layer_first_;
-  std::function<void(int, int)> grads_ready_;
+  std::function<void(int, int)> grads_ready_, params_needed_;
 };
 
 }  // namespace lockstep

@@ -74,6 +74,7 @@ std::vector<ParamRange> DataParallel::optimizer_ranges() const {
 
 void DataParallel::begin_last_micro() {
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
+  posted_in_backward_ = 0;
   armed_ = ddp_.overlap_grad_reduce;
 }
 
@@ -82,11 +83,15 @@ void DataParallel::grads_ready(int first, int end) {
   for (int p = first; p < end; ++p) {
     Bucket& b = buckets_[static_cast<size_t>(bucket_of_[p])];
     LOCKSTEP_CHECK(b.pending > 0, "gradient of ", ps_.specs()[p].name, " reported final twice in one backward");
-    if (--b.pending == 0) post(b);
+    if (--b.pending == 0) {
+      post(b);
+      ++posted_in_backward_;
+    }
   }
 }
 
 void DataParallel::post(Bucket& b) {
+  if (b.gathering) finish_gather(b);  // the packed buffer is the gather's destination
   b.posted = true;
   const int P = b.comm->size();
   if (P == 1) return;
@@ -156,13 +161,10 @@ void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float gra
     optimizer.update(ps_, step, lr, grad_scale);
     return;
   }
-  auto unpack = [&](Bucket& b) {
-    b.work.wait();
-    for (size_t i = 0; i < b.params.size(); ++i)
-      std::memcpy(ps_.value(b.params[i]), b.packed.data() + b.at[i],
-                  static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
-  };
-  for (Bucket& b : buckets_) {
+  gathered_in_forward_ = 0;
+  // Forward order (the reverse of backward's), so that the gather forward needs first runs first.
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
+    Bucket& b = *it;
     optimizer.update(ps_, step, lr, grad_scale, b.mine);
     if (b.comm->size() == 1) continue;
     const int64_t lo = b.comm->rank() * b.chunk;
@@ -172,11 +174,31 @@ void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float gra
                   static_cast<size_t>(r.end - r.begin) * sizeof(float));
     }
     b.work = b.comm->all_gather_async(b.packed.data(), b.chunk_buf.data(), b.chunk);
-    if (!ddp_.overlap_param_gather) unpack(b);
+    b.gathering = true;
+    if (!ddp_.overlap_param_gather) finish_gather(b);
   }
-  if (ddp_.overlap_param_gather)
-    for (Bucket& b : buckets_)
-      if (b.comm->size() > 1) unpack(b);
+}
+
+void DataParallel::finish_gather(Bucket& b) {
+  b.work.wait();
+  b.gathering = false;
+  for (size_t i = 0; i < b.params.size(); ++i)
+    std::memcpy(ps_.value(b.params[i]), b.packed.data() + b.at[i],
+                static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+}
+
+void DataParallel::params_needed(int first, int end) {
+  for (int p = first; p < end; ++p) {
+    Bucket& b = buckets_[static_cast<size_t>(bucket_of_[p])];
+    if (!b.gathering) continue;
+    finish_gather(b);
+    ++gathered_in_forward_;
+  }
+}
+
+void DataParallel::wait_params() {
+  for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it)
+    if (it->gathering) finish_gather(*it);
 }
 
 }  // namespace lockstep

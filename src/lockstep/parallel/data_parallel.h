@@ -67,10 +67,19 @@ class DataParallel {
   // the chunks' sums are computed here or gathered from their owners).
   double grad_norm();
 
-  // The optimizer step on the owned elements, bucket by bucket; distributed: each bucket's
-  // updated chunks are all-gathered (while the next bucket is updated, with
-  // ddp.overlap_param_gather). Afterwards every rank holds every updated parameter.
+  // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each
+  // bucket's updated chunks are all-gathered. Afterwards every rank holds every updated parameter,
+  // except with ddp.overlap_param_gather: then the gathers run in the background and
+  // params_needed() (GPT's forward hook) or wait_params() completes them.
   void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale);
+  // Parameters [first, end) are about to be read: completes their buckets' gathers.
+  void params_needed(int first, int end);
+  // Completes every gather still running (before anything but forward reads the parameters).
+  void wait_params();
+  // Buckets whose reduction the last backward posted itself (ddp.overlap_grad_reduce), and buckets
+  // whose gather the last forward waited for (ddp.overlap_param_gather): what overlapped.
+  int64_t buckets_posted_in_backward() const { return posted_in_backward_; }
+  int64_t gathers_completed_in_forward() const { return gathered_in_forward_; }
 
  private:
   struct Bucket {
@@ -81,6 +90,7 @@ class DataParallel {
     std::vector<ParamRange> mine;  // this rank's chunk as parameter ranges
     int pending = 0;             // parameters not yet final this step
     bool posted = false;
+    bool gathering = false;      // an all-gather of its parameters is in flight
     FloatBuffer packed;          // (chunk x P)
     FloatBuffer chunk_buf;       // (chunk) reduce-scatter output / all-gather input
     Work work;
@@ -88,6 +98,7 @@ class DataParallel {
   // Rank r's chunk of bucket b as parameter ranges.
   std::vector<ParamRange> chunk_ranges(const Bucket& b, int r) const;
   void post(Bucket& b);
+  void finish_gather(Bucket& b);
   // Rank r's chunk's sum of squares over every bucket of one buffer.
   double chunk_sum_of_squares(bool expert, int r) const;
 
@@ -97,6 +108,7 @@ class DataParallel {
   DdpConfig ddp_;
   bool distributed_;
   bool armed_ = false;
+  int64_t posted_in_backward_ = 0, gathered_in_forward_ = 0;
   std::vector<Bucket> buckets_;  // in the order backward completes them
   std::vector<int> bucket_of_;   // per parameter
   std::vector<ParamRange> shard_;

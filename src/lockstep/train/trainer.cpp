@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cmath>
 #include <memory>
+#include <optional>
 #include <thread>
 #include <vector>
 
@@ -172,6 +173,26 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     return sum / static_cast<double>(tc.eval_batches);
   };
 
+  // Writes a step's fingerprint line once the parameters are complete. Data-parallel replicas hold
+  // the same parameters, expert biases and loss, bit for bit: they agree exactly when max(h) and
+  // max(~h) over the group are h and ~h (one tiny all-reduce).
+  const bool gather_in_background = config.optimizer.distributed && config.ddp.overlap_param_gather;
+  if (gather_in_background) model.set_params_needed_hook([&dp](int first, int end) { dp.params_needed(first, end); });
+  std::optional<Fingerprint> pending_fingerprint;
+  auto write_fingerprint = [&](Fingerprint fp) {
+    dp.wait_params();
+    fp.params = model.state_hash();
+    fingerprints.write(fp.json());
+    if (dp_size > 1) {
+      const uint64_t fields[] = {fp.params, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
+      const uint64_t h = hash_bytes(fields, sizeof fields);
+      uint64_t agree[2] = {h, ~h};
+      dense_dp.all_reduce(agree, 2, ReduceOp::max);
+      if (agree[0] != h || agree[1] != ~h)
+        throw CommError(str("rank ", comm.rank(), ": step ", fp.step, ": the data-parallel replicas' parameters or loss differ"));
+    }
+  };
+
   TrainSummary summary;
   std::vector<double> step_seconds;
   const auto start = Clock::now();
@@ -207,6 +228,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       const int64_t counted = fetch(micro);
       if (micro == accum - 1) dp.begin_last_micro();
       const double micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      if (pending_fingerprint) {
+        write_fingerprint(*pending_fingerprint);
+        pending_fingerprint.reset();
+      }
       sums[0] += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
       sums[1] += model.aux_loss();
       sums[2] += model.mtp_loss();
@@ -239,24 +264,16 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     fp.mtp_loss = mtp_loss;
     fp.grad_norm = grad_norm;
     fp.lr = lr;
-    fp.params = model.state_hash();
     fp.grads = grads_hash;
     fp.optimizer = optimizer.hash(dp.shard());
     // The random state of a step: the seed and where the data stream stands.
     const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
     fp.rng = hash_bytes(rng_state, sizeof rng_state);
     fp.rank = comm.rank(), fp.dp = coords.dp, fp.tp = coords.tp, fp.pp = coords.pp, fp.ep = coords.ep, fp.cp = coords.cp;
-    fingerprints.write(fp.json());
-    // Data-parallel replicas hold the same parameters, expert biases and loss, bit for bit: they
-    // agree exactly when max(h) and max(~h) over the group are h and ~h (one tiny all-reduce).
-    if (dp_size > 1) {
-      const uint64_t fields[] = {fp.params, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
-      const uint64_t h = hash_bytes(fields, sizeof fields);
-      uint64_t agree[2] = {h, ~h};
-      dense_dp.all_reduce(agree, 2, ReduceOp::max);
-      if (agree[0] != h || agree[1] != ~h)
-        throw CommError(str("rank ", comm.rank(), ": step ", step, ": the data-parallel replicas' parameters or loss differ"));
-    }
+    // With the parameter gather overlapped, the parameters are complete once the next step's
+    // first forward has run: the line waits until then.
+    if (gather_in_background && step < tc.steps) pending_fingerprint = fp;
+    else write_fingerprint(fp);
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
@@ -281,6 +298,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const bool eval_now = tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps);
     double eval_loss = -1;
     if (eval_now) {
+      dp.wait_params();
       eval_loss = evaluate();
       summary.last_eval_loss = eval_loss;
       if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
