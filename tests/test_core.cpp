@@ -171,6 +171,36 @@ TEST(Hash, HasherOverPiecesEqualsHashOfConcatenation) {
   EXPECT_NE(h.digest(), hash_bytes(data.data(), 999) /* other length */);
 }
 
+// The parallel block hash: the digest is XXH3 over (block hash, length) of the canonical 1 MiB
+// blocks, bitwise the same with 1, 2 and 3 threads, and it changes with any bit.
+TEST(Hash, BlockHasherIsIndependentOfThreadsAndMatchesItsDefinition) {
+  constexpr size_t kBlock = BlockHasher::kHashBlockBytes;
+  std::vector<unsigned char> data(3 * kBlock + 12345);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 2654435761u >> 13);
+  std::vector<uint64_t> blocks;
+  for (size_t b = 0; b < data.size(); b += kBlock) {
+    const size_t len = std::min(kBlock, data.size() - b);
+    blocks.push_back(hash_bytes(data.data() + b, len));
+    blocks.push_back(len);
+  }
+  const uint64_t want = hash_bytes(blocks.data(), blocks.size() * sizeof(uint64_t));
+  for (int threads : {1, 2, 3})
+    testing::with_threads(threads, [&] {
+      EXPECT_EQ(hash_blocks(data.data(), data.size()), want) << threads << " threads";
+      BlockHasher two;  // two buffers: their block lists in order
+      two.update(data.data(), kBlock + 5);
+      two.update(data.data() + kBlock + 5, data.size() - kBlock - 5);
+      BlockHasher again;
+      again.update(data.data(), kBlock + 5);
+      again.update(data.data() + kBlock + 5, data.size() - kBlock - 5);
+      EXPECT_EQ(two.digest(), again.digest());
+      EXPECT_NE(two.digest(), want) << "the buffer boundaries are part of the hash";
+    });
+  EXPECT_EQ(hash_blocks(nullptr, 0), hash_bytes(nullptr, 0));
+  data[2 * kBlock + 7] ^= 0x10;
+  EXPECT_NE(hash_blocks(data.data(), data.size()), want);
+}
+
 // For each thread count and n, parallel_for calls fn on the documented static split: chunk t is
 // [n*t/T, n*(t+1)/T), empty chunks skipped, every index covered exactly once.
 TEST(ThreadPool, ParallelForCoversEachIndexOnceOnTheStaticSplit) {

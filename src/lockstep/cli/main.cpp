@@ -35,6 +35,10 @@ const Command kCommands[] = {
      "                    [--append-eod] [--workers N]\n"
      "      tokenize a corpus (JSONL, or text with one document per paragraph) into PREFIX.bin/.idx\n"
      "      (Megatron's indexed dataset); SPEC: byte | gpt2:VOCAB_JSON,MERGES_TXT | hf:TOKENIZER_JSON"},
+    {"diff", lockstep::cli::diff_command,
+     "lockstep diff RUN_A RUN_B\n"
+     "      compare two run directories' fingerprints: the first differing step, rank and field with both\n"
+     "      values (exit 1), or \"identical over N steps\" (exit 0); with module traces (debug.trace), the module"},
     {"help", help_command,
      "lockstep help [config]\n"
      "      this text; `lockstep help config` lists every config key with its default"},

@@ -74,6 +74,19 @@ std::vector<bool> moe_layer_pattern(const std::string& text, int64_t L) {
 
 }  // namespace
 
+int64_t DebugConfig::inject_step() const {
+  const size_t colon = inject_ulp.find(':');
+  if (inject_ulp.empty() || colon == 0 || colon == std::string::npos || colon > 18) return 0;
+  int64_t step = 0;
+  const auto [p, ec] = std::from_chars(inject_ulp.data(), inject_ulp.data() + colon, step);
+  return ec == std::errc() && p == inject_ulp.data() + colon ? step : 0;
+}
+
+std::string DebugConfig::inject_module() const {
+  const size_t colon = inject_ulp.find(':');
+  return colon == std::string::npos ? "" : inject_ulp.substr(colon + 1);
+}
+
 bool MoeConfig::is_moe_layer(int64_t l, int64_t L) const {
   return num_experts > 0 && moe_layer_pattern(layer_freq, L)[static_cast<size_t>(l)];
 }
@@ -188,6 +201,11 @@ const std::vector<Key>& keys() {
       LS_KEY(moe.layer_freq, "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
                              "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
       LS_KEY(moe.input_jitter_eps, "router input multiplied by uniform(1 - eps, 1 + eps) in training; 0 = off"),
+      LS_KEY(debug.trace, "modules: hash every module's output and input gradient per micro-batch into "
+                          "RUN/trace/rank-NNNNN.jsonl (lockstep diff names the first module that differs)",
+             {"off", "modules"}),
+      LS_KEY(debug.inject_ulp, "\"STEP:MODULE\" (e.g. \"3:layers.1.attn.qkv\"): flip one ulp of MODULE's output in "
+                               "the first micro-batch of STEP, for testing lockstep diff; \"\" = off"),
   };
   return table;
 }
@@ -495,6 +513,12 @@ void validate(const Config& c) {
                        "(256 for the byte tokenizer)");
   }
   validate_moe(c.moe, m.num_layers);
+  const DebugConfig& dbg = c.debug;
+  if (!dbg.inject_ulp.empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
+    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "
+               "\"3:layers.1.attn.qkv\"");
+  if (dbg.inject_step() > t.steps)
+    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": step ", dbg.inject_step(), " is past train.steps = ", t.steps);
 }
 
 std::string toml_value(Config& c, const Key& key) {

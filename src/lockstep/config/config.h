@@ -126,6 +126,16 @@ struct MoeConfig {
   bool is_moe_layer(int64_t l, int64_t L) const;
 };
 
+// Tools for finding where two runs part (docs/determinism.md, model/trace.h).
+struct DebugConfig {
+  std::string trace = "off";             // off | modules: RUN/trace/rank-NNNNN.jsonl
+  std::string inject_ulp;                // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off
+
+  // inject_ulp parsed (validated by load_config): step 0 when off.
+  int64_t inject_step() const;
+  std::string inject_module() const;
+};
+
 struct PrecisionConfig {
   std::string params = "fp32";
 };
@@ -141,6 +151,7 @@ struct Config {
   DataConfig data;
   PrecisionConfig precision;
   MoeConfig moe;
+  DebugConfig debug;
 };
 
 // Builds the configuration: defaults, the preset named by model.preset (from `file` or

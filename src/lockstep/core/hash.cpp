@@ -2,7 +2,10 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstdio>
+
+#include "lockstep/core/thread_pool.h"
 
 namespace lockstep {
 
@@ -31,5 +34,27 @@ void Hasher::update(const void* data, size_t n) {
   XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, n);
 }
 uint64_t Hasher::digest() const { return XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_)); }
+
+void BlockHasher::update(const void* data, size_t n) {
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (size_t begin = 0; begin < n; begin += kHashBlockBytes) blocks_.push_back({bytes + begin, std::min(kHashBlockBytes, n - begin)});
+}
+
+uint64_t BlockHasher::digest() const {
+  std::vector<uint64_t> hashes(2 * blocks_.size());  // per block: hash, length
+  parallel_for(static_cast<int64_t>(blocks_.size()), [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      hashes[2 * b] = XXH3_64bits(blocks_[b].data, blocks_[b].n);
+      hashes[2 * b + 1] = blocks_[b].n;
+    }
+  });
+  return hash_bytes(hashes.data(), hashes.size() * sizeof(uint64_t));
+}
+
+uint64_t hash_blocks(const void* data, size_t n) {
+  BlockHasher h;
+  h.update(data, n);
+  return h.digest();
+}
 
 }  // namespace lockstep

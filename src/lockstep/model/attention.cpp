@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -19,6 +20,7 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   norm = Norm(ps, arena, prefix + "attn_norm", m.normalization == "rmsnorm", C, N, static_cast<float>(m.norm_eps));
   qkv = Linear(ps, prefix + "attn.qkv", C, qkv_width(), m.bias, std);
   proj = Linear(ps, prefix + "attn.proj", NH * HS, C, m.bias, out_std);
+  core_name = prefix + "attn.core";
   normed = arena.reserve(N * C);
   qkv_out = arena.reserve(N * qkv_width());
   att = arena.reserve(N * NH * HS);
@@ -33,6 +35,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   qkv.forward(ps, arena(qkv_out), arena(normed), N);
   if (rope) rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
   attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
+  trace_out(core_name, arena(att), N * NH * HS);
   proj.forward_residual(ps, resid_out, resid_in, arena(att), N);
 }
 
@@ -44,6 +47,7 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   proj.backward(ps, s.datt, dresid, arena(att), N);
   attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
   if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+  trace_grad_in(core_name, s.dqkv, N * qkv_width());
   qkv.backward(ps, s.dnorm, s.dqkv, arena(normed), N);
   norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);
 }

@@ -38,6 +38,7 @@ struct AttentionLayer {
 
   Norm norm;
   Linear qkv, proj;
+  std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (model/trace.h)
   int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;
   bool rope = false;
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward

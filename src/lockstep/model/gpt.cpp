@@ -10,6 +10,7 @@
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -116,6 +117,7 @@ void GPT::forward(const int32_t* tokens, bool training) {
   if (params_needed_) params_needed_(0, layer_first_[0]);
   embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
                     B_, T_, C_, V_, positions());
+  trace_out("embedding", arena_(resid_[0]), N_ * C_);
   for (int64_t l = 0; l < L_; ++l) {
     if (params_needed_) params_needed_(layer_first_[l], layer_first_[l + 1]);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
@@ -241,6 +243,8 @@ double mean_loss(const float* x, const int32_t* targets, int64_t n) {
 double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
   forward(tokens, true);
   head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
+  trace_out("output", arena_(losses_), N_);  // the per-token losses
+  trace_grad_in("output", arena_(dfinal_), N_ * C_);
   // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
   const double lm = mean_loss(arena_(losses_), targets, N_);
   if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
@@ -287,7 +291,7 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
 }
 
 uint64_t GPT::state_hash() const {
-  Hasher h;
+  BlockHasher h;
   h.update(params_.values(), static_cast<size_t>(params_.total()) * sizeof(float));
   for (const auto& layer : moe_)
     if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));

@@ -5,11 +5,12 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
 Linear::Linear(ParamStore& ps, const std::string& name, int64_t in_, int64_t out_, bool bias, float init_std)
-    : in(in_), out(out_) {
+    : name(name), in(in_), out(out_) {
   w = ps.add(name + ".weight", {out, in}, Init::normal, init_std, /*decay=*/true);
   if (bias) b = ps.add(name + ".bias", {out}, Init::zeros);
 }
@@ -18,6 +19,7 @@ void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) 
   GemmOptions opt;
   if (b >= 0) opt.bias = ps.value(b);
   gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+  trace_out(name, y, N * out);
 }
 
 void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x,
@@ -36,6 +38,7 @@ void Linear::forward_residual(const ParamStore& ps, float* y, const float* resid
   GemmOptions opt;
   opt.accumulate = true;
   gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+  trace_out(name, y, N * out);
 }
 
 void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {
@@ -44,6 +47,7 @@ void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const fl
   acc.accumulate = true;
   gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
   if (b >= 0) bias_backward(ps.grad(b), dy, N, out);
+  trace_grad_in(name, dx, N * in);
 }
 
 }  // namespace lockstep

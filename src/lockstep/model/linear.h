@@ -21,6 +21,7 @@ struct Linear {
   // dx (N, in) = dy W (assigned); dW += dy^T x; db += column sums of dy.
   void backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const;
 
+  std::string name;  // "layers.0.attn.qkv": parameter prefix and trace name (model/trace.h)
   int w = -1, b = -1;
   int64_t in = 0, out = 0;
 };

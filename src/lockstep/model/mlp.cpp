@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -13,6 +14,7 @@ MlpLayer::MlpLayer(ParamStore& ps, Arena& arena, const std::string& prefix, cons
   norm = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C, N, static_cast<float>(m.norm_eps));
   fc = Linear(ps, prefix + "mlp.fc", C, fc_width(), m.bias, std);
   proj = Linear(ps, prefix + "mlp.proj", F, C, m.bias, out_std);
+  act_name = prefix + "mlp.act";
   normed = arena.reserve(N * C);
   fc_out = arena.reserve(N * fc_width());
   act = arena.reserve(N * F);
@@ -23,6 +25,7 @@ void MlpLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   fc.forward(ps, arena(fc_out), arena(normed), N);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), N, F);
   else gelu_forward(arena(act), arena(fc_out), N * F);
+  trace_out(act_name, arena(act), N * F);
   proj.forward_residual(ps, resid_out, resid_in, arena(act), N);
 }
 
@@ -31,6 +34,7 @@ void MlpLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   proj.backward(ps, s.dact, dresid, arena(act), N);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  trace_grad_in(act_name, s.dfc, N * fc_width());
   fc.backward(ps, s.dnorm, s.dfc, arena(normed), N);
   norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);
 }

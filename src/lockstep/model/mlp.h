@@ -29,6 +29,7 @@ struct MlpLayer {
 
   Norm norm;
   Linear fc, proj;
+  std::string act_name;  // "<prefix>mlp.act", for the trace (model/trace.h)
   int64_t N = 0, C = 0, F = 0;
   bool swiglu = false;
   ArenaSlice normed, fc_out, act;  // saved for backward

@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -15,6 +16,7 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
   enorm = Norm(ps, arena, prefix + "enorm", rms, C, N, eps);
   hnorm = Norm(ps, arena, prefix + "hnorm", rms, C, N, eps);
   proj_w = ps.add(prefix + "eh_proj.weight", {C, 2 * C}, Init::normal, static_cast<float>(m.init_std), true);
+  proj_name = prefix + "eh_proj";
   attn = AttentionLayer(ps, arena, prefix, m, B, T);
   mlp = MlpLayer(ps, arena, prefix, m, N);
   final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, N, eps);
@@ -34,6 +36,7 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
   acc.accumulate = true;
   gemm(arena(x), C, arena(e), C, Trans::N, w, 2 * C, Trans::T, N, C, C);
   gemm(arena(x), C, arena(hn), C, Trans::N, w + C, 2 * C, Trans::T, N, C, C, acc);
+  trace_out(proj_name, arena(x), N * C);
   attn.forward(ps, arena, arena(mid), arena(x), rope_cos, rope_sin, positions, doc_start);
   mlp.forward(ps, arena, arena(y), arena(mid));
   final_norm.forward(ps, arena, arena(h), arena(y), N);
@@ -56,6 +59,7 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
   gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
   gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);
+  trace_grad_in(proj_name, s.dhn, N * C);
   hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);
   std::memset(s.demb, 0, bytes);
   enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);

@@ -58,6 +58,7 @@ struct MtpLayer {
   int64_t B = 0, T = 0, N = 0, C = 0, V = 0;
   Norm enorm, hnorm, final_norm;
   int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
+  std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (model/trace.h)
   AttentionLayer attn;
   MlpLayer mlp;
   ArenaSlice emb, e, hn, x, mid, y, h;  // saved for backward, (N, C) each

@@ -1,11 +1,12 @@
 #include "lockstep/model/norm.h"
 
 #include "lockstep/kernels/cpu/norms.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
 Norm::Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms_, int64_t C_, int64_t N, float eps_)
-    : rms(rms_), C(C_), eps(eps_) {
+    : name(name), rms(rms_), C(C_), eps(eps_) {
   w = ps.add(name + ".weight", {C}, Init::ones);
   if (!rms) {
     b = ps.add(name + ".bias", {C}, Init::zeros);
@@ -17,12 +18,14 @@ Norm::Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms_, int
 void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const {
   if (rms) rmsnorm_forward(out, arena(rstd), inp, ps.value(w), N, C, eps);
   else layernorm_forward(out, arena(mean), arena(rstd), inp, ps.value(w), ps.value(b), N, C, eps);
+  trace_out(name, out, N * C);
 }
 
 void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                     const float* inp, int64_t N) const {
   if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.value(w), arena(rstd), N, C);
   else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.value(w), arena(mean), arena(rstd), N, C);
+  trace_grad_in(name, dinp, N * C);
 }
 
 }  // namespace lockstep

@@ -2,7 +2,10 @@
 
 #include <bit>
 #include <cstdio>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
+#include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/train/json_line.h"
 
@@ -31,10 +34,63 @@ std::string Fingerprint::json() const {
       .str();
 }
 
-std::string fingerprint_path(const std::string& run_dir, int rank) {
+namespace {
+std::string rank_file(int rank) {
   char name[32];
   std::snprintf(name, sizeof name, "rank-%05d.jsonl", rank);
-  return run_dir + "/fingerprints/" + name;
+  return name;
+}
+}  // namespace
+
+std::string fingerprint_path(const std::string& run_dir, int rank) { return run_dir + "/fingerprints/" + rank_file(rank); }
+std::string trace_path(const std::string& run_dir, int rank) { return run_dir + "/trace/" + rank_file(rank); }
+
+std::string trace_lines(const std::vector<ModuleTrace::Record>& records) {
+  std::string s;
+  for (const ModuleTrace::Record& r : records)
+    s += JsonLine()
+             .add("step", r.step)
+             .add("micro", r.micro)
+             .add("module", r.module)
+             .add("kind", r.grad_in ? "grad_in" : "out")
+             .add("hash", hex64(r.hash))
+             .str();
+  return s;
+}
+
+bool is_fingerprint_scalar(const std::string& key) {
+  for (const char* k : {"loss", "lm_loss", "aux_loss", "mtp_loss", "grad_norm", "lr"})
+    if (key == k) return true;
+  return false;
+}
+
+const std::string* FingerprintLine::find(const std::string& key) const {
+  for (const auto& [k, v] : fields)
+    if (k == key) return &v;
+  return nullptr;
+}
+
+std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) user_error("cannot read '", path, "'");
+  std::vector<FingerprintLine> lines;
+  std::string text;
+  for (int64_t number = 1; std::getline(in, text); ++number) {
+    if (text.empty()) continue;
+    auto bad = [&](const std::string& why) { user_error(path, ":", number, ": ", why); };
+    nlohmann::ordered_json j = nlohmann::ordered_json::parse(text, nullptr, false);
+    if (j.is_discarded() || !j.is_object()) bad("not a JSON object");
+    const auto step = j.find("step");
+    if (step == j.end() || !step->is_number_integer()) bad("no integer \"step\"");
+    FingerprintLine line;
+    line.step = step->get<int64_t>();
+    for (const auto& [key, value] : j.items()) {
+      if (key == "step") continue;
+      line.fields.emplace_back(key, value.is_string() ? value.get<std::string>() : value.dump());
+    }
+    lines.push_back(std::move(line));
+  }
+  return lines;
 }
 
 }  // namespace lockstep

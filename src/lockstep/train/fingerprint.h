@@ -1,6 +1,7 @@
 // Per-step fingerprints: the exact bits of the step's scalars and 64-bit XXH3 hashes of the
 // state, one JSON line per step per rank in RUN/fingerprints/rank-NNNNN.jsonl. Two runs agree
-// bit for bit exactly when their fingerprint files are identical.
+// bit for bit exactly when their fingerprint files are identical; `lockstep diff` (train/run_diff.h)
+// names the first step, rank and field where they are not.
 //
 //   {"step":1,"rank":0,"dp":0,"tp":0,"pp":0,"ep":0,"cp":0,
 //    "loss":"<hex of the fp64 bits>","lm_loss":"...","aux_loss":"...","mtp_loss":"...",
@@ -10,6 +11,10 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -23,5 +28,28 @@ struct Fingerprint {
 };
 
 std::string fingerprint_path(const std::string& run_dir, int rank);
+// RUN/trace/rank-NNNNN.jsonl: the module trace (debug.trace = "modules", model/trace.h), one line
+// per traced module output or input gradient, in execution order:
+//   {"step":3,"micro":0,"module":"layers.1.attn.qkv","kind":"out","hash":"<xxh3 of the exact bits>"}
+std::string trace_path(const std::string& run_dir, int rank);
+// Those lines for a micro-batch's records, each ending in '\n'.
+std::string trace_lines(const std::vector<ModuleTrace::Record>& records);
+
+// The fields holding the exact bits of an fp64 value (hex), as opposed to hashes: the quantities
+// every rank records with the same value (global ones), which runs of different layouts share.
+bool is_fingerprint_scalar(const std::string& key);
+
+// One line of a fingerprint (or trace) file read back: "step" and the other fields in file order,
+// each value as its text (strings without quotes, numbers as written). Reading keeps fields it does
+// not know, so files from a newer writer still compare.
+struct FingerprintLine {
+  int64_t step = 0;
+  std::vector<std::pair<std::string, std::string>> fields;
+  const std::string* find(const std::string& key) const;
+};
+
+// The lines of one JSONL file; UserError naming the file and line when one is not a JSON object
+// with an integer "step".
+std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path);
 
 }  // namespace lockstep

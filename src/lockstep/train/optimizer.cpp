@@ -80,7 +80,7 @@ std::vector<Optimizer::StateView> Optimizer::state(ParamStore& ps) {
 }
 
 uint64_t Optimizer::hash(const std::vector<ParamRange>& ranges) const {
-  Hasher h;
+  BlockHasher h;
   for (const FloatBuffer* state : {&m_, &v_})
     for (const ParamRange& r : ranges)
       if (r.end > r.begin)

@@ -7,6 +7,7 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -22,6 +23,7 @@
 #include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/gpt.h"
+#include "lockstep/model/trace.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
@@ -81,6 +83,17 @@ std::string duration_text(double s) {
   return buf;
 }
 
+// debug.inject_ulp names a module that ran (checked after the first micro-batch, whose modules the
+// trace lists): a misspelt name is an error, not a run without the injection.
+void check_injection(const ModuleTrace& trace, const DebugConfig& dbg) {
+  const std::vector<std::string>& modules = trace.modules();
+  if (std::find(modules.begin(), modules.end(), dbg.inject_module()) != modules.end()) return;
+  std::string names;
+  for (const std::string& m : modules) names += (names.empty() ? "" : ", ") + m;
+  user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": the model has no module '", dbg.inject_module(),
+             "'; its modules are: ", names);
+}
+
 }  // namespace
 
 TrainSummary train(const Config& config, std::FILE* out) {
@@ -135,6 +148,17 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     metrics = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl");
   }
   LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()));
+  // Module tracing and ulp injection (debug.*, model/trace.h): bound around each training micro-batch.
+  const DebugConfig& dbg = config.debug;
+  const bool tracing = dbg.trace == "modules";
+  std::unique_ptr<ModuleTrace> trace;
+  std::unique_ptr<LineLog> trace_log;
+  if (tracing || dbg.inject_step() > 0) trace = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), dbg.inject_module());
+  if (tracing) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(trace_path(tc.out_dir, comm.rank())).parent_path(), ec);
+    trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()));
+  }
 
   const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak();
@@ -227,7 +251,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     for (int64_t micro = 0; micro < accum; ++micro) {
       const int64_t counted = fetch(micro);
       if (micro == accum - 1) dp.begin_last_micro();
-      const double micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      if (trace) trace->set_position(step, micro);
+      double micro_loss = 0;
+      {
+        ModuleTrace::Bind bind_trace(trace.get());
+        micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
+      }
+      if (trace && step == 1 && micro == 0 && dbg.inject_step() > 0) check_injection(*trace, dbg);
+      if (trace_log) trace_log->write(trace_lines(trace->take_records()));
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
@@ -245,7 +276,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const double loss = lm_loss + aux_loss + mtp_loss;
     const double lr = learning_rate(tc, step);
     // The summed gradients of this rank's shard (the same elements with either optimizer).
-    Hasher grads_hasher;
+    BlockHasher grads_hasher;
     for (const ParamRange& r : dp.shard())
       grads_hasher.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
     const uint64_t grads_hash = grads_hasher.digest();

@@ -8,6 +8,7 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -15,6 +16,9 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
                    const MoeConfig& moe, int64_t B, int64_t T)
     : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
       K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias) {
+  name_ = prefix + "moe";
+  router_name_ = name_ + ".router";
+  experts_name_ = name_ + ".experts";
   norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, N_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
   const int64_t capacity = expert_capacity(spec_, N_);
@@ -68,6 +72,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   float* logits = arena(logits_);
   float* probs = arena(probs_);
   gemm(logits, rx, Trans::N, ps.value(router_w_), Trans::T, N_, E_, C_);
+  trace_out(router_name_, logits, N_ * E_);
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N_);
   apply_capacity(kept_.data(), idx_.data(), probs, spec_, N_);
   aux_ = aux_losses_forward(logits, spec_, B_, T_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
@@ -77,12 +82,14 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   dispatcher_->plan(idx_.data(), kept_.data(), N_);
   dispatcher_->dispatch(arena(rows_in_), x);
   experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
+  trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
   const float* base = resid_in;
   if (shared_) {
     shared_->forward(ps, arena, resid_out, resid_in, x);
     base = resid_out;
   }
   dispatcher_->combine(resid_out, base, arena(rows_out_), probs);
+  trace_out(name_, resid_out, N_ * C_);
 
   if (training) {
     const std::vector<int64_t>& counts = dispatcher_->tokens_per_expert();
@@ -99,6 +106,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const float* logits = arena(logits_);
   dispatcher_->combine_backward(s.drows, s.dprobs, dresid, arena(rows_out_), arena(probs_));
   experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), s.experts);
+  trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
   std::memset(s.dnorm, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
   dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
   if (shared_) shared_->backward(ps, arena, s.dnorm, dresid, x, s.shared);
@@ -120,6 +128,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   } else {
     gemm(s.dnorm, s.dlogits, Trans::N, ps.value(router_w_), Trans::N, N_, C_, E_, acc);
   }
+  trace_grad_in(name_, s.dnorm, N_ * C_);
   norm_.backward(ps, arena, dresid, s.dnorm, resid_in, N_);
 }
 

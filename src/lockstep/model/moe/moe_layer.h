@@ -83,6 +83,9 @@ class MoeLayer {
 
  private:
   RouterSpec spec_;
+  // Trace names (model/trace.h): "<prefix>moe" (the sublayer's output, the gradient of its normed
+  // input), "<prefix>moe.router" (logits), "<prefix>moe.experts" (expert output rows).
+  std::string name_, router_name_, experts_name_;
   int64_t layer_, B_, T_, N_, C_, E_, K_;
   double jitter_eps_;
   bool expert_bias_on_;

@@ -1,0 +1,273 @@
+#include "lockstep/train/run_diff.h"
+
+#include <algorithm>
+#include <bit>
+#include <charconv>
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <set>
+#include <vector>
+
+#include "lockstep/core/error.h"
+#include "lockstep/train/fingerprint.h"
+
+namespace lockstep {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+const char* const kCoordinates[] = {"rank", "dp", "tp", "pp", "ep", "cp"};
+
+bool is_coordinate(const std::string& key) {
+  for (const char* k : kCoordinates)
+    if (key == k) return true;
+  return false;
+}
+
+// One run's fingerprints: per rank, its lines by step (a step written twice, e.g. by a resumed
+// run, counts with its last line).
+struct Run {
+  std::string dir;
+  std::vector<std::vector<FingerprintLine>> lines;  // [rank]
+  std::vector<std::map<int64_t, const FingerprintLine*>> by_step;  // [rank]
+
+  int ranks() const { return static_cast<int>(lines.size()); }
+  std::string steps_text() const {
+    std::set<int64_t> steps;
+    for (const auto& m : by_step)
+      for (const auto& [s, line] : m) steps.insert(s);
+    if (steps.empty()) return "no steps";
+    return str(steps.size(), steps.size() == 1 ? " step" : " steps", " (", *steps.begin(), "..", *steps.rbegin(), ")");
+  }
+};
+
+Run read_run(const std::string& dir) {
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) user_error("'", dir, "': no such run directory");
+  const fs::path fp_dir = fs::path(dir) / "fingerprints";
+  if (!fs::is_directory(fp_dir, ec))
+    user_error("'", dir, "' has no fingerprints/ directory (not a lockstep run directory?)");
+  std::map<int, std::string> files;
+  for (const fs::directory_entry& e : fs::directory_iterator(fp_dir, ec)) {
+    const std::string name = e.path().filename().string();
+    int rank = -1;
+    if (name.size() != 16 || name.rfind("rank-", 0) != 0 || name.substr(10) != ".jsonl") continue;
+    const auto [p, err] = std::from_chars(name.data() + 5, name.data() + 10, rank);
+    if (err != std::errc() || p != name.data() + 10) continue;
+    files[rank] = e.path().string();
+  }
+  if (files.empty()) user_error("'", fp_dir.string(), "' has no rank-NNNNN.jsonl fingerprint files");
+  Run run;
+  run.dir = dir;
+  for (const auto& [rank, path] : files) {
+    if (rank != run.ranks())
+      user_error("'", fp_dir.string(), "' has no fingerprint file for rank ", run.ranks(), " (",
+                 fs::path(fingerprint_path(dir, run.ranks())).filename().string(), ") but has one for rank ", rank);
+    run.lines.push_back(read_fingerprint_lines(path));
+  }
+  for (const auto& lines : run.lines) {
+    run.by_step.emplace_back();
+    for (const FingerprintLine& l : lines) run.by_step.back()[l.step] = &l;
+  }
+  return run;
+}
+
+// "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0)" from the line's own coordinate fields.
+std::string where(const FingerprintLine& line, int rank) {
+  std::string s = str("rank ", rank);
+  std::string coords;
+  for (const char* k : kCoordinates) {
+    if (std::string(k) == "rank") continue;
+    if (const std::string* v = line.find(k)) coords += str(coords.empty() ? "" : ", ", k, " ", *v);
+  }
+  return coords.empty() ? s : s + " (" + coords + ")";
+}
+
+// A field's value for the report: fp64 bits also as the number they hold.
+std::string shown(const std::string& key, const std::string* value) {
+  if (!value) return "(absent)";
+  uint64_t bits = 0;
+  if (is_fingerprint_scalar(key) && value->size() == 16) {
+    const auto [p, ec] = std::from_chars(value->data(), value->data() + 16, bits, 16);
+    if (ec == std::errc() && p == value->data() + 16) {
+      char num[40];
+      std::snprintf(num, sizeof num, "%.17g", std::bit_cast<double>(bits));
+      return *value + " (" + num + ")";
+    }
+  }
+  return *value;
+}
+
+// The fields of a and b (a's order, then b's extra ones) that differ; with only_scalars, the
+// global fp64 quantities alone.
+std::vector<std::string> differing_fields(const FingerprintLine& a, const FingerprintLine& b, bool only_scalars) {
+  std::vector<std::string> keys;
+  for (const auto& [k, v] : a.fields) keys.push_back(k);
+  for (const auto& [k, v] : b.fields)
+    if (!a.find(k)) keys.push_back(k);
+  std::vector<std::string> diff;
+  for (const std::string& k : keys) {
+    if (is_coordinate(k) || (only_scalars && !is_fingerprint_scalar(k))) continue;
+    const std::string *va = a.find(k), *vb = b.find(k);
+    if (!va || !vb || *va != *vb) diff.push_back(k);
+  }
+  return diff;
+}
+
+bool same_layout(const Run& a, const Run& b) {
+  if (a.ranks() != b.ranks()) return false;
+  for (int r = 0; r < a.ranks(); ++r) {
+    if (a.lines[r].empty() || b.lines[r].empty()) continue;
+    for (const char* k : kCoordinates) {
+      const std::string *va = a.lines[r].front().find(k), *vb = b.lines[r].front().find(k);
+      if ((va == nullptr) != (vb == nullptr) || (va && *va != *vb)) return false;
+    }
+  }
+  return true;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string s;
+  for (const std::string& x : v) s += (s.empty() ? "" : ", ") + x;
+  return s;
+}
+
+// The module traces of one rank: the first record (up to and including step last_step; all
+// steps when last_step < 0) that differs; no text when they agree.
+struct TraceDiff {
+  bool differs = false;
+  std::string text;
+};
+
+TraceDiff trace_report(const Run& a, const Run& b, int rank, int64_t last_step) {
+  const std::string pa = trace_path(a.dir, rank), pb = trace_path(b.dir, rank);
+  std::error_code ec;
+  const bool has_a = fs::exists(pa, ec), has_b = fs::exists(pb, ec);
+  if (!has_a && !has_b) return {};
+  if (!has_a || !has_b)
+    return {false, str("module trace: only ", has_a ? a.dir : b.dir, " has one (", has_a ? pa : pb,
+               "); trace both runs with debug.trace = \"modules\" to find the module\n")};
+  auto upto = [&](const std::string& path) {
+    std::vector<FingerprintLine> lines = read_fingerprint_lines(path);
+    if (last_step >= 0)
+      lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const FingerprintLine& l) { return l.step > last_step; }),
+                  lines.end());
+    return lines;
+  };
+  const std::vector<FingerprintLine> ta = upto(pa), tb = upto(pb);
+  auto name = [](const FingerprintLine& l) {
+    const std::string *m = l.find("module"), *k = l.find("kind"), *mb = l.find("micro");
+    return str(m ? *m : "?", " ", k ? *k : "?", " (step ", l.step, ", micro-batch ", mb ? *mb : "?", ")");
+  };
+  const size_t n = std::min(ta.size(), tb.size());
+  for (size_t i = 0; i < n; ++i) {
+    const FingerprintLine &x = ta[i], &y = tb[i];
+    const std::string *hx = x.find("hash"), *hy = y.find("hash");
+    if (name(x) != name(y))
+      return {true, str("module trace, rank ", rank, ": the traces differ in structure at record ", i + 1, ": ", name(x),
+                 " in ", a.dir, ", ", name(y), " in ", b.dir, " (different models or configs)\n")};
+    if (hx && hy && *hx == *hy) continue;
+    const std::string* module = x.find("module");
+    const std::string* kind = x.find("kind");
+    const std::string* micro = x.find("micro");
+    std::string s = str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ",
+                        micro ? *micro : "?", ": ", module ? *module : "?", " (", kind ? *kind : "?", ")\n");
+    const bool grad = kind && *kind == "grad_in";
+    if (i > 0 && ta[i - 1].step == x.step)
+      s += str("  every record before it matches; the last one, ", name(ta[i - 1]), ", ",
+               grad ? "is the gradient this module received" : "is its input", "\n");
+    else
+      s += str("  it is the step's first record: its input is the step's data\n");
+    s += str("  ", a.dir, ": ", hx ? *hx : "(no hash)", "\n  ", b.dir, ": ", hy ? *hy : "(no hash)", "\n");
+    return {true, s};
+  }
+  if (ta.size() != tb.size() && last_step < 0)
+    return {true, str("module trace, rank ", rank, ": the traces agree over their first ", n, " records; ",
+               ta.size() > tb.size() ? a.dir : b.dir, " has more\n")};
+  return {};
+}
+
+}  // namespace
+
+RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
+  const Run a = read_run(dir_a), b = read_run(dir_b);
+  const bool per_rank = same_layout(a, b);
+  // Different layouts share the global quantities, which every rank records alike: rank 0's.
+  const int ranks = per_rank ? a.ranks() : 1;
+  std::set<int64_t> steps;
+  for (int r = 0; r < ranks; ++r)
+    for (const auto& [s, line] : a.by_step[r])
+      if (b.by_step[r].count(s)) steps.insert(s);
+  if (steps.empty())
+    user_error("'", a.dir, "' (", a.steps_text(), ") and '", b.dir, "' (", b.steps_text(), ") share no step");
+
+  RunDiff out;
+  auto say = [&](const std::string& line) { out.report += line + "\n"; };
+  say(str("lockstep diff: ", a.dir, " (", a.ranks(), a.ranks() == 1 ? " rank, " : " ranks, ", a.steps_text(), ") vs ",
+          b.dir, " (", b.ranks(), b.ranks() == 1 ? " rank, " : " ranks, ", b.steps_text(), ")"));
+  if (!per_rank)
+    say(str("different layouts (", a.ranks(), " vs ", b.ranks(), " ranks", a.ranks() == b.ranks() ? ", other coordinates" : "",
+            "): comparing the global quantities (loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr) of rank 0; "
+            "per-rank hashes (params, grads, optimizer, rng) were not compared"));
+  const bool same_steps = a.steps_text() == b.steps_text();
+
+  for (const int64_t step : steps) {
+    std::vector<int> ranks_differing;
+    int first_rank = -1;
+    std::vector<std::string> first_fields;
+    for (int r = 0; r < ranks; ++r) {
+      const auto ia = a.by_step[r].find(step), ib = b.by_step[r].find(step);
+      if (ia == a.by_step[r].end() || ib == b.by_step[r].end()) continue;
+      const std::vector<std::string> diff = differing_fields(*ia->second, *ib->second, !per_rank);
+      if (diff.empty()) continue;
+      ranks_differing.push_back(r);
+      if (first_rank < 0) first_rank = r, first_fields = diff;
+    }
+    if (first_rank < 0) continue;
+    const FingerprintLine& la = *a.by_step[first_rank].at(step);
+    const FingerprintLine& lb = *b.by_step[first_rank].at(step);
+    const std::string& key = first_fields.front();
+    say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
+    say(str("  ", a.dir, ": ", shown(key, la.find(key))));
+    say(str("  ", b.dir, ": ", shown(key, lb.find(key))));
+    if (first_fields.size() > 1)
+      say(str("  also differing at step ", step, " on rank ", first_rank, ": ",
+              join(std::vector<std::string>(first_fields.begin() + 1, first_fields.end()))));
+    if (ranks_differing.size() > 1) {
+      std::vector<std::string> rs;
+      for (int r : ranks_differing) rs.push_back(std::to_string(r));
+      say(str("  ranks differing at step ", step, ": ", join(rs)));
+    }
+    if (per_rank) {
+      const TraceDiff trace = trace_report(a, b, first_rank, step);
+      if (!trace.text.empty()) out.report += trace.text;
+      else if (fs::exists(trace_path(a.dir, first_rank)))
+        say(str("module trace, rank ", first_rank, ": every module output and input gradient up to step ", step,
+                " matches: the difference arises after the backward pass (gradient reduction, clipping or "
+                "the optimizer)"));
+    }
+    return out;
+  }
+
+  // Equal fingerprints with different traces: a change that the rounding of later operations
+  // absorbed (or that reaches the fingerprints only after the common steps).
+  std::string traces;
+  out.identical = true;
+  if (per_rank)
+    for (int r = 0; r < ranks; ++r) {
+      const TraceDiff trace = trace_report(a, b, r, same_steps ? -1 : *steps.rbegin());
+      if (!trace.differs) continue;  // a run without a trace is worth a note only where runs differ
+      traces += trace.text;
+      out.identical = false;
+    }
+  say(str(out.identical ? "identical over " : "fingerprints identical over ", same_steps ? "" : "the ", steps.size(),
+          same_steps ? "" : " common", steps.size() == 1 ? " step" : " steps", " (", *steps.begin(), "..",
+          *steps.rbegin(), ")", same_steps ? "" : "; the runs have different lengths",
+          out.identical ? "" : ", but the module traces differ:"));
+  out.report += traces;
+  return out;
+}
+
+}  // namespace lockstep

@@ -1,0 +1,165 @@
+// `lockstep diff`: the first differing step, rank, coordinates and field with both values; runs of
+// different lengths and layouts; errors naming the directory, file and line. Fingerprint files are
+// written by hand (Fingerprint::json) so that each case says exactly what differs; one case diffs
+// real runs through the binary.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <filesystem>
+
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/run_diff.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::TempDir;
+using testing::user_error_of;
+
+Fingerprint line(int64_t step, int rank = 0) {
+  Fingerprint f;
+  f.step = step;
+  f.rank = rank;
+  f.tp = rank;  // a layout where ranks differ in tp
+  f.loss = 5.5 - 0.1 * static_cast<double>(step);
+  f.lm_loss = f.loss;
+  f.grad_norm = 1.25;
+  f.lr = 1e-3;
+  f.params = 0x1000 + static_cast<uint64_t>(step) + 100 * static_cast<uint64_t>(rank);
+  f.grads = 0x2000 + static_cast<uint64_t>(step);
+  f.optimizer = 0x3000 + static_cast<uint64_t>(step);
+  f.rng = 0x4000 + static_cast<uint64_t>(step);
+  return f;
+}
+
+// A run directory with `ranks` fingerprint files over steps 1..steps; edit(fp) may change lines.
+template <typename Edit>
+std::string write_run(const TempDir& dir, const std::string& name, int ranks, int steps, Edit edit) {
+  std::filesystem::create_directories(dir.path(name + "/fingerprints"));
+  for (int r = 0; r < ranks; ++r) {
+    std::string text;
+    for (int s = 1; s <= steps; ++s) {
+      Fingerprint f = line(s, r);
+      edit(f);
+      text += f.json();  // one line, with its newline
+    }
+    dir.write(name + "/fingerprints/rank-0000" + std::to_string(r) + ".jsonl", text);
+  }
+  return dir.path(name);
+}
+std::string write_run(const TempDir& dir, const std::string& name, int ranks, int steps) {
+  return write_run(dir, name, ranks, steps, [](Fingerprint&) {});
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(Diff, IdenticalRunsSayOverHowManySteps) {
+  TempDir dir;
+  const RunDiff d = diff_runs(write_run(dir, "a", 2, 5), write_run(dir, "b", 2, 5));
+  EXPECT_TRUE(d.identical);
+  EXPECT_TRUE(contains(d.report, "identical over 5 steps (1..5)")) << d.report;
+}
+
+TEST(Diff, NamesFirstStepRankCoordinatesAndFieldWithBothValues) {
+  TempDir dir;
+  const std::string a = write_run(dir, "a", 2, 6);
+  // Rank 1 drifts by one ulp of the grad norm at step 4, then its parameters from step 4 on.
+  const std::string b = write_run(dir, "b", 2, 6, [](Fingerprint& f) {
+    if (f.rank == 1 && f.step >= 4) f.params ^= 1;
+    if (f.rank == 1 && f.step == 4) f.grad_norm = std::nextafter(f.grad_norm, 2.0);
+  });
+  const RunDiff d = diff_runs(a, b);
+  EXPECT_FALSE(d.identical);
+  EXPECT_TRUE(contains(d.report, "first difference: step 4, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0), grad_norm\n"))
+      << d.report;
+  EXPECT_TRUE(contains(d.report, a + ": 3ff4000000000000 (1.25)\n")) << d.report;
+  EXPECT_TRUE(contains(d.report, b + ": 3ff4000000000001 (1.2500000000000002)\n")) << d.report;
+  EXPECT_TRUE(contains(d.report, "also differing at step 4 on rank 1: params")) << d.report;
+}
+
+TEST(Diff, ReportsEveryRankDifferingAtTheFirstStep) {
+  TempDir dir;
+  const std::string b = write_run(dir, "b", 3, 3, [](Fingerprint& f) {
+    if (f.step == 2 && f.rank != 1) f.loss += 1;
+  });
+  const RunDiff d = diff_runs(write_run(dir, "a", 3, 3), b);
+  EXPECT_TRUE(contains(d.report, "step 2, rank 0")) << d.report;
+  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: 0, 2")) << d.report;
+}
+
+TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
+  TempDir dir;
+  const RunDiff d = diff_runs(write_run(dir, "a", 1, 6), write_run(dir, "b", 1, 4));
+  EXPECT_TRUE(d.identical);
+  EXPECT_TRUE(contains(d.report, "identical over the 4 common steps (1..4); the runs have different lengths"))
+      << d.report;
+  const std::string c = write_run(dir, "c", 1, 4, [](Fingerprint& f) { f.optimizer += f.step == 3; });
+  const RunDiff e = diff_runs(dir.path("a"), c);
+  EXPECT_FALSE(e.identical);
+  EXPECT_TRUE(contains(e.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), optimizer"))
+      << e.report;
+}
+
+TEST(Diff, DifferentRankCountsCompareTheGlobalQuantitiesOnly) {
+  TempDir dir;
+  // Per-rank hashes differ with the layout; the losses, grad norm and lr do not.
+  const std::string one = write_run(dir, "one", 1, 3, [](Fingerprint& f) { f.params = 7, f.grads = 8; });
+  const RunDiff d = diff_runs(write_run(dir, "two", 2, 3), one);
+  EXPECT_TRUE(d.identical) << d.report;
+  EXPECT_TRUE(contains(d.report, "per-rank hashes (params, grads, optimizer, rng) were not compared")) << d.report;
+  EXPECT_TRUE(contains(d.report, "identical over 3 steps")) << d.report;
+  const std::string moved = write_run(dir, "moved", 1, 3, [](Fingerprint& f) {
+    if (f.step == 3) f.lr = 2e-3;
+  });
+  const RunDiff e = diff_runs(dir.path("two"), moved);
+  EXPECT_FALSE(e.identical);
+  EXPECT_TRUE(contains(e.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), lr\n")) << e.report;
+}
+
+TEST(Diff, ClearErrorsForMissingOrMalformedInput) {
+  TempDir dir;
+  const std::string good = write_run(dir, "good", 1, 2);
+  EXPECT_EQ(user_error_of([&] { diff_runs(dir.path("nope"), good); }), str("'", dir.path("nope"), "': no such run directory"));
+  std::filesystem::create_directories(dir.path("bare"));
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, dir.path("bare")); }),
+            str("'", dir.path("bare"), "' has no fingerprints/ directory (not a lockstep run directory?)"));
+  std::filesystem::create_directories(dir.path("empty/fingerprints"));
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, dir.path("empty")); }),
+            str("'", dir.path("empty/fingerprints"), "' has no rank-NNNNN.jsonl fingerprint files"));
+  const std::string gap = write_run(dir, "gap", 3, 2);
+  std::filesystem::remove(gap + "/fingerprints/rank-00001.jsonl");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, gap); }),
+            str("'", gap, "/fingerprints' has no fingerprint file for rank 1 (rank-00001.jsonl) but has one for rank 2"));
+  const std::string bad = write_run(dir, "bad", 1, 2);
+  dir.write("bad/fingerprints/rank-00000.jsonl", line(1).json() + "{\"step\":2,\"loss\":\n");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:2: not a JSON object"));
+  dir.write("bad/fingerprints/rank-00000.jsonl", "{\"loss\":\"00\"}\n");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:1: no integer \"step\""));
+  write_run(dir, "later", 1, 0);
+  dir.write("later/fingerprints/rank-00000.jsonl", line(9).json());
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, dir.path("later")); }),
+            str("'", good, "' (2 steps (1..2)) and '", dir.path("later"), "' (1 step (9..9)) share no step"));
+}
+
+// Real runs through the binary: exit 0 when identical, 1 at a difference, 2 on bad input.
+TEST(Diff, CommandLineExitStatus) {
+  TempDir dir;
+  const std::string train = std::string("train -c ") + LOCKSTEP_SOURCE_DIR +
+                            "/configs/debug.toml train.steps=2 train.eval_interval=0 train.threads=1 ";
+  ASSERT_EQ(testing::run_cli(dir, train + "train.out_dir=a").status, 0);
+  ASSERT_EQ(testing::run_cli(dir, train + "train.out_dir=b").status, 0);
+  ASSERT_EQ(testing::run_cli(dir, train + "train.out_dir=c train.seed=7").status, 0);
+  testing::CliResult r = testing::run_cli(dir, "diff a b");
+  EXPECT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "identical over 2 steps")) << r.out;
+  r = testing::run_cli(dir, "diff a c");
+  EXPECT_EQ(r.status, 1) << r.out << r.err;
+  EXPECT_TRUE(contains(r.out, "first difference: step 1, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), loss")) << r.out;
+  r = testing::run_cli(dir, "diff a");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err, "lockstep: error: command line: lockstep diff needs two run directories, got 1\n");
+}
+
+}  // namespace
+}  // namespace lockstep

@@ -1,0 +1,136 @@
+// Module tracing (debug.trace = "modules") and one-ulp injection (debug.inject_ulp): tracing
+// changes no bit of the run, traces are themselves deterministic (twice; 1 vs 2 threads), and
+// `lockstep diff` on an injected run names the step, the rank and the module injected into, on
+// dense, MoE and MTP models and with two ranks.
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <filesystem>
+
+#include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/config/config.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/run_diff.h"
+#include "lockstep/train/trainer.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::read_file;
+using testing::TempDir;
+
+// A model with every kind of traced module: attention, MLP (layer 0), MoE with a shared expert
+// (layer 1), an MTP depth.
+const std::vector<std::string> kEveryModule = {
+    "moe.num_experts=4", "moe.layer_freq=[0,1]", "moe.shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
+    "train.steps=3",     "train.eval_interval=0"};
+
+Config job(const TempDir& dir, const std::string& run, std::vector<std::string> extra) {
+  for (const std::string& k : kEveryModule) extra.insert(extra.begin(), k);
+  extra.push_back("train.out_dir=" + dir.path(run));
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml", extra);
+}
+
+void quiet_train(const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  train(c, sink);
+  std::fclose(sink);
+}
+
+bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+TEST(Trace, ChangesNoBitAndIsItselfDeterministic) {
+  TempDir dir;
+  quiet_train(job(dir, "plain", {"train.threads=2"}));
+  quiet_train(job(dir, "t1", {"train.threads=1", "debug.trace=modules"}));
+  quiet_train(job(dir, "t2", {"train.threads=2", "debug.trace=modules"}));
+  const std::string fp = read_file(fingerprint_path(dir.path("plain"), 0));
+  EXPECT_EQ(fp, read_file(fingerprint_path(dir.path("t1"), 0)));
+  EXPECT_EQ(fp, read_file(fingerprint_path(dir.path("t2"), 0)));
+  const std::string trace = read_file(trace_path(dir.path("t1"), 0));
+  EXPECT_EQ(trace, read_file(trace_path(dir.path("t2"), 0)));
+  // Execution order: the embedding first, every module of the stack, forward then backward.
+  EXPECT_EQ(trace.rfind("{\"step\":1,\"micro\":0,\"module\":\"embedding\",\"kind\":\"out\",\"hash\":\"", 0), 0u) << trace;
+  size_t at = 0;
+  for (const char* record : {"\"layers.0.attn.qkv\",\"kind\":\"out\"", "\"layers.0.mlp.act\",\"kind\":\"out\"",
+                             "\"layers.1.moe.router\",\"kind\":\"out\"", "\"layers.1.moe.experts\",\"kind\":\"out\"",
+                             "\"layers.1.moe.shared.proj\",\"kind\":\"out\"", "\"layers.1.moe\",\"kind\":\"out\"",
+                             "\"final_norm\",\"kind\":\"out\"", "\"output\",\"kind\":\"out\"",
+                             "\"output\",\"kind\":\"grad_in\"", "\"mtp.layers.0.eh_proj\",\"kind\":\"out\"",
+                             "\"mtp.layers.0.eh_proj\",\"kind\":\"grad_in\"", "\"layers.1.moe.experts\",\"kind\":\"grad_in\"",
+                             "\"layers.1.moe\",\"kind\":\"grad_in\"", "\"layers.0.attn.core\",\"kind\":\"grad_in\"",
+                             "\"layers.0.attn_norm\",\"kind\":\"grad_in\"", "\"step\":1,\"micro\":1,",
+                             "\"step\":3,\"micro\":1,"}) {
+    const size_t next = trace.find(record, at);
+    ASSERT_NE(next, std::string::npos) << record << " after offset " << at;
+    at = next;
+  }
+  // Without debug.trace there is no trace directory.
+  EXPECT_FALSE(std::filesystem::exists(dir.path("plain/trace")));
+}
+
+// One ulp injected into one module's output: diff finds the step, the rank and that module. Some
+// of these ulps are absorbed by the rounding of later operations (a router logit that changes no
+// choice, an expert output added to a larger residual): the fingerprints then agree, the traces
+// still do not, and diff says so.
+TEST(Trace, DiffNamesTheModuleAnUlpWasInjectedInto) {
+  for (const char* module : {"layers.0.mlp.fc", "layers.1.moe.router", "layers.1.moe.experts", "mtp.layers.0.eh_proj"}) {
+    SCOPED_TRACE(module);
+    TempDir dir;
+    quiet_train(job(dir, "a", {"train.threads=2", "debug.trace=modules"}));
+    quiet_train(job(dir, "b", {"train.threads=2", "debug.trace=modules", std::string("debug.inject_ulp=2:") + module}));
+    const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
+    EXPECT_FALSE(d.identical);
+    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0)") ||
+                contains(d.report, "fingerprints identical over 3 steps (1..3), but the module traces differ:"))
+        << d.report;
+    EXPECT_TRUE(contains(d.report, str("module trace, rank 0: first difference at step 2, micro-batch 0: ", module,
+                                       " (out)\n  every record before it matches")))
+        << d.report;
+  }
+}
+
+TEST(Trace, InjectionWithoutTracingChangesTheFingerprintsFromThatStep) {
+  TempDir dir;
+  quiet_train(job(dir, "a", {}));
+  quiet_train(job(dir, "b", {"debug.inject_ulp=3:layers.0.attn.proj"}));
+  const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
+  EXPECT_TRUE(contains(d.report, "first difference: step 3, rank 0")) << d.report;
+  EXPECT_FALSE(contains(d.report, "module trace")) << d.report;
+  EXPECT_FALSE(std::filesystem::exists(dir.path("b/trace")));
+}
+
+TEST(Trace, TwoRanksReportRankCoordinatesAndEveryRankThatDiffers) {
+  TempDir dir;
+  for (const char* run : {"a", "b"}) {
+    std::vector<std::string> keys = {"debug.trace=modules", "train.threads=1"};
+    if (run[0] == 'b') keys.push_back("debug.inject_ulp=2:layers.0.attn.proj");
+    const Config c = job(dir, run, keys);
+    std::FILE* sink = std::fopen("/dev/null", "w");
+    run_threads(2, c.dist.timeout_s, [&](Communicator& comm) { train(c, sink, comm); });
+    std::fclose(sink);
+  }
+  const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
+  EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0")) << d.report;
+  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: 0, 1")) << d.report;
+  EXPECT_TRUE(contains(d.report, "layers.0.attn.proj (out)")) << d.report;
+}
+
+TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
+  TempDir dir;
+  for (const char* bad : {"layers.0.mlp.fc", "0:layers.0.mlp.fc", "x:layers.0.mlp.fc", "2:"})
+    EXPECT_EQ(testing::user_error_of([&] { job(dir, "a", {std::string("debug.inject_ulp=") + bad}); }),
+              str("config: debug.inject_ulp = \"", bad,
+                  "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. \"3:layers.1.attn.qkv\""));
+  EXPECT_EQ(testing::user_error_of([&] { job(dir, "a", {"debug.inject_ulp=9:layers.0.mlp.fc"}); }),
+            "config: debug.inject_ulp = \"9:layers.0.mlp.fc\": step 9 is past train.steps = 3");
+  const std::string unknown =
+      testing::user_error_of([&] { quiet_train(job(dir, "a", {"debug.inject_ulp=2:layers.0.mlp.fcx"})); });
+  EXPECT_TRUE(contains(unknown, "debug.inject_ulp = \"2:layers.0.mlp.fcx\": the model has no module 'layers.0.mlp.fcx'; "
+                                "its modules are: embedding, layers.0.attn_norm, layers.0.attn.qkv,"))
+      << unknown;
+}
+
+}  // namespace
+}  // namespace lockstep
