@@ -179,7 +179,9 @@ const std::vector<Key>& keys() {
       LS_KEY(data.reset_attention_mask, "attention stays within each document of a sample (needs data.eod_token)"),
       LS_KEY(data.eod_mask_loss, "no loss at positions whose input is the end-of-document token; the loss is "
                                  "the mean over the other tokens of the step (needs data.eod_token)"),
-      LS_KEY(precision.params, "parameter precision", {"fp32"}),
+      LS_KEY(precision.params, "compute precision: fp32, or bf16 mixed precision (bf16 weights and activations, "
+                               "fp32 master weights, gradients and accumulation; docs/precision.md)",
+             {"fp32", "bf16"}),
       LS_KEY(moe.num_experts, "routed experts per MoE layer; 0 = dense model"),
       LS_KEY(moe.router_topk, "experts per token k"),
       LS_KEY(moe.router_score_function, "router scores", {"softmax", "sigmoid"}),

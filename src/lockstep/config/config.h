@@ -136,8 +136,9 @@ struct DebugConfig {
   std::string inject_module() const;
 };
 
+// Reduced precision (model/precision.h, docs/precision.md).
 struct PrecisionConfig {
-  std::string params = "fp32";
+  std::string params = "fp32";           // fp32 | bf16 (fp32 master weights)
 };
 
 struct Config {

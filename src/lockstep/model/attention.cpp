@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -33,8 +34,13 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   const int64_t N = B * T;
   norm.forward(ps, arena, arena(normed), resid_in, N);
   qkv.forward(ps, arena(qkv_out), arena(normed), N);
-  if (rope) rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+  const Precision& p = ps.precision();
+  if (rope) {
+    rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+    p.round(arena(qkv_out), N * qkv_width());
+  }
   attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
+  p.round(arena(att), N * NH * HS);
   trace_out(core_name, arena(att), N * NH * HS);
   proj.forward_residual(ps, resid_out, resid_in, arena(att), N);
 }
@@ -47,6 +53,7 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   proj.backward(ps, s.datt, dresid, arena(att), N);
   attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
   if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+  ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
   qkv.backward(ps, s.dnorm, s.dqkv, arena(normed), N);
   norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);

@@ -19,8 +19,8 @@ namespace {
 constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
-GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
-    : m_(m), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
+GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision)
+    : m_(m), precision_(precision), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
   const float std = static_cast<float>(m.init_std);
   wte_ = params_.add("embedding.word.weight", {V_, C_}, Init::normal, std, true);
   if (m.position_embedding == "learned")
@@ -43,6 +43,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe)
   out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
   for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_));
   params_.allocate();
+  params_.set_precision(&precision_);
+  if (precision_.bf16()) params_.use_bf16_weights();
 
   for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(N_ * C_));
   for (int64_t l = 0; l < L_; ++l) mid_.push_back(arena_.reserve(N_ * C_));
@@ -114,12 +116,13 @@ void GPT::forward(const int32_t* tokens, bool training) {
     document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
                     tokens, B_, T_, eod_);
   const int num_params = static_cast<int>(params_.specs().size());
-  if (params_needed_) params_needed_(0, layer_first_[0]);
-  embedding_forward(arena_(resid_[0]), tokens, params_.value(wte_), wpe_ >= 0 ? params_.value(wpe_) : nullptr,
+  need_params(0, layer_first_[0]);
+  embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
                     B_, T_, C_, V_, positions());
+  precision_.round(arena_(resid_[0]), N_ * C_);
   trace_out("embedding", arena_(resid_[0]), N_ * C_);
   for (int64_t l = 0; l < L_; ++l) {
-    if (params_needed_) params_needed_(layer_first_[l], layer_first_[l + 1]);
+    need_params(layer_first_[l], layer_first_[l + 1]);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
                      positions(), doc_start());
     if (moe_[l]) {
@@ -130,12 +133,19 @@ void GPT::forward(const int32_t* tokens, bool training) {
     }
   }
   // The final norm, the untied head and the MTP depths.
-  if (params_needed_) params_needed_(layer_first_[L_], num_params);
+  need_params(layer_first_[L_], num_params);
   final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
+  weights_stale_ = false;
+}
+
+void GPT::need_params(int first, int end) {
+  if (params_needed_) params_needed_(first, end);
+  // The bf16 copy of a range is refreshed once its master values are final for this step.
+  if (weights_stale_) params_.sync_weights(first, end);
 }
 
 void GPT::head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale) {
-  const float* w = params_.value(out_);
+  const float* w = params_.weight(out_);
   float* logits = arena_(logits_);
   float* losses = arena_(losses_);
   GemmOptions acc;
@@ -143,12 +153,15 @@ void GPT::head(const float* x, const int32_t* targets, float* dx, bool backward,
   for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
     const int64_t rows = std::min(head_rows_, N_ - r0);
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V_, C_);
+    precision_.round(logits, rows * V_);
     if (!backward) {
       cross_entropy_forward(losses + r0, logits, targets + r0, rows, V_, V_);
       continue;
     }
     cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V_, V_, grad_scale);
+    precision_.round(logits, rows * V_);
     gemm(dx + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V_);
+    precision_.round(dx + r0 * C_, rows * C_);
     gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V_, C_, rows, acc);
   }
 }
@@ -254,6 +267,7 @@ double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, floa
 }
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
+  weights_stale_ = true;  // evaluation may follow an optimizer step with no begin_step in between
   forward(tokens, false);
   head(arena_(final_out_), targets, nullptr, false, 0.0f);
   const double lm = mean_loss(arena_(losses_), targets, N_);
@@ -279,6 +293,7 @@ void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
   seed_ = seed;
   step_ = step;
   micro_ = first_micro;
+  weights_stale_ = true;
   for (auto& layer : moe_)
     if (layer) layer->begin_step();
 }

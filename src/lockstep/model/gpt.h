@@ -29,6 +29,7 @@
 #include "lockstep/model/mtp.h"
 #include "lockstep/model/norm.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/model/precision.h"
 
 namespace lockstep {
 
@@ -39,8 +40,10 @@ class GPT {
   // B: sequences per micro-batch; T = m.seq_length. Declares and allocates every parameter (not
   // yet initialised: call params().init(seed)) and the activation arena. With moe.num_experts > 0
   // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
-  // MLP; with 0 the model is the dense one, bit for bit.
-  GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{});
+  // MLP; with 0 the model is the dense one, bit for bit. precision: the numerics of forward and
+  // backward (model/precision.h); the default is fp32.
+  GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
+      const PrecisionConfig& precision = PrecisionConfig{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -64,7 +67,9 @@ class GPT {
   double mtp_loss() const { return mtp_loss_; }
 
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
-  // draws from (seed, layer, step, global element index); clears the step's counters), finish_step
+  // draws from (seed, layer, step, global element index); clears the step's counters; with bf16
+  // weights, the step's first forward refreshes their copy from the master values, range by range
+  // as the params-needed hook delivers them), finish_step
   // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics).
   // first_micro: the global index of this rank's first micro-batch in the step (data parallelism:
   // rank r's micro-batch m is the step's micro-batch r x micro-batches per rank + m), so that the
@@ -102,6 +107,7 @@ class GPT {
   void backward(const int32_t* tokens, float aux_scale);
 
   ModelConfig m_;
+  Precision precision_;
   int64_t B_, T_, C_, V_, L_, N_;
   int64_t head_rows_;  // rows of logits per chunk
   ParamStore params_;
@@ -138,6 +144,10 @@ class GPT {
   // layer_first_[l]: the table index of layer l's first parameter; [L] that of the final norm.
   std::vector<int> layer_first_;
   std::function<void(int, int)> grads_ready_, params_needed_;
+  // Forward reads parameters [first, end) next: the params-needed hook, then (first forward of a
+  // step) the refresh of their bf16 copy.
+  void need_params(int first, int end);
+  bool weights_stale_ = true;
 };
 
 }  // namespace lockstep

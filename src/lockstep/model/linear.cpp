@@ -5,6 +5,7 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -17,14 +18,14 @@ Linear::Linear(ParamStore& ps, const std::string& name, int64_t in_, int64_t out
 
 void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) const {
   GemmOptions opt;
-  if (b >= 0) opt.bias = ps.value(b);
-  gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+  if (b >= 0) opt.bias = ps.weight(b);
+  ps.precision().fprop(ps, w, y, x, N, out, in, opt);
   trace_out(name, y, N * out);
 }
 
 void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x,
                               int64_t N) const {
-  const float* bias = b >= 0 ? ps.value(b) : nullptr;
+  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
   const int64_t O = out;
   parallel_for(N, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -37,15 +38,13 @@ void Linear::forward_residual(const ParamStore& ps, float* y, const float* resid
   });
   GemmOptions opt;
   opt.accumulate = true;
-  gemm(y, x, Trans::N, ps.value(w), Trans::T, N, out, in, opt);
+  ps.precision().fprop(ps, w, y, x, N, out, in, opt);
   trace_out(name, y, N * out);
 }
 
 void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {
-  gemm(dx, dy, Trans::N, ps.value(w), Trans::N, N, in, out);
-  GemmOptions acc;
-  acc.accumulate = true;
-  gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
+  ps.precision().dgrad(ps, w, dx, dy, N, out, in);
+  ps.precision().wgrad(ps, w, dy, x, N, out, in);
   if (b >= 0) bias_backward(ps.grad(b), dy, N, out);
   trace_grad_in(name, dx, N * in);
 }

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -25,6 +26,7 @@ void MlpLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   fc.forward(ps, arena(fc_out), arena(normed), N);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), N, F);
   else gelu_forward(arena(act), arena(fc_out), N * F);
+  ps.precision().round(arena(act), N * F);
   trace_out(act_name, arena(act), N * F);
   proj.forward_residual(ps, resid_out, resid_in, arena(act), N);
 }
@@ -34,6 +36,7 @@ void MlpLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   proj.backward(ps, s.dact, dresid, arena(act), N);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  ps.precision().round(s.dfc, N * fc_width());
   trace_grad_in(act_name, s.dfc, N * fc_width());
   fc.backward(ps, s.dnorm, s.dfc, arena(normed), N);
   norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);

@@ -4,6 +4,7 @@
 
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -26,16 +27,19 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
 void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev,
                        int wte, int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
                        const float* rope_sin) const {
-  embedding_forward(arena(emb), tokens_k, ps.value(wte), wpe >= 0 ? ps.value(wpe) : nullptr, B, T, C, V, positions);
+  const Precision& p = ps.precision();
+  embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions);
+  p.round(arena(emb), N * C);
   enorm.forward(ps, arena, arena(e), arena(emb), N);
   hnorm.forward(ps, arena, arena(hn), h_prev, N);
   // x = [e | hn] W^T as two GEMMs over the halves of K: by the GEMM's accumulate-split property
   // this is bitwise the product with the concatenation, which is never built.
-  const float* w = ps.value(proj_w);
+  const float* w = ps.weight(proj_w);
   GemmOptions acc;
   acc.accumulate = true;
   gemm(arena(x), C, arena(e), C, Trans::N, w, 2 * C, Trans::T, N, C, C);
   gemm(arena(x), C, arena(hn), C, Trans::N, w + C, 2 * C, Trans::T, N, C, C, acc);
+  p.round(arena(x), N * C);
   trace_out(proj_name, arena(x), N * C);
   attn.forward(ps, arena, arena(mid), arena(x), rope_cos, rope_sin, positions, doc_start);
   mlp.forward(ps, arena, arena(y), arena(mid));
@@ -51,12 +55,14 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   mlp.backward(ps, arena, s.dx, arena(mid), s.mlp);
   attn.backward(ps, arena, s.dx, arena(x), rope_cos, rope_sin, s.attn, positions, doc_start);
   // eh_proj: d[e | hn] = dx W, dW += dx^T [e | hn], each half on its own columns.
-  const float* w = ps.value(proj_w);
+  const float* w = ps.weight(proj_w);
   float* dw = ps.grad(proj_w);
   GemmOptions acc;
   acc.accumulate = true;
   gemm(s.de, C, s.dx, C, Trans::N, w, 2 * C, Trans::N, N, C, C);
   gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
+  ps.precision().round(s.de, N * C);
+  ps.precision().round(s.dhn, N * C);
   gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
   gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);
   trace_grad_in(proj_name, s.dhn, N * C);

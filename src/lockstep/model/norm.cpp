@@ -1,6 +1,7 @@
 #include "lockstep/model/norm.h"
 
 #include "lockstep/kernels/cpu/norms.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -16,15 +17,17 @@ Norm::Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms_, int
 }
 
 void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const {
-  if (rms) rmsnorm_forward(out, arena(rstd), inp, ps.value(w), N, C, eps);
-  else layernorm_forward(out, arena(mean), arena(rstd), inp, ps.value(w), ps.value(b), N, C, eps);
+  if (rms) rmsnorm_forward(out, arena(rstd), inp, ps.weight(w), N, C, eps);
+  else layernorm_forward(out, arena(mean), arena(rstd), inp, ps.weight(w), ps.weight(b), N, C, eps);
+  ps.precision().round(out, N * C);
   trace_out(name, out, N * C);
 }
 
 void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                     const float* inp, int64_t N) const {
-  if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.value(w), arena(rstd), N, C);
-  else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.value(w), arena(mean), arena(rstd), N, C);
+  if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.weight(w), arena(rstd), N, C);
+  else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.weight(w), arena(mean), arena(rstd), N, C);
+  ps.precision().round(dinp, N * C);
   trace_grad_in(name, dinp, N * C);
 }
 

@@ -5,6 +5,7 @@
 
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/model/precision.h"
 
 namespace lockstep {
 
@@ -38,6 +39,28 @@ void ParamStore::init(uint64_t seed) {
 void ParamStore::zero_grads() {
   float* g = grads_.data();
   parallel_for(total_, [&](int64_t b, int64_t e) { std::memset(g + b, 0, static_cast<size_t>(e - b) * sizeof(float)); });
+}
+
+void ParamStore::use_bf16_weights() {
+  LOCKSTEP_CHECK(values_.size() != 0, "bf16 weights before allocation");
+  weights_.resize(total_);
+}
+
+void ParamStore::sync_weights(int first, int end) {
+  if (weights_.size() == 0 || first >= end) return;
+  const int64_t lo = specs_[first].offset;
+  const int64_t hi = specs_[end - 1].offset + specs_[end - 1].shape.numel();
+  const float* v = values_.data() + lo;
+  float* w = weights_.data() + lo;
+  parallel_for(hi - lo, [&](int64_t b, int64_t e) {
+    std::memcpy(w + b, v + b, static_cast<size_t>(e - b) * sizeof(float));
+    round_to_bf16(w + b, e - b);
+  });
+}
+
+const Precision& ParamStore::precision() const {
+  static const Precision fp32;
+  return precision_ ? *precision_ : fp32;
 }
 
 int ParamStore::find(const std::string& name) const {

@@ -16,6 +16,8 @@
 
 namespace lockstep {
 
+class Precision;
+
 enum class Init : uint8_t { normal, zeros, ones };
 
 struct ParamSpec {
@@ -54,10 +56,25 @@ class ParamStore {
   float* grads() const { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
 
+  // Mixed precision (model/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
+  // value(i), the copy forward and backward read, refreshed from the fp32 master values by
+  // sync_weights() (parameters [first, end) of the table); otherwise weight(i) is value(i).
+  void use_bf16_weights();
+  void sync_weights(int first, int end);
+  const float* weight(int i) const {
+    return (weights_.size() ? weights_.data() : values_.data()) + specs_[i].offset;
+  }
+  // The numerics the modules compute in: the model's Precision (set by its owner, which outlives
+  // this store), or plain fp32 when none is set.
+  void set_precision(const Precision* p) { precision_ = p; }
+  const Precision& precision() const;
+
  private:
   std::vector<ParamSpec> specs_;
   int64_t total_ = 0;
   FloatBuffer values_, grads_;
+  FloatBuffer weights_;  // bf16 compute copy; empty without bf16 weights
+  const Precision* precision_ = nullptr;
 };
 
 }  // namespace lockstep

@@ -131,7 +131,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision);
   model.params().init(tc.seed);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);

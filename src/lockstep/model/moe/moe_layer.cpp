@@ -8,6 +8,7 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
@@ -71,7 +72,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   }
   float* logits = arena(logits_);
   float* probs = arena(probs_);
-  gemm(logits, rx, Trans::N, ps.value(router_w_), Trans::T, N_, E_, C_);
+  gemm(logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N_, E_, C_);
   trace_out(router_name_, logits, N_ * E_);
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N_);
   apply_capacity(kept_.data(), idx_.data(), probs, spec_, N_);
@@ -89,6 +90,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     base = resid_out;
   }
   dispatcher_->combine(resid_out, base, arena(rows_out_), probs);
+  ps.precision().round(resid_out, N_ * C_);
   trace_out(name_, resid_out, N_ * C_);
 
   if (training) {
@@ -105,6 +107,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const float* x = arena(normed_);
   const float* logits = arena(logits_);
   dispatcher_->combine_backward(s.drows, s.dprobs, dresid, arena(rows_out_), arena(probs_));
+  ps.precision().round(s.drows, dispatcher_->rows() * C_);
   experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), s.experts);
   trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
   std::memset(s.dnorm, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
@@ -118,7 +121,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   acc.accumulate = true;
   gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N_, acc);
   if (jittered_) {
-    gemm(s.drouter_x, s.dlogits, Trans::N, ps.value(router_w_), Trans::N, N_, C_, E_);
+    gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N_, C_, E_);
     const float* u = arena(jitter_);
     float* d = s.dnorm;
     const float* dr = s.drouter_x;
@@ -126,8 +129,9 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
       for (int64_t i = i0; i < i1; ++i) d[i] += dr[i] * u[i];
     });
   } else {
-    gemm(s.dnorm, s.dlogits, Trans::N, ps.value(router_w_), Trans::N, N_, C_, E_, acc);
+    gemm(s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N_, C_, E_, acc);
   }
+  ps.precision().round(s.dnorm, N_ * C_);
   trace_grad_in(name_, s.dnorm, N_ * C_);
   norm_.backward(ps, arena, dresid, s.dnorm, resid_in, N_);
 }

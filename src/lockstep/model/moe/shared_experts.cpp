@@ -4,6 +4,7 @@
 
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/model/precision.h"
 
 namespace lockstep {
 
@@ -26,8 +27,9 @@ void SharedExpert::forward(const ParamStore& ps, const Arena& arena, float* out,
   fc.forward(ps, arena(fc_out), x, N);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), N, F);
   else gelu_forward(arena(act), arena(fc_out), N * F);
+  ps.precision().round(arena(act), N * F);
   proj.forward(ps, arena(y), arena(act), N);
-  const float* w = gate_w >= 0 ? ps.value(gate_w) : nullptr;
+  const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
   float* g = arena(gate);
   const float* yy = arena(y);
   parallel_for(N, [&](int64_t t0, int64_t t1) {
@@ -48,7 +50,7 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
                             const float* x, const SharedExpertScratch& s) const {
   const float* g = arena(gate);
   const float* yy = arena(y);
-  const float* w = gate_w >= 0 ? ps.value(gate_w) : nullptr;
+  const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
   // d(ungated output) = gate * dout; the gate logit's gradient dl_t = <dout_t, y_t> g (1 - g).
   std::vector<float> dlogit(w ? static_cast<size_t>(N) : 0);
   parallel_for(N, [&](int64_t t0, int64_t t1) {
@@ -63,9 +65,11 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
       }
     }
   });
+  ps.precision().round(s.dout, N * C);
   proj.backward(ps, s.dact, s.dout, arena(act), N);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  ps.precision().round(s.dfc, N * fc_width());
   fc.backward(ps, s.dx, s.dfc, x, N);
   float* dw = w ? ps.grad(gate_w) : nullptr;
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.
