@@ -225,7 +225,8 @@ void register_lowp() {
   const Shape shapes[] = {{1024, 1024, 1024, Trans::N, Trans::T, false},
                           {1024, 1024, 256, Trans::N, Trans::T, false},    // fc forward
                           {1024, 256, 1024, Trans::N, Trans::N, false},    // fc input grad
-                          {1024, 256, 1024, Trans::T, Trans::N, true}};    // fc weight grad
+                          {1024, 256, 1024, Trans::T, Trans::N, true},     // fc weight grad
+                          {32, 4096, 4096, Trans::N, Trans::T, false}};    // few rows: streams W
   for (const Shape& s : shapes) {
     for (int threads : {1, 2}) {
       for (Storage st : {Storage::f32, Storage::bf16, Storage::e4m3, Storage::mxfp8, Storage::nvfp4}) {

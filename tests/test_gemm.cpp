@@ -369,6 +369,38 @@ TEST(GemmOperands, EqualTheFp32GemmOnTheDequantisedOperands) {
   EXPECT_GT(checked, 100);
 }
 
+TEST(GemmOperands, EveryCodeDecodesAsDequantizeDoes) {
+  // op(A) = the transpose of one stored row holding every code (so the vector decoding runs),
+  // times B = 1 on top of C = -0: each C[i] is then exactly A's decoded value, sign of zero and NaN
+  // bits included.
+  for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2, ElemFormat::e2m1}) {
+    for (float s : {1.0f, 0.75f}) {
+      QuantizedTensor q;
+      q.elem = f;
+      q.rows = 1;
+      q.cols = 256;
+      q.block_cols = 256;
+      q.scales = {s};
+      q.tensor_scale = f == ElemFormat::e2m1 ? 0.3f : 1.0f;
+      q.codes.resize(static_cast<size_t>(q.row_bytes()));
+      for (size_t c = 0; c < q.codes.size(); ++c) {
+        q.codes[c] = static_cast<uint8_t>(f == ElemFormat::e2m1 ? (c % 16) | (((c + 5) % 16) << 4) : c);
+      }
+      std::vector<float> C(256, -0.0f), want(256);
+      const float one = 1.0f;
+      GemmOptions acc;
+      acc.accumulate = true;
+      gemm(C.data(), 1, gemm_operand(q, Trans::T), gemm_operand(&one, 1, Trans::N), 256, 1, 1, acc);
+      dequantize(want.data(), q);
+      for (int i = 0; i < 256; ++i) want[i] = std::fma(want[i], 1.0f, -0.0f);
+      ASSERT_TRUE(bitwise_equal(C, want, std::string(elem_format_name(f))));
+      if (s == 1.0f && f != ElemFormat::e2m1) {
+        for (int i = 0; i < 256; ++i) ASSERT_TRUE(bitwise_equal(&C[i], std::vector<float>{decode(f, i)}.data(), 1)) << i;
+      }
+    }
+  }
+}
+
 TEST(GemmOperands, QuantisedViews) {
   // A view at (row0, col0) of a quantised matrix reads the same values as that block of the
   // dequantised matrix (its scales are the stored blocks', not re-derived).

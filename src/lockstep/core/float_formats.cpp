@@ -37,6 +37,9 @@ uint8_t overflowed(const Layout& L, uint8_t sign, Overflow overflow) {
 // mantissa bits (a's exponent field lines up with the target's after rebiasing) and the fraction is
 // the dropped bits / 2^(23 - M); below the smallest normal, |x| is scaled so that the subnormal
 // quantum becomes 1 and split into integer and fraction. Every step is exact in fp32.
+// 2^e for a normal fp32 exponent: multiplying by it is exact (no std::ldexp call per element).
+inline float pow2(int e) { return std::bit_cast<float>(static_cast<uint32_t>(e + 127) << 23); }
+
 struct Truncated {
   uint32_t mag;
   float frac;  // in [0, 1)
@@ -48,9 +51,9 @@ Truncated truncate(const Layout& L, uint32_t a) {
     const int sh = 23 - L.M;
     const uint32_t r = a >> sh;  // (fp32 exponent field << M) | top M mantissa bits
     const uint32_t mag = r - (static_cast<uint32_t>(127 - L.bias) << L.M);
-    return {mag, std::ldexp(static_cast<float>(a & ((1u << sh) - 1)), -sh)};
+    return {mag, static_cast<float>(a & ((1u << sh) - 1)) * pow2(-sh)};
   }
-  const float r = std::ldexp(std::bit_cast<float>(a), L.M - L.emin());  // < 2^M
+  const float r = std::bit_cast<float>(a) * pow2(L.M - L.emin());  // < 2^M
   const auto n = static_cast<uint32_t>(r);
   return {n, r - static_cast<float>(n)};
 }
@@ -151,7 +154,8 @@ uint8_t encode_e8m0(float x, ScaleRounding rounding) {
 
 float decode_e8m0(uint8_t code) {
   if (code == 0xFF) return std::numeric_limits<float>::quiet_NaN();
-  return std::ldexp(1.0f, static_cast<int>(code) - 127);
+  if (code == 0) return 0x1p-127f;  // the one subnormal
+  return std::bit_cast<float>(static_cast<uint32_t>(code) << 23);
 }
 
 }  // namespace lockstep
