@@ -17,6 +17,9 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#ifdef LOCKSTEP_GEMM_BLAS
+#include <cblas.h>
+#endif
 #include "lockstep/core/float_formats.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/quantize.h"
@@ -730,10 +733,33 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
   }
 }
 
+#ifdef LOCKSTEP_GEMM_BLAS
+// Bench-only build (cmake -DLOCKSTEP_GEMM_BLAS=ON): fp32 products go to OpenBLAS's sgemm, whose
+// reduction order depends on its blocking and thread count, so the contract of gemm.h does not
+// hold. It exists to measure what the contract costs (bench/determinism_tax.sh); false when the
+// call needs this file (k_segments).
+bool blas_gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb,
+               int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+  if (!opt.k_segments.empty()) return false;
+  if (M == 0 || N == 0) return true;
+  if (!opt.accumulate)
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < N; ++j) C[i * ldc + j] = opt.bias ? opt.bias[j] : 0.0f;
+  if (K > 0)
+    cblas_sgemm(CblasRowMajor, ta == Trans::N ? CblasNoTrans : CblasTrans, tb == Trans::N ? CblasNoTrans : CblasTrans,
+                static_cast<int>(M), static_cast<int>(N), static_cast<int>(K), 1.0f, A, static_cast<int>(lda), B,
+                static_cast<int>(ldb), 1.0f, C, static_cast<int>(ldc));
+  return true;
+}
+#endif
+
 }  // namespace
 
 void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
           Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+#ifdef LOCKSTEP_GEMM_BLAS
+  if (blas_gemm(C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt)) return;
+#endif
   gemm_with(best_kernel(), C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
@@ -746,9 +772,25 @@ void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int
   gemm_with(best_kernel(), C, ldc, A, B, M, N, K, opt);
 }
 
-void gemm_batch(const GemmBatchItem* items, int64_t count) { gemm_batch_with(best_kernel(), items, count); }
+void gemm_batch(const GemmBatchItem* items, int64_t count) {
+#ifdef LOCKSTEP_GEMM_BLAS
+  for (int64_t i = 0; i < count; ++i) {
+    const GemmBatchItem& t = items[i];
+    GemmOptions opt;
+    opt.accumulate = t.accumulate;
+    opt.bias = t.bias;
+    blas_gemm(t.C, t.ldc, t.A, t.lda, t.ta, t.B, t.ldb, t.tb, t.M, t.N, t.K, opt);
+  }
+  return;
+#endif
+  gemm_batch_with(best_kernel(), items, count);
+}
 
+#ifdef LOCKSTEP_GEMM_BLAS
+const char* gemm_kernel_name() { return "openblas (bench-only build: no determinism guarantee)"; }
+#else
 const char* gemm_kernel_name() { return best_kernel().name; }
+#endif
 
 namespace detail {
 void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,

@@ -1,0 +1,109 @@
+// The cost of the per-step fingerprint against the training step it fingerprints, side by side in
+// one run.
+//
+//   build/bench_fingerprint [CONFIG.toml] [rounds]     default configs/gpt2-peer.toml, 10 rounds
+//
+// Each round times one training step (every micro-batch's forward and backward, then AdamW) on 2
+// threads, then the fingerprint's hashing of the same state three ways: one XXH3 stream per buffer
+// on one thread (the hashing before BlockHasher), and the trainer's BlockHasher (core/hash.h) over
+// gradients, parameters (+ expert biases) and both Adam moments with 1 and with 2 threads. Reports
+// the median of each and its share of the step.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/core/hash.h"
+#include "lockstep/core/philox.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/train/optimizer.h"
+
+using namespace lockstep;
+
+namespace {
+
+double seconds(const std::function<void()>& fn) {
+  const auto t0 = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string file = argc > 1 ? argv[1] : std::string(LOCKSTEP_SOURCE_DIR) + "/configs/gpt2-peer.toml";
+  const int rounds = argc > 2 ? std::atoi(argv[2]) : 10;
+  const Config c = load_config(file, {});
+  const TrainConfig& tc = c.train;
+  GPT model(c.model, tc.micro_batch, c.moe);
+  ParamStore& ps = model.params();
+  ps.init(tc.seed);
+  Optimizer opt(ps, c.optimizer);
+  const int64_t N = tc.micro_batch * c.model.seq_length;
+  std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
+  const RandomStream rng(tc.seed, purpose_id("bench/tokens"));
+  for (int64_t i = 0; i < N; ++i) {
+    tokens[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i)) % static_cast<uint64_t>(c.model.vocab_size));
+    targets[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(N + i)) % static_cast<uint64_t>(c.model.vocab_size));
+  }
+  const int64_t n = ps.total();
+  ThreadPool one(1), two(2);
+  int64_t step = 0;
+  auto train_step = [&] {
+    ThreadPool::Bind bind(&two);
+    ps.zero_grads();
+    model.begin_step(tc.seed, ++step);
+    for (int64_t m = 0; m < tc.accumulation_steps(); ++m)
+      model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N * tc.accumulation_steps()));
+    opt.step(ps, step, tc.lr);
+  };
+  // The same state: the moments are contiguous in the optimizer (state views of every parameter).
+  const std::vector<Optimizer::StateView> state = opt.state(ps);
+  uint64_t sink = 0;
+  auto serial = [&] {
+    sink ^= hash_floats(ps.grads(), n) ^ hash_floats(ps.values(), n);
+    Hasher h;
+    h.update(state.front().m, static_cast<size_t>(n) * sizeof(float));
+    h.update(state.front().v, static_cast<size_t>(n) * sizeof(float));
+    sink ^= h.digest();
+  };
+  auto blocks = [&] {
+    BlockHasher g;
+    for (const ParamRange& r : opt.owned()) g.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+    sink ^= g.digest() ^ model.state_hash() ^ opt.hash();
+  };
+  std::vector<double> t_step, t_serial, t_blocks1, t_blocks2;
+  train_step();  // warm-up
+  for (int r = 0; r < rounds; ++r) {
+    t_step.push_back(seconds(train_step));
+    t_serial.push_back(seconds(serial));
+    {
+      ThreadPool::Bind bind(&one);
+      t_blocks1.push_back(seconds(blocks));
+    }
+    {
+      ThreadPool::Bind bind(&two);
+      t_blocks2.push_back(seconds(blocks));
+    }
+  }
+  const double s = median(t_step);
+  std::printf("%s: %.2fM parameters, %.1f MB hashed per fingerprint, %d rounds (checksum %016llx)\n", file.c_str(),
+              static_cast<double>(n) / 1e6, 4.0 * static_cast<double>(n) * 4 / 1e6, rounds, (unsigned long long)sink);
+  std::printf("%-40s %9.2f ms  (GEMM: %s)\n", "training step (2 threads)", 1e3 * s, gemm_kernel_name());
+  for (const auto& [name, t] : {std::pair{"XXH3 per buffer, 1 thread (before)", &t_serial},
+                                std::pair{"BlockHasher, 1 thread", &t_blocks1},
+                                std::pair{"BlockHasher, 2 threads (the trainer)", &t_blocks2}})
+    std::printf("%-40s %9.2f ms  %5.2f%% of the step\n", name, 1e3 * median(*t), 100 * median(*t) / s);
+  return 0;
+}
