@@ -5,8 +5,8 @@
 // is a small indexed dataset of byte documents ended by EOD 256).
 //
 // Not here yet, because they do not exist yet: tensor / pipeline / expert / context parallel
-// layouts, bf16 / fp8 parameter precision, resume from a checkpoint (each gets its rows when it
-// lands), and a second MoE dispatcher (only the local one exists).
+// layouts, fp8 / fp4 training recipes, resume from a checkpoint (each gets its rows when it lands;
+// resume a run mid-way in every row), and a second MoE dispatcher (only the local one exists).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -56,10 +56,14 @@ const Row kRows[] = {
                                                   "moe.router_enable_expert_bias=true", "moe.shared_expert_intermediate_size=32"}},
     {"documents_masks", "debug.toml", {"data.source=indexed:{docs}", "data.eod_token=256", "model.vocab_size=259",
                                        "data.reset_position_ids=true", "data.reset_attention_mask=true", "data.eod_mask_loss=true"}},
+    {"bf16_gpt2", "debug.toml", {"precision.params=bf16"}},
+    {"bf16_llama_moe_mtp", "moe-debug.toml", {"precision.params=bf16", "model.preset=llama", "model.mtp_num_layers=1",
+                                              "moe.shared_expert_intermediate_size=32"}},
     {"dp2", "debug.toml", {}, 2},
     {"dp2_moe", "moe-debug.toml", {kMoeBalance, "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true"}, 2},
     {"dp2_distributed_optimizer_overlap", "debug.toml", {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
                                                          "ddp.overlap_param_gather=true", "ddp.bucket_size=4096"}, 2},
+    {"dp2_bf16_distributed_optimizer", "moe-debug.toml", {"precision.params=bf16", "optimizer.distributed=true"}, 2},
     {"dp2_documents_llama", "debug.toml", {"model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",
                                            "model.vocab_size=259", "data.eod_mask_loss=true"}, 2},
 };
