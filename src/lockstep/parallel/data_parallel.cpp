@@ -90,14 +90,34 @@ void DataParallel::grads_ready(int first, int end) {
   }
 }
 
+void DataParallel::copy_bucket(Bucket& b, float* table, Into into) const {
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    float* t = table + ps_.specs()[b.params[i]].offset;
+    float* p = b.packed.data() + b.at[i];
+    const size_t bytes = static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float);
+    if (into == Into::packed) std::memcpy(p, t, bytes);
+    else std::memcpy(t, p, bytes);
+  }
+}
+
+void DataParallel::copy_chunk(Bucket& b, float* table, Into into) const {
+  const int64_t lo = b.comm->rank() * b.chunk;
+  for (const ParamRange& r : b.mine) {
+    const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
+    float* t = table + ps_.specs()[r.param].offset + r.begin;
+    float* c = b.chunk_buf.data() + (b.at[i] + r.begin - lo);
+    const size_t bytes = static_cast<size_t>(r.end - r.begin) * sizeof(float);
+    if (into == Into::packed) std::memcpy(c, t, bytes);
+    else std::memcpy(t, c, bytes);
+  }
+}
+
 void DataParallel::post(Bucket& b) {
   if (b.gathering) finish_gather(b);  // the packed buffer is the gather's destination
   b.posted = true;
   const int P = b.comm->size();
   if (P == 1) return;
-  for (size_t i = 0; i < b.params.size(); ++i)
-    std::memcpy(b.packed.data() + b.at[i], ps_.grad(b.params[i]),
-                static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+  copy_bucket(b, ps_.grads(), Into::packed);
   b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk)
                         : b.comm->all_reduce_async(b.packed.data(), b.size);
 }
@@ -109,18 +129,8 @@ void DataParallel::finish_grad_sync() {
     b.posted = false;
     if (b.comm->size() == 1) continue;
     b.work.wait();
-    if (distributed_) {
-      const int64_t lo = b.comm->rank() * b.chunk;
-      for (const ParamRange& r : b.mine) {
-        const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
-        std::memcpy(ps_.grad(r.param) + r.begin, b.chunk_buf.data() + (b.at[i] + r.begin - lo),
-                    static_cast<size_t>(r.end - r.begin) * sizeof(float));
-      }
-    } else {
-      for (size_t i = 0; i < b.params.size(); ++i)
-        std::memcpy(ps_.grad(b.params[i]), b.packed.data() + b.at[i],
-                    static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
-    }
+    if (distributed_) copy_chunk(b, ps_.grads(), Into::table);
+    else copy_bucket(b, ps_.grads(), Into::table);
   }
   armed_ = false;
 }
@@ -167,12 +177,7 @@ void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float gra
     Bucket& b = *it;
     optimizer.update(ps_, step, lr, grad_scale, b.mine);
     if (b.comm->size() == 1) continue;
-    const int64_t lo = b.comm->rank() * b.chunk;
-    for (const ParamRange& r : b.mine) {
-      const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
-      std::memcpy(b.chunk_buf.data() + (b.at[i] + r.begin - lo), ps_.value(r.param) + r.begin,
-                  static_cast<size_t>(r.end - r.begin) * sizeof(float));
-    }
+    copy_chunk(b, ps_.values(), Into::packed);
     b.work = b.comm->all_gather_async(b.packed.data(), b.chunk_buf.data(), b.chunk);
     b.gathering = true;
     if (!ddp_.overlap_param_gather) finish_gather(b);
@@ -182,9 +187,7 @@ void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float gra
 void DataParallel::finish_gather(Bucket& b) {
   b.work.wait();
   b.gathering = false;
-  for (size_t i = 0; i < b.params.size(); ++i)
-    std::memcpy(ps_.value(b.params[i]), b.packed.data() + b.at[i],
-                static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float));
+  copy_bucket(b, ps_.values(), Into::table);
 }
 
 void DataParallel::params_needed(int first, int end) {

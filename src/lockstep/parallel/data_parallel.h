@@ -23,9 +23,8 @@
 // (comm/communicator.h), whether it comes from an all-reduce or a reduce-scatter, whenever the
 // bucket is posted; the update is elementwise; the gradient norm is the same fold of per-chunk
 // sums of squares in both modes. So a step gives the same bits with the replicated and the
-// distributed optimizer, with overlap on or off, and with any bucket size whose chunks agree
-// (the norm's per-chunk partial sums depend on the chunking, so bucket_size is part of the
-// grad norm's bits when P > 1).
+// distributed optimizer and with overlap on or off. ddp.bucket_size changes the grad norm's last
+// bits (it groups and orders the partial sums), hence the clipped update's.
 #pragma once
 
 #include <cstdint>
@@ -97,6 +96,11 @@ class DataParallel {
   };
   // Rank r's chunk of bucket b as parameter ranges.
   std::vector<ParamRange> chunk_ranges(const Bucket& b, int r) const;
+  // Copies between a table-shaped buffer (ps.values() or ps.grads()) and a bucket's packed buffer
+  // (every parameter) or its chunk buffer (this rank's chunk), in the direction `into`.
+  enum class Into { packed, table };
+  void copy_bucket(Bucket& b, float* table, Into into) const;
+  void copy_chunk(Bucket& b, float* table, Into into) const;
   void post(Bucket& b);
   void finish_gather(Bucket& b);
   // Rank r's chunk's sum of squares over every bucket of one buffer.
