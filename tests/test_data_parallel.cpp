@@ -150,7 +150,7 @@ TEST(DataParallel, DistributedOptimizerStateShrinksAsOneOverDp) {
     GPT model(c.model, 1, c.moe);
     for (const ParamSpec& p : model.params().specs()) elements += p.shape.numel();
   }
-  for (int ranks : {1, 2, 4}) {
+  for (int ranks : {1, 2, 3, 4}) {
     std::vector<int64_t> bytes(static_cast<size_t>(ranks));
     std::vector<int64_t> buckets(static_cast<size_t>(ranks));
     run_threads(ranks, 60, [&](Communicator& comm) {
