@@ -1,7 +1,9 @@
 // Reduced precision (model/precision.h, docs/precision.md): BF16 mixed precision against a
-// double-precision reference that rounds the same tensors; the master/compute weight copies;
-// training in each mode learns and is bitwise deterministic run to run and across thread counts;
-// bad keys and combinations fail with one clear error.
+// double-precision reference that rounds the same tensors; the master/compute weight copies; each
+// FP8 / NVFP4 recipe's linear layer against the fp32 GEMM on operands quantised as the recipe says,
+// bit for bit; delayed scaling's history on a hand-checked case; selective high precision; training
+// in each mode learns and is bitwise deterministic run to run and across thread counts; bad keys
+// and combinations fail with one clear error.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -11,7 +13,13 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/dtype.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/model/gpt.h"
+#include "lockstep/model/linear.h"
+#include "lockstep/model/precision.h"
+#include "lockstep/model/trace.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/trainer.h"
@@ -217,6 +225,247 @@ TEST(PrecisionBf16, GradientsFollowTheFp32Ones) {
   EXPECT_NE(grads[0], grads[1]) << "bf16 changes the bits";
 }
 
+// ---- FP8 / NVFP4 linear layers: the recipe's operands, bit for bit ----
+
+// A linear layer "layers.0.mlp.fc" (in -> out, with bias) in a store of its own, under a recipe.
+struct QuantisedLinear {
+  int64_t N = 32, in = 64, out = 48;
+  ParamStore ps;
+  Linear lin;
+  Precision precision;
+  explicit QuantisedLinear(const std::vector<std::string>& keys) {
+    lin = Linear(ps, "layers.0.mlp.fc", in, out, true, 0.5f);
+    ps.allocate();
+    ps.init(8);
+    for (int64_t i = 0; i < out; ++i) ps.value(lin.b)[i] = 0.01f * static_cast<float>(i);
+    precision = Precision(load_config("", keys).precision, ps, 1);
+    ps.set_precision(&precision);
+    ps.use_bf16_weights();
+    ps.sync_weights(0, static_cast<int>(ps.specs().size()));
+  }
+};
+
+std::vector<float> bf16_randn(int64_t n, uint64_t seed, float scale) {
+  std::vector<float> v = testing::randn(n, seed);
+  for (float& x : v) x = to_f32(to_bf16(x * scale));
+  return v;
+}
+
+std::vector<float> dequantized(const QuantizedTensor& q) {
+  std::vector<float> v(static_cast<size_t>(q.rows * q.cols));
+  dequantize(v.data(), q);
+  return v;
+}
+
+std::vector<float> transposed(const std::vector<float>& x, int64_t rows, int64_t cols) {
+  std::vector<float> t(x.size());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) t[c * rows + r] = x[r * cols + c];
+  return t;
+}
+
+// The dequantised operand a recipe gives x (rows, cols) when the GEMM's K runs along its columns
+// (k_along_cols) or rows, written from the recipe's definition (model/precision.h).
+struct RecipeRef {
+  std::string recipe;
+  uint64_t seed = 0;
+  int64_t step = 0, micro = 0;
+  std::vector<float> operand(const std::vector<float>& x, int64_t rows, int64_t cols, bool k_along_cols, bool weight,
+                             bool grad, uint64_t sr_usage) const {
+    const ElemFormat f = grad ? ElemFormat::e5m2 : ElemFormat::e4m3;  // hybrid
+    QuantizedTensor q;
+    if (recipe == "delayed") {  // the first micro-batch: every scale is still 1
+      quantize_tensorwise(q, x.data(), rows, cols, f, 1.0f);
+      return dequantized(q);
+    }
+    if (recipe == "tensorwise") {
+      quantize_tensorwise(q, x.data(), rows, cols, f, fp8_scale_from_amax(amax(x.data(), rows * cols), f));
+      return dequantized(q);
+    }
+    if (recipe == "blockwise") {
+      quantize_blockwise(q, x.data(), rows, cols, f, weight || !k_along_cols ? 128 : 1, weight || k_along_cols ? 128 : 1);
+      return dequantized(q);
+    }
+    if (recipe == "nvfp4" && weight) {
+      quantize_nvfp4(q, x.data(), rows, cols, 16);
+      return dequantized(q);
+    }
+    // 1-D blocks along K: along the rows means along the transpose's columns.
+    const std::vector<float> src = k_along_cols ? x : transposed(x, rows, cols);
+    const int64_t r = k_along_cols ? rows : cols, c = k_along_cols ? cols : rows;
+    if (recipe == "mxfp8") {
+      quantize_mxfp8(q, src.data(), r, c, f);
+    } else {
+      StochasticRounding sr;
+      if (grad) sr = {true, seed, static_cast<uint64_t>(step), sr_usage, micro * rows * cols, 0};  // site 0
+      quantize_nvfp4(q, src.data(), r, c, 1, sr);
+    }
+    const std::vector<float> v = dequantized(q);
+    return k_along_cols ? v : transposed(v, r, c);
+  }
+};
+
+TEST(PrecisionLowp, LinearLayerEqualsTheFp32GemmOnTheRecipesOperands) {
+  for (const char* recipe : {"delayed", "tensorwise", "blockwise", "mxfp8", "nvfp4"}) {
+    SCOPED_TRACE(recipe);
+    const bool fp4 = std::string(recipe) == "nvfp4";
+    QuantisedLinear t({"precision.params=bf16", fp4 ? "precision.fp4=nvfp4" : std::string("precision.fp8=") + recipe});
+    const int64_t N = t.N, in = t.in, out = t.out;
+    EXPECT_NE(t.precision.recipe(t.lin.w), Precision::Recipe::none);
+    const std::vector<float> x = bf16_randn(N * in, 1, 1.0f), dy = bf16_randn(N * out, 2, 1e-3f);
+    std::vector<float> y(static_cast<size_t>(N * out)), dx(static_cast<size_t>(N * in));
+    t.precision.begin_micro_batch(77, 5, 3);
+    t.lin.forward(t.ps, y.data(), x.data(), N);
+    t.lin.backward(t.ps, dx.data(), dy.data(), x.data(), N);
+    t.precision.end_micro_batch();
+
+    const RecipeRef ref{recipe, 77, 5, 3};
+    const std::vector<float> w(t.ps.weight(t.lin.w), t.ps.weight(t.lin.w) + out * in);
+    const std::vector<float> qx = ref.operand(x, N, in, true, false, false, 0), qw = ref.operand(w, out, in, true, true, false, 0);
+    std::vector<float> y_ref(y.size()), dx_ref(dx.size()), dw_ref(static_cast<size_t>(out * in), 0.0f);
+    GemmOptions bias;
+    bias.bias = t.ps.weight(t.lin.b);
+    gemm(y_ref.data(), qx.data(), Trans::N, qw.data(), Trans::T, N, out, in, bias);
+    round_to_bf16(y_ref.data(), N * out);
+    EXPECT_TRUE(testing::bitwise_equal(y, y_ref)) << "fprop";
+
+    const std::vector<float> qdy = ref.operand(dy, N, out, true, false, true, 0);
+    const std::vector<float> qw_k = ref.operand(w, out, in, false, true, false, 0);
+    gemm(dx_ref.data(), qdy.data(), Trans::N, qw_k.data(), Trans::N, N, in, out);
+    round_to_bf16(dx_ref.data(), N * in);
+    EXPECT_TRUE(testing::bitwise_equal(dx, dx_ref)) << "dgrad";
+
+    // wgrad: NVFP4 first mixes 16 tokens at a time by the random Hadamard transform (N = 32: no padding).
+    std::vector<float> dy_w = dy, x_w = x;
+    if (fp4) {
+      hadamard16(dy_w.data(), dy.data(), N, out, HadamardAxis::rows);
+      hadamard16(x_w.data(), x.data(), N, in, HadamardAxis::rows);
+    }
+    const std::vector<float> qdy_t = ref.operand(dy_w, N, out, false, false, true, 1);
+    const std::vector<float> qx_t = ref.operand(x_w, N, in, false, false, false, 0);
+    GemmOptions acc;
+    acc.accumulate = true;
+    gemm(dw_ref.data(), qdy_t.data(), Trans::T, qx_t.data(), Trans::N, out, in, N, acc);
+    EXPECT_TRUE(testing::bitwise_equal(t.ps.grad(t.lin.w), dw_ref.data(), out * in)) << "wgrad";
+    // And the quantisation is real: the fp32 GEMM on the bf16 operands gives other bits.
+    std::vector<float> y_bf16(y.size());
+    gemm(y_bf16.data(), x.data(), Trans::N, w.data(), Trans::T, N, out, in, bias);
+    round_to_bf16(y_bf16.data(), N * out);
+    EXPECT_NE(y, y_bf16);
+  }
+}
+
+TEST(PrecisionLowp, DelayedScalingFollowsItsHistory) {
+  // History of 3, algo max, margin 1: the scale of micro-batch m comes from the amaxes staged
+  // before it; hand-computed below for the input tensor (amax of x: 2, 4, 1, 1, 1).
+  for (const char* algo : {"max", "most_recent"}) {
+    SCOPED_TRACE(algo);
+    QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=3",
+                       std::string("precision.fp8_amax_compute_algo=") + algo, "precision.fp8_margin=1"});
+    const int64_t N = t.N, in = t.in, out = t.out;
+    const bool max = std::string(algo) == "max";
+    // amax staged: 2, 4, 1, 1, 1. History after each update (rotated, slot 0 zeroed) and the scale
+    // (448 / a) / 2 for a = max over [staged, rest] (max) or the staged one (most_recent).
+    const float amaxes[5] = {2, 4, 1, 1, 1};
+    const std::vector<std::vector<float>> history = {{0, 0, 2}, {0, 2, 4}, {0, 4, 1}, {0, 1, 1}, {0, 1, 1}};
+    const float scale_max[5] = {112, 56, 56, 56, 224}, scale_recent[5] = {112, 56, 224, 224, 224};
+    std::vector<float> dy(static_cast<size_t>(N * out), 1e-3f), y(dy.size()), dx(static_cast<size_t>(N * in));
+    for (int m = 0; m < 5; ++m) {
+      std::vector<float> x = bf16_randn(N * in, 10 + m, 0.1f);
+      x[5] = amaxes[m];  // the largest magnitude by far
+      t.precision.begin_micro_batch(1, 1, m);
+      t.lin.forward(t.ps, y.data(), x.data(), N);
+      t.lin.backward(t.ps, dx.data(), dy.data(), x.data(), N);
+      t.precision.end_micro_batch();
+      const AmaxHistory* x_state = nullptr;
+      for (const Precision::NamedHistory& h : t.precision.amax_histories())
+        if (h.name == "layers.0.mlp.fc.weight.input") x_state = h.history;
+      ASSERT_TRUE(x_state);
+      EXPECT_EQ(x_state->amax, history[m]) << "micro-batch " << m;
+      EXPECT_EQ(x_state->scale, max ? scale_max[m] : scale_recent[m]) << "micro-batch " << m;
+    }
+  }
+}
+
+TEST(PrecisionLowp, DelayedScalingScaleIsTheOneQuantisationUses) {
+  QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  const int64_t N = t.N, in = t.in, out = t.out;
+  std::vector<float> y(static_cast<size_t>(N * out)), y_ref(y.size());
+  const std::vector<float> x = bf16_randn(N * in, 3, 1.0f);
+  for (int m = 0; m < 2; ++m) {
+    float sx = 0, sw = 0;
+    for (const Precision::NamedHistory& h : t.precision.amax_histories()) {
+      if (h.name == "layers.0.mlp.fc.weight.input") sx = h.history->scale;
+      if (h.name == "layers.0.mlp.fc.weight.weight") sw = h.history->scale;
+    }
+    t.precision.begin_micro_batch(1, 1, m);
+    t.lin.forward(t.ps, y.data(), x.data(), N);
+    t.precision.end_micro_batch();
+    QuantizedTensor qx, qw;
+    quantize_tensorwise(qx, x.data(), N, in, ElemFormat::e4m3, sx);
+    quantize_tensorwise(qw, t.ps.weight(t.lin.w), out, in, ElemFormat::e4m3, sw);
+    GemmOptions bias;
+    bias.bias = t.ps.weight(t.lin.b);
+    gemm(y_ref.data(), dequantized(qx).data(), Trans::N, dequantized(qw).data(), Trans::T, N, out, in, bias);
+    round_to_bf16(y_ref.data(), N * out);
+    EXPECT_TRUE(testing::bitwise_equal(y, y_ref)) << "micro-batch " << m << " scales " << sx << " " << sw;
+    if (m == 0) EXPECT_EQ(sx, 1.0f) << "the initial scale";
+    else EXPECT_EQ(sx, 448.0f / amax(x.data(), N * in)) << "from the first micro-batch's amax";
+  }
+}
+
+TEST(PrecisionLowp, SelectiveLayersStayHighPrecision) {
+  ModelConfig m = testing::tiny_model("llama", 16);
+  m.num_layers = 3;
+  MoeConfig moe;
+  moe.num_experts = 2;
+  moe.router_topk = 1;
+  moe.layer_freq = "[0,1,0]";
+  const Config c = load_config("", {"model.num_layers=3", "precision.params=bf16", "precision.fp4=nvfp4",
+                                    "precision.fp4_high_precision_layers=1"});
+  GPT fp4(m, 2, moe, c.precision);
+  PrecisionConfig bf16;
+  bf16.params = "bf16";
+  GPT ref(m, 2, moe, bf16);
+  const ParamStore& ps = fp4.params();
+  Precision& p = ps.precision();
+  int quantised = 0;
+  for (size_t i = 0; i < ps.specs().size(); ++i) {
+    const std::string& name = ps.specs()[i].name;
+    const bool middle = name.rfind("layers.1.", 0) == 0 && name.find("norm") == std::string::npos &&
+                        name.find("router") == std::string::npos && name.find("bias") == std::string::npos;
+    EXPECT_EQ(p.recipe(static_cast<int>(i)) == Precision::Recipe::nvfp4, middle) << name;
+    quantised += middle;
+  }
+  EXPECT_EQ(quantised, 4) << "attn.qkv, attn.proj, moe.experts.fc, moe.experts.proj";
+
+  // The module outputs of layer 0 are the BF16 model's bit for bit; layer 1's are not.
+  fp4.params().init(2);
+  ref.params().init(2);
+  const auto tokens = testing::random_ints(2 * m.seq_length, m.vocab_size, 3, "tokens");
+  std::vector<std::vector<ModuleTrace::Record>> records;
+  for (GPT* model : {&fp4, &ref}) {
+    ModuleTrace trace(true, 0, "");
+    ModuleTrace::Bind bind(&trace);
+    model->begin_step(1, 1);
+    model->forward_backward(tokens.data(), tokens.data(), 1e-2f);
+    records.push_back(trace.take_records());
+  }
+  ASSERT_EQ(records[0].size(), records[1].size());
+  int same0 = 0, differ1 = 0;
+  for (size_t i = 0; i < records[0].size(); ++i) {
+    const ModuleTrace::Record &a = records[0][i], &b = records[1][i];
+    if (a.grad_in) continue;
+    if (a.module.rfind("layers.0.", 0) == 0) {
+      EXPECT_EQ(a.hash, b.hash) << a.module;
+      ++same0;
+    }
+    if (a.module == "layers.1.attn.qkv" || a.module == "layers.1.attn.proj") differ1 += a.hash != b.hash;
+  }
+  EXPECT_GT(same0, 3);
+  EXPECT_EQ(differ1, 2);
+}
+
 // ---- Training in each mode: learns, and bitwise deterministic ----
 
 Config moe_job(const std::string& out_dir, std::vector<std::string> extra) {
@@ -231,34 +480,61 @@ TrainSummary quiet_train(const Config& c) {
   return s;
 }
 
-// A few steps of the MoE debug model in one precision mode, twice on one thread and once on two:
-// the fingerprints (loss, grad norm, parameter / gradient / optimizer hashes of every step) agree
-// bit for bit, the loss falls, and the run differs from the fp32 one.
-void check_mode_trains_deterministically(const std::vector<std::string>& mode) {
+// A few steps of the MoE debug model (two micro-batches a step) in one precision mode, twice on
+// one thread and once on two: the fingerprints (loss, grad norm, parameter / gradient / optimizer
+// hashes of every step) agree bit for bit, the loss falls, and the run differs from the one in
+// `baseline` (the mode changes the numerics).
+void check_mode_trains_deterministically(const std::vector<std::string>& mode,
+                                         const std::vector<std::string>& baseline) {
   testing::TempDir dir;
   auto job = [&](const char* run, const char* threads, std::vector<std::string> keys) {
-    keys.insert(keys.end(), {"train.steps=8", "train.eval_interval=0", "train.warmup_steps=2",
-                             std::string("train.threads=") + threads});
+    keys.insert(keys.end(), {"train.steps=6", "train.global_batch=4", "train.micro_batch=2", "train.eval_interval=0",
+                             "train.warmup_steps=2", "train.lr=4e-3", std::string("train.threads=") + threads});
     return quiet_train(moe_job(dir.path(run), keys));
   };
   const TrainSummary a = job("a", "1", mode);
   job("b", "1", mode);
   job("c", "2", mode);
-  job("fp32", "1", {});
+  job("baseline", "1", baseline);
   const std::string fa = testing::read_file(fingerprint_path(dir.path("a"), 0));
-  EXPECT_EQ(std::count(fa.begin(), fa.end(), '\n'), 8);
+  EXPECT_EQ(std::count(fa.begin(), fa.end(), '\n'), 6);
   EXPECT_EQ(fa, testing::read_file(fingerprint_path(dir.path("b"), 0))) << "run to run";
   EXPECT_EQ(fa, testing::read_file(fingerprint_path(dir.path("c"), 0))) << "1 vs 2 threads";
-  EXPECT_NE(fa, testing::read_file(fingerprint_path(dir.path("fp32"), 0))) << "the mode changes the numerics";
+  EXPECT_NE(fa, testing::read_file(fingerprint_path(dir.path("baseline"), 0))) << "the mode changes the numerics";
   EXPECT_LT(a.last_loss, a.first_loss - 0.5) << "loss falls";
 }
 
-TEST(PrecisionTraining, Bf16) { check_mode_trains_deterministically({"precision.params=bf16"}); }
+const std::vector<std::string> kBf16 = {"precision.params=bf16"};
+std::vector<std::string> bf16_and(const std::string& key) { return {"precision.params=bf16", key}; }
 
-TEST(PrecisionConfig, BadValuesNameTheKey) {
-  const std::string e = testing::user_error_of([] { load_config("", {"precision.params=fp16"}); });
-  EXPECT_NE(e.find("precision.params"), std::string::npos) << e;
-  EXPECT_NE(e.find("fp16"), std::string::npos) << e;
+TEST(PrecisionTraining, Bf16) { check_mode_trains_deterministically(kBf16, {}); }
+TEST(PrecisionTraining, Fp8Delayed) { check_mode_trains_deterministically(bf16_and("precision.fp8=delayed"), kBf16); }
+TEST(PrecisionTraining, Fp8Tensorwise) {
+  check_mode_trains_deterministically(bf16_and("precision.fp8=tensorwise"), kBf16);
+}
+TEST(PrecisionTraining, Fp8Blockwise) { check_mode_trains_deterministically(bf16_and("precision.fp8=blockwise"), kBf16); }
+TEST(PrecisionTraining, Mxfp8) { check_mode_trains_deterministically(bf16_and("precision.fp8=mxfp8"), kBf16); }
+TEST(PrecisionTraining, Nvfp4) { check_mode_trains_deterministically(bf16_and("precision.fp4=nvfp4"), kBf16); }
+
+TEST(PrecisionConfig, BadValuesAndCombinationsNameTheKeys) {
+  const std::vector<std::pair<std::vector<std::string>, std::vector<std::string>>> cases = {
+      {{"precision.params=fp16"}, {"precision.params", "fp16"}},
+      {{"precision.fp8=e4m3"}, {"precision.fp8", "e4m3"}},
+      {{"precision.fp8=delayed"}, {"precision.fp8 = \"delayed\" needs precision.params = \"bf16\""}},
+      {{"precision.fp4=nvfp4"}, {"precision.fp4 = \"nvfp4\" needs precision.params = \"bf16\""}},
+      {{"precision.params=bf16", "precision.fp8=mxfp8", "precision.fp4=nvfp4"}, {"choose one"}},
+      {{"precision.fp8_amax_history_len=0"}, {"precision.fp8_amax_history_len = 0"}},
+      {{"precision.fp8_amax_compute_algo=mean"}, {"precision.fp8_amax_compute_algo", "mean"}},
+      {{"precision.fp8_margin=-1"}, {"precision.fp8_margin = -1"}},
+      {{"precision.fp8_format=e5m2"}, {"precision.fp8_format", "e5m2"}},
+      {{"model.num_layers=4", "precision.params=bf16", "precision.fp4=nvfp4", "precision.fp4_high_precision_layers=2"},
+       {"precision.fp4_high_precision_layers = 2", "model.num_layers = 4"}},
+  };
+  for (const auto& [keys, expected] : cases) {
+    const std::string e = testing::user_error_of([&] { load_config("", keys); });
+    for (const std::string& part : expected) EXPECT_NE(e.find(part), std::string::npos) << e;
+  }
+  EXPECT_NO_THROW(load_config("", {"precision.params=bf16", "precision.fp8=blockwise", "precision.fp8_format=e4m3"}));
 }
 
 }  // namespace

@@ -182,6 +182,20 @@ const std::vector<Key>& keys() {
       LS_KEY(precision.params, "compute precision: fp32, or bf16 mixed precision (bf16 weights and activations, "
                                "fp32 master weights, gradients and accumulation; docs/precision.md)",
              {"fp32", "bf16"}),
+      LS_KEY(precision.fp8, "FP8 GEMMs in every linear layer and expert (needs params = bf16): delayed (per-tensor "
+                            "scale from an amax history), tensorwise (current per-tensor amax), blockwise (1x128 "
+                            "activations / gradients, 128x128 weights, power-of-2 scales), mxfp8 (1x32, E8M0 scales)",
+             {"none", "delayed", "tensorwise", "blockwise", "mxfp8"}),
+      LS_KEY(precision.fp8_format, "FP8 formats: hybrid = E4M3 forward (inputs, weights), E5M2 gradients; e4m3 = E4M3 "
+                                   "everywhere", {"hybrid", "e4m3"}),
+      LS_KEY(precision.fp8_amax_history_len, "fp8 = delayed: amax values kept per tensor"),
+      LS_KEY(precision.fp8_amax_compute_algo, "fp8 = delayed: the amax a scale comes from", {"max", "most_recent"}),
+      LS_KEY(precision.fp8_margin, "fp8 = delayed: scale = (format max / amax) / 2^margin"),
+      LS_KEY(precision.fp4, "NVFP4 GEMMs (needs params = bf16): E2M1 with an E4M3 scale per 16 and an FP32 tensor scale, "
+                            "16x16 weight blocks, random Hadamard transform on the weight-gradient inputs, stochastic "
+                            "rounding of gradients", {"none", "nvfp4"}),
+      LS_KEY(precision.fp4_high_precision_layers, "fp4 = nvfp4: the first and the last N transformer layers stay BF16 "
+                                                  "(router, embedding and output head always do)"),
       LS_KEY(moe.num_experts, "routed experts per MoE layer; 0 = dense model"),
       LS_KEY(moe.router_topk, "experts per token k"),
       LS_KEY(moe.router_score_function, "router scores", {"softmax", "sigmoid"}),
@@ -425,6 +439,23 @@ void validate_moe(const MoeConfig& e, int64_t L) {
   moe_layer_pattern(e.layer_freq, L);
 }
 
+void validate_precision(const PrecisionConfig& p, int64_t L) {
+  const bool fp8 = p.fp8 != "none", fp4 = p.fp4 != "none";
+  if (fp8 && fp4)
+    user_error("precision.fp8 = \"", p.fp8, "\" and precision.fp4 = \"", p.fp4, "\": choose one low-precision recipe");
+  if ((fp8 || fp4) && p.params != "bf16")
+    user_error("precision.", fp8 ? "fp8 = \"" + p.fp8 : "fp4 = \"" + p.fp4, "\" needs precision.params = \"bf16\" ",
+               "(the low-precision GEMMs run inside BF16 mixed precision), got \"", p.params, "\"");
+  if (p.fp8_amax_history_len < 1)
+    user_error("precision.fp8_amax_history_len = ", p.fp8_amax_history_len, ": must be >= 1");
+  if (p.fp8_margin < 0 || p.fp8_margin > 64) user_error("precision.fp8_margin = ", p.fp8_margin, ": must be in [0, 64]");
+  if (p.fp4_high_precision_layers < 0)
+    user_error("precision.fp4_high_precision_layers = ", p.fp4_high_precision_layers, ": must be >= 0");
+  if (fp4 && 2 * p.fp4_high_precision_layers >= L)
+    user_error("precision.fp4_high_precision_layers = ", p.fp4_high_precision_layers, " keeps all model.num_layers = ",
+               L, " layers in BF16: nothing would run in NVFP4");
+}
+
 void validate(const Config& c) {
   const ModelConfig& m = c.model;
   const TrainConfig& t = c.train;
@@ -515,6 +546,7 @@ void validate(const Config& c) {
                        "(256 for the byte tokenizer)");
   }
   validate_moe(c.moe, m.num_layers);
+  validate_precision(c.precision, m.num_layers);
   const DebugConfig& dbg = c.debug;
   if (!dbg.inject_ulp.empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
     user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "

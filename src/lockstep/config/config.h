@@ -136,9 +136,17 @@ struct DebugConfig {
   std::string inject_module() const;
 };
 
-// Reduced precision (model/precision.h, docs/precision.md).
+// Reduced precision (model/precision.h, docs/precision.md). FP8 keys take Transformer Engine's
+// names and defaults (DelayedScaling: hybrid, history 1024, max, margin 0).
 struct PrecisionConfig {
   std::string params = "fp32";           // fp32 | bf16 (fp32 master weights)
+  std::string fp8 = "none";              // none | delayed | tensorwise | blockwise | mxfp8
+  std::string fp8_format = "hybrid";     // hybrid (E4M3 forward, E5M2 gradients) | e4m3
+  int64_t fp8_amax_history_len = 1024;   // delayed: amax history window
+  std::string fp8_amax_compute_algo = "max";  // delayed: max over the history | most_recent
+  int64_t fp8_margin = 0;                // delayed: scale = (fp8 max / amax) / 2^margin
+  std::string fp4 = "none";              // none | nvfp4
+  int64_t fp4_high_precision_layers = 0; // nvfp4: the first and the last N layers stay BF16
 };
 
 struct Config {

@@ -20,7 +20,7 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision)
-    : m_(m), precision_(precision), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
+    : m_(m), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
   const float std = static_cast<float>(m.init_std);
   wte_ = params_.add("embedding.word.weight", {V_, C_}, Init::normal, std, true);
   if (m.position_embedding == "learned")
@@ -43,6 +43,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
   for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_));
   params_.allocate();
+  precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
   if (precision_.bf16()) params_.use_bf16_weights();
 
@@ -254,6 +255,7 @@ double mean_loss(const float* x, const int32_t* targets, int64_t n) {
 }  // namespace
 
 double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
+  precision_.begin_micro_batch(seed_, step_, micro_);
   forward(tokens, true);
   head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
   trace_out("output", arena_(losses_), N_);  // the per-token losses
@@ -262,12 +264,14 @@ double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, floa
   const double lm = mean_loss(arena_(losses_), targets, N_);
   if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
   backward(tokens, grad_scale * static_cast<float>(N_));
+  precision_.end_micro_batch();
   ++micro_;
   return lm;
 }
 
 double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
   weights_stale_ = true;  // evaluation may follow an optimizer step with no begin_step in between
+  precision_.begin_evaluation();
   forward(tokens, false);
   head(arena_(final_out_), targets, nullptr, false, 0.0f);
   const double lm = mean_loss(arena_(losses_), targets, N_);

@@ -58,8 +58,9 @@ void ParamStore::sync_weights(int first, int end) {
   });
 }
 
-const Precision& ParamStore::precision() const {
-  static const Precision fp32;
+Precision& ParamStore::precision() const {
+  // Plain fp32 keeps no state, so modules used without a model may share one.
+  static Precision fp32;
   return precision_ ? *precision_ : fp32;
 }
 

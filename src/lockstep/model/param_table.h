@@ -66,15 +66,16 @@ class ParamStore {
   }
   // The numerics the modules compute in: the model's Precision (set by its owner, which outlives
   // this store), or plain fp32 when none is set.
-  void set_precision(const Precision* p) { precision_ = p; }
-  const Precision& precision() const;
+  // Modules call its GEMMs through a const store: the scaling state they update is the model's.
+  void set_precision(Precision* p) { precision_ = p; }
+  Precision& precision() const;
 
  private:
   std::vector<ParamSpec> specs_;
   int64_t total_ = 0;
   FloatBuffer values_, grads_;
   FloatBuffer weights_;  // bf16 compute copy; empty without bf16 weights
-  const Precision* precision_ = nullptr;
+  Precision* precision_ = nullptr;
 };
 
 }  // namespace lockstep

@@ -1,7 +1,14 @@
 #include "lockstep/model/precision.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <regex>
+
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
@@ -10,30 +17,267 @@ void round_to_bf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = to_f32(to_bf16(x[i]));
 }
 
-Precision::Precision(const PrecisionConfig& pc) : bf16_(pc.params == "bf16") {}
+namespace {
+
+Precision::Recipe recipe_of(const PrecisionConfig& pc) {
+  using R = Precision::Recipe;
+  if (pc.fp4 == "nvfp4") return R::nvfp4;
+  if (pc.fp8 == "delayed") return R::delayed;
+  if (pc.fp8 == "tensorwise") return R::tensorwise;
+  if (pc.fp8 == "blockwise") return R::blockwise;
+  if (pc.fp8 == "mxfp8") return R::mxfp8;
+  return R::none;
+}
+
+Trans flip(Trans t) { return t == Trans::N ? Trans::T : Trans::N; }
+
+// out (cols, rows) = x (rows, cols)^T.
+void transpose(std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
+  out.resize(static_cast<size_t>(rows * cols));
+  float* o = out.data();
+  parallel_for(cols, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t r = 0; r < rows; ++r) o[c * rows + r] = x[r * cols + c];
+  });
+}
+
+// out (padded, cols) = the random Hadamard transform along the rows of x (rows, cols) padded with
+// zero rows to a multiple of 16; returns padded.
+int64_t hadamard_rows(std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
+  const int64_t padded = (rows + 15) / 16 * 16;
+  out.assign(static_cast<size_t>(padded * cols), 0.0f);
+  std::memcpy(out.data(), x, static_cast<size_t>(rows * cols) * sizeof(float));
+  if (padded > 0) hadamard16(out.data(), out.data(), padded, cols, HadamardAxis::rows);
+  return padded;
+}
+
+}  // namespace
+
+Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
+    : bf16_(pc.params == "bf16"), recipe_(recipe_of(pc)),
+      bwd_(pc.fp8_format == "e4m3" ? ElemFormat::e4m3 : ElemFormat::e5m2), history_len_(pc.fp8_amax_history_len),
+      most_recent_(pc.fp8_amax_compute_algo == "most_recent"), margin_(static_cast<int>(pc.fp8_margin)) {
+  first_site_.assign(ps.specs().size(), -1);
+  if (recipe_ == Recipe::none) return;
+  static const std::regex quantised(
+      R"(layers\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|moe\.shared\.fc|moe\.shared\.proj|moe\.experts\.fc|moe\.experts\.proj)\.weight)");
+  const int64_t keep = recipe_ == Recipe::nvfp4 ? pc.fp4_high_precision_layers : 0;
+  for (size_t i = 0; i < ps.specs().size(); ++i) {
+    const ParamSpec& p = ps.specs()[i];
+    std::smatch m;
+    if (!std::regex_match(p.name, m, quantised)) continue;
+    const int64_t layer = std::stoll(m[1].str());
+    if (layer < keep || layer >= L - keep) continue;  // selective high precision
+    first_site_[i] = static_cast<int64_t>(sites_.size());
+    const int64_t E = p.shape.rank() == 3 ? p.shape[0] : 1;
+    for (int64_t e = 0; e < E; ++e) {
+      Site s;
+      s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
+      if (recipe_ == Recipe::delayed)
+        for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
+      sites_.push_back(std::move(s));
+    }
+  }
+}
 
 void Precision::round(float* x, int64_t n) const {
   if (!bf16_) return;
   parallel_for(n, [&](int64_t i0, int64_t i1) { round_to_bf16(x + i0, i1 - i0); });
 }
 
+Precision::Recipe Precision::recipe(int w) const {
+  return w >= 0 && static_cast<size_t>(w) < first_site_.size() && first_site_[w] >= 0 ? recipe_ : Recipe::none;
+}
+
+void Precision::begin_micro_batch(uint64_t seed, int64_t step, int64_t micro) {
+  seed_ = seed;
+  step_ = step;
+  micro_ = micro;
+  recording_ = true;
+}
+
+void Precision::end_micro_batch() {
+  if (recipe_ == Recipe::delayed && recording_) {
+    for (Site& s : sites_)
+      for (int r = 0; r < 3; ++r) {
+        AmaxHistory& h = s.state[r];
+        float a = h.amax[0];
+        if (!most_recent_)
+          for (float v : h.amax) a = std::isnan(a) || std::isnan(v) ? NAN : std::max(a, v);
+        h.scale = fp8_scale_from_amax(a, r == grad ? bwd_ : fwd_, margin_, h.scale);
+        std::rotate(h.amax.begin(), h.amax.begin() + 1, h.amax.end());
+        h.amax[0] = 0.0f;
+      }
+  }
+  recording_ = false;
+}
+
+std::vector<Precision::NamedHistory> Precision::amax_histories() {
+  std::vector<NamedHistory> out;
+  if (recipe_ != Recipe::delayed) return out;
+  static const char* const kRole[3] = {"input", "weight", "grad"};
+  for (Site& s : sites_)
+    for (int r = 0; r < 3; ++r) out.push_back({s.name + "." + kRole[r], &s.state[r]});
+  return out;
+}
+
+GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows,
+                                int64_t cols, Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage) {
+  const int64_t n = rows * cols;
+  const ElemFormat f = r == grad ? bwd_ : fwd_;
+  switch (recipe_) {
+    case Recipe::delayed: {
+      AmaxHistory& h = sites_[static_cast<size_t>(site)].state[r];
+      if (recording_) {
+        const float a = amax(x, n);
+        if (!(a <= h.amax[0])) h.amax[0] = a;  // also stages a NaN
+      }
+      quantize_tensorwise(q, x, rows, cols, f, h.scale);
+      return gemm_operand(q, t);
+    }
+    case Recipe::tensorwise:
+      quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(amax(x, n), f));
+      return gemm_operand(q, t);
+    case Recipe::blockwise: {
+      const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
+      quantize_blockwise(q, x, rows, cols, f, br, bc);
+      return gemm_operand(q, t);
+    }
+    case Recipe::mxfp8:
+      if (k_along_cols) {
+        quantize_mxfp8(q, x, rows, cols, f);
+        return gemm_operand(q, t);
+      }
+      transpose(scratch, x, rows, cols);
+      quantize_mxfp8(q, scratch.data(), cols, rows, f);
+      return gemm_operand(q, flip(t));
+    case Recipe::nvfp4: {
+      if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
+        quantize_nvfp4(q, x, rows, cols, 16);
+        return gemm_operand(q, t);
+      }
+      StochasticRounding sr;
+      if (r == grad) {
+        sr.enabled = true;
+        sr.seed = seed_;
+        sr.step = static_cast<uint64_t>(step_);
+        sr.tensor_id = static_cast<uint64_t>(site) * 4 + usage;
+        sr.index_base = micro_ * n;
+      }
+      if (k_along_cols) {
+        quantize_nvfp4(q, x, rows, cols, 1, sr);
+        return gemm_operand(q, t);
+      }
+      transpose(scratch, x, rows, cols);
+      quantize_nvfp4(q, scratch.data(), cols, rows, 1, sr);
+      return gemm_operand(q, flip(t));
+    }
+    case Recipe::none: break;
+  }
+  LOCKSTEP_CHECK(false, "quantise without a low-precision recipe");
+  return {};
+}
+
+void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N,
+                           int64_t out, int64_t in, const GemmOptions& opt) {
+  const GemmOperand A = quantise(qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
+  const GemmOperand B = quantise(qb_, tb_, w, out, in, Trans::T, true, weight, site, 0);
+  gemm(y, ldy, A, B, N, out, in, opt);
+}
+
+void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
+                           int64_t in) {
+  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
+  const GemmOperand B = quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0);
+  gemm(dx, in, A, B, N, in, out);
+}
+
+void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
+                           int64_t in) {
+  GemmOptions acc;
+  acc.accumulate = true;
+  if (recipe_ == Recipe::nvfp4) {
+    // (Q dy)^T (Q x) = dy^T x: the transform cancels, the quantisation sees the spread values.
+    const int64_t K = hadamard_rows(ha_, dy, N, out);
+    hadamard_rows(hb_, x, N, in);
+    const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1);
+    const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1);
+    gemm(dw, in, A, B, out, in, K, acc);
+    return;
+  }
+  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1);
+  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1);
+  gemm(dw, in, A, B, out, in, N, acc);
+}
+
 void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
-                      const GemmOptions& opt) const {
-  gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
+                      const GemmOptions& opt) {
+  if (recipe(w) == Recipe::none) gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
+  else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
   round(y, N * out);
 }
 
-void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out,
-                      int64_t in) const {
-  gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out);
+void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in) {
+  if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out);
+  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in);
   round(dx, N * in);
 }
 
 void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out,
-                      int64_t in) const {
+                      int64_t in) {
+  if (recipe(w) != Recipe::none) {
+    gemm_wgrad(first_site_[w], ps.grad(w), dy, x, N, out, in);
+    return;
+  }
   GemmOptions acc;
   acc.accumulate = true;
   gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
+}
+
+void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets,
+                              int64_t E, int64_t out, int64_t in) {
+  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
+  if (recipe(w) == Recipe::none) {
+    grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      if (rows == 0) continue;
+      GemmOptions opt;
+      if (bias) opt.bias = bias + e * out;
+      gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt);
+    }
+  }
+  round(y, offsets[E] * out);
+}
+
+void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets,
+                              int64_t E, int64_t out, int64_t in) {
+  if (recipe(w) == Recipe::none) {
+    grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
+  } else {
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      if (rows > 0)
+        gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in);
+    }
+  }
+  round(dx, offsets[E] * in);
+}
+
+void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x,
+                              const int64_t* offsets, int64_t E, int64_t out, int64_t in) {
+  float* dbias = b >= 0 ? ps.grad(b) : nullptr;
+  if (recipe(w) == Recipe::none) {
+    grouped_gemm_wgrad(ps.grad(w), dbias, dy, x, offsets, E, out, in);
+    return;
+  }
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    gemm_wgrad(first_site_[w] + e, ps.grad(w) + e * out * in, dy + r0 * out, x + r0 * in, rows, out, in);
+    if (dbias) bias_backward(dbias + e * out, dy + r0 * out, rows, out);
+  }
 }
 
 }  // namespace lockstep

@@ -1,5 +1,6 @@
 // The numerics the model computes in (precision.* keys), emulated exactly on CPU: which tensors
 // are rounded to bf16 and where, and how the GEMMs of the linear layers read their operands.
+// docs/precision.md has the same in prose, with the convergence of each mode.
 //
 // BF16 mixed precision (precision.params = "bf16"), as Megatron Core with Transformer Engine:
 //   master weights  the ParamStore's fp32 values; AdamW updates them. Every forward and backward
@@ -26,14 +27,43 @@
 //                   accumulation fusion), as do norm, bias and embedding gradients.
 // With precision.params = "fp32" nothing is rounded and the model is bitwise the fp32 one.
 //
-// Determinism: rounding is elementwise and the GEMMs keep their guarantee (gemm.h), so every mode
-// is bitwise independent of the thread count.
+// FP8 (precision.fp8) and NVFP4 (precision.fp4), on top of BF16, as Transformer Engine's recipes:
+// the three GEMMs of every transformer layer's linear layers (qkv, attention proj, MLP fc and
+// proj, shared expert fc and proj) and of every expert (grouped fc and proj, one GEMM per expert)
+// read quantised operands (kernels/cpu/quantize.h) through the GEMM's operand decoding (gemm.h):
+//   fprop  y  = x  W^T   x: input format, blocks along in;   W: weight format
+//   dgrad  dx = dy W     dy: gradient format, along out;     W: weight format, blocks along out
+//   wgrad  dW = dy^T x   dy and x: blocks along the tokens (K of this GEMM)
+// Input and weight are E4M3, the gradient E5M2 (fp8_format = hybrid) or E4M3 (e4m3); NVFP4 is
+// E2M1 throughout. The recipes:
+//   delayed     one scale per tensor, (max / amax) / 2^margin with amax from the tensor's history
+//               (max over fp8_amax_history_len values, or the most recent); see AmaxHistory.
+//   tensorwise  one scale per tensor from its own amax now (current scaling).
+//   blockwise   power-of-2 scale per 1x128 block of inputs and gradients, per 128x128 block of
+//               weights (DeepSeek-V3).
+//   mxfp8       E8M0 scale per 32 elements along K (TE's round-up rule): inputs, gradients and
+//               weights each quantised along the K of the GEMM that reads them.
+//   nvfp4       E4M3 scale per 16 along K and an FP32 tensor scale; weights in 16x16 blocks; both
+//               wgrad inputs through the 16x16 random Hadamard transform along the tokens (zero
+//               rows pad each expert to a multiple of 16: they add nothing to dy^T x); gradients
+//               stochastically rounded, keyed by (seed, step, tensor, global element index).
+// The GEMM output is rounded to bf16 like any linear layer's. Everything else stays as in BF16:
+// the router, embedding, output head, attention's QK^T and PV, MTP depths. Under nvfp4 the first
+// and last fp4_high_precision_layers transformer layers stay BF16 too. Each expert is its own
+// quantised tensor (its own scale and history), as in TE's grouped linear.
+//
+// Determinism: rounding is elementwise, quantisation is a pure function of the tensor (and of the
+// stochastic-rounding key, which holds no thread or rank), and the GEMMs keep their guarantee
+// (gemm.h), so every mode is bitwise independent of the thread count.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 #include "lockstep/config/config.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/quantize.h"
 
 namespace lockstep {
 
@@ -43,28 +73,98 @@ class ParamStore;
 // run it on their own part of a parallel loop).
 void round_to_bf16(float* x, int64_t n);
 
+// Delayed scaling's state of one quantised tensor (Transformer Engine's semantics). amax[0] is
+// the staging slot: every quantisation of the tensor in a forward-backward pass raises it to the
+// tensor's amax, using the current `scale`. After the pass (end_micro_batch), the scale becomes
+// (format max / a) / 2^margin with a = max(amax) (algo max) or amax[0] (most_recent), kept when a
+// is 0 or not finite; then the history rotates: [a0, a1, ..., a(H-1)] -> [0, a2, ..., a(H-1), a0]
+// (the oldest, a1, drops out).
+struct AmaxHistory {
+  std::vector<float> amax;  // (fp8_amax_history_len)
+  float scale = 1.0f;
+};
+
 class Precision {
  public:
+  enum class Recipe : uint8_t { none, delayed, tensorwise, blockwise, mxfp8, nvfp4 };
+
   Precision() = default;  // fp32
-  explicit Precision(const PrecisionConfig& pc);
+  // Under fp8 / fp4, every weight of a transformer layer's linear layer or experts in ps (by name,
+  // layers.<l>.{attn.qkv, attn.proj, mlp.fc, mlp.proj, moe.shared.fc, moe.shared.proj,
+  // moe.experts.fc, moe.experts.proj}.weight) gets its GEMM recipe; L: model.num_layers.
+  Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L);
 
   bool bf16() const { return bf16_; }
   // An activation (or activation gradient) handed on at a module boundary: rounded to bf16 in
   // place when activations are bf16.
   void round(float* x, int64_t n) const;
+  // The recipe of the GEMMs of weight w (none: bf16 or fp32).
+  Recipe recipe(int w) const;
+
+  // Training micro-batches: begin keys stochastic rounding (global micro-batch index `micro` of
+  // step `step`) and turns amax recording on; end applies delayed scaling's update.
+  void begin_micro_batch(uint64_t seed, int64_t step, int64_t micro);
+  void end_micro_batch();
+  // Evaluation: quantisation with the current scales, nothing recorded.
+  void begin_evaluation() { recording_ = false; }
 
   // The three GEMMs of a linear layer whose weight is parameter w (out, in) of ps:
   //   fprop  y (N, out) = init + x W^T   (init per opt: bias, or y itself to accumulate)
   //   dgrad  dx (N, in) = dy W            (assigned)
   //   wgrad  dW (out, in) += dy^T x       (fp32, into the grad buffer)
-  // They read the weight's compute copy; fprop's and dgrad's outputs are activations (rounded).
+  // fprop's and dgrad's outputs are activations (rounded).
   void fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
-             const GemmOptions& opt = {}) const;
-  void dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in) const;
-  void wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out, int64_t in) const;
+             const GemmOptions& opt = {});
+  void dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
+  void wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
+
+  // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
+  // weight w (E, out, in), bias b (E, out) or -1; y (R, out), x (R, in).
+  void grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets, int64_t E,
+                     int64_t out, int64_t in);
+  void grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets, int64_t E,
+                     int64_t out, int64_t in);
+  void grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x, const int64_t* offsets,
+                     int64_t E, int64_t out, int64_t in);
+
+  // Delayed scaling's state, one entry per quantised tensor, named
+  // "<weight name>[.<expert>].{input,weight,grad}" (checkpoints, tests). Empty unless delayed.
+  struct NamedHistory {
+    std::string name;
+    AmaxHistory* history;
+  };
+  std::vector<NamedHistory> amax_histories();
 
  private:
+  enum Role : int { input = 0, weight = 1, grad = 2 };
+  struct Site {  // one quantised GEMM weight (one expert's)
+    std::string name;
+    AmaxHistory state[3];
+  };
+  // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with
+  // its K along x's columns (k_along_cols) or rows; a recipe that blocks only along rows quantises
+  // the transpose (in `scratch`) and flips t. usage tells apart the draws of stochastic rounding.
+  GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
+                       Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage);
+  void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
+                  int64_t in, const GemmOptions& opt);
+  void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
+  void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
+
   bool bf16_ = false;
+  Recipe recipe_ = Recipe::none;
+  ElemFormat fwd_ = ElemFormat::e4m3, bwd_ = ElemFormat::e5m2;
+  int64_t history_len_ = 1;
+  bool most_recent_ = false;
+  int margin_ = 0;
+  std::vector<int64_t> first_site_;  // per parameter: its first site, -1 when not quantised
+  std::vector<Site> sites_;
+  bool recording_ = false;
+  uint64_t seed_ = 0;
+  int64_t step_ = 0, micro_ = 0;
+  // Scratch reused across calls: quantised operands, transposed and Hadamard-transformed copies.
+  QuantizedTensor qa_, qb_;
+  std::vector<float> ta_, tb_, ha_, hb_;
 };
 
 }  // namespace lockstep

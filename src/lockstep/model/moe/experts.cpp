@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "lockstep/kernels/cpu/activations.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/precision.h"
 
 namespace lockstep {
@@ -23,32 +22,26 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
 
 void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* out, const float* x,
                              const int64_t* offsets) const {
-  const Precision& p = ps.precision();
+  Precision& p = ps.precision();
   const int64_t R = offsets[E];
-  grouped_gemm(arena(fc_out), x, ps.weight(fc_w), Trans::T, fc_b >= 0 ? ps.weight(fc_b) : nullptr, offsets, E,
-               fc_width(), C, false);
-  p.round(arena(fc_out), R * fc_width());
+  p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
-  grouped_gemm(out, arena(act), ps.weight(proj_w), Trans::T, proj_b >= 0 ? ps.weight(proj_b) : nullptr, offsets, E,
-               C, F, false);
-  p.round(out, R * C);
+  p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F);
 }
 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                               const float* x, const int64_t* offsets, const ExpertsScratch& s) const {
-  const Precision& p = ps.precision();
+  Precision& p = ps.precision();
   const int64_t R = offsets[E];
-  grouped_gemm(s.dact, dout, ps.weight(proj_w), Trans::N, nullptr, offsets, E, F, C, false);
-  p.round(s.dact, R * F);
-  grouped_gemm_wgrad(ps.grad(proj_w), proj_b >= 0 ? ps.grad(proj_b) : nullptr, dout, arena(act), offsets, E, C, F);
+  p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F);
+  p.grouped_wgrad(ps, proj_w, proj_b, dout, arena(act), offsets, E, C, F);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * fc_width());
-  grouped_gemm(dx, s.dfc, ps.weight(fc_w), Trans::N, nullptr, offsets, E, C, fc_width(), false);
-  p.round(dx, R * C);
-  grouped_gemm_wgrad(ps.grad(fc_w), fc_b >= 0 ? ps.grad(fc_b) : nullptr, s.dfc, x, offsets, E, fc_width(), C);
+  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, fc_width(), C);
+  p.grouped_wgrad(ps, fc_w, fc_b, s.dfc, x, offsets, E, fc_width(), C);
 }
 
 }  // namespace lockstep
