@@ -5,7 +5,7 @@
 // is a small indexed dataset of byte documents ended by EOD 256).
 //
 // Not here yet, because they do not exist yet: tensor / pipeline / expert / context parallel
-// layouts, fp8 / fp4 training recipes, resume from a checkpoint (each gets its rows when it lands;
+// layouts, resume from a checkpoint (each gets its rows when it lands;
 // resume a run mid-way in every row), and a second MoE dispatcher (only the local one exists).
 #include <gtest/gtest.h>
 
@@ -59,11 +59,17 @@ const Row kRows[] = {
     {"bf16_gpt2", "debug.toml", {"precision.params=bf16"}},
     {"bf16_llama_moe_mtp", "moe-debug.toml", {"precision.params=bf16", "model.preset=llama", "model.mtp_num_layers=1",
                                               "moe.shared_expert_intermediate_size=32"}},
+    {"fp8_delayed_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=4"}},
+    {"fp8_tensorwise_gpt2", "debug.toml", {"precision.params=bf16", "precision.fp8=tensorwise"}},
+    {"fp8_blockwise_e4m3_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=blockwise", "precision.fp8_format=e4m3"}},
+    {"mxfp8_llama_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=mxfp8", "model.preset=llama"}},
+    {"nvfp4_moe_shared", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4", "moe.shared_expert_intermediate_size=32"}},
     {"dp2", "debug.toml", {}, 2},
     {"dp2_moe", "moe-debug.toml", {kMoeBalance, "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true"}, 2},
     {"dp2_distributed_optimizer_overlap", "debug.toml", {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
                                                          "ddp.overlap_param_gather=true", "ddp.bucket_size=4096"}, 2},
     {"dp2_bf16_distributed_optimizer", "moe-debug.toml", {"precision.params=bf16", "optimizer.distributed=true"}, 2},
+    {"dp2_nvfp4_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4"}, 2},
     {"dp2_documents_llama", "debug.toml", {"model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",
                                            "model.vocab_size=259", "data.eod_mask_loss=true"}, 2},
 };
