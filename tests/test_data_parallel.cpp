@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -139,6 +140,7 @@ TEST(DataParallel, GlobalBatchMustDivideByMicroBatchTimesDp) {
   EXPECT_NE(message.find("train.global_batch = 8 is not divisible by train.micro_batch (4) x data-parallel size (3"),
             std::string::npos)
       << message;
+  EXPECT_FALSE(std::filesystem::exists(dir.path("run"))) << "nothing is written";
 }
 
 // The distributed optimizer's Adam state: every element owned by exactly one rank of the group, at

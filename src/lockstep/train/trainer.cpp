@@ -115,8 +115,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const int64_t dp_size = mesh.dp();
   if (tc.global_batch % (tc.micro_batch * dp_size))
     user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
-               ") x data-parallel size (", dp_size, ", the world of ", comm.size(), " ranks over parallel.tensor x "
-               "parallel.context x parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), ")");
+               ") x data-parallel size (", dp_size, " = ", comm.size(), " ranks / (parallel.tensor x parallel.context x "
+               "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
   // Dense gradients are reduced over dp x cp, expert gradients over the expert data-parallel group.
   Communicator dense_dp = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
   Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
@@ -169,7 +169,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
                mc.preset.c_str(), (long long)mc.num_layers, (long long)mc.hidden_size, (long long)mc.num_heads,
                static_cast<double>(model.params().total()) / 1e6, data->description().c_str());
-  std::fprintf(out, "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld), %d threads, "
+  std::fprintf(out, "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld per rank), %d threads, "
                "GEMM peak %.1f GFLOP/s, run dir %s\n",
                (long long)tc.steps, (long long)tc.global_batch, (long long)T, (long long)accum, (long long)B,
                threads, peak_gflops, tc.out_dir.c_str());
