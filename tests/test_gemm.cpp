@@ -8,6 +8,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/kernels/cpu/quantize.h"
 #include "testing.h"
 
@@ -398,6 +399,36 @@ TEST(GemmOperands, EveryCodeDecodesAsDequantizeDoes) {
         for (int i = 0; i < 256; ++i) ASSERT_TRUE(bitwise_equal(&C[i], std::vector<float>{decode(f, i)}.data(), 1)) << i;
       }
     }
+  }
+}
+
+TEST(GemmOperands, GroupedExpertsEqualTheFp32GroupedGemm) {
+  // 4 experts (one without rows), stacked weights in one quantised tensor, expert e reading its rows.
+  const int64_t E = 4, Nout = 32, K = 48, R = 40;
+  const int64_t offsets[] = {0, 5, 5, 19, 40};
+  const StoredOperand A(Storage::mxfp8, R, K, 11);
+  const StoredOperand Wt(Storage::nvfp4_2d, E * Nout, K, 12);  // (E, Nout, K): W.trans = T
+  const StoredOperand Wn(Storage::e4m3_tensor, E * K, Nout, 13);  // (E, K, Nout): W.trans = N
+  const StoredOperand dY(Storage::e5m2_block, R, Nout, 14);
+  const StoredOperand X(Storage::bf16, R, K, 15);
+  const std::vector<float> bias = testing::randn(E * Nout, 16, "bias"), C0 = testing::randn(R * Nout, 16, "C0");
+  const std::vector<float> dW0 = testing::randn(E * Nout * K, 16, "dW0");
+  for (int threads : {1, 2}) {
+    testing::with_threads(threads, [&] {
+      for (const StoredOperand* W : {&Wt, &Wn}) {
+        const Trans tw = W == &Wt ? Trans::T : Trans::N;
+        for (bool accumulate : {false, true}) {
+          std::vector<float> got = C0, want = C0;
+          grouped_gemm(got.data(), A.operand(Trans::N), W->operand(tw), bias.data(), offsets, E, Nout, K, accumulate);
+          grouped_gemm(want.data(), A.dense.data(), W->dense.data(), tw, bias.data(), offsets, E, Nout, K, accumulate);
+          ASSERT_TRUE(bitwise_equal(got, want, "grouped_gemm")) << threads << " threads";
+        }
+      }
+      std::vector<float> got = dW0, want = dW0;
+      grouped_gemm_wgrad(got.data(), dY.operand(Trans::T), X.operand(Trans::N), offsets, E, Nout, K);
+      grouped_gemm_wgrad(want.data(), nullptr, dY.dense.data(), X.dense.data(), offsets, E, Nout, K);
+      ASSERT_TRUE(bitwise_equal(got, want, "grouped_gemm_wgrad")) << threads << " threads";
+    });
   }
 }
 

@@ -39,10 +39,9 @@ enum class Init : uint8_t { kC, kZero, kBias };
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One product as the kernels see it: the caller's operands and where each chain starts. An operand
-// whose source kind is not f32 is read from its source (decoded while packing), not from A / B.
+// whose a_src / b_src is not f32 is read from there (decoded while packing), not from A / B.
 struct Problem : GemmBatchItem {
   Init init;
-  GemmOperand a_src, b_src;
 };
 
 // Checks a product's sizes and leading dimensions (`what` names it in the message) and derives
@@ -52,7 +51,7 @@ Problem make_problem(const GemmBatchItem& it, const char* what) {
   LOCKSTEP_CHECK(it.ldc >= it.N, what, " ldc=", it.ldc, " < N=", it.N);
   LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), what, " lda=", it.lda, " too small");
   LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), what, " ldb=", it.ldb, " too small");
-  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero, {}, {}};
+  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero};
 }
 
 // The grid tm x (parts / tm) of rectangles over units_m x units_n micro-tiles with the smallest
@@ -605,6 +604,32 @@ void run(const Kernel& kr, const Problem& p) {
   });
 }
 
+// The problem C = init + op(A) op(B) on operands in any storage: an fp32 operand is read in place,
+// any other is decoded while packing (its view checked against the stored matrix here).
+Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
+                             int64_t M, int64_t N, int64_t K, const GemmOptions& opt, const char* what) {
+  const auto floats = [](const GemmOperand& o) {
+    return o.kind == GemmOperand::Kind::f32 ? static_cast<const float*>(o.data) : nullptr;
+  };
+  Problem p = make_problem({C, ldc, floats(A), A.ld, A.trans, floats(B), B.ld, B.trans, M, N, K,
+                            opt.accumulate, opt.bias}, what);
+  p.a_src = A;
+  p.b_src = B;
+  // Stored shape of op(X) (rows x cols) for an operand whose op is (outer x K) (A) or (K x outer) (B).
+  const auto check_view = [&](const GemmOperand& o, int64_t stored_rows, int64_t stored_cols, const char* name) {
+    if (o.kind != GemmOperand::Kind::quantized) return;
+    const auto& q = *static_cast<const QuantizedTensor*>(o.data);
+    LOCKSTEP_CHECK(o.row0 >= 0 && o.col0 >= 0 && o.row0 + stored_rows <= q.rows && o.col0 + stored_cols <= q.cols,
+                   what, " operand ", name, ": a ", stored_rows, "x", stored_cols, " view at (", o.row0, ", ",
+                   o.col0, ") does not fit the quantised ", q.rows, "x", q.cols);
+  };
+  if (M > 0 && N > 0 && K > 0) {
+    check_view(A, A.trans == Trans::N ? M : K, A.trans == Trans::N ? K : M, "A");
+    check_view(B, B.trans == Trans::N ? K : N, B.trans == Trans::N ? N : K, "B");
+  }
+  return p;
+}
+
 struct BatchPart {
   int64_t item, m0, m1, n0, n1, work;
 };
@@ -621,7 +646,15 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   int64_t total = 0;
   for (int64_t i = 0; i < count; ++i) {
     const GemmBatchItem& it = items[i];
-    problems.push_back(make_problem(it, "gemm_batch item"));
+    const bool plain_a = it.a_src.data == nullptr, plain_b = it.b_src.data == nullptr;
+    if (plain_a && plain_b) {
+      problems.push_back(make_problem(it, "gemm_batch item"));
+    } else {
+      problems.push_back(make_operand_problem(
+          it.C, it.ldc, plain_a ? gemm_operand(it.A, it.lda, it.ta) : it.a_src,
+          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K, {it.accumulate, it.bias, {}},
+          "gemm_batch item"));
+    }
     if (it.M > 0 && it.N > 0 && it.K == 0) write_init(problems.back());
     total += it.M * it.N * it.K;
   }
@@ -662,43 +695,6 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   }
 }
 
-// The problem C = init + op(A) op(B) on operands in any storage: an fp32 operand is read in place,
-// any other is decoded while packing (its view checked against the stored matrix here).
-Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
-                             int64_t M, int64_t N, int64_t K, const GemmOptions& opt, const char* what) {
-  const auto floats = [](const GemmOperand& o) {
-    return o.kind == GemmOperand::Kind::f32 ? static_cast<const float*>(o.data) : nullptr;
-  };
-  Problem p = make_problem({C, ldc, floats(A), A.ld, A.trans, floats(B), B.ld, B.trans, M, N, K,
-                            opt.accumulate, opt.bias}, what);
-  p.a_src = A;
-  p.b_src = B;
-  // Stored shape of op(X) (rows x cols) for an operand whose op is (outer x K) (A) or (K x outer) (B).
-  const auto check_view = [&](const GemmOperand& o, int64_t stored_rows, int64_t stored_cols, const char* name) {
-    if (o.kind != GemmOperand::Kind::quantized) return;
-    const auto& q = *static_cast<const QuantizedTensor*>(o.data);
-    LOCKSTEP_CHECK(o.row0 >= 0 && o.col0 >= 0 && o.row0 + stored_rows <= q.rows && o.col0 + stored_cols <= q.cols,
-                   what, " operand ", name, ": a ", stored_rows, "x", stored_cols, " view at (", o.row0, ", ",
-                   o.col0, ") does not fit the quantised ", q.rows, "x", q.cols);
-  };
-  if (M > 0 && N > 0 && K > 0) {
-    check_view(A, A.trans == Trans::N ? M : K, A.trans == Trans::N ? K : M, "A");
-    check_view(B, B.trans == Trans::N ? K : N, B.trans == Trans::N ? N : K, "B");
-  }
-  return p;
-}
-
-// The operand viewed from k0 on along K (K runs along its stored columns or rows).
-GemmOperand skip_k(GemmOperand o, bool k_along_cols, int64_t k0) {
-  const int64_t offset = k_along_cols ? k0 : k0 * o.ld;
-  switch (o.kind) {
-    case GemmOperand::Kind::f32: o.data = static_cast<const float*>(o.data) + offset; break;
-    case GemmOperand::Kind::bf16: o.data = static_cast<const bf16*>(o.data) + offset; break;
-    case GemmOperand::Kind::quantized: (k_along_cols ? o.col0 : o.row0) += k0; break;
-  }
-  return o;
-}
-
 void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
                int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   const Problem p = make_operand_problem(C, ldc, A, B, M, N, K, opt, "gemm");
@@ -717,7 +713,9 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
   for (size_t s = 0; s + 1 < seg.size(); ++s) {
     const int64_t k0 = seg[s], k1 = seg[s + 1];
     LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
-    const GemmOperand As = skip_k(A, A.trans == Trans::N, k0), Bs = skip_k(B, B.trans == Trans::T, k0);
+    // K runs along A's stored columns for A, along its rows for A^T; the other way round for B.
+    const GemmOperand As = A.trans == Trans::N ? gemm_operand_at(A, 0, k0) : gemm_operand_at(A, k0, 0);
+    const GemmOperand Bs = B.trans == Trans::T ? gemm_operand_at(B, 0, k0) : gemm_operand_at(B, k0, 0);
     run(kr, make_operand_problem(partial.data(), N, As, Bs, M, N, k1 - k0, {}, "gemm segment"));
     const Init base = s == 0 ? init : Init::kC;
     parallel_for(M, [&](int64_t i0, int64_t i1) {
@@ -765,6 +763,19 @@ void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const fl
 
 GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0, int64_t col0) {
   return {GemmOperand::Kind::quantized, &q, q.cols, t, row0, col0};
+}
+
+GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols) {
+  GemmOperand v = o;
+  switch (o.kind) {
+    case GemmOperand::Kind::f32: v.data = static_cast<const float*>(o.data) + rows * o.ld + cols; break;
+    case GemmOperand::Kind::bf16: v.data = static_cast<const bf16*>(o.data) + rows * o.ld + cols; break;
+    case GemmOperand::Kind::quantized:
+      v.row0 += rows;
+      v.col0 += cols;
+      break;
+  }
+  return v;
 }
 
 void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,

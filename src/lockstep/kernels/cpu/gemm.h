@@ -45,28 +45,6 @@ inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, i
   gemm(C, N, A, ta == Trans::N ? K : M, ta, B, tb == Trans::N ? N : K, tb, M, N, K, opt);
 }
 
-// One product of a batch: C = init + op(A) op(B), sizes and layouts as gemm()'s; init = C
-// (accumulate), else bias (when given), else 0.
-struct GemmBatchItem {
-  float* C;
-  int64_t ldc;
-  const float* A;
-  int64_t lda;
-  Trans ta;
-  const float* B;
-  int64_t ldb;
-  Trans tb;
-  int64_t M, N, K;
-  bool accumulate = false;
-  const float* bias = nullptr;
-};
-
-// Every item of the batch in one parallel region: each item is cut into rectangles of C and all
-// the rectangles of all items are shared among the threads (largest first). Bitwise the same as
-// calling gemm() on each item (the guarantee above holds per item); items must not overlap in C.
-// For many small products (an MoE layer's experts), this replaces one region per product.
-void gemm_batch(const GemmBatchItem* items, int64_t count);
-
 // ---- Operands in low precision
 //
 // One operand of a GEMM as it is stored: fp32, bf16, or a QuantizedTensor (FP8 / MXFP8 / NVFP4
@@ -97,10 +75,37 @@ inline GemmOperand gemm_operand(const bf16* x, int64_t ld, Trans t) {
 }
 // The view of q that starts at stored element (row0, col0) (a slice along K or along M / N).
 GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0 = 0, int64_t col0 = 0);
+// o's view moved by (rows, cols) in its storage (e.g. one expert's rows of a stacked operand).
+GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols);
 
 // C(M, N) = init + op(A)(M, K) * op(B)(K, N) with A and B in any storage; options as gemm()'s.
 void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
           int64_t K, const GemmOptions& opt = {});
+
+// One product of a batch: C = init + op(A) op(B), sizes and layouts as gemm()'s; init = C
+// (accumulate), else bias (when given), else 0.
+struct GemmBatchItem {
+  float* C;
+  int64_t ldc;
+  const float* A;
+  int64_t lda;
+  Trans ta;
+  const float* B;
+  int64_t ldb;
+  Trans tb;
+  int64_t M, N, K;
+  bool accumulate = false;
+  const float* bias = nullptr;
+  // Operands in any storage (gemm_operand): when a_src (b_src) is set (data not null) it replaces
+  // A, lda, ta (B, ldb, tb), and the guarantee of the GemmOperand overload of gemm() holds.
+  GemmOperand a_src{}, b_src{};
+};
+
+// Every item of the batch in one parallel region: each item is cut into rectangles of C and all
+// the rectangles of all items are shared among the threads (largest first). Bitwise the same as
+// calling gemm() on each item (the guarantee above holds per item); items must not overlap in C.
+// For many small products (an MoE layer's experts), this replaces one region per product.
+void gemm_batch(const GemmBatchItem* items, int64_t count);
 
 // Which micro-kernel gemm() runs on this machine ("avx512-4x64", "avx2-6x16", "portable").
 const char* gemm_kernel_name();

@@ -40,7 +40,47 @@ void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X
     items.push_back(it);
   }
   gemm_batch(items.data(), static_cast<int64_t>(items.size()));
-  if (!dbias) return;
+  if (dbias) grouped_bias_grad(dbias, dY, offsets, E, Nout);
+}
+
+void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
+                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+  thread_local std::vector<GemmBatchItem> items;
+  items.clear();
+  const int64_t w_rows = W.trans == Trans::T ? Nout : K;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    GemmBatchItem it{C + r0 * Nout, Nout, nullptr, 0, Trans::N, nullptr, 0, W.trans, rows, Nout, K};
+    it.a_src = gemm_operand_at(A, r0, 0);
+    it.a_src.trans = Trans::N;
+    it.b_src = gemm_operand_at(W, e * w_rows, 0);
+    it.accumulate = accumulate;
+    if (!accumulate && bias) it.bias = bias + e * Nout;
+    items.push_back(it);
+  }
+  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+}
+
+void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
+                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K) {
+  thread_local std::vector<GemmBatchItem> items;
+  items.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    GemmBatchItem it{dW + e * Nout * K, K, nullptr, 0, Trans::T, nullptr, 0, Trans::N, Nout, K, rows};
+    it.a_src = gemm_operand_at(dY, r0, 0);
+    it.a_src.trans = Trans::T;
+    it.b_src = gemm_operand_at(X, r0, 0);
+    it.b_src.trans = Trans::N;
+    it.accumulate = true;
+    items.push_back(it);
+  }
+  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+}
+
+void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, int64_t E, int64_t Nout) {
   // dbias_e[c] += dY[r, c] over the expert's rows in order, every (expert, column block) in one region.
   const int64_t blocks = (Nout + kBiasColBlock - 1) / kBiasColBlock;
   parallel_for(E * blocks, [&](int64_t u0, int64_t u1) {

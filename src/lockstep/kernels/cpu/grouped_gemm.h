@@ -33,4 +33,20 @@ void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const floa
 void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
                         const int64_t* offsets, int64_t E, int64_t Nout, int64_t K);
 
+// The same products with operands in any storage (gemm.h GemmOperand: fp32, bf16 or quantised,
+// decoded while packing). A is the (R, K) input; W holds every expert stacked, (E * Nout, K) for
+// W.trans = T or (E * K, Nout) for N, e.g. one QuantizedTensor of all experts' weights (expert e
+// reads its rows through a view; with 16x16 or 128x128 blocks, keep Nout (K) a multiple of the
+// block so that no block spans two experts). dY (R, Nout) and X (R, K) likewise (their trans is
+// ignored: dY is read transposed, X as is). Bitwise what the fp32 functions above give on the
+// dequantised operands. The bias gradient is left to grouped_bias_grad (it sums the fp32 dY).
+void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
+                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate);
+void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
+                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K);
+
+// dbias_e (Nout) += column sums of dY_e (rows in order), dY (R, Nout); what grouped_gemm_wgrad
+// does with a non-null dbias.
+void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, int64_t E, int64_t Nout);
+
 }  // namespace lockstep
