@@ -69,7 +69,12 @@ std::string_view elem_format_name(ElemFormat f) {
   return "e2m1";
 }
 
-uint8_t encode(ElemFormat f, float x, Overflow overflow) {
+namespace {
+// encode() and encode_stochastic(): sign, NaN and infinity, then the truncated magnitude plus one
+// when up(truncated) says so (a carry into the exponent field is still the right code), then the
+// overflow rule.
+template <typename Up>
+uint8_t encode_with(ElemFormat f, float x, Overflow overflow, Up up) {
   const Layout L = layout(f);
   const uint32_t u = std::bit_cast<uint32_t>(x);
   const auto sign = static_cast<uint8_t>((u >> 31) << L.sign_shift());
@@ -77,24 +82,22 @@ uint8_t encode(ElemFormat f, float x, Overflow overflow) {
   if (a > 0x7f800000u) return static_cast<uint8_t>(sign | L.nan_mag);
   if (a == 0x7f800000u) return overflowed(L, sign, overflow);
   const Truncated t = truncate(L, a);
-  const bool up = t.frac > 0.5f || (t.frac == 0.5f && (t.mag & 1u));
-  const uint32_t mag = t.mag + (up ? 1u : 0u);  // a carry moves into the exponent field: still right
+  const uint32_t mag = t.mag + (up(t) ? 1u : 0u);
   if (mag > L.max_mag) return overflowed(L, sign, overflow);
   return static_cast<uint8_t>(sign | mag);
 }
+}  // namespace
+
+uint8_t encode(ElemFormat f, float x, Overflow overflow) {
+  return encode_with(f, x, overflow, [](const Truncated& t) {
+    return t.frac > 0.5f || (t.frac == 0.5f && (t.mag & 1u));
+  });
+}
 
 uint8_t encode_stochastic(ElemFormat f, float x, uint32_t random_bits) {
-  const Layout L = layout(f);
-  const uint32_t u = std::bit_cast<uint32_t>(x);
-  const auto sign = static_cast<uint8_t>((u >> 31) << L.sign_shift());
-  const uint32_t a = u & 0x7fffffffu;
-  if (a > 0x7f800000u) return static_cast<uint8_t>(sign | L.nan_mag);
-  if (a == 0x7f800000u) return static_cast<uint8_t>(sign | L.max_mag);
-  const Truncated t = truncate(L, a);
   // p = frac exactly (the gap hi - lo is a power of two); the draw is exact in fp32 too.
-  const bool up = static_cast<float>(random_bits >> 8) * 0x1p-24f < t.frac;
-  const uint32_t mag = t.mag + (up ? 1u : 0u);
-  return static_cast<uint8_t>(sign | (mag > L.max_mag ? L.max_mag : mag));
+  const float draw = static_cast<float>(random_bits >> 8) * 0x1p-24f;
+  return encode_with(f, x, Overflow::saturate, [draw](const Truncated& t) { return draw < t.frac; });
 }
 
 namespace {

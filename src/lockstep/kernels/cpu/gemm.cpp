@@ -423,36 +423,34 @@ void pack_cols_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t k
   }
 }
 
+// The block [k0, k0 + kc) x [x0, x0 + len) of op(X) into panels of W. k_rows: element (k, x) is
+// stored at row k, column x (A transposed, B not), else at row x, column k.
+template <int W>
+void pack_operand(float* dst, const GemmOperand& src, const float* x, int64_t ld, bool k_rows, int64_t k0,
+                  int64_t kc, int64_t x0, int64_t len) {
+  if (src.kind != GemmOperand::Kind::f32) {
+    if (k_rows) {
+      pack_rows_decoded<W>(dst, src, k0, kc, x0, len);
+    } else {
+      pack_cols_decoded<W>(dst, src, k0, kc, x0, len);
+    }
+  } else if (k_rows) {
+    pack_rows<W>(dst, x + k0 * ld + x0, ld, kc, len);
+  } else {
+    pack_cols<W>(dst, x + x0 * ld + k0, ld, kc, len);
+  }
+}
+
 // op(A)[i0, i0 + mc) x [k0, k0 + kc) into panels of MR rows.
 template <int MR>
 void pack_a(float* dst, const Problem& p, int64_t i0, int64_t mc, int64_t k0, int64_t kc) {
-  if (p.a_src.kind != GemmOperand::Kind::f32) {
-    if (p.ta == Trans::T) {
-      pack_rows_decoded<MR>(dst, p.a_src, k0, kc, i0, mc);
-    } else {
-      pack_cols_decoded<MR>(dst, p.a_src, k0, kc, i0, mc);
-    }
-  } else if (p.ta == Trans::T) {
-    pack_rows<MR>(dst, p.A + k0 * p.lda + i0, p.lda, kc, mc);
-  } else {
-    pack_cols<MR>(dst, p.A + i0 * p.lda + k0, p.lda, kc, mc);
-  }
+  pack_operand<MR>(dst, p.a_src, p.A, p.lda, p.ta == Trans::T, k0, kc, i0, mc);
 }
 
 // op(B)[k0, k0 + kc) x [j0, j0 + nc) into panels of NR columns.
 template <int NR>
 void pack_b(float* dst, const Problem& p, int64_t k0, int64_t kc, int64_t j0, int64_t nc) {
-  if (p.b_src.kind != GemmOperand::Kind::f32) {
-    if (p.tb == Trans::N) {
-      pack_rows_decoded<NR>(dst, p.b_src, k0, kc, j0, nc);
-    } else {
-      pack_cols_decoded<NR>(dst, p.b_src, k0, kc, j0, nc);
-    }
-  } else if (p.tb == Trans::N) {
-    pack_rows<NR>(dst, p.B + k0 * p.ldb + j0, p.ldb, kc, nc);
-  } else {
-    pack_cols<NR>(dst, p.B + j0 * p.ldb + k0, p.ldb, kc, nc);
-  }
+  pack_operand<NR>(dst, p.b_src, p.B, p.ldb, p.tb == Trans::N, k0, kc, j0, nc);
 }
 
 // Splits `len` into equal blocks of at most `cap`, each a multiple of `unit`: avoids a thin last

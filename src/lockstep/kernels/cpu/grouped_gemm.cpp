@@ -14,32 +14,13 @@ constexpr int64_t kBiasColBlock = 64;
 
 void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias,
                   const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
-  thread_local std::vector<GemmBatchItem> items;
-  items.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    GemmBatchItem it{C + r0 * Nout, Nout, A + r0 * K, K, Trans::N, W + e * Nout * K, tw == Trans::N ? Nout : K, tw,
-                     rows, Nout, K};
-    it.accumulate = accumulate;
-    if (!accumulate && bias) it.bias = bias + e * Nout;
-    items.push_back(it);
-  }
-  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  grouped_gemm(C, gemm_operand(A, K, Trans::N), gemm_operand(W, tw == Trans::N ? Nout : K, tw), bias, offsets, E,
+               Nout, K, accumulate);
 }
 
 void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
                         const int64_t* offsets, int64_t E, int64_t Nout, int64_t K) {
-  thread_local std::vector<GemmBatchItem> items;
-  items.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    GemmBatchItem it{dW + e * Nout * K, K, dY + r0 * Nout, Nout, Trans::T, X + r0 * K, K, Trans::N, Nout, K, rows};
-    it.accumulate = true;
-    items.push_back(it);
-  }
-  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  grouped_gemm_wgrad(dW, gemm_operand(dY, Nout, Trans::T), gemm_operand(X, K, Trans::N), offsets, E, Nout, K);
   if (dbias) grouped_bias_grad(dbias, dY, offsets, E, Nout);
 }
 
