@@ -47,7 +47,15 @@ DataParallel::DataParallel(ParamStore& ps, Communicator& dense, Communicator& ex
     b.chunk = (b.size + P - 1) / P;
     b.mine = chunk_ranges(b, b.comm->rank());
     shard_.insert(shard_.end(), b.mine.begin(), b.mine.end());
-    if (P > 1) {
+    // The replicated optimizer all-reduces a bucket of consecutive parameters where it lies in the
+    // table (the alignment gaps between them hold zeros), without packing.
+    bool consecutive = true;
+    for (size_t i = 1; i < b.params.size(); ++i) consecutive = consecutive && b.params[i] == b.params[i - 1] + 1;
+    if (!distributed_ && consecutive) {
+      const ParamSpec& last = specs[b.params.back()];
+      b.in_place = specs[b.params.front()].offset;
+      b.in_place_size = last.offset + last.shape.numel() - b.in_place;
+    } else if (P > 1) {
       b.packed.resize(b.chunk * P);  // zeroed: the padding stays zero
       b.chunk_buf.resize(b.chunk);
     }
@@ -117,6 +125,10 @@ void DataParallel::post(Bucket& b) {
   b.posted = true;
   const int P = b.comm->size();
   if (P == 1) return;
+  if (b.in_place >= 0) {
+    b.work = b.comm->all_reduce_async(ps_.grads() + b.in_place, b.in_place_size);
+    return;
+  }
   copy_bucket(b, ps_.grads(), Into::packed);
   b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk)
                         : b.comm->all_reduce_async(b.packed.data(), b.size);
@@ -130,7 +142,7 @@ void DataParallel::finish_grad_sync() {
     if (b.comm->size() == 1) continue;
     b.work.wait();
     if (distributed_) copy_chunk(b, ps_.grads(), Into::table);
-    else copy_bucket(b, ps_.grads(), Into::table);
+    else if (b.in_place < 0) copy_bucket(b, ps_.grads(), Into::table);
   }
   armed_ = false;
 }

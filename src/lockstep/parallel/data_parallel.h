@@ -7,7 +7,8 @@
 // two groups are the same ranks while parallel.expert = 1). Each buffer is cut into buckets of at
 // least ddp.bucket_size elements, whole parameters, starting from the end of the table (backward
 // finishes the last parameters first). A bucket's gradients are packed into one contiguous
-// buffer, padded to a multiple of the group size P; rank r of the group owns the chunk
+// buffer (the replicated optimizer reduces a bucket of consecutive parameters in place instead),
+// padded to a multiple of the group size P; rank r of the group owns the chunk
 // [r, r + 1) x padded / P of every bucket of its buffer: the elements whose optimizer state it
 // keeps under optimizer.distributed, and whose gradients and state its fingerprint hashes in
 // either mode.
@@ -90,6 +91,8 @@ class DataParallel {
     int pending = 0;             // parameters not yet final this step
     bool posted = false;
     bool gathering = false;      // an all-gather of its parameters is in flight
+    int64_t in_place = -1, in_place_size = 0;  // replicated, consecutive parameters: the span of
+                                               // ps.grads() reduced where it lies; -1 = packed
     FloatBuffer packed;          // (chunk x P)
     FloatBuffer chunk_buf;       // (chunk) reduce-scatter output / all-gather input
     Work work;
