@@ -23,7 +23,7 @@ for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
   for ((r = 0; r < rounds; ++r)); do
     out=$(build/bench_fingerprint "$config" 5)
     echo "$out" | awk '/^training step/ {print $5}' >>/tmp/tax_run.$$
-    echo "$out" | awk '/the trainer/ {print $(NF-5)}' >>/tmp/tax_fp.$$
+    echo "$out" | awk '/the trainer/ {print $6}' >>/tmp/tax_fp.$$
     OPENBLAS_NUM_THREADS=2 build-blas/bench_fingerprint "$config" 5 | awk '/^training step/ {print $5}' >>/tmp/tax_blas.$$
   done
   run=$(median </tmp/tax_run.$$); fp=$(median </tmp/tax_fp.$$); blas=$(median </tmp/tax_blas.$$)

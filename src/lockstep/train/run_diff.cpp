@@ -174,10 +174,10 @@ TraceDiff trace_report(const Run& a, const Run& b, int rank, int64_t last_step) 
     const std::string* micro = x.find("micro");
     std::string s = str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ",
                         micro ? *micro : "?", ": ", module ? *module : "?", " (", kind ? *kind : "?", ")\n");
-    const bool grad = kind && *kind == "grad_in";
+    // Forward records follow the data: the record before an output is the module's input. In
+    // backward, the record before a grad_in is the gradient the module received.
     if (i > 0 && ta[i - 1].step == x.step)
-      s += str("  every record before it matches; the last one, ", name(ta[i - 1]), ", ",
-               grad ? "is the gradient this module received" : "is its input", "\n");
+      s += str("  every record before it matches; the last one is ", name(ta[i - 1]), "\n");
     else
       s += str("  it is the step's first record: its input is the step's data\n");
     s += str("  ", a.dir, ": ", hx ? *hx : "(no hash)", "\n  ", b.dir, ": ", hy ? *hy : "(no hash)", "\n");
