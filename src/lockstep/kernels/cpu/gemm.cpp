@@ -778,6 +778,13 @@ GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols) {
 
 void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
           int64_t K, const GemmOptions& opt) {
+#ifdef LOCKSTEP_GEMM_BLAS
+  using K_ = GemmOperand::Kind;
+  if (A.kind == K_::f32 && B.kind == K_::f32 &&
+      blas_gemm(C, ldc, static_cast<const float*>(A.data), A.ld, A.trans, static_cast<const float*>(B.data), B.ld,
+                B.trans, M, N, K, opt))
+    return;
+#endif
   gemm_with(best_kernel(), C, ldc, A, B, M, N, K, opt);
 }
 
@@ -788,7 +795,8 @@ void gemm_batch(const GemmBatchItem* items, int64_t count) {
     GemmOptions opt;
     opt.accumulate = t.accumulate;
     opt.bias = t.bias;
-    blas_gemm(t.C, t.ldc, t.A, t.lda, t.ta, t.B, t.ldb, t.tb, t.M, t.N, t.K, opt);
+    if (t.a_src.data || t.b_src.data || !blas_gemm(t.C, t.ldc, t.A, t.lda, t.ta, t.B, t.ldb, t.tb, t.M, t.N, t.K, opt))
+      gemm_batch_with(best_kernel(), &t, 1);
   }
   return;
 #endif
