@@ -44,7 +44,7 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train model.num_layers=x", "lockstep: error: command line: model.num_layers=x: expected an integer\n"},
       {"train --threads 2", "lockstep: error: command line: unknown option '--threads' (see `lockstep help`)\n"},
       {"train --nproc 0", "lockstep: error: command line: --nproc needs a positive number of ranks, got '0'\n"},
-      {"train parallel.tensor=2", "lockstep: error: config: parallel.tensor = 2: tensor parallelism is not implemented yet\n"},
+      {"train parallel.tensor=2", "lockstep: error: parallel: world size 1 is not divisible by tensor (2) x context (1) x pipeline (1)\n"},
       {"train dist.backend=nccl", "lockstep: error: command line: dist.backend = \"nccl\": expected one of auto, threads, mpi\n"},
       {"train -c", "lockstep: error: command line: -c needs a file name\n"},
       {"frobnicate", "lockstep: error: unknown command 'frobnicate' (see `lockstep help`)\n"},

@@ -4,7 +4,7 @@
 // every rank. Adding a row is one line: name, config file, overrides, ranks ({docs} in an override
 // is a small indexed dataset of byte documents ended by EOD 256).
 //
-// Not here yet, because they do not exist yet: tensor / pipeline / expert / context parallel
+// Not here yet, because they do not exist yet: pipeline / expert / context parallel
 // layouts, resume from a checkpoint (each gets its rows when it lands;
 // resume a run mid-way in every row), and a second MoE dispatcher (only the local one exists).
 #include <gtest/gtest.h>
@@ -72,6 +72,13 @@ const Row kRows[] = {
     {"dp2_nvfp4_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4"}, 2},
     {"dp2_documents_llama", "debug.toml", {"model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",
                                            "model.vocab_size=259", "data.eod_mask_loss=true"}, 2},
+    {"tp2_gpt2", "debug.toml", {"parallel.tensor=2"}, 2},
+    {"tp2_sp_dp2_llama_gqa_distributed", "debug.toml", {"model.preset=llama", "model.num_query_groups=2", "parallel.tensor=2",
+                                                        "parallel.sequence_parallel=true", "optimizer.distributed=true"}, 4},
+    {"tp4_sp_documents", "debug.toml", {"parallel.tensor=4", "parallel.sequence_parallel=true", "data.source=indexed:{docs}",
+                                        "data.eod_token=256", "model.vocab_size=260", "data.reset_position_ids=true",
+                                        "data.reset_attention_mask=true", "data.eod_mask_loss=true"}, 4},
+    {"tp2_dp2_bf16_untied", "debug.toml", {"parallel.tensor=2", "precision.params=bf16", "model.tie_embeddings=false"}, 4},
 };
 
 constexpr int kSteps = 3;

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The same 2-step data-parallel job as N thread ranks and as N mpirun processes: identical
+# The same 2-step data- (and tensor-) parallel job as N thread ranks and as N mpirun processes: identical
 # fingerprint files, rank by rank (and a non-zero exit of either run fails the test).
 #   train_matches_threads.sh LOCKSTEP MPIRUN CONFIG NPROC [KEY=VALUE ...]
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
 shift 4
+# Ranks are ordered tp fastest: rank r is dp r / tp, tp r % tp.
+tp=1
+for kv in "$@"; do case $kv in parallel.tensor=*) tp=${kv#*=} ;; esac; done
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 args=(-c "$config" train.steps=2 train.eval_interval=0 train.threads=1 data.synthetic_bytes=65536 "$@")
@@ -14,7 +17,8 @@ for ((r = 0; r < n; r++)); do
   f=$(printf 'fingerprints/rank-%05d.jsonl' "$r")
   [ "$(wc -l <"$dir/threads/$f")" = 2 ] || { echo "threads run: $f does not have 2 lines"; exit 1; }
   cmp "$dir/threads/$f" "$dir/mpi/$f" || { echo "rank $r: fingerprints differ"; diff "$dir/threads/$f" "$dir/mpi/$f"; exit 1; }
-  grep -q "\"rank\":$r,\"dp\":$r," "$dir/mpi/$f" || { echo "rank $r: wrong coordinates"; head -1 "$dir/mpi/$f"; exit 1; }
+  grep -q "\"rank\":$r,\"dp\":$((r / tp)),\"tp\":$((r % tp))," "$dir/mpi/$f" ||
+    { echo "rank $r: wrong coordinates"; head -1 "$dir/mpi/$f"; exit 1; }
 done
 [ -f "$dir/mpi/metrics.jsonl" ] && [ -f "$dir/mpi/config.toml" ]
 echo "fingerprints of $n ranks identical on threads and mpi ($*)"

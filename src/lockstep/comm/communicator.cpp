@@ -152,6 +152,12 @@ OpInfo op_info(const Transport& t, const char* name) {
   return op;
 }
 
+// Every step of every operation goes through here: the bytes this rank sends are counted.
+void exchange(Transport& t, const std::vector<SendSpec>& sends, const std::vector<RecvSpec>& recvs, const OpInfo& op) {
+  for (const SendSpec& send : sends) t.bytes_sent += send.bytes;
+  t.exchange(sends, recvs, op);
+}
+
 // Chunk r of n over P ranks.
 inline int64_t chunk_begin(int64_t n, int r, int P) { return n * r / P; }
 
@@ -172,7 +178,7 @@ void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<in
     sends.push_back({q, in + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
     recvs.push_back({q, buf + q * count, count * int64_t(sizeof(T))});
   }
-  t.exchange(sends, recvs, info);
+  exchange(t, sends, recvs, info);
   ordered_fold(out, contrib.data(), P, count, op);
 }
 
@@ -193,6 +199,7 @@ int Communicator::world_rank(int r) const { return transport_->world_rank(r); }
 int Communicator::local_size() const { return transport_->local_size(); }
 std::string Communicator::backend() const { return transport_->backend(); }
 double Communicator::timeout_s() const { return transport_->timeout_s(); }
+int64_t Communicator::bytes_sent() const { return transport_->bytes_sent; }
 
 template <typename T>
 Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
@@ -212,7 +219,7 @@ Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
       sends.push_back({q, data + off[me], (off[me + 1] - off[me]) * int64_t(sizeof(T))});
       recvs.push_back({q, data + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
     }
-    t->exchange(sends, recvs, info);
+    exchange(*t, sends, recvs, info);
   }));
 }
 
@@ -246,7 +253,7 @@ Work Communicator::all_gather_bytes(void* out, const void* in, int64_t bytes) {
       sends.push_back({q, o + me * bytes, bytes});
       recvs.push_back({q, o + q * bytes, bytes});
     }
-    t->exchange(sends, recvs, op_info(*t, "all_gather"));
+    exchange(*t, sends, recvs, op_info(*t, "all_gather"));
   }));
 }
 
@@ -272,7 +279,7 @@ Work Communicator::all_to_allv_bytes(void* out, std::vector<int64_t> recv_bytes,
       recvs.push_back({q, o + roff[q], recv_bytes[q]});
     }
     std::memcpy(o + roff[me], i + soff[me], static_cast<size_t>(send_bytes[me]));
-    t->exchange(sends, recvs, op_info(*t, "all_to_all"));
+    exchange(*t, sends, recvs, op_info(*t, "all_to_all"));
   }));
 }
 
@@ -288,7 +295,7 @@ Work Communicator::broadcast_bytes(void* data, int64_t bytes, int root) {
     } else {
       recvs.push_back({root, data, bytes});
     }
-    t->exchange(sends, recvs, op_info(*t, "broadcast"));
+    exchange(*t, sends, recvs, op_info(*t, "broadcast"));
   }));
 }
 
@@ -298,7 +305,7 @@ Work Communicator::send_bytes(const void* data, int64_t bytes, int peer, int tag
   return Work(progress_->post([t, data, bytes, peer, tag] {
     OpInfo op = op_info(*t, "send");
     op.p2p = true, op.tag = tag;
-    t->exchange({{peer, data, bytes}}, {}, op);
+    exchange(*t, {{peer, data, bytes}}, {}, op);
   }));
 }
 
@@ -308,7 +315,7 @@ Work Communicator::recv_bytes(void* data, int64_t bytes, int peer, int tag) {
   return Work(progress_->post([t, data, bytes, peer, tag] {
     OpInfo op = op_info(*t, "recv");
     op.p2p = true, op.tag = tag;
-    t->exchange({}, {{peer, data, bytes}}, op);
+    exchange(*t, {}, {{peer, data, bytes}}, op);
   }));
 }
 
@@ -320,7 +327,7 @@ Work Communicator::send_recv_bytes(const void* send, int64_t send_bytes, int dst
   return Work(progress_->post([=] {
     OpInfo op = op_info(*t, "send_recv");
     op.p2p = true, op.tag = tag;
-    t->exchange({{dst, send, send_bytes}}, {{src, recv, recv_bytes}}, op);
+    exchange(*t, {{dst, send, send_bytes}}, {{src, recv, recv_bytes}}, op);
   }));
 }
 
@@ -335,7 +342,7 @@ Work Communicator::barrier_async() {
       sends.push_back({q, nullptr, 0});
       recvs.push_back({q, nullptr, 0});
     }
-    t->exchange(sends, recvs, op_info(*t, "barrier"));
+    exchange(*t, sends, recvs, op_info(*t, "barrier"));
   }));
 }
 
@@ -353,7 +360,7 @@ Communicator Communicator::split(int color, int key) {
       sends.push_back({q, &all[2 * me], 2 * sizeof(int32_t)});
       recvs.push_back({q, &all[2 * q], 2 * sizeof(int32_t)});
     }
-    t->exchange(sends, recvs, op_info(*t, "split"));
+    exchange(*t, sends, recvs, op_info(*t, "split"));
     std::vector<int> members;
     for (int q = 0; q < P; ++q)
       if (all[2 * q] == color) members.push_back(q);

@@ -80,6 +80,10 @@ class Communicator {
   int local_size() const;       // ranks of the job on this machine (to share its cores)
   std::string backend() const;  // "threads" | "mpi"
   double timeout_s() const;
+  // Bytes this rank has sent to the other ranks of this group so far (every operation, every
+  // backend: what the algorithms above move, e.g. 2 (P - 1) / P x n elements for an all-reduce of
+  // n). Read it while none of the group's operations is in flight.
+  int64_t bytes_sent() const;
 
   // Collective over this group: every rank with the same color forms a new group, ordered by key
   // (ties by rank). Megatron's groups: see comm/mesh.h and split_groups().

@@ -52,6 +52,10 @@ class Transport {
   // this group, called by every rank in the same step.
   virtual std::shared_ptr<Transport> subgroup(int color, int key, const std::vector<int>& members) = 0;
 
+  // Bytes sent by this rank in this group's operations (counted by communicator.cpp on the
+  // group's progress thread; Communicator::bytes_sent reads it between operations).
+  int64_t bytes_sent = 0;
+
   // "rank 3: all_reduce over ranks [0, 1, 2, 3]" for error messages.
   std::string where(const OpInfo& op) const;
 };

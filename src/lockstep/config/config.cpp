@@ -112,6 +112,31 @@ struct Key {
 #define LS_KEY(path, ...) \
   Key { #path, [](Config& c) -> auto& { return c.path; }, __VA_ARGS__ }
 
+// Tensor and sequence parallelism (parallel/tensor_parallel.h) split heads, KV groups, the MLP's
+// hidden units, the vocabulary and (sequence parallelism) the tokens of a micro-batch evenly.
+void validate_tensor_parallel(const Config& c) {
+  const int64_t tp = c.parallel.tensor;
+  const ModelConfig& m = c.model;
+  if (c.parallel.sequence_parallel && tp < 2)
+    user_error("parallel.sequence_parallel = true needs parallel.tensor > 1 (got ", tp, ")");
+  if (tp == 1) return;
+  const std::pair<const char*, int64_t> split[] = {{"model.num_heads", m.num_heads},
+                                                   {"model.num_query_groups", m.query_groups()},
+                                                   {"model.vocab_size", m.vocab_size},
+                                                   {"model.ffn_hidden_size", m.ffn_hidden()}};
+  for (const auto& [key, value] : split)
+    if (value % tp) user_error(key, " = ", value, " is not divisible by parallel.tensor = ", tp);
+  if (c.parallel.sequence_parallel && (c.train.micro_batch * m.seq_length) % tp)
+    user_error("parallel.sequence_parallel: train.micro_batch x model.seq_length = ", c.train.micro_batch * m.seq_length,
+               " tokens are not divisible by parallel.tensor = ", tp);
+  if (c.moe.num_experts > 0)
+    user_error("parallel.tensor = ", tp, ": tensor parallelism of MoE models is not supported yet (moe.num_experts = ",
+               c.moe.num_experts, "); use parallel.tensor = 1");
+  if (m.mtp_num_layers > 0)
+    user_error("parallel.tensor = ", tp, ": tensor parallelism with multi-token prediction is not supported yet "
+               "(model.mtp_num_layers = ", m.mtp_num_layers, ")");
+}
+
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits)", {"run"}),
@@ -151,6 +176,8 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
+      LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
+                                         "group (needs parallel.tensor > 1)"),
       LS_KEY(parallel.context, "context-parallel size"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size"),
       LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
@@ -508,9 +535,11 @@ void validate(const Config& c) {
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
-    if (size > 1) user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
-                             " parallelism is not implemented yet");
+    if (size > 1 && name != std::string("tensor"))
+      user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
+                 " parallelism is not implemented yet");
   }
+  validate_tensor_parallel(c);
   if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");
   if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");

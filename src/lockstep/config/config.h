@@ -68,6 +68,7 @@ struct OptimizerConfig {
 // Sizes of the parallel layout; data parallel is what remains of the world (comm/mesh.h).
 struct ParallelConfig {
   int64_t tensor = 1;
+  bool sequence_parallel = false;
   int64_t context = 1;
   int64_t pipeline = 1;
   int64_t expert = 1;

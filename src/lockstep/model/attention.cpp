@@ -10,30 +10,35 @@
 namespace lockstep {
 
 AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix,
-                               const ModelConfig& m, int64_t B_, int64_t T_)
-    : B(B_), T(T_), C(m.hidden_size), NH(m.num_heads), NKV(m.query_groups()), HS(m.head_dim()),
-      rope(m.position_embedding == "rope") {
+                               const ModelConfig& m, int64_t B_, int64_t T_, const TensorParallel& tp_)
+    : B(B_), T(T_), C(m.hidden_size), NH(m.num_heads / tp_.size), NKV(m.query_groups() / tp_.size), HS(m.head_dim()),
+      rope(m.position_embedding == "rope"), tp(tp_) {
   const int64_t N = B * T;
   const float std = static_cast<float>(m.init_std);
   // Residual projections start smaller so the residual stream's variance does not grow with
   // depth (GPT-2, Megatron's scaled init): std / sqrt(2 * layers).
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
-  norm = Norm(ps, arena, prefix + "attn_norm", m.normalization == "rmsnorm", C, N, static_cast<float>(m.norm_eps));
-  qkv = Linear(ps, prefix + "attn.qkv", C, qkv_width(), m.bias, std);
-  proj = Linear(ps, prefix + "attn.proj", NH * HS, C, m.bias, out_std);
+  norm = Norm(ps, arena, prefix + "attn_norm", m.normalization == "rmsnorm", C, tp.rows(N), static_cast<float>(m.norm_eps));
+  if (tp.sequence) norm.set_sequence_parallel(ps);
+  const int64_t q = m.num_heads * HS, kv = m.query_groups() * HS;
+  qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias, std);
+  proj = Linear::row(ps, tp, prefix + "attn.proj", q, C, m.bias, out_std);
   core_name = prefix + "attn.core";
-  normed = arena.reserve(N * C);
+  normed = arena.reserve(tp.rows(N) * C);
   qkv_out = arena.reserve(N * qkv_width());
   att = arena.reserve(N * NH * HS);
   lse = arena.reserve(B * NH * T);
+  if (tp.on()) partial = arena.reserve(N * C);
+  if (tp.sequence) gathered = arena.reserve(N * C);
 }
 
 void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out,
                              const float* resid_in, const float* rope_cos, const float* rope_sin,
                              const int32_t* positions, const int32_t* doc_start) const {
   const int64_t N = B * T;
-  norm.forward(ps, arena, arena(normed), resid_in, N);
-  qkv.forward(ps, arena(qkv_out), arena(normed), N);
+  norm.forward(ps, arena, arena(normed), resid_in, tp.rows(N));
+  const float* x = enter_column_parallel(tp, tp.sequence ? arena(gathered) : nullptr, arena(normed), N, C);
+  qkv.forward(ps, arena(qkv_out), x, N);
   const Precision& p = ps.precision();
   if (rope) {
     rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
@@ -42,7 +47,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
   p.round(arena(att), N * NH * HS);
   trace_out(core_name, arena(att), N * NH * HS);
-  proj.forward_residual(ps, resid_out, resid_in, arena(att), N);
+  proj.forward_residual(ps, tp, resid_out, resid_in, arena(att), N, tp.on() ? arena(partial) : nullptr);
 }
 
 void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
@@ -50,13 +55,16 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
                               const AttentionScratch& s, const int32_t* positions,
                               const int32_t* doc_start) const {
   const int64_t N = B * T;
-  proj.backward(ps, s.datt, dresid, arena(att), N);
+  // The full output gradient (gathered into dnorm, free until qkv's backward).
+  const float* dy = leave_row_parallel_backward(tp, s.dnorm, dresid, N, C);
+  proj.backward(ps, s.datt, dy, arena(att), N);
   attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
   if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
-  qkv.backward(ps, s.dnorm, s.dqkv, arena(normed), N);
-  norm.backward(ps, arena, dresid, s.dnorm, resid_in, N);
+  qkv.backward(ps, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);
+  const float* dnorm = enter_column_parallel_backward(tp, s.datt, s.dnorm, N, C);
+  norm.backward(ps, arena, dresid, dnorm, resid_in, tp.rows(N));
 }
 
 }  // namespace lockstep

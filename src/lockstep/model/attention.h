@@ -1,5 +1,7 @@
 // The attention sublayer: norm -> fused QKV projection -> RoPE (llama) -> causal GQA attention ->
-// output projection, added to the residual stream.
+// output projection, added to the residual stream. Tensor parallelism (parallel/tensor_parallel.h):
+// QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
+// parallelism the norm and the residual stream hold this rank's rows only.
 #pragma once
 
 #include <string>
@@ -13,16 +15,17 @@ namespace lockstep {
 
 struct AttentionScratch {
   float* dnorm;  // (N, C)
-  float* datt;   // (N, C)
+  float* datt;   // (N, C) (under sequence parallelism also the gathered output gradient)
   float* dqkv;   // (N, QKV)
 };
 
 struct AttentionLayer {
   AttentionLayer() = default;
   AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                 int64_t B, int64_t T);
+                 int64_t B, int64_t T, const TensorParallel& tp = TensorParallel{});
 
-  // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))).
+  // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))) (this rank's rows under
+  // sequence parallelism).
   // positions (N) (RoPE) and doc_start (B, T) (attention): packed documents (data/documents.h);
   // null = plain positions and causal attention.
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
@@ -39,9 +42,11 @@ struct AttentionLayer {
   Norm norm;
   Linear qkv, proj;
   std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (model/trace.h)
-  int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;
+  int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;  // NH, NKV: this rank's heads and KV groups
   bool rope = false;
+  TensorParallel tp;
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
+  ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
 };
 
 }  // namespace lockstep

@@ -19,50 +19,65 @@ namespace {
 constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
-GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision)
-    : m_(m), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size), L_(m.num_layers), N_(B * T_) {
+GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
+         const TensorParallel& tp)
+    : m_(m), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
+      L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
+  // config validate() names the keys; these guard other callers.
+  LOCKSTEP_CHECK(!tp_.on() || (moe.num_experts == 0 && m.mtp_num_layers == 0),
+                 "tensor parallelism supports dense models without MTP");
+  LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   const float std = static_cast<float>(m.init_std);
-  wte_ = params_.add("embedding.word.weight", {V_, C_}, Init::normal, std, true);
+  wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
   if (m.position_embedding == "learned")
     wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
   for (int64_t l = 0; l < L_; ++l) {
     const std::string prefix = "layers." + std::to_string(l) + ".";
     layer_first_.push_back(static_cast<int>(params_.specs().size()));
-    attn_.emplace_back(params_, arena_, prefix, m, B_, T_);
+    attn_.emplace_back(params_, arena_, prefix, m, B_, T_, tp_);
     if (moe.is_moe_layer(l, L_)) {
       mlp_.emplace_back();
       moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_));
     } else {
-      mlp_.emplace_back(params_, arena_, prefix, m, N_);
+      mlp_.emplace_back(params_, arena_, prefix, m, N_, tp_);
       moe_.push_back(nullptr);
     }
   }
   layer_first_.push_back(static_cast<int>(params_.specs().size()));
-  final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, N_,
+  final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_,
                      static_cast<float>(m.norm_eps));
-  out_ = m.tie_embeddings ? wte_ : params_.add("output.weight", {V_, C_}, Init::normal, std, true);
+  if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
+  out_ = m.tie_embeddings ? wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
   for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_));
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
   if (precision_.bf16()) params_.use_bf16_weights();
 
-  for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(N_ * C_));
-  for (int64_t l = 0; l < L_; ++l) mid_.push_back(arena_.reserve(N_ * C_));
-  final_out_ = arena_.reserve(N_ * C_);
-  head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / V_, 1, N_);
-  logits_ = arena_.reserve(head_rows_ * V_);
+  for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(Nl_ * C_));
+  for (int64_t l = 0; l < L_; ++l) mid_.push_back(arena_.reserve(Nl_ * C_));
+  final_out_ = arena_.reserve(Nl_ * C_);
+  if (tp_.on()) {
+    emb_partial_ = arena_.reserve(N_ * C_);
+    local_tokens_.resize(static_cast<size_t>(N_));
+  }
+  if (tp_.sequence) {
+    final_full_ = arena_.reserve(N_ * C_);
+    head_dfull_ = arena_.reserve(N_ * C_);
+  }
+  head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / Vl_, 1, N_);
+  logits_ = arena_.reserve(head_rows_ * Vl_);
   losses_ = arena_.reserve(N_);
   int64_t F = 0, fcw = 0;
   for (const MlpLayer& mlp : mlp_) F = std::max(F, mlp.F), fcw = std::max(fcw, mlp.F ? mlp.fc_width() : 0);
   for (const auto& d : mtp_) F = std::max(F, d->mlp.F), fcw = std::max(fcw, d->mlp.fc_width());
   const int64_t qkvw = attn_.empty() ? 0 : attn_[0].qkv_width();
-  dresid_ = arena_.reserve(N_ * C_);
+  dresid_ = arena_.reserve(Nl_ * C_);
   dfinal_ = arena_.reserve(N_ * C_);
   dnorm_ = arena_.reserve(N_ * C_);
   datt_ = arena_.reserve(N_ * C_);
   dqkv_ = arena_.reserve(N_ * qkvw);
-  dact_ = arena_.reserve(N_ * F);
+  dact_ = arena_.reserve(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
   dfc_ = arena_.reserve(N_ * fcw);
   if (!mtp_.empty()) {
     const int64_t D = static_cast<int64_t>(mtp_.size());
@@ -118,10 +133,11 @@ void GPT::forward(const int32_t* tokens, bool training) {
                     tokens, B_, T_, eod_);
   const int num_params = static_cast<int>(params_.specs().size());
   need_params(0, layer_first_[0]);
-  embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
-                    B_, T_, C_, V_, positions());
-  precision_.round(arena_(resid_[0]), N_ * C_);
-  trace_out("embedding", arena_(resid_[0]), N_ * C_);
+  if (tp_.on()) embed_vocab_parallel(tokens);
+  else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
+                         B_, T_, C_, V_, positions());
+  precision_.round(arena_(resid_[0]), Nl_ * C_);
+  trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
   for (int64_t l = 0; l < L_; ++l) {
     need_params(layer_first_[l], layer_first_[l + 1]);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
@@ -135,8 +151,27 @@ void GPT::forward(const int32_t* tokens, bool training) {
   }
   // The final norm, the untied head and the MTP depths.
   need_params(layer_first_[L_], num_params);
-  final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), N_);
+  final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), Nl_);
   weights_stale_ = false;
+}
+
+void GPT::embed_vocab_parallel(const int32_t* tokens) {
+  // Each rank looks up the tokens of its vocabulary range; the sum over the group (exact: one
+  // term is non-zero) is the embedding, reduced as a row-parallel output is.
+  float* partial = arena_(emb_partial_);
+  vocab_parallel_embedding_forward(tp_, partial, tokens, params_.weight(wte_), N_, C_, V_);
+  float* x = arena_(resid_[0]);
+  const float* sum = leave_row_parallel(tp_, x, partial, N_, C_);
+  const float* wpe = wpe_ >= 0 ? params_.weight(wpe_) : nullptr;
+  const int64_t row0 = tp_.sequence ? tp_.rank * Nl_ : 0;
+  const int32_t* pos = positions();
+  parallel_for(Nl_, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = row0 + r;
+      const float* p = wpe ? wpe + (pos ? pos[n] : n % T_) * C_ : nullptr;
+      for (int64_t c = 0; c < C_; ++c) x[r * C_ + c] = p ? sum[r * C_ + c] + p[c] : sum[r * C_ + c];
+    }
+  });
 }
 
 void GPT::need_params(int first, int end) {
@@ -145,26 +180,31 @@ void GPT::need_params(int first, int end) {
   if (weights_stale_) params_.sync_weights(first, end);
 }
 
-void GPT::head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale) {
+void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool backward, float grad_scale) {
   const float* w = params_.weight(out_);
   float* logits = arena_(logits_);
   float* losses = arena_(losses_);
+  // Tensor parallelism: the full input, this rank's vocabulary columns of the logits, and a partial
+  // input gradient (summed over the group below).
+  const float* x = enter_column_parallel(tp_, tp_.sequence ? arena_(final_full_) : nullptr, x_rows, N_, C_);
+  float* dfull = tp_.sequence && backward ? arena_(head_dfull_) : dx;
+  const int64_t V = Vl_;
   GemmOptions acc;
   acc.accumulate = true;
   for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
     const int64_t rows = std::min(head_rows_, N_ - r0);
-    gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V_, C_);
-    precision_.round(logits, rows * V_);
-    if (!backward) {
-      cross_entropy_forward(losses + r0, logits, targets + r0, rows, V_, V_);
-      continue;
-    }
-    cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V_, V_, grad_scale);
-    precision_.round(logits, rows * V_);
-    gemm(dx + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V_);
-    precision_.round(dx + r0 * C_, rows * C_);
-    gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V_, C_, rows, acc);
+    gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
+    precision_.round(logits, rows * V);
+    if (tp_.on()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale);
+    else if (!backward) cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
+    else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
+    if (!backward) continue;
+    precision_.round(logits, rows * V);
+    gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V);
+    precision_.round(dfull + r0 * C_, rows * C_);
+    gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
   }
+  if (backward) enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
 }
 
 void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale) {
@@ -226,8 +266,8 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
 
 void GPT::backward(const int32_t* tokens, float aux_scale) {
   float* dresid = arena_(dresid_);
-  std::memset(dresid, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
-  final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), N_);
+  std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
+  final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
   // The head and the MTP depths ran their backward before this one.
   if (grads_ready_) grads_ready_(layer_first_[L_], static_cast<int>(params_.specs().size()));
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
@@ -239,8 +279,17 @@ void GPT::backward(const int32_t* tokens, float aux_scale) {
                       positions(), doc_start());
     if (grads_ready_) grads_ready_(layer_first_[l], layer_first_[l + 1]);
   }
-  embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                     tokens, B_, T_, C_, positions());
+  if (tp_.on()) {
+    // The full gradient (gathered into dnorm under sequence parallelism) into this rank's
+    // vocabulary rows; the position embedding's is the same on every rank.
+    const float* dx = leave_row_parallel_backward(tp_, arena_(dnorm_), dresid, N_, C_);
+    vocab_parallel_local_tokens(tp_, local_tokens_.data(), tokens, N_, V_);
+    embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dx,
+                       local_tokens_.data(), B_, T_, C_, positions());
+  } else {
+    embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
+                       tokens, B_, T_, C_, positions());
+  }
   if (grads_ready_) grads_ready_(0, layer_first_[0]);
 }
 
@@ -259,7 +308,7 @@ double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, floa
   forward(tokens, true);
   head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
   trace_out("output", arena_(losses_), N_);  // the per-token losses
-  trace_grad_in("output", arena_(dfinal_), N_ * C_);
+  trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
   // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
   const double lm = mean_loss(arena_(losses_), targets, N_);
   if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
@@ -281,10 +330,12 @@ double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
 
 double GPT::flops_per_token() const {
   double matmul = static_cast<double>(V_ * C_);
+  // The whole model's: each tensor-parallel rank holds 1 / tp of the attention and MLP matmuls.
+  const double tp = static_cast<double>(tp_.size);
   for (int64_t l = 0; l < L_; ++l) {
-    matmul += static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
+    matmul += tp * static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
     if (moe_[l]) matmul += moe_[l]->matmul_params_per_token();
-    else matmul += static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
+    else matmul += tp * static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
   }
   for (const auto& d : mtp_)
     matmul += static_cast<double>(2 * C_ * C_ + d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +

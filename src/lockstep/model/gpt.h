@@ -14,6 +14,11 @@
 // its gradient in place (cross_entropy.h), then the chunk's contribution to d(final norm) and to
 // the head's weight gradient. The full (N, V) logits never exist at once, and by the GEMM's
 // accumulate-split property the chunk size does not change a single bit.
+//
+// Tensor parallelism (parallel/tensor_parallel.h): each rank holds its slice of the attention and
+// MLP matmuls, and the vocabulary rows [r, r + 1) x V / tp of the embedding and output head (the
+// lookup and the loss combine over the group); with sequence parallelism the residual stream, the
+// norms and the position embedding hold this rank's rows of the (B x T, C) activations.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +35,7 @@
 #include "lockstep/model/norm.h"
 #include "lockstep/model/param_table.h"
 #include "lockstep/model/precision.h"
+#include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {
 
@@ -42,8 +48,9 @@ class GPT {
   // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
   // MLP; with 0 the model is the dense one, bit for bit. precision: the numerics of forward and
   // backward (model/precision.h); the default is fp32.
+  // tp: the tensor-parallel group (none by default); dense models only.
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
-      const PrecisionConfig& precision = PrecisionConfig{});
+      const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -99,6 +106,9 @@ class GPT {
 
  private:
   void forward(const int32_t* tokens, bool training);
+  // Tensor parallelism: the vocab-parallel lookup, summed over the group, plus the position
+  // embedding, into this rank's rows of resid_[0].
+  void embed_vocab_parallel(const int32_t* tokens);
   // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
   void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
   // The MTP depths after the main head: forward, losses, and with backward their gradients (the
@@ -108,7 +118,9 @@ class GPT {
 
   ModelConfig m_;
   Precision precision_;
+  TensorParallel tp_;
   int64_t B_, T_, C_, V_, L_, N_;
+  int64_t Vl_, Nl_;  // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
   int64_t head_rows_;  // rows of logits per chunk
   ParamStore params_;
   Arena arena_;
@@ -122,6 +134,10 @@ class GPT {
   // between the attention and MLP sublayers.
   std::vector<ArenaSlice> resid_, mid_;
   ArenaSlice final_out_, logits_, losses_;
+  // Tensor parallelism: the embedding's partial lookup and, with sequence parallelism, the gathered
+  // final norm output and the head's partial input gradient (each (N, C)); local token ids.
+  ArenaSlice emb_partial_, final_full_, head_dfull_;
+  std::vector<int32_t> local_tokens_;
   // Backward scratch, shared by all layers.
   ArenaSlice dresid_, dfinal_, dnorm_, datt_, dqkv_, dact_, dfc_;
   std::vector<int32_t> order_;

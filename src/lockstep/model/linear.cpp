@@ -16,6 +16,28 @@ Linear::Linear(ParamStore& ps, const std::string& name, int64_t in_, int64_t out
   if (bias) b = ps.add(name + ".bias", {out}, Init::zeros);
 }
 
+Linear Linear::column(ParamStore& ps, const TensorParallel& tp, const std::string& name, int64_t in,
+                      const std::vector<int64_t>& out_sections, bool bias, float init_std) {
+  Linear l;
+  l.name = name;
+  l.in = in;
+  for (int64_t s : out_sections) l.out += s / tp.size;
+  l.w = tp.column_weight(ps, name + ".weight", out_sections, in, init_std);
+  if (bias) l.b = tp.column_bias(ps, name + ".bias", out_sections);
+  return l;
+}
+
+Linear Linear::row(ParamStore& ps, const TensorParallel& tp, const std::string& name, int64_t in, int64_t out,
+                   bool bias, float init_std) {
+  Linear l;
+  l.name = name;
+  l.in = in / tp.size;
+  l.out = out;
+  l.w = tp.row_weight(ps, name + ".weight", out, in, init_std);
+  if (bias) l.b = ps.add(name + ".bias", {out}, Init::zeros);
+  return l;
+}
+
 void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) const {
   GemmOptions opt;
   if (b >= 0) opt.bias = ps.weight(b);
@@ -40,6 +62,22 @@ void Linear::forward_residual(const ParamStore& ps, float* y, const float* resid
   opt.accumulate = true;
   ps.precision().fprop(ps, w, y, x, N, out, in, opt);
   trace_out(name, y, N * out);
+}
+
+void Linear::forward_residual(const ParamStore& ps, const TensorParallel& tp, float* y, const float* residual,
+                              const float* x, int64_t N, float* partial) const {
+  if (!tp.on()) return forward_residual(ps, y, residual, x, N);
+  LOCKSTEP_CHECK(y != residual, name, ": the row-parallel output may not alias the residual");
+  ps.precision().fprop(ps, w, partial, x, N, out, in, GemmOptions{});
+  const float* sum = leave_row_parallel(tp, y, partial, N, out);
+  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
+  const int64_t O = out;
+  parallel_for(tp.rows(N), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t j = 0; j < O; ++j) y[r * O + j] = (residual[r * O + j] + (bias ? bias[j] : 0.0f)) + sum[r * O + j];
+  });
+  ps.precision().round(y, tp.rows(N) * O);
+  trace_out(name, y, tp.rows(N) * O);
 }
 
 void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {

@@ -1,5 +1,7 @@
 // The MLP sublayer: norm -> fc (C -> F, or C -> 2F as [gate | up] for SwiGLU) -> GELU / SwiGLU ->
-// proj (F -> C), added to the residual stream.
+// proj (F -> C), added to the residual stream. Tensor parallelism (parallel/tensor_parallel.h): fc
+// column-parallel (this rank's F / tp hidden units, of gate and up separately), proj row-parallel;
+// with sequence parallelism the norm and the residual stream hold this rank's rows only.
 #pragma once
 
 #include <string>
@@ -13,13 +15,14 @@ namespace lockstep {
 
 struct MlpScratch {
   float* dnorm;  // (N, C)
-  float* dact;   // (N, F)
+  float* dact;   // (N, F) (at least (N, C) under sequence parallelism: it holds d(norm) of this rank's rows)
   float* dfc;    // (N, F or 2F)
 };
 
 struct MlpLayer {
   MlpLayer() = default;
-  MlpLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t N);
+  MlpLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t N,
+           const TensorParallel& tp = TensorParallel{});
 
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in) const;
   void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
@@ -30,9 +33,11 @@ struct MlpLayer {
   Norm norm;
   Linear fc, proj;
   std::string act_name;  // "<prefix>mlp.act", for the trace (model/trace.h)
-  int64_t N = 0, C = 0, F = 0;
+  int64_t N = 0, C = 0, F = 0;  // F: this rank's hidden units
   bool swiglu = false;
+  TensorParallel tp;
   ArenaSlice normed, fc_out, act;  // saved for backward
+  ArenaSlice gathered, partial;    // tensor parallelism: the gathered norm output, proj's partial sums
 };
 
 }  // namespace lockstep

@@ -16,6 +16,11 @@ Norm::Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms_, int
   rstd = arena.reserve(N);
 }
 
+void Norm::set_sequence_parallel(ParamStore& ps) const {
+  ps.set_sequence_parallel(w);
+  if (b >= 0) ps.set_sequence_parallel(b);
+}
+
 void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const {
   if (rms) rmsnorm_forward(out, arena(rstd), inp, ps.weight(w), N, C, eps);
   else layernorm_forward(out, arena(mean), arena(rstd), inp, ps.weight(w), ps.weight(b), N, C, eps);

@@ -13,6 +13,10 @@ struct Norm {
   // Declares "<name>.weight" (and "<name>.bias" for LayerNorm); reserves the saved statistics.
   Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms, int64_t C, int64_t N, float eps);
 
+  // Sequence parallelism: this rank normalises its rows only, so its parameter gradients are
+  // partial sums (ParamSpec::sequence_parallel).
+  void set_sequence_parallel(ParamStore& ps) const;
+
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const;
   // dinp += d(norm)/d(inp) applied to dout; parameter gradients accumulate.
   void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,

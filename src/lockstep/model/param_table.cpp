@@ -15,8 +15,32 @@ int ParamStore::add(std::string name, Shape shape, Init init, float std, bool de
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   const int64_t offset = (total_ + 15) / 16 * 16;
   total_ = offset + shape.numel();
-  specs_.push_back({std::move(name), std::move(shape), init, std, decay, offset, expert});
+  ParamSpec spec{std::move(name), shape, init, std, decay, offset, expert, shape, {}};
+  spec.boxes.push_back({std::vector<int64_t>(static_cast<size_t>(shape.rank()), 0), std::move(shape)});
+  specs_.push_back(std::move(spec));
   return static_cast<int>(specs_.size()) - 1;
+}
+
+int ParamStore::add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std,
+                         bool decay) {
+  LOCKSTEP_CHECK(!boxes.empty(), "parameter '", name, "' declared with no box");
+  std::vector<int64_t> dims = boxes[0].shape.dims();
+  dims[0] = 0;
+  for (const ParamBox& b : boxes) {
+    LOCKSTEP_CHECK(b.shape.rank() == global_shape.rank() && b.offset.size() == b.shape.dims().size(),
+                   "parameter '", name, "': box rank differs from the tensor's");
+    for (size_t d = 0; d < b.offset.size(); ++d) {
+      LOCKSTEP_CHECK(b.offset[d] >= 0 && b.offset[d] + b.shape[static_cast<int>(d)] <= global_shape[static_cast<int>(d)], "parameter '", name,
+                     "': box outside the tensor in dimension ", d);
+      LOCKSTEP_CHECK(d == 0 || b.shape[static_cast<int>(d)] == dims[d], "parameter '", name, "': boxes differ in dimension ", d);
+    }
+    dims[0] += b.shape[0];
+  }
+  const int i = add(std::move(name), Shape(dims), init, std, decay);
+  specs_.back().global_shape = std::move(global_shape);
+  specs_.back().boxes = std::move(boxes);
+  specs_.back().tp_replicated = false;
+  return i;
 }
 
 void ParamStore::allocate() {
@@ -24,12 +48,46 @@ void ParamStore::allocate() {
   grads_.resize(total_);
 }
 
+namespace {
+// Draws the boxes of p by global element index: each run of elements contiguous in both the box
+// and the global tensor (whole rows when the box spans the trailing dimensions) is one fill.
+void init_normal(const RandomStream& rng, const ParamSpec& p, float* v) {
+  const std::vector<int64_t>& g = p.global_shape.dims();
+  const size_t R = g.size();
+  for (const ParamBox& b : p.boxes) {
+    const int64_t n = b.shape.numel();
+    if (R == 0 || n == 0) {
+      rng.fill_normal(v, n, p.std);
+      v += n;
+      continue;
+    }
+    // The innermost dimensions the box spans whole form one contiguous run together with the
+    // first dimension it cuts.
+    size_t d0 = R - 1;
+    while (d0 > 0 && b.offset[d0] == 0 && b.shape.dims()[d0] == g[d0]) --d0;
+    int64_t run = 1;
+    for (size_t d = d0; d < R; ++d) run *= b.shape.dims()[d];
+    std::vector<int64_t> idx(R, 0);  // the run's start in box coordinates (dimensions < d0)
+    for (int64_t at = 0; at < n; at += run) {
+      int64_t first = 0;
+      for (size_t d = 0; d < R; ++d) first = first * g[d] + b.offset[d] + idx[d];
+      rng.fill_normal(v + at, run, p.std, static_cast<uint64_t>(first));
+      for (size_t d = d0; d-- > 0;) {
+        if (++idx[d] < b.shape.dims()[d]) break;
+        idx[d] = 0;
+      }
+    }
+    v += n;
+  }
+}
+}  // namespace
+
 void ParamStore::init(uint64_t seed) {
   for (const ParamSpec& p : specs_) {
     float* v = values_.data() + p.offset;
     const int64_t n = p.shape.numel();
     switch (p.init) {
-      case Init::normal: RandomStream(seed, purpose_id("init/" + p.name)).fill_normal(v, n, p.std); break;
+      case Init::normal: init_normal(RandomStream(seed, purpose_id("init/" + p.name)), p, v); break;
       case Init::zeros: std::fill(v, v + n, 0.0f); break;
       case Init::ones: std::fill(v, v + n, 1.0f); break;
     }

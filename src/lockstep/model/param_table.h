@@ -3,9 +3,17 @@
 // second buffer. The table drives allocation, init, the optimizer, fingerprints, and later
 // checkpoints and data-parallel buckets.
 //
-// Init is a pure function of (seed, parameter name, element index): parameter p's element i is
-// Philox(seed, purpose "init/<name>").normal(i) * std. Adding, removing or reordering other
-// parameters changes nothing about p.
+// A rank may hold only part of a parameter (tensor parallelism: a column- or row-parallel slice of
+// a weight, a vocabulary range of the embedding). The spec then names the global tensor
+// (global_shape) and the boxes of it this rank stores: the local tensor is the boxes' row-major
+// flattenings back to back (one box, except a fused projection whose sections are split
+// separately, e.g. QKV's [Q | K | V] rows: rank r holds its slice of each). Checkpoints save and
+// reshard by those boxes.
+//
+// Init is a pure function of (seed, parameter name, GLOBAL element index): element g of the global
+// tensor is Philox(seed, purpose "init/<name>").normal(g) * std, so a rank holding boxes draws
+// exactly the values the whole tensor has there (tensor parallelism initialises the weights a
+// single process does). Adding, removing or reordering other parameters changes nothing about p.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +28,12 @@ class Precision;
 
 enum class Init : uint8_t { normal, zeros, ones };
 
+// A box of a global tensor: its corner (one entry per dimension) and its shape.
+struct ParamBox {
+  std::vector<int64_t> offset;
+  Shape shape;
+};
+
 struct ParamSpec {
   std::string name;   // "layers.0.attn.qkv.weight"
   Shape shape;
@@ -28,6 +42,15 @@ struct ParamSpec {
   bool decay;         // weight decay applies (weight matrices, not biases or norms)
   int64_t offset;     // in floats, into the flat buffers
   bool expert;        // an MoE expert's: data parallelism reduces it over the expert data-parallel group
+  Shape global_shape;           // the whole tensor (= shape unless this rank holds a part)
+  std::vector<ParamBox> boxes;  // what this rank holds of it, in local storage order
+  // Every tensor-parallel rank holds the same values (norms, position embeddings, biases of
+  // row-parallel layers): the gradient norm counts them once.
+  bool tp_replicated = true;
+  // Replicated, but each tensor-parallel rank computes its gradient from its own sequence shard
+  // (sequence parallelism: norms): the gradients are summed over the tensor-parallel group.
+  bool sequence_parallel = false;
+  bool partial() const { return !(shape == global_shape); }
 };
 
 // Elements [begin, end) of parameter `param`, counted in the parameter's flattened (row-major)
@@ -42,6 +65,13 @@ class ParamStore {
  public:
   // Declares a parameter; returns its index. Only before allocate().
   int add(std::string name, Shape shape, Init init, float std = 0.0f, bool decay = false, bool expert = false);
+  // Declares this rank's part of the global tensor global_shape: the boxes, back to back (local
+  // shape: the first box's shape with dimension 0 summed over the boxes; the boxes must agree on
+  // the other dimensions). The part is tensor-parallel (not tp_replicated).
+  int add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std = 0.0f,
+               bool decay = false);
+  // Marks parameter i as sequence-parallel (ParamSpec::sequence_parallel).
+  void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
   // Allocates the value and gradient buffers (zeroed).
   void allocate();
   // Draws every parameter from its Philox stream (in parallel over the current thread pool).

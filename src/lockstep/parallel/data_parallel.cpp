@@ -149,9 +149,12 @@ void DataParallel::finish_grad_sync() {
 
 double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
   double s = 0;
+  const bool skip_replicated = tp_ && tp_->rank() > 0;
   for (const Bucket& b : buckets_) {
     if ((b.comm == &expert_) != expert) continue;
-    for (const ParamRange& x : chunk_ranges(b, r)) s += sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
+    for (const ParamRange& x : chunk_ranges(b, r))
+      if (!(skip_replicated && ps_.specs()[x.param].tp_replicated))
+        s += sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
   }
   return s;
 }
@@ -174,6 +177,12 @@ double DataParallel::grad_norm() {
     double sum = 0;
     for (double c : chunks) sum += c;
     total += sum;
+  }
+  if (tp_ && tp_->size() > 1) {
+    std::vector<double> ranks(static_cast<size_t>(tp_->size()));
+    tp_->all_gather(ranks.data(), &total, 1);
+    total = 0;
+    for (double t : ranks) total += t;
   }
   return std::sqrt(total);
 }

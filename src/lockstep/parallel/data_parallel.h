@@ -62,9 +62,13 @@ class DataParallel {
   // holds the group's sum at every element of shard() (and at every element when not distributed).
   void finish_grad_sync();
 
+  // Tensor parallelism: the gradient norm also sums over the tensor-parallel group (tp), counting
+  // the parameters every tp rank holds (ParamSpec::tp_replicated) once, on tp rank 0.
+  void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
   // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
   // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether
-  // the chunks' sums are computed here or gathered from their owners).
+  // the chunks' sums are computed here or gathered from their owners); under tensor parallelism,
+  // the tp ranks' totals folded in rank order.
   double grad_norm();
 
   // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each
@@ -112,6 +116,7 @@ class DataParallel {
   ParamStore& ps_;
   Communicator& dense_;
   Communicator& expert_;
+  Communicator* tp_ = nullptr;
   DdpConfig ddp_;
   bool distributed_;
   bool armed_ = false;

@@ -25,6 +25,7 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/trace.h"
 #include "lockstep/parallel/data_parallel.h"
+#include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
@@ -58,8 +59,10 @@ double measure_gemm_peak() {
   return best;
 }
 
-// Tokens each expert processed this step, per MoE layer: "moe.<layer>.tokens_min" etc.
-JsonLine with_moe_stats(JsonLine line, const std::vector<MoeTokenStats>& stats) {
+// Tokens each expert processed this step, per MoE layer: "moe.<layer>.tokens_min" etc.; under
+// tensor parallelism the bytes rank 0 sent in its tensor-parallel group this step (tp_bytes >= 0).
+JsonLine with_step_stats(JsonLine line, const std::vector<MoeTokenStats>& stats, int64_t tp_bytes) {
+  if (tp_bytes >= 0) line.add("tp_bytes", tp_bytes);
   for (const MoeTokenStats& st : stats) {
     const std::string key = "moe." + std::to_string(st.layer) + ".";
     line.add((key + "tokens_min").c_str(), st.min)
@@ -120,6 +123,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // Dense gradients are reduced over dp x cp, expert gradients over the expert data-parallel group.
   Communicator dense_dp = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
   Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
+  // The ranks of a tensor-parallel group share each micro-batch (same dp coordinate).
+  Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
+  const TensorParallel tp(&tp_group, pc.sequence_parallel);
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -131,13 +137,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe, config.precision);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp);
   model.params().init(tc.seed);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
   if (dc.reset_position_ids || dc.reset_attention_mask)
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
   DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
+  if (tp.on()) dp.set_tensor_parallel(&tp_group);
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
@@ -222,6 +229,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const auto start = Clock::now();
   for (int64_t step = 1; step <= tc.steps; ++step) {
     const auto t0 = Clock::now();
+    const int64_t tp_bytes_before = tp_group.bytes_sent();
     ParamStore& ps = model.params();
     ps.zero_grads();
     const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
@@ -268,6 +276,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       sums[2] += model.mtp_loss();
     }
     dp.finish_grad_sync();
+    reduce_sequence_parallel_grads(tp, ps);
     if (dp_size > 1) dense_dp.all_reduce(sums, 3);
     const double micros = static_cast<double>(accum * dp_size);
     const double lm_loss = sums[0] / (dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
@@ -308,7 +317,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
-    if (metrics) metrics->write(with_moe_stats(JsonLine()
+    if (metrics) metrics->write(with_step_stats(JsonLine()
                       .add("step", step)
                       .add("loss", loss, 9)
                       .add("lm_loss", lm_loss, 9)
@@ -320,7 +329,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       .add("tokens_per_s", tok_s, 6)
                       .add("mfu", mfu, 4)
                       .add("peak_mem_mb", peak_memory_mb(), 6),
-                      moe_stats)
+                      moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1)
                       .str());
     if (step == 1) summary.first_loss = loss;
     summary.last_loss = loss;

@@ -23,6 +23,14 @@ constexpr int64_t kLanes = 32;
 // for signed zeros.
 inline float max_ps(float a, float b) { return a > b ? a : b; }
 
+// (M, S) <- the log-sum-exp pair of (M, S) followed by (m, s): the combine of consecutive chunks
+// within a row, and of vocabulary shards across ranks.
+inline void combine(float& M, float& S, float m, float s) {
+  const float Mn = max_ps(M, m);
+  S = S * vm::exp(M - Mn) + s * vm::exp(m - Mn);
+  M = Mn;
+}
+
 float chunk_max(const float* x, int64_t len) {
   const int64_t body = len / kLanes * kLanes;
   float m;
@@ -99,14 +107,11 @@ float chunk_sum_exp(float* e, const float* x, int64_t len, float shift) {
   return s;
 }
 
-// Loss of one row. With kBackward, the row is overwritten with its gradient: pass 1 stores
-// exp(x - chunk max) while reducing, pass 2 rescales each chunk by exp(chunk max - max) / sum, so
-// each logit goes through exp once. cmax: scratch of one float per chunk.
-template <bool kBackward>
-float row_loss(float* grad, const float* x, int64_t V, int32_t target, float grad_scale,
-               float* cmax) {
-  const float xt = x[target];
-  float M = 0.0f, S = 0.0f;
+// The log-sum-exp pair (M, S) of one row of V logits: chunk by chunk, an online (max, sum) pair
+// per chunk, chunks combined left to right (combine()). With kStore, e (may alias x) receives
+// exp(x - chunk max) and cmax each chunk's max, for the gradient pass. cmax: one float per chunk.
+template <bool kStore>
+void row_lse(float* e, const float* x, int64_t V, float* cmax, float& M, float& S) {
   int64_t c = 0;
   for (int64_t j = 0; j < V; j += kXentChunk, ++c) {
     const int64_t len = std::min(kXentChunk, V - j);
@@ -114,25 +119,39 @@ float row_loss(float* grad, const float* x, int64_t V, int32_t target, float gra
     // A fully masked chunk (all -inf) contributes nothing; shifting by 0 keeps its exps at 0
     // instead of exp(-inf - -inf) = NaN.
     const float shift = m == -std::numeric_limits<float>::infinity() ? 0.0f : m;
-    const float s = chunk_sum_exp<kBackward>(kBackward ? grad + j : nullptr, x + j, len, shift);
+    const float s = chunk_sum_exp<kStore>(kStore ? e + j : nullptr, x + j, len, shift);
     cmax[c] = m;
     if (j == 0) {
       M = m;
       S = s;
     } else {
-      const float Mn = max_ps(M, m);
-      S = S * vm::exp(M - Mn) + s * vm::exp(m - Mn);
-      M = Mn;
+      combine(M, S, m, s);
     }
   }
+}
+
+// The gradient pass: e holds exp(x - chunk max) (row_lse<true>); each chunk is rescaled by
+// exp(chunk max - M) / S x grad_scale, so each logit goes through exp once.
+void row_grad(float* e, int64_t V, const float* cmax, float M, float S, float grad_scale) {
+  int64_t c = 0;
+  for (int64_t j = 0; j < V; j += kXentChunk, ++c) {
+    const int64_t len = std::min(kXentChunk, V - j);
+    const float k = vm::exp(cmax[c] - M) / S * grad_scale;
+    float* __restrict g = e + j;
+    for (int64_t i = 0; i < len; ++i) g[i] *= k;
+  }
+}
+
+// Loss of one row. With kBackward, the row is overwritten with its gradient. cmax: scratch of one
+// float per chunk.
+template <bool kBackward>
+float row_loss(float* grad, const float* x, int64_t V, int32_t target, float grad_scale,
+               float* cmax) {
+  const float xt = x[target];
+  float M = 0.0f, S = 0.0f;
+  row_lse<kBackward>(grad, x, V, cmax, M, S);
   if constexpr (kBackward) {
-    c = 0;
-    for (int64_t j = 0; j < V; j += kXentChunk, ++c) {
-      const int64_t len = std::min(kXentChunk, V - j);
-      const float k = vm::exp(cmax[c] - M) / S * grad_scale;
-      float* __restrict g = grad + j;
-      for (int64_t i = 0; i < len; ++i) g[i] *= k;
-    }
+    row_grad(grad, V, cmax, M, S, grad_scale);
     grad[target] -= grad_scale;
   }
   return (M + std::log(S)) - xt;
@@ -176,6 +195,55 @@ void cross_entropy_forward(float* losses, const float* logits, const int32_t* ta
 void cross_entropy_forward_backward(float* losses, float* logits, const int32_t* targets,
                                     int64_t N, int64_t V, int64_t ld, float grad_scale) {
   cross_entropy<true>(losses, logits, logits, targets, N, V, ld, grad_scale);
+}
+
+void cross_entropy_shard_lse(float* stats, float* cmax, float* logits, const int32_t* targets, int64_t N,
+                             int64_t V, int64_t ld, int64_t vocab_begin, int64_t vocab_size, bool store) {
+  check_targets(targets, N, vocab_size);
+  const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* st = stats + 3 * n;
+      float* x = logits + n * ld;
+      const int64_t t = static_cast<int64_t>(targets[n]) - vocab_begin;
+      st[2] = t >= 0 && t < V && targets[n] >= 0 ? x[t] : 0.0f;
+      if (store) row_lse<true>(x, x, V, cmax + n * chunks, st[0], st[1]);
+      else row_lse<false>(nullptr, x, V, cmax + n * chunks, st[0], st[1]);
+    }
+  });
+}
+
+void cross_entropy_combine(float* losses, float* lse, const float* stats, const int32_t* targets, int64_t N, int64_t P) {
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float M = stats[3 * n], S = stats[3 * n + 1], xt = stats[3 * n + 2];
+      for (int64_t r = 1; r < P; ++r) {
+        const float* st = stats + 3 * (r * N + n);
+        combine(M, S, st[0], st[1]);
+        xt += st[2];
+      }
+      lse[2 * n] = M;
+      lse[2 * n + 1] = S;
+      losses[n] = targets[n] < 0 ? 0.0f : (M + std::log(S)) - xt;
+    }
+  });
+}
+
+void cross_entropy_shard_backward(float* logits, const float* cmax, const float* lse, const int32_t* targets,
+                                  int64_t N, int64_t V, int64_t ld, int64_t vocab_begin, float grad_scale) {
+  const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* g = logits + n * ld;
+      if (targets[n] < 0) {
+        std::fill(g, g + V, 0.0f);
+        continue;
+      }
+      row_grad(g, V, cmax + n * chunks, lse[2 * n], lse[2 * n + 1], grad_scale);
+      const int64_t t = static_cast<int64_t>(targets[n]) - vocab_begin;
+      if (t >= 0 && t < V) g[t] -= grad_scale;
+    }
+  });
 }
 
 }  // namespace lockstep

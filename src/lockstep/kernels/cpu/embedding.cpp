@@ -24,11 +24,15 @@ void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* k
   std::sort(order, order + N, [keys](int32_t a, int32_t b) {
     return keys[a] != keys[b] ? keys[a] < keys[b] : a < b;
   });
+  // Negative keys (rows another rank's vocabulary shard owns) sort first and are skipped.
+  const int64_t skip = std::partition_point(order, order + N, [keys](int32_t a) { return keys[a] < 0; }) - order;
   // A chunk owns the segments (runs of one key) that start inside it, and follows its last one
   // past the chunk end: each dst row is written by one thread, in row order.
-  parallel_for(N, [&](int64_t begin, int64_t end) {
+  parallel_for(N - skip, [&](int64_t begin, int64_t end) {
+    begin += skip;
+    end += skip;
     int64_t i = begin;
-    while (i < end && i > 0 && keys[order[i]] == keys[order[i - 1]]) ++i;
+    while (i < end && i > skip && keys[order[i]] == keys[order[i - 1]]) ++i;
     while (i < end) {
       const int32_t v = keys[order[i]];
       float* row = dst + static_cast<int64_t>(v) * C;

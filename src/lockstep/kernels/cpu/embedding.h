@@ -2,7 +2,8 @@
 //
 // Forward: out[b, t] = wte[tokens[b, t]] (+ wpe[pos]), pos = t, or positions[b, t] when given
 // (packed documents whose positions restart at each document; each in [0, T)).
-// Backward: dwte[v] += sum of dout[n] over the positions n with tokens[n] == v, as a sorted
+// Backward: dwte[v] += sum of dout[n] over the positions n with tokens[n] == v (negative tokens,
+// another vocabulary shard's, are skipped: parallel/tensor_parallel.h), as a sorted
 // segment sum: positions are ordered by (token, position), and each vocabulary row is summed by
 // one thread in position order. dwpe[t] += sum over b of dout[b, t], in b order; with positions,
 // dwpe[p] += the sum of dout[n] over the rows n with positions[n] == p, in row order (the same

@@ -1,0 +1,161 @@
+#include "lockstep/parallel/tensor_parallel.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/cross_entropy.h"
+
+namespace lockstep {
+
+TensorParallel::TensorParallel(Communicator* group, bool sequence_parallel)
+    : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1),
+      sequence(sequence_parallel && size > 1) {}
+
+int TensorParallel::column_weight(ParamStore& ps, const std::string& name, const std::vector<int64_t>& sections,
+                                  int64_t in, float std) const {
+  int64_t out = 0;
+  for (int64_t s : sections) out += s;
+  if (!on()) return ps.add(name, {out, in}, Init::normal, std, true);
+  std::vector<ParamBox> boxes;
+  int64_t at = 0;
+  for (int64_t s : sections) {
+    boxes.push_back({{at + rank * (s / size), 0}, {s / size, in}});
+    at += s;
+  }
+  return ps.add_part(name, {out, in}, std::move(boxes), Init::normal, std, true);
+}
+
+int TensorParallel::column_bias(ParamStore& ps, const std::string& name, const std::vector<int64_t>& sections) const {
+  int64_t out = 0;
+  for (int64_t s : sections) out += s;
+  if (!on()) return ps.add(name, {out}, Init::zeros);
+  std::vector<ParamBox> boxes;
+  int64_t at = 0;
+  for (int64_t s : sections) {
+    boxes.push_back({{at + rank * (s / size)}, {s / size}});
+    at += s;
+  }
+  return ps.add_part(name, {out}, std::move(boxes), Init::zeros);
+}
+
+int TensorParallel::row_weight(ParamStore& ps, const std::string& name, int64_t out, int64_t in, float std) const {
+  if (!on()) return ps.add(name, {out, in}, Init::normal, std, true);
+  return ps.add_part(name, {out, in}, {{{0, rank * (in / size)}, {out, in / size}}}, Init::normal, std, true);
+}
+
+int TensorParallel::vocab_weight(ParamStore& ps, const std::string& name, int64_t V, int64_t C, float std) const {
+  if (!on()) return ps.add(name, {V, C}, Init::normal, std, true);
+  return ps.add_part(name, {V, C}, {{{vocab_begin(V), 0}, {V / size, C}}}, Init::normal, std, true);
+}
+
+void reduce_from_tp(const TensorParallel& tp, float* x, int64_t n) {
+  if (tp.on()) tp.comm->all_reduce(x, n);
+}
+
+void gather_from_sp(const TensorParallel& tp, float* full, const float* rows, int64_t n_rows, int64_t C) {
+  tp.comm->all_gather(full, rows, n_rows * C);
+}
+
+void scatter_to_sp(const TensorParallel& tp, float* rows, const float* full, int64_t n_rows, int64_t C) {
+  tp.comm->reduce_scatter(rows, full, n_rows * C);
+}
+
+const float* enter_column_parallel(const TensorParallel& tp, float* full, const float* x, int64_t N, int64_t C) {
+  if (!tp.sequence) {
+    copy_to_tp(tp);
+    return x;
+  }
+  gather_from_sp(tp, full, x, N / tp.size, C);
+  return full;
+}
+
+float* enter_column_parallel_backward(const TensorParallel& tp, float* drows, float* dfull, int64_t N, int64_t C) {
+  if (!tp.sequence) {
+    reduce_from_tp(tp, dfull, N * C);
+    return dfull;
+  }
+  scatter_to_sp(tp, drows, dfull, N / tp.size, C);
+  return drows;
+}
+
+float* leave_row_parallel(const TensorParallel& tp, float* rows, float* partial, int64_t N, int64_t C) {
+  if (!tp.sequence) {
+    reduce_from_tp(tp, partial, N * C);
+    return partial;
+  }
+  scatter_to_sp(tp, rows, partial, N / tp.size, C);
+  return rows;
+}
+
+const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull, const float* drows, int64_t N,
+                                         int64_t C) {
+  if (!tp.sequence) {
+    copy_to_tp(tp);
+    return drows;
+  }
+  gather_from_sp(tp, dfull, drows, N / tp.size, C);
+  return dfull;
+}
+
+void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V) {
+  for (int64_t n = 0; n < N; ++n)
+    if (tokens[n] < 0 || tokens[n] >= V)
+      user_error("embedding: token ", tokens[n], " at position ", n, " is outside the vocabulary [0, ", V, ")");
+  const int64_t lo = tp.vocab_begin(V), hi = lo + V / tp.size;
+  for (int64_t n = 0; n < N; ++n) local[n] = tokens[n] >= lo && tokens[n] < hi ? static_cast<int32_t>(tokens[n] - lo) : -1;
+}
+
+void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, const int32_t* tokens, const float* wte,
+                                      int64_t N, int64_t C, int64_t V) {
+  std::vector<int32_t> local(static_cast<size_t>(N));
+  vocab_parallel_local_tokens(tp, local.data(), tokens, N, V);
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* o = out + n * C;
+      if (local[n] < 0) std::fill(o, o + C, 0.0f);
+      else std::memcpy(o, wte + static_cast<int64_t>(local[n]) * C, static_cast<size_t>(C) * sizeof(float));
+    }
+  });
+}
+
+void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
+                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale) {
+  const int64_t Vl = V / tp.size;
+  const int64_t chunks = (Vl + kXentChunk - 1) / kXentChunk;
+  std::vector<float> mine(static_cast<size_t>(3 * N)), all(static_cast<size_t>(3 * N * tp.size));
+  std::vector<float> cmax(static_cast<size_t>(N * chunks)), lse(static_cast<size_t>(2 * N));
+  cross_entropy_shard_lse(mine.data(), cmax.data(), logits, targets, N, Vl, ld, tp.vocab_begin(V), V, backward);
+  tp.comm->all_gather(all.data(), mine.data(), 3 * N);
+  cross_entropy_combine(losses, lse.data(), all.data(), targets, N, tp.size);
+  if (backward) cross_entropy_shard_backward(logits, cmax.data(), lse.data(), targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
+}
+
+void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {
+  if (!tp.sequence) return;
+  std::vector<int> params;
+  int64_t n = 0;
+  for (size_t i = 0; i < ps.specs().size(); ++i)
+    if (ps.specs()[i].sequence_parallel) {
+      params.push_back(static_cast<int>(i));
+      n += ps.specs()[i].shape.numel();
+    }
+  std::vector<float> packed(static_cast<size_t>(n));
+  int64_t at = 0;
+  for (int p : params) {
+    const int64_t k = ps.specs()[p].shape.numel();
+    std::memcpy(packed.data() + at, ps.grad(p), static_cast<size_t>(k) * sizeof(float));
+    at += k;
+  }
+  tp.comm->all_reduce(packed.data(), n);
+  at = 0;
+  for (int p : params) {
+    const int64_t k = ps.specs()[p].shape.numel();
+    std::memcpy(ps.grad(p), packed.data() + at, static_cast<size_t>(k) * sizeof(float));
+    at += k;
+  }
+}
+
+}  // namespace lockstep
