@@ -159,7 +159,7 @@ void GPT::embed_vocab_parallel(const int32_t* tokens) {
   // Each rank looks up the tokens of its vocabulary range; the sum over the group (exact: one
   // term is non-zero) is the embedding, reduced as a row-parallel output is.
   float* partial = arena_(emb_partial_);
-  vocab_parallel_embedding_forward(tp_, partial, tokens, params_.weight(wte_), N_, C_, V_);
+  vocab_parallel_embedding_forward(tp_, partial, local_tokens_.data(), tokens, params_.weight(wte_), N_, C_, V_);
   float* x = arena_(resid_[0]);
   const float* sum = leave_row_parallel(tp_, x, partial, N_, C_);
   const float* wpe = wpe_ >= 0 ? params_.weight(wpe_) : nullptr;
@@ -195,7 +195,8 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     const int64_t rows = std::min(head_rows_, N_ - r0);
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
-    if (tp_.on()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale);
+    if (tp_.on()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
+                                               loss_scratch_);
     else if (!backward) cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
     else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
     if (!backward) continue;

@@ -138,6 +138,7 @@ class GPT {
   // final norm output and the head's partial input gradient (each (N, C)); local token ids.
   ArenaSlice emb_partial_, final_full_, head_dfull_;
   std::vector<int32_t> local_tokens_;
+  std::vector<float> loss_scratch_;  // vocab_parallel_cross_entropy's
   // Backward scratch, shared by all layers.
   ArenaSlice dresid_, dfinal_, dnorm_, datt_, dqkv_, dact_, dfc_;
   std::vector<int32_t> order_;

@@ -72,15 +72,6 @@ const float* enter_column_parallel(const TensorParallel& tp, float* full, const 
   return full;
 }
 
-float* enter_column_parallel_backward(const TensorParallel& tp, float* drows, float* dfull, int64_t N, int64_t C) {
-  if (!tp.sequence) {
-    reduce_from_tp(tp, dfull, N * C);
-    return dfull;
-  }
-  scatter_to_sp(tp, drows, dfull, N / tp.size, C);
-  return drows;
-}
-
 float* leave_row_parallel(const TensorParallel& tp, float* rows, float* partial, int64_t N, int64_t C) {
   if (!tp.sequence) {
     reduce_from_tp(tp, partial, N * C);
@@ -90,14 +81,14 @@ float* leave_row_parallel(const TensorParallel& tp, float* rows, float* partial,
   return rows;
 }
 
+// Each region's backward is the other region's forward: the mirrored pairs.
+float* enter_column_parallel_backward(const TensorParallel& tp, float* drows, float* dfull, int64_t N, int64_t C) {
+  return leave_row_parallel(tp, drows, dfull, N, C);
+}
+
 const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull, const float* drows, int64_t N,
                                          int64_t C) {
-  if (!tp.sequence) {
-    copy_to_tp(tp);
-    return drows;
-  }
-  gather_from_sp(tp, dfull, drows, N / tp.size, C);
-  return dfull;
+  return enter_column_parallel(tp, dfull, drows, N, C);
 }
 
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V) {
@@ -108,10 +99,9 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
   for (int64_t n = 0; n < N; ++n) local[n] = tokens[n] >= lo && tokens[n] < hi ? static_cast<int32_t>(tokens[n] - lo) : -1;
 }
 
-void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, const int32_t* tokens, const float* wte,
-                                      int64_t N, int64_t C, int64_t V) {
-  std::vector<int32_t> local(static_cast<size_t>(N));
-  vocab_parallel_local_tokens(tp, local.data(), tokens, N, V);
+void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
+                                      const float* wte, int64_t N, int64_t C, int64_t V) {
+  vocab_parallel_local_tokens(tp, local, tokens, N, V);
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* o = out + n * C;
@@ -122,15 +112,20 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, cons
 }
 
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
-                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale) {
+                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
+                                  std::vector<float>& scratch) {
   const int64_t Vl = V / tp.size;
   const int64_t chunks = (Vl + kXentChunk - 1) / kXentChunk;
-  std::vector<float> mine(static_cast<size_t>(3 * N)), all(static_cast<size_t>(3 * N * tp.size));
-  std::vector<float> cmax(static_cast<size_t>(N * chunks)), lse(static_cast<size_t>(2 * N));
-  cross_entropy_shard_lse(mine.data(), cmax.data(), logits, targets, N, Vl, ld, tp.vocab_begin(V), V, backward);
-  tp.comm->all_gather(all.data(), mine.data(), 3 * N);
-  cross_entropy_combine(losses, lse.data(), all.data(), targets, N, tp.size);
-  if (backward) cross_entropy_shard_backward(logits, cmax.data(), lse.data(), targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
+  const int64_t need = 3 * N + 3 * N * tp.size + N * chunks + 2 * N;
+  if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(static_cast<size_t>(need));
+  float* mine = scratch.data();
+  float* all = mine + 3 * N;
+  float* cmax = all + 3 * N * tp.size;
+  float* lse = cmax + N * chunks;
+  cross_entropy_shard_lse(mine, cmax, logits, targets, N, Vl, ld, tp.vocab_begin(V), V, backward);
+  tp.comm->all_gather(all, mine, 3 * N);
+  cross_entropy_combine(losses, lse, all, targets, N, tp.size);
+  if (backward) cross_entropy_shard_backward(logits, cmax, lse, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
 }
 
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {

@@ -84,10 +84,11 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
                                          int64_t C);
 
 // Vocab-parallel embedding. out (N, C) = wte[tokens] for the tokens in this rank's vocabulary
-// range, 0 elsewhere (wte: this rank's (V / size, C) rows); UserError naming the token when a token
-// is outside [0, V) (on every rank, before anything is written). The caller sums over the group.
-void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, const int32_t* tokens, const float* wte,
-                                      int64_t N, int64_t C, int64_t V);
+// range, 0 elsewhere (wte: this rank's (V / size, C) rows; local (N) receives
+// vocab_parallel_local_tokens); UserError naming the token when a token is outside [0, V) (on every
+// rank, before anything is written). The caller sums over the group.
+void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
+                                      const float* wte, int64_t N, int64_t C, int64_t V);
 // local (N): each token's row in this rank's table, -1 outside its range (for embedding_backward).
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V);
 
@@ -95,8 +96,10 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
 // leading dimension ld): losses (N), the same on every rank; with backward, the logits are
 // overwritten by their gradient (softmax - one-hot) x grad_scale. One all-gather of N
 // (max, sum of exponentials, target logit) triples; each row's are combined in rank order.
+// scratch: grown on the first call, reused after (steady-state steps do not allocate).
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
-                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale);
+                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
+                                  std::vector<float>& scratch);
 
 // Sequence parallelism: the sequence-parallel parameters' gradients (ParamSpec::sequence_parallel:
 // partial sums over each rank's rows) summed over the group, in table order (one all-reduce).
