@@ -178,17 +178,24 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
   return {};
 }
 
+bool Precision::per_tensor() const { return recipe_ == Recipe::delayed || recipe_ == Recipe::tensorwise; }
+
 void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N,
                            int64_t out, int64_t in, const GemmOptions& opt) {
-  const GemmOperand A = quantise(qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
-  const GemmOperand B = quantise(qb_, tb_, w, out, in, Trans::T, true, weight, site, 0);
+  Site& s = sites_[static_cast<size_t>(site)];
+  const GemmOperand A = quantise(per_tensor() ? s.x : qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
+  const GemmOperand B = quantise(s.w, tb_, w, out, in, Trans::T, true, weight, site, 0);
   gemm(y, ldy, A, B, N, out, in, opt);
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
                            int64_t in) {
-  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
-  const GemmOperand B = quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0);
+  Site& s = sites_[static_cast<size_t>(site)];
+  const GemmOperand A = quantise(per_tensor() ? s.dy : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
+  // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
+  // quantisation is the same both ways, so fprop's serves.
+  const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0)
+                                                 : gemm_operand(s.w, Trans::N);
   gemm(dx, in, A, B, N, in, out);
 }
 
@@ -203,6 +210,11 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
     const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1);
     const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1);
     gemm(dw, in, A, B, out, in, K, acc);
+    return;
+  }
+  if (per_tensor()) {  // one scale for the whole tensor: the quantisations of fprop and dgrad serve
+    const Site& s = sites_[static_cast<size_t>(site)];
+    gemm(dw, in, gemm_operand(s.dy, Trans::T), gemm_operand(s.x, Trans::N), out, in, N, acc);
     return;
   }
   const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1);

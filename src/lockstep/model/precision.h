@@ -140,12 +140,17 @@ class Precision {
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string name;
     AmaxHistory state[3];
+    // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
+    // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
+    // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad).
+    QuantizedTensor x, w, dy;
   };
   // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with
   // its K along x's columns (k_along_cols) or rows; a recipe that blocks only along rows quantises
   // the transpose (in `scratch`) and flips t. usage tells apart the draws of stochastic rounding.
   GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
                        Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage);
+  bool per_tensor() const;  // delayed or tensorwise: one scale per tensor
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
                   int64_t in, const GemmOptions& opt);
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
