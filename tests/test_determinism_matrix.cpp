@@ -79,6 +79,8 @@ const Row kRows[] = {
                                         "data.eod_token=256", "model.vocab_size=260", "data.reset_position_ids=true",
                                         "data.reset_attention_mask=true", "data.eod_mask_loss=true"}, 4},
     {"tp2_dp2_bf16_untied", "debug.toml", {"parallel.tensor=2", "precision.params=bf16", "model.tie_embeddings=false"}, 4},
+    {"tp2_sp_llama_mtp", "debug.toml", {"model.preset=llama", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                        "model.mtp_num_layers=1"}, 2},
 };
 
 constexpr int kSteps = 3;

@@ -257,6 +257,10 @@ void losses_match_single_process(const std::string& preset, std::vector<std::str
 
 TEST(TensorParallel, Gpt2LossesMatchSingleProcess) { losses_match_single_process("debug"); }
 TEST(TensorParallel, LlamaGqaLossesMatchSingleProcess) { losses_match_single_process("llama-tiny"); }
+// Multi-token prediction: the depths' attention and MLP split too, their lookups are vocab-parallel.
+TEST(TensorParallel, MtpLossesMatchSingleProcess) {
+  losses_match_single_process("debug", {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3"});
+}
 
 // TP 2 with sequence parallelism and DP 2 (world 4), distributed optimizer: identical fingerprints
 // on every rank run to run and with 2 threads per rank instead of 1.

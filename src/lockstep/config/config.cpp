@@ -132,9 +132,6 @@ void validate_tensor_parallel(const Config& c) {
   if (c.moe.num_experts > 0)
     user_error("parallel.tensor = ", tp, ": tensor parallelism of MoE models is not supported yet (moe.num_experts = ",
                c.moe.num_experts, "); use parallel.tensor = 1");
-  if (m.mtp_num_layers > 0)
-    user_error("parallel.tensor = ", tp, ": tensor parallelism with multi-token prediction is not supported yet "
-               "(model.mtp_num_layers = ", m.mtp_num_layers, ")");
 }
 
 const std::vector<Key>& keys() {

@@ -24,8 +24,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     : m_(m), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
   // config validate() names the keys; these guard other callers.
-  LOCKSTEP_CHECK(!tp_.on() || (moe.num_experts == 0 && m.mtp_num_layers == 0),
-                 "tensor parallelism supports dense models without MTP");
+  LOCKSTEP_CHECK(!tp_.on() || moe.num_experts == 0, "tensor parallelism supports dense models only");
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   const float std = static_cast<float>(m.init_std);
   wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
@@ -48,7 +47,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
                      static_cast<float>(m.norm_eps));
   if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
   out_ = m.tie_embeddings ? wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
-  for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_));
+  for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_));
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
@@ -83,7 +82,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     const int64_t D = static_cast<int64_t>(mtp_.size());
     mtp_tokens_.resize(static_cast<size_t>(D * N_));
     mtp_targets_.resize(static_cast<size_t>(D * N_));
-    for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_}) *sl = arena_.reserve(N_ * C_);
+    for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_}) *sl = arena_.reserve(Nl_ * C_);
   }
   const MoeLayer* first_moe = nullptr;
   for (const auto& layer : moe_)
@@ -133,7 +132,10 @@ void GPT::forward(const int32_t* tokens, bool training) {
                     tokens, B_, T_, eod_);
   const int num_params = static_cast<int>(params_.specs().size());
   need_params(0, layer_first_[0]);
-  if (tp_.on()) embed_vocab_parallel(tokens);
+  // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
+  if (tp_.on())
+    vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
+                             params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
   else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
                          B_, T_, C_, V_, positions());
   precision_.round(arena_(resid_[0]), Nl_ * C_);
@@ -155,24 +157,6 @@ void GPT::forward(const int32_t* tokens, bool training) {
   weights_stale_ = false;
 }
 
-void GPT::embed_vocab_parallel(const int32_t* tokens) {
-  // Each rank looks up the tokens of its vocabulary range; the sum over the group (exact: one
-  // term is non-zero) is the embedding, reduced as a row-parallel output is.
-  float* partial = arena_(emb_partial_);
-  vocab_parallel_embedding_forward(tp_, partial, local_tokens_.data(), tokens, params_.weight(wte_), N_, C_, V_);
-  float* x = arena_(resid_[0]);
-  const float* sum = leave_row_parallel(tp_, x, partial, N_, C_);
-  const float* wpe = wpe_ >= 0 ? params_.weight(wpe_) : nullptr;
-  const int64_t row0 = tp_.sequence ? tp_.rank * Nl_ : 0;
-  const int32_t* pos = positions();
-  parallel_for(Nl_, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t n = row0 + r;
-      const float* p = wpe ? wpe + (pos ? pos[n] : n % T_) * C_ : nullptr;
-      for (int64_t c = 0; c < C_; ++c) x[r * C_ + c] = p ? sum[r * C_ + c] + p[c] : sum[r * C_ + c];
-    }
-  });
-}
 
 void GPT::need_params(int first, int end) {
   if (params_needed_) params_needed_(first, end);
@@ -224,7 +208,7 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   const float* prev = arena_(final_out_);
   for (int64_t k = 0; k < D; ++k) {
     mtp_[k]->forward(params_, arena_, mtp_tokens_.data() + k * N_, prev, wte_, wpe, positions(), doc_start(),
-                     rope_cos_.data(), rope_sin_.data());
+                     rope_cos_.data(), rope_sin_.data(), local_tokens_.data());
     prev = mtp_[k]->out(arena_);
   }
   const double weight = m_.mtp_loss_scaling_factor / static_cast<double>(D);
@@ -246,18 +230,18 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     depth_loss[static_cast<size_t>(k)] = valid ? sum / static_cast<double>(valid) : 0.0;
     if (!backward) continue;
     if (k + 1 < D) {
-      parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+      parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) dh[i] += dnext[i];
       });
     }
-    std::memset(dnext, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
+    std::memset(dnext, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
     const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
     mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte_, wpe, positions(),
-                      doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data());
+                      doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), local_tokens_.data());
   }
   if (backward) {
     float* dfinal = arena_(dfinal_);
-    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+    parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) dfinal[i] += dnext[i];
     });
   }
@@ -281,12 +265,8 @@ void GPT::backward(const int32_t* tokens, float aux_scale) {
     if (grads_ready_) grads_ready_(layer_first_[l], layer_first_[l + 1]);
   }
   if (tp_.on()) {
-    // The full gradient (gathered into dnorm under sequence parallelism) into this rank's
-    // vocabulary rows; the position embedding's is the same on every rank.
-    const float* dx = leave_row_parallel_backward(tp_, arena_(dnorm_), dresid, N_, C_);
-    vocab_parallel_local_tokens(tp_, local_tokens_.data(), tokens, N_, V_);
-    embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dx,
-                       local_tokens_.data(), B_, T_, C_, positions());
+    vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(),
+                                      arena_(dnorm_), dresid, local_tokens_.data(), tokens, positions(), B_, T_, C_, V_);
   } else {
     embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
                        tokens, B_, T_, C_, positions());
@@ -339,8 +319,9 @@ double GPT::flops_per_token() const {
     else matmul += tp * static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
   }
   for (const auto& d : mtp_)
-    matmul += static_cast<double>(2 * C_ * C_ + d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
-                                  d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out + V_ * C_);
+    matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
+              tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
+                                       d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out);
   const int64_t attn_layers = L_ + static_cast<int64_t>(mtp_.size());
   return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * T_ * C_);
 }

@@ -106,9 +106,6 @@ class GPT {
 
  private:
   void forward(const int32_t* tokens, bool training);
-  // Tensor parallelism: the vocab-parallel lookup, summed over the group, plus the position
-  // embedding, into this rank's rows of resid_[0].
-  void embed_vocab_parallel(const int32_t* tokens);
   // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
   void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
   // The MTP depths after the main head: forward, losses, and with backward their gradients (the

@@ -9,26 +9,38 @@
 
 namespace lockstep {
 
-MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B_, int64_t T_)
-    : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size) {
+MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B_, int64_t T_,
+                   const TensorParallel& tp_)
+    : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size), tp(tp_), rows(tp_.rows(B_ * T_)) {
   const std::string prefix = "mtp.layers." + std::to_string(depth) + ".";
   const bool rms = m.normalization == "rmsnorm";
   const float eps = static_cast<float>(m.norm_eps);
-  enorm = Norm(ps, arena, prefix + "enorm", rms, C, N, eps);
-  hnorm = Norm(ps, arena, prefix + "hnorm", rms, C, N, eps);
+  enorm = Norm(ps, arena, prefix + "enorm", rms, C, rows, eps);
+  hnorm = Norm(ps, arena, prefix + "hnorm", rms, C, rows, eps);
   proj_w = ps.add(prefix + "eh_proj.weight", {C, 2 * C}, Init::normal, static_cast<float>(m.init_std), true);
   proj_name = prefix + "eh_proj";
-  attn = AttentionLayer(ps, arena, prefix, m, B, T);
-  mlp = MlpLayer(ps, arena, prefix, m, N);
-  final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, N, eps);
-  for (ArenaSlice* s : {&emb, &e, &hn, &x, &mid, &y, &h}) *s = arena.reserve(N * C);
+  attn = AttentionLayer(ps, arena, prefix, m, B, T, tp);
+  mlp = MlpLayer(ps, arena, prefix, m, N, tp);
+  final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, rows, eps);
+  // Sequence parallelism: these see this rank's rows only, so their gradients are partial sums.
+  if (tp.sequence) {
+    for (const Norm* n : {&enorm, &hnorm, &final_norm}) n->set_sequence_parallel(ps);
+    ps.set_sequence_parallel(proj_w);
+  }
+  for (ArenaSlice* s : {&emb, &e, &hn, &x, &mid, &y, &h}) *s = arena.reserve(rows * C);
+  if (tp.on()) emb_partial = arena.reserve(N * C);
 }
 
 void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev,
                        int wte, int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
-                       const float* rope_sin) const {
+                       const float* rope_sin, int32_t* local_tokens) const {
   const Precision& p = ps.precision();
-  embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions);
+  const int64_t N = rows;  // this rank's rows of the stream from here on
+  if (tp.on())
+    vocab_parallel_embedding(tp, arena(emb), arena(emb_partial), local_tokens, tokens_k, ps.weight(wte),
+                             wpe >= 0 ? ps.weight(wpe) : nullptr, positions, this->N, T, C, V);
+  else
+    embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions);
   p.round(arena(emb), N * C);
   enorm.forward(ps, arena, arena(e), arena(emb), N);
   hnorm.forward(ps, arena, arena(hn), h_prev, N);
@@ -48,7 +60,9 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
 
 void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
                         const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
-                        const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order) const {
+                        const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order,
+                        int32_t* local_tokens) const {
+  const int64_t N = rows;  // this rank's rows of the stream
   const size_t bytes = static_cast<size_t>(N * C) * sizeof(float);
   std::memset(s.dx, 0, bytes);
   final_norm.backward(ps, arena, s.dx, dh, arena(y), N);
@@ -69,7 +83,11 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);
   std::memset(s.demb, 0, bytes);
   enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);
-  embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions);
+  if (tp.on())
+    vocab_parallel_embedding_backward(tp, ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.attn.dnorm, s.demb,
+                                      local_tokens, tokens_k, positions, B, T, C, V);
+  else
+    embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions);
 }
 
 }  // namespace lockstep

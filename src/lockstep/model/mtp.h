@@ -15,6 +15,10 @@
 //
 // Parameters: mtp.layers.<k-1>.{enorm, hnorm, eh_proj, attn_norm, attn.*, mlp_norm, mlp.*,
 // final_norm} (the embedding and the output head are the main model's).
+//
+// Tensor parallelism (parallel/tensor_parallel.h): the depth's attention and MLP split like the
+// main model's, its embedding lookup is vocab-parallel; with sequence parallelism the depth's
+// activations (and eh_proj, on this rank's rows) hold this rank's rows of the (N, C) stream.
 #pragma once
 
 #include <string>
@@ -41,17 +45,19 @@ struct MtpScratch {
 struct MtpLayer {
   MtpLayer() = default;
   // depth: k - 1 (0-based), the index in the parameter names.
-  MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B, int64_t T);
+  MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B, int64_t T,
+           const TensorParallel& tp = TensorParallel{});
 
   // tokens_k (N): the inputs t_{i+k}. h_prev (N, C): h_{k-1}. Writes h_k (out()).
   void forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
                int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
-               const float* rope_sin) const;
+               const float* rope_sin, int32_t* local_tokens = nullptr) const;
   // dh (N, C): d(h_k) (clobbered). dh_prev (N, C) += d(h_{k-1}); parameter gradients (the shared
   // embedding's too) accumulate. order: (N) scratch for the embedding's segment sums.
   void backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
                 const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
-                const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order) const;
+                const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order,
+                int32_t* local_tokens = nullptr) const;
 
   const float* out(const Arena& arena) const { return arena(h); }
 
@@ -61,7 +67,10 @@ struct MtpLayer {
   std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (model/trace.h)
   AttentionLayer attn;
   MlpLayer mlp;
-  ArenaSlice emb, e, hn, x, mid, y, h;  // saved for backward, (N, C) each
+  ArenaSlice emb, e, hn, x, mid, y, h;  // saved for backward, (rows, C) each
+  TensorParallel tp;
+  int64_t rows = 0;        // tp.rows(N)
+  ArenaSlice emb_partial;  // tensor parallelism: the lookup's partial sums (N, C)
 };
 
 }  // namespace lockstep

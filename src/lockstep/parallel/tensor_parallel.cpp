@@ -7,6 +7,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
+#include "lockstep/kernels/cpu/embedding.h"
 
 namespace lockstep {
 
@@ -109,6 +110,29 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int3
       else std::memcpy(o, wte + static_cast<int64_t>(local[n]) * C, static_cast<size_t>(C) * sizeof(float));
     }
   });
+}
+
+void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
+                              const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
+                              int64_t C, int64_t V) {
+  vocab_parallel_embedding_forward(tp, partial, local, tokens, wte, N, C, V);
+  const float* sum = leave_row_parallel(tp, x, partial, N, C);
+  const int64_t rows = tp.rows(N), row0 = tp.sequence ? tp.rank * rows : 0;
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = row0 + r;
+      const float* p = wpe ? wpe + (positions ? positions[n] : n % T) * C : nullptr;
+      for (int64_t c = 0; c < C; ++c) x[r * C + c] = p ? sum[r * C + c] + p[c] : sum[r * C + c];
+    }
+  });
+}
+
+void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
+                                       const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
+                                       int64_t B, int64_t T, int64_t C, int64_t V) {
+  const float* d = leave_row_parallel_backward(tp, dfull, dx, B * T, C);
+  vocab_parallel_local_tokens(tp, local, tokens, B * T, V);
+  embedding_backward(dwte, dwpe, order, d, local, B, T, C, positions);
 }
 
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,

@@ -89,6 +89,18 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
 // rank, before anything is written). The caller sums over the group.
 void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
                                       const float* wte, int64_t N, int64_t C, int64_t V);
+// The whole vocab-parallel embedding into this rank's rows x (rows(N), C): the lookup above into
+// partial (N, C), summed over the group as a row-parallel output is (exact: one term is non-zero),
+// plus the replicated position embedding wpe (null: none) at positions[n] (null: n % T).
+void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
+                              const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
+                              int64_t C, int64_t V);
+// Its backward from dx (this rank's rows): the full gradient (gathered into dfull (N, C) under
+// sequence parallelism) into this rank's vocabulary rows of dwte and into dwpe (the same on every
+// rank). order, local: (N) scratch.
+void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
+                                       const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
+                                       int64_t B, int64_t T, int64_t C, int64_t V);
 // local (N): each token's row in this rank's table, -1 outside its range (for embedding_backward).
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V);
 
