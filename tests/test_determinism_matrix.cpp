@@ -81,6 +81,15 @@ const Row kRows[] = {
     {"tp2_dp2_bf16_untied", "debug.toml", {"parallel.tensor=2", "precision.params=bf16", "model.tie_embeddings=false"}, 4},
     {"tp2_sp_llama_mtp", "debug.toml", {"model.preset=llama", "parallel.tensor=2", "parallel.sequence_parallel=true",
                                         "model.mtp_num_layers=1"}, 2},
+    {"ep2_alltoall", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=alltoall", kMoeBalance}, 2},
+    {"ep2_allgather", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=allgather"}, 2},
+    {"ep4_alltoall_capacity_padded", "moe-debug.toml", {"parallel.expert=4", "moe.token_dispatcher=alltoall", "train.micro_batch=2",
+                                                        "moe.expert_capacity_factor=0.75", "moe.pad_expert_input_to_capacity=true"}, 4},
+    {"ep2_edp2_alltoall_distributed_optimizer", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=alltoall",
+                                                                   "train.micro_batch=2", "optimizer.distributed=true"}, 4},
+    {"ep2_edp2_allgather_llama_bias", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=allgather", "train.micro_batch=2",
+                                                         "model.preset=llama", "moe.router_score_function=sigmoid",
+                                                         "moe.router_enable_expert_bias=true"}, 4},
 };
 
 constexpr int kSteps = 3;

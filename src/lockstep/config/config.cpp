@@ -233,6 +233,7 @@ const std::vector<Key>& keys() {
       LS_KEY(moe.expert_capacity_factor, "expert capacity = ceil(tokens * k / experts * factor); 0 = dropless"),
       LS_KEY(moe.token_drop_policy, "which tokens an expert over capacity keeps", {"probs", "position"}),
       LS_KEY(moe.pad_expert_input_to_capacity, "pad every expert's input to its capacity"),
+      LS_KEY(moe.token_dispatcher, "how tokens reach the experts of other expert-parallel ranks", {"allgather", "alltoall"}),
       LS_KEY(moe.router_enable_expert_bias, "aux-loss-free balancing: a per-expert bias that affects selection only"),
       LS_KEY(moe.router_bias_update_rate, "expert bias += rate * sign(mean load - load) after each step"),
       LS_KEY(moe.ffn_hidden_size, "expert MLP width; 0 = the dense MLP width"),
@@ -532,11 +533,20 @@ void validate(const Config& c) {
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
-    if (size > 1 && name != std::string("tensor"))
+    if (size > 1 && name != std::string("tensor") && name != std::string("expert"))
       user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
                  " parallelism is not implemented yet");
   }
   validate_tensor_parallel(c);
+  if (c.parallel.expert > 1 && c.moe.num_experts == 0)
+    user_error("parallel.expert = ", c.parallel.expert, " needs an MoE model (moe.num_experts > 0)");
+  if (c.parallel.expert > 1 && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
+    user_error("parallel.expert = ", c.parallel.expert, " with precision.fp8 = \"", c.precision.fp8,
+               "\" / precision.fp4 = \"", c.precision.fp4, "\": expert parallelism runs fp32 or bf16 GEMMs only "
+               "(a quantised expert's scales would span the tokens of several ranks)");
+  if (c.moe.num_experts % c.parallel.expert)
+    user_error("moe.num_experts = ", c.moe.num_experts, " is not divisible by parallel.expert = ", c.parallel.expert,
+               " (every expert-parallel rank holds the same number of experts)");
   if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");
   if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");

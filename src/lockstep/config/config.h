@@ -115,6 +115,7 @@ struct MoeConfig {
   double expert_capacity_factor = 0.0;   // 0 = dropless
   std::string token_drop_policy = "probs";  // probs | position
   bool pad_expert_input_to_capacity = false;
+  std::string token_dispatcher = "allgather";  // allgather | alltoall (with parallel.expert > 1)
   bool router_enable_expert_bias = false;
   double router_bias_update_rate = 1e-3;
   int64_t ffn_hidden_size = 0;           // expert width; 0 = model.ffn_hidden_size

@@ -20,7 +20,7 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
-         const TensorParallel& tp)
+         const TensorParallel& tp, Communicator* ep)
     : m_(m), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
   // config validate() names the keys; these guard other callers.
@@ -36,7 +36,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     attn_.emplace_back(params_, arena_, prefix, m, B_, T_, tp_);
     if (moe.is_moe_layer(l, L_)) {
       mlp_.emplace_back();
-      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_));
+      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, ep));
     } else {
       mlp_.emplace_back(params_, arena_, prefix, m, N_, tp_);
       moe_.push_back(nullptr);
@@ -347,6 +347,18 @@ uint64_t GPT::state_hash() const {
   h.update(params_.values(), static_cast<size_t>(params_.total()) * sizeof(float));
   for (const auto& layer : moe_)
     if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
+  return h.digest();
+}
+
+uint64_t GPT::state_hash(bool experts) const {
+  BlockHasher h;
+  for (size_t i = 0; i < params_.specs().size(); ++i) {
+    const ParamSpec& p = params_.specs()[i];
+    if (p.expert == experts) h.update(params_.value(static_cast<int>(i)), static_cast<size_t>(p.shape.numel()) * sizeof(float));
+  }
+  if (!experts)
+    for (const auto& layer : moe_)
+      if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
   return h.digest();
 }
 

@@ -48,9 +48,12 @@ class GPT {
   // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
   // MLP; with 0 the model is the dense one, bit for bit. precision: the numerics of forward and
   // backward (model/precision.h); the default is fp32.
-  // tp: the tensor-parallel group (none by default); dense models only.
+  // tp: the tensor-parallel group (none by default); dense models only. ep: the expert-parallel
+  // group (null = every expert on this rank; moe_layer.h): the table then holds only this rank's
+  // experts.
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
-      const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{});
+      const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
+      Communicator* ep = nullptr);
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -95,6 +98,9 @@ class GPT {
   void set_params_needed_hook(std::function<void(int first, int end)> hook) { params_needed_ = std::move(hook); }
   // Parameters and, for MoE models, the expert biases (state the optimizer does not own).
   uint64_t state_hash() const;
+  // The same over the dense parameters and expert biases only (experts = false) or the experts'
+  // parameters only (true): the state the dense / expert data-parallel replicas share.
+  uint64_t state_hash(bool experts) const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
 
   ParamStore& params() { return params_; }

@@ -10,8 +10,20 @@
 namespace lockstep {
 
 int ParamStore::add(std::string name, Shape shape, Init init, float std, bool decay, bool expert) {
+  ParamBox whole{shape, std::vector<int64_t>(static_cast<size_t>(shape.rank()), 0)};
+  return add(std::move(name), std::move(shape), whole, init, std, decay, expert);
+}
+
+int ParamStore::add(std::string name, Shape shape, const ParamBox& box, Init init, float std, bool decay,
+                    bool expert) {
   LOCKSTEP_CHECK(values_.size() == 0, "parameter '", name, "' declared after allocation");
   LOCKSTEP_CHECK(find(name) < 0, "parameter '", name, "' declared twice");
+  LOCKSTEP_CHECK(box.global_shape.rank() == shape.rank() && static_cast<int64_t>(box.offset.size()) == shape.rank(),
+                 "parameter '", name, "': box rank");
+  for (int d = 0; d < shape.rank(); ++d)
+    LOCKSTEP_CHECK(box.offset[static_cast<size_t>(d)] >= 0 && box.offset[static_cast<size_t>(d)] + shape[d] <= box.global_shape[d],
+                   "parameter '", name,
+                   "': box outside the global tensor in dimension ", d);
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   const int64_t offset = (total_ + 15) / 16 * 16;
   total_ = offset + shape.numel();
@@ -22,7 +34,7 @@ int ParamStore::add(std::string name, Shape shape, Init init, float std, bool de
 }
 
 int ParamStore::add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std,
-                         bool decay) {
+                         bool decay, bool expert) {
   LOCKSTEP_CHECK(!boxes.empty(), "parameter '", name, "' declared with no box");
   std::vector<int64_t> dims = boxes[0].shape.dims();
   dims[0] = 0;
@@ -36,7 +48,7 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
     }
     dims[0] += b.shape[0];
   }
-  const int i = add(std::move(name), Shape(dims), init, std, decay);
+  const int i = add(std::move(name), Shape(dims), init, std, decay, expert);
   specs_.back().global_shape = std::move(global_shape);
   specs_.back().boxes = std::move(boxes);
   specs_.back().tp_replicated = false;

@@ -67,9 +67,10 @@ class ParamStore {
   int add(std::string name, Shape shape, Init init, float std = 0.0f, bool decay = false, bool expert = false);
   // Declares this rank's part of the global tensor global_shape: the boxes, back to back (local
   // shape: the first box's shape with dimension 0 summed over the boxes; the boxes must agree on
-  // the other dimensions). The part is tensor-parallel (not tp_replicated).
+  // the other dimensions). The part is tensor-parallel (not tp_replicated). expert: as add()'s (an
+  // expert-parallel rank's experts are one box along dimension 0).
   int add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std = 0.0f,
-               bool decay = false);
+               bool decay = false, bool expert = false);
   // Marks parameter i as sequence-parallel (ParamSpec::sequence_parallel).
   void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
   // Allocates the value and gradient buffers (zeroed).

@@ -176,6 +176,7 @@ double DataParallel::grad_norm() {
     }
     double sum = 0;
     for (double c : chunks) sum += c;
+    if (expert && ep_ && ep_->size() > 1) ep_->all_reduce(&sum, 1);
     total += sum;
   }
   if (tp_ && tp_->size() > 1) {

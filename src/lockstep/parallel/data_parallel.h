@@ -65,10 +65,14 @@ class DataParallel {
   // Tensor parallelism: the gradient norm also sums over the tensor-parallel group (tp), counting
   // the parameters every tp rank holds (ParamSpec::tp_replicated) once, on tp rank 0.
   void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+  // Expert parallelism: the ranks of the ep group hold different experts, so the gradient norm adds
+  // their expert parts.
+  void set_expert_parallel(Communicator* ep) { ep_ = ep; }
   // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
   // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether
   // the chunks' sums are computed here or gathered from their owners); under tensor parallelism,
-  // the tp ranks' totals folded in rank order.
+  // the tp ranks' totals folded in rank order; under expert parallelism
+  // the expert part summed over the ep group in rank order first.
   double grad_norm();
 
   // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each
@@ -117,6 +121,7 @@ class DataParallel {
   Communicator& dense_;
   Communicator& expert_;
   Communicator* tp_ = nullptr;
+  Communicator* ep_ = nullptr;
   DdpConfig ddp_;
   bool distributed_;
   bool armed_ = false;

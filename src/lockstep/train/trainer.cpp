@@ -126,6 +126,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // The ranks of a tensor-parallel group share each micro-batch (same dp coordinate).
   Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
   const TensorParallel tp(&tp_group, pc.sequence_parallel);
+  // Expert parallelism: the MoE layers' experts are split over the ep group, whose ranks exchange
+  // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
+  Communicator expert_group = comm.split_groups(mesh.groups(MeshGroup::ep));
+  Communicator* ep = mesh.ep() > 1 ? &expert_group : nullptr;
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -137,7 +141,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep);
   model.params().init(tc.seed);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
@@ -145,6 +149,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
   DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
+  dp.set_expert_parallel(ep);
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
@@ -192,13 +197,18 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   std::fflush(out);
 
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
-  // Data-parallel ranks evaluate every dp_size-th batch; the mean is over all of them.
+  // Data-parallel ranks evaluate every dp_size-th batch; the mean is over all of them. Under expert
+  // parallelism every forward is collective over the ep group, so each rank runs as many forwards
+  // as the busiest one (the extra ones count nothing).
   auto evaluate = [&]() {
     double sum = 0;
-    for (int64_t i = coords.dp; i < tc.eval_batches; i += dp_size) {
-      data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>(i * B), B);
+    const int64_t rounds = ep ? (tc.eval_batches + dp_size - 1) / dp_size : 0;
+    for (int64_t i = coords.dp, round = 0; i < tc.eval_batches || round < rounds; i += dp_size, ++round) {
+      const bool counted = i < tc.eval_batches;
+      data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>((counted ? i : 0) * B), B);
       if (dc.eod_mask_loss) mask_eod_targets(targets.data(), tokens.data(), N, eod);
-      sum += model.evaluate(tokens.data(), targets.data());
+      const double loss = model.evaluate(tokens.data(), targets.data());
+      if (counted) sum += loss;
     }
     if (dp_size > 1) dense_dp.all_reduce(&sum, 1);
     return sum / static_cast<double>(tc.eval_batches);
@@ -206,7 +216,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
 
   // Writes a step's fingerprint line once the parameters are complete. Data-parallel replicas hold
   // the same parameters, expert biases and loss, bit for bit: they agree exactly when max(h) and
-  // max(~h) over the group are h and ~h (one tiny all-reduce).
+  // max(~h) over the group are h and ~h (one tiny all-reduce). Under expert parallelism the dense
+  // replicas (dp) hold different experts: the dense part is compared over dp, the experts over edp.
   const bool gather_in_background = config.optimizer.distributed && config.ddp.overlap_param_gather;
   if (gather_in_background) model.set_params_needed_hook([&dp](int first, int end) { dp.params_needed(first, end); });
   std::optional<Fingerprint> pending_fingerprint;
@@ -214,18 +225,33 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     dp.wait_params();
     fp.params = model.state_hash();
     fingerprints.write(fp.json());
-    if (dp_size > 1) {
-      const uint64_t fields[] = {fp.params, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
+    auto check_replicas = [&](Communicator& group, uint64_t params) {
+      if (group.size() == 1) return;
+      const uint64_t fields[] = {params, std::bit_cast<uint64_t>(fp.loss), std::bit_cast<uint64_t>(fp.grad_norm)};
       const uint64_t h = hash_bytes(fields, sizeof fields);
       uint64_t agree[2] = {h, ~h};
-      dense_dp.all_reduce(agree, 2, ReduceOp::max);
+      group.all_reduce(agree, 2, ReduceOp::max);
       if (agree[0] != h || agree[1] != ~h)
         throw CommError(str("rank ", comm.rank(), ": step ", fp.step, ": the data-parallel replicas' parameters or loss differ"));
+    };
+    if (!ep) {
+      check_replicas(dense_dp, fp.params);
+    } else {
+      check_replicas(dense_dp, model.state_hash(/*experts=*/false));
+      check_replicas(expert_dp, model.state_hash(/*experts=*/true));
     }
   };
 
   TrainSummary summary;
   std::vector<double> step_seconds;
+  // Bytes this rank's token dispatchers have sent (training steps only: evaluation's are skipped).
+  auto dispatch_total = [&]() {
+    int64_t n = 0;
+    for (const auto& layer : model.moe_layers())
+      if (layer) n += layer->dispatch_bytes_sent();
+    return n;
+  };
+  int64_t dispatch_bytes_before = 0;
   const auto start = Clock::now();
   for (int64_t step = 1; step <= tc.steps; ++step) {
     const auto t0 = Clock::now();
@@ -295,6 +321,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         model.finish_step(config.moe.router_bias_update_rate, dp_size > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);
     if (step > 1 || tc.steps == 1) step_seconds.push_back(secs);
+    const int64_t dispatch_bytes = dispatch_total() - dispatch_bytes_before;  // this step's
+    dispatch_bytes_before += dispatch_bytes;
 
     Fingerprint fp;
     fp.step = step;
@@ -317,7 +345,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
-    if (metrics) metrics->write(with_step_stats(JsonLine()
+    JsonLine metrics_line = with_step_stats(JsonLine()
                       .add("step", step)
                       .add("loss", loss, 9)
                       .add("lm_loss", lm_loss, 9)
@@ -329,8 +357,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       .add("tokens_per_s", tok_s, 6)
                       .add("mfu", mfu, 4)
                       .add("peak_mem_mb", peak_memory_mb(), 6),
-                      moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1)
-                      .str());
+                      moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
+    if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
+    if (metrics) metrics->write(metrics_line.str());
     if (step == 1) summary.first_loss = loss;
     summary.last_loss = loss;
     summary.steps = step;
@@ -340,6 +369,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (eval_now) {
       dp.wait_params();
       eval_loss = evaluate();
+      dispatch_bytes_before = dispatch_total();
       summary.last_eval_loss = eval_loss;
       if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
     }

@@ -33,7 +33,19 @@ class Dispatcher {
 
   virtual int64_t rows() const = 0;
   virtual const int64_t* offsets() const = 0;              // (E + 1), local experts
-  virtual const std::vector<int64_t>& tokens_per_expert() const = 0;  // kept tokens (no padding)
+  // Kept tokens this rank routed to each of the layer's experts (all of them, not only the local
+  // ones; no padding).
+  virtual const std::vector<int64_t>& tokens_per_expert() const = 0;
+  // Expert-parallel ranks whose tokens the rows hold (1 for the local dispatcher). Inside an
+  // expert, the rows of source rank s come before those of s + 1: segments() (E_local x sources + 1)
+  // gives the rows of (local expert e, source s) at [e * sources + s], so that an expert's weight
+  // gradient can be summed per source rank (experts.h).
+  virtual int64_t sources() const { return 1; }
+  virtual const int64_t* segments() const { return offsets(); }
+  // Most rows a micro-batch can need (arena sizing).
+  virtual int64_t max_rows() const = 0;
+  // Bytes this rank has sent to other ranks so far (communication volume).
+  virtual int64_t bytes_sent() const { return 0; }
 };
 
 class LocalDispatcher final : public Dispatcher {
@@ -51,10 +63,10 @@ class LocalDispatcher final : public Dispatcher {
   int64_t rows() const override { return offsets_[E_]; }
   const int64_t* offsets() const override { return offsets_.data(); }
   const std::vector<int64_t>& tokens_per_expert() const override { return counts_; }
-  // Most rows a micro-batch can need (arena sizing).
-  int64_t max_rows() const;
+  int64_t max_rows() const override;
   int64_t max_rows_for(int64_t tokens) const;
   const std::vector<int32_t>& slots() const { return slot_; }
+  const std::vector<int32_t>& row_choices() const { return row_choice_; }
 
  private:
   int64_t E_, K_, C_, N_ = 0, capacity_;

@@ -1,24 +1,64 @@
 #include "lockstep/model/moe/experts.h"
 
 #include <cmath>
+#include <cstring>
 
+#include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/precision.h"
 
 namespace lockstep {
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                               int64_t E_, int64_t F_, int64_t max_rows)
-    : E(E_), C(m.hidden_size), F(F_), swiglu(m.activation == "swiglu") {
+                               int64_t E_, int64_t F_, int64_t max_rows, int64_t first, int64_t E_global,
+                               int64_t sources_)
+    : E(E_), C(m.hidden_size), F(F_), sources(sources_), swiglu(m.activation == "swiglu") {
+  if (E_global == 0) E_global = E;
   const float std = static_cast<float>(m.init_std);
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
-  fc_w = ps.add(prefix + "fc.weight", {E, fc_width(), C}, Init::normal, std, true, /*expert=*/true);
-  if (m.bias) fc_b = ps.add(prefix + "fc.bias", {E, fc_width()}, Init::zeros, 0.0f, false, /*expert=*/true);
-  proj_w = ps.add(prefix + "proj.weight", {E, C, F}, Init::normal, out_std, true, /*expert=*/true);
-  if (m.bias) proj_b = ps.add(prefix + "proj.bias", {E, C}, Init::zeros, 0.0f, false, /*expert=*/true);
+  const int64_t Fw = fc_width();
+  // This rank's experts: one box along dimension 0 of each (E_global, ...) tensor.
+  auto add = [&](const char* name, Shape global, Init init, float sd, bool decay) {
+    std::vector<int64_t> dims = global.dims(), at(dims.size(), 0);
+    dims[0] = E;
+    at[0] = first;
+    return ps.add_part(prefix + name, std::move(global), {ParamBox{at, Shape(dims)}}, init, sd, decay, /*expert=*/true);
+  };
+  fc_w = add("fc.weight", {E_global, Fw, C}, Init::normal, std, true);
+  if (m.bias) fc_b = add("fc.bias", {E_global, Fw}, Init::zeros, 0.0f, false);
+  proj_w = add("proj.weight", {E_global, C, F}, Init::normal, out_std, true);
+  if (m.bias) proj_b = add("proj.bias", {E_global, C}, Init::zeros, 0.0f, false);
   fc_out = arena.reserve(max_rows * fc_width());
   act = arena.reserve(max_rows * F);
+  if (sources > 1) {
+    dfc_w.resize(sources * E * Fw * C);
+    dproj_w.resize(sources * E * C * F);
+    if (m.bias) dfc_b.resize(sources * E * Fw), dproj_b.resize(sources * E * C);
+  }
 }
+
+void GroupedExperts::begin_step() {
+  for (FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b})
+    if (b->size()) std::memset(b->data(), 0, static_cast<size_t>(b->size()) * sizeof(float));
+}
+
+namespace {
+
+// grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...).
+void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t n) {
+  parallel_for(E * n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / n, j = i % n;
+      const float* b = blocks + e * S * n + j;
+      float acc = b[0];
+      for (int64_t s = 1; s < S; ++s) acc += b[s * n];
+      grad[i] = acc;
+    }
+  });
+}
+
+}  // namespace
 
 void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* out, const float* x,
                              const int64_t* offsets) const {
@@ -32,16 +72,26 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
 }
 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
-                              const float* x, const int64_t* offsets, const ExpertsScratch& s) const {
+                              const float* x, const int64_t* offsets, const int64_t* segments,
+                              const ExpertsScratch& s) const {
   Precision& p = ps.precision();
-  const int64_t R = offsets[E];
+  const int64_t R = offsets[E], Fw = fc_width(), S = sources;
+  // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
+  // then the rank-order sum (config refuses quantised GEMMs there: their scales would span sources).
+  auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
+                   int64_t nout, int64_t nin) {
+    if (S == 1) return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
+    grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
+    sum_sources(ps.grad(w), dw.data(), E, S, nout * nin);
+    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout);
+  };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F);
-  p.grouped_wgrad(ps, proj_w, proj_b, dout, arena(act), offsets, E, C, F);
+  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
-  p.round(s.dfc, R * fc_width());
-  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, fc_width(), C);
-  p.grouped_wgrad(ps, fc_w, fc_b, s.dfc, x, offsets, E, fc_width(), C);
+  p.round(s.dfc, R * Fw);
+  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C);
+  wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C);
 }
 
 }  // namespace lockstep

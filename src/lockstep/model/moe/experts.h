@@ -5,7 +5,18 @@
 // which for a linear proj is the same function).
 //
 // Parameters: <prefix>fc.weight (E, Fw, C), fc.bias (E, Fw), proj.weight (E, C, F), proj.bias (E, C);
-// biases only with model.bias.
+// biases only with model.bias. Under expert parallelism a rank holds the box of its experts
+// [first, first + E) of the layer's E_global (param_table.h's global_shape and boxes), drawn at
+// init exactly as the whole tensors would be.
+//
+// Weight gradients with several source ranks (sources > 1, expert parallelism): the rows of an
+// expert come from the micro-batches of S ranks. Each (expert, source) block accumulates into its
+// own buffer over the step's micro-batches, and after each backward the parameter gradient is the
+// rank-order sum of the S buffers: ((g_0 + g_1) + g_2) + ... Each g_s is bitwise the gradient rank s
+// accumulates for that expert when it computes all experts itself (the same rows in the same order,
+// one FMA chain per element), and a data-parallel all-reduce sums those in the same order
+// (comm/communicator.h): so expert parallelism over S ranks gives the expert gradients of data
+// parallelism over the same S ranks bit for bit.
 #pragma once
 
 #include <string>
@@ -24,20 +35,27 @@ struct ExpertsScratch {
 struct GroupedExperts {
   GroupedExperts() = default;
   // max_rows: the most dispatched rows a micro-batch can have.
+  // E local experts starting at global expert `first` of E_global; sources: ranks whose rows
+  // reach these experts (the dispatcher's sources()).
   GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t E,
-                 int64_t F, int64_t max_rows);
+                 int64_t F, int64_t max_rows, int64_t first = 0, int64_t E_global = 0, int64_t sources = 1);
 
   // out (R, C) = expert_e(x) on the rows of each expert e.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets) const;
-  // dx (R, C) assigned; parameter gradients accumulate.
+  // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
+  // (expert e, source s) at [e * sources + s] (= offsets with one source).
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
-                const int64_t* offsets, const ExpertsScratch& s) const;
+                const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s) const;
+  // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
+  void begin_step();
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
-  int64_t E = 0, C = 0, F = 0;
+  int64_t E = 0, C = 0, F = 0, sources = 1;
   bool swiglu = false;
+  // Per-source weight gradients (E x sources blocks each), sources > 1 only.
+  FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 

@@ -8,13 +8,15 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/model/moe/allgather_dispatcher.h"
+#include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
 
 MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
-                   const MoeConfig& moe, int64_t B, int64_t T)
+                   const MoeConfig& moe, int64_t B, int64_t T, Communicator* ep)
     : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
       K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias) {
   name_ = prefix + "moe";
@@ -23,10 +25,24 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, N_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
   const int64_t capacity = expert_capacity(spec_, N_);
-  dispatcher_ = std::make_unique<LocalDispatcher>(E_, K_, C_, N_, capacity, moe.pad_expert_input_to_capacity);
+  const bool pad = moe.pad_expert_input_to_capacity;
+  const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
+  if (S == 1) {
+    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, N_, capacity, pad);
+    source_layout_ = local.get();
+    dispatcher_ = std::move(local);
+  } else if (moe.token_dispatcher == "alltoall") {
+    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, N_, capacity, pad);
+    source_layout_ = &a2a->source_layout();
+    dispatcher_ = std::move(a2a);
+  } else {
+    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, N_, capacity, pad);
+    source_layout_ = &ag->source_layout();
+    dispatcher_ = std::move(ag);
+  }
   const int64_t R = dispatcher_->max_rows();
   const int64_t F = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
-  experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, E_, F, R);
+  experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, El, F, R, first, E_, dispatcher_->sources());
   if (moe.shared_expert_intermediate_size > 0)
     shared_ = std::make_unique<SharedExpert>(ps, arena, prefix + "moe.shared.", m, moe.shared_expert_intermediate_size,
                                              moe.shared_expert_gate, N_);
@@ -108,7 +124,8 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const float* logits = arena(logits_);
   dispatcher_->combine_backward(s.drows, s.dprobs, dresid, arena(rows_out_), arena(probs_));
   ps.precision().round(s.drows, dispatcher_->rows() * C_);
-  experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), s.experts);
+  experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
+                    s.experts);
   trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
   std::memset(s.dnorm, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
   dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
@@ -137,6 +154,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
 }
 
 void MoeLayer::begin_step() {
+  experts_.begin_step();
   std::fill(step_counts_.begin(), step_counts_.end(), 0);
   std::fill(global_counts_sum_.begin(), global_counts_sum_.end(), 0);
   global_micro_ = 0;

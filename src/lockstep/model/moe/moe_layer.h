@@ -52,8 +52,10 @@ struct MoeTokenStats {
 
 class MoeLayer {
  public:
+  // ep: the expert-parallel group (null or size 1: every expert here). With S > 1 ranks this rank
+  // holds experts [r E/S, (r + 1) E/S) and moe.token_dispatcher exchanges the tokens.
   MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
-           const MoeConfig& moe, int64_t B, int64_t T);
+           const MoeConfig& moe, int64_t B, int64_t T, Communicator* ep = nullptr);
 
   // training: jitter on, counts recorded for the step's statistics, the expert bias update and the
   // global aux loss. micro: index of the micro-batch in the step (jitter's global element index).
@@ -70,7 +72,10 @@ class MoeLayer {
 
   const AuxLosses& aux_losses() const { return aux_; }
   const std::vector<float>& expert_bias() const { return expert_bias_; }
-  const LocalDispatcher& dispatcher() const { return *dispatcher_; }
+  // This rank's tokens laid out over all the layer's experts (routing, capacity, padding).
+  const LocalDispatcher& dispatcher() const { return *source_layout_; }
+  // Bytes the dispatcher has sent to other expert-parallel ranks so far.
+  int64_t dispatch_bytes_sent() const { return dispatcher_->bytes_sent(); }
   const int32_t* topk_idx() const { return idx_.data(); }
 
   // Sizes of the scratch this layer's backward needs.
@@ -93,7 +98,8 @@ class MoeLayer {
   int router_w_ = -1;
   GroupedExperts experts_;
   std::unique_ptr<SharedExpert> shared_;
-  std::unique_ptr<LocalDispatcher> dispatcher_;
+  std::unique_ptr<Dispatcher> dispatcher_;
+  const LocalDispatcher* source_layout_ = nullptr;
   ArenaSlice normed_, router_x_, logits_, probs_, rows_in_, rows_out_, jitter_;
   std::vector<int32_t> idx_;
   std::vector<uint8_t> kept_;

@@ -1,0 +1,109 @@
+#include "lockstep/model/moe/allgather_dispatcher.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/permute.h"
+
+namespace lockstep {
+
+AllGatherDispatcher::AllGatherDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                                         int64_t capacity, bool pad)
+    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), K_(K), C_(C), capacity_(capacity), pad_(pad),
+      local_(E, K, C, max_tokens, capacity, pad), offsets_(static_cast<size_t>(El_ + 1)),
+      segments_(static_cast<size_t>(El_ * S_ + 1)) {
+  LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
+  max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
+  if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);
+  const int64_t all = S_ * max_tokens;
+  idx_all_.resize(static_cast<size_t>(all * K));
+  kept_all_.resize(static_cast<size_t>(all * K));
+  slot_.resize(static_cast<size_t>(all * K));
+  row_choice_.resize(static_cast<size_t>(max_rows_));
+  gathered_.resize(all * C);
+  partial_.resize(all * C);
+  mine_.resize(max_tokens * C);
+  probs_all_.resize(all * K);
+  dprobs_all_.resize(all * K);
+}
+
+void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N) {
+  local_.plan(idx, kept, N);
+  N_ = N;
+  const int64_t NK = N * K_, first = ep_.rank() * El_;
+  ep_.all_gather(idx_all_.data(), idx, NK);
+  ep_.all_gather(kept_all_.data(), kept, NK);
+  count(NK, sizeof(int32_t) + sizeof(uint8_t));
+  // Rows: local expert, then source, then the source's choices in order (padding after each block).
+  std::fill(slot_.begin(), slot_.begin() + S_ * NK, -1);
+  int64_t r = 0;
+  for (int64_t e = 0; e < El_; ++e) {
+    for (int64_t s = 0; s < S_; ++s) {
+      segments_[e * S_ + s] = r;
+      for (int64_t i = s * NK; i < (s + 1) * NK; ++i) {
+        if (!kept_all_[i] || idx_all_[i] != first + e) continue;
+        slot_[i] = static_cast<int32_t>(r);
+        row_choice_[r++] = static_cast<int32_t>(i);
+      }
+      if (pad_) {
+        const int64_t used = r - segments_[e * S_ + s];
+        LOCKSTEP_CHECK(used <= capacity_, "expert over capacity after dropping");
+        for (; r < segments_[e * S_ + s] + capacity_; ++r) row_choice_[r] = -1;
+      }
+    }
+    offsets_[e] = segments_[e * S_];
+  }
+  LOCKSTEP_CHECK(r <= max_rows_, "all-gather dispatcher: ", r, " rows, planned for ", max_rows_);
+  segments_[El_ * S_] = offsets_[El_] = r;
+}
+
+void AllGatherDispatcher::dispatch(float* expert_in, const float* x) const {
+  ep_.all_gather(gathered_.data(), x, N_ * C_);
+  count(N_ * C_, sizeof(float));
+  permute_forward(expert_in, gathered_.data(), row_choice_.data(), rows(), K_, C_);
+}
+
+void AllGatherDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
+  const int64_t all = S_ * N_;
+  ep_.all_gather(probs_all_.data(), probs, N_ * K_);
+  count(N_ * K_, sizeof(float));
+  float* partial = partial_.data();
+  std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
+  combine_forward(partial, partial, expert_out, slot_.data(), probs_all_.data(), all, K_, C_);
+  ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
+  count(N_ * C_, sizeof(float));
+  const float* sum = mine_.data();
+  parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) out[i] = base[i] + sum[i];
+  });
+}
+
+void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout,
+                                           const float* expert_out, const float*) const {
+  const int64_t all = S_ * N_;
+  ep_.all_gather(gathered_.data(), dout, N_ * C_);
+  count(N_ * C_, sizeof(float));
+  lockstep::combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(),
+                             row_choice_.data(), probs_all_.data(), all, rows(), K_, C_);
+  // Each choice's gradient comes from the one rank holding its expert; the others add zeros.
+  ep_.reduce_scatter(dprobs, dprobs_all_.data(), N_ * K_);
+  count(N_ * K_, sizeof(float));
+}
+
+void AllGatherDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
+  const int64_t all = S_ * N_;
+  float* partial = partial_.data();
+  std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
+  permute_backward(partial, dexpert_in, slot_.data(), all, K_, C_);
+  ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
+  count(N_ * C_, sizeof(float));
+  const float* sum = mine_.data();
+  parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) dx[i] += sum[i];
+  });
+}
+
+}  // namespace lockstep

@@ -1,0 +1,110 @@
+#include "lockstep/model/moe/alltoall_dispatcher.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/core/error.h"
+#include "lockstep/core/thread_pool.h"
+
+namespace lockstep {
+
+AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                                       int64_t capacity, bool pad)
+    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C), local_(E, K, C, max_tokens, capacity, pad),
+      send_rows_(static_cast<size_t>(S_)), recv_rows_(static_cast<size_t>(S_)),
+      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)),
+      offsets_(static_cast<size_t>(El_ + 1)), segments_(static_cast<size_t>(El_ * S_ + 1)) {
+  LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
+  // Each source sends at most all of its choices, and at most `capacity` rows per expert.
+  max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
+  if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);
+  send_.resize(local_.max_rows() * C);
+  back_.resize(local_.max_rows() * C);
+  recv_.resize(max_rows_ * C);
+}
+
+void AllToAllDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N) {
+  local_.plan(idx, kept, N);
+  // Rows of this rank's layout per expert, in peer blocks: rank d gets experts [d El, (d+1) El).
+  const int64_t* lo = local_.offsets();
+  std::vector<int64_t> send_counts(static_cast<size_t>(E_));
+  for (int64_t g = 0; g < E_; ++g) send_counts[g] = lo[g + 1] - lo[g];
+  for (int64_t d = 0; d < S_; ++d) send_rows_[d] = lo[(d + 1) * El_] - lo[d * El_];
+  ep_.all_to_all(recv_counts_.data(), send_counts.data(), El_);
+  bytes_sent_ += (S_ - 1) * El_ * static_cast<int64_t>(sizeof(int64_t));
+  int64_t at = 0;
+  for (int64_t s = 0; s < S_; ++s) {
+    recv_rows_[s] = 0;
+    for (int64_t e = 0; e < El_; ++e) {
+      recv_at_[s * El_ + e] = at;
+      at += recv_counts_[s * El_ + e];
+      recv_rows_[s] += recv_counts_[s * El_ + e];
+    }
+  }
+  LOCKSTEP_CHECK(at <= max_rows_, "all-to-all dispatcher: ", at, " rows received, planned for ", max_rows_);
+  segments_[0] = 0;
+  for (int64_t e = 0; e < El_; ++e) {
+    offsets_[e] = segments_[e * S_];
+    for (int64_t s = 0; s < S_; ++s) segments_[e * S_ + s + 1] = segments_[e * S_ + s] + recv_counts_[s * El_ + e];
+  }
+  offsets_[El_] = segments_[El_ * S_];
+}
+
+void AllToAllDispatcher::regroup(float* by_expert, const float* by_source) const {
+  parallel_for(El_ * S_, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t e = b / S_, s = b % S_;
+      std::memcpy(by_expert + segments_[b] * C_, by_source + recv_at_[s * El_ + e] * C_,
+                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
+    }
+  });
+}
+
+void AllToAllDispatcher::ungroup(float* by_source, const float* by_expert) const {
+  parallel_for(El_ * S_, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t e = b / S_, s = b % S_;
+      std::memcpy(by_source + recv_at_[s * El_ + e] * C_, by_expert + segments_[b] * C_,
+                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
+    }
+  });
+}
+
+void AllToAllDispatcher::exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
+                                  const std::vector<int64_t>& in_rows) const {
+  std::vector<int64_t> recv(static_cast<size_t>(S_)), send(static_cast<size_t>(S_));
+  for (int64_t r = 0; r < S_; ++r) {
+    recv[r] = out_rows[r] * C_;
+    send[r] = in_rows[r] * C_;
+    if (r != ep_.rank()) bytes_sent_ += send[r] * static_cast<int64_t>(sizeof(float));
+  }
+  ep_.all_to_allv(out, recv, in, send);
+}
+
+void AllToAllDispatcher::dispatch(float* expert_in, const float* x) const {
+  local_.dispatch(send_.data(), x);
+  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  regroup(expert_in, recv_.data());
+}
+
+void AllToAllDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
+  ungroup(recv_.data(), expert_out);
+  exchange(back_.data(), send_rows_, recv_.data(), recv_rows_);
+  local_.combine(out, base, back_.data(), probs);
+}
+
+void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float*,
+                                          const float* probs) const {
+  local_.combine_backward(send_.data(), dprobs, dout, back_.data(), probs);
+  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  regroup(dexpert_out, recv_.data());
+}
+
+void AllToAllDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
+  ungroup(recv_.data(), dexpert_in);
+  exchange(send_.data(), send_rows_, recv_.data(), recv_rows_);
+  local_.dispatch_backward(dx, send_.data());
+}
+
+}  // namespace lockstep

@@ -1,0 +1,180 @@
+// Expert parallelism (parallel.expert, model/moe/alltoall_dispatcher.h, allgather_dispatcher.h)
+// through the trainer on the threads backend. With parallel folding the ep ranks are data-parallel
+// ranks with their own micro-batches, so each EP layout is compared with the data-parallel run on
+// the same ranks (same micro-batches per rank) and with the single-rank run of the same global
+// batch:
+//   - a rank's expert tables are the box of its experts, drawn as the single process draws them;
+//   - all-to-all, ep = world (no expert data parallelism): bitwise the DP losses and grad norms,
+//     with and without capacity dropping and padding (the forward is the single-rank one, and the
+//     expert gradients are summed per source rank in rank order: experts.h);
+//   - all-to-all with ep 2 x edp 2, and the all-gather dispatcher: within rounding of DP;
+//   - every layout within rounding of the single rank; the configuration errors name the sizes.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/config/config.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/trainer.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::read_file;
+using testing::TempDir;
+
+Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
+  std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
+                                "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", o);
+}
+
+void run(int ranks, const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
+  std::fclose(sink);
+}
+
+// (loss, grad norm) of every step, exact, from rank 0's fingerprints.
+std::vector<std::pair<double, double>> trajectory(const std::string& run_dir) {
+  std::vector<std::pair<double, double>> out;
+  std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
+  auto bits = [](const nlohmann::json& j, const char* k) {
+    return std::bit_cast<double>(std::stoull(j[k].get<std::string>(), nullptr, 16));
+  };
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    out.emplace_back(bits(j, "loss"), bits(j, "grad_norm"));
+  }
+  return out;
+}
+
+// Largest relative |difference| of the losses of two runs (and that they have 4 steps).
+double largest_loss_difference(const std::vector<std::pair<double, double>>& a,
+                               const std::vector<std::pair<double, double>>& b) {
+  EXPECT_EQ(a.size(), 4u);
+  EXPECT_EQ(b.size(), a.size());
+  double worst = 0;
+  for (size_t s = 0; s < std::min(a.size(), b.size()); ++s)
+    worst = std::max(worst, std::fabs(a[s].first - b[s].first) / std::fabs(a[s].first));
+  return worst;
+}
+
+TEST(ExpertParallel, EachRankHoldsAndInitialisesItsExpertsAsTheSingleProcess) {
+  const Config c = job("unused");
+  GPT whole(c.model, 2, c.moe);
+  whole.params().init(7);
+  for (int ep : {2, 4}) {
+    run_threads(ep, 30, [&](Communicator& comm) {
+      GPT part(c.model, 2, c.moe, PrecisionConfig{}, TensorParallel{}, &comm);
+      part.params().init(7);
+      const int64_t El = c.moe.num_experts / ep;
+      int experts = 0;
+      for (const ParamSpec& p : part.params().specs()) {
+        const int w = whole.params().find(p.name);
+        ASSERT_GE(w, 0) << p.name;
+        const ParamSpec& g = whole.params().specs()[static_cast<size_t>(w)];
+        EXPECT_EQ(p.global_shape, g.shape) << p.name;
+        if (!p.expert) {
+          EXPECT_EQ(p.shape, g.shape) << p.name;
+          continue;
+        }
+        ++experts;
+        EXPECT_EQ(p.shape[0], El) << p.name;
+        ASSERT_EQ(p.boxes.size(), 1u) << p.name;
+        EXPECT_EQ(p.boxes[0].offset[0], comm.rank() * El) << p.name;
+        const int64_t n = p.shape.numel();
+        const float* mine = part.params().value(static_cast<int>(&p - part.params().specs().data()));
+        const float* ref = whole.params().value(w) + comm.rank() * n;
+        EXPECT_TRUE(testing::bitwise_equal(mine, ref, n)) << p.name << " on ep rank " << comm.rank();
+      }
+      EXPECT_EQ(experts, 2 * 4) << "fc/proj weight and bias of 2 MoE layers";
+    });
+  }
+}
+
+// ep = world: the expert gradients are the data-parallel all-reduce's sums, bit for bit.
+void alltoall_matches_data_parallel_bitwise(int ranks, std::vector<std::string> extra) {
+  TempDir dir;
+  run(ranks, job(dir.path("dp"), extra));
+  extra.push_back("parallel.expert=" + std::to_string(ranks));
+  extra.push_back("moe.token_dispatcher=alltoall");
+  run(ranks, job(dir.path("ep"), extra));
+  const auto dp = trajectory(dir.path("dp")), ep = trajectory(dir.path("ep"));
+  ASSERT_EQ(dp.size(), 4u);
+  ASSERT_EQ(ep.size(), dp.size());
+  for (size_t s = 0; s < dp.size(); ++s) {
+    EXPECT_EQ(std::bit_cast<uint64_t>(ep[s].first), std::bit_cast<uint64_t>(dp[s].first)) << "loss, step " << s + 1;
+    EXPECT_EQ(std::bit_cast<uint64_t>(ep[s].second), std::bit_cast<uint64_t>(dp[s].second)) << "grad norm, step " << s + 1;
+  }
+}
+
+TEST(ExpertParallel, AllToAllEp2MatchesDp2Bitwise) { alltoall_matches_data_parallel_bitwise(2, {}); }
+TEST(ExpertParallel, AllToAllEp4MatchesDp4Bitwise) { alltoall_matches_data_parallel_bitwise(4, {}); }
+TEST(ExpertParallel, AllToAllEp2WithCapacityDropAndPaddingMatchesDp2Bitwise) {
+  alltoall_matches_data_parallel_bitwise(2, {"moe.expert_capacity_factor=0.75", "moe.token_drop_policy=position",
+                                             "moe.pad_expert_input_to_capacity=true"});
+}
+TEST(ExpertParallel, AllToAllEp2SwigluSigmoidBiasSharedExpertMatchesDp2Bitwise) {
+  alltoall_matches_data_parallel_bitwise(2, {"model.preset=llama", "moe.router_score_function=sigmoid",
+                                             "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01",
+                                             "moe.shared_expert_intermediate_size=32", "moe.expert_capacity_factor=1.0"});
+}
+
+// Every EP layout against the data-parallel run on the same ranks and the single rank.
+TEST(ExpertParallel, EveryLayoutReproducesTheDataParallelAndSingleRankLosses) {
+  TempDir dir;
+  run(1, job(dir.path("single")));
+  const auto single = trajectory(dir.path("single"));
+  struct Layout {
+    int ranks, ep;
+    const char* dispatcher;
+  };
+  for (const Layout& l : {Layout{2, 2, "alltoall"}, Layout{4, 2, "alltoall"}, Layout{4, 4, "alltoall"},
+                          Layout{2, 2, "allgather"}, Layout{4, 2, "allgather"}, Layout{4, 4, "allgather"}}) {
+    const std::string name = str("ep", l.ep, "_", l.ranks, "ranks_", l.dispatcher);
+    run(l.ranks, job(dir.path("dp" + name), {}));
+    run(l.ranks, job(dir.path(name), {str("parallel.expert=", l.ep), str("moe.token_dispatcher=", l.dispatcher)}));
+    const auto ep = trajectory(dir.path(name));
+    const double vs_dp = largest_loss_difference(ep, trajectory(dir.path("dp" + name)));
+    const double vs_single = largest_loss_difference(ep, single);
+    std::printf("[ %s ] largest relative loss difference over 4 steps: %.3g vs DP %d, %.3g vs 1 rank\n",
+                name.c_str(), vs_dp, l.ranks, vs_single);
+    EXPECT_LT(vs_dp, 1e-6) << name;
+    EXPECT_LT(vs_single, 1e-6) << name;
+  }
+}
+
+TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
+  TempDir dir;
+  EXPECT_EQ(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=3"}); }),
+            "config: moe.num_experts = 4 is not divisible by parallel.expert = 3 (every expert-parallel rank holds the same "
+            "number of experts)");
+  EXPECT_NE(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=2", "moe.num_experts=0"}); })
+                .find("parallel.expert = 2 needs an MoE model (moe.num_experts > 0)"),
+            std::string::npos);
+  EXPECT_NE(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert_tensor=2"}); })
+                .find("parallel.expert_tensor = 2: expert tensor parallelism is not implemented yet"),
+            std::string::npos);
+  std::string message = "(no error)";
+  try {
+    run(3, job(dir.path("b"), {"parallel.expert=2"}));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("parallel: world size 3 is not divisible by expert_tensor (1) x expert (2) x pipeline (1)"),
+            std::string::npos)
+      << message;
+}
+
+}  // namespace
+}  // namespace lockstep
