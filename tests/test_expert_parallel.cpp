@@ -130,28 +130,30 @@ TEST(ExpertParallel, AllToAllEp2SwigluSigmoidBiasSharedExpertMatchesDp2Bitwise) 
                                              "moe.shared_expert_intermediate_size=32", "moe.expert_capacity_factor=1.0"});
 }
 
-// Every EP layout against the data-parallel run on the same ranks and the single rank.
-TEST(ExpertParallel, EveryLayoutReproducesTheDataParallelAndSingleRankLosses) {
+// Every EP layout of a dispatcher against the data-parallel run on the same ranks and the single rank.
+void layouts_reproduce_data_parallel_and_single_rank(const std::string& dispatcher) {
   TempDir dir;
   run(1, job(dir.path("single")));
   const auto single = trajectory(dir.path("single"));
-  struct Layout {
-    int ranks, ep;
-    const char* dispatcher;
-  };
-  for (const Layout& l : {Layout{2, 2, "alltoall"}, Layout{4, 2, "alltoall"}, Layout{4, 4, "alltoall"},
-                          Layout{2, 2, "allgather"}, Layout{4, 2, "allgather"}, Layout{4, 4, "allgather"}}) {
-    const std::string name = str("ep", l.ep, "_", l.ranks, "ranks_", l.dispatcher);
-    run(l.ranks, job(dir.path("dp" + name), {}));
-    run(l.ranks, job(dir.path(name), {str("parallel.expert=", l.ep), str("moe.token_dispatcher=", l.dispatcher)}));
-    const auto ep = trajectory(dir.path(name));
-    const double vs_dp = largest_loss_difference(ep, trajectory(dir.path("dp" + name)));
-    const double vs_single = largest_loss_difference(ep, single);
+  for (const auto& [ranks, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
+    const std::string name = str("ep", ep, "_", ranks, "ranks_", dispatcher);
+    run(ranks, job(dir.path("dp" + name), {}));
+    run(ranks, job(dir.path(name), {str("parallel.expert=", ep), "moe.token_dispatcher=" + dispatcher}));
+    const auto traj = trajectory(dir.path(name));
+    const double vs_dp = largest_loss_difference(traj, trajectory(dir.path("dp" + name)));
+    const double vs_single = largest_loss_difference(traj, single);
     std::printf("[ %s ] largest relative loss difference over 4 steps: %.3g vs DP %d, %.3g vs 1 rank\n",
-                name.c_str(), vs_dp, l.ranks, vs_single);
+                name.c_str(), vs_dp, ranks, vs_single);
     EXPECT_LT(vs_dp, 1e-6) << name;
     EXPECT_LT(vs_single, 1e-6) << name;
   }
+}
+
+TEST(ExpertParallel, AllToAllLayoutsReproduceTheDataParallelAndSingleRankLosses) {
+  layouts_reproduce_data_parallel_and_single_rank("alltoall");
+}
+TEST(ExpertParallel, AllGatherLayoutsReproduceTheDataParallelAndSingleRankLosses) {
+  layouts_reproduce_data_parallel_and_single_rank("allgather");
 }
 
 TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
