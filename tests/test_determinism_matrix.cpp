@@ -90,6 +90,7 @@ const Row kRows[] = {
     {"ep2_edp2_allgather_llama_bias", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=allgather", "train.micro_batch=2",
                                                          "model.preset=llama", "moe.router_score_function=sigmoid",
                                                          "moe.router_enable_expert_bias=true"}, 4},
+    {"ep2_alltoall_bf16", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=alltoall", "precision.params=bf16"}, 2},
 };
 
 constexpr int kSteps = 3;

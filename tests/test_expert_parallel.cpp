@@ -167,6 +167,9 @@ TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
   EXPECT_NE(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert_tensor=2"}); })
                 .find("parallel.expert_tensor = 2: expert tensor parallelism is not implemented yet"),
             std::string::npos);
+  EXPECT_NE(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=2", "precision.fp8=tensorwise"}); })
+                .find("parallel.expert = 2 with precision.fp8 = \"tensorwise\""),
+            std::string::npos);
   std::string message = "(no error)";
   try {
     run(3, job(dir.path("b"), {"parallel.expert=2"}));
