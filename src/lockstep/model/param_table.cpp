@@ -10,20 +10,8 @@
 namespace lockstep {
 
 int ParamStore::add(std::string name, Shape shape, Init init, float std, bool decay, bool expert) {
-  ParamBox whole{shape, std::vector<int64_t>(static_cast<size_t>(shape.rank()), 0)};
-  return add(std::move(name), std::move(shape), whole, init, std, decay, expert);
-}
-
-int ParamStore::add(std::string name, Shape shape, const ParamBox& box, Init init, float std, bool decay,
-                    bool expert) {
   LOCKSTEP_CHECK(values_.size() == 0, "parameter '", name, "' declared after allocation");
   LOCKSTEP_CHECK(find(name) < 0, "parameter '", name, "' declared twice");
-  LOCKSTEP_CHECK(box.global_shape.rank() == shape.rank() && static_cast<int64_t>(box.offset.size()) == shape.rank(),
-                 "parameter '", name, "': box rank");
-  for (int d = 0; d < shape.rank(); ++d)
-    LOCKSTEP_CHECK(box.offset[static_cast<size_t>(d)] >= 0 && box.offset[static_cast<size_t>(d)] + shape[d] <= box.global_shape[d],
-                   "parameter '", name,
-                   "': box outside the global tensor in dimension ", d);
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   const int64_t offset = (total_ + 15) / 16 * 16;
   total_ = offset + shape.numel();
