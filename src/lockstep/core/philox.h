@@ -26,6 +26,8 @@ class RandomStream {
 
   // 32 random bits; index i is lane i%4 of block i/4.
   uint32_t bits(uint64_t index) const;
+  // bits(4 * b + j) for j = 0..3: one Philox call, for kernels that draw for consecutive indices.
+  std::array<uint32_t, 4> block(uint64_t block_index) const;
   // Uniform in [0, 1) with 24 random bits (exactly representable in fp32).
   float uniform(uint64_t index) const;
   // Standard normal by Box-Muller on block index/2: even indices take the cosine branch, odd the
@@ -39,7 +41,6 @@ class RandomStream {
   uint64_t purpose() const { return purpose_; }
 
  private:
-  std::array<uint32_t, 4> block(uint64_t block_index) const;
   uint64_t seed_;
   uint64_t purpose_;
 };

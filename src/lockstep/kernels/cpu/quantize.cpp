@@ -30,17 +30,17 @@ float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c
   return m;
 }
 
-// Rounds y (the element already multiplied by its block's encoding multiplier) to a code.
+// The rounding of each element: nearest-even, or stochastic with Philox bits keyed by the
+// element's global index.
 class Encoder {
  public:
   Encoder(ElemFormat f, const StochasticRounding& sr, int64_t cols)
       : f_(f), sr_(sr), rng_(sr.seed, sr_purpose(sr.tensor_id, sr.step)),
         row_stride_(sr.global_cols > 0 ? sr.global_cols : cols) {}
-  uint8_t operator()(float y, int64_t r, int64_t c) const {
-    if (!sr_.enabled) return encode(f_, y);
-    const auto index = static_cast<uint64_t>(sr_.index_base + r * row_stride_ + c);
-    return encode_stochastic(f_, y, rng_.bits(index));
-  }
+  ElemFormat format() const { return f_; }
+  bool stochastic() const { return sr_.enabled; }
+  uint64_t index(int64_t r, int64_t c) const { return static_cast<uint64_t>(sr_.index_base + r * row_stride_ + c); }
+  const RandomStream& rng() const { return rng_; }
 
  private:
   ElemFormat f_;
@@ -69,20 +69,58 @@ void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, Scale
 }
 
 // Writes the codes of row r, columns [c0, c1) of x times `mult`. E2M1: c0 is even (blocks span
-// whole bytes), so each byte is written by one call.
+// whole bytes), so each byte is written by one call. The format and the rounding are template
+// parameters so that the per-element encoding inlines.
+template <ElemFormat F, bool kStochastic>
+void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
+                   int64_t c1, float mult) {
+  const float* row = x + r * q.cols;
+  // The row's draws are consecutive indices: one Philox block serves four of them.
+  uint64_t block_index = ~uint64_t{0};
+  std::array<uint32_t, 4> draws{};
+  const auto code = [&](int64_t c) -> uint8_t {
+    const float y = row[c] * mult;
+    if constexpr (kStochastic) {
+      const uint64_t i = enc.index(r, c);
+      if (i >> 2 != block_index) {
+        block_index = i >> 2;
+        draws = enc.rng().block(block_index);
+      }
+      return encode_stochastic_as<F>(y, draws[i & 3]);
+    } else {
+      return encode_saturating<F>(y);
+    }
+  };
+  if constexpr (F != ElemFormat::e2m1) {
+    uint8_t* out = q.codes.data() + r * q.cols;
+    for (int64_t c = c0; c < c1; ++c) out[c] = code(c);
+  } else {
+    uint8_t* out = q.codes.data() + r * q.row_bytes();
+    for (int64_t c = c0; c < c1; c += 2) {
+      const uint8_t lo = code(c);
+      const uint8_t hi = c + 1 < c1 ? code(c + 1) : 0;
+      out[c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+    }
+  }
+}
+
+template <bool kStochastic>
+void encode_run_sr(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
+                   int64_t c1, float mult) {
+  switch (enc.format()) {
+    case ElemFormat::e4m3: return encode_run_as<ElemFormat::e4m3, kStochastic>(q, enc, x, r, c0, c1, mult);
+    case ElemFormat::e5m2: return encode_run_as<ElemFormat::e5m2, kStochastic>(q, enc, x, r, c0, c1, mult);
+    case ElemFormat::e2m1: break;
+  }
+  encode_run_as<ElemFormat::e2m1, kStochastic>(q, enc, x, r, c0, c1, mult);
+}
+
 void encode_run(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
                 int64_t c1, float mult) {
-  const float* row = x + r * q.cols;
-  if (q.elem != ElemFormat::e2m1) {
-    uint8_t* out = q.codes.data() + r * q.cols;
-    for (int64_t c = c0; c < c1; ++c) out[c] = enc(row[c] * mult, r, c);
-    return;
-  }
-  uint8_t* out = q.codes.data() + r * q.row_bytes();
-  for (int64_t c = c0; c < c1; c += 2) {
-    const uint8_t lo = enc(row[c] * mult, r, c);
-    const uint8_t hi = c + 1 < c1 ? enc(row[c + 1] * mult, r, c + 1) : 0;
-    out[c / 2] = static_cast<uint8_t>(lo | (hi << 4));
+  if (enc.stochastic()) {
+    encode_run_sr<true>(q, enc, x, r, c0, c1, mult);
+  } else {
+    encode_run_sr<false>(q, enc, x, r, c0, c1, mult);
   }
 }
 
