@@ -11,5 +11,6 @@ namespace lockstep::cli {
 int train_command(const std::vector<std::string>& args);
 int preprocess_command(const std::vector<std::string>& args);
 int diff_command(const std::vector<std::string>& args);
+int ckpt_command(const std::vector<std::string>& args);
 
 }  // namespace lockstep::cli

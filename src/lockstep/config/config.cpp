@@ -172,6 +172,13 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
+      LS_KEY(train.save_interval, "save a checkpoint to out_dir/checkpoints every N steps and at the last step; 0 = never"),
+      LS_KEY(train.keep_last, "keep only the newest N complete checkpoints; 0 = keep all"),
+      LS_KEY(train.async_save, "write checkpoints in a background thread while training goes on"),
+      LS_KEY(train.resume, "\"auto\" = resume from the newest complete checkpoint in out_dir/checkpoints (else start "
+                           "fresh), or a checkpoint directory; \"\" = start fresh"),
+      LS_KEY(train.init_from, "initial weights from a .safetensors file (lockstep ckpt export); \"\" = random init"),
+      LS_KEY(train.exit_interval, "stop once the step is a multiple of N (after saving, when saving); 0 = never"),
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
       LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
                                          "group (needs parallel.tensor > 1)"),
@@ -526,6 +533,9 @@ void validate(const Config& c) {
   if (t.eval_interval > 0 && t.eval_batches <= 0)
     user_error("train.eval_batches = ", t.eval_batches, ": must be positive when evaluating");
   if (t.log_interval <= 0) user_error("train.log_interval = ", t.log_interval, ": must be positive");
+  if (t.save_interval < 0) user_error("train.save_interval = ", t.save_interval, ": must be >= 0 (0 = never)");
+  if (t.keep_last < 0) user_error("train.keep_last = ", t.keep_last, ": must be >= 0 (0 = keep all)");
+  if (t.exit_interval < 0) user_error("train.exit_interval = ", t.exit_interval, ": must be >= 0 (0 = never)");
   const std::pair<const char*, int64_t> layout[] = {{"tensor", c.parallel.tensor},
                                                     {"context", c.parallel.context},
                                                     {"pipeline", c.parallel.pipeline},

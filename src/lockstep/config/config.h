@@ -52,6 +52,13 @@ struct TrainConfig {
   int64_t eval_interval = 100;           // 0 = never
   int64_t eval_batches = 4;              // micro-batches per evaluation
   int64_t log_interval = 10;             // plain-text progress lines (not on a terminal)
+  // Checkpoints (train/checkpoint.h, docs/checkpoints.md) in out_dir/checkpoints.
+  int64_t save_interval = 0;             // save every N steps and at the last step; 0 = never
+  int64_t keep_last = 0;                 // keep the newest N complete checkpoints; 0 = all
+  bool async_save = false;               // write in a background thread while training goes on
+  std::string resume;                    // "" = start fresh; "auto" = newest in out_dir/checkpoints if any; or a path
+  std::string init_from;                 // PATH.safetensors: initial weights (lockstep ckpt export's format)
+  int64_t exit_interval = 0;             // stop (after saving when save_interval > 0) once step % N == 0; 0 = never
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };

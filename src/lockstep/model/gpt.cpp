@@ -342,6 +342,12 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   return stats;
 }
 
+void GPT::state_shards(std::vector<StateShard>& out, bool writer) {
+  params_.state_shards(out, writer);
+  for (auto& layer : moe_)
+    if (layer) layer->state_shards(out, writer);
+}
+
 uint64_t GPT::state_hash() const {
   BlockHasher h;
   h.update(params_.values(), static_cast<size_t>(params_.total()) * sizeof(float));

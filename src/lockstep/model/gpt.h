@@ -102,6 +102,9 @@ class GPT {
   // parameters only (true): the state the dense / expert data-parallel replicas share.
   uint64_t state_hash(bool experts) const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
+  // The model's state for checkpoints (core/state_shard.h): the parameters and the MoE expert
+  // biases; writer: this rank writes them (false on replicas another rank writes).
+  void state_shards(std::vector<StateShard>& out, bool writer);
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }

@@ -122,6 +122,11 @@ Precision& ParamStore::precision() const {
   return precision_ ? *precision_ : fp32;
 }
 
+void ParamStore::state_shards(std::vector<StateShard>& out, bool writer) const {
+  for (size_t i = 0; i < specs_.size(); ++i)
+    out.push_back(whole_tensor("param/" + specs_[i].name, specs_[i].shape, value(static_cast<int>(i)), writer));
+}
+
 int ParamStore::find(const std::string& name) const {
   for (size_t i = 0; i < specs_.size(); ++i)
     if (specs_[i].name == name) return static_cast<int>(i);

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/core/state_shard.h"
 #include "lockstep/core/tensor.h"
 
 namespace lockstep {
@@ -86,6 +87,9 @@ class ParamStore {
   float* values() const { return values_.data(); }
   float* grads() const { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
+  // Every parameter as "param/<name>" for checkpoints (core/state_shard.h); writer: this rank
+  // writes them (false on the replicas that another rank writes).
+  void state_shards(std::vector<StateShard>& out, bool writer) const;
 
   // Mixed precision (model/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
   // value(i), the copy forward and backward read, refreshed from the fp32 master values by

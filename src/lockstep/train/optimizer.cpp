@@ -72,11 +72,13 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   }
 }
 
-std::vector<Optimizer::StateView> Optimizer::state(ParamStore& ps) {
-  std::vector<StateView> views;
-  for (const ParamRange& r : owned_)
-    views.push_back({r, ps.value(r.param) + r.begin, m_.data() + first_[r.param], v_.data() + first_[r.param]});
-  return views;
+void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool writer) {
+  for (const ParamRange& r : owned_) {
+    if (r.end <= r.begin) continue;
+    const ParamSpec& p = ps.specs()[r.param];
+    out.push_back(flat_range("optim/exp_avg/" + p.name, p.shape, r.begin, r.end, m_.data() + first_[r.param], writer));
+    out.push_back(flat_range("optim/exp_avg_sq/" + p.name, p.shape, r.begin, r.end, v_.data() + first_[r.param], writer));
+  }
 }
 
 uint64_t Optimizer::hash(const std::vector<ParamRange>& ranges) const {

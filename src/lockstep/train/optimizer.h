@@ -39,14 +39,6 @@ class Optimizer {
   // The same on `ranges`, which must be owned.
   void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges);
 
-  // The state of one owned range, for checkpoints: master = the parameter's values.
-  struct StateView {
-    ParamRange range;
-    float* master;
-    float* m;
-    float* v;
-  };
-  std::vector<StateView> state(ParamStore& ps);
   const std::vector<ParamRange>& owned() const { return owned_; }
   int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
 
@@ -54,6 +46,12 @@ class Optimizer {
   uint64_t hash(const std::vector<ParamRange>& ranges) const;
   // The same over everything owned.
   uint64_t hash() const { return hash(owned_); }
+
+  // The moments of the owned ranges for checkpoints (core/state_shard.h): "optim/exp_avg/<name>"
+  // and "optim/exp_avg_sq/<name>", each a flat range of its parameter. writer: this rank writes
+  // them (true on every rank of a distributed optimizer, whose ranges are disjoint; only on one
+  // replica of a replicated one). With fp32 parameters the master weights are the parameters.
+  void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool writer);
 
  private:
   // Offset in m_ / v_ of element e of parameter p (which must be owned).

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <string_view>
 #include <filesystem>
 
 #include "lockstep/core/error.h"
@@ -44,7 +46,31 @@ void write_file_atomic(const std::string& path, const std::string& content) {
   }
 }
 
-LineLog::LineLog(const std::string& path) : path_(path), f_(std::fopen(path.c_str(), "w")) {
+void cut_jsonl_after_step(const std::string& path, int64_t step) {
+  std::FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f) return;
+  std::string text;
+  char buf[1 << 16];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof buf, f)) > 0) text.append(buf, n);
+  std::fclose(f);
+  // Every line starts {"step":N (json_line.h writes keys in order); a line without it is kept
+  // only before the cut (nothing else writes these files).
+  std::string kept;
+  size_t at = 0;
+  while (at < text.size()) {
+    size_t end = text.find('\n', at);
+    if (end == std::string::npos) break;  // a torn last line (the run was killed mid-write) goes
+    const std::string_view line(text.data() + at, end - at);
+    constexpr std::string_view key = "{\"step\":";
+    if (line.substr(0, key.size()) == key && std::strtoll(line.data() + key.size(), nullptr, 10) > step) break;
+    kept.append(text, at, end + 1 - at);
+    at = end + 1;
+  }
+  if (kept.size() != text.size()) write_file_atomic(path, kept);
+}
+
+LineLog::LineLog(const std::string& path, bool append) : path_(path), f_(std::fopen(path.c_str(), append ? "a" : "w")) {
   if (!f_) user_error("cannot open '", path, "' for writing: ", std::strerror(errno));
 }
 

@@ -26,11 +26,13 @@
 #include "lockstep/model/trace.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/parallel/tensor_parallel.h"
+#include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/run_dir.h"
+#include "lockstep/train/safetensors.h"
 
 namespace lockstep {
 
@@ -153,13 +155,44 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
+  // The state a checkpoint holds. Replicas (parameters over data-parallel ranks, the replicated
+  // optimizer's moments) are written by the first data-parallel, context-parallel rank; tensor and
+  // pipeline ranks will hold different pieces and each write theirs.
+  std::vector<StateShard> state;
+  const bool state_writer = coords.dp == 0 && coords.cp == 0;
+  model.state_shards(state, state_writer);
+  // A distributed optimizer's ranks own disjoint ranges: each writes its own.
+  optimizer.state_shards(model.params(), state, state_writer || config.optimizer.distributed);
+  const std::string checkpoints_root = tc.out_dir + "/checkpoints";
+  // Rank 0 decides which checkpoint to resume ("auto" looks at the directory), so all ranks agree.
+  std::string resume_dir;
+  if (!tc.resume.empty()) {
+    if (leader) resume_dir = resolve_resume(tc.resume, checkpoints_root);
+    int64_t n = static_cast<int64_t>(resume_dir.size());
+    comm.broadcast(&n, 1, 0);
+    resume_dir.resize(static_cast<size_t>(n));
+    if (n) comm.broadcast(resume_dir.data(), n, 0);
+  }
+  CheckpointInfo resumed;
+  if (!resume_dir.empty()) resumed = load_checkpoint(resume_dir, state);
+  else if (!tc.init_from.empty()) load_safetensors(tc.init_from, model.params());
+  const int64_t start_step = resumed.step + 1;
+  // The data stream continues at the checkpoint's position (0 for a fresh run).
+  auto first_sample_of = [&](int64_t step) {
+    return static_cast<uint64_t>(resumed.samples_consumed + (step - start_step) * tc.global_batch);
+  };
+
   create_run_dir(tc.out_dir);
   std::unique_ptr<LineLog> metrics;
+  const bool resuming = !resume_dir.empty();
   if (leader) {
     write_file_atomic(tc.out_dir + "/config.toml", config_to_toml(config));
-    metrics = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl");
+    if (resuming) cut_jsonl_after_step(tc.out_dir + "/metrics.jsonl", resumed.step);
+    metrics = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl", resuming);
   }
-  LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()));
+  if (resuming) cut_jsonl_after_step(fingerprint_path(tc.out_dir, comm.rank()), resumed.step);
+  LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()), resuming);
+  CheckpointSaver saver(checkpoints_root, tc.keep_last, tc.async_save, comm);
   // Module tracing and ulp injection (debug.*, model/trace.h): bound around each training micro-batch.
   const DebugConfig& dbg = config.debug;
   const bool tracing = dbg.trace == "modules";
@@ -169,7 +202,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (tracing) {
     std::error_code ec;
     std::filesystem::create_directories(std::filesystem::path(trace_path(tc.out_dir, comm.rank())).parent_path(), ec);
-    trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()));
+    if (resuming) cut_jsonl_after_step(trace_path(tc.out_dir, comm.rank()), resumed.step);
+    trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()), resuming);
   }
 
   const bool live = isatty(fileno(out));
@@ -194,6 +228,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                (long long)dp_size, (long long)accum, config.optimizer.distributed ? "distributed" : "replicated",
                static_cast<double>(optimizer.state_bytes()) / (1 << 20), (long long)dp.num_buckets(),
                config.ddp.overlap_grad_reduce ? "on" : "off", config.ddp.overlap_param_gather ? "on" : "off");
+  if (resuming)
+    std::fprintf(out, "lockstep: resumed from %s (step %lld, %lld samples consumed)\n", resume_dir.c_str(),
+                 (long long)resumed.step, (long long)resumed.samples_consumed);
+  else if (!tc.init_from.empty())
+    std::fprintf(out, "lockstep: initial weights from %s\n", tc.init_from.c_str());
   std::fflush(out);
 
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
@@ -253,12 +292,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   };
   int64_t dispatch_bytes_before = 0;
   const auto start = Clock::now();
-  for (int64_t step = 1; step <= tc.steps; ++step) {
+  for (int64_t step = start_step; step <= tc.steps; ++step) {
     const auto t0 = Clock::now();
     const int64_t tp_bytes_before = tp_group.bytes_sent();
     ParamStore& ps = model.params();
     ps.zero_grads();
-    const uint64_t first_sample = static_cast<uint64_t>((step - 1) * tc.global_batch);
+    const uint64_t first_sample = first_sample_of(step);
     // This rank's micro-batches of the global batch: the step's micro-batches first_micro ... +
     // accum - 1, a pure function of (step, dp rank, micro).
     const int64_t first_micro = coords.dp * accum;
@@ -320,7 +359,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const std::vector<MoeTokenStats> moe_stats =
         model.finish_step(config.moe.router_bias_update_rate, dp_size > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);
-    if (step > 1 || tc.steps == 1) step_seconds.push_back(secs);
+    if (step > start_step || start_step == tc.steps) step_seconds.push_back(secs);
     const int64_t dispatch_bytes = dispatch_total() - dispatch_bytes_before;  // this step's
     dispatch_bytes_before += dispatch_bytes;
 
@@ -360,7 +399,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
     if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
     if (metrics) metrics->write(metrics_line.str());
-    if (step == 1) summary.first_loss = loss;
+    if (step == start_step) summary.first_loss = loss;
     summary.last_loss = loss;
     summary.steps = step;
 
@@ -388,7 +427,33 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       if (eval_now) std::fprintf(out, "  eval loss %.4f\n", eval_loss);
       std::fflush(out);
     }
+
+    // A finished asynchronous save is committed at a step boundary every rank agrees on.
+    saver.poll();
+    const bool exit_now = tc.exit_interval > 0 && step % tc.exit_interval == 0 && step < tc.steps;
+    if (tc.save_interval > 0 && (step % tc.save_interval == 0 || step == tc.steps || exit_now)) {
+      CheckpointInfo info;
+      info.step = step;
+      info.samples_consumed = static_cast<int64_t>(first_sample_of(step + 1));
+      info.tokens_consumed = info.samples_consumed * T;
+      info.seed = tc.seed;
+      info.lr_schedule = tc.lr_schedule;
+      info.lr = lr;
+      info.config_toml = config_to_toml(config);
+      info.layout = {comm.size(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.ep(), mesh.etp(),
+                     config.optimizer.distributed};
+      dp.wait_params();  // the replicas written are complete (ddp.overlap_param_gather)
+      saver.save(info, state);
+    }
+    if (exit_now) {
+      if (pending_fingerprint) write_fingerprint(*pending_fingerprint);
+      if (live) std::fprintf(out, "\n");
+      std::fprintf(out, "lockstep: stopping after step %lld (train.exit_interval = %lld)\n", (long long)step,
+                   (long long)tc.exit_interval);
+      break;
+    }
   }
+  saver.finish();
   if (live) std::fprintf(out, "\n");
 
   std::vector<double> sorted = step_seconds;

@@ -153,6 +153,11 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   norm_.backward(ps, arena, dresid, s.dnorm, resid_in, N_);
 }
 
+void MoeLayer::state_shards(std::vector<StateShard>& out, bool writer) {
+  out.push_back(whole_tensor("buffer/layers." + std::to_string(layer_) + ".moe.router.expert_bias", Shape{E_},
+                             expert_bias_.data(), writer));
+}
+
 void MoeLayer::begin_step() {
   experts_.begin_step();
   std::fill(step_counts_.begin(), step_counts_.end(), 0);

@@ -72,6 +72,8 @@ class MoeLayer {
 
   const AuxLosses& aux_losses() const { return aux_; }
   const std::vector<float>& expert_bias() const { return expert_bias_; }
+  // The expert bias for checkpoints: "buffer/layers.<l>.moe.router.expert_bias" (E).
+  void state_shards(std::vector<StateShard>& out, bool writer);
   // This rank's tokens laid out over all the layer's experts (routing, capacity, padding).
   const LocalDispatcher& dispatcher() const { return *source_layout_; }
   // Bytes the dispatcher has sent to other expert-parallel ranks so far.

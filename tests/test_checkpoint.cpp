@@ -1,0 +1,626 @@
+// Checkpoints (train/checkpoint.h): the format and resharding between layouts, bitwise resume of
+// every model flavour, atomic commits under SIGKILL and write errors, one clear error per kind of
+// damage, asynchronous saves, and the ckpt tools with the safetensors round trip.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <chrono>
+#include <random>
+
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/mesh.h"
+#include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/config/config.h"
+#include "lockstep/core/hash.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/parallel/data_parallel.h"
+#include "lockstep/train/checkpoint.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/optimizer.h"
+#include "lockstep/train/safetensors.h"
+#include "lockstep/train/trainer.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::read_file;
+using testing::TempDir;
+using testing::user_error_of;
+
+Config job(const std::string& file, const std::string& out_dir, std::vector<std::string> extra = {}) {
+  extra.push_back("train.out_dir=" + out_dir);
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + file, extra);
+}
+
+void quiet_train(const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  try {
+    train(c, sink);
+  } catch (...) {
+    std::fclose(sink);
+    throw;
+  }
+  std::fclose(sink);
+}
+
+int64_t count_lines(const std::string& path) {
+  const std::string text = read_file(path);
+  return std::count(text.begin(), text.end(), '\n');
+}
+
+std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// ---- format and resharding ----
+
+// A (6, 10) tensor and a (7) vector with known values.
+std::vector<float> iota(int64_t n, float base) {
+  std::vector<float> v(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) v[i] = base + static_cast<float>(i);
+  return v;
+}
+
+// The (6, 10) matrix cut into 2 TP-style row boxes, then each box's flattening split in two flat
+// ranges (4 ranks' worth of pieces) saved by 2 ranks; read back whole, as column boxes, and as flat
+// ranges of another split: the same bits everywhere.
+TEST(CheckpointFormat, PiecesOfAnyLayoutReassembleBitwise) {
+  TempDir dir;
+  const std::vector<float> w = iota(60, 0.5f), b = iota(7, 100.0f);
+  run_threads(2, 60, [&](Communicator& comm) {
+    const int r = comm.rank();
+    // Rank r holds rows [3r, 3r+3) of w: its two flat halves; the vector as flat halves too.
+    std::vector<float> wbox(w.begin() + 30 * r, w.begin() + 30 * (r + 1));
+    std::vector<StateShard> state;
+    for (int half = 0; half < 2; ++half) {
+      StateShard s = whole_tensor("param/w", Shape{6, 10}, wbox.data() + 15 * half, true);
+      s.box_offset = {3 * r, 0};
+      s.box_shape = Shape{3, 10};
+      s.flat_begin = 15 * half;
+      s.flat_end = 15 * half + 15;
+      state.push_back(s);
+    }
+    std::vector<float> bpart(b.begin() + 4 * r, r == 0 ? b.begin() + 4 : b.end());
+    state.push_back(flat_range("buffer/b", Shape{7}, 4 * r, r == 0 ? 4 : 7, bpart.data(), true));
+    CheckpointSaver saver(dir.path("ckpt"), 0, false, comm);
+    CheckpointInfo info;
+    info.step = 5;
+    info.layout.world = 2;
+    info.layout.tp = 2;
+    saver.save(info, state);
+  });
+  const std::string step = checkpoint_dir(dir.path("ckpt"), 5);
+  ASSERT_EQ(latest_checkpoint(dir.path("ckpt")), step);
+  EXPECT_TRUE(fs::exists(step + "/rank-00000.bin") && fs::exists(step + "/rank-00001.bin"));
+  verify_checkpoint(step);
+
+  // Whole.
+  std::vector<float> w1(60), b1(7);
+  load_checkpoint(step, {whole_tensor("param/w", Shape{6, 10}, w1.data(), true), whole_tensor("buffer/b", Shape{7}, b1.data(), true)});
+  EXPECT_TRUE(testing::bitwise_equal(w1, w));
+  EXPECT_TRUE(testing::bitwise_equal(b1, b));
+  // Column boxes (a TP split along the other dimension) and flat ranges of one of them.
+  std::vector<float> left(6 * 4), right_a(10), right_b(26);
+  StateShard l = whole_tensor("param/w", Shape{6, 10}, left.data(), true);
+  l.box_shape = Shape{6, 4};
+  l.flat_end = 24;
+  StateShard ra = l, rb = l;
+  ra.box_offset = rb.box_offset = {0, 4};
+  ra.box_shape = rb.box_shape = Shape{6, 6};
+  ra.data = right_a.data(), ra.flat_begin = 0, ra.flat_end = 10;
+  rb.data = right_b.data(), rb.flat_begin = 10, rb.flat_end = 36;
+  load_checkpoint(step, {l, ra, rb});
+  for (int64_t i = 0; i < 6; ++i)
+    for (int64_t j = 0; j < 10; ++j) {
+      const int64_t k = i * 6 + (j - 4);
+      const float got = j < 4 ? left[i * 4 + j] : k < 10 ? right_a[k] : right_b[k - 10];
+      EXPECT_EQ(got, w[i * 10 + j]) << i << "," << j;
+    }
+}
+
+TEST(CheckpointFormat, MetadataRecordsStepLayoutAndEveryShard) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=2", "train.save_interval=2"}));
+  const std::string step = checkpoint_dir(dir.path("run/checkpoints"), 2);
+  const std::string text = read_file(step + "/metadata.json");
+  const auto j = nlohmann::json::parse(text)["metadata"];
+  EXPECT_EQ(j["format_version"], kCheckpointFormatVersion);
+  EXPECT_EQ(j["step"], 2);
+  EXPECT_EQ(j["samples_consumed"], 16);  // 2 steps x global batch 8
+  EXPECT_EQ(j["tokens_consumed"], 16 * 64);
+  EXPECT_EQ(j["rng"]["seed"], 1234);
+  EXPECT_EQ(j["lr_scheduler"]["schedule"], "cosine");
+  EXPECT_EQ(j["layout"]["world"], 1);
+  EXPECT_NE(j["config"].get<std::string>().find("hidden_size = 64"), std::string::npos);
+  const CheckpointMetadata meta = read_checkpoint_metadata(step);
+  const CheckpointTensor* wte = meta.find("param/embedding.word.weight");
+  ASSERT_NE(wte, nullptr);
+  EXPECT_EQ(wte->global_shape, (Shape{256, 64}));
+  ASSERT_EQ(wte->pieces.size(), 1u);
+  EXPECT_EQ(wte->pieces[0].file, "rank-00000.bin");
+  EXPECT_EQ(wte->pieces[0].bytes, 256 * 64 * 4);
+  EXPECT_NE(meta.find("optim/exp_avg/layers.1.mlp.fc.weight"), nullptr);
+  EXPECT_NE(meta.find("optim/exp_avg_sq/final_norm.bias"), nullptr);
+  // The stored parameters are the trained model's: its hash is the last fingerprint's.
+  GPT model(load_config(step + "/../../config.toml", {}).model, 4);
+  std::vector<StateShard> state;
+  model.state_shards(state, true);
+  load_checkpoint(step, state);
+  const std::string fp = read_file(fingerprint_path(dir.path("run"), 0));
+  const std::string last = fp.substr(fp.rfind("{\"step\":2"));
+  EXPECT_NE(last.find("\"params\":\"" + hex64(model.state_hash()) + "\""), std::string::npos);
+}
+
+// ---- bitwise resume ----
+
+struct ResumeCase {
+  const char* name;
+  const char* file;
+  std::vector<std::string> keys;
+};
+
+// Uninterrupted to step 6, against: stop at step 3 (exit_interval), resume "auto", continue to 6.
+void expect_bitwise_resume(const ResumeCase& c, const std::string& threads, const TempDir& dir) {
+  SCOPED_TRACE(std::string(c.name) + ", " + threads + " threads");
+  const std::vector<std::string> keys = plus(c.keys, {"train.steps=6", "train.threads=" + threads, "train.eval_interval=2"});
+  const std::string whole = dir.path(std::string(c.name) + threads + "-whole"), cut = dir.path(std::string(c.name) + threads + "-cut");
+  quiet_train(job(c.file, whole, keys));
+  quiet_train(job(c.file, cut, plus(keys, {"train.save_interval=3", "train.exit_interval=3"})));
+  EXPECT_EQ(count_lines(fingerprint_path(cut, 0)), 3);
+  quiet_train(job(c.file, cut, plus(keys, {"train.save_interval=3", "train.resume=auto"})));
+  EXPECT_EQ(read_file(fingerprint_path(whole, 0)), read_file(fingerprint_path(cut, 0)));
+  EXPECT_EQ(latest_checkpoint(cut + "/checkpoints"), checkpoint_dir(cut + "/checkpoints", 6));
+}
+
+void expect_bitwise_resume(const ResumeCase& c) {
+  TempDir dir;
+  for (const char* threads : {"1", "2"}) expect_bitwise_resume(c, threads, dir);
+}
+
+TEST(CheckpointResume, DenseResumesBitwiseWithOneAndTwoThreads) { expect_bitwise_resume({"dense", "debug.toml", {}}); }
+
+TEST(CheckpointResume, MoeWithExpertBiasResumesBitwiseWithOneAndTwoThreads) {
+  expect_bitwise_resume({"moe-bias", "moe-debug.toml", {"moe.router_score_function=sigmoid",
+                         "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01"}});
+}
+
+TEST(CheckpointResume, MtpResumesBitwiseWithOneAndTwoThreads) {
+  expect_bitwise_resume({"mtp", "debug.toml", {"model.mtp_num_layers=1"}});
+}
+
+TEST(CheckpointResume, LlamaResumesBitwiseWithOneAndTwoThreads) {
+  expect_bitwise_resume({"llama", "debug.toml", {"model.preset=llama", "model.num_query_groups=2"}});
+}
+
+// The expert bias is part of the checkpoint: without it the resumed routing would differ.
+TEST(CheckpointResume, ExpertBiasIsSaved) {
+  TempDir dir;
+  quiet_train(job("moe-debug.toml", dir.path("run"),
+                  {"train.steps=2", "train.save_interval=2", "moe.router_score_function=sigmoid",
+                   "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01"}));
+  const CheckpointMetadata meta = read_checkpoint_metadata(checkpoint_dir(dir.path("run/checkpoints"), 2));
+  std::vector<float> v(8);
+  for (int l = 0; l < 2; ++l) {
+    const CheckpointTensor* bias = meta.find("buffer/layers." + std::to_string(l) + ".moe.router.expert_bias");
+    ASSERT_NE(bias, nullptr);
+    ASSERT_EQ(bias->global_shape, Shape{4});
+    std::memcpy(v.data() + 4 * l, read_checkpoint_tensor(meta, *bias).data(), 16);
+  }
+  EXPECT_TRUE(std::any_of(v.begin(), v.end(), [](float x) { return x != 0; }));
+}
+
+// Resuming from an older checkpoint in the same run directory cuts metrics.jsonl and the
+// fingerprints back to its step: the continued files equal the uninterrupted run's.
+TEST(CheckpointResume, ResumeFromAnOlderStepCutsTheLogsBack) {
+  TempDir dir;
+  const std::vector<std::string> keys = {"train.steps=5", "train.eval_interval=2"};
+  quiet_train(job("debug.toml", dir.path("whole"), keys));
+  quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.save_interval=2"})));
+  const std::string metrics = read_file(dir.path("run/metrics.jsonl"));
+  quiet_train(job("debug.toml", dir.path("run"),
+                  plus(keys, {"train.resume=" + checkpoint_dir(dir.path("run/checkpoints"), 2)})));
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), 0)), read_file(fingerprint_path(dir.path("run"), 0)));
+  // metrics.jsonl: the same lines (steps and evaluations), in the same order.
+  auto steps_of = [](const std::string& text) {
+    std::vector<std::string> keys;
+    std::istringstream in(text);
+    for (std::string line; std::getline(in, line);) keys.push_back(line.substr(0, line.find(',')) + (line.find("eval_loss") != std::string::npos ? "e" : ""));
+    return keys;
+  };
+  EXPECT_EQ(steps_of(read_file(dir.path("run/metrics.jsonl"))), steps_of(metrics));
+  EXPECT_FALSE(fs::exists(dir.path("run/metrics.jsonl.tmp")));
+}
+
+TEST(CheckpointResume, AutoWithoutCheckpointsStartsFresh) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("a"), {"train.steps=2"}));
+  quiet_train(job("debug.toml", dir.path("b"), {"train.steps=2", "train.resume=auto"}));
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("a"), 0)), read_file(fingerprint_path(dir.path("b"), 0)));
+  EXPECT_NE(user_error_of([&] { quiet_train(job("debug.toml", dir.path("c"), {"train.resume=" + dir.path("a")})); })
+                .find("holds no complete step-NNNNNNNN checkpoint"),
+            std::string::npos);
+}
+
+// ---- data parallelism: resume and resharding ----
+
+void run_ranks(int ranks, const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
+  std::fclose(sink);
+}
+
+std::vector<std::string> dp_keys(int ranks, bool distributed) {
+  return {"train.threads=1", "train.micro_batch=2", "train.eval_interval=0", "train.steps=4",
+          std::string("optimizer.distributed=") + (distributed ? "true" : "false"), "ddp.bucket_size=20000",
+          "train.out_dir=unused" + std::to_string(ranks)};
+}
+
+// DP = 2 with the replicated and the distributed optimizer: stop at 2, resume, continue to 4: both
+// ranks' fingerprints equal the uninterrupted run's. The distributed optimizer's moments are written
+// by both ranks, each its own flat ranges.
+TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
+  for (const char* mode : {"replicated", "distributed", "distributed+overlap"}) {
+    SCOPED_TRACE(mode);
+    const bool distributed = mode != std::string("replicated");
+    TempDir dir;
+    std::vector<std::string> keys = dp_keys(2, distributed);
+    // Overlapped parameter gathers: a step's parameters are complete only once the next forward
+    // needs them; a save waits for them.
+    keys.push_back(std::string("ddp.overlap_param_gather=") + (mode == std::string("distributed+overlap") ? "true" : "false"));
+    run_ranks(2, job("debug.toml", dir.path("whole"), keys));
+    run_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
+    run_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.resume=auto"})));
+    for (int r = 0; r < 2; ++r)
+      EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("cut"), r))) << r;
+    const CheckpointMetadata meta = read_checkpoint_metadata(checkpoint_dir(dir.path("cut/checkpoints"), 2));
+    EXPECT_EQ(meta.info.layout.dp, 2);
+    EXPECT_EQ(meta.info.layout.distributed_optimizer, distributed);
+    EXPECT_EQ(meta.files.size(), distributed ? 2u : 1u);
+    const CheckpointTensor* m = meta.find("optim/exp_avg/layers.0.mlp.fc.weight");
+    ASSERT_NE(m, nullptr);
+    EXPECT_EQ(m->pieces.size(), distributed ? 2u : 1u);  // the bucket of 20000 elements cuts it between the ranks
+  }
+}
+
+// The state a rank of a DP layout holds, as the trainer builds it, loaded from a checkpoint, then
+// saved again under that layout.
+void load_and_resave(int ranks, bool distributed, const std::string& from, const std::string& to_root) {
+  const Config c = job("debug.toml", "unused", dp_keys(ranks, distributed));
+  run_threads(ranks, 60, [&](Communicator& comm) {
+    GPT model(c.model, c.train.micro_batch, c.moe);
+    const Mesh mesh(comm.size(), {});
+    Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+    Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+    DataParallel dp(model.params(), dense, expert, c.ddp, distributed);
+    Optimizer opt(model.params(), c.optimizer, dp.optimizer_ranges());
+    std::vector<StateShard> state;
+    const bool writer = comm.rank() == 0;
+    model.state_shards(state, writer);
+    opt.state_shards(model.params(), state, writer || distributed);
+    const CheckpointInfo info = load_checkpoint(from, state);
+    CheckpointSaver saver(to_root, 0, false, comm);
+    saver.save(info, state);
+  });
+}
+
+// Every tensor of checkpoint a equals checkpoint b's after reassembly, bit for bit.
+void expect_same_tensors(const std::string& a, const std::string& b) {
+  const CheckpointMetadata ma = read_checkpoint_metadata(a), mb = read_checkpoint_metadata(b);
+  ASSERT_EQ(ma.tensors.size(), mb.tensors.size());
+  for (const CheckpointTensor& t : ma.tensors) {
+    const CheckpointTensor* u = mb.find(t.name);
+    ASSERT_NE(u, nullptr) << t.name;
+    EXPECT_EQ(read_checkpoint_tensor(ma, t), read_checkpoint_tensor(mb, *u)) << t.name;
+  }
+}
+
+// DP 2 (distributed optimizer) -> DP 1 and DP 1 -> DP 2: the state loaded under the other layout
+// and saved again reassembles to the same bits, and training continues from it.
+TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
+  TempDir dir;
+  run_ranks(2, job("debug.toml", dir.path("dp2"), plus(dp_keys(2, true), {"train.save_interval=2", "train.exit_interval=2"})));
+  run_ranks(1, job("debug.toml", dir.path("dp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string dp2 = checkpoint_dir(dir.path("dp2/checkpoints"), 2), dp1 = checkpoint_dir(dir.path("dp1/checkpoints"), 2);
+  ASSERT_EQ(read_checkpoint_metadata(dp2).files.size(), 2u);
+
+  load_and_resave(1, false, dp2, dir.path("dp2-as-dp1"));
+  expect_same_tensors(dp2, checkpoint_dir(dir.path("dp2-as-dp1"), 2));
+  EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp2-as-dp1"), 2)).files.size(), 1u);
+  load_and_resave(2, true, dp1, dir.path("dp1-as-dp2"));
+  expect_same_tensors(dp1, checkpoint_dir(dir.path("dp1-as-dp2"), 2));
+  EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp1-as-dp2"), 2)).files.size(), 2u);
+
+  // Training continues under the other layout.
+  run_ranks(1, job("debug.toml", dir.path("dp2to1"), plus(dp_keys(1, false), {"train.save_interval=4", "train.resume=" + dp2})));
+  run_ranks(2, job("debug.toml", dir.path("dp1to2"), plus(dp_keys(2, true), {"train.save_interval=4", "train.resume=" + dp1})));
+  for (const char* run : {"dp2to1", "dp1to2"}) {
+    const std::string fp = read_file(fingerprint_path(dir.path(run), 0));
+    EXPECT_EQ(std::count(fp.begin(), fp.end(), '\n'), 2) << run;  // steps 3 and 4
+    verify_checkpoint(checkpoint_dir(dir.path(std::string(run) + "/checkpoints"), 4));
+  }
+}
+
+// ---- atomic commits ----
+
+TEST(CheckpointAtomic, KeepLastPrunesOlderAndKeepsTheNewest) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=5", "train.save_interval=1", "train.keep_last=2"}));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path("run/checkpoints"))) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
+}
+
+TEST(CheckpointAtomic, AWriteErrorFailsCleanlyAndKeepsThePreviousCheckpoint) {
+  TempDir dir;
+  const std::vector<std::string> keys = {"train.steps=4", "train.save_interval=2"};
+  quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.exit_interval=2"})));
+  const std::string previous = checkpoint_dir(dir.path("run/checkpoints"), 2);
+  inject_checkpoint_write_fault(100000, ENOSPC);  // the disk fills up inside the next data file
+  const std::string err = user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
+  inject_checkpoint_write_fault(-1, 0);
+  EXPECT_NE(err.find("checkpoint at step 4 failed: cannot write checkpoint file '"), std::string::npos) << err;
+  EXPECT_NE(err.find("rank-00000.bin': No space left on device"), std::string::npos) << err;
+  EXPECT_NE(err.find("the latest complete checkpoint is " + previous), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(checkpoint_dir(dir.path("run/checkpoints"), 4)));
+  EXPECT_FALSE(fs::exists(checkpoint_dir(dir.path("run/checkpoints"), 4) + ".tmp"));
+  EXPECT_EQ(latest_checkpoint(dir.path("run/checkpoints")), previous);
+  verify_checkpoint(previous);
+  // The same failure in metadata.json (after every data file is written).
+  inject_checkpoint_write_fault(static_cast<int64_t>(fs::file_size(previous + "/rank-00000.bin")) + 10, ENOSPC);
+  const std::string err2 = user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
+  inject_checkpoint_write_fault(-1, 0);
+  EXPECT_NE(err2.find("metadata.json': No space left on device"), std::string::npos) << err2;
+  EXPECT_EQ(latest_checkpoint(dir.path("run/checkpoints")), previous);
+}
+
+// A training process killed (SIGKILL) at random moments while it saves every step: the newest
+// complete checkpoint always verifies and loads, and training resumes from it.
+TEST(CheckpointAtomic, SigkillAtRandomMomentsLeavesALoadableLatestCheckpoint) {
+  TempDir dir;
+  const std::string run = dir.path("run");
+  // ~2.4M parameters and one sequence per step: each checkpoint is ~29 MB, so most of a step is spent
+  // writing it.
+  const std::vector<std::string> args = {"train", "-c", std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
+                                         "train.out_dir=" + run, "train.steps=1000", "train.save_interval=1",
+                                         "train.keep_last=2", "train.resume=auto", "train.threads=1",
+                                         "model.hidden_size=256", "model.num_layers=3", "train.eval_interval=0",
+                                         "train.global_batch=1", "train.micro_batch=1"};
+  std::mt19937 rng(12345);
+  int partial = 0;
+  int64_t committed = 0;
+  auto latest_step = [&]() -> int64_t {
+    const std::string latest = latest_checkpoint(run + "/checkpoints");
+    return latest.empty() ? 0 : std::stoll(latest.substr(latest.size() - 8));
+  };
+  for (int trial = 0; trial < 4; ++trial) {
+    const pid_t pid = fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      std::vector<char*> argv = {const_cast<char*>(LOCKSTEP_BINARY)};
+      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+      argv.push_back(nullptr);
+      const int null = open("/dev/null", O_WRONLY);
+      dup2(null, 1);
+      dup2(null, 2);
+      execv(LOCKSTEP_BINARY, argv.data());
+      _exit(127);
+    }
+    // Once this process has committed a checkpoint of its own, kill it at a random moment of the
+    // following steps, each of which trains and then saves.
+    const auto t0 = std::chrono::steady_clock::now();
+    while (latest_step() <= committed && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) usleep(5000);
+    usleep(static_cast<useconds_t>(std::uniform_int_distribution<int>(0, 300)(rng)) * 1000);
+    kill(pid, SIGKILL);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    ASSERT_TRUE(WIFSIGNALED(status)) << "the trainer ended before it was killed";
+    std::error_code ec;
+    for (const auto& e : fs::directory_iterator(run + "/checkpoints", ec))
+      if (e.path().extension() == ".tmp") ++partial;
+    const std::string latest = latest_checkpoint(run + "/checkpoints");
+    ASSERT_GT(latest_step(), committed) << "no checkpoint within a minute";
+    committed = latest_step();
+    SCOPED_TRACE(latest);
+    verify_checkpoint(latest);
+    const CheckpointMetadata meta = read_checkpoint_metadata(latest);
+    EXPECT_GE(count_lines(fingerprint_path(run, 0)), meta.info.step);
+  }
+  std::printf("[ info ] %d of 4 kills left a checkpoint being written (step-N.tmp)\n", partial);
+  // The run continues from the newest checkpoint: its fingerprints equal a run that was never killed.
+  const std::string latest = latest_checkpoint(run + "/checkpoints");
+  const int64_t step = read_checkpoint_metadata(latest).info.step;
+  const std::vector<std::string> keys = {"train.steps=" + std::to_string(step + 1), "train.threads=1",
+                                         "model.hidden_size=256", "model.num_layers=3", "train.eval_interval=0",
+                                         "train.global_batch=1", "train.micro_batch=1"};
+  Config resumed = job("debug.toml", run, plus(keys, {"train.resume=auto"}));
+  Config fresh = job("debug.toml", dir.path("fresh"), keys);
+  // The killed run's LR schedule spans 1000 steps: give the comparison run the same.
+  resumed.train.steps = fresh.train.steps = 1000;
+  resumed.train.exit_interval = fresh.train.exit_interval = step + 1;
+  quiet_train(fresh);
+  quiet_train(resumed);
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("fresh"), 0)), read_file(fingerprint_path(run, 0)));
+}
+
+// ---- damaged checkpoints: one clear error each ----
+
+class CheckpointErrors : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    quiet_train(job("debug.toml", dir.path("run"), {"train.steps=2", "train.save_interval=2"}));
+    step = checkpoint_dir(dir.path("run/checkpoints"), 2);
+    data = step + "/rank-00000.bin";
+  }
+  std::string load_error(std::vector<std::string> keys = {}) {
+    return user_error_of([&] {
+      quiet_train(job("debug.toml", dir.path("resumed"), plus({"train.steps=3", "train.resume=" + step}, keys)));
+    });
+  }
+  // Rewrites metadata.json's body through edit and re-frames it with a valid checksum.
+  void edit_metadata(const std::function<void(nlohmann::ordered_json&)>& edit) {
+    auto j = nlohmann::ordered_json::parse(read_file(step + "/metadata.json"));
+    edit(j["metadata"]);
+    const std::string body = j["metadata"].dump(1);
+    std::ofstream(step + "/metadata.json", std::ios::binary)
+        << "{\"xxh3\":\"" << hex64(hash_bytes(body.data(), body.size())) << "\",\"metadata\":" << body << "}\n";
+  }
+  TempDir dir;
+  std::string step, data;
+};
+
+TEST_F(CheckpointErrors, FlippedByteNamesTheFileAndTensor) {
+  {
+    std::fstream f(data, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(1000);
+    char c = 0;
+    f.read(&c, 1);
+    f.seekp(1000);
+    c = static_cast<char>(c ^ 0x10);
+    f.write(&c, 1);
+  }
+  const std::string err = load_error();
+  EXPECT_EQ(err.find("checkpoint file '" + data + "' is corrupt: the shard of tensor 'param/embedding.word.weight' at bytes 0..65536"), 0u) << err;
+  EXPECT_EQ(user_error_of([&] { verify_checkpoint(step); }), err);
+}
+
+TEST_F(CheckpointErrors, TruncatedFileNamesTheFileAndTensor) {
+  fs::resize_file(data, fs::file_size(data) - 100);
+  const std::string err = load_error();
+  EXPECT_EQ(err.find("checkpoint file '" + data + "' is truncated: "), 0u) << err;
+  EXPECT_NE(err.find("but tensor 'optim/exp_avg_sq/final_norm.bias' has a shard at bytes"), std::string::npos) << err;
+}
+
+TEST_F(CheckpointErrors, MissingShardFileAndMissingShardEntry) {
+  fs::rename(data, data + ".moved");
+  EXPECT_EQ(load_error(), "checkpoint file '" + data + "' is missing (a shard of tensor 'param/embedding.word.weight' is in it)");
+  fs::rename(data + ".moved", data);
+  edit_metadata([](nlohmann::ordered_json& m) {
+    for (auto& t : m["tensors"])
+      if (t["name"] == "param/layers.0.attn.qkv.weight") {
+        // Split the one shard's record in two halves and drop the second.
+        auto& s = t["shards"][0];
+        s["flat"][1] = s["flat"][1].get<int64_t>() / 2;
+        s["bytes"] = s["bytes"].get<int64_t>() / 2;
+      }
+  });
+  EXPECT_EQ(load_error(), "checkpoint file '" + step + "/metadata.json': tensor 'param/layers.0.attn.qkv.weight' is "
+                          "incomplete: its shards hold 6144 of 12288 elements (a shard is missing)");
+}
+
+TEST_F(CheckpointErrors, WrongFormatVersionAndCorruptMetadata) {
+  edit_metadata([](nlohmann::ordered_json& m) { m["format_version"] = 99; });
+  EXPECT_EQ(load_error(), "checkpoint file '" + step + "/metadata.json' has format version 99; this lockstep reads version 1");
+  edit_metadata([](nlohmann::ordered_json& m) { m["format_version"] = 1; });
+  EXPECT_EQ(load_error(), "(no error)");
+  std::string text = read_file(step + "/metadata.json");
+  text[text.find("\"step\": 2") + 8] = '3';
+  std::ofstream(step + "/metadata.json", std::ios::binary) << text;
+  EXPECT_EQ(load_error().find("checkpoint file '" + step + "/metadata.json' is corrupt: its xxh3 is "), 0u);
+}
+
+TEST_F(CheckpointErrors, AnotherModelCannotBeReshardedInto) {
+  EXPECT_EQ(load_error({"model.hidden_size=32"}),
+            "checkpoint file '" + step + "/metadata.json': tensor 'param/embedding.word.weight' is f32 (256, 64), this run "
+            "has f32 (256, 32): a different model cannot be resharded into (compare the config in metadata.json)");
+  EXPECT_EQ(load_error({"model.num_layers=3"}).find("checkpoint file '" + step + "/metadata.json' has no tensor 'param/layers.2."), 0u);
+}
+
+// ---- asynchronous saves ----
+
+TEST(CheckpointAsync, WritesTheSameBytesAsSyncAndResumesBitwise) {
+  TempDir dir;
+  const std::vector<std::string> keys = {"train.steps=6", "train.save_interval=2"};
+  quiet_train(job("debug.toml", dir.path("sync"), keys));
+  quiet_train(job("debug.toml", dir.path("async"), plus(keys, {"train.async_save=true"})));
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("sync"), 0)), read_file(fingerprint_path(dir.path("async"), 0)));
+  for (int64_t s : {2, 4, 6}) {
+    const std::string a = checkpoint_dir(dir.path("sync/checkpoints"), s), b = checkpoint_dir(dir.path("async/checkpoints"), s);
+    verify_checkpoint(b);
+    EXPECT_EQ(read_file(a + "/rank-00000.bin"), read_file(b + "/rank-00000.bin")) << s;
+  }
+  // Resume from the async run's step-4 checkpoint: bitwise the uninterrupted run.
+  quiet_train(job("debug.toml", dir.path("async"),
+                  plus(keys, {"train.async_save=true", "train.resume=" + checkpoint_dir(dir.path("async/checkpoints"), 4)})));
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("sync"), 0)), read_file(fingerprint_path(dir.path("async"), 0)));
+}
+
+// ---- tools and safetensors ----
+
+TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=2", "train.save_interval=2"}));
+  const std::string step = checkpoint_dir(dir.path("run/checkpoints"), 2);
+  testing::CliResult r = testing::run_cli(dir, "ckpt inspect run/checkpoints");
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("step 2, 16 samples"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("param/embedding.word.weight"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("(256, 64)"), std::string::npos) << r.out;
+  r = testing::run_cli(dir, "ckpt verify " + step);
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(r.out, step + ": ok\n");
+  r = testing::run_cli(dir, "ckpt export " + step + " w.safetensors");
+  ASSERT_EQ(r.status, 0) << r.err;
+
+  // The exported weights are the checkpoint's parameters, bit for bit (padding included).
+  const Config c = load_config(dir.path("run/config.toml"), {});
+  GPT from_ckpt(c.model, 4), from_file(c.model, 4);
+  std::vector<StateShard> state;
+  from_ckpt.state_shards(state, true);
+  load_checkpoint(step, state);
+  load_safetensors(dir.path("w.safetensors"), from_file.params());
+  EXPECT_TRUE(testing::bitwise_equal(from_ckpt.params().values(), from_file.params().values(), from_ckpt.params().total()));
+  // The header: 8-byte little-endian length, JSON with dtype, shape and offsets.
+  const std::string file = read_file(dir.path("w.safetensors"));
+  uint64_t n = 0;
+  std::memcpy(&n, file.data(), 8);
+  EXPECT_EQ(n % 8, 0u);
+  const auto header = nlohmann::json::parse(file.substr(8, n));
+  EXPECT_EQ(header["embedding.word.weight"]["dtype"], "F32");
+  EXPECT_EQ(header["embedding.word.weight"]["shape"], nlohmann::json::parse("[256, 64]"));
+
+  // init_from: weights drawn with model.init_std = 0.05, written as safetensors, then loaded into a
+  // run with the default init_std, train exactly like a run that drew them itself.
+  Config wide = c;
+  wide.model.init_std = 0.05;
+  GPT drawn(wide.model, 4);
+  drawn.params().init(wide.train.seed);
+  std::vector<SafetensorsTensor> tensors;
+  for (int i = 0; i < static_cast<int>(drawn.params().specs().size()); ++i)
+    tensors.push_back({drawn.params().specs()[i].name, DType::f32, drawn.params().specs()[i].shape, drawn.params().value(i)});
+  write_safetensors(dir.path("wide.safetensors"), tensors, {});
+  quiet_train(job("debug.toml", dir.path("init"), {"train.steps=3", "train.init_from=" + dir.path("wide.safetensors")}));
+  quiet_train(job("debug.toml", dir.path("drawn"), {"train.steps=3", "model.init_std=0.05"}));
+  EXPECT_EQ(read_file(fingerprint_path(dir.path("init"), 0)), read_file(fingerprint_path(dir.path("drawn"), 0)));
+  const std::string bad = user_error_of([&] {
+    quiet_train(job("debug.toml", dir.path("bad"), {"train.steps=1", "model.num_heads=2", "model.hidden_size=32",
+                                                   "train.init_from=" + dir.path("w.safetensors")}));
+  });
+  EXPECT_EQ(bad, "'" + dir.path("w.safetensors") + "': tensor 'embedding.word.weight' has shape (256, 64), the model's is (256, 32)");
+}
+
+TEST(CheckpointTools, VerifyExitsOneOnABadCheckpoint) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=1", "train.save_interval=1"}));
+  const std::string data = checkpoint_dir(dir.path("run/checkpoints"), 1) + "/rank-00000.bin";
+  fs::resize_file(data, 1000);
+  const testing::CliResult r = testing::run_cli(dir, "ckpt verify run/checkpoints");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("lockstep: ckpt verify: checkpoint file '"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("is truncated"), std::string::npos) << r.err;
+  EXPECT_EQ(testing::run_cli(dir, "ckpt verify nowhere").status, 1);
+}
+
+}  // namespace
+}  // namespace lockstep
