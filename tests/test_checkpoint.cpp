@@ -199,6 +199,10 @@ TEST(CheckpointResume, MtpResumesBitwiseWithOneAndTwoThreads) {
   expect_bitwise_resume({"mtp", "debug.toml", {"model.mtp_num_layers=1"}});
 }
 
+TEST(CheckpointResume, Bf16WeightsResumeBitwiseWithOneAndTwoThreads) {
+  expect_bitwise_resume({"bf16", "debug.toml", {"precision.params=bf16"}});
+}
+
 TEST(CheckpointResume, LlamaResumesBitwiseWithOneAndTwoThreads) {
   expect_bitwise_resume({"llama", "debug.toml", {"model.preset=llama", "model.num_query_groups=2"}});
 }

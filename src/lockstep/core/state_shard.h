@@ -14,10 +14,10 @@
 // has writer = true on every rank. Loading fills every shard, writer or not, from the checkpoint's
 // pieces, whatever layout wrote them.
 //
-// Names are namespaced by kind: "param/<parameter name>", "optim/exp_avg/<parameter name>",
-// "optim/exp_avg_sq/<parameter name>", "optim/master/<parameter name>" (FP32 master weights of
-// bf16 parameters), "buffer/<name>" (module state the optimizer does not own, e.g. the MoE
-// routers' expert bias).
+// Names are namespaced by kind: "param/<parameter name>" (the FP32 values; with bf16 weights these
+// are the master weights, and the bf16 compute copy is derived from them, so it is not stored),
+// "optim/exp_avg/<parameter name>", "optim/exp_avg_sq/<parameter name>", "buffer/<name>" (module
+// state the optimizer does not own, e.g. the MoE routers' expert bias).
 #pragma once
 
 #include <cstdint>
