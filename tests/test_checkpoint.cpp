@@ -203,6 +203,13 @@ TEST(CheckpointResume, Bf16WeightsResumeBitwiseWithOneAndTwoThreads) {
   expect_bitwise_resume({"bf16", "debug.toml", {"precision.params=bf16"}});
 }
 
+// Delayed scaling's amax histories and scales are part of the state (the history is longer than
+// the steps before the cut, so a resume without them would change the scales).
+TEST(CheckpointResume, Fp8DelayedScalingResumesBitwiseWithOneAndTwoThreads) {
+  expect_bitwise_resume({"fp8", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed",
+                                               "precision.fp8_amax_history_len=8"}});
+}
+
 TEST(CheckpointResume, LlamaResumesBitwiseWithOneAndTwoThreads) {
   expect_bitwise_resume({"llama", "debug.toml", {"model.preset=llama", "model.num_query_groups=2"}});
 }
@@ -537,7 +544,7 @@ TEST_F(CheckpointErrors, WrongFormatVersionAndCorruptMetadata) {
 TEST_F(CheckpointErrors, AnotherModelCannotBeReshardedInto) {
   EXPECT_EQ(load_error({"model.hidden_size=32"}),
             "checkpoint file '" + step + "/metadata.json': tensor 'param/embedding.word.weight' is f32 (256, 64), this run "
-            "has f32 (256, 32): a different model cannot be resharded into (compare the config in metadata.json)");
+            "has f32 (256, 32): it cannot be resharded into this run (compare the config in metadata.json)");
   EXPECT_EQ(load_error({"model.num_layers=3"}).find("checkpoint file '" + step + "/metadata.json' has no tensor 'param/layers.2."), 0u);
 }
 

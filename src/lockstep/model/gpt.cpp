@@ -342,10 +342,21 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   return stats;
 }
 
-void GPT::state_shards(std::vector<StateShard>& out, bool writer) {
+void GPT::state_shards(std::vector<StateShard>& out, bool writer, int dp_rank, int dp_size) {
   params_.state_shards(out, writer);
   for (auto& layer : moe_)
     if (layer) layer->state_shards(out, writer);
+  auto row = [&](std::string name, float* data, int64_t n) {
+    StateShard s = whole_tensor(std::move(name), Shape{dp_size, n}, data, true);
+    s.box_offset = {dp_rank, 0};
+    s.box_shape = Shape{1, n};
+    s.flat_end = n;
+    out.push_back(std::move(s));
+  };
+  for (const Precision::NamedHistory& h : precision_.amax_histories()) {
+    row("buffer/fp8." + h.name + ".amax_history", h.history->amax.data(), static_cast<int64_t>(h.history->amax.size()));
+    row("buffer/fp8." + h.name + ".scale", &h.history->scale, 1);
+  }
 }
 
 uint64_t GPT::state_hash() const {

@@ -104,7 +104,10 @@ class GPT {
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
   // The model's state for checkpoints (core/state_shard.h): the parameters and the MoE expert
   // biases; writer: this rank writes them (false on replicas another rank writes).
-  void state_shards(std::vector<StateShard>& out, bool writer);
+  // State each data-parallel rank records on its own (delayed scaling's amax histories and scales,
+  // from its own micro-batches) is row dp_rank of a (dp_size, ...) tensor, written by every rank:
+  // "buffer/fp8.<tensor>.amax_history" (dp_size, history) and "buffer/fp8.<tensor>.scale" (dp_size, 1).
+  void state_shards(std::vector<StateShard>& out, bool writer, int dp_rank = 0, int dp_size = 1);
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }

@@ -444,12 +444,12 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<StateSh
   std::map<std::string, std::vector<const StateShard*>> wanted;
   for (const StateShard& s : state) {
     const CheckpointTensor* t = meta.find(s.name);
-    if (!t) user_error("checkpoint file '", mfile, "' has no tensor '", s.name, "' (this run's model has it: a different "
-                       "model or state cannot be resharded into; compare the config in metadata.json)");
+    if (!t) user_error("checkpoint file '", mfile, "' has no tensor '", s.name, "', which this run has: it cannot be "
+                       "resharded into this run (compare the config in metadata.json)");
     if (t->global_shape != s.global_shape || t->dtype != s.dtype)
       user_error("checkpoint file '", mfile, "': tensor '", s.name, "' is ", dtype_name(t->dtype), " ",
                  t->global_shape.to_string(), ", this run has ", dtype_name(s.dtype), " ", s.global_shape.to_string(),
-                 ": a different model cannot be resharded into (compare the config in metadata.json)");
+                 ": it cannot be resharded into this run (compare the config in metadata.json)");
     wanted[s.name].push_back(&s);
   }
   std::map<std::string, std::unique_ptr<InFile>> files;

@@ -160,7 +160,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // pipeline ranks will hold different pieces and each write theirs.
   std::vector<StateShard> state;
   const bool state_writer = coords.dp == 0 && coords.cp == 0;
-  model.state_shards(state, state_writer);
+  model.state_shards(state, state_writer, coords.dp, static_cast<int>(dp_size));
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
   optimizer.state_shards(model.params(), state, state_writer || config.optimizer.distributed);
   const std::string checkpoints_root = tc.out_dir + "/checkpoints";
