@@ -22,6 +22,7 @@
 #include "lockstep/core/hash.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/parallel/data_parallel.h"
+#include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
@@ -155,7 +156,7 @@ TEST(CheckpointFormat, MetadataRecordsStepLayoutAndEveryShard) {
   // The stored parameters are the trained model's: its hash is the last fingerprint's.
   GPT model(load_config(step + "/../../config.toml", {}).model, 4);
   std::vector<StateShard> state;
-  model.state_shards(state, true);
+  model.state_shards(state, true, true);
   load_checkpoint(step, state);
   const std::string fp = read_file(fingerprint_path(dir.path("run"), 0));
   const std::string last = fp.substr(fp.rfind("{\"step\":2"));
@@ -304,21 +305,22 @@ TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
   }
 }
 
-// The state a rank of a DP layout holds, as the trainer builds it, loaded from a checkpoint, then
-// saved again under that layout.
-void load_and_resave(int ranks, bool distributed, const std::string& from, const std::string& to_root) {
-  const Config c = job("debug.toml", "unused", dp_keys(ranks, distributed));
+// The state a rank of a DP x TP layout holds, as the trainer builds it, loaded from a checkpoint,
+// then saved again under that layout.
+void load_and_resave(int ranks, int tp_size, bool distributed, const std::string& from, const std::string& to_root) {
+  const Config c = job("debug.toml", "unused", plus(dp_keys(ranks, distributed), {"parallel.tensor=" + std::to_string(tp_size)}));
   run_threads(ranks, 60, [&](Communicator& comm) {
-    GPT model(c.model, c.train.micro_batch, c.moe);
-    const Mesh mesh(comm.size(), {});
+    const Mesh mesh(comm.size(), {tp_size, 1, 1, 1, 1});
     Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
     Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+    Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
+    GPT model(c.model, c.train.micro_batch, c.moe, c.precision, TensorParallel(&tp_group, false));
     DataParallel dp(model.params(), dense, expert, c.ddp, distributed);
     Optimizer opt(model.params(), c.optimizer, dp.optimizer_ranges());
     std::vector<StateShard> state;
-    const bool writer = comm.rank() == 0;
-    model.state_shards(state, writer);
-    opt.state_shards(model.params(), state, writer || distributed);
+    const MeshCoordinates at = mesh.coordinates(comm.rank());
+    model.state_shards(state, at.dp == 0, at.tp == 0);
+    opt.state_shards(model.params(), state, at.dp == 0 || distributed, at.tp == 0);
     const CheckpointInfo info = load_checkpoint(from, state);
     CheckpointSaver saver(to_root, 0, false, comm);
     saver.save(info, state);
@@ -345,10 +347,10 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
   const std::string dp2 = checkpoint_dir(dir.path("dp2/checkpoints"), 2), dp1 = checkpoint_dir(dir.path("dp1/checkpoints"), 2);
   ASSERT_EQ(read_checkpoint_metadata(dp2).files.size(), 2u);
 
-  load_and_resave(1, false, dp2, dir.path("dp2-as-dp1"));
+  load_and_resave(1, 1, false, dp2, dir.path("dp2-as-dp1"));
   expect_same_tensors(dp2, checkpoint_dir(dir.path("dp2-as-dp1"), 2));
   EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp2-as-dp1"), 2)).files.size(), 1u);
-  load_and_resave(2, true, dp1, dir.path("dp1-as-dp2"));
+  load_and_resave(2, 1, true, dp1, dir.path("dp1-as-dp2"));
   expect_same_tensors(dp1, checkpoint_dir(dir.path("dp1-as-dp2"), 2));
   EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp1-as-dp2"), 2)).files.size(), 2u);
 
@@ -360,6 +362,43 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
     EXPECT_EQ(std::count(fp.begin(), fp.end(), '\n'), 2) << run;  // steps 3 and 4
     verify_checkpoint(checkpoint_dir(dir.path(std::string(run) + "/checkpoints"), 4));
   }
+}
+
+// ---- tensor parallelism: resume and resharding ----
+
+// TP 2 (with sequence parallelism) resumes bitwise on both ranks; its pieces are boxes of the
+// global tensors (QKV: one box per section), which reassemble to the same bits under TP 1 and back,
+// and training continues under the other layout.
+TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
+  TempDir dir;
+  const std::vector<std::string> tp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
+  run_ranks(2, job("debug.toml", dir.path("whole"), tp2));
+  run_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.save_interval=2", "train.exit_interval=2"})));
+  run_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.resume=auto"})));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("tp2"), r))) << r;
+
+  run_ranks(1, job("debug.toml", dir.path("tp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("tp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("tp1/checkpoints"), 2);
+  const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
+  EXPECT_EQ(m2.info.layout.tp, 2);
+  EXPECT_EQ(m2.files.size(), 2u);
+  ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
+  for (const CheckpointTensor& t : m2.tensors) {
+    ASSERT_NE(m1.find(t.name), nullptr) << t.name;
+    EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
+  }
+  EXPECT_EQ(m2.find("param/layers.0.attn.qkv.weight")->pieces.size(), 6u);  // 2 ranks x [Q | K | V]
+  EXPECT_EQ(m2.find("param/layers.0.attn_norm.weight")->pieces.size(), 1u);  // replicated: written once
+
+  load_and_resave(1, 1, false, at2, dir.path("tp2-as-tp1"));
+  expect_same_tensors(at2, checkpoint_dir(dir.path("tp2-as-tp1"), 2));
+  load_and_resave(2, 2, false, at1, dir.path("tp1-as-tp2"));
+  expect_same_tensors(at1, checkpoint_dir(dir.path("tp1-as-tp2"), 2));
+
+  run_ranks(1, job("debug.toml", dir.path("tp2to1"), plus(dp_keys(1, false), {"train.resume=" + at2})));
+  run_ranks(2, job("debug.toml", dir.path("tp1to2"), plus(tp2, {"train.resume=" + at1})));
+  for (const char* run : {"tp2to1", "tp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
 }
 
 // ---- atomic commits ----
@@ -588,7 +627,7 @@ TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
   const Config c = load_config(dir.path("run/config.toml"), {});
   GPT from_ckpt(c.model, 4), from_file(c.model, 4);
   std::vector<StateShard> state;
-  from_ckpt.state_shards(state, true);
+  from_ckpt.state_shards(state, true, true);
   load_checkpoint(step, state);
   load_safetensors(dir.path("w.safetensors"), from_file.params());
   EXPECT_TRUE(testing::bitwise_equal(from_ckpt.params().values(), from_file.params().values(), from_ckpt.params().total()));

@@ -342,13 +342,13 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   return stats;
 }
 
-void GPT::state_shards(std::vector<StateShard>& out, bool writer, int dp_rank, int dp_size) {
-  params_.state_shards(out, writer);
+void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, int rank, int world) {
+  params_.state_shards(out, dp_first, tp_first);
   for (auto& layer : moe_)
-    if (layer) layer->state_shards(out, writer);
+    if (layer) layer->state_shards(out, dp_first && tp_first);
   auto row = [&](std::string name, float* data, int64_t n) {
-    StateShard s = whole_tensor(std::move(name), Shape{dp_size, n}, data, true);
-    s.box_offset = {dp_rank, 0};
+    StateShard s = whole_tensor(std::move(name), Shape{world, n}, data, true);
+    s.box_offset = {rank, 0};
     s.box_shape = Shape{1, n};
     s.flat_end = n;
     out.push_back(std::move(s));

@@ -102,12 +102,13 @@ class GPT {
   // parameters only (true): the state the dense / expert data-parallel replicas share.
   uint64_t state_hash(bool experts) const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
-  // The model's state for checkpoints (core/state_shard.h): the parameters and the MoE expert
-  // biases; writer: this rank writes them (false on replicas another rank writes).
-  // State each data-parallel rank records on its own (delayed scaling's amax histories and scales,
-  // from its own micro-batches) is row dp_rank of a (dp_size, ...) tensor, written by every rank:
-  // "buffer/fp8.<tensor>.amax_history" (dp_size, history) and "buffer/fp8.<tensor>.scale" (dp_size, 1).
-  void state_shards(std::vector<StateShard>& out, bool writer, int dp_rank = 0, int dp_size = 1);
+  // The model's state for checkpoints (core/state_shard.h): the parameters (ParamStore::
+  // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)
+  // and the MoE expert biases (replicated: written by the first replica). State each rank records
+  // on its own (delayed scaling's amax histories and scales: its own micro-batches, its own slices
+  // of the weights) is row `rank` of a (world, ...) tensor, written by every rank:
+  // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
+  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, int rank = 0, int world = 1);
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }

@@ -122,9 +122,29 @@ Precision& ParamStore::precision() const {
   return precision_ ? *precision_ : fp32;
 }
 
-void ParamStore::state_shards(std::vector<StateShard>& out, bool writer) const {
+void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end,
+                           float* data, bool dp_first, bool tp_first) const {
+  const ParamSpec& p = specs_[static_cast<size_t>(i)];
+  int64_t at = 0;  // the box's first element in local storage
+  for (const ParamBox& b : p.boxes) {
+    const int64_t n = b.shape.numel();
+    const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
+    if (lo < hi) {
+      StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), dp_first && (tp_first || !p.tp_replicated));
+      s.box_offset = b.offset;
+      s.box_shape = b.shape;
+      s.flat_begin = lo - at;
+      s.flat_end = hi - at;
+      out.push_back(std::move(s));
+    }
+    at += n;
+  }
+}
+
+void ParamStore::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first) const {
   for (size_t i = 0; i < specs_.size(); ++i)
-    out.push_back(whole_tensor("param/" + specs_[i].name, specs_[i].shape, value(static_cast<int>(i)), writer));
+    shards_of(out, static_cast<int>(i), "param/" + specs_[i].name, 0, specs_[i].shape.numel(), value(static_cast<int>(i)),
+              dp_first, tp_first);
 }
 
 int ParamStore::find(const std::string& name) const {

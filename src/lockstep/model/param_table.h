@@ -87,9 +87,15 @@ class ParamStore {
   float* values() const { return values_.data(); }
   float* grads() const { return grads_.data(); }
   int find(const std::string& name) const;  // -1 when absent
-  // Every parameter as "param/<name>" for checkpoints (core/state_shard.h); writer: this rank
-  // writes them (false on the replicas that another rank writes).
-  void state_shards(std::vector<StateShard>& out, bool writer) const;
+  // For checkpoints (core/state_shard.h): elements [begin, end) of parameter i's local storage (its
+  // boxes back to back), held at data, as pieces of the global tensor `name`: one per box they
+  // meet, each a flat range of its box. writer: this rank writes them if it is the first replica:
+  // dp_first for every parameter, and also tp_first for those every tensor-parallel rank holds
+  // whole (tp_replicated).
+  void shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end, float* data,
+                 bool dp_first, bool tp_first) const;
+  // Every parameter, whole, as "param/<name>" (shards_of).
+  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first) const;
 
   // Mixed precision (model/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
   // value(i), the copy forward and backward read, refreshed from the fp32 master values by

@@ -187,9 +187,51 @@ bool boxes_intersect(const std::vector<int64_t>& ao, const Shape& as, const std:
   return true;
 }
 
-// Copies the elements that the stored piece `src` (data `sp`) and the shard `dst` have in common,
-// run by run along the last dimension. Returns the number of elements copied.
-int64_t copy_overlap(const StateShard& dst, const CheckpointPiece& src, const char* sp) {
+// A stored piece whose bytes are at data, as a shard.
+StateShard piece_view(const CheckpointTensor& t, const CheckpointPiece& p, char* data) {
+  StateShard s;
+  s.name = t.name;
+  s.dtype = t.dtype;
+  s.global_shape = t.global_shape;
+  s.box_offset = p.box_offset;
+  s.box_shape = p.box_shape;
+  s.flat_begin = p.flat_begin;
+  s.flat_end = p.flat_end;
+  s.data = data;
+  s.writer = false;
+  return s;
+}
+
+void check_pieces(const CheckpointTensor& t, const std::string& file) {
+  const int64_t numel = t.global_shape.numel();
+  int64_t covered = 0;
+  for (const CheckpointPiece& p : t.pieces) {
+    bool ok = static_cast<int>(p.box_offset.size()) == t.global_shape.rank() && p.box_shape.rank() == t.global_shape.rank();
+    for (int k = 0; ok && k < t.global_shape.rank(); ++k)
+      ok = p.box_offset[k] >= 0 && p.box_shape[k] >= 0 && p.box_offset[k] + p.box_shape[k] <= t.global_shape[k];
+    ok = ok && 0 <= p.flat_begin && p.flat_begin <= p.flat_end && p.flat_end <= p.box_shape.numel() &&
+         p.bytes == (p.flat_end - p.flat_begin) * static_cast<int64_t>(dtype_size(t.dtype)) && p.byte_offset >= 0;
+    if (!ok) user_error("checkpoint file '", file, "': tensor '", t.name, "' has a shard outside its shape ", t.global_shape.to_string());
+    covered += p.flat_end - p.flat_begin;
+  }
+  for (size_t i = 0; i < t.pieces.size(); ++i)
+    for (size_t j = i + 1; j < t.pieces.size(); ++j) {
+      const CheckpointPiece &a = t.pieces[i], &b = t.pieces[j];
+      const bool same_box = a.box_offset == b.box_offset && a.box_shape == b.box_shape;
+      const bool overlap = same_box ? std::max(a.flat_begin, b.flat_begin) < std::min(a.flat_end, b.flat_end)
+                                    : a.flat_end > a.flat_begin && b.flat_end > b.flat_begin &&
+                                          boxes_intersect(a.box_offset, a.box_shape, b.box_offset, b.box_shape);
+      if (overlap) user_error("checkpoint file '", file, "': tensor '", t.name, "' has overlapping shards");
+    }
+  if (covered != numel)
+    user_error("checkpoint file '", file, "': tensor '", t.name, "' is incomplete: its shards hold ", covered, " of ",
+               numel, " elements (a shard is missing)");
+}
+
+}  // namespace
+
+int64_t copy_overlap(const StateShard& dst, const StateShard& src) {
+  const char* sp = static_cast<const char*>(src.data);
   const size_t es = dtype_size(dst.dtype);
   char* dp = static_cast<char*>(dst.data);
   if (!boxes_intersect(dst.box_offset, dst.box_shape, src.box_offset, src.box_shape)) return 0;
@@ -236,31 +278,7 @@ int64_t copy_overlap(const StateShard& dst, const CheckpointPiece& src, const ch
   return copied;
 }
 
-void check_pieces(const CheckpointTensor& t, const std::string& file) {
-  const int64_t numel = t.global_shape.numel();
-  int64_t covered = 0;
-  for (const CheckpointPiece& p : t.pieces) {
-    bool ok = static_cast<int>(p.box_offset.size()) == t.global_shape.rank() && p.box_shape.rank() == t.global_shape.rank();
-    for (int k = 0; ok && k < t.global_shape.rank(); ++k)
-      ok = p.box_offset[k] >= 0 && p.box_shape[k] >= 0 && p.box_offset[k] + p.box_shape[k] <= t.global_shape[k];
-    ok = ok && 0 <= p.flat_begin && p.flat_begin <= p.flat_end && p.flat_end <= p.box_shape.numel() &&
-         p.bytes == (p.flat_end - p.flat_begin) * static_cast<int64_t>(dtype_size(t.dtype)) && p.byte_offset >= 0;
-    if (!ok) user_error("checkpoint file '", file, "': tensor '", t.name, "' has a shard outside its shape ", t.global_shape.to_string());
-    covered += p.flat_end - p.flat_begin;
-  }
-  for (size_t i = 0; i < t.pieces.size(); ++i)
-    for (size_t j = i + 1; j < t.pieces.size(); ++j) {
-      const CheckpointPiece &a = t.pieces[i], &b = t.pieces[j];
-      const bool same_box = a.box_offset == b.box_offset && a.box_shape == b.box_shape;
-      const bool overlap = same_box ? std::max(a.flat_begin, b.flat_begin) < std::min(a.flat_end, b.flat_end)
-                                    : a.flat_end > a.flat_begin && b.flat_end > b.flat_begin &&
-                                          boxes_intersect(a.box_offset, a.box_shape, b.box_offset, b.box_shape);
-      if (overlap) user_error("checkpoint file '", file, "': tensor '", t.name, "' has overlapping shards");
-    }
-  if (covered != numel)
-    user_error("checkpoint file '", file, "': tensor '", t.name, "' is incomplete: its shards hold ", covered, " of ",
-               numel, " elements (a shard is missing)");
-}
+namespace {
 
 // ---- collectives on strings (metadata only; tensor data never moves between ranks) ----
 
@@ -467,7 +485,8 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<StateSh
       if (!f) f = std::make_unique<InFile>(dir, p.file, t.name);
       buf.resize(static_cast<size_t>(p.bytes));
       f->read_piece(buf.data(), p, t.name);
-      for (const StateShard* s : w->second) filled[s] += copy_overlap(*s, p, buf.data());
+      const StateShard stored = piece_view(t, p, buf.data());
+      for (const StateShard* s : w->second) filled[s] += copy_overlap(*s, stored);
     }
   }
   for (const StateShard& s : state)
@@ -487,7 +506,7 @@ std::vector<char> read_checkpoint_tensor(const CheckpointMetadata& meta, const C
     if (!f) f = std::make_unique<InFile>(meta.dir, p.file, t.name);
     buf.resize(static_cast<size_t>(p.bytes));
     f->read_piece(buf.data(), p, t.name);
-    copy_overlap(whole, p, buf.data());
+    copy_overlap(whole, piece_view(t, p, buf.data()));
   }
   return out;
 }

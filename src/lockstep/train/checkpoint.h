@@ -115,6 +115,11 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<StateSh
 // The whole tensor `name` (global shape) assembled from its pieces, verified.
 std::vector<char> read_checkpoint_tensor(const CheckpointMetadata& meta, const CheckpointTensor& t);
 
+// Copies the elements two pieces of one tensor have in common from src into dst, run by run along
+// the last dimension (the resharding step); returns how many. Both must describe the same global
+// tensor and dtype.
+int64_t copy_overlap(const StateShard& dst, const StateShard& src);
+
 // Verifies a checkpoint completely: metadata, every file's size and xxh3, every piece's xxh3.
 // UserError on the first problem.
 void verify_checkpoint(const std::string& dir);

@@ -72,12 +72,12 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   }
 }
 
-void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool writer) {
+void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first) {
   for (const ParamRange& r : owned_) {
     if (r.end <= r.begin) continue;
-    const ParamSpec& p = ps.specs()[r.param];
-    out.push_back(flat_range("optim/exp_avg/" + p.name, p.shape, r.begin, r.end, m_.data() + first_[r.param], writer));
-    out.push_back(flat_range("optim/exp_avg_sq/" + p.name, p.shape, r.begin, r.end, v_.data() + first_[r.param], writer));
+    const std::string& name = ps.specs()[r.param].name;
+    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first);
+    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first, tp_first);
   }
 }
 

@@ -48,10 +48,11 @@ class Optimizer {
   uint64_t hash() const { return hash(owned_); }
 
   // The moments of the owned ranges for checkpoints (core/state_shard.h): "optim/exp_avg/<name>"
-  // and "optim/exp_avg_sq/<name>", each a flat range of its parameter. writer: this rank writes
-  // them (true on every rank of a distributed optimizer, whose ranges are disjoint; only on one
-  // replica of a replicated one). With fp32 parameters the master weights are the parameters.
-  void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool writer);
+  // and "optim/exp_avg_sq/<name>", pieces of the parameter's global tensor (ParamStore::shards_of).
+  // dp_first: this rank writes its pieces (true on every rank of a distributed optimizer, whose
+  // ranges are disjoint; on the first data-parallel replica of a replicated one); tp_first as in
+  // shards_of. The master weights are the parameters (fp32 values, also under bf16 weights).
+  void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first);
 
  private:
   // Offset in m_ / v_ of element e of parameter p (which must be owned).

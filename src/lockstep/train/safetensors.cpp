@@ -6,6 +6,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/train/checkpoint.h"
 #include "lockstep/train/run_dir.h"
 
 namespace lockstep {
@@ -73,8 +74,9 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
       const std::string dtype = t.at("dtype").get<std::string>();
       const Shape shape(t.at("shape").get<std::vector<int64_t>>());
       const int64_t begin = t.at("data_offsets").at(0).get<int64_t>(), end = t.at("data_offsets").at(1).get<int64_t>();
-      if (shape != p.shape)
-        user_error("'", path, "': tensor '", p.name, "' has shape ", shape.to_string(), ", the model's is ", p.shape.to_string());
+      if (shape != p.global_shape)
+        user_error("'", path, "': tensor '", p.name, "' has shape ", shape.to_string(), ", the model's is ",
+                   p.global_shape.to_string());
       if (dtype != "F32" && dtype != "BF16")
         user_error("'", path, "': tensor '", p.name, "' is ", dtype, "; lockstep reads F32 and BF16");
       const int64_t es = dtype == "F32" ? 4 : 2;
@@ -83,16 +85,21 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
       buf.resize(static_cast<size_t>(end - begin));
       f.seekg(data_start + begin);
       if (!f.read(buf.data(), static_cast<std::streamsize>(buf.size()))) user_error("cannot read '", path, "'");
-      float* v = ps.value(i);
+      std::vector<float> whole(static_cast<size_t>(shape.numel()));
       if (es == 4) {
-        std::memcpy(v, buf.data(), buf.size());
+        std::memcpy(whole.data(), buf.data(), buf.size());
       } else {
         for (int64_t k = 0; k < shape.numel(); ++k) {
           bf16 b;
           std::memcpy(&b.bits, buf.data() + 2 * k, 2);
-          v[k] = to_f32(b);
+          whole[static_cast<size_t>(k)] = to_f32(b);
         }
       }
+      // This rank's boxes of the global tensor (all of it without tensor parallelism).
+      std::vector<StateShard> mine;
+      ps.shards_of(mine, i, p.name, 0, p.shape.numel(), ps.value(i), true, true);
+      const StateShard file_tensor = whole_tensor(p.name, shape, whole.data(), false);
+      for (const StateShard& s : mine) copy_overlap(s, file_tensor);
     } catch (const nlohmann::json::exception&) {
       user_error("'", path, "': the header entry of tensor '", p.name, "' lacks dtype, shape or data_offsets");
     }

@@ -29,7 +29,8 @@ struct SafetensorsTensor {
 void write_safetensors(const std::string& path, const std::vector<SafetensorsTensor>& tensors,
                        const std::map<std::string, std::string>& metadata);
 
-// Sets every parameter of ps from the file at path (F32, or BF16 widened exactly). UserError naming
+// Sets every parameter of ps (this rank's boxes of it under tensor parallelism) from the file at
+// path (F32, or BF16 widened exactly). UserError naming
 // the file and the tensor when one is missing, has another shape, is of an unsupported dtype, lies
 // outside the file, or when the file has a tensor the model does not.
 void load_safetensors(const std::string& path, ParamStore& ps);

@@ -159,10 +159,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // optimizer's moments) are written by the first data-parallel, context-parallel rank; tensor and
   // pipeline ranks will hold different pieces and each write theirs.
   std::vector<StateShard> state;
-  const bool state_writer = coords.dp == 0 && coords.cp == 0;
-  model.state_shards(state, state_writer, coords.dp, static_cast<int>(dp_size));
+  const bool dp_first = coords.dp == 0 && coords.cp == 0, tp_first = coords.tp == 0;
+  model.state_shards(state, dp_first, tp_first, comm.rank(), comm.size());
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
-  optimizer.state_shards(model.params(), state, state_writer || config.optimizer.distributed);
+  optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first);
   const std::string checkpoints_root = tc.out_dir + "/checkpoints";
   // Rank 0 decides which checkpoint to resume ("auto" looks at the directory), so all ranks agree.
   std::string resume_dir;
