@@ -319,8 +319,8 @@ void load_and_resave(int ranks, int tp_size, bool distributed, const std::string
     Optimizer opt(model.params(), c.optimizer, dp.optimizer_ranges());
     std::vector<StateShard> state;
     const MeshCoordinates at = mesh.coordinates(comm.rank());
-    model.state_shards(state, at.dp == 0, at.tp == 0);
-    opt.state_shards(model.params(), state, at.dp == 0 || distributed, at.tp == 0);
+    model.state_shards(state, at.dp == 0, at.tp == 0, at.edp == 0);
+    opt.state_shards(model.params(), state, at.dp == 0 || distributed, at.tp == 0, at.edp == 0 || distributed);
     const CheckpointInfo info = load_checkpoint(from, state);
     CheckpointSaver saver(to_root, 0, false, comm);
     saver.save(info, state);

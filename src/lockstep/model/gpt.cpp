@@ -342,8 +342,9 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   return stats;
 }
 
-void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, int rank, int world) {
-  params_.state_shards(out, dp_first, tp_first);
+void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first, int rank,
+                       int world) {
+  params_.state_shards(out, dp_first, tp_first, edp_first);
   for (auto& layer : moe_)
     if (layer) layer->state_shards(out, dp_first && tp_first);
   auto row = [&](std::string name, float* data, int64_t n) {

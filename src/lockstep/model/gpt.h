@@ -108,7 +108,8 @@ class GPT {
   // on its own (delayed scaling's amax histories and scales: its own micro-batches, its own slices
   // of the weights) is row `rank` of a (world, ...) tensor, written by every rank:
   // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
-  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, int rank = 0, int world = 1);
+  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true, int rank = 0,
+                    int world = 1);
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }

@@ -123,14 +123,15 @@ Precision& ParamStore::precision() const {
 }
 
 void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end,
-                           float* data, bool dp_first, bool tp_first) const {
+                           float* data, bool dp_first, bool tp_first, bool edp_first) const {
   const ParamSpec& p = specs_[static_cast<size_t>(i)];
   int64_t at = 0;  // the box's first element in local storage
   for (const ParamBox& b : p.boxes) {
     const int64_t n = b.shape.numel();
     const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
     if (lo < hi) {
-      StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), dp_first && (tp_first || !p.tp_replicated));
+      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.tp_replicated);
+      StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), writer);
       s.box_offset = b.offset;
       s.box_shape = b.shape;
       s.flat_begin = lo - at;
@@ -141,10 +142,10 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
   }
 }
 
-void ParamStore::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first) const {
+void ParamStore::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first) const {
   for (size_t i = 0; i < specs_.size(); ++i)
     shards_of(out, static_cast<int>(i), "param/" + specs_[i].name, 0, specs_[i].shape.numel(), value(static_cast<int>(i)),
-              dp_first, tp_first);
+              dp_first, tp_first, edp_first);
 }
 
 int ParamStore::find(const std::string& name) const {

@@ -90,12 +90,12 @@ class ParamStore {
   // For checkpoints (core/state_shard.h): elements [begin, end) of parameter i's local storage (its
   // boxes back to back), held at data, as pieces of the global tensor `name`: one per box they
   // meet, each a flat range of its box. writer: this rank writes them if it is the first replica:
-  // dp_first for every parameter, and also tp_first for those every tensor-parallel rank holds
-  // whole (tp_replicated).
+  // dp_first for dense parameters (edp_first, of the expert data-parallel group, for MoE experts'),
+  // and also tp_first for those every tensor-parallel rank holds whole (tp_replicated).
   void shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end, float* data,
-                 bool dp_first, bool tp_first) const;
+                 bool dp_first, bool tp_first, bool edp_first) const;
   // Every parameter, whole, as "param/<name>" (shards_of).
-  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first) const;
+  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first) const;
 
   // Mixed precision (model/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
   // value(i), the copy forward and backward read, refreshed from the fp32 master values by

@@ -72,12 +72,13 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   }
 }
 
-void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first) {
+void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first,
+                             bool edp_first) {
   for (const ParamRange& r : owned_) {
     if (r.end <= r.begin) continue;
     const std::string& name = ps.specs()[r.param].name;
-    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first);
-    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first, tp_first);
+    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first, edp_first);
+    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first, tp_first, edp_first);
   }
 }
 

@@ -51,8 +51,8 @@ class Optimizer {
   // and "optim/exp_avg_sq/<name>", pieces of the parameter's global tensor (ParamStore::shards_of).
   // dp_first: this rank writes its pieces (true on every rank of a distributed optimizer, whose
   // ranges are disjoint; on the first data-parallel replica of a replicated one); tp_first as in
-  // shards_of. The master weights are the parameters (fp32 values, also under bf16 weights).
-  void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first);
+  // shards_of, edp_first as dp_first for the experts. The master weights are the parameters (fp32 values, also under bf16 weights).
+  void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first);
 
  private:
   // Offset in m_ / v_ of element e of parameter p (which must be owned).

@@ -97,7 +97,7 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
       }
       // This rank's boxes of the global tensor (all of it without tensor parallelism).
       std::vector<StateShard> mine;
-      ps.shards_of(mine, i, p.name, 0, p.shape.numel(), ps.value(i), true, true);
+      ps.shards_of(mine, i, p.name, 0, p.shape.numel(), ps.value(i), true, true, true);
       const StateShard file_tensor = whole_tensor(p.name, shape, whole.data(), false);
       for (const StateShard& s : mine) copy_overlap(s, file_tensor);
     } catch (const nlohmann::json::exception&) {

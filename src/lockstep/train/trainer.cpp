@@ -160,9 +160,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // pipeline ranks will hold different pieces and each write theirs.
   std::vector<StateShard> state;
   const bool dp_first = coords.dp == 0 && coords.cp == 0, tp_first = coords.tp == 0;
-  model.state_shards(state, dp_first, tp_first, comm.rank(), comm.size());
+  const bool edp_first = coords.edp == 0;
+  model.state_shards(state, dp_first, tp_first, edp_first, comm.rank(), comm.size());
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
-  optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first);
+  optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first,
+                         edp_first || config.optimizer.distributed);
   const std::string checkpoints_root = tc.out_dir + "/checkpoints";
   // Rank 0 decides which checkpoint to resume ("auto" looks at the directory), so all ranks agree.
   std::string resume_dir;
