@@ -19,7 +19,7 @@ done
 packages=(g++ make cmake pkg-config libtomlplusplus-dev libxxhash-dev libgtest-dev nlohmann-json3-dev)
 packages+=(libopenmpi-dev openmpi-bin)  # the mpi backend (mpirun -n N lockstep train) and its tests
 if [ "$bench" = 1 ]; then
-  packages+=(libopenblas-dev libbenchmark-dev python3-torch)
+  packages+=(libopenblas-dev libbenchmark-dev python3-torch bc)
 fi
 
 missing=()
