@@ -3,12 +3,15 @@
 #pragma once
 
 #include <cmath>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/train/trainer.h"
 #include "testing.h"
 
 namespace lockstep::testing {
@@ -53,6 +56,13 @@ inline void for_each_directional_derivative(
     std::copy(saved.begin(), saved.end(), v);
     check(p, analytic, numeric);
   }
+}
+
+// Trains c on `ranks` rank threads (the threads backend), progress lines discarded.
+inline void train_ranks(int ranks, const Config& c) {
+  std::FILE* sink = std::fopen("/dev/null", "w");
+  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
+  std::fclose(sink);
 }
 
 }  // namespace lockstep::testing

@@ -28,6 +28,7 @@
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/safetensors.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -36,6 +37,7 @@ namespace {
 namespace fs = std::filesystem;
 using testing::read_file;
 using testing::TempDir;
+using testing::train_ranks;
 using testing::user_error_of;
 
 Config job(const std::string& file, const std::string& out_dir, std::vector<std::string> extra = {}) {
@@ -266,11 +268,6 @@ TEST(CheckpointResume, AutoWithoutCheckpointsStartsFresh) {
 
 // ---- data parallelism: resume and resharding ----
 
-void run_ranks(int ranks, const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
-  std::fclose(sink);
-}
 
 std::vector<std::string> dp_keys(int ranks, bool distributed) {
   return {"train.threads=1", "train.micro_batch=2", "train.eval_interval=0", "train.steps=4",
@@ -290,9 +287,9 @@ TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
     // Overlapped parameter gathers: a step's parameters are complete only once the next forward
     // needs them; a save waits for them.
     keys.push_back(std::string("ddp.overlap_param_gather=") + (mode == std::string("distributed+overlap") ? "true" : "false"));
-    run_ranks(2, job("debug.toml", dir.path("whole"), keys));
-    run_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
-    run_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.resume=auto"})));
+    train_ranks(2, job("debug.toml", dir.path("whole"), keys));
+    train_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
+    train_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.resume=auto"})));
     for (int r = 0; r < 2; ++r)
       EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("cut"), r))) << r;
     const CheckpointMetadata meta = read_checkpoint_metadata(checkpoint_dir(dir.path("cut/checkpoints"), 2));
@@ -342,8 +339,8 @@ void expect_same_tensors(const std::string& a, const std::string& b) {
 // and saved again reassembles to the same bits, and training continues from it.
 TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
   TempDir dir;
-  run_ranks(2, job("debug.toml", dir.path("dp2"), plus(dp_keys(2, true), {"train.save_interval=2", "train.exit_interval=2"})));
-  run_ranks(1, job("debug.toml", dir.path("dp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(2, job("debug.toml", dir.path("dp2"), plus(dp_keys(2, true), {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(1, job("debug.toml", dir.path("dp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
   const std::string dp2 = checkpoint_dir(dir.path("dp2/checkpoints"), 2), dp1 = checkpoint_dir(dir.path("dp1/checkpoints"), 2);
   ASSERT_EQ(read_checkpoint_metadata(dp2).files.size(), 2u);
 
@@ -355,8 +352,8 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
   EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp1-as-dp2"), 2)).files.size(), 2u);
 
   // Training continues under the other layout.
-  run_ranks(1, job("debug.toml", dir.path("dp2to1"), plus(dp_keys(1, false), {"train.save_interval=4", "train.resume=" + dp2})));
-  run_ranks(2, job("debug.toml", dir.path("dp1to2"), plus(dp_keys(2, true), {"train.save_interval=4", "train.resume=" + dp1})));
+  train_ranks(1, job("debug.toml", dir.path("dp2to1"), plus(dp_keys(1, false), {"train.save_interval=4", "train.resume=" + dp2})));
+  train_ranks(2, job("debug.toml", dir.path("dp1to2"), plus(dp_keys(2, true), {"train.save_interval=4", "train.resume=" + dp1})));
   for (const char* run : {"dp2to1", "dp1to2"}) {
     const std::string fp = read_file(fingerprint_path(dir.path(run), 0));
     EXPECT_EQ(std::count(fp.begin(), fp.end(), '\n'), 2) << run;  // steps 3 and 4
@@ -372,13 +369,13 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
 TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   TempDir dir;
   const std::vector<std::string> tp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
-  run_ranks(2, job("debug.toml", dir.path("whole"), tp2));
-  run_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.save_interval=2", "train.exit_interval=2"})));
-  run_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.resume=auto"})));
+  train_ranks(2, job("debug.toml", dir.path("whole"), tp2));
+  train_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.resume=auto"})));
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("tp2"), r))) << r;
 
-  run_ranks(1, job("debug.toml", dir.path("tp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(1, job("debug.toml", dir.path("tp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
   const std::string at2 = checkpoint_dir(dir.path("tp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("tp1/checkpoints"), 2);
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
   EXPECT_EQ(m2.info.layout.tp, 2);
@@ -396,8 +393,8 @@ TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   load_and_resave(2, 2, false, at1, dir.path("tp1-as-tp2"));
   expect_same_tensors(at1, checkpoint_dir(dir.path("tp1-as-tp2"), 2));
 
-  run_ranks(1, job("debug.toml", dir.path("tp2to1"), plus(dp_keys(1, false), {"train.resume=" + at2})));
-  run_ranks(2, job("debug.toml", dir.path("tp1to2"), plus(tp2, {"train.resume=" + at1})));
+  train_ranks(1, job("debug.toml", dir.path("tp2to1"), plus(dp_keys(1, false), {"train.resume=" + at2})));
+  train_ranks(2, job("debug.toml", dir.path("tp1to2"), plus(tp2, {"train.resume=" + at1})));
   for (const char* run : {"tp2to1", "tp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
 }
 

@@ -22,6 +22,7 @@
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -29,6 +30,7 @@ namespace {
 
 using testing::read_file;
 using testing::TempDir;
+using testing::train_ranks;
 
 Config job(const std::string& preset, const std::string& out_dir, std::vector<std::string> extra = {}) {
   std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1",
@@ -37,11 +39,6 @@ Config job(const std::string& preset, const std::string& out_dir, std::vector<st
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
 }
 
-void run(int ranks, const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
-  std::fclose(sink);
-}
 
 // The exact training loss of every step, from rank 0's fingerprints.
 std::vector<double> losses(const std::string& run_dir) {
@@ -66,7 +63,7 @@ void same_losses_on_1_2_4_ranks(const std::string& preset, std::vector<std::stri
   std::vector<std::vector<double>> l;
   for (int ranks : {1, 2, 4}) {
     const std::string out = dir.path("dp" + std::to_string(ranks));
-    run(ranks, job(preset, out, extra));
+    train_ranks(ranks, job(preset, out, extra));
     l.push_back(losses(out));
     ASSERT_EQ(l.back().size(), 4u) << "dp " << ranks;
   }
@@ -98,14 +95,14 @@ void bitwise_run_to_run_and_across_optimizer_and_overlap(const std::string& pres
       more.insert(more.begin(), base.begin(), base.end());
       return more;
     };
-    run(ranks, job(preset, dir.path("a"), with({})));
+    train_ranks(ranks, job(preset, dir.path("a"), with({})));
     const std::string a = fingerprints(dir.path("a"), ranks);
     ASSERT_NE(a.find("\"step\":2"), std::string::npos);
-    run(ranks, job(preset, dir.path("b"), with({})));
+    train_ranks(ranks, job(preset, dir.path("b"), with({})));
     EXPECT_EQ(fingerprints(dir.path("b"), ranks), a) << preset << " dp " << ranks << ": run to run";
-    run(ranks, job(preset, dir.path("c"), with({"optimizer.distributed=true"})));
+    train_ranks(ranks, job(preset, dir.path("c"), with({"optimizer.distributed=true"})));
     EXPECT_EQ(fingerprints(dir.path("c"), ranks), a) << preset << " dp " << ranks << ": distributed optimizer";
-    run(ranks, job(preset, dir.path("d"), with({"optimizer.distributed=true", "ddp.overlap_grad_reduce=false",
+    train_ranks(ranks, job(preset, dir.path("d"), with({"optimizer.distributed=true", "ddp.overlap_grad_reduce=false",
                                                 "ddp.overlap_param_gather=true"})));
     EXPECT_EQ(fingerprints(dir.path("d"), ranks), a) << preset << " dp " << ranks << ": overlap switched";
   }
@@ -121,7 +118,7 @@ TEST(DataParallel, MoeBitwiseRunToRunAndAcrossOptimizerAndOverlap) {
 // Rank r's fingerprint names its coordinates; rank 0 alone writes the run's files.
 TEST(DataParallel, RanksWriteTheirCoordinates) {
   TempDir dir;
-  run(2, job("debug", dir.path("run"), {"train.steps=1"}));
+  train_ranks(2, job("debug", dir.path("run"), {"train.steps=1"}));
   for (int r = 0; r < 2; ++r)
     EXPECT_NE(read_file(fingerprint_path(dir.path("run"), r)).find(str("\"rank\":", r, ",\"dp\":", r, ",")), std::string::npos);
   EXPECT_FALSE(read_file(dir.path("run") + "/metrics.jsonl").empty());
@@ -133,7 +130,7 @@ TEST(DataParallel, GlobalBatchMustDivideByMicroBatchTimesDp) {
   const Config c = job("debug", dir.path("run"));  // global 8, micro 4
   std::string message = "(no error)";
   try {
-    run(3, c);
+    train_ranks(3, c);
   } catch (const std::exception& e) {
     message = e.what();
   }

@@ -23,6 +23,7 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -30,6 +31,7 @@ namespace {
 
 using testing::read_file;
 using testing::TempDir;
+using testing::train_ranks;
 
 Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
@@ -38,11 +40,6 @@ Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", o);
 }
 
-void run(int ranks, const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
-  std::fclose(sink);
-}
 
 // (loss, grad norm) of every step, exact, from rank 0's fingerprints.
 std::vector<std::pair<double, double>> trajectory(const std::string& run_dir) {
@@ -105,10 +102,10 @@ TEST(ExpertParallel, EachRankHoldsAndInitialisesItsExpertsAsTheSingleProcess) {
 // ep = world: the expert gradients are the data-parallel all-reduce's sums, bit for bit.
 void alltoall_matches_data_parallel_bitwise(int ranks, std::vector<std::string> extra) {
   TempDir dir;
-  run(ranks, job(dir.path("dp"), extra));
+  train_ranks(ranks, job(dir.path("dp"), extra));
   extra.push_back("parallel.expert=" + std::to_string(ranks));
   extra.push_back("moe.token_dispatcher=alltoall");
-  run(ranks, job(dir.path("ep"), extra));
+  train_ranks(ranks, job(dir.path("ep"), extra));
   const auto dp = trajectory(dir.path("dp")), ep = trajectory(dir.path("ep"));
   ASSERT_EQ(dp.size(), 4u);
   ASSERT_EQ(ep.size(), dp.size());
@@ -133,12 +130,12 @@ TEST(ExpertParallel, AllToAllEp2SwigluSigmoidBiasSharedExpertMatchesDp2Bitwise) 
 // Every EP layout of a dispatcher against the data-parallel run on the same ranks and the single rank.
 void layouts_reproduce_data_parallel_and_single_rank(const std::string& dispatcher) {
   TempDir dir;
-  run(1, job(dir.path("single")));
+  train_ranks(1, job(dir.path("single")));
   const auto single = trajectory(dir.path("single"));
   for (const auto& [ranks, ep] : {std::pair{2, 2}, std::pair{4, 2}, std::pair{4, 4}}) {
     const std::string name = str("ep", ep, "_", ranks, "ranks_", dispatcher);
-    run(ranks, job(dir.path("dp" + name), {}));
-    run(ranks, job(dir.path(name), {str("parallel.expert=", ep), "moe.token_dispatcher=" + dispatcher}));
+    train_ranks(ranks, job(dir.path("dp" + name), {}));
+    train_ranks(ranks, job(dir.path(name), {str("parallel.expert=", ep), "moe.token_dispatcher=" + dispatcher}));
     const auto traj = trajectory(dir.path(name));
     const double vs_dp = largest_loss_difference(traj, trajectory(dir.path("dp" + name)));
     const double vs_single = largest_loss_difference(traj, single);
@@ -172,7 +169,7 @@ TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
             std::string::npos);
   std::string message = "(no error)";
   try {
-    run(3, job(dir.path("b"), {"parallel.expert=2"}));
+    train_ranks(3, job(dir.path("b"), {"parallel.expert=2"}));
   } catch (const std::exception& e) {
     message = e.what();
   }

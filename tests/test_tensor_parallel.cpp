@@ -20,6 +20,7 @@
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -27,6 +28,7 @@ namespace {
 
 using testing::read_file;
 using testing::TempDir;
+using testing::train_ranks;
 
 // The Llama flavour shrunk for tests, with 8 heads over 4 KV groups so that TP 4 splits both.
 const std::vector<std::string> kLlama = {"model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
@@ -40,11 +42,6 @@ Config job(const std::string& preset, const std::string& out_dir, std::vector<st
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
 }
 
-void run(int ranks, const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
-  std::fclose(sink);
-}
 
 // A fingerprint field of every step on rank 0, as the exact double.
 std::vector<double> field(const std::string& run_dir, const char* name) {
@@ -208,7 +205,7 @@ TEST(TensorParallel, CommunicationVolumePerStepMatchesTheFormula) {
   for (int P : {2, 4})
     for (bool sp : {false, true}) {
       const std::string out = dir.path(str("tp", P, sp));
-      run(2 * P, job("debug", out, {str("parallel.tensor=", P), str("parallel.sequence_parallel=", sp ? "true" : "false")}));
+      train_ranks(2 * P, job("debug", out, {str("parallel.tensor=", P), str("parallel.sequence_parallel=", sp ? "true" : "false")}));
       const int64_t micro = 4 * ((8 * L + 4) * (P - 1) * N * C / P + 3 * N * (P - 1));
       const int64_t norms = (4 * L + 2) * C;  // LayerNorm weight and bias: two per layer and the final one
       const int64_t expect = accum * micro + (sp ? 4 * 2 * (P - 1) * norms / P : 0) + 8 * (P - 1);
@@ -230,7 +227,7 @@ struct Layout {
 // 8 in micro-batches of 2); prints the largest relative difference.
 void losses_match_single_process(const std::string& preset, std::vector<std::string> extra = {}) {
   TempDir dir;
-  run(1, job(preset, dir.path("single"), extra));
+  train_ranks(1, job(preset, dir.path("single"), extra));
   const std::vector<double> loss0 = field(dir.path("single"), "loss"), norm0 = field(dir.path("single"), "grad_norm");
   ASSERT_EQ(loss0.size(), 3u);
   const Layout layouts[] = {{2, 1, false}, {2, 1, true}, {4, 1, false}, {4, 1, true}, {2, 2, false}, {2, 2, true}};
@@ -240,7 +237,7 @@ void losses_match_single_process(const std::string& preset, std::vector<std::str
     std::vector<std::string> o = extra;
     o.push_back(str("parallel.tensor=", l.tp));
     o.push_back(str("parallel.sequence_parallel=", l.sp ? "true" : "false"));
-    run(l.tp * l.dp, job(preset, dir.path(name), o));
+    train_ranks(l.tp * l.dp, job(preset, dir.path(name), o));
     const std::vector<double> loss = field(dir.path(name), "loss"), norm = field(dir.path(name), "grad_norm");
     ASSERT_EQ(loss.size(), loss0.size()) << name;
     for (size_t s = 0; s < loss.size(); ++s) {
@@ -268,15 +265,15 @@ TEST(TensorParallel, BitwiseRunToRunAndAcrossThreads) {
   for (const char* preset : {"debug", "llama-tiny"}) {
     TempDir dir;
     const std::vector<std::string> o = {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"};
-    run(4, job(preset, dir.path("a"), o));
+    train_ranks(4, job(preset, dir.path("a"), o));
     const std::string a = fingerprints(dir.path("a"), 4);
     ASSERT_NE(a.find("\"step\":3"), std::string::npos);
     EXPECT_NE(a.find("\"tp\":1"), std::string::npos);
-    run(4, job(preset, dir.path("b"), o));
+    train_ranks(4, job(preset, dir.path("b"), o));
     EXPECT_EQ(fingerprints(dir.path("b"), 4), a) << preset << ": run to run";
     std::vector<std::string> two = o;
     two.push_back("train.threads=2");
-    run(4, job(preset, dir.path("c"), two));
+    train_ranks(4, job(preset, dir.path("c"), two));
     EXPECT_EQ(fingerprints(dir.path("c"), 4), a) << preset << ": 1 vs 2 threads";
   }
 }
