@@ -12,12 +12,7 @@ namespace lockstep {
 
 AllGatherDispatcher::AllGatherDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
                                          int64_t capacity, bool pad)
-    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), K_(K), C_(C), capacity_(capacity), pad_(pad),
-      local_(E, K, C, max_tokens, capacity, pad), offsets_(static_cast<size_t>(El_ + 1)),
-      segments_(static_cast<size_t>(El_ * S_ + 1)) {
-  LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
-  max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
-  if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);
+    : ExpertParallelDispatcher(ep, E, K, C, max_tokens, capacity, pad), K_(K), capacity_(capacity), pad_(pad) {
   const int64_t all = S_ * max_tokens;
   idx_all_.resize(static_cast<size_t>(all * K));
   kept_all_.resize(static_cast<size_t>(all * K));

@@ -37,7 +37,7 @@ namespace lockstep {
 
 class Communicator;
 
-class AllGatherDispatcher final : public Dispatcher {
+class AllGatherDispatcher final : public ExpertParallelDispatcher {
  public:
   AllGatherDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
                       bool pad);
@@ -49,32 +49,20 @@ class AllGatherDispatcher final : public Dispatcher {
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                         const float* probs) const override;
 
-  int64_t rows() const override { return offsets_[El_]; }
-  const int64_t* offsets() const override { return offsets_.data(); }
-  const std::vector<int64_t>& tokens_per_expert() const override { return local_.tokens_per_expert(); }
-  int64_t sources() const override { return S_; }
-  const int64_t* segments() const override { return segments_.data(); }
-  int64_t max_rows() const override { return max_rows_; }
-  int64_t bytes_sent() const override { return bytes_sent_; }
-  const LocalDispatcher& source_layout() const { return local_; }
 
  private:
   // Counts an all-gather or reduce-scatter of n elements of `bytes` each per rank.
   void count(int64_t n, int64_t bytes) const { bytes_sent_ += (S_ - 1) * n * bytes; }
 
-  Communicator& ep_;
-  int64_t E_, El_, S_, K_, C_, N_ = 0, capacity_, max_rows_;
+  int64_t K_, N_ = 0, capacity_;
   bool pad_;
-  LocalDispatcher local_;                  // this rank's tokens over all E experts (statistics)
   std::vector<int32_t> idx_all_;           // (S N, K) gathered choices
   std::vector<uint8_t> kept_all_;          // (S N, K)
   std::vector<int32_t> slot_, row_choice_; // (S N, K) row of each gathered choice or -1; (rows) choice or -1
-  std::vector<int64_t> offsets_, segments_;
   FloatBuffer gathered_;                   // (S N, C) tokens, then d(output)
   FloatBuffer partial_;                    // (S N, C) per-rank sums before the reduce-scatter
   FloatBuffer mine_;                       // (N, C) this rank's block after it
   FloatBuffer probs_all_, dprobs_all_;     // (S N, K); probs saved for backward
-  mutable int64_t bytes_sent_ = 0;
 };
 
 }  // namespace lockstep

@@ -11,14 +11,9 @@ namespace lockstep {
 
 AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
                                        int64_t capacity, bool pad)
-    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C), local_(E, K, C, max_tokens, capacity, pad),
+    : ExpertParallelDispatcher(ep, E, K, C, max_tokens, capacity, pad),
       send_rows_(static_cast<size_t>(S_)), recv_rows_(static_cast<size_t>(S_)),
-      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)),
-      offsets_(static_cast<size_t>(El_ + 1)), segments_(static_cast<size_t>(El_ * S_ + 1)) {
-  LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
-  // Each source sends at most all of its choices, and at most `capacity` rows per expert.
-  max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
-  if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);
+      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)) {
   send_.resize(local_.max_rows() * C);
   back_.resize(local_.max_rows() * C);
   recv_.resize(max_rows_ * C);

@@ -37,7 +37,7 @@ namespace lockstep {
 
 class Communicator;
 
-class AllToAllDispatcher final : public Dispatcher {
+class AllToAllDispatcher final : public ExpertParallelDispatcher {
  public:
   // ep: the expert-parallel group (S ranks); E: experts of the layer (divisible by S); the rest as
   // LocalDispatcher's.
@@ -51,14 +51,6 @@ class AllToAllDispatcher final : public Dispatcher {
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                         const float* probs) const override;
 
-  int64_t rows() const override { return offsets_[El_]; }
-  const int64_t* offsets() const override { return offsets_.data(); }
-  const std::vector<int64_t>& tokens_per_expert() const override { return local_.tokens_per_expert(); }
-  int64_t sources() const override { return S_; }
-  const int64_t* segments() const override { return segments_.data(); }
-  int64_t max_rows() const override { return max_rows_; }
-  int64_t bytes_sent() const override { return bytes_sent_; }
-  const LocalDispatcher& source_layout() const { return local_; }
 
  private:
   // Rows received from each source (source-major) <-> rows by local expert (expert-major).
@@ -68,16 +60,11 @@ class AllToAllDispatcher final : public Dispatcher {
   void exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
                 const std::vector<int64_t>& in_rows) const;
 
-  Communicator& ep_;
-  int64_t E_, El_, S_, C_, max_rows_;
-  LocalDispatcher local_;                 // this rank's tokens over all E experts
   std::vector<int64_t> send_rows_, recv_rows_;  // (S) rows to / from each rank
   std::vector<int64_t> recv_counts_;      // (S, El) rows of (source, local expert)
   std::vector<int64_t> recv_at_;          // (S, El) first row of each block in the source-major buffer
-  std::vector<int64_t> offsets_, segments_;
   FloatBuffer send_, recv_;               // (local rows, C) source layout / (max rows, C) received
   FloatBuffer back_;                      // (local rows, C) expert outputs returned (saved for backward)
-  mutable int64_t bytes_sent_ = 0;
 };
 
 }  // namespace lockstep

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/kernels/cpu/permute.h"
 
@@ -62,6 +63,15 @@ void LocalDispatcher::combine_backward(float* dexpert_out, float* dprobs, const 
                                        const float* expert_out, const float* probs) const {
   lockstep::combine_backward(dexpert_out, dprobs, dout, expert_out, slot_.data(), row_choice_.data(), probs, N_,
                              rows(), K_, C_);
+}
+
+ExpertParallelDispatcher::ExpertParallelDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                                                   int64_t capacity, bool pad)
+    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C), local_(E, K, C, max_tokens, capacity, pad),
+      offsets_(static_cast<size_t>(El_ + 1)), segments_(static_cast<size_t>(El_ * S_ + 1)) {
+  LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
+  max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
+  if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);
 }
 
 }  // namespace lockstep

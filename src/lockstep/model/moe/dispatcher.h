@@ -2,9 +2,9 @@
 //
 // A dispatcher turns a routing decision (K expert choices per token, some dropped by capacity) into
 // expert-input rows grouped by expert, runs the permutation, and after the experts combines each
-// token's expert outputs with its routing weights. The interface is what the expert-parallel
-// dispatchers (all-gather, all-to-all) implement later; LocalDispatcher keeps every expert in this
-// process.
+// token's expert outputs with its routing weights. LocalDispatcher keeps every expert in this
+// process; the expert-parallel ones (allgather_dispatcher.h, alltoall_dispatcher.h) derive from
+// ExpertParallelDispatcher below.
 //
 // Layout: expert e owns rows [offsets()[e], offsets()[e + 1]); inside an expert, tokens are in token
 // order (then choice order). With padding to capacity every expert owns exactly `capacity` rows and
@@ -74,6 +74,35 @@ class LocalDispatcher final : public Dispatcher {
   std::vector<int64_t> counts_, offsets_;
   std::vector<int32_t> slot_;        // (N, K): row of each choice, -1 when dropped
   std::vector<int32_t> row_choice_;  // (rows): t * K + k, -1 for padding
+};
+
+class Communicator;
+
+// What the expert-parallel dispatchers (all-gather, all-to-all) share: the ep group of S ranks, this
+// rank's El = E / S experts, its own tokens laid out over all E experts (the source layout), the
+// received rows by local expert (offsets) and by (local expert, source) (segments), and the bytes
+// this rank sent.
+class ExpertParallelDispatcher : public Dispatcher {
+ public:
+  int64_t rows() const override { return offsets_[El_]; }
+  const int64_t* offsets() const override { return offsets_.data(); }
+  const std::vector<int64_t>& tokens_per_expert() const override { return local_.tokens_per_expert(); }
+  int64_t sources() const override { return S_; }
+  const int64_t* segments() const override { return segments_.data(); }
+  int64_t max_rows() const override { return max_rows_; }
+  int64_t bytes_sent() const override { return bytes_sent_; }
+  const LocalDispatcher& source_layout() const { return local_; }
+
+ protected:
+  // max_rows: every source sends at most all its choices, and at most `capacity` rows per expert.
+  ExpertParallelDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
+                           bool pad);
+
+  Communicator& ep_;
+  int64_t E_, El_, S_, C_, max_rows_;
+  LocalDispatcher local_;  // this rank's tokens over all E experts
+  std::vector<int64_t> offsets_, segments_;
+  mutable int64_t bytes_sent_ = 0;
 };
 
 }  // namespace lockstep
