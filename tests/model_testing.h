@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,12 @@ inline void for_each_directional_derivative(
     std::copy(saved.begin(), saved.end(), v);
     check(p, analytic, numeric);
   }
+}
+
+// Trains c on one rank with the progress lines discarded (the sink is closed even when train throws).
+inline TrainSummary quiet_train(const Config& c) {
+  const std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(std::fopen("/dev/null", "w"), &std::fclose);
+  return train(c, sink.get());
 }
 
 // Trains c on `ranks` rank threads (the threads backend), progress lines discarded.

@@ -35,6 +35,7 @@ namespace lockstep {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::quiet_train;
 using testing::read_file;
 using testing::TempDir;
 using testing::train_ranks;
@@ -43,17 +44,6 @@ using testing::user_error_of;
 Config job(const std::string& file, const std::string& out_dir, std::vector<std::string> extra = {}) {
   extra.push_back("train.out_dir=" + out_dir);
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + file, extra);
-}
-
-void quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  try {
-    train(c, sink);
-  } catch (...) {
-    std::fclose(sink);
-    throw;
-  }
-  std::fclose(sink);
 }
 
 int64_t count_lines(const std::string& path) {

@@ -23,6 +23,8 @@
 namespace lockstep {
 namespace {
 
+using testing::quiet_train;
+
 constexpr int32_t kEod = 9;
 
 TEST(Documents, LayoutRestartsAfterEachEod) {
@@ -238,13 +240,6 @@ std::string write_documents(const testing::TempDir& dir) {
   }
   w.finish();
   return prefix;
-}
-
-TrainSummary quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  const TrainSummary s = train(c, sink);
-  std::fclose(sink);
-  return s;
 }
 
 // The step's loss is the mean over its unmasked tokens, whatever the micro-batch split: one

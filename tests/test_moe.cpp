@@ -17,11 +17,13 @@
 #include "lockstep/model/moe/router.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
 namespace {
 
+using testing::quiet_train;
 using testing::randn;
 
 RouterSpec spec_of(std::vector<std::string> overrides) {
@@ -532,13 +534,6 @@ TEST(MoeConfig, LayerFreqAndValidation) {
 Config moe_job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   extra.push_back("train.out_dir=" + out_dir);
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", extra);
-}
-
-TrainSummary quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  const TrainSummary s = train(c, sink);
-  std::fclose(sink);
-  return s;
 }
 
 TEST(MoeTraining, DeterministicAcrossRunsAndThreads) {

@@ -29,6 +29,8 @@
 namespace lockstep {
 namespace {
 
+using testing::quiet_train;
+
 using Vec = std::vector<double>;
 
 // Round-to-nearest-even onto the bf16 grid, straight from double (no float in between, so no
@@ -471,13 +473,6 @@ TEST(PrecisionLowp, SelectiveLayersStayHighPrecision) {
 Config moe_job(const std::string& out_dir, std::vector<std::string> extra) {
   extra.push_back("train.out_dir=" + out_dir);
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", extra);
-}
-
-TrainSummary quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  const TrainSummary s = train(c, sink);
-  std::fclose(sink);
-  return s;
 }
 
 // A few steps of the MoE debug model (two micro-batches a step) in one precision mode, twice on

@@ -12,11 +12,13 @@
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/run_diff.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
 namespace {
 
+using testing::quiet_train;
 using testing::read_file;
 using testing::TempDir;
 
@@ -30,12 +32,6 @@ Config job(const TempDir& dir, const std::string& run, std::vector<std::string> 
   for (const std::string& k : kEveryModule) extra.insert(extra.begin(), k);
   extra.push_back("train.out_dir=" + dir.path(run));
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml", extra);
-}
-
-void quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  train(c, sink);
-  std::fclose(sink);
 }
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }

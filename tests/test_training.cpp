@@ -10,24 +10,19 @@
 #include "lockstep/core/error.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
 namespace {
 
+using testing::quiet_train;
 using testing::read_file;
 using testing::TempDir;
 
 Config debug_job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   extra.push_back("train.out_dir=" + out_dir);
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml", extra);
-}
-
-TrainSummary quiet_train(const Config& c) {
-  std::FILE* sink = std::fopen("/dev/null", "w");
-  const TrainSummary s = train(c, sink);
-  std::fclose(sink);
-  return s;
 }
 
 int count_lines(const std::string& text) { return static_cast<int>(std::count(text.begin(), text.end(), '\n')); }
