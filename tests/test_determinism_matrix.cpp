@@ -1,12 +1,10 @@
 // The determinism regression matrix: one row per feature (or combination) that the `run` guarantee
-// covers (docs/determinism.md). Each row trains a tiny model for a few steps three times: twice
-// with 2 threads and once with 1 thread; all three must give byte-identical fingerprint files on
-// every rank. Adding a row is one line: name, config file, overrides, ranks ({docs} in an override
-// is a small indexed dataset of byte documents ended by EOD 256).
-//
-// Not here yet, because they do not exist yet: pipeline / expert / context parallel
-// layouts, resume from a checkpoint (each gets its rows when it lands;
-// resume a run mid-way in every row), and a second MoE dispatcher (only the local one exists).
+// covers (docs/determinism.md). Each row trains a tiny model for a few steps three ways: with 2
+// threads; with 1 thread; and with 2 threads stopped after step 2 (train.exit_interval, saving a
+// checkpoint) and resumed from that checkpoint with 1 thread. All three must give byte-identical
+// fingerprint files on every rank: the same job twice, 1 vs 2 threads, and resumed vs uninterrupted.
+// Adding a row is one line: name, config file, overrides, ranks ({docs} in an override is a small
+// indexed dataset of byte documents ended by EOD 256).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -94,7 +92,7 @@ const Row kRows[] = {
 };
 
 constexpr int kSteps = 3;
-
+constexpr int kStopAfter = 2;  // the resumed run's cut: it resumes for the steps after it
 // Byte documents of random lengths, each ended by EOD 256.
 std::string write_documents(const testing::TempDir& dir) {
   const std::string prefix = dir.path("docs");
@@ -111,8 +109,10 @@ std::string write_documents(const testing::TempDir& dir) {
   return prefix;
 }
 
-// Trains the row with `threads` threads per rank into dir/run; returns every rank's fingerprints.
-std::string train_row(const Row& row, const testing::TempDir& dir, const std::string& run, int threads) {
+// Trains the row with `threads` threads per rank into dir/run (`extra` keys last); returns every
+// rank's fingerprints.
+std::string train_row(const Row& row, const testing::TempDir& dir, const std::string& run, int threads,
+                      const std::vector<std::string>& extra = {}) {
   std::vector<std::string> keys;
   for (std::string k : row.overrides) {
     const size_t at = k.find("{docs}");
@@ -122,6 +122,7 @@ std::string train_row(const Row& row, const testing::TempDir& dir, const std::st
   for (const std::string& k : {str("train.steps=", kSteps), std::string("train.eval_interval=0"),
                                str("train.threads=", threads), "train.out_dir=" + dir.path(run)})
     keys.push_back(k);
+  keys.insert(keys.end(), extra.begin(), extra.end());
   const Config c = load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/", row.config), keys);
   std::FILE* sink = std::fopen("/dev/null", "w");
   run_threads(row.ranks, c.dist.timeout_s, [&](Communicator& comm) { train(c, sink, comm); });
@@ -133,14 +134,18 @@ std::string train_row(const Row& row, const testing::TempDir& dir, const std::st
 
 class DeterminismMatrix : public ::testing::TestWithParam<Row> {};
 
-TEST_P(DeterminismMatrix, TwiceAndOneVsTwoThreadsGiveIdenticalFingerprints) {
+TEST_P(DeterminismMatrix, TwoThreadsOneThreadAndResumedGiveIdenticalFingerprints) {
   const Row& row = GetParam();
   testing::TempDir dir;
   write_documents(dir);
   const std::string first = train_row(row, dir, "first", 2);
   EXPECT_EQ(std::count(first.begin(), first.end(), '\n'), kSteps * row.ranks);
-  EXPECT_EQ(first, train_row(row, dir, "again", 2)) << "the same job twice";
   EXPECT_EQ(first, train_row(row, dir, "one_thread", 1)) << "1 thread vs 2";
+  const std::string save = str("train.save_interval=", kStopAfter);
+  const std::string stopped = train_row(row, dir, "resumed", 2, {save, str("train.exit_interval=", kStopAfter)});
+  EXPECT_EQ(std::count(stopped.begin(), stopped.end(), '\n'), kStopAfter * row.ranks) << "stopped after step " << kStopAfter;
+  EXPECT_EQ(first, train_row(row, dir, "resumed", 1, {save, "train.resume=auto"}))
+      << "stopped after step " << kStopAfter << " and resumed vs uninterrupted";
 }
 
 INSTANTIATE_TEST_SUITE_P(Rows, DeterminismMatrix, ::testing::ValuesIn(kRows),
