@@ -4,11 +4,12 @@
 //   build/bench_fingerprint [CONFIG.toml] [rounds]     default configs/gpt2-peer.toml, 10 rounds
 //
 // Each round times one training step (every micro-batch's forward and backward, then AdamW) on 2
-// threads, then, five times over, the fingerprint's hashing of the same state three ways: one XXH3
-// stream per buffer on one thread (the hashing before BlockHasher), and the trainer's BlockHasher
-// (core/hash.h) over gradients, parameters (+ expert biases) and both Adam moments with 1 and with
-// 2 threads. Reports the median of each, its share of the step, and the fastest time seen (on a
-// shared machine the least disturbed sample).
+// threads, then, five times over, the fingerprint's hashing of the same state: the trainer's
+// hashes (core/hash.h BlockHasher over gradients, parameters + expert biases, both Adam moments)
+// with 1 and with 2 threads, and the same block hash of the same number of bytes computed with
+// libxxhash's XXH3 (Debian's build: baseline x86-64, SSE2), which the trainer called before
+// core/hash.cpp compiled XXH3 inline for AVX2. Reports the median of each, its share of the step,
+// and the fastest time seen (on a shared machine the least disturbed sample).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +17,8 @@
 #include <functional>
 #include <string>
 #include <vector>
+
+#include <xxhash.h>
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/hash.h"
@@ -69,45 +72,59 @@ int main(int argc, char** argv) {
       model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N * tc.accumulation_steps()));
     opt.step(ps, step, tc.lr);
   };
-  // The same state: the moments are contiguous in the optimizer (state views of every parameter).
-  const std::vector<Optimizer::StateView> state = opt.state(ps);
   uint64_t sink = 0;
-  auto serial = [&] {
-    sink ^= hash_floats(ps.grads(), n) ^ hash_floats(ps.values(), n);
-    Hasher h;
-    h.update(state.front().m, static_cast<size_t>(n) * sizeof(float));
-    h.update(state.front().v, static_cast<size_t>(n) * sizeof(float));
-    sink ^= h.digest();
-  };
-  auto blocks = [&] {
+  auto trainer_hashes = [&] {
     BlockHasher g;
     for (const ParamRange& r : opt.owned()) g.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
     sink ^= g.digest() ^ model.state_hash() ^ opt.hash();
   };
-  std::vector<double> t_step, t_serial, t_blocks1, t_blocks2;
+  // The before: BlockHasher's blocks and combine with the library's XXH3, over gradients,
+  // parameters and two more buffers of their size (the moments' bytes; hashing speed does not
+  // depend on the values).
+  const std::vector<float> m_bytes(ps.values(), ps.values() + n), v_bytes(ps.grads(), ps.grads() + n);
+  auto library_hashes = [&] {
+    for (const float* buf : std::initializer_list<const float*>{ps.grads(), ps.values(), m_bytes.data(), v_bytes.data()}) {
+      const auto* bytes = reinterpret_cast<const unsigned char*>(buf);
+      const size_t total = static_cast<size_t>(n) * sizeof(float), block = BlockHasher::kHashBlockBytes;
+      const auto blocks = static_cast<int64_t>((total + block - 1) / block);
+      std::vector<uint64_t> hashes(2 * static_cast<size_t>(blocks));
+      parallel_for(blocks, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const size_t len = std::min(block, total - static_cast<size_t>(b) * block);
+          hashes[2 * b] = XXH3_64bits(bytes + static_cast<size_t>(b) * block, len);
+          hashes[2 * b + 1] = len;
+        }
+      });
+      sink ^= XXH3_64bits(hashes.data(), hashes.size() * sizeof(uint64_t));
+    }
+  };
+  std::vector<double> t_step, t_library, t_blocks1, t_blocks2;
   train_step();  // warm-up
   for (int r = 0; r < rounds; ++r) {
     t_step.push_back(seconds(train_step));
     for (int rep = 0; rep < 5; ++rep) {  // hashing is short: more samples, interleaved
-      t_serial.push_back(seconds(serial));
+      {
+        ThreadPool::Bind bind(&two);
+        t_library.push_back(seconds(library_hashes));
+      }
       {
         ThreadPool::Bind bind(&one);
-        t_blocks1.push_back(seconds(blocks));
+        t_blocks1.push_back(seconds(trainer_hashes));
       }
       {
         ThreadPool::Bind bind(&two);
-        t_blocks2.push_back(seconds(blocks));
+        t_blocks2.push_back(seconds(trainer_hashes));
       }
     }
   }
   const double s = median(t_step);
   std::printf("%s: %.2fM parameters, %.1f MB hashed per fingerprint, %d rounds (checksum %016llx)\n", file.c_str(),
               static_cast<double>(n) / 1e6, 4.0 * static_cast<double>(n) * 4 / 1e6, rounds, (unsigned long long)sink);
-  std::printf("%-40s %9.2f ms  (GEMM: %s)\n", "training step (2 threads)", 1e3 * s, gemm_kernel_name());
-  for (const auto& [name, t] : {std::pair{"XXH3 per buffer, 1 thread (before)", &t_serial},
+  std::printf("%-44s %9.2f ms  (GEMM: %s)\n", "training step (2 threads)", 1e3 * s, gemm_kernel_name());
+  for (const auto& [name, t] : {std::pair{"libxxhash XXH3 blocks, 2 threads (before)", &t_library},
                                 std::pair{"BlockHasher, 1 thread", &t_blocks1},
                                 std::pair{"BlockHasher, 2 threads (the trainer)", &t_blocks2}})
-    std::printf("%-40s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * median(*t),
+    std::printf("%-44s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * median(*t),
                 100 * median(*t) / s, 1e3 * *std::min_element(t->begin(), t->end()));
   return 0;
 }

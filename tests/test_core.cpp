@@ -11,6 +11,8 @@
 #include <thread>
 #include <vector>
 
+#include <xxhash.h>
+
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
@@ -145,6 +147,23 @@ TEST(Hash, KnownValueAndHex) {
   EXPECT_EQ(hex64(1), "0000000000000001");
   EXPECT_EQ(hex32(0xabcu), "00000abc");
   EXPECT_NE(hash_bytes("a", 1), hash_bytes("a", 1, 1));
+}
+
+// hash_bytes compiles XXH3 inline for this build's instruction set (core/hash.cpp); the values must
+// be the library's (libxxhash, built for baseline x86-64) at every length class XXH3 treats apart
+// (0, 1-3, 4-8, 9-16, 17-128, 129-240, longer: stripes, blocks, tails) and with a seed.
+TEST(Hash, InlineXxh3EqualsTheLibrary) {
+  std::vector<unsigned char> data(70000);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 2654435761u >> 11);
+  for (size_t n : {0u, 1u, 3u, 4u, 8u, 9u, 16u, 17u, 128u, 129u, 240u, 241u, 1023u, 1024u, 1025u, 4096u, 65536u, 70000u}) {
+    EXPECT_EQ(hash_bytes(data.data(), n), XXH3_64bits(data.data(), n)) << n << " bytes";
+    EXPECT_EQ(hash_bytes(data.data() + 1, n - (n > 0), 77), XXH3_64bits_withSeed(data.data() + 1, n - (n > 0), 77))
+        << n << " bytes, seed";
+  }
+  Hasher h;
+  h.update(data.data(), 1000);
+  h.update(data.data() + 1000, data.size() - 1000);
+  EXPECT_EQ(h.digest(), XXH3_64bits(data.data(), data.size()));
 }
 
 TEST(Hash, HasherOverPiecesEqualsHashOfConcatenation) {
