@@ -8,7 +8,9 @@
 #include <filesystem>
 
 #include "lockstep/train/fingerprint.h"
+#include "lockstep/config/config.h"
 #include "lockstep/train/run_diff.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -85,7 +87,9 @@ TEST(Diff, ReportsEveryRankDifferingAtTheFirstStep) {
   });
   const RunDiff d = diff_runs(write_run(dir, "a", 3, 3), b);
   EXPECT_TRUE(contains(d.report, "step 2, rank 0")) << d.report;
-  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: 0, 2")) << d.report;
+  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
+                                 "rank 2 (dp 0, tp 2, pp 0, ep 0, cp 0)\n"))
+      << d.report;
 }
 
 TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
@@ -103,18 +107,65 @@ TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
 
 TEST(Diff, DifferentRankCountsCompareTheGlobalQuantitiesOnly) {
   TempDir dir;
-  // Per-rank hashes differ with the layout; the losses, grad norm and lr do not.
+  // Per-rank hashes differ with the layout; the losses, grad norm, lr and RNG state do not. Without
+  // a config.toml nothing says that the parameters are whole on every rank: not compared either.
   const std::string one = write_run(dir, "one", 1, 3, [](Fingerprint& f) { f.params = 7, f.grads = 8; });
   const RunDiff d = diff_runs(write_run(dir, "two", 2, 3), one);
   EXPECT_TRUE(d.identical) << d.report;
-  EXPECT_TRUE(contains(d.report, "per-rank hashes (params, grads, optimizer, rng) were not compared")) << d.report;
+  EXPECT_TRUE(contains(d.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n")) << d.report;
+  EXPECT_TRUE(contains(d.report, "not compared: params, grads, optimizer (each rank hashes its own shard")) << d.report;
+  EXPECT_TRUE(contains(d.report, one + " has no config.toml to tell its layout")) << d.report;
   EXPECT_TRUE(contains(d.report, "identical over 3 steps")) << d.report;
   const std::string moved = write_run(dir, "moved", 1, 3, [](Fingerprint& f) {
     if (f.step == 3) f.lr = 2e-3;
   });
   const RunDiff e = diff_runs(dir.path("two"), moved);
   EXPECT_FALSE(e.identical);
-  EXPECT_TRUE(contains(e.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), lr\n")) << e.report;
+  EXPECT_TRUE(contains(e.report, "first difference: step 3, lr (rank 0 of each run)\n")) << e.report;
+  const std::string rng = write_run(dir, "rng", 1, 3, [](Fingerprint& f) { f.rng += f.step == 2; });
+  EXPECT_TRUE(contains(diff_runs(dir.path("two"), rng).report, "first difference: step 2, rng (rank 0 of each run)\n"));
+}
+
+// Real runs of other layouts (determinism = "run", where the layout changes the bits): DP 2 vs
+// DP 1 part at step 1 by ~1e-8 in the grad norm (the loss agrees); every data-parallel rank holds
+// every parameter, so the parameters' hash is compared too. TP 2 splits the parameters: diff says
+// so and compares the global quantities only. The same layout twice is identical.
+TEST(Diff, RealRunsOfOtherLayoutsCompareGlobalQuantities) {
+  TempDir dir;
+  auto run = [&](const std::string& name, int ranks, std::vector<std::string> keys) {
+    for (const std::string& k : {std::string("train.steps=3"), std::string("train.eval_interval=0"),
+                                 std::string("train.threads=1"), "train.out_dir=" + dir.path(name)})
+      keys.push_back(k);
+    testing::train_ranks(ranks, load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/debug.toml"), keys));
+    return dir.path(name);
+  };
+  const std::string dp1 = run("dp1", 1, {}), dp2 = run("dp2", 2, {}), again = run("dp2_again", 2, {});
+  const std::string tp2 = run("tp2", 2, {"parallel.tensor=2"});
+  const RunDiff same = diff_runs(dp2, again);
+  EXPECT_TRUE(same.identical) << same.report;
+  EXPECT_TRUE(contains(same.report, "identical over 3 steps (1..3)")) << same.report;
+
+  const RunDiff dp = diff_runs(dp1, dp2);
+  EXPECT_FALSE(dp.identical);
+  EXPECT_TRUE(contains(dp.report, "different layouts (1 vs 2 ranks): comparing what every rank records alike, on rank 0 "
+                                  "of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, params, rng\n"))
+      << dp.report;
+  EXPECT_TRUE(contains(dp.report, "not compared: grads, optimizer (")) << dp.report;
+  EXPECT_TRUE(contains(dp.report, "first difference: step 1, grad_norm (rank 0 of each run)\n")) << dp.report;
+  // Both values, as bits and as numbers, within 1e-7 relative of each other.
+  const std::vector<FingerprintLine> l1 = read_fingerprint_lines(fingerprint_path(dp1, 0));
+  const std::vector<FingerprintLine> l2 = read_fingerprint_lines(fingerprint_path(dp2, 0));
+  ASSERT_EQ(*l1[0].find("loss"), *l2[0].find("loss"));
+  ASSERT_NE(*l1[0].find("grad_norm"), *l2[0].find("grad_norm"));
+  EXPECT_TRUE(contains(dp.report, dp1 + ": " + *l1[0].find("grad_norm") + " (")) << dp.report;
+  EXPECT_TRUE(contains(dp.report, dp2 + ": " + *l2[0].find("grad_norm") + " (")) << dp.report;
+
+  const RunDiff tp = diff_runs(tp2, dp1);
+  EXPECT_FALSE(tp.identical);
+  EXPECT_TRUE(contains(tp.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n")) << tp.report;
+  EXPECT_TRUE(contains(tp.report, "not compared: params, grads, optimizer (")) << tp.report;
+  EXPECT_TRUE(contains(tp.report, tp2 + " splits the parameters: parallel.tensor = 2)")) << tp.report;
+  EXPECT_TRUE(contains(tp.report, "first difference: step 1, loss (rank 0 of each run)\n")) << tp.report;
 }
 
 TEST(Diff, ClearErrorsForMissingOrMalformedInput) {

@@ -97,20 +97,30 @@ TEST(Trace, InjectionWithoutTracingChangesTheFingerprintsFromThatStep) {
   EXPECT_FALSE(std::filesystem::exists(dir.path("b/trace")));
 }
 
+// Two ranks, data parallel and tensor parallel (a dense model: MoE under TP does not exist yet):
+// the report names the rank with its coordinates, every rank that differs at that step, and the
+// module injected into.
 TEST(Trace, TwoRanksReportRankCoordinatesAndEveryRankThatDiffers) {
-  TempDir dir;
-  for (const char* run : {"a", "b"}) {
-    std::vector<std::string> keys = {"debug.trace=modules", "train.threads=1"};
-    if (run[0] == 'b') keys.push_back("debug.inject_ulp=2:layers.0.attn.proj");
-    const Config c = job(dir, run, keys);
-    std::FILE* sink = std::fopen("/dev/null", "w");
-    run_threads(2, c.dist.timeout_s, [&](Communicator& comm) { train(c, sink, comm); });
-    std::fclose(sink);
+  for (const std::vector<std::string>& layout : std::vector<std::vector<std::string>>{
+           {}, {"parallel.tensor=2", "moe.num_experts=0", "moe.shared_expert_intermediate_size=0"}}) {
+    SCOPED_TRACE(layout.empty() ? "dp 2" : "tp 2");
+    TempDir dir;
+    for (const char* run : {"a", "b"}) {
+      std::vector<std::string> keys = {"debug.trace=modules", "train.threads=1"};
+      keys.insert(keys.end(), layout.begin(), layout.end());
+      if (run[0] == 'b') keys.push_back("debug.inject_ulp=2:layers.0.attn.proj");
+      testing::train_ranks(2, job(dir, run, keys));
+    }
+    const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
+    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0)")) << d.report;
+    EXPECT_TRUE(contains(d.report, layout.empty() ? "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
+                                                    "rank 1 (dp 1, tp 0, pp 0, ep 0, cp 0)\n"
+                                                  : "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
+                                                    "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0)\n"))
+        << d.report;
+    EXPECT_TRUE(contains(d.report, "module trace, rank 0: first difference at step 2, micro-batch 0: layers.0.attn.proj (out)"))
+        << d.report;
   }
-  const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
-  EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0")) << d.report;
-  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: 0, 1")) << d.report;
-  EXPECT_TRUE(contains(d.report, "layers.0.attn.proj (out)")) << d.report;
 }
 
 TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {

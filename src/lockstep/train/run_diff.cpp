@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <map>
 #include <set>
+#include <toml++/toml.h>
 #include <vector>
 
 #include "lockstep/core/error.h"
@@ -26,10 +27,37 @@ bool is_coordinate(const std::string& key) {
   return false;
 }
 
+// Fields every rank records alike whatever the layout: the step's fp64 scalars and the RNG state
+// (the seed and the global position in the data stream).
+bool is_global(const std::string& key) { return is_fingerprint_scalar(key) || key == "rng"; }
+
+// Why a rank's "params" hash may not cover every parameter in the run of `dir`, to follow the
+// directory's name: the sizes in its config.toml that split them (tensor, pipeline, expert or
+// expert-tensor parallelism; data and context parallel ranks hold whole replicas), or that no
+// config.toml says; "" when nothing splits them.
+std::string parameter_split(const std::string& dir) {
+  const std::string path = dir + "/config.toml";
+  std::error_code ec;
+  if (!fs::exists(path, ec)) return "has no config.toml to tell its layout";
+  toml::table t;
+  try {
+    t = toml::parse_file(path);
+  } catch (const toml::parse_error&) {
+    return "has a config.toml that does not parse";
+  }
+  std::string split;
+  for (const char* key : {"tensor", "pipeline", "expert", "expert_tensor"}) {
+    const int64_t size = t["parallel"][key].value_or(int64_t{1});
+    if (size != 1) split += str(split.empty() ? "" : ", ", "parallel.", key, " = ", size);
+  }
+  return split.empty() ? split : "splits the parameters: " + split;
+}
+
 // One run's fingerprints: per rank, its lines by step (a step written twice, e.g. by a resumed
 // run, counts with its last line).
 struct Run {
   std::string dir;
+  std::string parameter_split;  // parameter_split(dir)
   std::vector<std::vector<FingerprintLine>> lines;  // [rank]
   std::vector<std::map<int64_t, const FingerprintLine*>> by_step;  // [rank]
 
@@ -61,6 +89,7 @@ Run read_run(const std::string& dir) {
   if (files.empty()) user_error("'", fp_dir.string(), "' has no rank-NNNNN.jsonl fingerprint files");
   Run run;
   run.dir = dir;
+  run.parameter_split = parameter_split(dir);
   for (const auto& [rank, path] : files) {
     if (rank != run.ranks())
       user_error("'", fp_dir.string(), "' has no fingerprint file for rank ", run.ranks(), " (",
@@ -100,16 +129,24 @@ std::string shown(const std::string& key, const std::string* value) {
   return *value;
 }
 
-// The fields of a and b (a's order, then b's extra ones) that differ; with only_scalars, the
-// global fp64 quantities alone.
-std::vector<std::string> differing_fields(const FingerprintLine& a, const FingerprintLine& b, bool only_scalars) {
+// The fields of a and b (a's order, then b's extra ones), coordinates aside, for which compared(key).
+template <typename Compared>
+std::vector<std::string> fields_of(const FingerprintLine& a, const FingerprintLine& b, Compared compared) {
   std::vector<std::string> keys;
   for (const auto& [k, v] : a.fields) keys.push_back(k);
   for (const auto& [k, v] : b.fields)
     if (!a.find(k)) keys.push_back(k);
+  std::vector<std::string> out;
+  for (const std::string& k : keys)
+    if (!is_coordinate(k) && compared(k)) out.push_back(k);
+  return out;
+}
+
+// Those of the compared fields that differ.
+template <typename Compared>
+std::vector<std::string> differing_fields(const FingerprintLine& a, const FingerprintLine& b, Compared compared) {
   std::vector<std::string> diff;
-  for (const std::string& k : keys) {
-    if (is_coordinate(k) || (only_scalars && !is_fingerprint_scalar(k))) continue;
+  for (const std::string& k : fields_of(a, b, compared)) {
     const std::string *va = a.find(k), *vb = b.find(k);
     if (!va || !vb || *va != *vb) diff.push_back(k);
   }
@@ -207,10 +244,20 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
   auto say = [&](const std::string& line) { out.report += line + "\n"; };
   say(str("lockstep diff: ", a.dir, " (", a.ranks(), a.ranks() == 1 ? " rank, " : " ranks, ", a.steps_text(), ") vs ",
           b.dir, " (", b.ranks(), b.ranks() == 1 ? " rank, " : " ranks, ", b.steps_text(), ")"));
-  if (!per_rank)
+  // Across layouts: the global fields, and the parameters' hash where every rank of both runs holds
+  // every parameter (data and context parallel replicas).
+  const bool whole_params = a.parameter_split.empty() && b.parameter_split.empty();
+  auto compared = [&](const std::string& key) { return per_rank || is_global(key) || (whole_params && key == "params"); };
+  if (!per_rank) {
+    const FingerprintLine &fa = *a.by_step[0].at(*steps.begin()), &fb = *b.by_step[0].at(*steps.begin());
     say(str("different layouts (", a.ranks(), " vs ", b.ranks(), " ranks", a.ranks() == b.ranks() ? ", other coordinates" : "",
-            "): comparing the global quantities (loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr) of rank 0; "
-            "per-rank hashes (params, grads, optimizer, rng) were not compared"));
+            "): comparing what every rank records alike, on rank 0 of each run: ", join(fields_of(fa, fb, compared))));
+    const std::vector<std::string> skipped = fields_of(fa, fb, [&](const std::string& k) { return !compared(k); });
+    std::string why = "each rank hashes its own shard of the gradients and optimizer state, which depends on the layout";
+    for (const Run* run : {&a, &b})
+      if (!run->parameter_split.empty()) why += str("; ", run->dir, " ", run->parameter_split);
+    if (!skipped.empty()) say(str("  not compared: ", join(skipped), " (", why, ")"));
+  }
   const bool same_steps = a.steps_text() == b.steps_text();
 
   for (const int64_t step : steps) {
@@ -220,7 +267,7 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     for (int r = 0; r < ranks; ++r) {
       const auto ia = a.by_step[r].find(step), ib = b.by_step[r].find(step);
       if (ia == a.by_step[r].end() || ib == b.by_step[r].end()) continue;
-      const std::vector<std::string> diff = differing_fields(*ia->second, *ib->second, !per_rank);
+      const std::vector<std::string> diff = differing_fields(*ia->second, *ib->second, compared);
       if (diff.empty()) continue;
       ranks_differing.push_back(r);
       if (first_rank < 0) first_rank = r, first_fields = diff;
@@ -229,15 +276,16 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     const FingerprintLine& la = *a.by_step[first_rank].at(step);
     const FingerprintLine& lb = *b.by_step[first_rank].at(step);
     const std::string& key = first_fields.front();
-    say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
+    if (per_rank) say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
+    else say(str("first difference: step ", step, ", ", key, " (rank 0 of each run)"));
     say(str("  ", a.dir, ": ", shown(key, la.find(key))));
     say(str("  ", b.dir, ": ", shown(key, lb.find(key))));
     if (first_fields.size() > 1)
-      say(str("  also differing at step ", step, " on rank ", first_rank, ": ",
+      say(str("  also differing at step ", step, per_rank ? str(" on rank ", first_rank) : std::string(), ": ",
               join(std::vector<std::string>(first_fields.begin() + 1, first_fields.end()))));
     if (ranks_differing.size() > 1) {
       std::vector<std::string> rs;
-      for (int r : ranks_differing) rs.push_back(std::to_string(r));
+      for (int r : ranks_differing) rs.push_back(where(*a.by_step[r].at(step), r));
       say(str("  ranks differing at step ", step, ": ", join(rs)));
     }
     if (per_rank) {

@@ -5,8 +5,11 @@
 // reported with its step, its rank and the rank's mesh coordinates (dp/tp/pp/ep/cp), and both
 // values (fp64 fields as their hex bits and as numbers). Runs of different lengths are compared
 // over their common steps. Runs with different rank counts or coordinates (different layouts) are
-// compared on the global quantities only (loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, which
-// every rank records), and the report says that per-rank hashes were not compared.
+// compared on rank 0 of each run over what every rank records alike: the fp64 scalars (loss,
+// lm_loss, aux_loss, mtp_loss, grad_norm, lr) and the RNG state, plus the parameters' hash when
+// neither run's config.toml splits the parameters (tensor / pipeline / expert / expert-tensor
+// parallelism; data and context parallel ranks hold every parameter). The report lists the fields
+// it did not compare and why (each rank hashes its own shard of the gradients and optimizer state).
 //
 // When both runs were traced (debug.trace = "modules": RUN/trace/rank-NNNNN.jsonl, model/trace.h),
 // the report also names the first module record (step, micro-batch, module, out / grad_in) whose
