@@ -15,6 +15,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/philox.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep::testing {
 
@@ -94,6 +95,22 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     }
     same_bits(out.data(), want.data() + me * n, n, str("reduce_scatter n=", n));
     h.update(out.data(), out.size() * sizeof(float));
+
+    // tree_sum: the canonical tree over ranks (core/tree_sum.h), by all_reduce and reduce_scatter.
+    {
+      std::vector<std::vector<float>> xs;
+      std::vector<const float*> leaves;
+      for (int r = 0; r < P; ++r) xs.push_back(rank_values(r, n * P, "tree"));
+      for (const auto& x : xs) leaves.push_back(x.data());
+      std::vector<float> tree(n * P), stack(tree_sum_stack(P) * n * P + 1);
+      tree_sum(tree.data(), leaves.data(), P, n * P, stack.data());
+      std::vector<float> reduced = xs[me], chunk(n);
+      comm.all_reduce(reduced.data(), n * P, ReduceOp::tree_sum);
+      same_bits(reduced.data(), tree.data(), n * P, str("all_reduce tree_sum n=", n * P));
+      comm.reduce_scatter(chunk.data(), xs[me].data(), n, ReduceOp::tree_sum);
+      same_bits(chunk.data(), tree.data() + me * n, n, str("reduce_scatter tree_sum n=", n));
+      h.update(chunk.data(), chunk.size() * sizeof(float));
+    }
 
     // all_gather
     std::vector<float> mine = rank_values(me, n, "ag"), all(n * P);

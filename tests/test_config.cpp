@@ -109,8 +109,8 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
             "config: model.vocab_size = 100 is smaller than the data's byte vocabulary (256)");
   EXPECT_EQ(error_of("", {"data.source=parquet:x"}),
             "config: data.source = \"parquet:x\": expected \"synthetic\", \"text:PATH\" or \"indexed:PREFIX\"");
-  EXPECT_EQ(error_of("", {"determinism=layout"}),
-            "command line: determinism = \"layout\": expected one of run");
+  EXPECT_EQ(error_of("", {"determinism=bitwise"}),
+            "command line: determinism = \"bitwise\": expected one of run, layout");
 }
 
 TEST(Config, MalformedInputs) {

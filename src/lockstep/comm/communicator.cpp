@@ -8,6 +8,8 @@
 #include "lockstep/comm/progress.h"
 #include "lockstep/comm/transport.h"
 #include "lockstep/core/error.h"
+#include "lockstep/core/exact_sum.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -122,12 +124,23 @@ template <typename T>
 void ordered_fold(T* out, const T* const* contrib, int P, int64_t n, ReduceOp op) {
   constexpr int64_t tile = 2048;
   alignas(64) T o[tile];
+  if (op == ReduceOp::tree_sum && P > 2) {
+    std::vector<T> stack(static_cast<size_t>(tree_sum_stack(P) * tile));
+    std::vector<const T*> at(static_cast<size_t>(P));
+    for (int64_t i0 = 0; i0 < n; i0 += tile) {
+      const int64_t m = std::min(n - i0, tile);
+      for (int r = 0; r < P; ++r) at[r] = contrib[r] + i0;
+      tree_sum(o, at.data(), P, m, stack.data());
+      std::memcpy(out + i0, o, static_cast<size_t>(m) * sizeof(T));
+    }
+    return;
+  }
   for (int64_t i0 = 0; i0 < n; i0 += tile) {
     const int64_t m = std::min(n - i0, tile);
     std::memcpy(o, contrib[0] + i0, static_cast<size_t>(m) * sizeof(T));
     for (int r = 1; r < P; ++r) {
       const T* c = contrib[r] + i0;
-      if (op == ReduceOp::sum) {
+      if (op != ReduceOp::max) {
         for (int64_t i = 0; i < m; ++i) o[i] = o[i] + c[i];
       } else {
         for (int64_t i = 0; i < m; ++i) o[i] = max_of(o[i], c[i]);
@@ -232,6 +245,20 @@ Work Communicator::reduce_scatter_async(T* out, const T* in, int64_t count, Redu
     for (int r = 0; r <= P; ++r) off[r] = r * count;
     reduce_scatter_step(*t, out, in, off, op, op_info(*t, "reduce_scatter"));
   }));
+}
+
+void all_reduce_exact(Communicator& comm, ExactSum* sums, int n) {
+  const int P = comm.size();
+  if (P == 1 || n == 0) return;
+  const int64_t words = static_cast<int64_t>(n) * ExactSum::kWords;
+  std::vector<uint64_t> mine(static_cast<size_t>(words)), all(static_cast<size_t>(words * P));
+  for (int i = 0; i < n; ++i) sums[i].to_words(mine.data() + i * ExactSum::kWords);
+  comm.all_gather(all.data(), mine.data(), words);
+  for (int i = 0; i < n; ++i) {
+    ExactSum s;
+    for (int r = 0; r < P; ++r) s.merge(ExactSum::from_words(all.data() + r * words + i * ExactSum::kWords));
+    sums[i] = s;
+  }
 }
 
 #define LOCKSTEP_INSTANTIATE(T)                                                           \

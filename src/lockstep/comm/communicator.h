@@ -12,7 +12,9 @@
 // the order in which messages arrive. The same inputs therefore give the same bits on `threads`
 // and `mpi` (checked by tests), and equal the serial left fold over ranks. Max returns the first
 // NaN in rank order if any contribution is NaN, else the largest value (+0 and -0 compare equal;
-// the one of the lowest rank wins).
+// the one of the lowest rank wins). tree_sum sums the P contributions along the canonical tree over
+// ranks instead (core/tree_sum.h: split at the largest power of two below P), the cross-rank part
+// of determinism = "layout"'s micro-batch tree; it equals sum for P <= 2.
 //
 // Asynchrony: every operation has an `_async` form that returns a Work handle at once; the
 // operation runs on the rank's progress thread (one per rank, shared by the rank's groups) while
@@ -46,7 +48,7 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& msg) : std::runtime_error(msg) {}
 };
 
-enum class ReduceOp { sum, max };
+enum class ReduceOp { sum, max, tree_sum };
 
 // Handle of an asynchronous operation. wait() blocks until the operation is complete and rethrows
 // its error; a handle destroyed without wait() waits (and drops the error: the failure has already
@@ -157,6 +159,12 @@ class Communicator {
   std::shared_ptr<Transport> transport_;
   std::shared_ptr<ProgressThread> progress_;
 };
+
+class ExactSum;
+// sums[0, n) <- each the exact sum of the group's accumulators (core/exact_sum.h): an all-gather of
+// their words, merged by integer addition, so every rank gets the same bits whatever the group's
+// size or order (determinism = "layout"'s scalar sums).
+void all_reduce_exact(Communicator& comm, ExactSum* sums, int n);
 
 // Reductions are defined for these element types (explicit instantiations in communicator.cpp).
 #define LOCKSTEP_COMM_REDUCE_TYPES(X) X(float) X(double) X(int32_t) X(int64_t) X(uint64_t)

@@ -136,7 +136,9 @@ void validate_tensor_parallel(const Config& c) {
 
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
-      LS_KEY(determinism, "determinism level (run: same config + binary => same bits)", {"run"}),
+      LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
+                          "for any data-parallel size, micro-batch spread, process count and backend)",
+             {"run", "layout"}),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
@@ -488,6 +490,30 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
+// determinism = "layout" (docs/determinism.md) covers data parallelism so far: what it cannot yet
+// make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
+// micro-batches per rank, depends on the world size: the trainer checks it.)
+void validate_layout_determinism(const Config& c) {
+  if (c.determinism != "layout") return;
+  const auto refuse = [](const std::string& what, const std::string& why) {
+    user_error("determinism = \"layout\" with ", what, ": ", why);
+  };
+  for (const auto& [name, size] : {std::pair<const char*, int64_t>{"tensor", c.parallel.tensor},
+                                   {"expert", c.parallel.expert},
+                                   {"pipeline", c.parallel.pipeline},
+                                   {"context", c.parallel.context},
+                                   {"expert_tensor", c.parallel.expert_tensor}})
+    if (size > 1)
+      refuse(str("parallel.", name, " = ", size), "only data parallelism is layout-invariant so far; use 1");
+  if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\""),
+           "low-precision recipes are not layout-invariant yet (delayed scaling's amax history is per rank)");
+  if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
+    refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
+           "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "
+           "the layout");
+}
+
 void validate(const Config& c) {
   const ModelConfig& m = c.model;
   const TrainConfig& t = c.train;
@@ -593,6 +619,7 @@ void validate(const Config& c) {
   }
   validate_moe(c.moe, m.num_layers);
   validate_precision(c.precision, m.num_layers);
+  validate_layout_determinism(c);
   const DebugConfig& dbg = c.debug;
   if (!dbg.inject_ulp.empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
     user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "

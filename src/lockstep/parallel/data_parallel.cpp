@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/exact_sum.h"
 #include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/train/optimizer.h"
 
@@ -80,6 +81,24 @@ std::vector<ParamRange> DataParallel::optimizer_ranges() const {
   return all;
 }
 
+void DataParallel::set_layout(int64_t micros, Communicator* world) {
+  world_ = world;
+  tree_.reset(ps_.total(), micros);
+  micro_ = pushed_ = 0;
+}
+
+void DataParallel::begin_micro(int64_t micro) {
+  if (!world_) return;
+  if (micro > 0) check_pushed();
+  micro_ = micro;
+  pushed_ = 0;
+}
+
+void DataParallel::check_pushed() const {
+  LOCKSTEP_CHECK(pushed_ == static_cast<int64_t>(ps_.specs().size()), "determinism = \"layout\": backward reported ",
+                 pushed_, " of ", ps_.specs().size(), " parameters final in micro-batch ", micro_);
+}
+
 void DataParallel::begin_last_micro() {
   for (Bucket& b : buckets_) b.pending = static_cast<int>(b.params.size());
   posted_in_backward_ = 0;
@@ -87,6 +106,11 @@ void DataParallel::begin_last_micro() {
 }
 
 void DataParallel::grads_ready(int first, int end) {
+  if (world_ && first < end) {
+    const ParamSpec& last = ps_.specs()[end - 1];
+    tree_.push(micro_, ps_.grads(), ps_.specs()[first].offset, last.offset + last.shape.numel());
+    pushed_ += end - first;
+  }
   if (!armed_) return;
   for (int p = first; p < end; ++p) {
     Bucket& b = buckets_[static_cast<size_t>(bucket_of_[p])];
@@ -126,15 +150,16 @@ void DataParallel::post(Bucket& b) {
   const int P = b.comm->size();
   if (P == 1) return;
   if (b.in_place >= 0) {
-    b.work = b.comm->all_reduce_async(ps_.grads() + b.in_place, b.in_place_size);
+    b.work = b.comm->all_reduce_async(ps_.grads() + b.in_place, b.in_place_size, reduce_op());
     return;
   }
   copy_bucket(b, ps_.grads(), Into::packed);
-  b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk)
-                        : b.comm->all_reduce_async(b.packed.data(), b.size);
+  b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
+                        : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
 }
 
 void DataParallel::finish_grad_sync() {
+  if (world_) check_pushed();
   for (Bucket& b : buckets_)
     if (!b.posted) post(b);
   for (Bucket& b : buckets_) {
@@ -160,6 +185,18 @@ double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
 }
 
 double DataParallel::grad_norm() {
+  if (world_) {
+    // Every element once over the world: this rank's chunk of each of its buckets (tensor-parallel
+    // replicas on tp rank 0 only), summed exactly.
+    ExactSum sum;
+    const bool skip_replicated = tp_ && tp_->rank() > 0;
+    for (const Bucket& b : buckets_)
+      for (const ParamRange& x : b.mine)
+        if (!(skip_replicated && ps_.specs()[x.param].tp_replicated))
+          sum.merge(exact_sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin));
+    all_reduce_exact(*world_, &sum, 1);
+    return std::sqrt(sum.value());
+  }
   double total = 0;
   for (const bool expert : {false, true}) {
     Communicator& comm = expert ? expert_ : dense_;

@@ -26,6 +26,17 @@
 // sums of squares in both modes. So a step gives the same bits with the replicated and the
 // distributed optimizer and with overlap on or off. ddp.bucket_size changes the grad norm's last
 // bits (it groups and orders the partial sums), hence the clipped update's.
+//
+// determinism = "layout" (set_layout; docs/determinism.md): the same bits for any number of
+// data-parallel ranks and any spread of the step's micro-batches over them. Each micro-batch's
+// gradient is computed from zero: as backward reports parameters final (the grads-ready hook, every
+// micro-batch), their gradients are pushed as one leaf into a canonical-tree sum over the rank's
+// micro-batches (core/tree_sum.h) and zeroed; the last micro-batch's push leaves the rank's tree sum
+// in ps.grads(). The buckets are then reduced with ReduceOp::tree_sum, the canonical tree over
+// ranks: with a power-of-two number of micro-batches per rank that is exactly the canonical tree
+// over all the step's micro-batches, the single-process sum. The gradient norm is the exact sum of
+// squares (core/exact_sum.h) over each element once, so neither the chunking nor bucket_size
+// changes it.
 #pragma once
 
 #include <cstdint>
@@ -34,6 +45,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
@@ -53,6 +65,13 @@ class DataParallel {
   std::vector<ParamRange> optimizer_ranges() const;
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
+  // determinism = "layout": `micros` micro-batches per rank and step (a power of two when the
+  // group has more than one rank: the trainer checks); world: every rank of the job (the gradient
+  // norm's exact sum runs over it).
+  void set_layout(int64_t micros, Communicator* world);
+  // Before micro-batch `micro` (0-based, of this rank's step) under set_layout: the leaf its
+  // gradients are pushed as.
+  void begin_micro(int64_t micro);
   // Before the last micro-batch's backward: from here grads_ready() posts the buckets it completes
   // (when ddp.overlap_grad_reduce; otherwise it ignores the calls).
   void begin_last_micro();
@@ -117,7 +136,14 @@ class DataParallel {
   // Rank r's chunk's sum of squares over every bucket of one buffer.
   double chunk_sum_of_squares(bool expert, int r) const;
 
+  // Checks that the last micro-batch's backward reported every parameter once (layout mode).
+  void check_pushed() const;
+  ReduceOp reduce_op() const { return world_ ? ReduceOp::tree_sum : ReduceOp::sum; }
+
   ParamStore& ps_;
+  Communicator* world_ = nullptr;  // set in layout mode
+  TreeSum tree_;
+  int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;
   Communicator* tp_ = nullptr;

@@ -18,6 +18,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/mesh.h"
 #include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/core/exact_sum.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/thread_pool.h"
@@ -158,6 +159,15 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (dc.reset_position_ids || dc.reset_attention_mask)
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
   DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
+  // determinism = "layout": the step's micro-batch gradients and scalar sums are combined exactly
+  // or along the canonical tree (parallel/data_parallel.h, docs/determinism.md).
+  const bool layout = config.determinism == "layout";
+  const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
+  if (layout && dp_size > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
+    user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
+               "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
+               tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
+  if (layout) dp.set_layout(accum, &comm);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
   dp.set_expert_parallel(ep);
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
@@ -219,7 +229,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak();
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
-  const int64_t accum = tc.global_batch / (B * dp_size);  // micro-batches per rank and step
   const int64_t tokens_per_step = tc.global_batch * T;
   const double flops_per_token = model.flops_per_token();
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
@@ -251,15 +260,21 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // as the busiest one (the extra ones count nothing).
   auto evaluate = [&]() {
     double sum = 0;
+    ExactSum exact;
     const int64_t rounds = ep ? (tc.eval_batches + dp_size - 1) / dp_size : 0;
     for (int64_t i = coords.dp, round = 0; i < tc.eval_batches || round < rounds; i += dp_size, ++round) {
       const bool counted = i < tc.eval_batches;
       data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>((counted ? i : 0) * B), B);
       if (dc.eod_mask_loss) mask_eod_targets(targets.data(), tokens.data(), N, eod);
       const double loss = model.evaluate(tokens.data(), targets.data());
-      if (counted) sum += loss;
+      if (counted) sum += loss, exact.add(loss);
     }
-    if (dp_size > 1) dense_dp.all_reduce(&sum, 1);
+    if (layout) {
+      all_reduce_exact(dense_dp, &exact, 1);
+      sum = exact.value();
+    } else if (dp_size > 1) {
+      dense_dp.all_reduce(&sum, 1);
+    }
     return sum / static_cast<double>(tc.eval_batches);
   };
 
@@ -330,9 +345,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // Sums over this rank's micro-batches of the LM loss (token-weighted with eod_mask_loss), aux
     // and MTP losses, then over the data-parallel ranks.
     double sums[3] = {0, 0, 0};
+    ExactSum exact_sums[3];  // the same, exactly (layout mode)
     model.begin_step(tc.seed, step, first_micro);
     for (int64_t micro = 0; micro < accum; ++micro) {
       const int64_t counted = fetch(micro);
+      dp.begin_micro(micro);
       if (micro == accum - 1) dp.begin_last_micro();
       if (trace) trace->set_position(step, micro);
       double micro_loss = 0;
@@ -346,13 +363,21 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
       }
-      sums[0] += dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss;
-      sums[1] += model.aux_loss();
-      sums[2] += model.mtp_loss();
+      const double micro_sums[3] = {dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
+                                    model.aux_loss(), model.mtp_loss()};
+      for (int k = 0; k < 3; ++k) {
+        sums[k] += micro_sums[k];
+        exact_sums[k].add(micro_sums[k]);
+      }
     }
     dp.finish_grad_sync();
     reduce_sequence_parallel_grads(tp, ps);
-    if (dp_size > 1) dense_dp.all_reduce(sums, 3);
+    if (layout) {
+      all_reduce_exact(dense_dp, exact_sums, 3);
+      for (int k = 0; k < 3; ++k) sums[k] = exact_sums[k].value();
+    } else if (dp_size > 1) {
+      dense_dp.all_reduce(sums, 3);
+    }
     const double micros = static_cast<double>(accum * dp_size);
     const double lm_loss = sums[0] / (dc.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
     const double aux_loss = sums[1] / micros, mtp_loss = sums[2] / micros;

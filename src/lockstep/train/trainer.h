@@ -4,7 +4,8 @@
 //
 // Determinism (determinism = "run"): the loss, grad norm, parameters and optimizer state of
 // every step are a pure function of the config; the thread count changes nothing (checked by
-// comparing fingerprint files in tests).
+// comparing fingerprint files in tests). determinism = "layout": also the data-parallel size, the
+// micro-batches' spread and the process count change nothing (docs/determinism.md).
 #pragma once
 
 #include <cstdint>

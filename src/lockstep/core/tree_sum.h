@@ -1,0 +1,78 @@
+// The canonical summation tree: the combiner of determinism = "layout" for big buffers (gradients,
+// docs/determinism.md).
+//
+// The canonical tree over leaves x_0 .. x_{L-1} depends on L only:
+//     tree(x_0 .. x_{L-1}) = x_0                                        when L = 1
+//                          = tree(x_0 .. x_{p-1}) + tree(x_p .. x_{L-1}) otherwise,
+// p the largest power of two below L (canonical_split). Each element is summed along this tree
+// (floating-point addition is commutative, so only the tree's shape matters, not which operand
+// comes first). Two properties make it the layout-invariant sum of micro-batch gradients:
+//   - blocks: when L = D x A with A a power of two, the D blocks of A consecutive leaves are whole
+//     subtrees, and the tree above them is the canonical tree over D leaves. So D ranks that each
+//     sum their A micro-batches along the canonical tree, then combine the D partial sums along the
+//     canonical tree over ranks (ReduceOp::tree_sum, comm/communicator.h), get exactly the bits of
+//     one process summing all L leaves.
+//   - streaming: the leaves can be pushed one at a time with ceil(log2 L) partial sums kept (a
+//     binary counter: after leaf c, bit j of c + 1 says whether a complete subtree of 2^j leaves is
+//     held), so a trainer never holds more than that many gradient-sized buffers.
+// Everything here is elementwise: the result is bitwise independent of threads and of how the
+// elements are split into ranges.
+#pragma once
+
+#include <bit>
+#include <cstdint>
+#include <vector>
+
+#include "lockstep/core/tensor.h"
+
+namespace lockstep {
+
+// The largest power of two below n (n >= 2): where the canonical tree over n leaves splits.
+inline int64_t canonical_split(int64_t n) { return int64_t{1} << (std::bit_width(static_cast<uint64_t>(n - 1)) - 1); }
+
+// out[i] = the canonical tree sum of leaves[0][i] .. leaves[L-1][i]. stack: scratch of
+// tree_sum_stack(L) x n elements. out may alias leaves[L-1] (and no other leaf).
+template <typename T>
+void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack);
+inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_cast<uint64_t>(L - 1)) : 0; }
+
+// Streaming canonical-tree sum of `leaves` float buffers of n elements, pushed in order, possibly
+// range by range (each range of a leaf pushed once, leaves in increasing order per element).
+class TreeSum {
+ public:
+  void reset(int64_t n, int64_t leaves);
+  int64_t leaves() const { return leaves_; }
+  // x[begin, end) holds leaf `leaf`'s values there. Except for the last leaf they are folded into
+  // the partial sums and x[begin, end) is zeroed (ready to accumulate the next leaf from zero); for
+  // the last leaf x[begin, end) becomes the tree sum of all leaves. Parallel over the current pool.
+  void push(int64_t leaf, float* x, int64_t begin, int64_t end);
+
+ private:
+  int64_t n_ = 0, leaves_ = 1;
+  std::vector<FloatBuffer> stack_;  // stack_[j]: a complete subtree of 2^j leaves when held
+};
+
+template <typename T>
+void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack) {
+  // Leaf c completes the subtrees of its trailing one bits: carry = S_0 + x, S_1 + carry, ...,
+  // stored at the first zero bit; the last leaf folds every held subtree, smallest first.
+  for (int64_t c = 0; c + 1 < L; ++c) {
+    const int t = std::countr_one(static_cast<uint64_t>(c));
+    T* dst = stack + t * n;
+    const T* x = leaves[c];
+    for (int64_t i = 0; i < n; ++i) {
+      T carry = x[i];
+      for (int j = 0; j < t; ++j) carry = stack[j * n + i] + carry;
+      dst[i] = carry;
+    }
+  }
+  const uint64_t held = static_cast<uint64_t>(L - 1);
+  const T* x = leaves[L - 1];
+  for (int64_t i = 0; i < n; ++i) {
+    T carry = x[i];
+    for (uint64_t h = held; h; h &= h - 1) carry = stack[std::countr_zero(h) * n + i] + carry;
+    out[i] = carry;
+  }
+}
+
+}  // namespace lockstep

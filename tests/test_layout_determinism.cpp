@@ -1,0 +1,181 @@
+// determinism = "layout" (docs/determinism.md): one line per layout row, each trained on the threads
+// backend and compared BITWISE with the single-process run of the same job: every step's global
+// fingerprint fields (loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr and the hash of the
+// parameters, which every rank holds whole) and, from the final checkpoint, every tensor: the
+// parameters, both AdamW moments and the MoE expert biases. Also: what the mode refuses, and that
+// it changes the single-process bits of the `run` mode (another summation order) but not its
+// loss beyond rounding.
+#include <gtest/gtest.h>
+
+#include <bit>
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/train/checkpoint.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/trainer.h"
+#include "model_testing.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+using testing::TempDir;
+using testing::train_ranks;
+
+constexpr int kSteps = 3;
+
+// preset's debug config, 3 steps, global batch 8 in micro-batches of 2 (M = 4), a checkpoint at
+// the end, determinism = "layout", plus the row's keys.
+Config job(const std::string& preset, const std::string& out_dir, std::vector<std::string> extra) {
+  std::vector<std::string> o = {"determinism=layout", "train.steps=" + std::to_string(kSteps), "train.eval_interval=0",
+                                "train.threads=1", "train.micro_batch=2", "data.synthetic_bytes=65536",
+                                "train.save_interval=" + std::to_string(kSteps), "optimizer.clip_grad=1.0",
+                                "train.out_dir=" + out_dir};
+  o.insert(o.end(), extra.begin(), extra.end());
+  return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
+}
+
+// Rank 0's global fields per step: what every layout must reproduce.
+std::vector<std::string> global_fields(const std::string& run_dir) {
+  std::vector<std::string> out;
+  for (const FingerprintLine& line : read_fingerprint_lines(fingerprint_path(run_dir, 0))) {
+    std::string s = "step " + std::to_string(line.step);
+    for (const auto& [key, value] : line.fields)
+      if (is_fingerprint_scalar(key) || key == "params") s += " " + key + "=" + value;
+    out.push_back(s);
+  }
+  return out;
+}
+
+// Empty when every tensor of the two runs' last checkpoints has the same bits; else the first that
+// differs.
+std::string checkpoint_difference(const std::string& a, const std::string& b) {
+  const CheckpointMetadata ma = read_checkpoint_metadata(checkpoint_dir(a + "/checkpoints", kSteps));
+  const CheckpointMetadata mb = read_checkpoint_metadata(checkpoint_dir(b + "/checkpoints", kSteps));
+  if (ma.tensors.size() != mb.tensors.size()) return "tensor count";
+  for (const CheckpointTensor& t : ma.tensors) {
+    const CheckpointTensor* u = mb.find(t.name);
+    if (!u) return t.name + " missing";
+    if (read_checkpoint_tensor(ma, t) != read_checkpoint_tensor(mb, *u)) return t.name;
+  }
+  return "";
+}
+
+struct Row {
+  int ranks;
+  std::vector<std::string> keys;
+};
+
+// Trains the single-process run and every row; each row must match it bitwise.
+void rows_match_single_process(const std::string& preset, const std::vector<Row>& rows,
+                               const std::vector<std::string>& common = {}) {
+  TempDir dir;
+  const std::string ref = dir.path("single");
+  train_ranks(1, job(preset, ref, common));
+  const std::vector<std::string> expected = global_fields(ref);
+  ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
+  int k = 0;
+  for (const Row& row : rows) {
+    std::string name = std::to_string(row.ranks) + " ranks";
+    for (const std::string& key : row.keys) name += " " + key;
+    const std::string out = dir.path("row" + std::to_string(k++));
+    std::vector<std::string> keys = common;
+    keys.insert(keys.end(), row.keys.begin(), row.keys.end());
+    train_ranks(row.ranks, job(preset, out, keys));
+    EXPECT_EQ(global_fields(out), expected) << preset << ": " << name;
+    EXPECT_EQ(checkpoint_difference(ref, out), "") << preset << ": " << name << ": checkpoint tensor differs";
+  }
+}
+
+// Data parallel 1 / 2 / 4 (4, 2, 1 micro-batches per rank), replicated and distributed optimizer,
+// overlapped reduction and gather, several buckets, 1 vs 2 threads.
+const std::vector<Row> kDataParallelRows = {
+    {1, {"train.threads=2"}},
+    {2, {}},
+    {4, {}},
+    {2, {"optimizer.distributed=true"}},
+    {4, {"optimizer.distributed=true", "ddp.bucket_size=20000"}},
+    {2, {"ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+    {4, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+         "ddp.bucket_size=20000"}},
+    {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "train.threads=2"}},
+};
+
+TEST(LayoutDeterminism, DenseDataParallelLayoutsMatchSingleProcess) {
+  rows_match_single_process("debug", kDataParallelRows);
+}
+
+TEST(LayoutDeterminism, MoeDataParallelLayoutsMatchSingleProcess) {
+  rows_match_single_process("moe-debug", kDataParallelRows);
+}
+
+// Three micro-batches: the tree over 3 ranks (one micro-batch each) is the tree over 3 leaves.
+TEST(LayoutDeterminism, ThreeRanksMatchSingleProcess) {
+  rows_match_single_process("debug", {{3, {}}, {3, {"optimizer.distributed=true"}}}, {"train.global_batch=6"});
+}
+
+// The Llama flavour with MTP and bf16 weights, sigmoid router with expert bias and jitter (MoE).
+TEST(LayoutDeterminism, LlamaMtpBf16AndRouterFeaturesMatchSingleProcess) {
+  rows_match_single_process("debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
+                            {"model.preset=llama", "model.num_query_groups=2", "model.mtp_num_layers=1",
+                             "precision.params=bf16"});
+  rows_match_single_process("moe-debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
+                            {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
+                             "moe.input_jitter_eps=0.01", "moe.router_load_balancing_type=seq_aux_loss"});
+}
+
+// Same job, `run` vs `layout`, single process: the sums are ordered differently (tree vs left fold
+// over micro-batches, exact vs blocked sums of squares), so the bits may differ, but only by
+// rounding.
+TEST(LayoutDeterminism, LayoutModeIsTheSameTrainingWithinRounding) {
+  TempDir dir;
+  train_ranks(1, job("debug", dir.path("layout"), {}));
+  train_ranks(1, job("debug", dir.path("run"), {"determinism=run"}));
+  const auto a = read_fingerprint_lines(fingerprint_path(dir.path("layout"), 0));
+  const auto b = read_fingerprint_lines(fingerprint_path(dir.path("run"), 0));
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t s = 0; s < a.size(); ++s) {
+    const double la = std::bit_cast<double>(std::stoull(*a[s].find("loss"), nullptr, 16));
+    const double lb = std::bit_cast<double>(std::stoull(*b[s].find("loss"), nullptr, 16));
+    EXPECT_LT(std::fabs(la - lb), 1e-6 * std::fabs(lb)) << "step " << s + 1;
+  }
+}
+
+TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
+  TempDir dir;
+  auto error_of = [&](int ranks, const std::vector<std::string>& keys, const std::string& preset = "debug") {
+    try {
+      train_ranks(ranks, job(preset, dir.path("refused"), keys));
+    } catch (const std::exception& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  // 6 micro-batches on 2 ranks: 3 per rank is not a whole subtree of the canonical tree. (Errors
+  // come as "rank R: ..." from the trainer, "config: ..." from validation.)
+  EXPECT_NE(error_of(2, {"train.global_batch=12"})
+                .find("determinism = \"layout\" with 2 data-parallel ranks needs a power-of-two number of "
+                      "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) "
+                      "= 12 / (2 x 2) = 3"),
+            std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
+  EXPECT_NE(error_of(2, {"parallel.tensor=2"})
+                .find("determinism = \"layout\" with parallel.tensor = 2: only data parallelism is "
+                      "layout-invariant so far; use 1"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"parallel.expert=2"}, "moe-debug").find("determinism = \"layout\" with parallel.expert = 2"),
+            std::string::npos);
+  EXPECT_NE(error_of(1, {"precision.params=bf16", "precision.fp8=tensorwise"}).find(
+                "determinism = \"layout\" with precision.fp8 = \"tensorwise\""),
+            std::string::npos);
+  EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
+                .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace lockstep
