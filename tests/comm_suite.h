@@ -96,19 +96,21 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     same_bits(out.data(), want.data() + me * n, n, str("reduce_scatter n=", n));
     h.update(out.data(), out.size() * sizeof(float));
 
-    // tree_sum: the canonical tree over ranks (core/tree_sum.h), by all_reduce and reduce_scatter.
+    // tree_sum: the canonical tree over ranks (core/tree_sum.h), by all_reduce and reduce_scatter
+    // (over c x P >= n elements: the serial reference costs P leaves of that on every rank).
     {
+      const int64_t c = n / P + 1, total = c * P;
       std::vector<std::vector<float>> xs;
       std::vector<const float*> leaves;
-      for (int r = 0; r < P; ++r) xs.push_back(rank_values(r, n * P, "tree"));
+      for (int r = 0; r < P; ++r) xs.push_back(rank_values(r, total, "tree"));
       for (const auto& x : xs) leaves.push_back(x.data());
-      std::vector<float> tree(n * P), stack(tree_sum_stack(P) * n * P + 1);
-      tree_sum(tree.data(), leaves.data(), P, n * P, stack.data());
-      std::vector<float> reduced = xs[me], chunk(n);
-      comm.all_reduce(reduced.data(), n * P, ReduceOp::tree_sum);
-      same_bits(reduced.data(), tree.data(), n * P, str("all_reduce tree_sum n=", n * P));
-      comm.reduce_scatter(chunk.data(), xs[me].data(), n, ReduceOp::tree_sum);
-      same_bits(chunk.data(), tree.data() + me * n, n, str("reduce_scatter tree_sum n=", n));
+      std::vector<float> tree(total), stack(tree_sum_stack(P) * total + 1);
+      tree_sum(tree.data(), leaves.data(), P, total, stack.data());
+      std::vector<float> reduced = xs[me], chunk(c);
+      comm.all_reduce(reduced.data(), total, ReduceOp::tree_sum);
+      same_bits(reduced.data(), tree.data(), total, str("all_reduce tree_sum n=", total));
+      comm.reduce_scatter(chunk.data(), xs[me].data(), c, ReduceOp::tree_sum);
+      same_bits(chunk.data(), tree.data() + me * c, c, str("reduce_scatter tree_sum n=", c));
       h.update(chunk.data(), chunk.size() * sizeof(float));
     }
 
