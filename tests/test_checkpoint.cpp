@@ -388,6 +388,56 @@ TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   for (const char* run : {"tp2to1", "tp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
 }
 
+// ---- expert tensor parallelism: resume and resharding ----
+
+// TP 2 + SP with ETP 2 (the MoE preset on 2 ranks) resumes bitwise on both ranks; each expert's
+// pieces are boxes of the global tensors (fc: one per expert and rank, proj.bias from etp rank 0
+// only), and a checkpoint continues under the other layout (ETP 2 -> 1 process, 1 -> ETP 2) with
+// the losses of the uninterrupted run in that layout, to rounding.
+TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOne) {
+  TempDir dir;
+  const std::vector<std::string> etp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                                  "parallel.expert_tensor=2"});
+  const std::vector<std::string> one = dp_keys(1, false);
+  train_ranks(2, job("moe-debug.toml", dir.path("whole2"), etp2));
+  train_ranks(2, job("moe-debug.toml", dir.path("etp2"), plus(etp2, {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(2, job("moe-debug.toml", dir.path("etp2"), plus(etp2, {"train.resume=auto"})));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole2"), r)), read_file(fingerprint_path(dir.path("etp2"), r))) << r;
+
+  train_ranks(1, job("moe-debug.toml", dir.path("whole1"), one));
+  train_ranks(1, job("moe-debug.toml", dir.path("etp1"), plus(one, {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("etp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("etp1/checkpoints"), 2);
+  const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
+  EXPECT_EQ(m2.info.layout.etp, 2);
+  ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
+  for (const CheckpointTensor& t : m2.tensors) {
+    ASSERT_NE(m1.find(t.name), nullptr) << t.name;
+    EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
+  }
+  EXPECT_EQ(m2.find("param/layers.0.moe.experts.fc.weight")->pieces.size(), 8u);  // 2 ranks x 4 experts
+  EXPECT_EQ(m2.find("param/layers.0.moe.experts.proj.weight")->pieces.size(), 2u);  // columns of each rank's units
+  EXPECT_EQ(m2.find("param/layers.0.moe.experts.proj.bias")->pieces.size(), 1u);    // etp rank 0's
+  EXPECT_EQ(m2.find("param/layers.0.moe.router.weight")->pieces.size(), 1u);        // replicated: written once
+
+  train_ranks(1, job("moe-debug.toml", dir.path("etp2to1"), plus(one, {"train.resume=" + at2})));
+  train_ranks(2, job("moe-debug.toml", dir.path("etp1to2"), plus(etp2, {"train.resume=" + at1})));
+  auto losses = [&](const std::string& run) {
+    std::vector<double> out;
+    std::istringstream in(read_file(dir.path(run) + "/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+    return out;
+  };
+  const std::vector<double> w1 = losses("whole1"), w2 = losses("whole2"), r1 = losses("etp2to1"), r2 = losses("etp1to2");
+  ASSERT_EQ(w1.size(), 4u);
+  ASSERT_EQ(r1.size(), 2u);  // steps 3 and 4
+  ASSERT_EQ(r2.size(), 2u);
+  for (size_t s = 2; s < 4; ++s) {
+    EXPECT_NEAR(r1[s - 2], w1[s], 1e-6 * w1[s]) << "ETP 2 -> 1, step " << s + 1;
+    EXPECT_NEAR(r2[s - 2], w2[s], 1e-6 * w2[s]) << "1 -> ETP 2, step " << s + 1;
+  }
+}
+
 // ---- atomic commits ----
 
 TEST(CheckpointAtomic, KeepLastPrunesOlderAndKeepsTheNewest) {

@@ -89,6 +89,18 @@ const Row kRows[] = {
                                                          "model.preset=llama", "moe.router_score_function=sigmoid",
                                                          "moe.router_enable_expert_bias=true"}, 4},
     {"ep2_alltoall_bf16", "moe-debug.toml", {"parallel.expert=2", "moe.token_dispatcher=alltoall", "precision.params=bf16"}, 2},
+    {"tp2_sp_moe_jitter_every_aux_loss", "moe-debug.toml", {"parallel.tensor=2", "parallel.sequence_parallel=true", kMoeBalance,
+                                                             "moe.input_jitter_eps=0.01"}, 2},
+    {"tp2_llama_moe_shared_bias", "moe-debug.toml", {"parallel.tensor=2", "model.preset=llama", "moe.router_score_function=sigmoid",
+                                                     "moe.router_enable_expert_bias=true", "moe.shared_expert_intermediate_size=32"}, 2},
+    {"etp2_llama_moe_swiglu", "moe-debug.toml", {"parallel.expert_tensor=2", "model.preset=llama"}, 2},
+    {"tp2_sp_etp2_ep2_alltoall_distributed", "moe-debug.toml", {"parallel.tensor=2", "parallel.sequence_parallel=true",
+                                                                "parallel.expert_tensor=2", "parallel.expert=2",
+                                                                "moe.token_dispatcher=alltoall", "train.micro_batch=2",
+                                                                "optimizer.distributed=true"}, 4},
+    {"tp2_etp2_ep2_allgather_bf16", "moe-debug.toml", {"parallel.tensor=2", "parallel.expert_tensor=2", "parallel.expert=2",
+                                                       "moe.token_dispatcher=allgather", "train.micro_batch=2",
+                                                       "precision.params=bf16"}, 4},
 };
 
 constexpr int kSteps = 3;

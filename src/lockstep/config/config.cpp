@@ -129,9 +129,36 @@ void validate_tensor_parallel(const Config& c) {
   if (c.parallel.sequence_parallel && (c.train.micro_batch * m.seq_length) % tp)
     user_error("parallel.sequence_parallel: train.micro_batch x model.seq_length = ", c.train.micro_batch * m.seq_length,
                " tokens are not divisible by parallel.tensor = ", tp);
-  if (c.moe.num_experts > 0)
-    user_error("parallel.tensor = ", tp, ": tensor parallelism of MoE models is not supported yet (moe.num_experts = ",
-               c.moe.num_experts, "); use parallel.tensor = 1");
+  // An MoE layer routes 1 / tp of each micro-batch's tokens on each tensor-parallel rank.
+  if (c.moe.num_experts > 0 && (c.train.micro_batch * m.seq_length) % tp)
+    user_error("parallel.tensor = ", tp, " with an MoE model: train.micro_batch x model.seq_length = ",
+               c.train.micro_batch * m.seq_length, " tokens are not divisible by it (each tensor-parallel rank routes "
+               "its share of the tokens)");
+}
+
+// Expert parallelism and expert tensor parallelism split the experts of an MoE layer (experts over
+// ep, each expert's hidden units over etp); FP8 / FP4 GEMMs would scale a quantised expert over the
+// tokens of several ranks, so they are refused there.
+void validate_expert_parallel(const Config& c) {
+  const ParallelConfig& p = c.parallel;
+  const MoeConfig& e = c.moe;
+  for (const auto& [key, size] : {std::pair<const char*, int64_t>{"expert", p.expert}, {"expert_tensor", p.expert_tensor}})
+    if (size > 1 && e.num_experts == 0)
+      user_error("parallel.", key, " = ", size, " needs an MoE model (moe.num_experts > 0)");
+  const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
+  if (quantised && e.num_experts > 0 && (p.expert > 1 || p.expert_tensor > 1 || p.tensor > 1))
+    user_error("parallel.expert = ", p.expert, ", parallel.expert_tensor = ", p.expert_tensor, ", parallel.tensor = ",
+               p.tensor, " with precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\": an MoE model split over ranks runs fp32 or bf16 GEMMs only (a quantised expert's scales would span "
+               "the tokens of several ranks)");
+  if (e.num_experts % p.expert)
+    user_error("moe.num_experts = ", e.num_experts, " is not divisible by parallel.expert = ", p.expert,
+               " (every expert-parallel rank holds the same number of experts)");
+  const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
+  if (e.num_experts > 0 && F % p.expert_tensor)
+    user_error(e.ffn_hidden_size ? "moe.ffn_hidden_size = " : "moe.ffn_hidden_size = 0: the experts' width "
+               "model.ffn_hidden_size = ", F, " is not divisible by parallel.expert_tensor = ", p.expert_tensor,
+               " (every expert-tensor-parallel rank holds the same number of hidden units)");
 }
 
 const std::vector<Key>& keys() {
@@ -569,20 +596,11 @@ void validate(const Config& c) {
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
-    if (size > 1 && name != std::string("tensor") && name != std::string("expert"))
-      user_error("parallel.", name, " = ", size, ": ", name == std::string("expert_tensor") ? "expert tensor" : name,
-                 " parallelism is not implemented yet");
+    if (size > 1 && name != std::string("tensor") && name != std::string("expert") && name != std::string("expert_tensor"))
+      user_error("parallel.", name, " = ", size, ": ", name, " parallelism is not implemented yet");
   }
   validate_tensor_parallel(c);
-  if (c.parallel.expert > 1 && c.moe.num_experts == 0)
-    user_error("parallel.expert = ", c.parallel.expert, " needs an MoE model (moe.num_experts > 0)");
-  if (c.parallel.expert > 1 && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
-    user_error("parallel.expert = ", c.parallel.expert, " with precision.fp8 = \"", c.precision.fp8,
-               "\" / precision.fp4 = \"", c.precision.fp4, "\": expert parallelism runs fp32 or bf16 GEMMs only "
-               "(a quantised expert's scales would span the tokens of several ranks)");
-  if (c.moe.num_experts % c.parallel.expert)
-    user_error("moe.num_experts = ", c.moe.num_experts, " is not divisible by parallel.expert = ", c.parallel.expert,
-               " (every expert-parallel rank holds the same number of experts)");
+  validate_expert_parallel(c);
   if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");
   if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");

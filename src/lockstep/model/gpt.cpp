@@ -20,11 +20,10 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
-         const TensorParallel& tp, Communicator* ep)
+         const TensorParallel& tp, Communicator* ep, Communicator* etp)
     : m_(m), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
   // config validate() names the keys; these guard other callers.
-  LOCKSTEP_CHECK(!tp_.on() || moe.num_experts == 0, "tensor parallelism supports dense models only");
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   const float std = static_cast<float>(m.init_std);
   wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
@@ -36,7 +35,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     attn_.emplace_back(params_, arena_, prefix, m, B_, T_, tp_);
     if (moe.is_moe_layer(l, L_)) {
       mlp_.emplace_back();
-      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, ep));
+      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp}));
     } else {
       mlp_.emplace_back(params_, arena_, prefix, m, N_, tp_);
       moe_.push_back(nullptr);

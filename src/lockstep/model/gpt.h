@@ -48,12 +48,12 @@ class GPT {
   // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
   // MLP; with 0 the model is the dense one, bit for bit. precision: the numerics of forward and
   // backward (model/precision.h); the default is fp32.
-  // tp: the tensor-parallel group (none by default); dense models only. ep: the expert-parallel
-  // group (null = every expert on this rank; moe_layer.h): the table then holds only this rank's
-  // experts.
+  // tp: the tensor-parallel group (none by default). ep: the expert-parallel group (null = every
+  // expert on this rank; moe_layer.h): the table then holds only this rank's experts. etp: the
+  // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
-      Communicator* ep = nullptr);
+      Communicator* ep = nullptr, Communicator* etp = nullptr);
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).

@@ -197,7 +197,7 @@ double DataParallel::grad_norm() {
     all_reduce_exact(*world_, &sum, 1);
     return std::sqrt(sum.value());
   }
-  double total = 0;
+  double part[2] = {0, 0};  // dense, expert
   for (const bool expert : {false, true}) {
     Communicator& comm = expert ? expert_ : dense_;
     const bool any = std::any_of(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return (b.comm == &expert_) == expert; });
@@ -213,16 +213,18 @@ double DataParallel::grad_norm() {
     }
     double sum = 0;
     for (double c : chunks) sum += c;
-    if (expert && ep_ && ep_->size() > 1) ep_->all_reduce(&sum, 1);
-    total += sum;
+    part[expert] = sum;
   }
+  // Each tp rank holds its slices of the dense parameters (the replicated ones counted on tp rank
+  // 0 only); the experts are split over the tp-ep group instead.
   if (tp_ && tp_->size() > 1) {
     std::vector<double> ranks(static_cast<size_t>(tp_->size()));
-    tp_->all_gather(ranks.data(), &total, 1);
-    total = 0;
-    for (double t : ranks) total += t;
+    tp_->all_gather(ranks.data(), &part[0], 1);
+    part[0] = 0;
+    for (double t : ranks) part[0] += t;
   }
-  return std::sqrt(total);
+  if (ep_ && ep_->size() > 1) ep_->all_reduce(&part[1], 1);
+  return std::sqrt(part[0] + part[1]);
 }
 
 void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale) {

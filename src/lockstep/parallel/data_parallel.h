@@ -84,14 +84,14 @@ class DataParallel {
   // Tensor parallelism: the gradient norm also sums over the tensor-parallel group (tp), counting
   // the parameters every tp rank holds (ParamSpec::tp_replicated) once, on tp rank 0.
   void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
-  // Expert parallelism: the ranks of the ep group hold different experts, so the gradient norm adds
-  // their expert parts.
-  void set_expert_parallel(Communicator* ep) { ep_ = ep; }
+  // Expert (tensor) parallelism: the ranks of the expert-tensor x expert group (MeshGroup::tp_ep)
+  // hold different experts or different slices of them, so the gradient norm adds their expert parts.
+  void set_expert_parallel(Communicator* tp_ep) { ep_ = tp_ep; }
   // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
   // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether
-  // the chunks' sums are computed here or gathered from their owners); under tensor parallelism,
-  // the tp ranks' totals folded in rank order; under expert parallelism
-  // the expert part summed over the ep group in rank order first.
+  // the chunks' sums are computed here or gathered from their owners); under tensor parallelism
+  // the dense part is the tp ranks' parts folded in rank order, under expert (tensor) parallelism
+  // the expert part is summed over the tp-ep group in rank order.
   double grad_norm();
 
   // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each

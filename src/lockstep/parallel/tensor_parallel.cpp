@@ -153,7 +153,7 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
 }
 
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {
-  if (!tp.sequence) return;
+  if (!tp.on()) return;
   std::vector<int> params;
   int64_t n = 0;
   for (size_t i = 0; i < ps.specs().size(); ++i)
@@ -161,6 +161,7 @@ void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {
       params.push_back(static_cast<int>(i));
       n += ps.specs()[i].shape.numel();
     }
+  if (params.empty()) return;  // the same on every rank of the group: one table
   std::vector<float> packed(static_cast<size_t>(n));
   int64_t at = 0;
   for (int p : params) {

@@ -113,8 +113,9 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
                                   std::vector<float>& scratch);
 
-// Sequence parallelism: the sequence-parallel parameters' gradients (ParamSpec::sequence_parallel:
-// partial sums over each rank's rows) summed over the group, in table order (one all-reduce).
+// The sequence-parallel parameters' gradients (ParamSpec::sequence_parallel: partial sums over each
+// rank's rows: the norms under sequence parallelism, an MoE layer's norm, router and shared expert
+// under any tensor parallelism) summed over the group, in table order (one all-reduce).
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps);
 
 }  // namespace lockstep

@@ -141,6 +141,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
   Communicator expert_group = comm.split_groups(mesh.groups(MeshGroup::ep));
   Communicator* ep = mesh.ep() > 1 ? &expert_group : nullptr;
+  // Expert tensor parallelism: each expert's hidden units split over the etp group, which gathers
+  // its tokens (model/moe/expert_tensor_parallel.h). The experts' parts differ over etp x ep.
+  Communicator etp_group = comm.split_groups(mesh.groups(MeshGroup::etp));
+  Communicator* etp = mesh.etp() > 1 ? &etp_group : nullptr;
+  Communicator tp_ep_group = comm.split_groups(mesh.groups(MeshGroup::tp_ep));
+  const bool experts_split = ep || etp;
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -152,7 +158,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp);
   model.params().init(tc.seed);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
@@ -169,7 +175,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
   if (layout) dp.set_layout(accum, &comm);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
-  dp.set_expert_parallel(ep);
+  if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
@@ -261,7 +267,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   auto evaluate = [&]() {
     double sum = 0;
     ExactSum exact;
-    const int64_t rounds = ep ? (tc.eval_batches + dp_size - 1) / dp_size : 0;
+    const int64_t rounds = experts_split ? (tc.eval_batches + dp_size - 1) / dp_size : 0;
     for (int64_t i = coords.dp, round = 0; i < tc.eval_batches || round < rounds; i += dp_size, ++round) {
       const bool counted = i < tc.eval_batches;
       data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>((counted ? i : 0) * B), B);
@@ -298,7 +304,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       if (agree[0] != h || agree[1] != ~h)
         throw CommError(str("rank ", comm.rank(), ": step ", fp.step, ": the data-parallel replicas' parameters or loss differ"));
     };
-    if (!ep) {
+    if (!experts_split) {
       check_replicas(dense_dp, fp.params);
     } else {
       check_replicas(dense_dp, model.state_hash(/*experts=*/false));
@@ -319,7 +325,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const auto start = Clock::now();
   for (int64_t step = start_step; step <= tc.steps; ++step) {
     const auto t0 = Clock::now();
-    const int64_t tp_bytes_before = tp_group.bytes_sent();
+    const int64_t tp_bytes_before = tp_group.bytes_sent(), etp_bytes_before = etp_group.bytes_sent();
     ParamStore& ps = model.params();
     ps.zero_grads();
     const uint64_t first_sample = first_sample_of(step);
@@ -433,6 +439,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       .add("peak_mem_mb", peak_memory_mb(), 6),
                       moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
     if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
+    if (etp) metrics_line.add("etp_bytes", etp_group.bytes_sent() - etp_bytes_before);  // rank 0's, in its etp group
     if (metrics) metrics->write(metrics_line.str());
     if (step == start_step) summary.first_loss = loss;
     summary.last_loss = loss;

@@ -11,30 +11,49 @@
 namespace lockstep {
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                               int64_t E_, int64_t F_, int64_t max_rows, int64_t first, int64_t E_global,
-                               int64_t sources_)
-    : E(E_), C(m.hidden_size), F(F_), sources(sources_), swiglu(m.activation == "swiglu") {
-  if (E_global == 0) E_global = E;
+                               int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
+    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), swiglu(m.activation == "swiglu") {
+  const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
+  const int64_t P = shard.etp_size, r = shard.etp_rank;
   const float std = static_cast<float>(m.init_std);
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
-  const int64_t Fw = fc_width();
-  // This rank's experts: one box along dimension 0 of each (E_global, ...) tensor.
-  auto add = [&](const char* name, Shape global, Init init, float sd, bool decay) {
-    std::vector<int64_t> dims = global.dims(), at(dims.size(), 0);
-    dims[0] = E;
-    at[0] = first;
-    return ps.add_part(prefix + name, std::move(global), {ParamBox{at, Shape(dims)}}, init, sd, decay, /*expert=*/true);
+  const int64_t Fw = fc_width(), Fw_global = swiglu ? 2 * F_global : F_global;
+  auto add = [&](const std::string& name, Shape global, std::vector<ParamBox> boxes, Init init, float sd, bool decay) {
+    return ps.add_part(prefix + name, std::move(global), std::move(boxes), init, sd, decay, /*expert=*/true);
   };
-  fc_w = add("fc.weight", {E_global, Fw, C}, Init::normal, std, true);
-  if (m.bias) fc_b = add("fc.bias", {E_global, Fw}, Init::zeros, 0.0f, false);
-  proj_w = add("proj.weight", {E_global, C, F}, Init::normal, out_std, true);
-  if (m.bias) proj_b = add("proj.bias", {E_global, C}, Init::zeros, 0.0f, false);
+  // fc: per expert, this rank's rows of each section (gate, up), so that an expert's local rows
+  // are [gate slice | up slice] back to back. One box for all local experts when unsplit.
+  auto fc_boxes = [&](std::vector<int64_t> inner) {
+    std::vector<ParamBox> boxes;
+    std::vector<int64_t> at(inner.size() + 2, 0), dims = {E, Fw};
+    dims.insert(dims.end(), inner.begin(), inner.end());
+    if (P == 1) {
+      at[0] = first;
+      return std::vector<ParamBox>{ParamBox{at, Shape(dims)}};
+    }
+    dims[0] = 1;
+    dims[1] = F;
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t sec = 0; sec < (swiglu ? 2 : 1); ++sec) {
+        at[0] = first + e;
+        at[1] = sec * F_global + r * F;
+        boxes.push_back({at, Shape(dims)});
+      }
+    return boxes;
+  };
+  fc_w = add("fc.weight", {E_global, Fw_global, C}, fc_boxes({C}), Init::normal, std, true);
+  if (m.bias) fc_b = add("fc.bias", {E_global, Fw_global}, fc_boxes({}), Init::zeros, 0.0f, false);
+  proj_w = add("proj.weight", {E_global, C, F_global}, {ParamBox{{first, 0, r * F}, Shape{E, C, F}}}, Init::normal,
+               out_std, true);
+  // The row-parallel proj's bias is added once, by etp rank 0, to its partial sum.
+  if (m.bias && r == 0) proj_b = add("proj.bias", {E_global, C}, {ParamBox{{first, 0}, Shape{E, C}}}, Init::zeros, 0.0f, false);
   fc_out = arena.reserve(max_rows * fc_width());
   act = arena.reserve(max_rows * F);
   if (sources > 1) {
     dfc_w.resize(sources * E * Fw * C);
     dproj_w.resize(sources * E * C * F);
-    if (m.bias) dfc_b.resize(sources * E * Fw), dproj_b.resize(sources * E * C);
+    if (fc_b >= 0) dfc_b.resize(sources * E * Fw);
+    if (proj_b >= 0) dproj_b.resize(sources * E * C);
   }
 }
 

@@ -7,7 +7,10 @@
 // Parameters: <prefix>fc.weight (E, Fw, C), fc.bias (E, Fw), proj.weight (E, C, F), proj.bias (E, C);
 // biases only with model.bias. Under expert parallelism a rank holds the box of its experts
 // [first, first + E) of the layer's E_global (param_table.h's global_shape and boxes), drawn at
-// init exactly as the whole tensors would be.
+// init exactly as the whole tensors would be. Under expert tensor parallelism (P ranks,
+// expert_tensor_parallel.h) it holds, of each of its experts, the fc rows of its F / P hidden units
+// (one box per expert and section: [gate | up] stay contiguous per expert, as the grouped GEMM
+// reads them) and the proj columns of the same units; proj.bias only on etp rank 0.
 //
 // Weight gradients with several source ranks (sources > 1, expert parallelism): the rows of an
 // expert come from the micro-batches of S ranks. Each (expert, source) block accumulates into its
@@ -32,13 +35,19 @@ struct ExpertsScratch {
   float* dfc;   // (R, Fw)
 };
 
+// Which part of a layer's experts a rank holds.
+struct ExpertShard {
+  int64_t first = 0, E_global = 0;  // experts [first, first + E) of E_global (0: E, all of them)
+  int64_t sources = 1;              // ranks whose rows reach these experts (dispatcher / etp sources())
+  int64_t etp_rank = 0, etp_size = 1;  // the slice of each expert's hidden units
+};
+
 struct GroupedExperts {
   GroupedExperts() = default;
-  // max_rows: the most dispatched rows a micro-batch can have.
-  // E local experts starting at global expert `first` of E_global; sources: ranks whose rows
-  // reach these experts (the dispatcher's sources()).
+  // E local experts of width F_global (this rank computes F_global / etp_size of it); max_rows: the
+  // most rows a micro-batch can give these experts.
   GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t E,
-                 int64_t F, int64_t max_rows, int64_t first = 0, int64_t E_global = 0, int64_t sources = 1);
+                 int64_t F_global, int64_t max_rows, const ExpertShard& shard = ExpertShard{});
 
   // out (R, C) = expert_e(x) on the rows of each expert e.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets) const;
@@ -52,7 +61,7 @@ struct GroupedExperts {
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
-  int64_t E = 0, C = 0, F = 0, sources = 1;
+  int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
   bool swiglu = false;
   // Per-source weight gradients (E x sources blocks each), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;

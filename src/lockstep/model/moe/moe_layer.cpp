@@ -10,63 +10,103 @@
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
+#include "lockstep/model/moe/expert_tensor_parallel.h"
 #include "lockstep/model/precision.h"
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
 
 MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
-                   const MoeConfig& moe, int64_t B, int64_t T, Communicator* ep)
+                   const MoeConfig& moe, int64_t B, int64_t T, const MoeGroups& groups)
     : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
-      K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias) {
+      K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias),
+      F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()), tp_(groups.tp) {
+  LOCKSTEP_CHECK(N_ % tp_.size == 0, "MoE layer: ", N_, " tokens not divisible by the tensor-parallel size ", tp_.size);
+  Nl_ = N_ / tp_.size;
+  row0_ = tp_.rank * Nl_;
   name_ = prefix + "moe";
   router_name_ = name_ + ".router";
   experts_name_ = name_ + ".experts";
-  norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, N_, static_cast<float>(m.norm_eps));
+  const int first_replicated = static_cast<int>(ps.specs().size());
+  norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, Nl_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
-  const int64_t capacity = expert_capacity(spec_, N_);
+  // Capacity is per rank that routes: its Nl tokens (Megatron's, under sequence parallelism too).
+  const int64_t capacity = expert_capacity(spec_, Nl_);
   const bool pad = moe.pad_expert_input_to_capacity;
+  Communicator* ep = groups.ep;
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
   if (S == 1) {
-    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, N_, capacity, pad);
+    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, Nl_, capacity, pad);
     source_layout_ = local.get();
     dispatcher_ = std::move(local);
   } else if (moe.token_dispatcher == "alltoall") {
-    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, N_, capacity, pad);
+    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, Nl_, capacity, pad);
     source_layout_ = &a2a->source_layout();
     dispatcher_ = std::move(a2a);
   } else {
-    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, N_, capacity, pad);
+    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, Nl_, capacity, pad);
     source_layout_ = &ag->source_layout();
     dispatcher_ = std::move(ag);
   }
   const int64_t R = dispatcher_->max_rows();
-  const int64_t F = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
-  experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, El, F, R, first, E_, dispatcher_->sources());
-  if (moe.shared_expert_intermediate_size > 0)
-    shared_ = std::make_unique<SharedExpert>(ps, arena, prefix + "moe.shared.", m, moe.shared_expert_intermediate_size,
-                                             moe.shared_expert_gate, N_);
-  normed_ = arena.reserve(N_ * C_);
-  if (jitter_eps_ > 0) {
-    router_x_ = arena.reserve(N_ * C_);
-    jitter_ = arena.reserve(N_ * C_);
+  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1};
+  if (groups.etp && groups.etp->size() > 1) {
+    etp_ = std::make_unique<ExpertTensorParallel>(*groups.etp, El, S, C_, R);
+    shard.sources = etp_->sources();
+    shard.etp_rank = groups.etp->rank();
+    shard.etp_size = groups.etp->size();
   }
-  logits_ = arena.reserve(N_ * E_);
-  probs_ = arena.reserve(N_ * K_);
+  const int64_t expert_rows = etp_ ? etp_->max_rows() : R;
+  experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, El, F_, expert_rows, shard);
+  if (moe.shared_expert_intermediate_size > 0) {
+    const int first_shared = static_cast<int>(ps.specs().size());
+    shared_ = std::make_unique<SharedExpert>(ps, arena, prefix + "moe.shared.", m, moe.shared_expert_intermediate_size,
+                                             moe.shared_expert_gate, Nl_);
+    if (tp_.on())
+      for (int i = first_shared; i < static_cast<int>(ps.specs().size()); ++i) ps.set_sequence_parallel(i);
+  }
+  // The norm and the router see this rank's rows only (tensor parallelism): partial gradients.
+  if (tp_.on()) {
+    norm_.set_sequence_parallel(ps);
+    ps.set_sequence_parallel(router_w_);
+    LOCKSTEP_CHECK(first_replicated <= router_w_, "router declared before the norm");
+    all_logits_ = arena.reserve(N_ * E_);
+    if (!tp_.sequence) own_out_ = arena.reserve(Nl_ * C_);
+  }
+  if (etp_) {
+    etp_in_ = arena.reserve(expert_rows * C_);
+    etp_out_ = arena.reserve(expert_rows * C_);
+  }
+  normed_ = arena.reserve(Nl_ * C_);
+  if (jitter_eps_ > 0) {
+    router_x_ = arena.reserve(Nl_ * C_);
+    jitter_ = arena.reserve(Nl_ * C_);
+  }
+  logits_ = arena.reserve(Nl_ * E_);
+  probs_ = arena.reserve(Nl_ * K_);
   rows_in_ = arena.reserve(R * C_);
   rows_out_ = arena.reserve(R * C_);
-  idx_.resize(static_cast<size_t>(N_ * K_));
-  kept_.resize(static_cast<size_t>(N_ * K_));
+  idx_.resize(static_cast<size_t>(Nl_ * K_));
+  kept_.resize(static_cast<size_t>(Nl_ * K_));
   expert_bias_.assign(static_cast<size_t>(E_), 0.0f);
   step_counts_.assign(static_cast<size_t>(E_), 0);
   global_counts_sum_.assign(static_cast<size_t>(E_), 0);
   global_counts_.assign(static_cast<size_t>(E_), 0.0f);
 }
 
+MoeLayer::~MoeLayer() = default;
+
+int64_t MoeLayer::max_rows() const { return etp_ ? etp_->max_rows() : dispatcher_->max_rows(); }
+
 void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
                        bool training, uint64_t seed, int64_t step, int64_t micro) {
+  // This rank's rows: all of resid_in under sequence parallelism (or without tp), else a slice.
+  const bool slice = tp_.on() && !tp_.sequence;
+  const float* in = slice ? resid_in + row0_ * C_ : resid_in;
+  float* out = slice ? arena(own_out_) : resid_out;
+  const int64_t N = Nl_;
   float* x = arena(normed_);
-  norm_.forward(ps, arena, x, resid_in, N_);
+  norm_.forward(ps, arena, x, in, N);
 
   // Route. The jitter multiplies the router's input only; the experts see x itself.
   const float* rx = x;
@@ -77,8 +117,9 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     float* u = arena(jitter_);
     float* xr = arena(router_x_);
     const float lo = static_cast<float>(1.0 - jitter_eps_), width = static_cast<float>(2.0 * jitter_eps_);
-    const uint64_t first = static_cast<uint64_t>(micro * N_ * C_);  // global element index in the step's batch
-    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+    // Global element index in the step's batch.
+    const uint64_t first = static_cast<uint64_t>(micro * N_ * C_ + row0_ * C_);
+    parallel_for(N * C_, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         u[i] = lo + width * rng.uniform(first + static_cast<uint64_t>(i));
         xr[i] = x[i] * u[i];
@@ -88,26 +129,40 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   }
   float* logits = arena(logits_);
   float* probs = arena(probs_);
-  gemm(logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N_, E_, C_);
-  trace_out(router_name_, logits, N_ * E_);
-  route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N_);
-  apply_capacity(kept_.data(), idx_.data(), probs, spec_, N_);
-  aux_ = aux_losses_forward(logits, spec_, B_, T_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
+  gemm(logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
+  trace_out(router_name_, logits, N * E_);
+  route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
+  apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
+  // The aux losses are over the whole micro-batch: every tp rank gets every token's logits.
+  const float* batch_logits = logits;
+  if (tp_.on()) {
+    tp_.comm->all_gather(arena(all_logits_), logits, N * E_);
+    batch_logits = arena(all_logits_);
+  }
+  aux_ = aux_losses_forward(batch_logits, spec_, B_, T_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
                             counts_seq_);
 
   // Dispatch, experts, combine.
-  dispatcher_->plan(idx_.data(), kept_.data(), N_);
+  dispatcher_->plan(idx_.data(), kept_.data(), N);
   dispatcher_->dispatch(arena(rows_in_), x);
-  experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
-  trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
-  const float* base = resid_in;
-  if (shared_) {
-    shared_->forward(ps, arena, resid_out, resid_in, x);
-    base = resid_out;
+  if (etp_) {
+    etp_->plan(dispatcher_->segments());
+    etp_->gather(arena(etp_in_), arena(rows_in_));
+    experts_.forward(ps, arena, arena(etp_out_), arena(etp_in_), etp_->offsets());
+    etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
+  } else {
+    experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
   }
-  dispatcher_->combine(resid_out, base, arena(rows_out_), probs);
-  ps.precision().round(resid_out, N_ * C_);
-  trace_out(name_, resid_out, N_ * C_);
+  trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
+  const float* base = in;
+  if (shared_) {
+    shared_->forward(ps, arena, out, in, x);
+    base = out;
+  }
+  dispatcher_->combine(out, base, arena(rows_out_), probs);
+  ps.precision().round(out, N * C_);
+  if (slice) tp_.comm->all_gather(resid_out, out, N * C_);
+  trace_out(name_, resid_out, (slice ? N_ : N) * C_);
 
   if (training) {
     const std::vector<int64_t>& counts = dispatcher_->tokens_per_expert();
@@ -120,37 +175,60 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
 
 void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
                         const MoeScratch& s, float aux_scale) const {
+  // Without sequence parallelism dresid (N, C) is the same on every tp rank: this rank back-
+  // propagates its rows, then the rows are all-gathered (the backward of taking them).
+  const bool slice = tp_.on() && !tp_.sequence;
+  float* dout = slice ? dresid + row0_ * C_ : dresid;
+  const float* in = slice ? resid_in + row0_ * C_ : resid_in;
+  const int64_t N = Nl_;
   const float* x = arena(normed_);
   const float* logits = arena(logits_);
-  dispatcher_->combine_backward(s.drows, s.dprobs, dresid, arena(rows_out_), arena(probs_));
+  dispatcher_->combine_backward(s.drows, s.dprobs, dout, arena(rows_out_), arena(probs_));
   ps.precision().round(s.drows, dispatcher_->rows() * C_);
-  experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
-                    s.experts);
-  trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
-  std::memset(s.dnorm, 0, static_cast<size_t>(N_ * C_) * sizeof(float));
-  dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
-  if (shared_) shared_->backward(ps, arena, s.dnorm, dresid, x, s.shared);
+  if (etp_) {
+    // The expert outputs' gradient to every etp rank, the partial input gradients back.
+    etp_->gather(arena(etp_out_), s.drows);
+    experts_.backward(ps, arena, s.drows_in, arena(etp_out_), arena(etp_in_), etp_->offsets(), etp_->segments(),
+                      s.experts);
+    etp_->reduce_scatter(s.drows, s.drows_in);
+    trace_grad_in(experts_name_, s.drows, dispatcher_->rows() * C_);
+    std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
+    dispatcher_->dispatch_backward(s.dnorm, s.drows);
+  } else {
+    experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
+                      s.experts);
+    trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
+    std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
+    dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
+  }
+  if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
 
-  route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N_);
-  aux_losses_backward(s.dlogits, logits, spec_, B_, T_, global_counts_.data(), counts_seq_, aux_scale);
+  route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N);
+  aux_losses_backward(s.dlogits, tp_.on() ? arena(all_logits_) : logits, spec_, B_, T_, global_counts_.data(),
+                      counts_seq_, aux_scale, row0_, N);
   const float* rx = jittered_ ? arena(router_x_) : x;
   GemmOptions acc;
   acc.accumulate = true;
-  gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N_, acc);
+  gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N, acc);
   if (jittered_) {
-    gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N_, C_, E_);
+    gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
     const float* u = arena(jitter_);
     float* d = s.dnorm;
     const float* dr = s.drouter_x;
-    parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
+    parallel_for(N * C_, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) d[i] += dr[i] * u[i];
     });
   } else {
-    gemm(s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N_, C_, E_, acc);
+    gemm(s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_, acc);
   }
-  ps.precision().round(s.dnorm, N_ * C_);
-  trace_grad_in(name_, s.dnorm, N_ * C_);
-  norm_.backward(ps, arena, dresid, s.dnorm, resid_in, N_);
+  ps.precision().round(s.dnorm, N * C_);
+  trace_grad_in(name_, s.dnorm, N * C_);
+  norm_.backward(ps, arena, dout, s.dnorm, in, N);
+  if (slice) {
+    // dout is a slice of dresid: gather from a copy (the collective's input must not alias its output).
+    std::memcpy(s.drouter_x, dout, static_cast<size_t>(N * C_) * sizeof(float));
+    tp_.comm->all_gather(dresid, s.drouter_x, N * C_);
+  }
 }
 
 void MoeLayer::state_shards(std::vector<StateShard>& out, bool writer) {
@@ -166,6 +244,7 @@ void MoeLayer::begin_step() {
 }
 
 MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {
+  if (tp_.on()) tp_.comm->all_reduce(step_counts_.data(), E_);
   if (dp && dp->size() > 1) dp->all_reduce(step_counts_.data(), E_);
   MoeTokenStats st;
   st.layer = layer_;
@@ -191,8 +270,9 @@ MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {
 }
 
 double MoeLayer::matmul_params_per_token() const {
-  double p = static_cast<double>(E_ * C_) +
-             static_cast<double>(K_) * static_cast<double>(C_ * experts_.fc_width() + experts_.F * C_);
+  // The whole layer's (expert tensor parallelism computes a slice of each expert).
+  const int64_t expert_fc = experts_.swiglu ? 2 * F_ : F_;
+  double p = static_cast<double>(E_ * C_) + static_cast<double>(K_) * static_cast<double>(C_ * expert_fc + F_ * C_);
   if (shared_) p += static_cast<double>(C_ * shared_->fc_width() + shared_->F * C_ + (shared_->gate_w >= 0 ? C_ : 0));
   return p;
 }

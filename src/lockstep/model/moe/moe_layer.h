@@ -13,6 +13,23 @@
 // Parameters: <prefix>mlp_norm.*, <prefix>moe.router.weight (E, C), <prefix>moe.experts.*,
 // <prefix>moe.shared.* (experts.h, shared_experts.h). The expert bias (E) is a buffer, not a
 // parameter: the optimizer never sees it.
+//
+// Parallel layouts (docs/parallelism.md, MoE parallel folding): the layer reads the ranks through
+// two meshes. Attention around it uses the dense one (tp, cp, dp); the experts the expert one (etp,
+// ep, edp) over the same ranks.
+//   tensor parallelism (tp = P > 1): every rank of the tp group routes its own N / P tokens (rows
+//     [r, r + 1) x N / P of the micro-batch): with sequence parallelism those are the rows it holds;
+//     without, it takes them from the replicated input and all-gathers its output rows over the
+//     group (backward: takes its rows of the replicated gradient and all-gathers its input
+//     gradient rows), so no expert work or gradient is duplicated over tp. The norm, router and
+//     shared expert are replicated over tp and see only the rank's rows: their gradients are
+//     partial sums, summed over the group once per step (ParamSpec::sequence_parallel,
+//     reduce_sequence_parallel_grads). The load-balancing losses need the whole micro-batch's
+//     statistics: the router logits (E per token) are all-gathered over the group, so every rank
+//     computes the single-process aux losses and the gradient of its own rows;
+//   expert parallelism (ep): the dispatcher exchanges those tokens over the ep group;
+//   expert tensor parallelism (etp): the dispatched rows are gathered over the etp group and each
+//     expert's hidden units split over it (expert_tensor_parallel.h).
 #pragma once
 
 #include <memory>
@@ -26,10 +43,19 @@
 #include "lockstep/model/moe/router.h"
 #include "lockstep/model/moe/shared_experts.h"
 #include "lockstep/model/norm.h"
+#include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {
 
 class Communicator;
+class ExpertTensorParallel;
+
+// The groups an MoE layer uses (null or size 1: none).
+struct MoeGroups {
+  TensorParallel tp;              // the dense tensor-parallel group (and sequence parallelism)
+  Communicator* ep = nullptr;     // expert parallel
+  Communicator* etp = nullptr;    // expert tensor parallel
+};
 
 // Backward scratch shared by every MoE layer of a model.
 struct MoeScratch {
@@ -52,10 +78,12 @@ struct MoeTokenStats {
 
 class MoeLayer {
  public:
-  // ep: the expert-parallel group (null or size 1: every expert here). With S > 1 ranks this rank
-  // holds experts [r E/S, (r + 1) E/S) and moe.token_dispatcher exchanges the tokens.
+  // groups.ep: with S > 1 ranks this rank holds experts [r E/S, (r + 1) E/S) and
+  // moe.token_dispatcher exchanges the tokens; groups.tp, groups.etp: see above. resid_in / out
+  // are (N, C), or this rank's (N / tp, C) rows under sequence parallelism.
   MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
-           const MoeConfig& moe, int64_t B, int64_t T, Communicator* ep = nullptr);
+           const MoeConfig& moe, int64_t B, int64_t T, const MoeGroups& groups = MoeGroups{});
+  ~MoeLayer();
 
   // training: jitter on, counts recorded for the step's statistics, the expert bias update and the
   // global aux loss. micro: index of the micro-batch in the step (jitter's global element index).
@@ -66,8 +94,9 @@ class MoeLayer {
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
-  // End of a step: the expert-bias update from the step's counts, summed over `dp` when given (the
-  // data-parallel replicas then apply the same update); returns the step's statistics.
+  // End of a step: the expert-bias update from the step's counts, summed over the tp group and over
+  // `dp` when given (the data-parallel replicas then apply the same update); returns the step's
+  // statistics.
   MoeTokenStats finish_step(double bias_update_rate, Communicator* dp = nullptr);
 
   const AuxLosses& aux_losses() const { return aux_; }
@@ -78,10 +107,13 @@ class MoeLayer {
   const LocalDispatcher& dispatcher() const { return *source_layout_; }
   // Bytes the dispatcher has sent to other expert-parallel ranks so far.
   int64_t dispatch_bytes_sent() const { return dispatcher_->bytes_sent(); }
+  // Tokens this rank routes per micro-batch: N, or N / tp under tensor parallelism.
+  int64_t routed_tokens() const { return Nl_; }
   const int32_t* topk_idx() const { return idx_.data(); }
 
-  // Sizes of the scratch this layer's backward needs.
-  int64_t max_rows() const { return dispatcher_->max_rows(); }
+  // Sizes of the scratch this layer's backward needs: rows reaching the experts (gathered over etp),
+  // the experts' local widths.
+  int64_t max_rows() const;
   int64_t expert_fc_width() const { return experts_.fc_width(); }
   int64_t expert_ffn() const { return experts_.F; }
   int64_t shared_fc_width() const { return shared_ ? shared_->fc_width() : 0; }
@@ -96,13 +128,20 @@ class MoeLayer {
   int64_t layer_, B_, T_, N_, C_, E_, K_;
   double jitter_eps_;
   bool expert_bias_on_;
+  int64_t F_;           // expert width (all of it; this rank may compute a slice)
+  TensorParallel tp_;
+  int64_t Nl_, row0_;   // tokens this rank routes: rows [row0_, row0_ + Nl_) of the micro-batch
   Norm norm_;
   int router_w_ = -1;
   GroupedExperts experts_;
   std::unique_ptr<SharedExpert> shared_;
   std::unique_ptr<Dispatcher> dispatcher_;
+  std::unique_ptr<ExpertTensorParallel> etp_;  // null without expert tensor parallelism
   const LocalDispatcher* source_layout_ = nullptr;
   ArenaSlice normed_, router_x_, logits_, probs_, rows_in_, rows_out_, jitter_;
+  // Tensor parallelism: the micro-batch's logits (N, E) for the aux losses, this rank's output rows
+  // without sequence parallelism (Nl, C); expert tensor parallelism: the gathered rows (in, out).
+  ArenaSlice all_logits_, own_out_, etp_in_, etp_out_;
   std::vector<int32_t> idx_;
   std::vector<uint8_t> kept_;
   std::vector<float> expert_bias_;

@@ -265,8 +265,10 @@ AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B
 }
 
 void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T,
-                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale) {
+                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale,
+                         int64_t first, int64_t rows) {
   const int64_t E = s.E, N = B * T;
+  if (rows < 0) rows = N;
   const bool any_aux = s.aux_coeff > 0 && (s.aux || s.seq_aux || s.global_aux);
   if (!any_aux && s.z_coeff <= 0) return;
   // d(loss)/d(a_{t,e}) = g_e (batch-wide terms) + gseq_{b,e} (the token's sequence).
@@ -284,11 +286,11 @@ void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& 
     if (s.aux) g[e] += s.aux_coeff * switch_weight(s, count, n);
     if (s.global_aux) g[e] += s.aux_coeff * switch_weight(s, global_counts[e], n);
   }
-  parallel_for(N, [&](int64_t t0, int64_t t1) {
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
     std::vector<float> a(static_cast<size_t>(E)), ga(static_cast<size_t>(E)), sg(static_cast<size_t>(E));
-    for (int64_t t = t0; t < t1; ++t) {
+    for (int64_t t = first + r0; t < first + r1; ++t) {
       const float* z = logits + t * E;
-      float* dz = dlogits + t * E;
+      float* dz = dlogits + (t - first) * E;
       const int64_t b = t / T;
       if (any_aux) {
         for (int64_t e = 0; e < E; ++e) ga[e] = static_cast<float>(g[e] + gseq[b * E + e]) * scale;

@@ -64,8 +64,10 @@ struct AuxLosses {
 AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B, int64_t T,
                              const int64_t* prev_sum, int64_t prev_micro, float* global_counts,
                              std::vector<int64_t>& counts_seq);
-// dlogits (N, E) += scale * d(aux losses)/d(logits).
+// dlogits += scale * d(aux losses)/d(logits) for the tokens [first, first + rows) of the micro-batch
+// (rows < 0: all N; dlogits holds those rows, logits all (N, E)): a tensor-parallel rank's rows.
 void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T,
-                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale);
+                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale,
+                         int64_t first = 0, int64_t rows = -1);
 
 }  // namespace lockstep

@@ -1,0 +1,207 @@
+// The parallel-layout matrix: one row per layout of the dense and MoE debug models (tensor
+// parallelism 1/2/4 with sequence parallelism off/on, expert parallelism 1/2/4/8 with both token
+// dispatchers, expert tensor parallelism 1/2, folded together and with data parallelism) on the
+// threads backend, ranks as threads with one thread each. Each row trains 3 steps twice: the two
+// runs give byte-identical fingerprints on every rank, and rank 0's losses and gradient norms
+// reproduce those of one process training the same global batch (the row's overrides minus the
+// parallel.* keys) to a relative 2e-6 (loss) and 2e-5 (grad norm); the largest differences are
+// printed per row. Adding a row is one line. The mpi backend runs a few rows against the threads
+// backend in tests/mpi; bitwise special cases (all-to-all EP = DP) are in test_expert_parallel.cpp.
+//
+// The differences come from sums a layout splits: row-parallel matmuls and the vocabulary softmax
+// over tp ranks, the expert proj over etp ranks, gradient sums over the ranks that hold a token.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/train/fingerprint.h"
+#include "model_testing.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+struct Row {
+  const char* name;
+  const char* config;  // in configs/
+  int ranks;
+  std::vector<std::string> overrides;
+};
+
+void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
+
+// The Llama flavour shrunk (8 heads over 4 KV groups, so that TP 4 splits both).
+#define LLAMA "model.preset=llama", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", \
+              "model.num_query_groups=4", "model.seq_length=32"
+#define SP "parallel.sequence_parallel=true"
+#define A2A "moe.token_dispatcher=alltoall"
+#define AG "moe.token_dispatcher=allgather"
+// The Llama MoE flavour: SwiGLU experts, a gated shared expert, sigmoid scores with the expert bias.
+#define LLAMA_MOE "model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", \
+                  "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true"
+
+const Row kRows[] = {
+    // Dense: tensor (+ sequence) parallelism, alone and with data parallelism.
+    {"gpt2_tp2", "debug.toml", 2, {"parallel.tensor=2"}},
+    {"gpt2_tp2_sp", "debug.toml", 2, {"parallel.tensor=2", SP}},
+    {"gpt2_tp4", "debug.toml", 4, {"parallel.tensor=4"}},
+    {"gpt2_tp4_sp", "debug.toml", 4, {"parallel.tensor=4", SP}},
+    {"gpt2_tp2_dp2", "debug.toml", 4, {"parallel.tensor=2"}},
+    {"gpt2_tp2_sp_dp2", "debug.toml", 4, {"parallel.tensor=2", SP}},
+    {"llama_gqa_tp2_sp", "debug.toml", 2, {LLAMA, "parallel.tensor=2", SP}},
+    {"llama_gqa_tp4", "debug.toml", 4, {LLAMA, "parallel.tensor=4"}},
+    {"llama_gqa_tp2_dp2", "debug.toml", 4, {LLAMA, "parallel.tensor=2"}},
+    {"llama_gqa_tp4_sp_dp2", "debug.toml", 8, {LLAMA, "parallel.tensor=4", SP}},
+    {"gpt2_mtp_tp2_sp_dp2", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=2", SP}},
+    {"gpt2_mtp_tp4", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=4"}},
+    // MoE: data parallelism alone (the reference every other layout folds into).
+    {"moe_dp2", "moe-debug.toml", 2, {}},
+    // MoE: tensor parallelism (each tp rank routes its own share of the tokens).
+    {"moe_tp2", "moe-debug.toml", 2, {"parallel.tensor=2"}},
+    {"moe_tp2_sp", "moe-debug.toml", 2, {"parallel.tensor=2", SP}},
+    {"moe_tp4", "moe-debug.toml", 4, {"parallel.tensor=4"}},
+    {"moe_tp4_sp", "moe-debug.toml", 4, {"parallel.tensor=4", SP}},
+    {"moe_tp2_dp2", "moe-debug.toml", 4, {"parallel.tensor=2"}},
+    {"moe_tp2_sp_dp2", "moe-debug.toml", 4, {"parallel.tensor=2", SP}},
+    // MoE: expert parallelism, both dispatchers, with expert data parallelism.
+    {"moe_ep2_alltoall", "moe-debug.toml", 2, {"parallel.expert=2", A2A}},
+    {"moe_ep2_allgather", "moe-debug.toml", 2, {"parallel.expert=2", AG}},
+    {"moe_ep4_alltoall", "moe-debug.toml", 4, {"parallel.expert=4", A2A}},
+    {"moe_ep4_allgather", "moe-debug.toml", 4, {"parallel.expert=4", AG}},
+    {"moe_ep2_edp2_alltoall", "moe-debug.toml", 4, {"parallel.expert=2", A2A}},
+    {"moe_ep2_edp2_allgather", "moe-debug.toml", 4, {"parallel.expert=2", AG}},
+    {"moe_ep8_alltoall", "moe-debug.toml", 8, {"moe.num_experts=8", "train.micro_batch=1", "parallel.expert=8", A2A}},
+    {"moe_ep8_allgather", "moe-debug.toml", 8, {"moe.num_experts=8", "train.micro_batch=1", "parallel.expert=8", AG}},
+    // MoE: expert tensor parallelism, alone and folded with tp, sp, ep and dp.
+    {"moe_etp2", "moe-debug.toml", 2, {"parallel.expert_tensor=2"}},
+    {"moe_etp2_dp2", "moe-debug.toml", 4, {"parallel.expert_tensor=2"}},
+    {"moe_tp2_etp2", "moe-debug.toml", 2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
+    {"moe_tp2_sp_etp2_dp2", "moe-debug.toml", 4, {"parallel.tensor=2", SP, "parallel.expert_tensor=2"}},
+    {"moe_tp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.tensor=2", "parallel.expert=2", A2A}},
+    {"moe_tp2_sp_ep2_allgather", "moe-debug.toml", 4, {"parallel.tensor=2", SP, "parallel.expert=2", AG}},
+    {"moe_etp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.expert_tensor=2", "parallel.expert=2", A2A}},
+    {"moe_tp4_sp_etp2_ep2_alltoall", "moe-debug.toml", 8, {"parallel.tensor=4", SP, "parallel.expert_tensor=2",
+                                                           "parallel.expert=2", A2A}},
+    {"moe_tp2_etp2_ep2_edp2_allgather", "moe-debug.toml", 8, {"parallel.tensor=2", "parallel.expert_tensor=2",
+                                                              "parallel.expert=2", AG}},
+    {"moe_tp2_sp_etp1_ep4_alltoall", "moe-debug.toml", 8, {"parallel.tensor=2", SP, "parallel.expert=4", A2A}},
+    // The Llama MoE flavour (SwiGLU sections split per etp rank, shared expert, expert bias).
+    {"llama_moe_tp2_sp", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2", SP}},
+    {"llama_moe_tp2", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2"}},
+    {"llama_moe_etp2", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.expert_tensor=2"}},
+    {"llama_moe_tp2_sp_etp2_ep2_alltoall", "moe-debug.toml", 4, {LLAMA_MOE, "parallel.tensor=2", SP,
+                                                                 "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
+    {"llama_moe_tp4_etp2_ep2_allgather_distributed", "moe-debug.toml", 8, {LLAMA_MOE, "parallel.tensor=4",
+                                                                           "parallel.expert_tensor=2", "parallel.expert=2",
+                                                                           AG, "optimizer.distributed=true"}},
+};
+
+constexpr int kSteps = 3;
+
+Config job(const Row& row, const std::string& out_dir, bool single) {
+  std::vector<std::string> o = {str("train.steps=", kSteps), "train.eval_interval=0", "train.threads=1",
+                                "train.micro_batch=2", "train.global_batch=8", "data.synthetic_bytes=65536"};
+  for (const std::string& k : row.overrides)
+    if (!single || (k.rfind("parallel.", 0) != 0 && k.rfind("optimizer.distributed", 0) != 0)) o.push_back(k);
+  o.push_back("train.out_dir=" + out_dir);
+  return load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/", row.config), o);
+}
+
+// Rank 0's fingerprint field of every step, as the exact double.
+std::vector<double> field(const std::string& run_dir, const char* name) {
+  std::vector<double> out;
+  std::istringstream in(testing::read_file(fingerprint_path(run_dir, 0)));
+  for (std::string line; std::getline(in, line);)
+    out.push_back(std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)[name].get<std::string>(), nullptr, 16)));
+  return out;
+}
+
+std::string fingerprints(const std::string& run_dir, int ranks) {
+  std::string all;
+  for (int r = 0; r < ranks; ++r) all += testing::read_file(fingerprint_path(run_dir, r));
+  return all;
+}
+
+class ParallelLayouts : public ::testing::TestWithParam<Row> {};
+
+TEST_P(ParallelLayouts, ReproduceOneProcessAndAreBitwiseRunToRun) {
+  const Row& row = GetParam();
+  testing::TempDir dir;
+  testing::train_ranks(1, job(row, dir.path("single"), true));
+  testing::train_ranks(row.ranks, job(row, dir.path("a"), false));
+  testing::train_ranks(row.ranks, job(row, dir.path("b"), false));
+  const std::string a = fingerprints(dir.path("a"), row.ranks);
+  EXPECT_EQ(std::count(a.begin(), a.end(), '\n'), kSteps * row.ranks);
+  EXPECT_EQ(fingerprints(dir.path("b"), row.ranks), a) << "run to run";
+
+  double worst_loss = 0, worst_norm = 0;
+  for (const auto& [key, tolerance] : {std::pair{"loss", 2e-6}, std::pair{"grad_norm", 2e-5}}) {
+    const std::vector<double> one = field(dir.path("single"), key), many = field(dir.path("a"), key);
+    ASSERT_EQ(one.size(), static_cast<size_t>(kSteps));
+    ASSERT_EQ(many.size(), one.size());
+    double& worst = key == std::string("loss") ? worst_loss : worst_norm;
+    for (size_t s = 0; s < one.size(); ++s) {
+      const double d = std::fabs(many[s] - one[s]) / std::fabs(one[s]);
+      worst = std::max(worst, d);
+      EXPECT_LT(d, tolerance) << row.name << ": " << key << " at step " << s + 1;
+    }
+  }
+  std::printf("[ layout ] %-46s %d ranks: largest relative difference from one process: loss %.2e, grad norm %.2e\n",
+              row.name, row.ranks, worst_loss, worst_norm);
+}
+
+INSTANTIATE_TEST_SUITE_P(Rows, ParallelLayouts, ::testing::ValuesIn(kRows),
+                         [](const ::testing::TestParamInfo<Row>& info) { return std::string(info.param.name); });
+
+// Parallel folding: sizes that do not fit are one error naming the sizes (config validation for
+// what the configuration alone decides, the mesh for the world size).
+TEST(ParallelFolding, ErrorsNameTheSizesThatConflict) {
+  auto error = [](const char* config, std::vector<std::string> o) {
+    return testing::user_error_of([&] { load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/", config), o); });
+  };
+  EXPECT_EQ(error("debug.toml", {"parallel.expert_tensor=2"}),
+            "config: parallel.expert_tensor = 2 needs an MoE model (moe.num_experts > 0)");
+  EXPECT_EQ(error("moe-debug.toml", {"parallel.expert_tensor=3"}),
+            "config: moe.ffn_hidden_size = 128 is not divisible by parallel.expert_tensor = 3 (every "
+            "expert-tensor-parallel rank holds the same number of hidden units)");
+  EXPECT_EQ(error("moe-debug.toml", {"model.seq_length=63", "train.micro_batch=1", "parallel.tensor=2"}),
+            "config: parallel.tensor = 2 with an MoE model: train.micro_batch x model.seq_length = 63 tokens are not "
+            "divisible by it (each tensor-parallel rank routes its share of the tokens)");
+  EXPECT_EQ(error("moe-debug.toml", {"parallel.tensor=3"}), "config: model.num_heads = 4 is not divisible by parallel.tensor = 3");
+  EXPECT_NE(error("moe-debug.toml", {"parallel.tensor=2", "precision.params=bf16", "precision.fp8=tensorwise"})
+                .find("parallel.expert = 1, parallel.expert_tensor = 1, parallel.tensor = 2 with precision.fp8 = "
+                      "\"tensorwise\" / precision.fp4 = \"none\": an MoE model split over ranks runs fp32 or bf16 GEMMs only"),
+            std::string::npos);
+  // The world must hold both meshes: tp x cp x dp x pp and etp x ep x edp x pp.
+  auto world_error = [](int ranks, std::vector<std::string> o) {
+    testing::TempDir dir;
+    o.push_back("train.out_dir=" + dir.path("run"));
+    const Config c = load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/moe-debug.toml"), o);
+    std::string message = "(no error)";
+    try {
+      testing::train_ranks(ranks, c);
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    return message;
+  };
+  EXPECT_NE(world_error(4, {"parallel.expert_tensor=2", "parallel.expert=4"})
+                .find("parallel: world size 4 is not divisible by expert_tensor (2) x expert (4) x pipeline (1)"),
+            std::string::npos);
+  EXPECT_NE(world_error(6, {"parallel.tensor=4"}).find("parallel: world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)"),
+            std::string::npos);
+  EXPECT_NE(world_error(8, {"parallel.expert_tensor=2", "train.micro_batch=2"})
+                .find("train.global_batch = 8 is not divisible by train.micro_batch (2) x data-parallel size (8"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace lockstep
