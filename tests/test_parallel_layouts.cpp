@@ -161,6 +161,55 @@ TEST_P(ParallelLayouts, ReproduceOneProcessAndAreBitwiseRunToRun) {
 INSTANTIATE_TEST_SUITE_P(Rows, ParallelLayouts, ::testing::ValuesIn(kRows),
                          [](const ::testing::TestParamInfo<Row>& info) { return std::string(info.param.name); });
 
+// Bytes rank 0 sends per step in its tensor-parallel group (metrics.jsonl tp_bytes) and its
+// expert-tensor-parallel group (etp_bytes) on the MoE preset (L = 2 MoE layers, C = 64, E = 4, K = 2,
+// micro-batches of N = 128 tokens, global batch 8), against the formulas of docs/parallelism.md:
+//   tp (P): per micro-batch, attention 4 (P-1)/P N C per layer, embedding + head 4 (P-1)/P N C,
+//     loss 3 (P-1) N, and per MoE layer the logits' all-gather (P-1)/P N E plus, without SP, the
+//     all-gathers of its output rows and of its input-gradient rows, 2 (P-1)/P N C; per step the
+//     all-reduce of the replicated parameters computed on the rank's rows (SP: every norm; else the
+//     MoE norms; the routers), of the expert-bias counts (E int64 per layer), and the grad norm's double;
+//   etp (Q): per MoE layer and micro-batch, the segment tables (Q-1)(E/S x S + 1) int64, and the
+//     gathers and reduce-scatters of the rows forward and backward, 4 x x R C floats with
+//     R = N/P x K rows per rank (dropless, ep = 1: every choice is local).
+TEST(ParallelFolding, CommunicationVolumePerStepMatchesTheFormula) {
+  const int64_t L = 2, C = 64, E = 4, K = 2, N = 128, B = 8 / 2;  // B: micro-batches in a step
+  struct Case {
+    int tp, etp;
+    bool sp;
+  };
+  for (const Case& c : {Case{2, 1, false}, Case{2, 1, true}, Case{4, 1, true}, Case{1, 2, false}, Case{1, 4, false},
+                        Case{2, 2, true}}) {
+    const int world = std::max(c.tp, c.etp);
+    const Row row{"volume", "moe-debug.toml", world,
+                  {str("parallel.tensor=", c.tp), str("parallel.expert_tensor=", c.etp),
+                   str("parallel.sequence_parallel=", c.sp ? "true" : "false")}};
+    testing::TempDir dir;
+    testing::train_ranks(world, job(row, dir.path("run"), false));
+    const int64_t m = B / (world / c.tp), P = c.tp, Q = c.etp;  // micro-batches per rank
+    int64_t tp_bytes = 0, etp_bytes = 0;
+    if (P > 1) {
+      const int64_t micro = (4 * L + 4) * (P - 1) * N * C / P + L * (P - 1) * N * E / P +
+                            (c.sp ? 0 : L * 2 * (P - 1) * N * C / P) + 3 * (P - 1) * N;
+      const int64_t norms = c.sp ? (2 * L + 1) * 2 * C : L * 2 * C;  // LayerNorm weight + bias
+      const int64_t replicated = norms + L * E * C;                  // + the routers
+      tp_bytes = 4 * m * micro + 4 * 2 * (P - 1) * replicated / P + 8 * L * 2 * (P - 1) * E / P + 8 * (P - 1);
+    }
+    if (Q > 1) etp_bytes = L * m * (Q - 1) * (16 * (N / P) * K * C + 8 * (E + 1));
+    std::istringstream in(testing::read_file(dir.path("run") + "/metrics.jsonl"));
+    int steps = 0;
+    for (std::string line; std::getline(in, line); ++steps) {
+      const nlohmann::json j = nlohmann::json::parse(line);
+      EXPECT_EQ(j.value("tp_bytes", int64_t{0}), tp_bytes) << "tp " << P << " etp " << Q << " sp " << c.sp;
+      EXPECT_EQ(j.value("etp_bytes", int64_t{0}), etp_bytes) << "tp " << P << " etp " << Q << " sp " << c.sp;
+    }
+    EXPECT_EQ(steps, kSteps);
+    std::printf("[ moe-debug ] tp %d%s etp %d (world %d, %lld micro-batches per rank): tp %lld, etp %lld bytes per step\n",
+                c.tp, c.sp ? " sp" : "   ", c.etp, world, static_cast<long long>(m), static_cast<long long>(tp_bytes),
+                static_cast<long long>(etp_bytes));
+  }
+}
+
 // Parallel folding: sizes that do not fit are one error naming the sizes (config validation for
 // what the configuration alone decides, the mesh for the world size).
 TEST(ParallelFolding, ErrorsNameTheSizesThatConflict) {

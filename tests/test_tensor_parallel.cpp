@@ -79,6 +79,28 @@ int64_t global_index(const ParamSpec& p, int64_t i) {
   return 0;
 }
 
+// Every parameter of `part` holds exactly full's values at its boxes; covered[parameter of full]
+// counts how often each global element was seen.
+void expect_shards_of(const GPT& full, const GPT& part, std::vector<std::vector<int>>& covered, const std::string& where) {
+  if (covered.empty()) {
+    covered.resize(full.params().specs().size());
+    for (size_t i = 0; i < covered.size(); ++i) covered[i].assign(static_cast<size_t>(full.params().specs()[i].shape.numel()), 0);
+  }
+  for (size_t i = 0; i < part.params().specs().size(); ++i) {
+    const ParamSpec& p = part.params().specs()[i];
+    const int whole = full.params().find(p.name);
+    ASSERT_GE(whole, 0) << p.name;
+    ASSERT_EQ(p.global_shape, full.params().specs()[whole].shape) << p.name;
+    const float* v = part.params().value(static_cast<int>(i));
+    const float* w = full.params().value(whole);
+    for (int64_t k = 0; k < p.shape.numel(); ++k) {
+      const int64_t gk = global_index(p, k);
+      ASSERT_EQ(std::bit_cast<uint32_t>(v[k]), std::bit_cast<uint32_t>(w[gk])) << p.name << " " << where;
+      covered[static_cast<size_t>(whole)][static_cast<size_t>(gk)] += 1;
+    }
+  }
+}
+
 // Every rank of TP 2 and 4 holds exactly the single-process values at its boxes (Philox by global
 // index), and the shards of a tensor tile it once.
 void shards_are_the_single_process_weights(const std::string& preset, std::vector<std::string> overrides) {
@@ -87,27 +109,14 @@ void shards_are_the_single_process_weights(const std::string& preset, std::vecto
   GPT full(c.model, 1);
   full.params().init(7);
   for (int tp : {2, 4}) {
-    std::vector<std::vector<int>> covered(full.params().specs().size());
-    for (size_t i = 0; i < covered.size(); ++i) covered[i].assign(static_cast<size_t>(full.params().specs()[i].shape.numel()), 0);
+    std::vector<std::vector<int>> covered;
     for (int r = 0; r < tp; ++r) {
       TensorParallel g;
       g.rank = r;
       g.size = tp;
       GPT part(c.model, 1, MoeConfig{}, PrecisionConfig{}, g);
       part.params().init(7);
-      for (size_t i = 0; i < part.params().specs().size(); ++i) {
-        const ParamSpec& p = part.params().specs()[i];
-        const int whole = full.params().find(p.name);
-        ASSERT_GE(whole, 0) << p.name;
-        ASSERT_EQ(p.global_shape, full.params().specs()[whole].shape) << p.name;
-        const float* v = part.params().value(static_cast<int>(i));
-        const float* w = full.params().value(whole);
-        for (int64_t k = 0; k < p.shape.numel(); ++k) {
-          const int64_t gk = global_index(p, k);
-          ASSERT_EQ(std::bit_cast<uint32_t>(v[k]), std::bit_cast<uint32_t>(w[gk])) << p.name << " tp " << tp << " rank " << r;
-          covered[static_cast<size_t>(whole)][static_cast<size_t>(gk)] += 1;
-        }
-      }
+      expect_shards_of(full, part, covered, str("tp ", tp, " rank ", r));
     }
     for (size_t i = 0; i < covered.size(); ++i) {
       const ParamSpec& p = full.params().specs()[i];
@@ -145,22 +154,7 @@ TEST(ExpertTensorParallel, ShardsAreTheSingleProcessWeights) {
         Communicator ep_group = comm.split_groups(mesh.groups(MeshGroup::ep));
         GPT part(c.model, 1, c.moe, PrecisionConfig{}, TensorParallel{}, ep > 1 ? &ep_group : nullptr, &etp_group);
         part.params().init(7);
-        std::vector<std::vector<int>>& cover = covered[static_cast<size_t>(comm.rank())];
-        cover.resize(full.params().specs().size());
-        for (size_t i = 0; i < cover.size(); ++i) cover[i].assign(static_cast<size_t>(full.params().specs()[i].shape.numel()), 0);
-        for (size_t i = 0; i < part.params().specs().size(); ++i) {
-          const ParamSpec& p = part.params().specs()[i];
-          const int whole = full.params().find(p.name);
-          ASSERT_GE(whole, 0) << p.name;
-          ASSERT_EQ(p.global_shape, full.params().specs()[whole].shape) << p.name;
-          const float* v = part.params().value(static_cast<int>(i));
-          const float* w = full.params().value(whole);
-          for (int64_t k = 0; k < p.shape.numel(); ++k) {
-            const int64_t gk = global_index(p, k);
-            ASSERT_EQ(std::bit_cast<uint32_t>(v[k]), std::bit_cast<uint32_t>(w[gk])) << p.name << " rank " << comm.rank();
-            cover[static_cast<size_t>(whole)][static_cast<size_t>(gk)] += 1;
-          }
-        }
+        expect_shards_of(full, part, covered[static_cast<size_t>(comm.rank())], str(preset, " etp ", etp, " ep ", ep, " rank ", comm.rank()));
       });
       for (size_t i = 0; i < full.params().specs().size(); ++i) {
         const ParamSpec& p = full.params().specs()[i];
