@@ -4,12 +4,16 @@
 //   build/bench_fingerprint [CONFIG.toml] [rounds]     default configs/gpt2-peer.toml, 10 rounds
 //
 // Each round times one training step (every micro-batch's forward and backward, then AdamW) on 2
-// threads, then, five times over, the fingerprint's hashing of the same state: the trainer's
-// hashes (core/hash.h BlockHasher over gradients, parameters + expert biases, both Adam moments)
-// with 1 and with 2 threads, and the same block hash of the same number of bytes computed with
-// libxxhash's XXH3 (Debian's build: baseline x86-64, SSE2), which the trainer called before
-// core/hash.cpp compiled XXH3 inline for AVX2. Reports the median of each, its share of the step,
-// and the fastest time seen (on a shared machine the least disturbed sample).
+// threads, then, five times over, interleaved, on 2 threads unless said:
+//   - the fingerprint's hashes as separate passes over memory after the update: BlockHasher
+//     (core/hash.h) over the gradients, the parameters + expert biases and both Adam moments, with
+//     libxxhash's XXH3 (Debian's build: baseline x86-64, SSE2; what the trainer called first), and
+//     with XXH3 compiled inline for AVX2 (core/hash.cpp) on 1 and 2 threads;
+//   - what the trainer does: AdamW with ShardHashes (train/optimizer.h: gradients and moments hashed
+//     inside the update, block by block while in cache) minus the plain AdamW, plus the parameters'
+//     BlockHasher pass.
+// Reports the median of each, its share of the step, and the fastest time seen (on a shared
+// machine the least disturbed sample).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -73,16 +77,15 @@ int main(int argc, char** argv) {
     opt.step(ps, step, tc.lr);
   };
   uint64_t sink = 0;
-  auto trainer_hashes = [&] {
+  auto separate_passes = [&] {
     BlockHasher g;
     for (const ParamRange& r : opt.owned()) g.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
     sink ^= g.digest() ^ model.state_hash() ^ opt.hash();
   };
-  // The before: BlockHasher's blocks and combine with the library's XXH3, over gradients,
-  // parameters and two more buffers of their size (the moments' bytes; hashing speed does not
-  // depend on the values).
+  // BlockHasher's blocks and combine with the library's XXH3, over gradients, parameters and two
+  // more buffers of their size (the moments' bytes; hashing speed does not depend on the values).
   const std::vector<float> m_bytes(ps.values(), ps.values() + n), v_bytes(ps.grads(), ps.grads() + n);
-  auto library_hashes = [&] {
+  auto library_passes = [&] {
     for (const float* buf : std::initializer_list<const float*>{ps.grads(), ps.values(), m_bytes.data(), v_bytes.data()}) {
       const auto* bytes = reinterpret_cast<const unsigned char*>(buf);
       const size_t total = static_cast<size_t>(n) * sizeof(float), block = BlockHasher::kHashBlockBytes;
@@ -98,33 +101,47 @@ int main(int argc, char** argv) {
       sink ^= XXH3_64bits(hashes.data(), hashes.size() * sizeof(uint64_t));
     }
   };
-  std::vector<double> t_step, t_library, t_blocks1, t_blocks2;
+  // The update alone and with the shard hashes (the same step number each time: only the time
+  // matters here).
+  auto plain_update = [&] { opt.update(ps, step, tc.lr, 1.0f); };
+  auto hashed_update = [&] {
+    ShardHashes h(opt.owned());
+    opt.update(ps, step, tc.lr, 1.0f, opt.owned(), &h);
+    sink ^= h.grads() ^ h.moments();
+  };
+  auto params_pass = [&] { sink ^= model.state_hash(); };
+  std::vector<double> t_step, t_library, t_separate1, t_separate2, t_plain, t_hashed, t_params;
+  auto on = [](ThreadPool& pool, std::vector<double>& t, const std::function<void()>& fn) {
+    ThreadPool::Bind bind(&pool);
+    t.push_back(seconds(fn));
+  };
   train_step();  // warm-up
   for (int r = 0; r < rounds; ++r) {
     t_step.push_back(seconds(train_step));
     for (int rep = 0; rep < 5; ++rep) {  // hashing is short: more samples, interleaved
-      {
-        ThreadPool::Bind bind(&two);
-        t_library.push_back(seconds(library_hashes));
-      }
-      {
-        ThreadPool::Bind bind(&one);
-        t_blocks1.push_back(seconds(trainer_hashes));
-      }
-      {
-        ThreadPool::Bind bind(&two);
-        t_blocks2.push_back(seconds(trainer_hashes));
-      }
+      on(two, t_library, library_passes);
+      on(one, t_separate1, separate_passes);
+      on(two, t_separate2, separate_passes);
+      on(two, t_plain, plain_update);
+      on(two, t_hashed, hashed_update);
+      on(two, t_params, params_pass);
     }
   }
   const double s = median(t_step);
   std::printf("%s: %.2fM parameters, %.1f MB hashed per fingerprint, %d rounds (checksum %016llx)\n", file.c_str(),
               static_cast<double>(n) / 1e6, 4.0 * static_cast<double>(n) * 4 / 1e6, rounds, (unsigned long long)sink);
-  std::printf("%-44s %9.2f ms  (GEMM: %s)\n", "training step (2 threads)", 1e3 * s, gemm_kernel_name());
-  for (const auto& [name, t] : {std::pair{"libxxhash XXH3 blocks, 2 threads (before)", &t_library},
-                                std::pair{"BlockHasher, 1 thread", &t_blocks1},
-                                std::pair{"BlockHasher, 2 threads (the trainer)", &t_blocks2}})
-    std::printf("%-44s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * median(*t),
-                100 * median(*t) / s, 1e3 * *std::min_element(t->begin(), t->end()));
+  std::printf("%-48s %9.2f ms  (GEMM: %s)\n", "training step, 2 threads", 1e3 * s, gemm_kernel_name());
+  auto row = [&](const char* name, double med, double fastest) {
+    std::printf("%-48s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * med, 100 * med / s, 1e3 * fastest);
+  };
+  auto fastest = [](const std::vector<double>& t) { return *std::min_element(t.begin(), t.end()); };
+  row("separate passes, libxxhash XXH3 (before)", median(t_library), fastest(t_library));
+  row("separate passes, inline XXH3, 1 thread", median(t_separate1), fastest(t_separate1));
+  row("separate passes, inline XXH3", median(t_separate2), fastest(t_separate2));
+  row("AdamW (for reference)", median(t_plain), fastest(t_plain));
+  row("AdamW with the shard hashes", median(t_hashed), fastest(t_hashed));
+  row("parameters pass", median(t_params), fastest(t_params));
+  row("in the update + parameters pass (the trainer)", median(t_hashed) - median(t_plain) + median(t_params),
+      fastest(t_hashed) - fastest(t_plain) + fastest(t_params));
   return 0;
 }

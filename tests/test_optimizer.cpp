@@ -6,7 +6,9 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/train/optimizer.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -122,6 +124,78 @@ TEST(AdamW, BitwiseAcrossThreadCounts) {
     EXPECT_TRUE(bitwise_equal(m[1], m[threads], "m"));
     EXPECT_TRUE(bitwise_equal(v[1], v[threads], "v"));
   }
+}
+
+// The fused form: the same bits as adamw_update, and XXH3 of the gradient as read and of the
+// moments as written, over several 16384-element pieces and a tail.
+TEST(AdamW, HashedUpdateGivesTheSameBitsAndHashesTheGradientAndMoments) {
+  const int64_t n = 3 * 16384 + 777;
+  const auto grad = randn(n, 29, "grad");
+  std::vector<float> p = randn(n, 29, "param"), m(n, 0.0f), v(n, 0.0f);
+  std::vector<float> p2 = p, m2 = m, v2 = v;
+  for (int64_t step = 1; step <= 2; ++step) {
+    uint64_t h[3];
+    adamw_update_hashed(p.data(), m.data(), v.data(), grad.data(), n, kHp, step, 0.7f, h);
+    adamw_update(p2.data(), m2.data(), v2.data(), grad.data(), n, kHp, step, 0.7f);
+    EXPECT_TRUE(bitwise_equal(p, p2, "param"));
+    EXPECT_TRUE(bitwise_equal(m, m2, "m"));
+    EXPECT_TRUE(bitwise_equal(v, v2, "v"));
+    EXPECT_EQ(h[0], hash_floats(grad.data(), n));
+    EXPECT_EQ(h[1], hash_floats(m.data(), n));
+    EXPECT_EQ(h[2], hash_floats(v.data(), n));
+  }
+}
+
+// A parameter table with one parameter of three 1 MiB hash blocks' worth (the last one short) and
+// two small ones; grads random.
+ParamStore hash_table() {
+  ParamStore ps;
+  ps.add("big", Shape{2 * 262144 + 1000}, Init::normal, 0.02f, true);
+  ps.add("small", Shape{10}, Init::ones);
+  ps.add("mid", Shape{5000}, Init::normal, 0.02f, true);
+  ps.allocate();
+  ps.init(5);
+  const auto g = randn(ps.total(), 31, "grads");
+  std::copy(g.begin(), g.end(), ps.grads());
+  return ps;
+}
+
+// The fingerprint's shard hashes taken inside the update equal BlockHasher over the shard's
+// gradients and (Optimizer::hash) moments after a plain update, which they leave bitwise alone;
+// with 1, 2 and 3 threads; whether one update call covers the shard (replicated optimizer, shard
+// ranges inside whole parameters) or two calls do (the distributed optimizer's buckets).
+TEST(ShardHashes, EqualBlockHashesAfterAPlainUpdateForAnyThreadsAndCalls) {
+  const std::vector<ParamRange> shard = {{0, 1000, 2 * 262144 + 900}, {2, 100, 4000}, {1, 0, 10}};
+  ParamStore plain = hash_table();
+  Optimizer reference(plain, OptimizerConfig{});
+  reference.update(plain, 1, 1e-2, 0.5f);
+  BlockHasher grads;
+  for (const ParamRange& r : shard) grads.update(plain.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+  const std::vector<float> params(plain.values(), plain.values() + plain.total());
+  for (int threads = 1; threads <= 3; ++threads)
+    with_threads(threads, [&] {
+      ParamStore ps = hash_table();
+      Optimizer opt(ps, OptimizerConfig{});
+      ShardHashes h(shard);
+      opt.update(ps, 1, 1e-2, 0.5f, opt.owned(), &h);
+      EXPECT_TRUE(bitwise_equal(params, std::vector<float>(ps.values(), ps.values() + ps.total()), "params"));
+      EXPECT_EQ(h.grads(), grads.digest()) << threads << " threads";
+      EXPECT_EQ(h.moments(), reference.hash(shard)) << threads << " threads";
+      // Owning the shard only, updated in two calls in another order.
+      ParamStore ps2 = hash_table();
+      Optimizer own(ps2, OptimizerConfig{}, shard);
+      ShardHashes h2(shard);
+      own.update(ps2, 1, 1e-2, 0.5f, {shard[2], shard[1]}, &h2);
+      EXPECT_THROW(h2.grads(), InternalError) << "a range not updated yet";
+      own.update(ps2, 1, 1e-2, 0.5f, {shard[0]}, &h2);
+      EXPECT_EQ(h2.grads(), grads.digest());
+      EXPECT_EQ(h2.moments(), reference.hash(shard));
+    });
+  // A shard range split over two update calls cannot be hashed in one pass.
+  ParamStore ps = hash_table();
+  Optimizer opt(ps, OptimizerConfig{});
+  ShardHashes h(shard);
+  EXPECT_THROW(opt.update(ps, 1, 1e-2, 0.5f, {{0, 0, 5000}}, &h), InternalError);
 }
 
 TEST(SumOfSquares, MatchesReference) {

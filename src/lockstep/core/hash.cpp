@@ -55,7 +55,11 @@ uint64_t BlockHasher::digest() const {
       hashes[2 * b + 1] = blocks_[b].n;
     }
   });
-  return hash_bytes(hashes.data(), hashes.size() * sizeof(uint64_t));
+  return combine_block_hashes(hashes);
+}
+
+uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length) {
+  return hash_bytes(hash_and_length.data(), hash_and_length.size() * sizeof(uint64_t));
 }
 
 uint64_t hash_blocks(const void* data, size_t n) {

@@ -56,6 +56,11 @@ class BlockHasher {
   std::vector<Block> blocks_;
 };
 
+// BlockHasher's last step: XXH3 of the sequence (block hash, block length in bytes), for code that
+// hashes the same blocks elsewhere (the fingerprint's gradients and Adam moments are hashed inside
+// the AdamW pass, train/optimizer.h).
+uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length);
+
 // BlockHasher over one buffer.
 uint64_t hash_blocks(const void* data, size_t n);
 inline uint64_t hash_floats_blocks(const float* data, int64_t n) {

@@ -227,16 +227,16 @@ double DataParallel::grad_norm() {
   return std::sqrt(part[0] + part[1]);
 }
 
-void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale) {
+void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes) {
   if (!distributed_) {
-    optimizer.update(ps_, step, lr, grad_scale);
+    optimizer.update(ps_, step, lr, grad_scale, optimizer.owned(), hashes);
     return;
   }
   gathered_in_forward_ = 0;
   // Forward order (the reverse of backward's), so that the gather forward needs first runs first.
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     Bucket& b = *it;
-    optimizer.update(ps_, step, lr, grad_scale, b.mine);
+    optimizer.update(ps_, step, lr, grad_scale, b.mine, hashes);
     if (b.comm->size() == 1) continue;
     copy_chunk(b, ps_.values(), Into::packed);
     b.work = b.comm->all_gather_async(b.packed.data(), b.chunk_buf.data(), b.chunk);

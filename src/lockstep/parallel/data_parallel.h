@@ -51,6 +51,7 @@
 namespace lockstep {
 
 class Optimizer;
+class ShardHashes;
 
 class DataParallel {
  public:
@@ -97,8 +98,9 @@ class DataParallel {
   // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each
   // bucket's updated chunks are all-gathered. Afterwards every rank holds every updated parameter,
   // except with ddp.overlap_param_gather: then the gathers run in the background and
-  // params_needed() (GPT's forward hook) or wait_params() completes them.
-  void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale);
+  // params_needed() (GPT's forward hook) or wait_params() completes them. With `hashes` (made from
+  // shard()): the fingerprint's hashes of the shard's gradients and moments, taken in the update.
+  void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes = nullptr);
   // Parameters [first, end) are about to be read: completes their buckets' gathers.
   void params_needed(int first, int end);
   // Completes every gather still running (before anything but forward reads the parameters).

@@ -18,9 +18,40 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
+#include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
+
+// The fingerprint's hashes of a rank's shard (parallel/data_parallel.h: shard()) of the gradients,
+// as AdamW reads them (before clipping), and of both Adam moments after the update: computed
+// inside the update (Optimizer::update with a ShardHashes), each block hashed while it is in
+// cache, instead of in three more passes over memory. The values are those of BlockHasher
+// (core/hash.h) over the same buffers: grads() = BlockHasher over each range's gradients in range
+// order; moments() = over each range's first moments, then each range's second moments. So they do
+// not depend on the thread count, nor on which update call (bucket) covered which range.
+class ShardHashes {
+ public:
+  explicit ShardHashes(std::vector<ParamRange> ranges);
+  // Both need every block hashed (each range updated once since construction).
+  uint64_t grads() const;
+  uint64_t moments() const;
+
+ private:
+  friend class Optimizer;
+  struct Block {
+    int range;
+    int64_t begin, end;                    // elements of the range's parameter
+    uint64_t grad = 0, m = 0, v = 0;
+    bool done = false;
+  };
+  std::vector<ParamRange> ranges_;
+  std::vector<Block> blocks_;              // range order, then element order
+  std::vector<int> range_of_param_;        // -1: not in the shard
+  std::vector<size_t> first_block_;        // per range, and one past the last
+  int range_of(int param) const;
+  void check_done() const;
+};
 
 class Optimizer {
  public:
@@ -36,13 +67,16 @@ class Optimizer {
   float clip_scale(double grad_norm) const;
   // AdamW on the owned elements, reading their gradients from ps.grads().
   void update(ParamStore& ps, int64_t step, double lr, float grad_scale) { update(ps, step, lr, grad_scale, owned_); }
-  // The same on `ranges`, which must be owned.
-  void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges);
+  // The same on `ranges`, which must be owned. With `hashes`: also hashes those of their elements
+  // that lie in hashes' shard (each shard range must lie inside one of `ranges` or outside all).
+  void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
+              ShardHashes* hashes = nullptr);
 
   const std::vector<ParamRange>& owned() const { return owned_; }
   int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
 
-  // xxh3 of the first moments then the second moments of `ranges` (owned elements), in list order.
+  // BlockHasher of the first moments then the second moments of `ranges` (owned elements), in
+  // list order: ShardHashes::moments() in one pass of its own.
   uint64_t hash(const std::vector<ParamRange>& ranges) const;
   // The same over everything owned.
   uint64_t hash() const { return hash(owned_); }
@@ -57,6 +91,7 @@ class Optimizer {
  private:
   // Offset in m_ / v_ of element e of parameter p (which must be owned).
   int64_t state_index(int p, int64_t e) const;
+  AdamW hyperparameters(int p, double lr) const;
 
   std::vector<ParamRange> owned_;
   std::vector<int64_t> first_;  // per parameter: state offset of its owned range, -1 = none

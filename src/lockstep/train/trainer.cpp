@@ -390,13 +390,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // The training loss: Megatron adds each micro-batch's aux (and MTP) losses with weight 1 / micro-batches.
     const double loss = lm_loss + aux_loss + mtp_loss;
     const double lr = learning_rate(tc, step);
-    // The summed gradients of this rank's shard (the same elements with either optimizer).
-    BlockHasher grads_hasher;
-    for (const ParamRange& r : dp.shard())
-      grads_hasher.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
-    const uint64_t grads_hash = grads_hasher.digest();
     const double grad_norm = dp.grad_norm();
-    dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm));
+    // The summed gradients and the moments of this rank's shard (the same elements with either
+    // optimizer), hashed in the update's pass.
+    ShardHashes shard_hashes(dp.shard());
+    dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm), &shard_hashes);
     const std::vector<MoeTokenStats> moe_stats =
         model.finish_step(config.moe.router_bias_update_rate, dp_size > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);
@@ -412,8 +410,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     fp.mtp_loss = mtp_loss;
     fp.grad_norm = grad_norm;
     fp.lr = lr;
-    fp.grads = grads_hash;
-    fp.optimizer = optimizer.hash(dp.shard());
+    fp.grads = shard_hashes.grads();
+    fp.optimizer = shard_hashes.moments();
     // The random state of a step: the seed and where the data stream stands.
     const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
     fp.rng = hash_bytes(rng_state, sizeof rng_state);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
@@ -33,13 +34,13 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v,
 }
 }  // namespace
 
-void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
-                  const AdamW& hp, int64_t step, float grad_scale) {
+namespace {
+AdamWScalars adamw_scalars(const AdamW& hp, int64_t step, float grad_scale) {
   LOCKSTEP_CHECK(step >= 1, "AdamW step counts from 1, got ", step);
   // Scalars as torch computes them: in double (Python floats), rounded once to fp32 when they
   // meet the fp32 tensors.
   const double lr = hp.lr, b1 = hp.beta1, b2 = hp.beta2, steps = static_cast<double>(step);
-  const AdamWScalars s{
+  return AdamWScalars{
       .decay = static_cast<float>(1.0 - lr * static_cast<double>(hp.weight_decay)),
       .b1 = hp.beta1,
       .c1 = static_cast<float>(1.0 - b1),
@@ -50,9 +51,34 @@ void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
       .eps = hp.eps,
       .grad_scale = grad_scale,
   };
+}
+}  // namespace
+
+void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
+                  const AdamW& hp, int64_t step, float grad_scale) {
+  const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
   parallel_for(n, [&](int64_t begin, int64_t end) {
     adamw_range(param + begin, m + begin, v + begin, grad + begin, end - begin, s);
   });
+}
+
+void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp,
+                         int64_t step, float grad_scale, uint64_t hashes[3]) {
+  const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
+  // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed.
+  constexpr int64_t kPiece = 16384;
+  Hasher g, mh, vh;
+  for (int64_t i = 0; i < n; i += kPiece) {
+    const int64_t len = std::min(kPiece, n - i);
+    adamw_range(param + i, m + i, v + i, grad + i, len, s);
+    const size_t bytes = static_cast<size_t>(len) * sizeof(float);
+    g.update(grad + i, bytes);
+    mh.update(m + i, bytes);
+    vh.update(v + i, bytes);
+  }
+  hashes[0] = g.digest();
+  hashes[1] = mh.digest();
+  hashes[2] = vh.digest();
 }
 
 namespace {
