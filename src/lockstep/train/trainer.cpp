@@ -262,8 +262,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
 
   std::vector<int32_t> tokens(static_cast<size_t>(N)), targets(static_cast<size_t>(N));
   // Data-parallel ranks evaluate every dp_size-th batch; the mean is over all of them. Under expert
-  // parallelism every forward is collective over the ep group, so each rank runs as many forwards
-  // as the busiest one (the extra ones count nothing).
+  // (tensor) parallelism every forward is collective over the ep / etp group, whose ranks may be
+  // different data-parallel ranks, so each rank runs as many forwards as the busiest one (the extra
+  // ones count nothing).
   auto evaluate = [&]() {
     double sum = 0;
     ExactSum exact;
