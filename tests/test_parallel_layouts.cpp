@@ -93,6 +93,12 @@ const Row kRows[] = {
     {"moe_tp2_etp2_ep2_edp2_allgather", "moe-debug.toml", 8, {"parallel.tensor=2", "parallel.expert_tensor=2",
                                                               "parallel.expert=2", AG}},
     {"moe_tp2_sp_etp1_ep4_alltoall", "moe-debug.toml", 8, {"parallel.tensor=2", SP, "parallel.expert=4", A2A}},
+    // Capacity is per routing rank: with tp = 1 a rank routes a whole micro-batch, as one process does.
+    {"moe_etp2_capacity_position", "moe-debug.toml", 2, {"moe.expert_capacity_factor=0.75", "moe.token_drop_policy=position",
+                                                         "parallel.expert_tensor=2"}},
+    {"moe_etp2_ep2_alltoall_capacity_padded", "moe-debug.toml", 4, {"moe.expert_capacity_factor=0.75",
+                                                                    "moe.pad_expert_input_to_capacity=true",
+                                                                    "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
     // The Llama MoE flavour (SwiGLU sections split per etp rank, shared expert, expert bias).
     {"llama_moe_tp2_sp", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2", SP}},
     {"llama_moe_tp2", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2"}},

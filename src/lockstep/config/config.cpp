@@ -214,7 +214,8 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.context, "context-parallel size"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size"),
       LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
-      LS_KEY(parallel.expert_tensor, "tensor-parallel size of the experts"),
+      LS_KEY(parallel.expert_tensor, "expert tensor parallelism: each expert's hidden units split over this many ranks "
+                                     "(may differ from parallel.tensor)"),
       LS_KEY(ddp.overlap_grad_reduce, "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
       LS_KEY(ddp.overlap_param_gather, "optimizer.distributed: all-gather the updated parameters in the background; the "
                                        "next forward waits for each bucket before its first use (bitwise the same)"),
