@@ -27,7 +27,6 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   name_ = prefix + "moe";
   router_name_ = name_ + ".router";
   experts_name_ = name_ + ".experts";
-  const int first_replicated = static_cast<int>(ps.specs().size());
   norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, Nl_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
   // Capacity is per rank that routes: its Nl tokens (Megatron's, under sequence parallelism too).
@@ -69,7 +68,6 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   if (tp_.on()) {
     norm_.set_sequence_parallel(ps);
     ps.set_sequence_parallel(router_w_);
-    LOCKSTEP_CHECK(first_replicated <= router_w_, "router declared before the norm");
     all_logits_ = arena.reserve(N_ * E_);
     if (!tp_.sequence) own_out_ = arena.reserve(Nl_ * C_);
   }
