@@ -4,34 +4,71 @@
 # guarantee (build-blas: -DLOCKSTEP_GEMM_BLAS=ON, the fp32 GEMMs on OpenBLAS's sgemm, and no
 # fingerprint), on the dense and the MoE peer models, alternating the two builds round by round.
 #
-#   scripts/setup.sh --bench && bench/determinism_tax.sh [rounds]      (default 3)
+#   scripts/setup.sh --bench && bench/determinism_tax.sh [rounds] [run|layout|both]   (default 3 both)
 #
 # Both run the step on 2 threads (OpenBLAS with OPENBLAS_NUM_THREADS=2). Per model: the median step
 # of each build over the rounds (each round is bench_fingerprint's median of 5 steps), the
 # fingerprint's hashing as the trainer does it (2 threads), and the tax = (step + fingerprint) /
 # BLAS step - 1.
+#
+# Part two, the layout tax: `lockstep train` (the whole trainer step, fingerprint included, 2
+# threads) with determinism = "layout" against "run", alternating round by round, on the same two
+# models as they are (one micro-batch per step) and with four micro-batches accumulated
+# (train.global_batch=16: the canonical tree's pushes); median step_ms of steps 2..6 per round, then
+# the median over rounds; tax = layout / run - 1. Also the CPU time (user + system) of each whole
+# run (6 steps and the start-up, which is the same for both): on a loaded machine the wall time of a
+# step swings by tens of percent with the other processes, the CPU time much less.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
-cmake -S . -B build-blas -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_GEMM_BLAS=ON -DLOCKSTEP_TESTS=OFF -DLOCKSTEP_BENCH=ON \
-  >/dev/null 2>&1
-cmake --build build-blas --target bench_fingerprint -j2 >/dev/null
-cmake --build build --target bench_fingerprint -j2 >/dev/null
-ms='$0 ~ pattern { for (i = 2; i <= NF; ++i) if ($i == "ms") { print $(i - 1); exit } }'  # a row's milliseconds
+parts=${2:-both}
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 echo "load: $(uptime | sed 's/.*load average: //')"
-for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
-  : >/tmp/tax_run.$$; : >/tmp/tax_fp.$$; : >/tmp/tax_blas.$$
-  for ((r = 0; r < rounds; ++r)); do
-    out=$(build/bench_fingerprint "$config" 5)
-    echo "$out" | awk "$ms" pattern='^training step' >>/tmp/tax_run.$$
-    echo "$out" | awk "$ms" pattern='the trainer' >>/tmp/tax_fp.$$
-    OPENBLAS_NUM_THREADS=2 build-blas/bench_fingerprint "$config" 5 | awk "$ms" pattern='^training step' >>/tmp/tax_blas.$$
+if [ "$parts" != layout ]; then
+  cmake -S . -B build-blas -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_GEMM_BLAS=ON -DLOCKSTEP_TESTS=OFF -DLOCKSTEP_BENCH=ON \
+    >/dev/null 2>&1
+  cmake --build build-blas --target bench_fingerprint -j2 >/dev/null
+  cmake --build build --target bench_fingerprint -j2 >/dev/null
+  ms='$0 ~ pattern { for (i = 2; i <= NF; ++i) if ($i == "ms") { print $(i - 1); exit } }'  # a row's milliseconds
+  for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
+    : >/tmp/tax_run.$$; : >/tmp/tax_fp.$$; : >/tmp/tax_blas.$$
+    for ((r = 0; r < rounds; ++r)); do
+      out=$(build/bench_fingerprint "$config" 5)
+      echo "$out" | awk "$ms" pattern='^training step' >>/tmp/tax_run.$$
+      echo "$out" | awk "$ms" pattern='the trainer' >>/tmp/tax_fp.$$
+      OPENBLAS_NUM_THREADS=2 build-blas/bench_fingerprint "$config" 5 | awk "$ms" pattern='^training step' >>/tmp/tax_blas.$$
+    done
+    run=$(median </tmp/tax_run.$$); fp=$(median </tmp/tax_fp.$$); blas=$(median </tmp/tax_blas.$$)
+    awk -v c="$config" -v run="$run" -v fp="$fp" -v blas="$blas" 'BEGIN {
+      printf "%s: step %.1f ms + fingerprint %.2f ms (run) vs %.1f ms (OpenBLAS, no fingerprint): tax %+.1f%%\n",
+             c, run, fp, blas, 100 * ((run + fp) / blas - 1) }'
   done
-  run=$(median </tmp/tax_run.$$); fp=$(median </tmp/tax_fp.$$); blas=$(median </tmp/tax_blas.$$)
-  awk -v c="$config" -v run="$run" -v fp="$fp" -v blas="$blas" 'BEGIN {
-    printf "%s: step %.1f ms + fingerprint %.2f ms (run) vs %.1f ms (OpenBLAS, no fingerprint): tax %+.1f%%\n",
-           c, run, fp, blas, 100 * ((run + fp) / blas - 1) }'
-done
+  rm -f /tmp/tax_run.$$ /tmp/tax_fp.$$ /tmp/tax_blas.$$
+fi
+if [ "$parts" != run ]; then
+  cmake --build build --target lockstep -j2 >/dev/null
+  dir=$(mktemp -d)
+  trap 'rm -rf "$dir"' EXIT
+  TIMEFORMAT='%U %S'
+  one_run() {  # appends the median step_ms of steps 2.. to $dir/$2.ms and the run's CPU seconds to $dir/$2.cpu
+    local t
+    t=$( { time build/lockstep train -c "$1" train.steps=6 train.threads=2 train.out_dir="$dir/run" "${@:3}" >/dev/null; } 2>&1 )
+    echo "$t" | awk '{print $1 + $2}' >>"$dir/$2.cpu"
+    grep -o '"step_ms":[0-9.]*' "$dir/run/metrics.jsonl" | tail -n +2 | cut -d: -f2 | median >>"$dir/$2.ms"
+    rm -rf "$dir/run"
+  }
+  for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
+    for batch in 4 16; do
+      rm -f "$dir"/*.ms "$dir"/*.cpu
+      for ((r = 0; r < rounds; ++r)); do
+        one_run "$config" run train.global_batch=$batch determinism=run
+        one_run "$config" layout train.global_batch=$batch determinism=layout
+      done
+      awk -v c="$config" -v m=$((batch / 4)) -v run="$(median <"$dir/run.ms")" -v lay="$(median <"$dir/layout.ms")" \
+          -v runc="$(median <"$dir/run.cpu")" -v layc="$(median <"$dir/layout.cpu")" 'BEGIN {
+        printf "%s, %d micro-batch(es) per step: step %.1f ms (layout) vs %.1f ms (run): %+.1f%%; CPU per run %.2f s vs %.2f s: %+.1f%%\n",
+               c, m, lay, run, 100 * (lay / run - 1), layc, runc, 100 * (layc / runc - 1) }'
+    done
+  done
+fi
 echo "load: $(uptime | sed 's/.*load average: //')"
-rm -f /tmp/tax_run.$$ /tmp/tax_fp.$$ /tmp/tax_blas.$$

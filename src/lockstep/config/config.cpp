@@ -164,7 +164,8 @@ void validate_expert_parallel(const Config& c) {
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data-parallel size, micro-batch spread, process count and backend)",
+                          "for any data- and expert-parallel size, micro-batch spread, process count and "
+                          "backend)",
              {"run", "layout"}),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
@@ -518,7 +519,7 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
-// determinism = "layout" (docs/determinism.md) covers data parallelism so far: what it cannot yet
+// determinism = "layout" (docs/determinism.md) covers data and expert parallelism so far: what it cannot yet
 // make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
@@ -527,12 +528,11 @@ void validate_layout_determinism(const Config& c) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
   };
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"tensor", c.parallel.tensor},
-                                   {"expert", c.parallel.expert},
                                    {"pipeline", c.parallel.pipeline},
                                    {"context", c.parallel.context},
                                    {"expert_tensor", c.parallel.expert_tensor}})
     if (size > 1)
-      refuse(str("parallel.", name, " = ", size), "only data parallelism is layout-invariant so far; use 1");
+      refuse(str("parallel.", name, " = ", size), "only data and expert parallelism are layout-invariant so far; use 1");
   if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\""),
            "low-precision recipes are not layout-invariant yet (delayed scaling's amax history is per rank)");

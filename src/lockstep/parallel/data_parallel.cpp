@@ -81,8 +81,9 @@ std::vector<ParamRange> DataParallel::optimizer_ranges() const {
   return all;
 }
 
-void DataParallel::set_layout(int64_t micros, Communicator* world) {
+void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_summed) {
   world_ = world;
+  experts_summed_ = experts_summed;
   tree_.reset(ps_.total(), micros);
   micro_ = pushed_ = 0;
 }
@@ -106,9 +107,20 @@ void DataParallel::begin_last_micro() {
 }
 
 void DataParallel::grads_ready(int first, int end) {
-  if (world_ && first < end) {
-    const ParamSpec& last = ps_.specs()[end - 1];
-    tree_.push(micro_, ps_.grads(), ps_.specs()[first].offset, last.offset + last.shape.numel());
+  if (world_) {
+    // Runs of consecutive parameters this tree sums, each pushed as one range.
+    const std::vector<ParamSpec>& specs = ps_.specs();
+    auto ours = [&](int p) { return !(experts_summed_ && specs[p].expert); };
+    for (int p = first; p < end;) {
+      if (!ours(p)) {
+        ++p;
+        continue;
+      }
+      int q = p;
+      while (q < end && ours(q)) ++q;
+      tree_.push(micro_, ps_.grads(), specs[p].offset, specs[q - 1].offset + specs[q - 1].shape.numel());
+      p = q;
+    }
     pushed_ += end - first;
   }
   if (!armed_) return;

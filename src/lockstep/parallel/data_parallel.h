@@ -68,8 +68,10 @@ class DataParallel {
 
   // determinism = "layout": `micros` micro-batches per rank and step (a power of two when the
   // group has more than one rank: the trainer checks); world: every rank of the job (the gradient
-  // norm's exact sum runs over it).
-  void set_layout(int64_t micros, Communicator* world);
+  // norm's exact sum runs over it). experts_summed: the model sums the expert parameters' gradients
+  // over the micro-batches itself (expert parallelism, model/moe/experts.h): they are left out of
+  // this class's tree.
+  void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
   // Before micro-batch `micro` (0-based, of this rank's step) under set_layout: the leaf its
   // gradients are pushed as.
   void begin_micro(int64_t micro);
@@ -145,6 +147,7 @@ class DataParallel {
   ParamStore& ps_;
   Communicator* world_ = nullptr;  // set in layout mode
   TreeSum tree_;
+  bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;

@@ -173,7 +173,15 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
                "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
                tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
-  if (layout) dp.set_layout(accum, &comm);
+  if (layout && ep && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))
+    user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), " and ", mesh.edp(), " expert "
+               "data-parallel replicas needs a power-of-two parallel.expert (each expert-parallel group's "
+               "micro-batches must form a subtree of the canonical tree)");
+  if (layout) {
+    dp.set_layout(accum, &comm, ep != nullptr);
+    for (const auto& layer : model.moe_layers())
+      if (layer) layer->set_layout(accum);
+  }
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });

@@ -55,6 +55,27 @@ void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t 
   segments_[El_ * S_] = offsets_[El_] = r;
 }
 
+void AllGatherDispatcher::set_layout_invariant() {
+  exact_ = true;
+  choice_rows_.resize(static_cast<int64_t>(idx_all_.size()) * C_);
+  mine_rows_.resize(static_cast<int64_t>(idx_all_.size()) / S_ * C_);
+  own_slot_.resize(idx_all_.size() / static_cast<size_t>(S_));
+}
+
+void AllGatherDispatcher::gather_choice_rows(const float* src) const {
+  const int64_t NK = N_ * K_, all = S_ * NK;
+  float* dst = choice_rows_.data();
+  const int32_t* choice = row_choice_.data();
+  parallel_for(all, [&](int64_t i0, int64_t i1) { std::fill(dst + i0 * C_, dst + i1 * C_, -0.0f); });
+  parallel_for(rows(), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      if (choice[r] >= 0) std::memcpy(dst + choice[r] * C_, src + r * C_, static_cast<size_t>(C_) * sizeof(float));
+  });
+  ep_.reduce_scatter(mine_rows_.data(), dst, NK * C_);
+  count(NK * C_, sizeof(float));
+  for (int64_t i = 0; i < NK; ++i) own_slot_[i] = local_.slots()[i] >= 0 ? static_cast<int32_t>(i) : -1;
+}
+
 void AllGatherDispatcher::dispatch(float* expert_in, const float* x) const {
   ep_.all_gather(gathered_.data(), x, N_ * C_);
   count(N_ * C_, sizeof(float));
@@ -63,8 +84,13 @@ void AllGatherDispatcher::dispatch(float* expert_in, const float* x) const {
 
 void AllGatherDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
   const int64_t all = S_ * N_;
-  ep_.all_gather(probs_all_.data(), probs, N_ * K_);
+  ep_.all_gather(probs_all_.data(), probs, N_ * K_);  // also for backward's d(expert output)
   count(N_ * K_, sizeof(float));
+  if (exact_) {
+    gather_choice_rows(expert_out);
+    combine_forward(out, base, mine_rows_.data(), own_slot_.data(), probs, N_, K_, C_);
+    return;
+  }
   float* partial = partial_.data();
   std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
   combine_forward(partial, partial, expert_out, slot_.data(), probs_all_.data(), all, K_, C_);
@@ -83,12 +109,21 @@ void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, co
   count(N_ * C_, sizeof(float));
   lockstep::combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(),
                              row_choice_.data(), probs_all_.data(), all, rows(), K_, C_);
-  // Each choice's gradient comes from the one rank holding its expert; the others add zeros.
+  // Each choice's gradient comes from the one rank holding its expert; the others add zeros (-0 in
+  // layout mode, which adds exactly, also to a -0).
+  if (exact_)
+    for (int64_t i = 0; i < all * K_; ++i)
+      if (kept_all_[i] && slot_[i] < 0) dprobs_all_[i] = -0.0f;
   ep_.reduce_scatter(dprobs, dprobs_all_.data(), N_ * K_);
   count(N_ * K_, sizeof(float));
 }
 
 void AllGatherDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
+  if (exact_) {
+    gather_choice_rows(dexpert_in);
+    permute_backward(dx, mine_rows_.data(), own_slot_.data(), N_, K_, C_);
+    return;
+  }
   const int64_t all = S_ * N_;
   float* partial = partial_.data();
   std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));

@@ -25,6 +25,12 @@
 // to the residual) where the single process adds them to the residual one by one: the output
 // differs from the single-process one by rounding (a few ulp). The all-to-all dispatcher combines
 // on the source rank in the single-process order and has no such difference.
+//
+// With set_layout_invariant() (determinism = "layout") the combine and the dispatch backward
+// reduce-scatter each choice's row instead ((S N, K, C), the rows of choices held elsewhere filled
+// with -0, which adds exactly: x + -0 = x for every x) and the source rank adds its tokens' K rows
+// in k order like the local dispatcher; d(probs) fills those entries with -0 too. K times the bytes
+// of those two reduce-scatters, and the single-process bits.
 #pragma once
 
 #include <cstdint>
@@ -48,9 +54,12 @@ class AllGatherDispatcher final : public ExpertParallelDispatcher {
   void combine(float* out, const float* base, const float* expert_out, const float* probs) const override;
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                         const float* probs) const override;
-
+  void set_layout_invariant() override;
 
  private:
+  // Layout mode: src (rows(), C) placed at their gathered choices in choice_rows_ (-0 elsewhere),
+  // reduce-scattered into mine_rows_ (N, K, C), this rank's tokens' choice rows.
+  void gather_choice_rows(const float* src) const;
   // Counts an all-gather or reduce-scatter of n elements of `bytes` each per rank.
   void count(int64_t n, int64_t bytes) const { bytes_sent_ += (S_ - 1) * n * bytes; }
 
@@ -63,6 +72,9 @@ class AllGatherDispatcher final : public ExpertParallelDispatcher {
   FloatBuffer partial_;                    // (S N, C) per-rank sums before the reduce-scatter
   FloatBuffer mine_;                       // (N, C) this rank's block after it
   FloatBuffer probs_all_, dprobs_all_;     // (S N, K); probs saved for backward
+  bool exact_ = false;                     // set_layout_invariant()
+  FloatBuffer choice_rows_, mine_rows_;    // (S N, K, C), (N, K, C) in layout mode
+  mutable std::vector<int32_t> own_slot_;  // (N, K): t K + k when kept, else -1
 };
 
 }  // namespace lockstep

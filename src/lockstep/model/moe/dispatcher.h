@@ -46,6 +46,10 @@ class Dispatcher {
   virtual int64_t max_rows() const = 0;
   // Bytes this rank has sent to other ranks so far (communication volume).
   virtual int64_t bytes_sent() const { return 0; }
+  // determinism = "layout": from here on the combine and the dispatch backward add a token's K
+  // choices exactly as the single-process LocalDispatcher does. Only the all-gather dispatcher
+  // sums them differently otherwise; the others already do.
+  virtual void set_layout_invariant() {}
 };
 
 class LocalDispatcher final : public Dispatcher {

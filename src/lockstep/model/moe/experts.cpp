@@ -60,16 +60,38 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
 void GroupedExperts::begin_step() {
   for (FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b})
     if (b->size()) std::memset(b->data(), 0, static_cast<size_t>(b->size()) * sizeof(float));
+  micro = 0;
+}
+
+void GroupedExperts::set_layout(int64_t micros) {
+  if (sources == 1) return;  // data parallelism sums these gradients with the others
+  layout_micros = micros;
+  trees.clear();
+  for (const FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b}) {
+    const int64_t blocks = b->size() ? E * sources : 0;
+    for (int64_t k = 0; k < blocks; ++k) {
+      trees.emplace_back();
+      trees.back().reset(b->size() / (E * sources), micros);
+    }
+  }
 }
 
 namespace {
 
-// grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...).
-void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t n) {
+// grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...), or with
+// `tree` the canonical tree over s (core/tree_sum.h).
+void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t n, bool tree = false) {
   parallel_for(E * n, [&](int64_t i0, int64_t i1) {
+    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S)) + 1);
+    std::vector<const float*> at(static_cast<size_t>(S));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / n, j = i % n;
       const float* b = blocks + e * S * n + j;
+      if (tree) {
+        for (int64_t s = 0; s < S; ++s) at[s] = b + s * n;
+        tree_sum(grad + i, at.data(), S, 1, stack.data());
+        continue;
+      }
       float acc = b[0];
       for (int64_t s = 1; s < S; ++s) acc += b[s * n];
       grad[i] = acc;
@@ -97,20 +119,34 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   const int64_t R = offsets[E], Fw = fc_width(), S = sources;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
   // then the rank-order sum (config refuses quantised GEMMs there: their scales would span sources).
+  // Layout mode: the blocks hold this micro-batch only (a tree push zeroes its block) and the
+  // parameter gradients are written after the last one. first_tree: the buffer's first tree.
+  const bool last = layout_micros == 0 || micro == layout_micros - 1;
+  const size_t blocks = static_cast<size_t>(E * S), biases = dfc_b.size() ? blocks : 0;
+  auto push = [&](const FloatBuffer& buf, size_t first_tree) {
+    const int64_t n = buf.size() / (E * S);
+    for (size_t k = 0; k < blocks; ++k) trees[first_tree + k].push(micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
+  };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
-                   int64_t nout, int64_t nin) {
+                   int64_t nout, int64_t nin, size_t first_tree) {
     if (S == 1) return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
     grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
-    sum_sources(ps.grad(w), dw.data(), E, S, nout * nin);
-    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout);
+    if (layout_micros) {
+      push(dw, first_tree);
+      if (b >= 0) push(db, first_tree + blocks);
+    }
+    if (!last) return;
+    sum_sources(ps.grad(w), dw.data(), E, S, nout * nin, layout_micros > 0);
+    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout, layout_micros > 0);
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F);
-  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F);
+  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C);
-  wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C);
+  wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
+  ++micro;
 }
 
 }  // namespace lockstep

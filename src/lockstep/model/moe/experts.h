@@ -20,12 +20,24 @@
 // one FMA chain per element), and a data-parallel all-reduce sums those in the same order
 // (comm/communicator.h): so expert parallelism over S ranks gives the expert gradients of data
 // parallelism over the same S ranks bit for bit.
+//
+// determinism = "layout" (set_layout(A), A micro-batches per rank and step): each (expert, source)
+// block is the gradient of ONE micro-batch of that source, computed from zero, and is pushed as a
+// leaf into its own canonical-tree sum over the source's A micro-batches (core/tree_sum.h). After
+// the last micro-batch the parameter gradient is the canonical tree over the S sources' sums: the
+// expert-parallel group's micro-batches are the S sources' blocks of A in source order, so with A a
+// power of two that is the canonical tree over the group's S x A micro-batches, bit for bit the
+// single-process sum of their expert gradients. Until the last micro-batch the parameter gradient
+// stays zero; data parallelism leaves these parameters to this class in that mode and reduces
+// them over the expert data-parallel group along the canonical tree (data_parallel.h).
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
@@ -57,6 +69,8 @@ struct GroupedExperts {
                 const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s) const;
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
+  // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see above).
+  void set_layout(int64_t micros);
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
 
@@ -65,6 +79,12 @@ struct GroupedExperts {
   bool swiglu = false;
   // Per-source weight gradients (E x sources blocks each), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
+  // Layout mode: one tree per (expert, source) block of each of the four buffers above, in that
+  // order, and the step's micro-batch backward is at (backward is const for the parameters it
+  // reads; these are the sums it builds).
+  int64_t layout_micros = 0;
+  mutable std::vector<TreeSum> trees;
+  mutable int64_t micro = 0;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 

@@ -94,6 +94,12 @@ class MoeLayer {
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
+  // determinism = "layout", `micros` micro-batches per rank and step: under expert parallelism the
+  // experts sum their gradients over micro-batches and sources themselves (experts.h).
+  void set_layout(int64_t micros) {
+    experts_.set_layout(micros);
+    dispatcher_->set_layout_invariant();
+  }
   // End of a step: the expert-bias update from the step's counts, summed over the tp group and over
   // `dp` when given (the data-parallel replicas then apply the same update); returns the step's
   // statistics.
