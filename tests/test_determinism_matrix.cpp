@@ -101,6 +101,10 @@ const Row kRows[] = {
     {"tp2_etp2_ep2_allgather_bf16", "moe-debug.toml", {"parallel.tensor=2", "parallel.expert_tensor=2", "parallel.expert=2",
                                                        "moe.token_dispatcher=allgather", "train.micro_batch=2",
                                                        "precision.params=bf16"}, 4},
+    {"layout_dp2_distributed_overlap", "debug.toml", {"determinism=layout", "train.micro_batch=2", "optimizer.distributed=true",
+                                                      "ddp.overlap_grad_reduce=true"}, 2},
+    {"layout_ep2_edp2_allgather_moe", "moe-debug.toml", {"determinism=layout", "parallel.expert=2", "train.micro_batch=2",
+                                                         "moe.token_dispatcher=allgather"}, 4},
 };
 
 constexpr int kSteps = 3;
