@@ -2,16 +2,22 @@
 // finite-difference check of every parameter tensor's gradient.
 #pragma once
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
 #include "testing.h"
 
@@ -70,6 +76,31 @@ inline void train_ranks(int ranks, const Config& c) {
   std::FILE* sink = std::fopen("/dev/null", "w");
   run_threads(ranks, 60, [&](Communicator& comm) { train(c, sink, comm); });
   std::fclose(sink);
+}
+
+// (loss, grad norm) of every step, exact, from rank 0's fingerprints.
+inline std::vector<std::pair<double, double>> trajectory(const std::string& run_dir) {
+  std::vector<std::pair<double, double>> out;
+  std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
+  auto bits = [](const nlohmann::json& j, const char* k) {
+    return std::bit_cast<double>(std::stoull(j[k].get<std::string>(), nullptr, 16));
+  };
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    out.emplace_back(bits(j, "loss"), bits(j, "grad_norm"));
+  }
+  return out;
+}
+
+// Largest relative |difference| of the losses of two runs (and that they have `steps` steps).
+inline double largest_loss_difference(const std::vector<std::pair<double, double>>& a,
+                                      const std::vector<std::pair<double, double>>& b, size_t steps = 4) {
+  EXPECT_EQ(a.size(), steps);
+  EXPECT_EQ(b.size(), a.size());
+  double worst = 0;
+  for (size_t s = 0; s < std::min(a.size(), b.size()); ++s)
+    worst = std::max(worst, std::fabs(a[s].first - b[s].first) / std::fabs(a[s].first));
+  return worst;
 }
 
 }  // namespace lockstep::testing

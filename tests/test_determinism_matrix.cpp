@@ -105,6 +105,19 @@ const Row kRows[] = {
                                                       "ddp.overlap_grad_reduce=true"}, 2},
     {"layout_ep2_edp2_allgather_moe", "moe-debug.toml", {"determinism=layout", "parallel.expert=2", "train.micro_batch=2",
                                                          "moe.token_dispatcher=allgather"}, 4},
+    {"pp2_gpt2_tied_mtp", "debug.toml", {"parallel.pipeline=2", "model.mtp_num_layers=1"}, 2},
+    {"pp2_afab_documents_llama", "debug.toml", {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward",
+                                                "model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",
+                                                "model.vocab_size=259", "data.reset_attention_mask=true", "data.eod_mask_loss=true"}, 2},
+    {"pp2_interleaved_moe_ep2_alltoall", "moe-debug.toml", {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4",
+                                                            "train.micro_batch=2", "parallel.expert=2",
+                                                            "moe.token_dispatcher=alltoall", kMoeBalance}, 4},
+    {"pp2_tp2_sp_bf16_llama", "debug.toml", {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                             "model.preset=llama", "precision.params=bf16"}, 4},
+    {"pp2_interleaved_tp2_etp2_moe", "moe-debug.toml", {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4",
+                                                        "parallel.tensor=2", "parallel.expert_tensor=2", "train.micro_batch=2"}, 4},
+    {"pp4_dp_distributed_moe", "moe-debug.toml", {"parallel.pipeline=4", "model.num_layers=4", "train.micro_batch=1",
+                                                  "optimizer.distributed=true"}, 8},
 };
 
 constexpr int kSteps = 3;

@@ -31,7 +31,9 @@ namespace {
 
 using testing::read_file;
 using testing::TempDir;
+using testing::largest_loss_difference;
 using testing::train_ranks;
+using testing::trajectory;
 
 Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
@@ -40,20 +42,6 @@ Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", o);
 }
 
-
-// (loss, grad norm) of every step, exact, from rank 0's fingerprints.
-std::vector<std::pair<double, double>> trajectory(const std::string& run_dir) {
-  std::vector<std::pair<double, double>> out;
-  std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
-  auto bits = [](const nlohmann::json& j, const char* k) {
-    return std::bit_cast<double>(std::stoull(j[k].get<std::string>(), nullptr, 16));
-  };
-  for (std::string line; std::getline(in, line);) {
-    const nlohmann::json j = nlohmann::json::parse(line);
-    out.emplace_back(bits(j, "loss"), bits(j, "grad_norm"));
-  }
-  return out;
-}
 
 TEST(ExpertParallel, EachRankHoldsAndInitialisesItsExpertsAsTheSingleProcess) {
   const Config c = job("unused");

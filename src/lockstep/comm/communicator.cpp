@@ -358,6 +358,25 @@ Work Communicator::send_recv_bytes(const void* send, int64_t send_bytes, int dst
   }));
 }
 
+Work Communicator::send_recv_batch_async(const std::vector<Message>& sends, const std::vector<Message>& recvs) {
+  std::vector<SendSpec> s;
+  std::vector<RecvSpec> r;
+  for (const Message& m : sends) {
+    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ", m.peer);
+    s.push_back({m.peer, m.data, m.bytes, m.tag});
+  }
+  for (const Message& m : recvs) {
+    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ", m.peer);
+    r.push_back({m.peer, m.data, m.bytes, m.tag});
+  }
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, s = std::move(s), r = std::move(r)] {
+    OpInfo op = op_info(*t, "send_recv_batch");
+    op.p2p = true;
+    exchange(*t, s, r, op);
+  }));
+}
+
 Work Communicator::barrier_async() {
   if (size() == 1) return Work();
   Transport* t = transport_.get();

@@ -140,6 +140,17 @@ class Communicator {
   Work send_recv_async(const T* send, int64_t send_n, int dst, T* recv, int64_t recv_n, int src, int tag = 0) {
     return send_recv_bytes(send, send_n * int64_t(sizeof(T)), dst, recv, recv_n * int64_t(sizeof(T)), src, tag);
   }
+  // Several point-to-point messages posted together (Megatron's batch_isend_irecv): the operation
+  // completes when every one has; each is matched by (peer, tag, order sent) like send / recv. A
+  // pipeline stage that sends to and receives from its neighbours in one batch cannot deadlock the
+  // way one blocking send after another can.
+  struct Message {
+    int peer;
+    int tag;
+    void* data;  // read by a send
+    int64_t bytes;
+  };
+  Work send_recv_batch_async(const std::vector<Message>& sends, const std::vector<Message>& recvs);
   void barrier() { barrier_async().wait(); }
   Work barrier_async();
 

@@ -20,12 +20,14 @@ struct SendSpec {
   int peer;  // rank in the group
   const void* data;
   int64_t bytes;
+  int tag = 0;  // point to point: added to the operation's tag (a batch's messages differ by it)
 };
 
 struct RecvSpec {
   int peer;
   void* data;
   int64_t bytes;  // must equal what the peer sends
+  int tag = 0;
 };
 
 struct OpInfo {

@@ -87,6 +87,40 @@ std::string DebugConfig::inject_module() const {
   return colon == std::string::npos ? "" : inject_ulp.substr(colon + 1);
 }
 
+std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
+  const int64_t chunks = pipeline * virtual_pipeline;
+  std::vector<int64_t> n;
+  if (pipeline_layers.empty()) {
+    if (L % chunks)
+      user_error("model.num_layers = ", L, " is not divisible by parallel.pipeline x parallel.virtual_pipeline = ",
+                 pipeline, " x ", virtual_pipeline, "; set parallel.pipeline_layers to split them unevenly");
+    n.assign(static_cast<size_t>(chunks), L / chunks);
+    return n;
+  }
+  // "[1,2,1]" or "1,2,1": one count per model chunk.
+  std::string s;
+  for (char ch : pipeline_layers)
+    if (ch != ' ' && ch != '\t' && ch != '[' && ch != ']') s += ch;
+  size_t i = 0;
+  while (i <= s.size()) {
+    const size_t comma = std::min(s.find(',', i), s.size());
+    int64_t v = 0;
+    const auto [p, ec] = std::from_chars(s.data() + i, s.data() + comma, v);
+    if (ec != std::errc() || p != s.data() + comma || v < 1)
+      user_error("parallel.pipeline_layers = \"", pipeline_layers, "\": expected positive layer counts such as [1,2,1]");
+    n.push_back(v);
+    i = comma + 1;
+  }
+  int64_t sum = 0;
+  for (int64_t v : n) sum += v;
+  if (static_cast<int64_t>(n.size()) != chunks)
+    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" has ", n.size(), " entries, but parallel.pipeline x "
+               "parallel.virtual_pipeline = ", pipeline, " x ", virtual_pipeline, " = ", chunks, " model chunks");
+  if (sum != L)
+    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" adds up to ", sum, " layers, model.num_layers = ", L);
+  return n;
+}
+
 bool MoeConfig::is_moe_layer(int64_t l, int64_t L) const {
   return num_experts > 0 && moe_layer_pattern(layer_freq, L)[static_cast<size_t>(l)];
 }
@@ -161,6 +195,26 @@ void validate_expert_parallel(const Config& c) {
                " (every expert-tensor-parallel rank holds the same number of hidden units)");
 }
 
+void validate_pipeline_parallel(const Config& c) {
+  const ParallelConfig& p = c.parallel;
+  if (p.virtual_pipeline < 1) user_error("parallel.virtual_pipeline = ", p.virtual_pipeline, ": must be positive");
+  if (p.virtual_pipeline > 1 && p.pipeline < 2)
+    user_error("parallel.virtual_pipeline = ", p.virtual_pipeline, " needs parallel.pipeline > 1");
+  if (p.virtual_pipeline > 1 && p.pipeline_schedule != "1f1b")
+    user_error("parallel.virtual_pipeline = ", p.virtual_pipeline, ": the interleaved schedule is 1F1B; "
+               "parallel.pipeline_schedule = \"", p.pipeline_schedule, "\" has no virtual stages");
+  if (p.pipeline == 1 && !p.pipeline_layers.empty())
+    user_error("parallel.pipeline_layers = \"", p.pipeline_layers, "\" needs parallel.pipeline > 1");
+  if (p.pipeline == 1) return;
+  p.chunk_layers(c.model.num_layers);
+  if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
+    user_error("parallel.pipeline = ", p.pipeline, " with precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"",
+               c.precision.fp4, "\": pipeline parallelism runs fp32 or bf16 GEMMs only (the low-precision recipes keep "
+               "one micro-batch's scaling state at a time)");
+  if (c.debug.trace != "off" || !c.debug.inject_ulp.empty())
+    user_error("parallel.pipeline = ", p.pipeline, ": debug.trace and debug.inject_ulp need parallel.pipeline = 1");
+}
+
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
@@ -213,7 +267,14 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
                                          "group (needs parallel.tensor > 1)"),
       LS_KEY(parallel.context, "context-parallel size"),
-      LS_KEY(parallel.pipeline, "pipeline-parallel size"),
+      LS_KEY(parallel.pipeline, "pipeline-parallel size: the layers split over this many stages (docs/parallelism.md)"),
+      LS_KEY(parallel.pipeline_layers, "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
+                                       "virtual_pipeline entries); \"\" = an even split"),
+      LS_KEY(parallel.pipeline_schedule, "pipeline schedule: 1f1b (one forward, one backward; at most pipeline - stage "
+                                         "micro-batches in flight) or all_forward_all_backward (the reference)",
+             {"1f1b", "all_forward_all_backward"}),
+      LS_KEY(parallel.virtual_pipeline, "model chunks per pipeline rank; > 1 = interleaved 1F1B (micro-batches per "
+                                        "rank must be a multiple of parallel.pipeline)"),
       LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
       LS_KEY(parallel.expert_tensor, "expert tensor parallelism: each expert's hidden units split over this many ranks "
                                      "(may differ from parallel.tensor)"),
@@ -597,11 +658,13 @@ void validate(const Config& c) {
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
-    if (size > 1 && name != std::string("tensor") && name != std::string("expert") && name != std::string("expert_tensor"))
+    if (size > 1 && name != std::string("tensor") && name != std::string("expert") && name != std::string("expert_tensor") &&
+        name != std::string("pipeline"))
       user_error("parallel.", name, " = ", size, ": ", name, " parallelism is not implemented yet");
   }
   validate_tensor_parallel(c);
   validate_expert_parallel(c);
+  validate_pipeline_parallel(c);
   if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");
   if (!(c.dist.timeout_s > 0)) user_error("dist.timeout_s = ", c.dist.timeout_s, ": must be positive");
   if (t.out_dir.empty()) user_error("train.out_dir is empty");

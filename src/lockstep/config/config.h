@@ -78,8 +78,18 @@ struct ParallelConfig {
   bool sequence_parallel = false;
   int64_t context = 1;
   int64_t pipeline = 1;
+  // Pipeline parallelism (parallel/pipeline/): layers per model chunk ("" = even split), the
+  // schedule, and the model chunks (virtual stages) per pipeline rank (> 1: interleaved 1F1B).
+  std::string pipeline_layers;
+  std::string pipeline_schedule = "1f1b";  // 1f1b | all_forward_all_backward
+  int64_t virtual_pipeline = 1;
   int64_t expert = 1;
   int64_t expert_tensor = 1;
+
+  // The transformer layers of each of the pipeline x virtual_pipeline model chunks, in model order
+  // (chunk c runs on pipeline rank c % pipeline): parallel.pipeline_layers, or L split evenly.
+  // UserError naming the keys when they do not add up to L.
+  std::vector<int64_t> chunk_layers(int64_t L) const;
 };
 
 // Data-parallel gradient reduction (parallel/data_parallel.h).

@@ -20,68 +20,99 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
-         const TensorParallel& tp, Communicator* ep, Communicator* etp)
-    : m_(m), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
+         const TensorParallel& tp, Communicator* ep, Communicator* etp, const GptPart& part)
+    : m_(m), part_(part), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
   // config validate() names the keys; these guard other callers.
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
+  if (part_.chunks.empty()) part_.chunks = {{0, L_}};
+  const bool whole = part_.first && part_.last && part_.chunks.size() == 1;
   const float std = static_cast<float>(m.init_std);
-  wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
-  if (m.position_embedding == "learned")
-    wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
-  for (int64_t l = 0; l < L_; ++l) {
-    const std::string prefix = "layers." + std::to_string(l) + ".";
-    layer_first_.push_back(static_cast<int>(params_.specs().size()));
-    attn_.emplace_back(params_, arena_, prefix, m, B_, T_, tp_);
-    if (moe.is_moe_layer(l, L_)) {
-      mlp_.emplace_back();
-      moe_.push_back(std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp}));
-    } else {
-      mlp_.emplace_back(params_, arena_, prefix, m, N_, tp_);
-      moe_.push_back(nullptr);
-    }
+  // The last stage's copies of the first stage's embedding: the tied head's and the MTP depths'.
+  const bool copies = part_.last && !part_.first;
+  if (part_.first) {
+    wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
+    if (m.position_embedding == "learned")
+      wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
   }
-  layer_first_.push_back(static_cast<int>(params_.specs().size()));
-  final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_,
-                     static_cast<float>(m.norm_eps));
-  if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
-  out_ = m.tie_embeddings ? wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
-  for (int64_t k = 0; k < m.mtp_num_layers; ++k) mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_));
+  embed_end_ = static_cast<int>(params_.specs().size());
+  layer_first_.assign(static_cast<size_t>(L_), -1);
+  layer_end_.assign(static_cast<size_t>(L_), -1);
+  attn_.resize(static_cast<size_t>(L_));
+  mlp_.resize(static_cast<size_t>(L_));
+  moe_.resize(static_cast<size_t>(L_));
+  for (const auto& [first, end] : part_.chunks)
+    for (int64_t l = first; l < end; ++l) {
+      const std::string prefix = "layers." + std::to_string(l) + ".";
+      layer_first_[l] = static_cast<int>(params_.specs().size());
+      attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_);
+      if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp});
+      else mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
+      layer_end_[l] = static_cast<int>(params_.specs().size());
+    }
+  head_first_ = static_cast<int>(params_.specs().size());
+  if (part_.last) {
+    final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_,
+                       static_cast<float>(m.norm_eps));
+    if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
+    if (copies && (m.tie_embeddings || m.mtp_num_layers > 0)) {
+      wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
+      params_.set_stage_copy(wte_);
+    }
+    if (copies && m.mtp_num_layers > 0 && m.position_embedding == "learned") {
+      wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
+      params_.set_stage_copy(wpe_);
+    }
+    out_ = m.tie_embeddings ? wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
+    for (int64_t k = 0; k < m.mtp_num_layers; ++k)
+      mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_));
+  }
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
   if (precision_.bf16()) params_.use_bf16_weights();
+  weights_stale_.assign(part_.chunks.size(), 1);
 
-  for (int64_t l = 0; l <= L_; ++l) resid_.push_back(arena_.reserve(Nl_ * C_));
-  for (int64_t l = 0; l < L_; ++l) mid_.push_back(arena_.reserve(Nl_ * C_));
-  final_out_ = arena_.reserve(Nl_ * C_);
+  resid_.resize(static_cast<size_t>(L_ + 1));
+  mid_.resize(static_cast<size_t>(L_));
+  for (const auto& [first, end] : part_.chunks) {
+    for (int64_t l = first; l <= end; ++l)
+      if (resid_[l].offset < 0) resid_[l] = arena_.reserve(Nl_ * C_);
+    for (int64_t l = first; l < end; ++l) mid_[l] = arena_.reserve(Nl_ * C_);
+  }
+  if (!whole)
+    for (size_t c = 0; c < part_.chunks.size(); ++c) grad_in_.push_back(arena_.reserve(Nl_ * C_));
+  if (part_.last) final_out_ = arena_.reserve(Nl_ * C_);
   if (tp_.on()) {
-    emb_partial_ = arena_.reserve(N_ * C_);
+    emb_partial_ = arena_.reserve_scratch(N_ * C_);
     local_tokens_.resize(static_cast<size_t>(N_));
   }
-  if (tp_.sequence) {
-    final_full_ = arena_.reserve(N_ * C_);
-    head_dfull_ = arena_.reserve(N_ * C_);
+  if (tp_.sequence && part_.last) {
+    final_full_ = arena_.reserve_scratch(N_ * C_);
+    head_dfull_ = arena_.reserve_scratch(N_ * C_);
   }
   head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / Vl_, 1, N_);
-  logits_ = arena_.reserve(head_rows_ * Vl_);
-  losses_ = arena_.reserve(N_);
-  int64_t F = 0, fcw = 0;
+  if (part_.last) {
+    logits_ = arena_.reserve_scratch(head_rows_ * Vl_);
+    losses_ = arena_.reserve_scratch(N_);
+  }
+  int64_t F = 0, fcw = 0, qkvw = 0;
   for (const MlpLayer& mlp : mlp_) F = std::max(F, mlp.F), fcw = std::max(fcw, mlp.F ? mlp.fc_width() : 0);
   for (const auto& d : mtp_) F = std::max(F, d->mlp.F), fcw = std::max(fcw, d->mlp.fc_width());
-  const int64_t qkvw = attn_.empty() ? 0 : attn_[0].qkv_width();
-  dresid_ = arena_.reserve(Nl_ * C_);
-  dfinal_ = arena_.reserve(N_ * C_);
-  dnorm_ = arena_.reserve(N_ * C_);
-  datt_ = arena_.reserve(N_ * C_);
-  dqkv_ = arena_.reserve(N_ * qkvw);
-  dact_ = arena_.reserve(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
-  dfc_ = arena_.reserve(N_ * fcw);
+  for (const AttentionLayer& a : attn_) qkvw = std::max(qkvw, a.qkv_width());
+  dresid_ = arena_.reserve_scratch(Nl_ * C_);
+  dfinal_ = arena_.reserve_scratch(N_ * C_);
+  dnorm_ = arena_.reserve_scratch(N_ * C_);
+  datt_ = arena_.reserve_scratch(N_ * C_);
+  dqkv_ = arena_.reserve_scratch(N_ * qkvw);
+  dact_ = arena_.reserve_scratch(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
+  dfc_ = arena_.reserve_scratch(N_ * fcw);
   if (!mtp_.empty()) {
     const int64_t D = static_cast<int64_t>(mtp_.size());
     mtp_tokens_.resize(static_cast<size_t>(D * N_));
     mtp_targets_.resize(static_cast<size_t>(D * N_));
-    for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_}) *sl = arena_.reserve(Nl_ * C_);
+    for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_})
+      *sl = arena_.reserve_scratch(Nl_ * C_);
   }
   const MoeLayer* first_moe = nullptr;
   for (const auto& layer : moe_)
@@ -89,18 +120,18 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   if (first_moe) {
     // Every MoE layer has the same sizes, so one set of backward scratch serves them all.
     const int64_t R = first_moe->max_rows();
-    moe_dnorm_ = arena_.reserve(N_ * C_);
-    moe_drouter_ = arena_.reserve(N_ * C_);
-    moe_dlogits_ = arena_.reserve(N_ * moe.num_experts);
-    moe_dprobs_ = arena_.reserve(N_ * moe.router_topk);
-    moe_drows_ = arena_.reserve(R * C_);
-    moe_drows_in_ = arena_.reserve(R * C_);
-    moe_dact_ = arena_.reserve(R * first_moe->expert_ffn());
-    moe_dfc_ = arena_.reserve(R * first_moe->expert_fc_width());
-    sh_dout_ = arena_.reserve(N_ * C_);
-    sh_dact_ = arena_.reserve(N_ * first_moe->shared_ffn());
-    sh_dfc_ = arena_.reserve(N_ * first_moe->shared_fc_width());
-    sh_dx_ = arena_.reserve(N_ * C_);
+    moe_dnorm_ = arena_.reserve_scratch(N_ * C_);
+    moe_drouter_ = arena_.reserve_scratch(N_ * C_);
+    moe_dlogits_ = arena_.reserve_scratch(N_ * moe.num_experts);
+    moe_dprobs_ = arena_.reserve_scratch(N_ * moe.router_topk);
+    moe_drows_ = arena_.reserve_scratch(R * C_);
+    moe_drows_in_ = arena_.reserve_scratch(R * C_);
+    moe_dact_ = arena_.reserve_scratch(R * first_moe->expert_ffn());
+    moe_dfc_ = arena_.reserve_scratch(R * first_moe->expert_fc_width());
+    sh_dout_ = arena_.reserve_scratch(N_ * C_);
+    sh_dact_ = arena_.reserve_scratch(N_ * first_moe->shared_ffn());
+    sh_dfc_ = arena_.reserve_scratch(N_ * first_moe->shared_fc_width());
+    sh_dx_ = arena_.reserve_scratch(N_ * C_);
   }
   arena_.allocate();
   if (first_moe)
@@ -124,23 +155,47 @@ void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attenti
   doc_start_.assign(reset_attention_mask ? static_cast<size_t>(N_) : 0, 0);
 }
 
-void GPT::forward(const int32_t* tokens, bool training) {
+void GPT::select_slot(int k) {
+  arena_.select(k);
+  for (auto& layer : moe_)
+    if (layer) layer->select(k);
+}
+
+std::vector<int> GPT::shared_params() const {
+  if (part_.first && part_.last) return {};
+  std::vector<int> shared;
+  if (part_.first && part_.chunks.size() && (m_.tie_embeddings || m_.mtp_num_layers > 0)) {
+    shared.push_back(wte_);
+    if (m_.mtp_num_layers > 0 && wpe_ >= 0) shared.push_back(wpe_);
+  }
+  if (part_.last)
+    for (int i : {wte_, wpe_})
+      if (i >= 0 && params_.specs()[static_cast<size_t>(i)].stage_copy) shared.push_back(i);
+  return shared;
+}
+
+void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training) {
+  micro_ = first_micro_ + micro;
+  if (training) precision_.begin_micro_batch(seed_, step_, micro_);
   aux_loss_ = 0;
+  const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
+  const bool stale = weights_stale_[static_cast<size_t>(c)];
   if (positions() || doc_start())
     document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
                     tokens, B_, T_, eod_);
-  const int num_params = static_cast<int>(params_.specs().size());
-  need_params(0, layer_first_[0]);
-  // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
-  if (tp_.on())
-    vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
-                             params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
-  else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
-                         B_, T_, C_, V_, positions());
-  precision_.round(arena_(resid_[0]), Nl_ * C_);
-  trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
-  for (int64_t l = 0; l < L_; ++l) {
-    need_params(layer_first_[l], layer_first_[l + 1]);
+  if (part_.first && c == 0) {
+    need_params(0, embed_end_, stale);
+    // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
+    if (tp_.on())
+      vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
+                               params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
+    else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
+                           B_, T_, C_, V_, positions());
+    precision_.round(arena_(resid_[0]), Nl_ * C_);
+    trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
+  }
+  for (int64_t l = l0; l < l1; ++l) {
+    need_params(layer_first_[l], layer_end_[l], stale);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
                      positions(), doc_start());
     if (moe_[l]) {
@@ -150,17 +205,18 @@ void GPT::forward(const int32_t* tokens, bool training) {
       mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
     }
   }
-  // The final norm, the untied head and the MTP depths.
-  need_params(layer_first_[L_], num_params);
-  final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), Nl_);
-  weights_stale_ = false;
+  if (part_.last && c == num_chunks() - 1) {
+    // The final norm, the untied head and the MTP depths.
+    need_params(head_first_, static_cast<int>(params_.specs().size()), stale);
+    final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), Nl_);
+  }
+  weights_stale_[static_cast<size_t>(c)] = 0;
 }
 
-
-void GPT::need_params(int first, int end) {
+void GPT::need_params(int first, int end, bool stale) {
   if (params_needed_) params_needed_(first, end);
   // The bf16 copy of a range is refreshed once its master values are final for this step.
-  if (weights_stale_) params_.sync_weights(first, end);
+  if (stale) params_.sync_weights(first, end);
 }
 
 void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool backward, float grad_scale) {
@@ -248,31 +304,6 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   for (double l : depth_loss) mtp_loss_ += weight * l;
 }
 
-void GPT::backward(const int32_t* tokens, float aux_scale) {
-  float* dresid = arena_(dresid_);
-  std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
-  final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
-  // The head and the MTP depths ran their backward before this one.
-  if (grads_ready_) grads_ready_(layer_first_[L_], static_cast<int>(params_.specs().size()));
-  const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
-  const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
-  for (int64_t l = L_ - 1; l >= 0; --l) {
-    if (moe_[l]) moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
-    else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
-    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as,
-                      positions(), doc_start());
-    if (grads_ready_) grads_ready_(layer_first_[l], layer_first_[l + 1]);
-  }
-  if (tp_.on()) {
-    vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(),
-                                      arena_(dnorm_), dresid, local_tokens_.data(), tokens, positions(), B_, T_, C_, V_);
-  } else {
-    embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                       tokens, B_, T_, C_, positions());
-  }
-  if (grads_ready_) grads_ready_(0, layer_first_[0]);
-}
-
 namespace {
 // Mean over the positions with a target (masked ones hold loss 0); 0 when every one is masked.
 double mean_loss(const float* x, const int32_t* targets, int64_t n) {
@@ -283,36 +314,91 @@ double mean_loss(const float* x, const int32_t* targets, int64_t n) {
 }
 }  // namespace
 
-double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
-  precision_.begin_micro_batch(seed_, step_, micro_);
-  forward(tokens, true);
-  head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
-  trace_out("output", arena_(losses_), N_);  // the per-token losses
-  trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
-  // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
-  const double lm = mean_loss(arena_(losses_), targets, N_);
-  if (!mtp_.empty()) mtp(tokens, targets, true, grad_scale * static_cast<float>(N_));
-  backward(tokens, grad_scale * static_cast<float>(N_));
-  precision_.end_micro_batch();
-  ++micro_;
+double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) {
+  micro_ = first_micro_ + micro;
+  const float aux_scale = grad_scale * static_cast<float>(N_);
+  const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
+  float* dresid = arena_(dresid_);
+  // Pipeline parallelism: another micro-batch's forward may have run since this one's.
+  const bool whole = part_.first && part_.last && num_chunks() == 1;
+  if (!whole && (positions() || doc_start()))
+    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
+                    tokens, B_, T_, eod_);
+  double lm = 0;
+  if (part_.last && c == num_chunks() - 1) {
+    head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
+    trace_out("output", arena_(losses_), N_);  // the per-token losses
+    trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
+    // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
+    lm = mean_loss(arena_(losses_), targets, N_);
+    if (!mtp_.empty()) mtp(tokens, targets, true, aux_scale);
+    std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
+    final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
+    // The head and the MTP depths ran their backward before this one.
+    if (grads_ready_) grads_ready_(head_first_, static_cast<int>(params_.specs().size()));
+  } else {
+    std::memcpy(dresid, chunk_output_grad(c), static_cast<size_t>(Nl_ * C_) * sizeof(float));
+  }
+  const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
+  const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
+  for (int64_t l = l1 - 1; l >= l0; --l) {
+    if (moe_[l]) moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
+    else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
+    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as,
+                      positions(), doc_start());
+    if (grads_ready_) grads_ready_(layer_first_[l], layer_end_[l]);
+  }
+  if (part_.first && c == 0) {
+    if (tp_.on()) {
+      vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr,
+                                        order_.data(), arena_(dnorm_), dresid, local_tokens_.data(), tokens,
+                                        positions(), B_, T_, C_, V_);
+    } else {
+      embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
+                         tokens, B_, T_, C_, positions());
+    }
+    if (grads_ready_) grads_ready_(0, embed_end_);
+  }
+  if (part_.first && c == 0) precision_.end_micro_batch();
   return lm;
 }
 
-double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
-  weights_stale_ = true;  // evaluation may follow an optimizer step with no begin_step in between
+double GPT::forward_backward(const int32_t* tokens, const int32_t* targets, float grad_scale) {
+  const int64_t micro = micro_ - first_micro_;
+  forward_chunk(0, tokens, micro);
+  const double lm = backward_chunk(0, tokens, targets, grad_scale, micro);
+  micro_ = first_micro_ + micro + 1;
+  return lm;
+}
+
+void GPT::begin_evaluation() {
+  // Evaluation may follow an optimizer step with no begin_step in between.
+  std::fill(weights_stale_.begin(), weights_stale_.end(), 1);
   precision_.begin_evaluation();
-  forward(tokens, false);
+}
+
+double GPT::evaluate_head(const int32_t* tokens, const int32_t* targets) {
   head(arena_(final_out_), targets, nullptr, false, 0.0f);
   const double lm = mean_loss(arena_(losses_), targets, N_);
   if (!mtp_.empty()) mtp(tokens, targets, false, 0.0f);
   return lm;
 }
 
+double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
+  begin_evaluation();
+  forward_chunk(0, tokens, 0, false);
+  return evaluate_head(tokens, targets);
+}
+
 double GPT::flops_per_token() const {
-  double matmul = static_cast<double>(V_ * C_);
+  // This rank's part: under pipeline parallelism the stages' counts add up to the model's.
+  double matmul = part_.last ? static_cast<double>(V_ * C_) : 0.0;
   // The whole model's: each tensor-parallel rank holds 1 / tp of the attention and MLP matmuls.
   const double tp = static_cast<double>(tp_.size);
+  int64_t attn_layers = static_cast<int64_t>(mtp_.size());
   for (int64_t l = 0; l < L_; ++l) {
+    if (layer_first_[l] < 0) continue;
+    ++attn_layers;
     matmul += tp * static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
     if (moe_[l]) matmul += moe_[l]->matmul_params_per_token();
     else matmul += tp * static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
@@ -321,15 +407,14 @@ double GPT::flops_per_token() const {
     matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
               tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
                                        d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out);
-  const int64_t attn_layers = L_ + static_cast<int64_t>(mtp_.size());
   return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * T_ * C_);
 }
 
 void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
   seed_ = seed;
   step_ = step;
-  micro_ = first_micro;
-  weights_stale_ = true;
+  micro_ = first_micro_ = first_micro;
+  std::fill(weights_stale_.begin(), weights_stale_.end(), 1);
   for (auto& layer : moe_)
     if (layer) layer->begin_step();
 }

@@ -19,6 +19,13 @@
 // MLP matmuls, and the vocabulary rows [r, r + 1) x V / tp of the embedding and output head (the
 // lookup and the loss combine over the group); with sequence parallelism the residual stream, the
 // norms and the position embedding hold this rank's rows of the (B x T, C) activations.
+//
+// Pipeline parallelism (parallel/pipeline/pipeline.h): a rank builds only its part of the model
+// (GptPart): its model chunks' layers (parameter names keep the global layer index), the embedding
+// on the first stage, the final norm, head, loss and MTP depths on the last. A last stage that
+// needs the word embedding (tied head, MTP) holds a copy (ParamSpec::stage_copy). The chunk
+// functions run one chunk of one micro-batch; select_slot picks the in-flight micro-batch whose
+// activations they use (model/arena.h). forward_backward is chunk 0's forward then its backward.
 #pragma once
 
 #include <cstdint>
@@ -41,6 +48,13 @@ namespace lockstep {
 
 class Communicator;
 
+// The part of the model a rank builds. Default: the whole model.
+struct GptPart {
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // [first, end) global layers of each local chunk; {} = all
+  bool first = true;  // the embedding (before chunk 0)
+  bool last = true;   // the final norm, head, loss and MTP depths (after the last chunk)
+};
+
 class GPT {
  public:
   // B: sequences per micro-batch; T = m.seq_length. Declares and allocates every parameter (not
@@ -53,7 +67,7 @@ class GPT {
   // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
-      Communicator* ep = nullptr, Communicator* etp = nullptr);
+      Communicator* ep = nullptr, Communicator* etp = nullptr, const GptPart& part = GptPart{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -111,23 +125,52 @@ class GPT {
   void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true, int rank = 0,
                     int world = 1);
 
+  // Pipeline parallelism. Chunk c of this rank, one micro-batch (micro: its index among this
+  // rank's micro-batches of the step), under the selected slot. forward_chunk: input from
+  // chunk_input(c) (or the embedding of tokens on the first chunk of the first stage), output in
+  // chunk_output(c). backward_chunk: the output gradient from chunk_output_grad(c) (or the loss
+  // on the last chunk of the last stage, whose mean LM loss it returns; 0 elsewhere), the input
+  // gradient in chunk_input_grad() (valid until the next backward_chunk). Each buffer is
+  // activation_floats() floats: this rank's rows of the (B x T, C) residual stream.
+  int num_chunks() const { return static_cast<int>(part_.chunks.size()); }
+  void select_slot(int k);
+  float* chunk_input(int c) { return arena_(resid_[static_cast<size_t>(part_.chunks[c].first)]); }
+  const float* chunk_output(int c) const { return arena_(resid_[static_cast<size_t>(part_.chunks[c].second)]); }
+  float* chunk_output_grad(int c) { return arena_(grad_in_[static_cast<size_t>(c)]); }
+  const float* chunk_input_grad() const { return arena_(dresid_); }
+  int64_t activation_floats() const { return Nl_ * C_; }
+  void forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training = true);
+  double backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro);
+  // Forward only, on the last stage after its last chunk's forward_chunk(training = false): the
+  // mean LM loss (mtp_loss() too).
+  double evaluate_head(const int32_t* tokens, const int32_t* targets);
+  // Before an evaluation's forwards: the bf16 weights are refreshed, no step statistics.
+  void begin_evaluation();
+  // Bytes of activation memory held now: the slots the schedule used (one micro-batch's saved
+  // activations each) and the backward scratch.
+  int64_t activation_bytes_held() const { return arena_.allocated_floats() * 4; }
+  int64_t slot_activation_bytes() const { return arena_.total_floats() * 4; }
+  int activation_slots() const { return arena_.slots(); }
+  // The table index range of the parameters shared with another stage (the embedding on the first
+  // stage, its copies on the last): their gradients are summed over the pair before the update.
+  std::vector<int> shared_params() const;
+
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
   // Model FLOPs per token for forward + backward: 6 x (matmul parameters) + 6 x L x T x C for
   // causal attention (QK^T and PV over T/2 keys on average).
   double flops_per_token() const;
-  int64_t activation_bytes() const { return arena_.total_floats() * 4; }
+  int64_t activation_bytes() const { return arena_.total_floats() * 4 + arena_.scratch_floats() * 4; }
 
  private:
-  void forward(const int32_t* tokens, bool training);
   // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
   void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
   // The MTP depths after the main head: forward, losses, and with backward their gradients (the
   // depth-1 input's added to d(final norm output)).
   void mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale);
-  void backward(const int32_t* tokens, float aux_scale);
 
   ModelConfig m_;
+  GptPart part_;
   Precision precision_;
   TensorParallel tp_;
   int64_t B_, T_, C_, V_, L_, N_;
@@ -143,7 +186,9 @@ class GPT {
   std::vector<float> rope_cos_, rope_sin_;
   // Activations: resid[l] is layer l's input (N, C), resid[L] the last output; mid[l] the residual
   // between the attention and MLP sublayers.
-  std::vector<ArenaSlice> resid_, mid_;
+  // Under pipeline parallelism only this rank's layers' entries are reserved; grad_in_[c]: chunk
+  // c's output gradient as received from the next stage.
+  std::vector<ArenaSlice> resid_, mid_, grad_in_;
   ArenaSlice final_out_, logits_, losses_;
   // Tensor parallelism: the embedding's partial lookup and, with sequence parallelism, the gathered
   // final norm output and the head's partial input gradient (each (N, C)); local token ids.
@@ -169,13 +214,16 @@ class GPT {
   const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
-  // layer_first_[l]: the table index of layer l's first parameter; [L] that of the final norm.
-  std::vector<int> layer_first_;
+  // The table ranges: the embedding [0, embed_end_), layer l's [layer_first_[l], layer_end_[l])
+  // (local layers only), the final norm, head and MTP [head_first_, end).
+  std::vector<int> layer_first_, layer_end_;
+  int embed_end_ = 0, head_first_ = 0;
   std::function<void(int, int)> grads_ready_, params_needed_;
-  // Forward reads parameters [first, end) next: the params-needed hook, then (first forward of a
-  // step) the refresh of their bf16 copy.
-  void need_params(int first, int end);
-  bool weights_stale_ = true;
+  // Forward reads parameters [first, end) next: the params-needed hook, then (the chunk's first
+  // forward of a step) the refresh of their bf16 copy.
+  void need_params(int first, int end, bool stale);
+  std::vector<char> weights_stale_;  // per chunk
+  int64_t first_micro_ = 0;
 };
 
 }  // namespace lockstep

@@ -130,7 +130,7 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
     const int64_t n = b.shape.numel();
     const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
     if (lo < hi) {
-      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.tp_replicated);
+      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.tp_replicated) && !p.stage_copy;
       StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), writer);
       s.box_offset = b.offset;
       s.box_shape = b.shape;

@@ -51,6 +51,10 @@ struct ParamSpec {
   // Replicated, but each tensor-parallel rank computes its gradient from its own sequence shard
   // (sequence parallelism: norms): the gradients are summed over the tensor-parallel group.
   bool sequence_parallel = false;
+  // Pipeline parallelism: the last stage's copy of a parameter the first stage owns (the word
+  // embedding of a tied output head or of the MTP depths): its gradient is summed with the owner's
+  // before the update, so both stay equal; the gradient norm and checkpoints count the owner's only.
+  bool stage_copy = false;
   bool partial() const { return !(shape == global_shape); }
 };
 
@@ -74,6 +78,8 @@ class ParamStore {
                bool decay = false, bool expert = false);
   // Marks parameter i as sequence-parallel (ParamSpec::sequence_parallel).
   void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
+  // Marks parameter i as a pipeline stage's copy (ParamSpec::stage_copy).
+  void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].stage_copy = true; }
   // Allocates the value and gradient buffers (zeroed).
   void allocate();
   // Draws every parameter from its Philox stream (in parallel over the current thread pool).

@@ -190,7 +190,7 @@ double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
   for (const Bucket& b : buckets_) {
     if ((b.comm == &expert_) != expert) continue;
     for (const ParamRange& x : chunk_ranges(b, r))
-      if (!(skip_replicated && ps_.specs()[x.param].tp_replicated))
+      if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
         s += sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
   }
   return s;
@@ -236,7 +236,14 @@ double DataParallel::grad_norm() {
     for (double t : ranks) part[0] += t;
   }
   if (ep_ && ep_->size() > 1) ep_->all_reduce(&part[1], 1);
-  return std::sqrt(part[0] + part[1]);
+  double total = part[0] + part[1];
+  if (pp_ && pp_->size() > 1) {
+    std::vector<double> stages(static_cast<size_t>(pp_->size()));
+    pp_->all_gather(stages.data(), &total, 1);
+    total = 0;
+    for (double t : stages) total += t;
+  }
+  return std::sqrt(total);
 }
 
 void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes) {

@@ -90,6 +90,9 @@ class DataParallel {
   // Expert (tensor) parallelism: the ranks of the expert-tensor x expert group (MeshGroup::tp_ep)
   // hold different experts or different slices of them, so the gradient norm adds their expert parts.
   void set_expert_parallel(Communicator* tp_ep) { ep_ = tp_ep; }
+  // Pipeline parallelism: the stages hold different layers, so the gradient norm adds their totals
+  // in stage order (a parameter's stage copy, ParamSpec::stage_copy, counted on its owner only).
+  void set_pipeline_parallel(Communicator* pp) { pp_ = pp; }
   // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
   // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether
   // the chunks' sums are computed here or gathered from their owners); under tensor parallelism
@@ -153,6 +156,7 @@ class DataParallel {
   Communicator& expert_;
   Communicator* tp_ = nullptr;
   Communicator* ep_ = nullptr;
+  Communicator* pp_ = nullptr;
   DdpConfig ddp_;
   bool distributed_;
   bool armed_ = false;

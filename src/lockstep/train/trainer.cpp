@@ -28,6 +28,7 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/trace.h"
 #include "lockstep/parallel/data_parallel.h"
+#include "lockstep/parallel/pipeline/pipeline.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
@@ -147,6 +148,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator* etp = mesh.etp() > 1 ? &etp_group : nullptr;
   Communicator tp_ep_group = comm.split_groups(mesh.groups(MeshGroup::tp_ep));
   const bool experts_split = ep || etp;
+  // Pipeline parallelism: the ranks of a pipeline group (same tp, cp, dp coordinates) hold
+  // successive parts of the model (parallel/pipeline/pipeline.h).
+  Communicator pp_group = comm.split_groups(mesh.groups(MeshGroup::pp));
+  const bool pipelined = mesh.pp() > 1;
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -158,7 +163,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp,
+            pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{});
   model.params().init(tc.seed);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
@@ -184,7 +190,21 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   }
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
-  model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
+  std::unique_ptr<Pipeline> pipeline;
+  if (pipelined) {
+    dp.set_pipeline_parallel(&pp_group);
+    pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
+    // A chunk's parameters are final after its backward of the last micro-batch; the embedding
+    // shared with another stage only once the stages' gradients are summed (after the schedule).
+    const std::vector<int> shared = model.shared_params();
+    model.set_grads_ready_hook([&dp, &pipeline, shared](int first, int end) {
+      if (!pipeline->in_final_backward()) return;
+      for (int i = first; i < end; ++i)
+        if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.grads_ready(i, i + 1);
+    });
+  } else {
+    model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
+  }
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
   // The state a checkpoint holds. Replicas (parameters over data-parallel ranks, the replicated
@@ -244,7 +264,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const double peak_gflops = measure_gemm_peak();
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
   const int64_t tokens_per_step = tc.global_batch * T;
-  const double flops_per_token = model.flops_per_token();
+  double flops_per_token = model.flops_per_token();
+  if (pipelined) pp_group.all_reduce(&flops_per_token, 1);  // the stages' parts of the model
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
                mc.preset.c_str(), (long long)mc.num_layers, (long long)mc.hidden_size, (long long)mc.num_heads,
                static_cast<double>(model.params().total()) / 1e6, data->description().c_str());
@@ -281,9 +302,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       const bool counted = i < tc.eval_batches;
       data->batch(tokens.data(), targets.data(), Split::eval, static_cast<uint64_t>((counted ? i : 0) * B), B);
       if (dc.eod_mask_loss) mask_eod_targets(targets.data(), tokens.data(), N, eod);
-      const double loss = model.evaluate(tokens.data(), targets.data());
+      const double loss = pipelined ? pipeline->evaluate(model, tokens.data(), targets.data())
+                                    : model.evaluate(tokens.data(), targets.data());
       if (counted) sum += loss, exact.add(loss);
     }
+    if (pipelined) pp_group.all_reduce(&sum, 1);  // the last stage's losses (layout mode refuses pipelines)
     if (layout) {
       all_reduce_exact(dense_dp, &exact, 1);
       sum = exact.value();
@@ -342,11 +365,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // accum - 1, a pure function of (step, dp rank, micro).
     const int64_t first_micro = coords.dp * accum;
     // Returns the micro-batch's tokens that carry a loss.
-    auto fetch = [&](int64_t micro) {
-      data->batch(tokens.data(), targets.data(), Split::train,
-                  first_sample + static_cast<uint64_t>((first_micro + micro) * B), B);
-      return dc.eod_mask_loss ? mask_eod_targets(targets.data(), tokens.data(), N, eod) : N;
+    auto fetch_into = [&](int64_t micro, int32_t* tok, int32_t* tgt) {
+      data->batch(tok, tgt, Split::train, first_sample + static_cast<uint64_t>((first_micro + micro) * B), B);
+      return dc.eod_mask_loss ? mask_eod_targets(tgt, tok, N, eod) : N;
     };
+    auto fetch = [&](int64_t micro) { return fetch_into(micro, tokens.data(), targets.data()); };
     // The loss is the mean over the global batch's unmasked tokens, so they are counted (over every
     // data-parallel rank) before any backward (the loader is a pure function of the sample index:
     // fetching twice is exact).
@@ -362,7 +385,23 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     double sums[3] = {0, 0, 0};
     ExactSum exact_sums[3];  // the same, exactly (layout mode)
     model.begin_step(tc.seed, step, first_micro);
-    for (int64_t micro = 0; micro < accum; ++micro) {
+    Pipeline::StepResult piped;
+    if (pipelined) {
+      piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
+      for (int64_t micro = 0; micro < accum; ++micro) {
+        const double lm = piped.lm_loss[static_cast<size_t>(micro)];
+        sums[0] += dc.eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
+      }
+      sums[1] = piped.aux_loss;
+      sums[2] = piped.mtp_loss;
+      pipeline->sum_shared_grads(model);
+      for (int i : model.shared_params()) dp.grads_ready(i, i + 1);
+      if (pending_fingerprint) {
+        write_fingerprint(*pending_fingerprint);
+        pending_fingerprint.reset();
+      }
+    }
+    for (int64_t micro = 0; micro < accum && !pipelined; ++micro) {
       const int64_t counted = fetch(micro);
       dp.begin_micro(micro);
       if (micro == accum - 1) dp.begin_last_micro();
@@ -387,6 +426,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     }
     dp.finish_grad_sync();
     reduce_sequence_parallel_grads(tp, ps);
+    if (pipelined) pp_group.all_reduce(sums, 3);  // the LM and MTP losses of the last stage, each stage's aux losses
     if (layout) {
       all_reduce_exact(dense_dp, exact_sums, 3);
       for (int k = 0; k < 3; ++k) sums[k] = exact_sums[k].value();
@@ -447,6 +487,23 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
     if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
     if (etp) metrics_line.add("etp_bytes", etp_group.bytes_sent() - etp_bytes_before);  // rank 0's, in its etp group
+    if (pipelined) {
+      // Per stage: the fraction of the schedule spent waiting for messages, the micro-batches whose
+      // activations it held at once (arena slots), and the activation memory (those slots plus
+      // backward scratch).
+      const double mine[3] = {piped.seconds > 0 ? piped.wait_seconds / piped.seconds : 0.0,
+                              static_cast<double>(model.activation_slots()),
+                              static_cast<double>(model.activation_bytes_held()) / (1 << 20)};
+      std::vector<double> stages(static_cast<size_t>(3 * mesh.pp()));
+      pp_group.all_gather(stages.data(), mine, 3);
+      for (int st = 0; st < mesh.pp(); ++st) {
+        const std::string key = "pp." + std::to_string(st) + ".";
+        const double* v = stages.data() + 3 * st;
+        metrics_line.add((key + "wait_fraction").c_str(), v[0], 4)
+            .add((key + "in_flight").c_str(), static_cast<int64_t>(v[1]))
+            .add((key + "activation_mb").c_str(), v[2], 6);
+      }
+    }
     if (metrics) metrics->write(metrics_line.str());
     if (step == start_step) summary.first_loss = loss;
     summary.last_loss = loss;

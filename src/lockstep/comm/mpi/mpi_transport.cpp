@@ -60,15 +60,16 @@ class MpiTransport final : public Transport {
     std::vector<int> peer(n);
     for (size_t j = 0; j < recvs.size(); ++j) {
       LOCKSTEP_CHECK(recvs[j].bytes <= INT_MAX, op.name, ": messages above 2 GiB are not supported");
-      MPI_Irecv(recvs[j].data, static_cast<int>(recvs[j].bytes), MPI_BYTE, recvs[j].peer, tag, comm, &reqs[j]);
+      MPI_Irecv(recvs[j].data, static_cast<int>(recvs[j].bytes), MPI_BYTE, recvs[j].peer, tag + recvs[j].tag, comm,
+                &reqs[j]);
       peer[j] = recvs[j].peer;
     }
     for (size_t i = 0; i < sends.size(); ++i) {
       LOCKSTEP_CHECK(sends[i].bytes <= INT_MAX, op.name, ": messages above 2 GiB are not supported");
       const size_t k = recvs.size() + i;
       // MPI's C API takes a non-const buffer for sends it never writes.
-      MPI_Isend(const_cast<void*>(sends[i].data), static_cast<int>(sends[i].bytes), MPI_BYTE, sends[i].peer, tag,
-                comm, &reqs[k]);
+      MPI_Isend(const_cast<void*>(sends[i].data), static_cast<int>(sends[i].bytes), MPI_BYTE, sends[i].peer,
+                tag + sends[i].tag, comm, &reqs[k]);
       peer[k] = sends[i].peer;
     }
     std::vector<int> indices(n);

@@ -127,14 +127,16 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
   std::vector<MsgKey> post_keys(sends.size()), recv_keys(recvs.size());
   for (size_t i = 0; i < sends.size(); ++i) {
     const int dst = members_[sends[i].peer];
-    post_keys[i] = {ctx_, self, dst, op.p2p, op.tag, op.p2p ? sent_[{sends[i].peer, op.tag}]++ : step};
+    const int tag = op.tag + sends[i].tag;
+    post_keys[i] = {ctx_, self, dst, op.p2p, tag, op.p2p ? sent_[{sends[i].peer, tag}]++ : step};
     posts[i] = {sends[i].data, sends[i].bytes, 0};
     W.mailbox[post_keys[i]] = &posts[i];
     W.cvs[dst].notify_all();
   }
-  for (size_t j = 0; j < recvs.size(); ++j)
-    recv_keys[j] = {ctx_, members_[recvs[j].peer], self, op.p2p, op.tag,
-                    op.p2p ? received_[{recvs[j].peer, op.tag}]++ : step};
+  for (size_t j = 0; j < recvs.size(); ++j) {
+    const int tag = op.tag + recvs[j].tag;
+    recv_keys[j] = {ctx_, members_[recvs[j].peer], self, op.p2p, tag, op.p2p ? received_[{recvs[j].peer, tag}]++ : step};
+  }
   std::vector<char> received(recvs.size(), 0);
 
   // Withdraws our messages that nobody took and waits for those being copied: they point into the

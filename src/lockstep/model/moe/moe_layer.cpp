@@ -30,27 +30,16 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, Nl_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
   // Capacity is per rank that routes: its Nl tokens (Megatron's, under sequence parallelism too).
-  const int64_t capacity = expert_capacity(spec_, Nl_);
-  const bool pad = moe.pad_expert_input_to_capacity;
+  capacity_ = expert_capacity(spec_, Nl_);
+  pad_ = moe.pad_expert_input_to_capacity;
+  dispatcher_kind_ = moe.token_dispatcher;
+  groups_ = groups;
   Communicator* ep = groups.ep;
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
-  if (S == 1) {
-    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, Nl_, capacity, pad);
-    source_layout_ = local.get();
-    dispatcher_ = std::move(local);
-  } else if (moe.token_dispatcher == "alltoall") {
-    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, Nl_, capacity, pad);
-    source_layout_ = &a2a->source_layout();
-    dispatcher_ = std::move(a2a);
-  } else {
-    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, Nl_, capacity, pad);
-    source_layout_ = &ag->source_layout();
-    dispatcher_ = std::move(ag);
-  }
+  make_dispatcher();
   const int64_t R = dispatcher_->max_rows();
   ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1};
-  if (groups.etp && groups.etp->size() > 1) {
-    etp_ = std::make_unique<ExpertTensorParallel>(*groups.etp, El, S, C_, R);
+  if (etp_) {
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
     shard.etp_size = groups.etp->size();
@@ -90,9 +79,66 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   step_counts_.assign(static_cast<size_t>(E_), 0);
   global_counts_sum_.assign(static_cast<size_t>(E_), 0);
   global_counts_.assign(static_cast<size_t>(E_), 0.0f);
+  slots_.resize(1);
 }
 
 MoeLayer::~MoeLayer() = default;
+
+void MoeLayer::make_dispatcher() {
+  Communicator* ep = groups_.ep;
+  const int64_t S = ep ? ep->size() : 1;
+  if (S == 1) {
+    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, Nl_, capacity_, pad_);
+    source_layout_ = local.get();
+    dispatcher_ = std::move(local);
+  } else if (dispatcher_kind_ == "alltoall") {
+    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, Nl_, capacity_, pad_);
+    source_layout_ = &a2a->source_layout();
+    dispatcher_ = std::move(a2a);
+  } else {
+    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, Nl_, capacity_, pad_);
+    source_layout_ = &ag->source_layout();
+    dispatcher_ = std::move(ag);
+  }
+  if (groups_.etp && groups_.etp->size() > 1)
+    etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
+}
+
+void MoeLayer::swap_micro(Micro& other) {
+  std::swap(other.dispatcher, dispatcher_);
+  std::swap(other.etp, etp_);
+  std::swap(other.source_layout, source_layout_);
+  std::swap(other.idx, idx_);
+  std::swap(other.kept, kept_);
+  std::swap(other.counts_seq, counts_seq_);
+  std::swap(other.global_counts, global_counts_);
+  std::swap(other.jittered, jittered_);
+  std::swap(other.aux, aux_);
+}
+
+void MoeLayer::select(int k) {
+  if (k == slot_) return;
+  swap_micro(slots_[static_cast<size_t>(slot_)]);  // the members are now an empty slot's
+  if (static_cast<int>(slots_.size()) <= k) slots_.resize(static_cast<size_t>(k + 1));
+  slot_ = k;
+  Micro& next = slots_[static_cast<size_t>(k)];
+  if (next.dispatcher) {
+    swap_micro(next);
+    return;
+  }
+  // A new slot: the sizes of slot 0, its own routing and dispatch plan.
+  make_dispatcher();
+  idx_.assign(static_cast<size_t>(Nl_ * K_), 0);
+  kept_.assign(static_cast<size_t>(Nl_ * K_), 0);
+  global_counts_.assign(static_cast<size_t>(E_), 0.0f);
+}
+
+int64_t MoeLayer::dispatch_bytes_sent() const {
+  int64_t n = dispatcher_->bytes_sent();
+  for (const Micro& m : slots_)
+    if (m.dispatcher) n += m.dispatcher->bytes_sent();
+  return n;
+}
 
 int64_t MoeLayer::max_rows() const { return etp_ ? etp_->max_rows() : dispatcher_->max_rows(); }
 

@@ -112,7 +112,10 @@ class MoeLayer {
   // This rank's tokens laid out over all the layer's experts (routing, capacity, padding).
   const LocalDispatcher& dispatcher() const { return *source_layout_; }
   // Bytes the dispatcher has sent to other expert-parallel ranks so far.
-  int64_t dispatch_bytes_sent() const { return dispatcher_->bytes_sent(); }
+  int64_t dispatch_bytes_sent() const;
+  // Pipeline parallelism: the routing, dispatch plan and aux-loss state of in-flight micro-batch
+  // slot k (model/arena.h) from here on; slot 0 is the one a single micro-batch uses.
+  void select(int k);
   // Tokens this rank routes per micro-batch: N, or N / tp under tensor parallelism.
   int64_t routed_tokens() const { return Nl_; }
   const int32_t* topk_idx() const { return idx_.data(); }
@@ -158,6 +161,27 @@ class MoeLayer {
   std::vector<float> global_counts_;                // (E) running mean used by this micro-batch
   bool jittered_ = false;
   AuxLosses aux_;
+  // The per-micro-batch state above (dispatcher_, etp_ ... aux_) of the slots not selected;
+  // slot_'s entry is empty while its state is in the members.
+  struct Micro {
+    std::unique_ptr<Dispatcher> dispatcher;
+    std::unique_ptr<ExpertTensorParallel> etp;
+    const LocalDispatcher* source_layout = nullptr;
+    std::vector<int32_t> idx;
+    std::vector<uint8_t> kept;
+    std::vector<int64_t> counts_seq;
+    std::vector<float> global_counts;
+    bool jittered = false;
+    AuxLosses aux;
+  };
+  std::vector<Micro> slots_;
+  int slot_ = 0;
+  MoeGroups groups_;
+  int64_t capacity_ = 0;
+  bool pad_ = false;
+  std::string dispatcher_kind_;
+  void make_dispatcher();  // dispatcher_, source_layout_ and etp_ for one micro-batch
+  void swap_micro(Micro& other);
 };
 
 }  // namespace lockstep
