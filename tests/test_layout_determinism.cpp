@@ -145,6 +145,17 @@ TEST(LayoutDeterminism, LlamaMtpBf16AndRouterFeaturesMatchSingleProcess) {
                              "moe.input_jitter_eps=0.01", "moe.router_load_balancing_type=seq_aux_loss"});
 }
 
+// The current-scaling FP8 recipes and NVFP4 (scales from each micro-batch's own tensors; stochastic
+// rounding keyed by the global micro-batch index).
+TEST(LayoutDeterminism, LowPrecisionRecipesMatchSingleProcess) {
+  rows_match_single_process("debug", {{4, {"optimizer.distributed=true"}}},
+                            {"precision.params=bf16", "precision.fp8=tensorwise"});
+  rows_match_single_process("debug", {{2, {}}}, {"precision.params=bf16", "precision.fp8=mxfp8"});
+  rows_match_single_process("moe-debug", {{4, {}}}, {"precision.params=bf16", "precision.fp8=blockwise"});
+  rows_match_single_process("moe-debug", {{2, {"optimizer.distributed=true"}}},
+                            {"precision.params=bf16", "precision.fp4=nvfp4"});
+}
+
 // Same job, `run` vs `layout`, single process: the sums are ordered differently (tree vs left fold
 // over micro-batches, exact vs blocked sums of squares), so the bits may differ, but only by
 // rounding.
@@ -189,8 +200,9 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.expert = 3 and 2 expert data-parallel replicas needs a "
                       "power-of-two parallel.expert"),
             std::string::npos);
-  EXPECT_NE(error_of(1, {"precision.params=bf16", "precision.fp8=tensorwise"}).find(
-                "determinism = \"layout\" with precision.fp8 = \"tensorwise\""),
+  EXPECT_NE(error_of(1, {"precision.params=bf16", "precision.fp8=delayed"}).find(
+                "determinism = \"layout\" with precision.fp8 = \"delayed\": delayed scaling's amax history is kept "
+                "per rank"),
             std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),

@@ -594,9 +594,9 @@ void validate_layout_determinism(const Config& c) {
                                    {"expert_tensor", c.parallel.expert_tensor}})
     if (size > 1)
       refuse(str("parallel.", name, " = ", size), "only data and expert parallelism are layout-invariant so far; use 1");
-  if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\""),
-           "low-precision recipes are not layout-invariant yet (delayed scaling's amax history is per rank)");
+  if (c.precision.fp8 == "delayed")
+    refuse("precision.fp8 = \"delayed\"", "delayed scaling's amax history is kept per rank over its own "
+           "micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are layout-invariant");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
            "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "
