@@ -164,7 +164,8 @@ std::vector<float> tree_of(const std::vector<std::vector<float>>& x) {
   const int64_t L = static_cast<int64_t>(x.size()), n = static_cast<int64_t>(x[0].size());
   std::vector<const float*> p;
   for (const auto& v : x) p.push_back(v.data());
-  std::vector<float> out(static_cast<size_t>(n)), stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
+  std::vector<float> out(static_cast<size_t>(n));
+  std::vector<float> stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
   tree_sum(out.data(), p.data(), L, n, stack.data());
   return out;
 }

@@ -125,7 +125,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   const size_t blocks = static_cast<size_t>(E * S), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * S);
-    for (size_t k = 0; k < blocks; ++k) trees[first_tree + k].push(micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
+    for (size_t k = 0; k < blocks; ++k)
+      trees[first_tree + k].push(micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
   };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
