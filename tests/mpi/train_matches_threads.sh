@@ -5,9 +5,12 @@
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
 shift 4
-# Ranks are ordered tp fastest: rank r is dp r / tp, tp r % tp.
-tp=1
-for kv in "$@"; do case $kv in parallel.tensor=*) tp=${kv#*=} ;; esac; done
+# Ranks are ordered tp-cp-ep-dp-pp, tp fastest: rank r is tp r % tp, dp (r / tp) % dp, pp r / (tp dp).
+tp=1 pp=1
+for kv in "$@"; do
+  case $kv in parallel.tensor=*) tp=${kv#*=} ;; parallel.pipeline=*) pp=${kv#*=} ;; esac
+done
+dp=$((n / (tp * pp)))
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 args=(-c "$config" train.steps=2 train.eval_interval=0 train.threads=1 data.synthetic_bytes=65536 "$@")
@@ -17,7 +20,7 @@ for ((r = 0; r < n; r++)); do
   f=$(printf 'fingerprints/rank-%05d.jsonl' "$r")
   [ "$(wc -l <"$dir/threads/$f")" = 2 ] || { echo "threads run: $f does not have 2 lines"; exit 1; }
   cmp "$dir/threads/$f" "$dir/mpi/$f" || { echo "rank $r: fingerprints differ"; diff "$dir/threads/$f" "$dir/mpi/$f"; exit 1; }
-  grep -q "\"rank\":$r,\"dp\":$((r / tp)),\"tp\":$((r % tp))," "$dir/mpi/$f" ||
+  grep -q "\"rank\":$r,\"dp\":$((r / tp % dp)),\"tp\":$((r % tp)),\"pp\":$((r / (tp * dp)))," "$dir/mpi/$f" ||
     { echo "rank $r: wrong coordinates"; head -1 "$dir/mpi/$f"; exit 1; }
 done
 [ -f "$dir/mpi/metrics.jsonl" ] && [ -f "$dir/mpi/config.toml" ]

@@ -489,19 +489,21 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (etp) metrics_line.add("etp_bytes", etp_group.bytes_sent() - etp_bytes_before);  // rank 0's, in its etp group
     if (pipelined) {
       // Per stage: the fraction of the schedule spent waiting for messages, the micro-batches whose
-      // activations it held at once (arena slots), and the activation memory (those slots plus
-      // backward scratch).
-      const double mine[3] = {piped.seconds > 0 ? piped.wait_seconds / piped.seconds : 0.0,
+      // activations it held at once (arena slots), the activation memory (those slots plus backward
+      // scratch) and one micro-batch's saved activations (a slot).
+      const double mine[4] = {piped.seconds > 0 ? piped.wait_seconds / piped.seconds : 0.0,
                               static_cast<double>(model.activation_slots()),
-                              static_cast<double>(model.activation_bytes_held()) / (1 << 20)};
-      std::vector<double> stages(static_cast<size_t>(3 * mesh.pp()));
-      pp_group.all_gather(stages.data(), mine, 3);
+                              static_cast<double>(model.activation_bytes_held()) / (1 << 20),
+                              static_cast<double>(model.slot_activation_bytes()) / (1 << 20)};
+      std::vector<double> stages(static_cast<size_t>(4 * mesh.pp()));
+      pp_group.all_gather(stages.data(), mine, 4);
       for (int st = 0; st < mesh.pp(); ++st) {
         const std::string key = "pp." + std::to_string(st) + ".";
-        const double* v = stages.data() + 3 * st;
+        const double* v = stages.data() + 4 * st;
         metrics_line.add((key + "wait_fraction").c_str(), v[0], 4)
             .add((key + "in_flight").c_str(), static_cast<int64_t>(v[1]))
-            .add((key + "activation_mb").c_str(), v[2], 6);
+            .add((key + "activation_mb").c_str(), v[2], 6)
+            .add((key + "slot_mb").c_str(), v[3], 6);
       }
     }
     if (metrics) metrics->write(metrics_line.str());
