@@ -1,6 +1,7 @@
 // The parallel-layout matrix: one row per layout of the dense and MoE debug models (tensor
 // parallelism 1/2/4 with sequence parallelism off/on, expert parallelism 1/2/4/8 with both token
-// dispatchers, expert tensor parallelism 1/2, folded together and with data parallelism) on the
+// dispatchers, expert tensor parallelism 1/2, pipeline parallelism 2 (1F1B and interleaved),
+// folded together and with data parallelism) on the
 // threads backend, ranks as threads with one thread each. Each row trains 3 steps twice: the two
 // runs give byte-identical fingerprints on every rank, and rank 0's losses and gradient norms
 // reproduce those of one process training the same global batch (the row's overrides minus the
@@ -108,6 +109,17 @@ const Row kRows[] = {
     {"llama_moe_tp4_etp2_ep2_allgather_distributed", "moe-debug.toml", 8, {LLAMA_MOE, "parallel.tensor=4",
                                                                            "parallel.expert_tensor=2", "parallel.expert=2",
                                                                            AG, "optimizer.distributed=true"}},
+    // Pipeline parallelism (parallel/pipeline/), alone and folded with every other dimension.
+    {"gpt2_pp2", "debug.toml", 2, {"parallel.pipeline=2"}},
+    {"gpt2_mtp_pp2_tp2_sp", "debug.toml", 4, {"model.mtp_num_layers=2", "parallel.pipeline=2", "parallel.tensor=2", SP}},
+    {"llama_gqa_pp2_interleaved_dp2", "debug.toml", 4, {LLAMA, "model.num_layers=4", "parallel.pipeline=2",
+                                                         "parallel.virtual_pipeline=2"}},
+    {"moe_pp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.expert=2", A2A}},
+    {"moe_pp2_tp2_sp_etp2", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.tensor=2", SP, "parallel.expert_tensor=2"}},
+    {"llama_moe_pp2_interleaved_tp2_etp2_ep2_allgather", "moe-debug.toml", 8, {LLAMA_MOE, "model.num_layers=4",
+                                                                               "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                                                               "parallel.tensor=2", "parallel.expert_tensor=2",
+                                                                               "parallel.expert=2", AG}},
 };
 
 constexpr int kSteps = 3;

@@ -180,9 +180,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
   aux_loss_ = 0;
   const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
   const bool stale = weights_stale_[static_cast<size_t>(c)];
-  if (positions() || doc_start())
-    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
-                    tokens, B_, T_, eod_);
+  layout_documents(tokens);
   if (part_.first && c == 0) {
     need_params(0, embed_end_, stale);
     // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
@@ -211,6 +209,12 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     final_norm_.forward(params_, arena_, arena_(final_out_), arena_(resid_[L_]), Nl_);
   }
   weights_stale_[static_cast<size_t>(c)] = 0;
+}
+
+void GPT::layout_documents(const int32_t* tokens) {
+  if (positions() || doc_start())
+    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
+                    tokens, B_, T_, eod_);
 }
 
 void GPT::need_params(int first, int end, bool stale) {
@@ -321,9 +325,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   float* dresid = arena_(dresid_);
   // Pipeline parallelism: another micro-batch's forward may have run since this one's.
   const bool whole = part_.first && part_.last && num_chunks() == 1;
-  if (!whole && (positions() || doc_start()))
-    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
-                    tokens, B_, T_, eod_);
+  if (!whole) layout_documents(tokens);
   double lm = 0;
   if (part_.last && c == num_chunks() - 1) {
     head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);

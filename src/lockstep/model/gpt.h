@@ -212,6 +212,8 @@ class GPT {
   std::vector<int32_t> positions_, doc_start_;
   const int32_t* positions() const { return positions_.empty() ? nullptr : positions_.data(); }
   const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
+  // Packed documents: positions_ and doc_start_ for this micro-batch's tokens.
+  void layout_documents(const int32_t* tokens);
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
   // The table ranges: the embedding [0, embed_end_), layer l's [layer_first_[l], layer_end_[l])
