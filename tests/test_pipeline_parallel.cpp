@@ -3,7 +3,7 @@
 // simulated bubble against (p - 1) / (v m + p - 1)), the layer split and its errors, and whole
 // runs on the threads backend against the single process: PP 2 and 4, interleaved, all-forward-
 // all-backward and an uneven split, on the dense and MoE debug models, alone and with TP, EP and DP,
-// plus checkpoints (PP 2 resume bitwise; PP 2 -> PP 1 resharding).
+// plus checkpoints (PP 2 resume bitwise; PP 2 <-> PP 1 resharding).
 //
 // What is bitwise and what is not: a micro-batch's arithmetic is the single process's on every
 // stage, but sums over stages are folded stage by stage (the gradient norm, the MoE aux loss, the
@@ -241,7 +241,7 @@ TEST(PipelineParallel, StagesHoldTheActivationsTheScheduleKeepsInFlight) {
   EXPECT_LT(first_stage_mb["1f1b"], first_stage_mb["all_forward_all_backward"]);
 }
 
-TEST(PipelineParallel, ResumesBitwiseAndReshardsToOneStage) {
+TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
   TempDir dir;
   const std::vector<std::string> pp2 = {"parallel.pipeline=2", "model.mtp_num_layers=1", "train.save_interval=2"};
   train_ranks(2, job("moe-debug.toml", dir.path("full"), pp2));
@@ -261,6 +261,14 @@ TEST(PipelineParallel, ResumesBitwiseAndReshardsToOneStage) {
   const auto full = trajectory(dir.path("full")), one = trajectory(dir.path("one"));
   ASSERT_EQ(one.size(), 2u);
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(one[s].first, full[s + 2].first, 1e-6 * full[s + 2].first);
+  // And back: a one-process checkpoint read by two stages (the last stage's embedding copy and its
+  // moments come from the single tensor the one process wrote).
+  testing::quiet_train(job("moe-debug.toml", dir.path("single"), {"model.mtp_num_layers=1", "train.save_interval=2"}));
+  train_ranks(2, job("moe-debug.toml", dir.path("two"), {"parallel.pipeline=2", "model.mtp_num_layers=1",
+                                                         "train.resume=" + dir.path("single") + "/checkpoints/step-00000002"}));
+  const auto single = trajectory(dir.path("single")), two = trajectory(dir.path("two"));
+  ASSERT_EQ(two.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(two[s].first, single[s + 2].first, 1e-6 * single[s + 2].first);
 }
 
 }  // namespace
