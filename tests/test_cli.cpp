@@ -49,6 +49,28 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train -c", "lockstep: error: command line: -c needs a file name\n"},
       {"frobnicate", "lockstep: error: unknown command 'frobnicate' (see `lockstep help`)\n"},
       {"train train.steps=0", "lockstep: error: config: train.steps = 0: must be positive\n"},
+      // Sizes that depend on the world: checked before any rank starts, so no "rank N:" raced to say it.
+      {"train --nproc 3 moe.num_experts=4 parallel.expert=2",
+       "lockstep: error: parallel: world size 3 is not divisible by expert_tensor (1) x expert (2) x pipeline (1)\n"},
+      {"train --nproc 4 train.global_batch=8 train.micro_batch=4",
+       "lockstep: error: train.global_batch = 8 is not divisible by train.micro_batch (4) x data-parallel size (4 = 4 "
+       "ranks / (parallel.tensor x parallel.context x parallel.pipeline = 1))\n"},
+      {"train --nproc 2 determinism=layout train.global_batch=6 train.micro_batch=1",
+       "lockstep: error: determinism = \"layout\" with 2 data-parallel ranks needs a power-of-two number of "
+       "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = 6 / (1 x 2) = 3\n"},
+      {"train --nproc 6 determinism=layout moe.num_experts=3 moe.router_topk=1 parallel.expert=3 train.global_batch=12 "
+       "train.micro_batch=1",
+       "lockstep: error: determinism = \"layout\" with parallel.expert = 3 and 2 expert data-parallel replicas needs a "
+       "power-of-two parallel.expert (each expert-parallel group's micro-batches must form a subtree of the canonical "
+       "tree)\n"},
+      {"diff nowhere elsewhere", "lockstep: error: 'nowhere': no such run directory\n"},
+      {"diff out.txt err.txt", "lockstep: error: 'out.txt': not a directory (lockstep diff takes run directories)\n"},
+      {"diff .", "lockstep: error: command line: lockstep diff needs two run directories, got 1\n"},
+      {"diff . .", "lockstep: error: '.' has no fingerprints/ directory (not a lockstep run directory?)\n"},
+      {"ckpt inspect nowhere", "lockstep: error: checkpoint 'nowhere' does not exist or is not a directory\n"},
+      {"ckpt inspect .",
+       "lockstep: error: '.' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint\n"},
+      {"ckpt export .", "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"},
   };
   for (const auto& [args, expected] : cases) {
     const Result r = run(dir, args);

@@ -98,19 +98,65 @@ TEST(Config, WrongTypesNameKeyAndValue) {
 }
 
 TEST(Config, ImpossibleValuesNameTheKeys) {
-  EXPECT_EQ(error_of("", {"model.hidden_size=100", "model.num_heads=3"}),
-            "config: model.hidden_size = 100 is not divisible by model.num_heads = 3");
-  EXPECT_EQ(error_of("", {"train.global_batch=10", "train.micro_batch=4"}),
-            "config: train.global_batch = 10 is not divisible by train.micro_batch = 4");
-  EXPECT_EQ(error_of("", {"model.num_layers=0"}), "config: model.num_layers = 0: must be positive");
-  EXPECT_EQ(error_of("", {"model.num_heads=4", "model.num_query_groups=3"}),
-            "config: model.num_heads = 4 is not divisible by model.num_query_groups = 3");
-  EXPECT_EQ(error_of("", {"model.vocab_size=100"}),
-            "config: model.vocab_size = 100 is smaller than the data's byte vocabulary (256)");
-  EXPECT_EQ(error_of("", {"data.source=parquet:x"}),
-            "config: data.source = \"parquet:x\": expected \"synthetic\", \"text:PATH\" or \"indexed:PREFIX\"");
-  EXPECT_EQ(error_of("", {"determinism=bitwise"}),
-            "command line: determinism = \"bitwise\": expected one of run, layout");
+  const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
+      {{"model.hidden_size=100", "model.num_heads=3"}, "config: model.hidden_size = 100 is not divisible by model.num_heads = 3"},
+      {{"train.global_batch=10", "train.micro_batch=4"},
+       "config: train.global_batch = 10 is not divisible by train.micro_batch = 4"},
+      {{"model.num_layers=0"}, "config: model.num_layers = 0: must be positive"},
+      {{"model.num_heads=4", "model.num_query_groups=3"},
+       "config: model.num_heads = 4 is not divisible by model.num_query_groups = 3"},
+      {{"model.vocab_size=100"}, "config: model.vocab_size = 100 is smaller than the data's byte vocabulary (256)"},
+      {{"data.source=parquet:x"},
+       "config: data.source = \"parquet:x\": expected \"synthetic\", \"text:PATH\" or \"indexed:PREFIX\""},
+      {{"determinism=bitwise"}, "command line: determinism = \"bitwise\": expected one of run, layout"},
+      // The parallel sizes: zero or negative, sizes that do not divide, expert sizes without experts.
+      {{"parallel.expert_tensor=0"}, "config: parallel.expert_tensor = 0: must be positive"},
+      {{"parallel.expert=-2"}, "config: parallel.expert = -2: must be positive"},
+      {{"parallel.tensor=3"}, "config: model.num_heads = 4 is not divisible by parallel.tensor = 3"},
+      {{"parallel.tensor=2", "model.vocab_size=257"}, "config: model.vocab_size = 257 is not divisible by parallel.tensor = 2"},
+      {{"parallel.tensor=2", "model.ffn_hidden_size=33"},
+       "config: model.ffn_hidden_size = 33 is not divisible by parallel.tensor = 2"},
+      {{"parallel.expert_tensor=2"}, "config: parallel.expert_tensor = 2 needs an MoE model (moe.num_experts > 0)"},
+      {{"parallel.expert=2"}, "config: parallel.expert = 2 needs an MoE model (moe.num_experts > 0)"},
+      {{"moe.num_experts=6", "parallel.expert=4"},
+       "config: moe.num_experts = 6 is not divisible by parallel.expert = 4 (every expert-parallel rank holds the same "
+       "number of experts)"},
+      {{"moe.num_experts=4", "moe.ffn_hidden_size=33", "parallel.expert_tensor=2"},
+       "config: moe.ffn_hidden_size = 33 is not divisible by parallel.expert_tensor = 2 (every expert-tensor-parallel "
+       "rank holds the same number of hidden units)"},
+      {{"moe.num_experts=-1"}, "config: moe.num_experts = -1: must be >= 0 (0 = dense)"},
+      // determinism = "layout": each combination it refuses.
+      {{"determinism=layout", "parallel.tensor=2"},
+       "config: determinism = \"layout\" with parallel.tensor = 2: only data and expert parallelism are "
+       "layout-invariant so far; use 1"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2"},
+       "config: determinism = \"layout\" with parallel.expert_tensor = 2: only data and expert parallelism are "
+       "layout-invariant so far; use 1"},
+      {{"determinism=layout", "precision.params=bf16", "precision.fp8=tensorwise"},
+       "config: determinism = \"layout\" with precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\": low-precision "
+       "recipes are not layout-invariant yet (delayed scaling's amax history is per rank)"},
+      {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
+       "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
+       "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},
+      {{"train.out_dir="}, "config: train.out_dir is empty"},
+  };
+  for (const auto& [overrides, expected] : cases) EXPECT_EQ(error_of("", overrides), expected) << overrides[0];
+}
+
+TEST(Config, WrongShapesInTheFileNameKeyAndLine) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"[parallel]\ntensor = [2]\n", ":2: parallel.tensor: expected a single value, got an array"},
+      {"[parallel]\ntensor = 2.0\n", ":2: parallel.tensor = 2.0: expected an integer"},
+      {"[parallel]\ntensor = \"2\"\n", ":2: parallel.tensor = \"2\": expected an integer"},
+      {"[parallel]\nexpert_tensor = { size = 2 }\n", ":2: parallel.expert_tensor: expected a single value, got a table"},
+      {"[parallel.tensor]\nsize = 2\n", ":2: parallel.tensor: expected a single value, got a table"},
+      {"parallel = 3\n", ":1: unknown config key 'parallel' (see `lockstep help config`)"},
+  };
+  for (const auto& [text, expected] : cases) {
+    const std::string f = dir.write("job.toml", text);
+    EXPECT_EQ(error_of(f, {}), f + expected) << text;
+  }
 }
 
 TEST(Config, MalformedInputs) {

@@ -73,7 +73,7 @@ TEST(Diff, NamesFirstStepRankCoordinatesAndFieldWithBothValues) {
   });
   const RunDiff d = diff_runs(a, b);
   EXPECT_FALSE(d.identical);
-  EXPECT_TRUE(contains(d.report, "first difference: step 4, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0), grad_norm\n"))
+  EXPECT_TRUE(contains(d.report, "first difference: step 4, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0), grad_norm\n"))
       << d.report;
   EXPECT_TRUE(contains(d.report, a + ": 3ff4000000000000 (1.25)\n")) << d.report;
   EXPECT_TRUE(contains(d.report, b + ": 3ff4000000000001 (1.2500000000000002)\n")) << d.report;
@@ -87,9 +87,28 @@ TEST(Diff, ReportsEveryRankDifferingAtTheFirstStep) {
   });
   const RunDiff d = diff_runs(write_run(dir, "a", 3, 3), b);
   EXPECT_TRUE(contains(d.report, "step 2, rank 0")) << d.report;
-  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
-                                 "rank 2 (dp 0, tp 2, pp 0, ep 0, cp 0)\n"))
+  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                                 "rank 2 (dp 0, tp 2, pp 0, ep 0, cp 0, etp 0)\n"))
       << d.report;
+}
+
+// Fingerprint files from before "etp" was recorded: read, compared with new ones field by field
+// (coordinates are labels), and reported with the coordinates they have.
+TEST(Diff, FilesWithoutEtpStillCompare) {
+  TempDir dir;
+  const std::string now = write_run(dir, "now", 2, 3), old = dir.path("old");
+  std::filesystem::create_directories(old + "/fingerprints");
+  for (const char* file : {"/fingerprints/rank-00000.jsonl", "/fingerprints/rank-00001.jsonl"}) {
+    std::string text = testing::read_file(now + file);
+    ASSERT_NE(text.find(",\"etp\":0"), std::string::npos);
+    for (size_t at; (at = text.find(",\"etp\":0")) != std::string::npos;) text.erase(at, 8);
+    dir.write(std::string("old") + file, text);
+  }
+  EXPECT_TRUE(diff_runs(old, now).identical);
+  const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.loss += f.step == 2 && f.rank == 1; });
+  const RunDiff d = diff_runs(old, drifted);
+  EXPECT_FALSE(d.identical);
+  EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0")) << d.report;
 }
 
 TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
@@ -101,7 +120,7 @@ TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
   const std::string c = write_run(dir, "c", 1, 4, [](Fingerprint& f) { f.optimizer += f.step == 3; });
   const RunDiff e = diff_runs(dir.path("a"), c);
   EXPECT_FALSE(e.identical);
-  EXPECT_TRUE(contains(e.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), optimizer"))
+  EXPECT_TRUE(contains(e.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), optimizer"))
       << e.report;
 }
 
@@ -206,7 +225,7 @@ TEST(Diff, CommandLineExitStatus) {
   EXPECT_TRUE(contains(r.out, "identical over 2 steps")) << r.out;
   r = testing::run_cli(dir, "diff a c");
   EXPECT_EQ(r.status, 1) << r.out << r.err;
-  EXPECT_TRUE(contains(r.out, "first difference: step 1, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), loss")) << r.out;
+  EXPECT_TRUE(contains(r.out, "first difference: step 1, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), loss")) << r.out;
   r = testing::run_cli(dir, "diff a");
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err, "lockstep: error: command line: lockstep diff needs two run directories, got 1\n");

@@ -78,7 +78,7 @@ TEST(Trace, DiffNamesTheModuleAnUlpWasInjectedInto) {
     quiet_train(job(dir, "b", {"train.threads=2", "debug.trace=modules", std::string("debug.inject_ulp=2:") + module}));
     const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
     EXPECT_FALSE(d.identical);
-    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0)") ||
+    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0)") ||
                 contains(d.report, "fingerprints identical over 3 steps (1..3), but the module traces differ:"))
         << d.report;
     EXPECT_TRUE(contains(d.report, str("module trace, rank 0: first difference at step 2, micro-batch 0: ", module,
@@ -112,11 +112,11 @@ TEST(Trace, TwoRanksReportRankCoordinatesAndEveryRankThatDiffers) {
       testing::train_ranks(2, job(dir, run, keys));
     }
     const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
-    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0)")) << d.report;
-    EXPECT_TRUE(contains(d.report, layout.empty() ? "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
-                                                    "rank 1 (dp 1, tp 0, pp 0, ep 0, cp 0)\n"
-                                                  : "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0), "
-                                                    "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0)\n"))
+    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0)")) << d.report;
+    EXPECT_TRUE(contains(d.report, layout.empty() ? "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                                                    "rank 1 (dp 1, tp 0, pp 0, ep 0, cp 0, etp 0)\n"
+                                                  : "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                                                    "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0)\n"))
         << d.report;
     EXPECT_TRUE(contains(d.report, "module trace, rank 0: first difference at step 2, micro-batch 0: layers.0.attn.proj (out)"))
         << d.report;

@@ -1,6 +1,6 @@
 // lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors
 //
-// DIR is a checkpoint (RUN/checkpoints/step-NNNNNNNN) or a directory of them (its newest complete
+// DIR is a checkpoint (RUN/checkpoints/step-NNNNNNNN), a directory of them or a run directory (its newest
 // one). verify exits 1 on a bad checkpoint, with one line saying what and where.
 #include <cstdio>
 #include <map>

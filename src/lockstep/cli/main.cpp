@@ -41,7 +41,7 @@ const Command kCommands[] = {
      "      values (exit 1), or \"identical over N steps\" (exit 0); with module traces (debug.trace), the module"},
     {"ckpt", lockstep::cli::ckpt_command,
      "lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"
-     "      a checkpoint (RUN/checkpoints/step-NNNNNNNN, or a directory of them: the newest): its tensors,\n"
+     "      a checkpoint (RUN/checkpoints/step-NNNNNNNN; a directory of them or RUN: the newest): its tensors,\n"
      "      shapes, layout and sizes; a full check of checksums and completeness (exit 1 when bad); the\n"
      "      full model weights as safetensors (train.init_from reads them back)"},
     {"help", help_command,

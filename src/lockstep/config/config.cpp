@@ -400,9 +400,17 @@ std::string show(const Value& v) {
   return std::visit(
       [](const auto& x) -> std::string {
         using X = std::decay_t<decltype(x)>;
-        if constexpr (std::is_same_v<X, std::string>) return "\"" + x + "\"";
-        else if constexpr (std::is_same_v<X, bool>) return x ? "true" : "false";
-        else return str(x);
+        if constexpr (std::is_same_v<X, std::string>) {
+          return "\"" + x + "\"";
+        } else if constexpr (std::is_same_v<X, bool>) {
+          return x ? "true" : "false";
+        } else if constexpr (std::is_same_v<X, double>) {
+          // As the file wrote it: 2.0 for an integer key must not read back as "2".
+          std::string t = str(x);
+          return t.find_first_of(".eEni") == std::string::npos ? t + ".0" : t;
+        } else {
+          return str(x);
+        }
       },
       v);
 }
@@ -480,7 +488,8 @@ Value from_toml(const toml::node& node, const std::string& name, const std::stri
   if (auto v = node.as_floating_point()) return v->get();
   if (auto v = node.as_boolean()) return v->get();
   if (auto v = node.as_string()) return v->get();
-  user_error(where, name, ": expected a single value, got a ", node.type());
+  const std::string type = str(node.type());
+  user_error(where, name, ": expected a single value, got ", type == "array" ? "an " : "a ", type);
 }
 
 // Flattens a TOML table into dotted keys in document order.
@@ -771,6 +780,11 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
     for (const auto& [name, node] : flat) {
       const std::string where = str(file, ":", node->source().begin.line, ": ");
       const Key* key = find_key(name);
+      // A table where a value belongs ([parallel.tensor] or tensor = { ... }) flattens to deeper names.
+      for (size_t dot = name.rfind('.'); !key && dot != std::string::npos; dot = name.rfind('.', dot - 1)) {
+        if (find_key(name.substr(0, dot))) user_error(where, name.substr(0, dot), ": expected a single value, got a table");
+        if (dot == 0) break;
+      }
       if (!key) unknown_key(name, where);
       settings.push_back({key, from_toml(*node, name, where), where});
     }

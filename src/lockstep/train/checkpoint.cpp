@@ -440,9 +440,12 @@ std::string find_checkpoint(const std::string& path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) user_error("checkpoint '", path, "' does not exist or is not a directory");
   if (fs::exists(fs::path(path) / "metadata.json", ec)) return path;
-  const std::string latest = latest_checkpoint(path);
+  // A run directory: the newest of its checkpoints/.
+  const fs::path run_checkpoints = fs::path(path) / "checkpoints";
+  const std::string latest = latest_checkpoint(fs::is_directory(run_checkpoints, ec) ? run_checkpoints.string() : path);
   if (latest.empty())
-    user_error("'", path, "' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint");
+    user_error("'", path, "' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint",
+               fs::is_directory(run_checkpoints, ec) ? " in checkpoints/" : "");
   return latest;
 }
 

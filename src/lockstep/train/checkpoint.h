@@ -99,7 +99,7 @@ std::string checkpoint_dir(const std::string& checkpoints_root, int64_t step);
 // The newest complete checkpoint directory under checkpoints_root; "" when there is none.
 std::string latest_checkpoint(const std::string& checkpoints_root);
 // path itself when it is a checkpoint (has metadata.json), else the newest complete checkpoint under
-// it; UserError when it is neither.
+// it (or under path/checkpoints: a run directory); UserError when there is none.
 std::string find_checkpoint(const std::string& path);
 // train.resume's value: "auto" -> latest_checkpoint(root) ("" when none: start fresh); otherwise
 // find_checkpoint(resume).

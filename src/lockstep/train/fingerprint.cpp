@@ -21,6 +21,7 @@ std::string Fingerprint::json() const {
       .add("pp", pp)
       .add("ep", ep)
       .add("cp", cp)
+      .add("etp", etp)
       .add("loss", bits(loss))
       .add("lm_loss", bits(lm_loss))
       .add("aux_loss", bits(aux_loss))

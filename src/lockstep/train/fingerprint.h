@@ -3,7 +3,7 @@
 // bit for bit exactly when their fingerprint files are identical; `lockstep diff` (train/run_diff.h)
 // names the first step, rank and field where they are not.
 //
-//   {"step":1,"rank":0,"dp":0,"tp":0,"pp":0,"ep":0,"cp":0,
+//   {"step":1,"rank":0,"dp":0,"tp":0,"pp":0,"ep":0,"cp":0,"etp":0,
 //    "loss":"<hex of the fp64 bits>","lm_loss":"...","aux_loss":"...","mtp_loss":"...",
 //    "grad_norm":"...","lr":"...",
 //    "params":"<xxh3>","grads":"<xxh3>","optimizer":"<xxh3 of Adam m then v>","rng":"<xxh3>"}
@@ -20,7 +20,10 @@ namespace lockstep {
 
 struct Fingerprint {
   int64_t step = 0;
-  int rank = 0, dp = 0, tp = 0, pp = 0, ep = 0, cp = 0;
+  // The rank's mesh coordinates (comm/mesh.h): ep and etp say which experts and which part of each
+  // expert's hidden units the rank holds. Files written before etp was added lack it; lockstep diff
+  // reads both.
+  int rank = 0, dp = 0, tp = 0, pp = 0, ep = 0, cp = 0, etp = 0;
   double loss = 0, lm_loss = 0, aux_loss = 0, mtp_loss = 0, grad_norm = 0, lr = 0;
   uint64_t params = 0, grads = 0, optimizer = 0, rng = 0;
 

@@ -19,7 +19,8 @@ namespace {
 
 namespace fs = std::filesystem;
 
-const char* const kCoordinates[] = {"rank", "dp", "tp", "pp", "ep", "cp"};
+// Older fingerprint files lack etp: absent coordinates are left out of the report.
+const char* const kCoordinates[] = {"rank", "dp", "tp", "pp", "ep", "cp", "etp"};
 
 bool is_coordinate(const std::string& key) {
   for (const char* k : kCoordinates)
@@ -73,7 +74,8 @@ struct Run {
 
 Run read_run(const std::string& dir) {
   std::error_code ec;
-  if (!fs::is_directory(dir, ec)) user_error("'", dir, "': no such run directory");
+  if (!fs::is_directory(dir, ec))
+    user_error("'", dir, "': ", fs::exists(dir, ec) ? "not a directory (lockstep diff takes run directories)" : "no such run directory");
   const fs::path fp_dir = fs::path(dir) / "fingerprints";
   if (!fs::is_directory(fp_dir, ec))
     user_error("'", dir, "' has no fingerprints/ directory (not a lockstep run directory?)");
@@ -103,7 +105,7 @@ Run read_run(const std::string& dir) {
   return run;
 }
 
-// "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0)" from the line's own coordinate fields.
+// "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0)" from the line's own coordinate fields.
 std::string where(const FingerprintLine& line, int rank) {
   std::string s = str("rank ", rank);
   std::string coords;
@@ -157,9 +159,10 @@ bool same_layout(const Run& a, const Run& b) {
   if (a.ranks() != b.ranks()) return false;
   for (int r = 0; r < a.ranks(); ++r) {
     if (a.lines[r].empty() || b.lines[r].empty()) continue;
+    // The coordinates both files record (an older file has no etp).
     for (const char* k : kCoordinates) {
       const std::string *va = a.lines[r].front().find(k), *vb = b.lines[r].front().find(k);
-      if ((va == nullptr) != (vb == nullptr) || (va && *va != *vb)) return false;
+      if (va && vb && *va != *vb) return false;
     }
   }
   return true;

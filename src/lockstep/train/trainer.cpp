@@ -111,6 +111,31 @@ void check_injection(const ModuleTrace& trace, const DebugConfig& dbg) {
 
 }  // namespace
 
+Mesh checked_mesh(const Config& config, int world_size) {
+  const TrainConfig& tc = config.train;
+  const ParallelConfig& pc = config.parallel;
+  const Mesh mesh(world_size, {static_cast<int>(pc.tensor), static_cast<int>(pc.context), static_cast<int>(pc.pipeline),
+                               static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
+  // Each data-parallel rank takes its own micro-batches of the global batch (context parallelism
+  // would split sequences, not samples).
+  const int64_t dp_size = mesh.dp();
+  if (tc.global_batch % (tc.micro_batch * dp_size))
+    user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
+               ") x data-parallel size (", dp_size, " = ", world_size, " ranks / (parallel.tensor x parallel.context x "
+               "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
+  if (config.determinism != "layout") return mesh;
+  const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);
+  if (dp_size > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
+    user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
+               "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
+               tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
+  if (mesh.ep() > 1 && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))
+    user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), " and ", mesh.edp(), " expert "
+               "data-parallel replicas needs a power-of-two parallel.expert (each expert-parallel group's "
+               "micro-batches must form a subtree of the canonical tree)");
+  return mesh;
+}
+
 TrainSummary train(const Config& config, std::FILE* out) {
   TrainSummary summary;
   run_threads(1, config.dist.timeout_s, [&](Communicator& comm) { summary = train(config, out, comm); });
@@ -121,17 +146,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
   const ParallelConfig& pc = config.parallel;
-  const Mesh mesh(comm.size(), {static_cast<int>(pc.tensor), static_cast<int>(pc.context), static_cast<int>(pc.pipeline),
-                                static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
+  const Mesh mesh = checked_mesh(config, comm.size());
   const MeshCoordinates coords = mesh.coordinates(comm.rank());
   const bool leader = comm.rank() == 0;
-  // Each data-parallel rank takes its own micro-batches of the global batch (context parallelism
-  // would split sequences, not samples).
   const int64_t dp_size = mesh.dp();
-  if (tc.global_batch % (tc.micro_batch * dp_size))
-    user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
-               ") x data-parallel size (", dp_size, " = ", comm.size(), " ranks / (parallel.tensor x parallel.context x "
-               "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
   // Dense gradients are reduced over dp x cp, expert gradients over the expert data-parallel group.
   Communicator dense_dp = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
   Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
@@ -175,14 +193,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // or along the canonical tree (parallel/data_parallel.h, docs/determinism.md).
   const bool layout = config.determinism == "layout";
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
-  if (layout && dp_size > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
-    user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
-               "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
-               tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
-  if (layout && ep && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))
-    user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), " and ", mesh.edp(), " expert "
-               "data-parallel replicas needs a power-of-two parallel.expert (each expert-parallel group's "
-               "micro-batches must form a subtree of the canonical tree)");
   if (layout) {
     dp.set_layout(accum, &comm, ep != nullptr);
     for (const auto& layer : model.moe_layers())
@@ -465,6 +475,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const uint64_t rng_state[2] = {tc.seed, first_sample + static_cast<uint64_t>(tc.global_batch)};
     fp.rng = hash_bytes(rng_state, sizeof rng_state);
     fp.rank = comm.rank(), fp.dp = coords.dp, fp.tp = coords.tp, fp.pp = coords.pp, fp.ep = coords.ep, fp.cp = coords.cp;
+    fp.etp = coords.etp;
     // With the parameter gather overlapped, the parameters are complete once the next step's
     // first forward has run: the line waits until then.
     if (gather_in_background && step < tc.steps) pending_fingerprint = fp;

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "lockstep/comm/mesh.h"
 #include "lockstep/config/config.h"
 
 namespace lockstep {
@@ -33,6 +34,11 @@ struct TrainSummary {
 // are summed over the group, and the replicas check at every step that their parameters and loss
 // agree bit for bit (an all-reduce of a checksum).
 TrainSummary train(const Config& config, std::FILE* out, Communicator& comm);
+// The mesh of world_size ranks for config.parallel, after the checks that depend on the world size
+// (the sizes multiply out; the global batch splits over the data-parallel ranks; determinism =
+// "layout"'s micro-batch tree). train() calls it on every rank; `lockstep train --nproc N` calls it
+// first, so that a bad layout is one error line that no rank's thread raced to report.
+Mesh checked_mesh(const Config& config, int world_size);
 // The same on one rank (a world of one thread).
 TrainSummary train(const Config& config, std::FILE* out);
 
