@@ -56,6 +56,14 @@ std::vector<std::string> plus(std::vector<std::string> a, const std::vector<std:
   return a;
 }
 
+// The loss of each step in a run directory's metrics.jsonl.
+std::vector<double> losses_of(const std::string& run_dir) {
+  std::vector<double> out;
+  std::istringstream in(read_file(run_dir + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
+  return out;
+}
+
 // ---- format and resharding ----
 
 // A (6, 10) tensor and a (7) vector with known values.
@@ -404,6 +412,9 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
   train_ranks(2, job("moe-debug.toml", dir.path("etp2"), plus(etp2, {"train.resume=auto"})));
   for (int r = 0; r < 2; ++r)
     EXPECT_EQ(read_file(fingerprint_path(dir.path("whole2"), r)), read_file(fingerprint_path(dir.path("etp2"), r))) << r;
+  // Rank 1 holds the second half of each expert's hidden units: its fingerprints say so.
+  EXPECT_NE(read_file(fingerprint_path(dir.path("etp2"), 1)).find("\"tp\":1,\"pp\":0,\"ep\":0,\"cp\":0,\"etp\":1,"),
+            std::string::npos);
 
   train_ranks(1, job("moe-debug.toml", dir.path("whole1"), one));
   train_ranks(1, job("moe-debug.toml", dir.path("etp1"), plus(one, {"train.save_interval=2", "train.exit_interval=2"})));
@@ -422,12 +433,7 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
 
   train_ranks(1, job("moe-debug.toml", dir.path("etp2to1"), plus(one, {"train.resume=" + at2})));
   train_ranks(2, job("moe-debug.toml", dir.path("etp1to2"), plus(etp2, {"train.resume=" + at1})));
-  auto losses = [&](const std::string& run) {
-    std::vector<double> out;
-    std::istringstream in(read_file(dir.path(run) + "/metrics.jsonl"));
-    for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line)["loss"].get<double>());
-    return out;
-  };
+  auto losses = [&](const std::string& run) { return losses_of(dir.path(run)); };
   const std::vector<double> w1 = losses("whole1"), w2 = losses("whole2"), r1 = losses("etp2to1"), r2 = losses("etp1to2");
   ASSERT_EQ(w1.size(), 4u);
   ASSERT_EQ(r1.size(), 2u);  // steps 3 and 4
@@ -436,6 +442,33 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
     EXPECT_NEAR(r1[s - 2], w1[s], 1e-6 * w1[s]) << "ETP 2 -> 1, step " << s + 1;
     EXPECT_NEAR(r2[s - 2], w2[s], 1e-6 * w2[s]) << "1 -> ETP 2, step " << s + 1;
   }
+}
+
+// ---- expert parallelism: resume and resharding ----
+
+// EP 2 with the all-to-all dispatcher (the MoE preset on 2 ranks, 2 experts each) resumes bitwise on
+// both ranks, and its checkpoint continues as one process (both ranks' experts reassembled) with the
+// losses of the uninterrupted one-process run, to rounding.
+TEST(CheckpointExpertParallel, ResumesBitwiseAndReshardsFromEpTwoToOne) {
+  TempDir dir;
+  const std::vector<std::string> ep2 = plus(dp_keys(2, false), {"parallel.expert=2", "moe.token_dispatcher=alltoall"});
+  const std::vector<std::string> one = dp_keys(1, false);
+  train_ranks(2, job("moe-debug.toml", dir.path("whole2"), ep2));
+  train_ranks(2, job("moe-debug.toml", dir.path("ep2"), plus(ep2, {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(2, job("moe-debug.toml", dir.path("ep2"), plus(ep2, {"train.resume=auto"})));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole2"), r)), read_file(fingerprint_path(dir.path("ep2"), r))) << r;
+
+  const std::string at2 = checkpoint_dir(dir.path("ep2/checkpoints"), 2);
+  const CheckpointMetadata m2 = read_checkpoint_metadata(at2);
+  EXPECT_EQ(m2.info.layout.ep, 2);
+  EXPECT_EQ(m2.files.size(), 2u);  // each rank's experts
+  train_ranks(1, job("moe-debug.toml", dir.path("whole1"), one));
+  train_ranks(1, job("moe-debug.toml", dir.path("ep2to1"), plus(one, {"train.resume=" + at2})));
+  const std::vector<double> whole = losses_of(dir.path("whole1")), resumed = losses_of(dir.path("ep2to1"));
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(resumed.size(), 2u);  // steps 3 and 4
+  for (size_t s = 2; s < 4; ++s) EXPECT_NEAR(resumed[s - 2], whole[s], 1e-6 * whole[s]) << "EP 2 -> 1, step " << s + 1;
 }
 
 // ---- atomic commits ----
@@ -649,7 +682,10 @@ TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
   TempDir dir;
   quiet_train(job("debug.toml", dir.path("run"), {"train.steps=2", "train.save_interval=2"}));
   const std::string step = checkpoint_dir(dir.path("run/checkpoints"), 2);
-  testing::CliResult r = testing::run_cli(dir, "ckpt inspect run/checkpoints");
+  testing::CliResult r = testing::run_cli(dir, "ckpt inspect run");  // a run directory: its newest
+  EXPECT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("step 2, 16 samples"), std::string::npos) << r.out;
+  r = testing::run_cli(dir, "ckpt inspect run/checkpoints");
   EXPECT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("step 2, 16 samples"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("param/embedding.word.weight"), std::string::npos) << r.out;
@@ -695,6 +731,26 @@ TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
                                                    "train.init_from=" + dir.path("w.safetensors")}));
   });
   EXPECT_EQ(bad, "'" + dir.path("w.safetensors") + "': tensor 'embedding.word.weight' has shape (256, 64), the model's is (256, 32)");
+}
+
+// Weights exported from a one-rank run initialise a TP 2 run (each rank cuts its boxes out of the
+// whole tensors), which trains with the losses of the one-rank run initialised from the same file.
+TEST(CheckpointTools, InitFromUnderTensorParallelTwo) {
+  TempDir dir;
+  const std::vector<std::string> one = dp_keys(1, false);
+  train_ranks(1, job("debug.toml", dir.path("run"), plus(one, {"train.steps=2", "train.save_interval=2"})));
+  const testing::CliResult r = testing::run_cli(dir, "ckpt export run w.safetensors");
+  ASSERT_EQ(r.status, 0) << r.err;
+  const std::string init = "train.init_from=" + dir.path("w.safetensors");
+  train_ranks(1, job("debug.toml", dir.path("init1"), plus(one, {init})));
+  train_ranks(2, job("debug.toml", dir.path("init2"), plus(dp_keys(2, false), {init, "parallel.tensor=2"})));
+  const std::vector<double> a = losses_of(dir.path("init1")), b = losses_of(dir.path("init2"));
+  ASSERT_EQ(a.size(), 4u);
+  ASSERT_EQ(b.size(), 4u);
+  for (size_t s = 0; s < 4; ++s) EXPECT_NEAR(b[s], a[s], 1e-6 * a[s]) << "step " << s + 1;
+  // Not the random init's losses: the file's weights were used.
+  train_ranks(1, job("debug.toml", dir.path("fresh"), one));
+  EXPECT_NE(losses_of(dir.path("fresh"))[0], a[0]);
 }
 
 TEST(CheckpointTools, VerifyExitsOneOnABadCheckpoint) {
