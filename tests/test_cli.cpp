@@ -63,6 +63,9 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
        "lockstep: error: determinism = \"layout\" with parallel.expert = 3 and 2 expert data-parallel replicas needs a "
        "power-of-two parallel.expert (each expert-parallel group's micro-batches must form a subtree of the canonical "
        "tree)\n"},
+      {"train --nproc 2 parallel.pipeline=2 parallel.virtual_pipeline=2 train.global_batch=8 train.micro_batch=8",
+       "lockstep: error: interleaved pipeline (parallel.virtual_pipeline = 2): the micro-batches per rank (1 = "
+       "train.global_batch / (train.micro_batch x data-parallel size)) must be a multiple of parallel.pipeline = 2\n"},
       {"diff nowhere elsewhere", "lockstep: error: 'nowhere': no such run directory\n"},
       {"diff out.txt err.txt", "lockstep: error: 'out.txt': not a directory (lockstep diff takes run directories)\n"},
       {"diff .", "lockstep: error: command line: lockstep diff needs two run directories, got 1\n"},

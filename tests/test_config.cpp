@@ -49,6 +49,18 @@ TEST(Config, FileThenCommandLine) {
   EXPECT_DOUBLE_EQ(c.train.lr, 2e-3);
 }
 
+// The keys holding a list as text take a TOML array of integers too.
+TEST(Config, ListKeysTakeTomlArrays) {
+  TempDir dir;
+  const Config c = load_config(dir.write("job.toml", "[model]\nnum_layers = 4\n[parallel]\npipeline = 2\n"
+                                                     "pipeline_layers = [1, 3]\n[moe]\nnum_experts = 4\n"
+                                                     "layer_freq = [0, 1, 1, 1]\n"), {});
+  EXPECT_EQ(c.parallel.pipeline_layers, "[1,3]");
+  EXPECT_EQ(c.moe.layer_freq, "[0,1,1,1]");
+  EXPECT_EQ(error_of(dir.write("bad.toml", "[parallel]\npipeline_layers = [1.5]\n"), {}),
+            dir.path("bad.toml") + ":2: parallel.pipeline_layers: expected a single value, got an array");
+}
+
 TEST(Config, ResolvedTomlRoundTrips) {
   TempDir dir;
   const Config c = load_config("", {"model.preset=llama", "model.num_query_groups=2", "train.lr=0.00123",
@@ -132,9 +144,10 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2"},
        "config: determinism = \"layout\" with parallel.expert_tensor = 2: only data and expert parallelism are "
        "layout-invariant so far; use 1"},
-      {{"determinism=layout", "precision.params=bf16", "precision.fp8=tensorwise"},
-       "config: determinism = \"layout\" with precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\": low-precision "
-       "recipes are not layout-invariant yet (delayed scaling's amax history is per rank)"},
+      {{"determinism=layout", "precision.params=bf16", "precision.fp8=delayed"},
+       "config: determinism = \"layout\" with precision.fp8 = \"delayed\": delayed scaling's amax history is kept per "
+       "rank over its own micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are "
+       "layout-invariant"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
        "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},

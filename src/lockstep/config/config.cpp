@@ -484,6 +484,15 @@ Value parse_text(const Key& key, const std::string& text, const std::string& whe
 }
 
 Value from_toml(const toml::node& node, const std::string& name, const std::string& where) {
+  // A list key (parallel.pipeline_layers, moe.layer_freq) written as a TOML array of integers: its text.
+  if (const toml::array* list = node.as_array(); list && list->is_homogeneous(toml::node_type::integer)) {
+    const Key* key = find_key(name);
+    if (key && key->ref.index() == 4 && key->choices.empty()) {
+      std::string text = "[";
+      for (const toml::node& x : *list) text += str(text.size() > 1 ? "," : "", x.as_integer()->get());
+      return text + "]";
+    }
+  }
   if (auto v = node.as_integer()) return v->get();
   if (auto v = node.as_floating_point()) return v->get();
   if (auto v = node.as_boolean()) return v->get();

@@ -29,6 +29,7 @@
 #include "lockstep/model/trace.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/parallel/pipeline/pipeline.h"
+#include "lockstep/parallel/pipeline/schedule.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
@@ -123,8 +124,10 @@ Mesh checked_mesh(const Config& config, int world_size) {
     user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
                ") x data-parallel size (", dp_size, " = ", world_size, " ranks / (parallel.tensor x parallel.context x "
                "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
-  if (config.determinism != "layout") return mesh;
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);
+  // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
+  if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
+  if (config.determinism != "layout") return mesh;
   if (dp_size > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
     user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
                "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
