@@ -273,6 +273,17 @@ std::vector<std::string> dp_keys(int ranks, bool distributed) {
           "train.out_dir=unused" + std::to_string(ranks)};
 }
 
+// Two thread ranks uninterrupted (RUN-whole) against stopped and saved at step 2, then resumed
+// ("auto") in RUN, which keeps the step-2 checkpoint: both ranks' fingerprints equal.
+void expect_two_ranks_resume_bitwise(const char* file, const std::vector<std::string>& keys, const TempDir& dir,
+                                     const std::string& run) {
+  train_ranks(2, job(file, dir.path(run + "-whole"), keys));
+  train_ranks(2, job(file, dir.path(run), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(2, job(file, dir.path(run), plus(keys, {"train.resume=auto"})));
+  for (int r = 0; r < 2; ++r)
+    EXPECT_EQ(read_file(fingerprint_path(dir.path(run + "-whole"), r)), read_file(fingerprint_path(dir.path(run), r))) << r;
+}
+
 // DP = 2 with the replicated and the distributed optimizer: stop at 2, resume, continue to 4: both
 // ranks' fingerprints equal the uninterrupted run's. The distributed optimizer's moments are written
 // by both ranks, each its own flat ranges.
@@ -285,11 +296,7 @@ TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
     // Overlapped parameter gathers: a step's parameters are complete only once the next forward
     // needs them; a save waits for them.
     keys.push_back(std::string("ddp.overlap_param_gather=") + (mode == std::string("distributed+overlap") ? "true" : "false"));
-    train_ranks(2, job("debug.toml", dir.path("whole"), keys));
-    train_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
-    train_ranks(2, job("debug.toml", dir.path("cut"), plus(keys, {"train.resume=auto"})));
-    for (int r = 0; r < 2; ++r)
-      EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("cut"), r))) << r;
+    expect_two_ranks_resume_bitwise("debug.toml", keys, dir, "cut");
     const CheckpointMetadata meta = read_checkpoint_metadata(checkpoint_dir(dir.path("cut/checkpoints"), 2));
     EXPECT_EQ(meta.info.layout.dp, 2);
     EXPECT_EQ(meta.info.layout.distributed_optimizer, distributed);
@@ -367,11 +374,7 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
 TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   TempDir dir;
   const std::vector<std::string> tp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
-  train_ranks(2, job("debug.toml", dir.path("whole"), tp2));
-  train_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.save_interval=2", "train.exit_interval=2"})));
-  train_ranks(2, job("debug.toml", dir.path("tp2"), plus(tp2, {"train.resume=auto"})));
-  for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole"), r)), read_file(fingerprint_path(dir.path("tp2"), r))) << r;
+  expect_two_ranks_resume_bitwise("debug.toml", tp2, dir, "tp2");
 
   train_ranks(1, job("debug.toml", dir.path("tp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
   const std::string at2 = checkpoint_dir(dir.path("tp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("tp1/checkpoints"), 2);
@@ -407,11 +410,7 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
   const std::vector<std::string> etp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true",
                                                                   "parallel.expert_tensor=2"});
   const std::vector<std::string> one = dp_keys(1, false);
-  train_ranks(2, job("moe-debug.toml", dir.path("whole2"), etp2));
-  train_ranks(2, job("moe-debug.toml", dir.path("etp2"), plus(etp2, {"train.save_interval=2", "train.exit_interval=2"})));
-  train_ranks(2, job("moe-debug.toml", dir.path("etp2"), plus(etp2, {"train.resume=auto"})));
-  for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole2"), r)), read_file(fingerprint_path(dir.path("etp2"), r))) << r;
+  expect_two_ranks_resume_bitwise("moe-debug.toml", etp2, dir, "etp2");
   // Rank 1 holds the second half of each expert's hidden units: its fingerprints say so.
   EXPECT_NE(read_file(fingerprint_path(dir.path("etp2"), 1)).find("\"tp\":1,\"pp\":0,\"ep\":0,\"cp\":0,\"etp\":1,"),
             std::string::npos);
@@ -434,7 +433,7 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
   train_ranks(1, job("moe-debug.toml", dir.path("etp2to1"), plus(one, {"train.resume=" + at2})));
   train_ranks(2, job("moe-debug.toml", dir.path("etp1to2"), plus(etp2, {"train.resume=" + at1})));
   auto losses = [&](const std::string& run) { return losses_of(dir.path(run)); };
-  const std::vector<double> w1 = losses("whole1"), w2 = losses("whole2"), r1 = losses("etp2to1"), r2 = losses("etp1to2");
+  const std::vector<double> w1 = losses("whole1"), w2 = losses("etp2-whole"), r1 = losses("etp2to1"), r2 = losses("etp1to2");
   ASSERT_EQ(w1.size(), 4u);
   ASSERT_EQ(r1.size(), 2u);  // steps 3 and 4
   ASSERT_EQ(r2.size(), 2u);
@@ -453,11 +452,7 @@ TEST(CheckpointExpertParallel, ResumesBitwiseAndReshardsFromEpTwoToOne) {
   TempDir dir;
   const std::vector<std::string> ep2 = plus(dp_keys(2, false), {"parallel.expert=2", "moe.token_dispatcher=alltoall"});
   const std::vector<std::string> one = dp_keys(1, false);
-  train_ranks(2, job("moe-debug.toml", dir.path("whole2"), ep2));
-  train_ranks(2, job("moe-debug.toml", dir.path("ep2"), plus(ep2, {"train.save_interval=2", "train.exit_interval=2"})));
-  train_ranks(2, job("moe-debug.toml", dir.path("ep2"), plus(ep2, {"train.resume=auto"})));
-  for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(read_file(fingerprint_path(dir.path("whole2"), r)), read_file(fingerprint_path(dir.path("ep2"), r))) << r;
+  expect_two_ranks_resume_bitwise("moe-debug.toml", ep2, dir, "ep2");
 
   const std::string at2 = checkpoint_dir(dir.path("ep2/checkpoints"), 2);
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2);
