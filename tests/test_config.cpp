@@ -152,6 +152,25 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
        "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},
       {{"train.out_dir="}, "config: train.out_dir is empty"},
+      // The pipeline keys.
+      {{"parallel.pipeline=0"}, "config: parallel.pipeline = 0: must be positive"},
+      {{"parallel.pipeline=3"},
+       "config: model.num_layers = 4 is not divisible by parallel.pipeline x parallel.virtual_pipeline = 3 x 1; set "
+       "parallel.pipeline_layers to split them unevenly"},
+      {{"parallel.pipeline=2", "parallel.pipeline_layers=[1,3"},
+       "config: parallel.pipeline_layers = \"[1,3\": expected positive layer counts such as [1,2,1]"},
+      {{"parallel.pipeline=2", "parallel.pipeline_layers=[0,4]"},
+       "config: parallel.pipeline_layers = \"[0,4]\": expected positive layer counts such as [1,2,1]"},
+      {{"parallel.pipeline=2", "parallel.pipeline_layers=[1,2]"},
+       "config: parallel.pipeline_layers = \"[1,2]\" adds up to 3 layers, model.num_layers = 4"},
+      {{"parallel.pipeline_layers=[4]"}, "config: parallel.pipeline_layers = \"[4]\" needs parallel.pipeline > 1"},
+      {{"parallel.virtual_pipeline=2"}, "config: parallel.virtual_pipeline = 2 needs parallel.pipeline > 1"},
+      {{"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"},
+       "config: parallel.virtual_pipeline = 2: the interleaved schedule is 1F1B; parallel.pipeline_schedule = "
+       "\"all_forward_all_backward\" has no virtual stages"},
+      {{"determinism=layout", "parallel.pipeline=2"},
+       "config: determinism = \"layout\" with parallel.pipeline = 2: only data and expert parallelism are "
+       "layout-invariant so far; use 1"},
   };
   for (const auto& [overrides, expected] : cases) EXPECT_EQ(error_of("", overrides), expected) << overrides[0];
 }

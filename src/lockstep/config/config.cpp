@@ -100,7 +100,8 @@ std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
   // "[1,2,1]" or "1,2,1": one count per model chunk.
   std::string s;
   for (char ch : pipeline_layers)
-    if (ch != ' ' && ch != '\t' && ch != '[' && ch != ']') s += ch;
+    if (ch != ' ' && ch != '\t') s += ch;
+  if (s.size() >= 2 && s.front() == '[' && s.back() == ']') s = s.substr(1, s.size() - 2);
   size_t i = 0;
   while (i <= s.size()) {
     const size_t comma = std::min(s.find(',', i), s.size());
