@@ -118,6 +118,15 @@ const Row kRows[] = {
                                                         "parallel.tensor=2", "parallel.expert_tensor=2", "train.micro_batch=2"}, 4},
     {"pp4_dp_distributed_moe", "moe-debug.toml", {"parallel.pipeline=4", "model.num_layers=4", "train.micro_batch=1",
                                                   "optimizer.distributed=true"}, 8},
+    // Low precision split over ranks: amax reduced over the tensor's group (model/precision.h).
+    {"fp8_delayed_tp2_sp_dp2_llama", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "model.preset=llama",
+                                                    "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4},
+    {"fp8_tensorwise_ep2_alltoall", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=tensorwise",
+                                                       "parallel.expert=2", "moe.token_dispatcher=alltoall"}, 2},
+    {"mxfp8_tp2_sp_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=mxfp8", "parallel.tensor=2",
+                                            "parallel.sequence_parallel=true"}, 2},
+    {"nvfp4_etp2_ep2_allgather", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.expert_tensor=2",
+                                                    "parallel.expert=2", "moe.token_dispatcher=allgather", "train.micro_batch=2"}, 4},
 };
 
 constexpr int kSteps = 3;

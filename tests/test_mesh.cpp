@@ -69,6 +69,7 @@ TEST(Mesh, ExpertTensorGroupsAreFastest) {
   EXPECT_EQ(m.groups(MeshGroup::ep), (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}}));
   EXPECT_EQ(m.groups(MeshGroup::tp_ep), (Groups{{0, 1, 2, 3}, {4, 5, 6, 7}}));
   EXPECT_EQ(m.groups(MeshGroup::edp), (Groups{{0, 4}, {1, 5}, {2, 6}, {3, 7}}));
+  EXPECT_EQ(m.groups(MeshGroup::etp_edp), (Groups{{0, 1, 4, 5}, {2, 3, 6, 7}}));  // the ranks holding one expert
 }
 
 TEST(Mesh, EveryGroupKindPartitionsTheWorldAndAgreesWithCoordinates) {
@@ -78,7 +79,7 @@ TEST(Mesh, EveryGroupKindPartitionsTheWorldAndAgreesWithCoordinates) {
       const Mesh m(world, {tp, cp, pp, ep, etp});
       for (MeshGroup g : {MeshGroup::tp, MeshGroup::cp, MeshGroup::dp, MeshGroup::dp_cp, MeshGroup::pp, MeshGroup::tp_cp,
                           MeshGroup::tp_pp, MeshGroup::tp_dp_cp, MeshGroup::ep, MeshGroup::etp, MeshGroup::edp,
-                          MeshGroup::tp_ep, MeshGroup::tp_ep_pp}) {
+                          MeshGroup::tp_ep, MeshGroup::tp_ep_pp, MeshGroup::etp_edp}) {
         std::vector<int> all;
         for (const auto& grp : m.groups(g)) all.insert(all.end(), grp.begin(), grp.end());
         std::sort(all.begin(), all.end());

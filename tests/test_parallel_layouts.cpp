@@ -9,6 +9,16 @@
 // printed per row. Adding a row is one line. The mpi backend runs a few rows against the threads
 // backend in tests/mpi; bitwise special cases (all-to-all EP = DP) are in test_expert_parallel.cpp.
 //
+// FP8 rows (per-tensor scaling): the amax behind each scale is reduced over the ranks holding the
+// tensor (model/precision.h), so each rank quantises with the scale one process computes. Scales
+// are per micro-batch, so a row with data parallelism gives each rank one micro-batch and the one
+// process one micro-batch of the whole global batch (the row's `single` keys). Under bf16 a layout's
+// last-bit differences (a split sum) flip bf16 roundings of activations and weight copies, so BF16
+// itself reproduces one process only to ~1e-4 (the bf16 rows; FP8 codes flip the same way): those
+// rows allow 5e-4. The dense model under data parallelism alone keeps 2e-6 (it splits no sum here). That each rank
+// quantises its piece with the whole tensor's scale is checked bitwise in test_precision.cpp
+// (PrecisionLowp.AmaxReducedOverTheGroupQuantisesEachPieceAsTheWholeTensor).
+//
 // The differences come from sums a layout splits: row-parallel matmuls and the vocabulary softmax
 // over tp ranks, the expert proj over etp ranks, gradient sums over the ranks that hold a token.
 #include <gtest/gtest.h>
@@ -35,6 +45,8 @@ struct Row {
   const char* config;  // in configs/
   int ranks;
   std::vector<std::string> overrides;
+  std::vector<std::string> single = {};  // keys for the one-process run only (after the overrides)
+  double tolerance = 2e-6;               // relative, of the loss; the grad norm's is 10x
 };
 
 void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
@@ -48,6 +60,12 @@ void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
 // The Llama MoE flavour: SwiGLU experts, a gated shared expert, sigmoid scores with the expert bias.
 #define LLAMA_MOE "model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", \
                   "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true"
+#define DELAYED "precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=4"
+#define TENSORWISE "precision.params=bf16", "precision.fp8=tensorwise"
+// The one process of an FP8 row with data parallelism: one micro-batch, the whole global batch of 8
+// (the row gives each data-parallel rank one micro-batch).
+#define WHOLE {"train.micro_batch=8"}
+#define BF16_NOISE 5e-4
 
 const Row kRows[] = {
     // Dense: tensor (+ sequence) parallelism, alone and with data parallelism.
@@ -120,6 +138,25 @@ const Row kRows[] = {
                                                                                "parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                                                                "parallel.tensor=2", "parallel.expert_tensor=2",
                                                                                "parallel.expert=2", AG}},
+    // FP8 per-tensor scaling: amax reduced over tp x cp x dp (dense) and etp x edp (experts); BF16's
+    // own difference under the same layouts for comparison.
+    {"bf16_gpt2_tp2_sp", "debug.toml", 2, {"precision.params=bf16", "parallel.tensor=2", SP}, {}, BF16_NOISE},
+    {"bf16_moe_ep2_alltoall", "moe-debug.toml", 2, {"precision.params=bf16", "parallel.expert=2", A2A, "train.micro_batch=4"},
+     WHOLE, BF16_NOISE},
+    {"fp8_delayed_moe_dp2", "moe-debug.toml", 2, {DELAYED, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_gpt2_tp2_sp", "debug.toml", 2, {DELAYED, "parallel.tensor=2", SP}, {}, BF16_NOISE},
+    {"fp8_tensorwise_gpt2_tp4", "debug.toml", 4, {TENSORWISE, "parallel.tensor=4"}, {}, BF16_NOISE},
+    {"fp8_tensorwise_gpt2_dp2", "debug.toml", 2, {TENSORWISE, "train.micro_batch=4"}, WHOLE},
+    {"fp8_delayed_llama_tp2_sp_dp2", "debug.toml", 4, {DELAYED, LLAMA, "parallel.tensor=2", SP, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_moe_tp2_sp", "moe-debug.toml", 2, {DELAYED, "parallel.tensor=2", SP}, {}, BF16_NOISE},
+    {"fp8_tensorwise_moe_tp2_dp2", "moe-debug.toml", 4, {TENSORWISE, "parallel.tensor=2", "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_moe_ep2_alltoall", "moe-debug.toml", 2, {DELAYED, "parallel.expert=2", A2A, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_tensorwise_moe_ep2_allgather", "moe-debug.toml", 2, {TENSORWISE, "parallel.expert=2", AG, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_moe_etp2", "moe-debug.toml", 2, {DELAYED, "parallel.expert_tensor=2", "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_tensorwise_moe_etp2_ep2_alltoall", "moe-debug.toml", 4, {TENSORWISE, "parallel.expert_tensor=2",
+                                                                   "parallel.expert=2", A2A, "train.micro_batch=2"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_llama_moe_tp2_sp_ep2_edp2_alltoall", "moe-debug.toml", 4, {DELAYED, LLAMA_MOE, "parallel.tensor=2", SP,
+                                                                            "parallel.expert=2", A2A, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
 };
 
 constexpr int kSteps = 3;
@@ -129,6 +166,7 @@ Config job(const Row& row, const std::string& out_dir, bool single) {
                                 "train.micro_batch=2", "train.global_batch=8", "data.synthetic_bytes=65536"};
   for (const std::string& k : row.overrides)
     if (!single || (k.rfind("parallel.", 0) != 0 && k.rfind("optimizer.distributed", 0) != 0)) o.push_back(k);
+  if (single) o.insert(o.end(), row.single.begin(), row.single.end());
   o.push_back("train.out_dir=" + out_dir);
   return load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/", row.config), o);
 }
@@ -161,7 +199,7 @@ TEST_P(ParallelLayouts, ReproduceOneProcessAndAreBitwiseRunToRun) {
   EXPECT_EQ(fingerprints(dir.path("b"), row.ranks), a) << "run to run";
 
   double worst_loss = 0, worst_norm = 0;
-  for (const auto& [key, tolerance] : {std::pair{"loss", 2e-6}, std::pair{"grad_norm", 2e-5}}) {
+  for (const auto& [key, tolerance] : {std::pair{"loss", row.tolerance}, std::pair{"grad_norm", 10 * row.tolerance}}) {
     const std::vector<double> one = field(dir.path("single"), key), many = field(dir.path("a"), key);
     ASSERT_EQ(one.size(), static_cast<size_t>(kSteps));
     ASSERT_EQ(many.size(), one.size());
@@ -243,10 +281,6 @@ TEST(ParallelFolding, ErrorsNameTheSizesThatConflict) {
             "config: parallel.tensor = 2 with an MoE model: train.micro_batch x model.seq_length = 63 tokens are not "
             "divisible by it (each tensor-parallel rank routes its share of the tokens)");
   EXPECT_EQ(error("moe-debug.toml", {"parallel.tensor=3"}), "config: model.num_heads = 4 is not divisible by parallel.tensor = 3");
-  EXPECT_NE(error("moe-debug.toml", {"parallel.tensor=2", "precision.params=bf16", "precision.fp8=tensorwise"})
-                .find("parallel.expert = 1, parallel.expert_tensor = 1, parallel.tensor = 2 with precision.fp8 = "
-                      "\"tensorwise\" / precision.fp4 = \"none\": an MoE model split over ranks runs fp32 or bf16 GEMMs only"),
-            std::string::npos);
   // The world must hold both meshes: tp x cp x dp x pp and etp x ep x edp x pp.
   auto world_error = [](int ranks, std::vector<std::string> o) {
     testing::TempDir dir;

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/thread_pool.h"
@@ -235,7 +236,7 @@ struct QuantisedLinear {
   ParamStore ps;
   Linear lin;
   Precision precision;
-  explicit QuantisedLinear(const std::vector<std::string>& keys) {
+  explicit QuantisedLinear(const std::vector<std::string>& keys, int64_t out_features = 48) : out(out_features) {
     lin = Linear(ps, "layers.0.mlp.fc", in, out, true, 0.5f);
     ps.allocate();
     ps.init(8);
@@ -413,6 +414,75 @@ TEST(PrecisionLowp, DelayedScalingScaleIsTheOneQuantisationUses) {
     EXPECT_TRUE(testing::bitwise_equal(y, y_ref)) << "micro-batch " << m << " scales " << sx << " " << sw;
     if (m == 0) EXPECT_EQ(sx, 1.0f) << "the initial scale";
     else EXPECT_EQ(sx, 448.0f / amax(x.data(), N * in)) << "from the first micro-batch's amax";
+  }
+}
+
+// rows [r0, r0 + rows) x columns [c0, c0 + cols) of a row-major matrix with C columns.
+std::vector<float> block(const float* m, int64_t C, int64_t r0, int64_t rows, int64_t c0, int64_t cols) {
+  std::vector<float> b;
+  for (int64_t r = r0; r < r0 + rows; ++r) b.insert(b.end(), m + r * C + c0, m + r * C + c0 + cols);
+  return b;
+}
+
+// TE's reduce_amax: two ranks hold halves of a linear layer's tokens (data / sequence parallelism:
+// x, dy and so dx split by rows) or of its weight (tensor parallelism, column-parallel: W's rows, so
+// dy's and y's columns). With the amax reduced over both, each rank quantises its piece with the
+// scale of the whole tensor: its block of y (and of dx, when tokens are split) is bitwise the one
+// process's, and delayed scaling's histories and scales are the one process's on every rank.
+TEST(PrecisionLowp, AmaxReducedOverTheGroupQuantisesEachPieceAsTheWholeTensor) {
+  for (const char* recipe : {"delayed", "tensorwise"}) {
+    for (const bool split_tokens : {true, false}) {
+      SCOPED_TRACE(std::string(recipe) + (split_tokens ? ", tokens split" : ", weight rows split"));
+      const std::vector<std::string> keys = {"precision.params=bf16", std::string("precision.fp8=") + recipe};
+      QuantisedLinear full(keys);
+      const int64_t N = full.N, in = full.in, out = full.out, Np = split_tokens ? N / 2 : N,
+                    outp = split_tokens ? out : out / 2;
+      constexpr int kMicro = 2;  // delayed: the second micro-batch quantises with the reduced amax
+      std::vector<std::vector<float>> x, dy, y(kMicro), dx(kMicro);
+      for (int m = 0; m < kMicro; ++m) {
+        x.push_back(bf16_randn(N * in, 20 + m, 1.0f));
+        dy.push_back(bf16_randn(N * out, 30 + m, 1e-3f));
+        y[m].resize(static_cast<size_t>(N * out));
+        dx[m].resize(static_cast<size_t>(N * in));
+        full.precision.begin_micro_batch(1, 1, m);
+        full.lin.forward(full.ps, y[m].data(), x[m].data(), N);
+        full.lin.backward(full.ps, dx[m].data(), dy[m].data(), x[m].data(), N);
+        full.precision.end_micro_batch();
+      }
+      for (const bool reduced : {true, false}) {
+        std::vector<int> same(2, 0);
+        run_threads(2, 30, [&](Communicator& comm) {
+          const int r = comm.rank();
+          QuantisedLinear part(keys, outp);
+          const int64_t t0 = split_tokens ? r * Np : 0, o0 = split_tokens ? 0 : r * outp;
+          const std::vector<float> w = block(full.ps.value(full.lin.w), in, o0, outp, 0, in);
+          std::copy(w.begin(), w.end(), part.ps.value(part.lin.w));
+          std::copy(full.ps.value(full.lin.b) + o0, full.ps.value(full.lin.b) + o0 + outp, part.ps.value(part.lin.b));
+          part.ps.sync_weights(0, static_cast<int>(part.ps.specs().size()));
+          if (reduced) part.precision.set_amax_groups({&comm, nullptr, &comm, nullptr});
+          bool all = true;
+          for (int m = 0; m < kMicro; ++m) {
+            const std::vector<float> xp = block(x[m].data(), in, t0, Np, 0, in), dyp = block(dy[m].data(), out, t0, Np, o0, outp);
+            std::vector<float> yp(static_cast<size_t>(Np * outp)), dxp(static_cast<size_t>(Np * in));
+            part.precision.begin_micro_batch(1, 1, m);
+            part.lin.forward(part.ps, yp.data(), xp.data(), Np);
+            part.lin.backward(part.ps, dxp.data(), dyp.data(), xp.data(), Np);
+            part.precision.end_micro_batch();
+            all = all && yp == block(y[m].data(), out, t0, Np, o0, outp);
+            if (split_tokens) all = all && dxp == block(dx[m].data(), in, t0, Np, 0, in);
+          }
+          if (std::string(recipe) == "delayed") {
+            const auto mine = part.precision.amax_histories(), one = full.precision.amax_histories();
+            for (size_t i = 0; i < one.size(); ++i)
+              all = all && mine[i].history->amax == one[i].history->amax && mine[i].history->scale == one[i].history->scale;
+          }
+          same[r] = all;
+        });
+        // Without the reduction a rank that lacks the whole tensor's largest magnitude scales differently.
+        if (reduced) EXPECT_EQ(same, std::vector<int>(2, 1)) << "amax reduced";
+        else EXPECT_NE(same, std::vector<int>(2, 1)) << "per-rank amax (the test can fail)";
+      }
+    }
   }
 }
 

@@ -21,6 +21,7 @@ const char* mesh_group_name(MeshGroup g) {
     case MeshGroup::edp: return "edp";
     case MeshGroup::tp_ep: return "tp-ep";
     case MeshGroup::tp_ep_pp: return "tp-ep-pp";
+    case MeshGroup::etp_edp: return "etp-edp";
     case MeshGroup::embedding: return "embedding";
     case MeshGroup::position_embedding: return "position_embedding";
   }
@@ -93,6 +94,7 @@ std::vector<std::vector<int>> Mesh::groups(MeshGroup g) const {
     case MeshGroup::edp: return make(expert, DP);
     case MeshGroup::tp_ep: return make(expert, TP | EP);
     case MeshGroup::tp_ep_pp: return make(expert, TP | EP | PP);
+    case MeshGroup::etp_edp: return make(expert, TP | DP);
     case MeshGroup::embedding:
     case MeshGroup::position_embedding: {
       std::vector<std::vector<int>> out;

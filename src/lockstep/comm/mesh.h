@@ -38,6 +38,7 @@ enum class MeshGroup {
   edp,                 // expert data parallel: where expert gradients are reduced
   tp_ep,               // expert tensor x expert (Megatron's expert tensor-and-model group)
   tp_ep_pp,            // expert tensor x expert x pipeline
+  etp_edp,             // expert tensor x expert data: every rank holding a piece or replica of an expert
   embedding,           // first and last pipeline stage of a pipeline group (tied embeddings)
   position_embedding,  // first pipeline stage
 };

@@ -172,20 +172,13 @@ void validate_tensor_parallel(const Config& c) {
 }
 
 // Expert parallelism and expert tensor parallelism split the experts of an MoE layer (experts over
-// ep, each expert's hidden units over etp); FP8 / FP4 GEMMs would scale a quantised expert over the
-// tokens of several ranks, so they are refused there.
+// ep, each expert's hidden units over etp).
 void validate_expert_parallel(const Config& c) {
   const ParallelConfig& p = c.parallel;
   const MoeConfig& e = c.moe;
   for (const auto& [key, size] : {std::pair<const char*, int64_t>{"expert", p.expert}, {"expert_tensor", p.expert_tensor}})
     if (size > 1 && e.num_experts == 0)
       user_error("parallel.", key, " = ", size, " needs an MoE model (moe.num_experts > 0)");
-  const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
-  if (quantised && e.num_experts > 0 && (p.expert > 1 || p.expert_tensor > 1 || p.tensor > 1))
-    user_error("parallel.expert = ", p.expert, ", parallel.expert_tensor = ", p.expert_tensor, ", parallel.tensor = ",
-               p.tensor, " with precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\": an MoE model split over ranks runs fp32 or bf16 GEMMs only (a quantised expert's scales would span "
-               "the tokens of several ranks)");
   if (e.num_experts % p.expert)
     user_error("moe.num_experts = ", e.num_experts, " is not divisible by parallel.expert = ", p.expert,
                " (every expert-parallel rank holds the same number of experts)");

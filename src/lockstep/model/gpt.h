@@ -118,9 +118,9 @@ class GPT {
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
   // The model's state for checkpoints (core/state_shard.h): the parameters (ParamStore::
   // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)
-  // and the MoE expert biases (replicated: written by the first replica). State each rank records
-  // on its own (delayed scaling's amax histories and scales: its own micro-batches, its own slices
-  // of the weights) is row `rank` of a (world, ...) tensor, written by every rank:
+  // and the MoE expert biases (replicated: written by the first replica). Delayed scaling's amax
+  // histories and scales (reduced over each tensor's group, but experts named by their index on the
+  // rank) are row `rank` of a (world, ...) tensor, written by every rank:
   // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
   void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true, int rank = 0,
                     int world = 1);

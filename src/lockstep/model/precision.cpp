@@ -5,6 +5,7 @@
 #include <cstring>
 #include <regex>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/embedding.h"
@@ -73,6 +74,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
     for (int64_t e = 0; e < E; ++e) {
       Site s;
       s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
+      s.expert = p.expert;
       if (recipe_ == Recipe::delayed)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
       sites_.push_back(std::move(s));
@@ -96,8 +98,33 @@ void Precision::begin_micro_batch(uint64_t seed, int64_t step, int64_t micro) {
   recording_ = true;
 }
 
+void Precision::reduce_amax(float* a, int64_t n, bool expert) {
+  Communicator* g = recording_ ? (expert ? groups_.expert : groups_.dense)
+                               : (expert ? groups_.expert_eval : groups_.dense_eval);
+  if (g && g->size() > 1 && n > 0) g->all_reduce(a, n, ReduceOp::max);
+}
+
+void Precision::current_amaxes(const std::vector<AmaxOf>& of) {
+  std::vector<float> a(of.size());
+  for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? amax(of[i].x, of[i].n) : 0.0f;
+  if (!of.empty()) reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
+  for (size_t i = 0; i < of.size(); ++i) sites_[static_cast<size_t>(of[i].site)].now[of[i].r] = a[i];
+}
+
 void Precision::end_micro_batch() {
   if (recipe_ == Recipe::delayed && recording_) {
+    // The staged amax of every tensor, reduced over its group: one all-reduce per group.
+    for (const bool expert : {false, true}) {
+      std::vector<float> staged;
+      for (const Site& s : sites_)
+        if (s.expert == expert)
+          for (const AmaxHistory& h : s.state) staged.push_back(h.amax[0]);
+      reduce_amax(staged.data(), static_cast<int64_t>(staged.size()), expert);
+      size_t i = 0;
+      for (Site& s : sites_)
+        if (s.expert == expert)
+          for (AmaxHistory& h : s.state) h.amax[0] = staged[i++];
+    }
     for (Site& s : sites_)
       for (int r = 0; r < 3; ++r) {
         AmaxHistory& h = s.state[r];
@@ -135,8 +162,8 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       quantize_tensorwise(q, x, rows, cols, f, h.scale);
       return gemm_operand(q, t);
     }
-    case Recipe::tensorwise:
-      quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(amax(x, n), f));
+    case Recipe::tensorwise:  // the amax staged by current_amaxes
+      quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(sites_[static_cast<size_t>(site)].now[r], f));
       return gemm_operand(q, t);
     case Recipe::blockwise: {
       const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
@@ -224,12 +251,15 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
 
 void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
                       const GemmOptions& opt) {
+  if (recipe(w) == Recipe::tensorwise)
+    current_amaxes({{first_site_[w], input, x, N * in}, {first_site_[w], weight, ps.weight(w), out * in}});
   if (recipe(w) == Recipe::none) gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
   else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
   round(y, N * out);
 }
 
 void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in) {
+  if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
   if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out);
   else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in);
   round(dx, N * in);
@@ -252,6 +282,15 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
   if (recipe(w) == Recipe::none) {
     grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
   } else {
+    if (recipe(w) == Recipe::tensorwise) {
+      std::vector<AmaxOf> of;
+      for (int64_t e = 0; e < E; ++e) {
+        const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+        of.push_back({first_site_[w] + e, input, x + r0 * in, rows * in});
+        of.push_back({first_site_[w] + e, weight, ps.weight(w) + e * out * in, out * in});
+      }
+      current_amaxes(of);
+    }
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows == 0) continue;
@@ -268,6 +307,12 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
   if (recipe(w) == Recipe::none) {
     grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
   } else {
+    if (recipe(w) == Recipe::tensorwise) {
+      std::vector<AmaxOf> of;
+      for (int64_t e = 0; e < E; ++e)
+        of.push_back({first_site_[w] + e, grad, dy + offsets[e] * out, (offsets[e + 1] - offsets[e]) * out});
+      current_amaxes(of);
+    }
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows > 0)

@@ -52,8 +52,24 @@
 // and last fp4_high_precision_layers transformer layers stay BF16 too. Each expert is its own
 // quantised tensor (its own scale and history), as in TE's grouped linear.
 //
+// Across ranks (set_amax_groups), as Transformer Engine's reduce_amax with Megatron's amax reduction
+// group: the amax behind a per-tensor scale (delayed, tensorwise) is the max over every rank that
+// holds a piece or a replica of the tensor, so a tensor split by tensor / sequence / context
+// parallelism or replicated over data parallelism gets the scale one process would give it:
+//   dense tensors    tp x cp x dp (the dense mesh's tp-dp-cp group; pipeline stages hold other
+//                    layers)
+//   experts          etp x edp (an expert's hidden units are split over etp, its replicas are the
+//                    edp ranks; under expert parallelism its tokens already come from the ep group)
+// Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch (one all-reduce
+// per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
+// layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
+// pair up). Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
+// over the ranks that share a batch only (tp x cp; etp). One process, or groups of one rank:
+// nothing is reduced and the bits are those of the unreduced model.
+//
 // Determinism: rounding is elementwise, quantisation is a pure function of the tensor (and of the
-// stochastic-rounding key, which holds no thread or rank), and the GEMMs keep their guarantee
+// stochastic-rounding key, which holds no thread or rank), max is exact in any order (so the
+// reduced amax is the same bits whatever the transport), and the GEMMs keep their guarantee
 // (gemm.h), so every mode is bitwise independent of the thread count.
 #pragma once
 
@@ -67,6 +83,7 @@
 
 namespace lockstep {
 
+class Communicator;
 class ParamStore;
 
 // Rounds x (n) to bf16 values in place (round-to-nearest-even, core/dtype.h); serial (callers
@@ -93,6 +110,16 @@ class Precision {
   // layers.<l>.{attn.qkv, attn.proj, mlp.fc, mlp.proj, moe.shared.fc, moe.shared.proj,
   // moe.experts.fc, moe.experts.proj}.weight) gets its GEMM recipe; L: model.num_layers.
   Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L);
+
+  // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
+  // training's groups (tp-dp-cp, etp x edp); eval: evaluation's (tp-cp, etp).
+  struct AmaxGroups {
+    Communicator* dense = nullptr;
+    Communicator* expert = nullptr;
+    Communicator* dense_eval = nullptr;
+    Communicator* expert_eval = nullptr;
+  };
+  void set_amax_groups(const AmaxGroups& g) { groups_ = g; }
 
   bool bf16() const { return bf16_; }
   // An activation (or activation gradient) handed on at a module boundary: rounded to bf16 in
@@ -139,7 +166,9 @@ class Precision {
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string name;
+    bool expert = false;  // reduced over the expert group
     AmaxHistory state[3];
+    float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
     // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad).
@@ -151,6 +180,16 @@ class Precision {
   GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
                        Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage);
   bool per_tensor() const;  // delayed or tensorwise: one scale per tensor
+  // Tensorwise: Site::now of each (site, role) = amax of its operand x (n values), max-reduced over
+  // the sites' group in one all-reduce (all sites of one weight: the same group).
+  struct AmaxOf {
+    int64_t site;
+    Role r;
+    const float* x;
+    int64_t n;
+  };
+  void current_amaxes(const std::vector<AmaxOf>& of);
+  void reduce_amax(float* a, int64_t n, bool expert);
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
                   int64_t in, const GemmOptions& opt);
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
@@ -165,6 +204,7 @@ class Precision {
   std::vector<int64_t> first_site_;  // per parameter: its first site, -1 when not quantised
   std::vector<Site> sites_;
   bool recording_ = false;
+  AmaxGroups groups_;
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
   // Scratch reused across calls: quantised operands, transposed and Hadamard-transformed copies.

@@ -187,6 +187,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp,
             pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{});
   model.params().init(tc.seed);
+  // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
+  // of the tensor (model/precision.h).
+  Communicator amax_dense = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
+  Communicator amax_expert = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
+  Communicator amax_dense_eval = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
+  model.params().precision().set_amax_groups({&amax_dense, &amax_expert, &amax_dense_eval, &etp_group});
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
   if (dc.reset_position_ids || dc.reset_attention_mask)
