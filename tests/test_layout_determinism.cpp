@@ -204,6 +204,10 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 "determinism = \"layout\" with precision.fp8 = \"delayed\": delayed scaling's amax history is kept "
                 "per rank"),
             std::string::npos);
+  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2"}, "moe-debug")
+                .find("determinism = \"layout\" with precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
+                      "parallel.expert = 2: an expert's tokens come from several ranks' micro-batches"),
+            std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),
             std::string::npos);

@@ -609,6 +609,10 @@ void validate_layout_determinism(const Config& c) {
   if (c.precision.fp8 == "delayed")
     refuse("precision.fp8 = \"delayed\"", "delayed scaling's amax history is kept per rank over its own "
            "micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are layout-invariant");
+  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert > 1)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert = ",
+               c.parallel.expert), "an expert's tokens come from several ranks' micro-batches, so its scales and blocks "
+           "span them; use parallel.expert = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
            "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "

@@ -63,7 +63,8 @@
 // Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch (one all-reduce
 // per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
 // layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
-// pair up). Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
+// pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
+// the data-parallel replicas out of the groups there. Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
 // over the ranks that share a batch only (tp x cp; etp). One process, or groups of one rank:
 // nothing is reduced and the bits are those of the unreduced model.
 //

@@ -188,9 +188,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
             pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{});
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
-  // of the tensor (model/precision.h).
-  Communicator amax_dense = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
-  Communicator amax_expert = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
+  // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
+  // tensors (docs/determinism.md), so there the data-parallel replicas are left out.
+  const bool own_micro_batch = config.determinism == "layout";
+  Communicator amax_dense = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::tp_cp : MeshGroup::tp_dp_cp));
+  Communicator amax_expert = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::etp : MeshGroup::etp_edp));
   Communicator amax_dense_eval = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
   model.params().precision().set_amax_groups({&amax_dense, &amax_expert, &amax_dense_eval, &etp_group});
   const DataConfig& dc = config.data;
