@@ -105,6 +105,8 @@ const Row kRows[] = {
                                                       "ddp.overlap_grad_reduce=true"}, 2},
     {"layout_ep2_edp2_allgather_moe", "moe-debug.toml", {"determinism=layout", "parallel.expert=2", "train.micro_batch=2",
                                                          "moe.token_dispatcher=allgather"}, 4},
+    {"layout_pp2_dp2_moe_untied", "moe-debug.toml", {"determinism=layout", "parallel.pipeline=2", "train.micro_batch=2",
+                                                     "model.tie_embeddings=false", "optimizer.distributed=true"}, 4},
     {"pp2_gpt2_tied_mtp", "debug.toml", {"parallel.pipeline=2", "model.mtp_num_layers=1"}, 2},
     {"pp2_afab_documents_llama", "debug.toml", {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward",
                                                 "model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",

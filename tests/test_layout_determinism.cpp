@@ -40,7 +40,8 @@ Config job(const std::string& preset, const std::string& out_dir, std::vector<st
 }
 
 // Rank 0's global fields per step: what every layout must reproduce. The parameters' hash only
-// where rank 0 holds every parameter (not under expert parallelism: the checkpoint compares them).
+// where rank 0 holds every parameter (not under expert or pipeline parallelism: the checkpoint
+// compares them).
 std::vector<std::string> global_fields(const std::string& run_dir, bool params = true) {
   std::vector<std::string> out;
   for (const FingerprintLine& line : read_fingerprint_lines(fingerprint_path(run_dir, 0))) {
@@ -87,7 +88,8 @@ void rows_match_single_process(const std::string& preset, const std::vector<Row>
     std::vector<std::string> keys = common;
     keys.insert(keys.end(), row.keys.begin(), row.keys.end());
     train_ranks(row.ranks, job(preset, out, keys));
-    const bool whole = name.find("parallel.expert") == std::string::npos;
+    const bool whole = name.find("parallel.expert") == std::string::npos &&
+                       name.find("parallel.pipeline") == std::string::npos;
     EXPECT_EQ(global_fields(out, whole), whole ? expected : global_fields(ref, false)) << preset << ": " << name;
     EXPECT_EQ(checkpoint_difference(ref, out), "") << preset << ": " << name << ": checkpoint tensor differs";
   }
@@ -156,6 +158,29 @@ TEST(LayoutDeterminism, LowPrecisionRecipesMatchSingleProcess) {
                             {"precision.params=bf16", "precision.fp4=nvfp4"});
 }
 
+// Pipeline parallelism (untied embeddings, 4 layers): every stage pushes each micro-batch's
+// gradients as its leaf of the canonical tree whatever the schedule (1F1B, interleaved, all forward
+// all backward); the losses and aux losses are exact sums over the stages.
+TEST(LayoutDeterminism, PipelineLayoutsMatchSingleProcess) {
+  const std::vector<std::string> untied = {"model.num_layers=4", "model.tie_embeddings=false"};
+  rows_match_single_process("debug", {
+      {2, {"parallel.pipeline=2"}},
+      {4, {"parallel.pipeline=4"}},
+      {2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+      {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
+      {4, {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+           "ddp.bucket_size=20000"}},
+  }, untied);
+  std::vector<std::string> llama = untied;
+  llama.insert(llama.end(), {"model.preset=llama", "model.num_query_groups=2"});
+  rows_match_single_process("debug", {{2, {"parallel.pipeline=2"}}, {4, {"parallel.pipeline=2"}}}, llama);
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.pipeline=4"}},
+      {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
+      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+  }, untied);
+}
+
 // Same job, `run` vs `layout`, single process: the sums are ordered differently (tree vs left fold
 // over micro-batches, exact vs blocked sums of squares), so the bits may differ, but only by
 // rounding.
@@ -192,8 +217,16 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
   EXPECT_NE(error_of(2, {"parallel.tensor=2"})
-                .find("determinism = \"layout\" with parallel.tensor = 2: only data and expert parallelism are "
-                      "layout-invariant so far; use 1"),
+                .find("determinism = \"layout\" with parallel.tensor = 2: only data, expert and pipeline parallelism "
+                      "are layout-invariant so far; use 1"),
+            std::string::npos);
+  // A tied (or MTP) word embedding under pipeline parallelism: its gradient's two stage parts.
+  EXPECT_NE(error_of(2, {"parallel.pipeline=2"})
+                .find("determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
+                      "embedding's gradient"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"parallel.pipeline=2", "model.tie_embeddings=false", "model.mtp_num_layers=1"})
+                .find("with parallel.pipeline = 2 and model.mtp_num_layers = 1: "),
             std::string::npos);
   // 3 expert-parallel ranks twice over: the groups' blocks of 3 micro-batches are not subtrees.
   EXPECT_NE(error_of(6, {"parallel.expert=3", "moe.num_experts=3", "train.global_batch=12"}, "moe-debug")

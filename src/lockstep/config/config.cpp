@@ -592,7 +592,7 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
-// determinism = "layout" (docs/determinism.md) covers data and expert parallelism so far: what it cannot yet
+// determinism = "layout" (docs/determinism.md) covers data, expert and pipeline parallelism so far: what it cannot yet
 // make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
@@ -601,11 +601,17 @@ void validate_layout_determinism(const Config& c) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
   };
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"tensor", c.parallel.tensor},
-                                   {"pipeline", c.parallel.pipeline},
                                    {"context", c.parallel.context},
                                    {"expert_tensor", c.parallel.expert_tensor}})
     if (size > 1)
-      refuse(str("parallel.", name, " = ", size), "only data and expert parallelism are layout-invariant so far; use 1");
+      refuse(str("parallel.", name, " = ", size),
+             "only data, expert and pipeline parallelism are layout-invariant so far; use 1");
+  if (c.parallel.pipeline > 1 && (c.model.tie_embeddings || c.model.mtp_num_layers > 0))
+    refuse(str("parallel.pipeline = ", c.parallel.pipeline, " and ",
+               c.model.tie_embeddings ? std::string("model.tie_embeddings = true")
+                                      : str("model.mtp_num_layers = ", c.model.mtp_num_layers)),
+           "the word embedding's gradient would be the sum of a first-stage and a last-stage part, which is not "
+           "canonicalised yet; untie the embeddings and drop MTP, or use parallel.pipeline = 1");
   if (c.precision.fp8 == "delayed")
     refuse("precision.fp8 = \"delayed\"", "delayed scaling's amax history is kept per rank over its own "
            "micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are layout-invariant");
@@ -669,8 +675,7 @@ void validate(const Config& c) {
   if (t.exit_interval < 0) user_error("train.exit_interval = ", t.exit_interval, ": must be >= 0 (0 = never)");
   const std::pair<const char*, int64_t> layout[] = {{"tensor", c.parallel.tensor},
                                                     {"context", c.parallel.context},
-                                                    {"pipeline", c.parallel.pipeline},
-                                                    {"expert", c.parallel.expert},
+                                                                     {"expert", c.parallel.expert},
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");

@@ -178,6 +178,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
   micro_ = first_micro_ + micro;
   if (training) precision_.begin_micro_batch(seed_, step_, micro_);
   aux_loss_ = 0;
+  aux_exact_ = ExactSum();
   const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
   const bool stale = weights_stale_[static_cast<size_t>(c)];
   layout_documents(tokens);
@@ -199,6 +200,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     if (moe_[l]) {
       moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), training, seed_, step_, micro_);
       aux_loss_ += moe_[l]->aux_losses().total();
+      aux_exact_.add(moe_[l]->aux_losses().total());
     } else {
       mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
     }

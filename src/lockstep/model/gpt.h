@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
+#include "lockstep/core/exact_sum.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/model/attention.h"
 #include "lockstep/model/mlp.h"
@@ -85,6 +86,9 @@ class GPT {
   void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
   // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
   double aux_loss() const { return aux_loss_; }
+  // The same, each layer's term added exactly (determinism = "layout"): pipeline stages that each
+  // hold some of the layers merge to the bits of one process.
+  const ExactSum& aux_loss_exact() const { return aux_exact_; }
   // The multi-token prediction loss of the last forward_backward or evaluate (model/mtp.h):
   // (mtp_loss_scaling_factor / D) * sum over depths of each depth's mean loss; 0 without MTP. It is
   // part of the training loss like aux_loss(): its gradients are scaled by grad_scale * B * T.
@@ -202,6 +206,7 @@ class GPT {
   ArenaSlice moe_dnorm_, moe_drouter_, moe_dlogits_, moe_dprobs_, moe_drows_, moe_drows_in_, moe_dact_, moe_dfc_,
       sh_dout_, sh_dact_, sh_dfc_, sh_dx_;
   double aux_loss_ = 0;
+  ExactSum aux_exact_;
   // Multi-token prediction: depths, their inputs and targets ((D, N) each), backward scratch.
   std::vector<std::unique_ptr<MtpLayer>> mtp_;
   std::vector<int32_t> mtp_tokens_, mtp_targets_;

@@ -96,8 +96,10 @@ void DataParallel::begin_micro(int64_t micro) {
 }
 
 void DataParallel::check_pushed() const {
-  LOCKSTEP_CHECK(pushed_ == static_cast<int64_t>(ps_.specs().size()), "determinism = \"layout\": backward reported ",
-                 pushed_, " of ", ps_.specs().size(), " parameters final in micro-batch ", micro_);
+  // Pipelined, the whole step's pushes are counted (a stage's chunks interleave micro-batches).
+  const int64_t expected = static_cast<int64_t>(ps_.specs().size()) * (pipelined() ? tree_.leaves() : 1);
+  LOCKSTEP_CHECK(pushed_ == expected, "determinism = \"layout\": backward reported ", pushed_, " of ", expected,
+                 " parameter gradients final", pipelined() ? " in the step" : str(" in micro-batch ", micro_));
 }
 
 void DataParallel::begin_last_micro() {
@@ -107,22 +109,28 @@ void DataParallel::begin_last_micro() {
 }
 
 void DataParallel::grads_ready(int first, int end) {
-  if (world_) {
-    // Runs of consecutive parameters this tree sums, each pushed as one range.
-    const std::vector<ParamSpec>& specs = ps_.specs();
-    auto ours = [&](int p) { return !(experts_summed_ && specs[p].expert); };
-    for (int p = first; p < end;) {
-      if (!ours(p)) {
-        ++p;
-        continue;
-      }
-      int q = p;
-      while (q < end && ours(q)) ++q;
-      tree_.push(micro_, ps_.grads(), specs[p].offset, specs[q - 1].offset + specs[q - 1].shape.numel());
-      p = q;
+  if (world_) push_grads(first, end, micro_);
+  post_ready(first, end);
+}
+
+void DataParallel::push_grads(int first, int end, int64_t micro) {
+  // Runs of consecutive parameters this tree sums, each pushed as one range.
+  const std::vector<ParamSpec>& specs = ps_.specs();
+  auto ours = [&](int p) { return !(experts_summed_ && specs[p].expert); };
+  for (int p = first; p < end;) {
+    if (!ours(p)) {
+      ++p;
+      continue;
     }
-    pushed_ += end - first;
+    int q = p;
+    while (q < end && ours(q)) ++q;
+    tree_.push(micro, ps_.grads(), specs[p].offset, specs[q - 1].offset + specs[q - 1].shape.numel());
+    p = q;
   }
+  pushed_ += end - first;
+}
+
+void DataParallel::post_ready(int first, int end) {
   if (!armed_) return;
   for (int p = first; p < end; ++p) {
     Bucket& b = buckets_[static_cast<size_t>(bucket_of_[p])];
@@ -172,6 +180,7 @@ void DataParallel::post(Bucket& b) {
 
 void DataParallel::finish_grad_sync() {
   if (world_) check_pushed();
+  if (pipelined()) pushed_ = 0;
   for (Bucket& b : buckets_)
     if (!b.posted) post(b);
   for (Bucket& b : buckets_) {
@@ -204,7 +213,7 @@ double DataParallel::grad_norm() {
     const bool skip_replicated = tp_ && tp_->rank() > 0;
     for (const Bucket& b : buckets_)
       for (const ParamRange& x : b.mine)
-        if (!(skip_replicated && ps_.specs()[x.param].tp_replicated))
+        if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
           sum.merge(exact_sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin));
     all_reduce_exact(*world_, &sum, 1);
     return std::sqrt(sum.value());

@@ -78,8 +78,16 @@ class DataParallel {
   // Before the last micro-batch's backward: from here grads_ready() posts the buckets it completes
   // (when ddp.overlap_grad_reduce; otherwise it ignores the calls).
   void begin_last_micro();
-  // Backward's hook (GPT::set_grads_ready_hook): parameters [first, end) are final.
+  // Backward's hook (GPT::set_grads_ready_hook): parameters [first, end) are final. It is
+  // push_grads (layout mode, as the begin_micro leaf) then post_ready.
   void grads_ready(int first, int end);
+  // Layout mode: micro-batch `micro`'s gradients of parameters [first, end) are complete; pushes them
+  // as that leaf of the canonical tree (and zeroes them, except for the last leaf). Pipelined, a
+  // stage's model chunks interleave micro-batches, so the leaf comes with each call; the schedules
+  // run each chunk's backwards in micro-batch order, the order the tree needs per element.
+  void push_grads(int first, int end, int64_t micro);
+  // Parameters [first, end) are final for the step: posts the buckets they complete (when armed).
+  void post_ready(int first, int end);
   // After the last backward: posts the buckets not yet posted and waits for all. Then ps.grads()
   // holds the group's sum at every element of shard() (and at every element when not distributed).
   void finish_grad_sync();
@@ -145,6 +153,7 @@ class DataParallel {
 
   // Checks that the last micro-batch's backward reported every parameter once (layout mode).
   void check_pushed() const;
+  bool pipelined() const { return pp_ && pp_->size() > 1; }
   ReduceOp reduce_op() const { return world_ ? ReduceOp::tree_sum : ReduceOp::sum; }
 
   ParamStore& ps_;

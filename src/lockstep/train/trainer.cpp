@@ -217,11 +217,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
     // A chunk's parameters are final after its backward of the last micro-batch; the embedding
     // shared with another stage only once the stages' gradients are summed (after the schedule).
+    // Layout mode pushes every micro-batch's gradients as its leaf (no shared parameters there:
+    // config validation refuses them).
     const std::vector<int> shared = model.shared_params();
-    model.set_grads_ready_hook([&dp, &pipeline, shared](int first, int end) {
+    model.set_grads_ready_hook([&dp, &pipeline, shared, layout](int first, int end) {
+      if (layout) dp.push_grads(first, end, pipeline->backward_micro());
       if (!pipeline->in_final_backward()) return;
       for (int i = first; i < end; ++i)
-        if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.grads_ready(i, i + 1);
+        if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.post_ready(i, i + 1);
     });
   } else {
     model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
@@ -327,8 +330,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                                     : model.evaluate(tokens.data(), targets.data());
       if (counted) sum += loss, exact.add(loss);
     }
-    if (pipelined) pp_group.all_reduce(&sum, 1);  // the last stage's losses (layout mode refuses pipelines)
+    if (pipelined) pp_group.all_reduce(&sum, 1);  // the last stage's losses
     if (layout) {
+      if (pipelined) all_reduce_exact(pp_group, &exact, 1);
       all_reduce_exact(dense_dp, &exact, 1);
       sum = exact.value();
     } else if (dp_size > 1) {
@@ -411,12 +415,16 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
       for (int64_t micro = 0; micro < accum; ++micro) {
         const double lm = piped.lm_loss[static_cast<size_t>(micro)];
-        sums[0] += dc.eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
+        const double term = dc.eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
+        sums[0] += term;
+        exact_sums[0].add(term);  // 0 on the stages without the head
       }
       sums[1] = piped.aux_loss;
       sums[2] = piped.mtp_loss;
+      exact_sums[1] = piped.aux_exact;
+      exact_sums[2] = piped.mtp_exact;
       pipeline->sum_shared_grads(model);
-      for (int i : model.shared_params()) dp.grads_ready(i, i + 1);
+      for (int i : model.shared_params()) dp.post_ready(i, i + 1);
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
@@ -440,15 +448,17 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       }
       const double micro_sums[3] = {dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
                                     model.aux_loss(), model.mtp_loss()};
-      for (int k = 0; k < 3; ++k) {
-        sums[k] += micro_sums[k];
-        exact_sums[k].add(micro_sums[k]);
-      }
+      for (int k = 0; k < 3; ++k) sums[k] += micro_sums[k];
+      // The aux losses layer by layer, as pipeline stages that hold some of the layers add them.
+      exact_sums[0].add(micro_sums[0]);
+      exact_sums[1].merge(model.aux_loss_exact());
+      exact_sums[2].add(micro_sums[2]);
     }
     dp.finish_grad_sync();
     reduce_sequence_parallel_grads(tp, ps);
     if (pipelined) pp_group.all_reduce(sums, 3);  // the LM and MTP losses of the last stage, each stage's aux losses
     if (layout) {
+      if (pipelined) all_reduce_exact(pp_group, exact_sums, 3);
       all_reduce_exact(dense_dp, exact_sums, 3);
       for (int k = 0; k < 3; ++k) sums[k] = exact_sums[k].value();
     } else if (dp_size > 1) {

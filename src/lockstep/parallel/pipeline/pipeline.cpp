@@ -96,6 +96,7 @@ Pipeline::StepResult Pipeline::run_step(GPT& model, float grad_scale, const Fetc
       if (x.forward) {
         model.forward_chunk(x.chunk, tokens.data(), x.micro);
         res.aux_loss += model.aux_loss();
+        res.aux_exact.merge(model.aux_loss_exact());
         if (mc < last_chunk)
           sends.push_back({next, activation_tag(mc + 1), const_cast<float*>(model.chunk_output(x.chunk)), bytes});
       } else {
@@ -104,11 +105,14 @@ Pipeline::StepResult Pipeline::run_step(GPT& model, float grad_scale, const Fetc
           armed = true;
         }
         final_backward_ = x.micro == m_ - 1;
+        backward_micro_ = x.micro;
         const double lm = model.backward_chunk(x.chunk, tokens.data(), targets.data(), grad_scale, x.micro);
         final_backward_ = false;
+        backward_micro_ = -1;
         if (mc == last_chunk) {
           res.lm_loss[static_cast<size_t>(x.micro)] = lm;
           res.mtp_loss += model.mtp_loss();
+          res.mtp_exact.add(model.mtp_loss());
         }
         // The input gradient lives in scratch the next backward overwrites: a pair's backward is
         // its last action, so the batch below still reads this one's.

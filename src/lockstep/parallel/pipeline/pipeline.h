@@ -18,7 +18,9 @@
 //
 // Determinism: a micro-batch's forward and backward do the same arithmetic on every schedule and
 // every layout of the stages; parameter gradients accumulate over micro-batches in micro-batch
-// order, as on one rank. What differs from one rank: sums over stages (the MoE aux loss, the
+// order, as on one rank (under determinism = "layout" each micro-batch's gradient is pushed as its
+// leaf of the canonical tree as the chunk's backward reports it: the tree is fed per micro-batch
+// index whatever the schedule). What differs from one rank: sums over stages (the MoE aux loss, the
 // gradient norm, the tied embedding's two gradient halves) are folded stage by stage.
 #pragma once
 
@@ -49,6 +51,7 @@ class Pipeline {
     std::vector<double> lm_loss;  // per micro-batch: its mean LM loss (last stage; 0 elsewhere)
     std::vector<int64_t> counted; // per micro-batch: fetch's count
     double aux_loss = 0, mtp_loss = 0;  // summed over micro-batches (this stage's layers)
+    ExactSum aux_exact, mtp_exact;      // the same, exactly (determinism = "layout")
     double seconds = 0, wait_seconds = 0;  // the schedule's time, and the part spent waiting for messages
   };
   // One step's forwards and backwards. before_last_backward runs before the first backward of the
@@ -56,6 +59,8 @@ class Pipeline {
   // tells a grads-ready hook whether the backward running now is a chunk's last of the step.
   StepResult run_step(GPT& model, float grad_scale, const Fetch& fetch, const std::function<void()>& before_last_backward);
   bool in_final_backward() const { return final_backward_; }
+  // The micro-batch (0 .. micro_batches - 1) whose backward is running now.
+  int64_t backward_micro() const { return backward_micro_; }
   // Forward only, one micro-batch through every stage: the mean LM loss on the last stage, 0 elsewhere.
   double evaluate(GPT& model, const int32_t* tokens, const int32_t* targets);
   // The embedding group: the shared parameters' gradients (GPT::shared_params) become the first
@@ -72,6 +77,7 @@ class Pipeline {
   std::vector<PipelineAction> actions_;
   std::vector<std::vector<int32_t>> tokens_, targets_;  // per slot
   bool final_backward_ = false;
+  int64_t backward_micro_ = -1;
   int64_t model_chunk(int c) const { return static_cast<int64_t>(c) * p_ + stage_; }
   int slot(int64_t micro) const { return static_cast<int>(micro % in_flight_); }
 };
