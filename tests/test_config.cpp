@@ -139,11 +139,15 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"moe.num_experts=-1"}, "config: moe.num_experts = -1: must be >= 0 (0 = dense)"},
       // determinism = "layout": each combination it refuses.
       {{"determinism=layout", "parallel.tensor=2"},
-       "config: determinism = \"layout\" with parallel.tensor = 2: only data and expert parallelism are "
-       "layout-invariant so far; use 1"},
+       "config: determinism = \"layout\" with parallel.tensor = 2: only data, expert and pipeline "
+       "parallelism are layout-invariant so far; use 1"},
       {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2"},
-       "config: determinism = \"layout\" with parallel.expert_tensor = 2: only data and expert parallelism are "
-       "layout-invariant so far; use 1"},
+       "config: determinism = \"layout\" with parallel.expert_tensor = 2: only data, expert and pipeline "
+       "parallelism are layout-invariant so far; use 1"},
+      {{"determinism=layout", "parallel.pipeline=2", "model.num_layers=2"},
+       "config: determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
+       "embedding's gradient would be the sum of a first-stage and a last-stage part, which is not canonicalised yet; "
+       "untie the embeddings and drop MTP, or use parallel.pipeline = 1"},
       {{"determinism=layout", "precision.params=bf16", "precision.fp8=delayed"},
        "config: determinism = \"layout\" with precision.fp8 = \"delayed\": delayed scaling's amax history is kept per "
        "rank over its own micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are "
