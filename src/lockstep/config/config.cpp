@@ -592,8 +592,8 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
-// determinism = "layout" (docs/determinism.md) covers data, expert and pipeline parallelism so far: what it cannot yet
-// make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
+// determinism = "layout" (docs/determinism.md) covers data, expert and pipeline parallelism so far:
+// what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
   if (c.determinism != "layout") return;
@@ -675,7 +675,8 @@ void validate(const Config& c) {
   if (t.exit_interval < 0) user_error("train.exit_interval = ", t.exit_interval, ": must be >= 0 (0 = never)");
   const std::pair<const char*, int64_t> layout[] = {{"tensor", c.parallel.tensor},
                                                     {"context", c.parallel.context},
-                                                                     {"expert", c.parallel.expert},
+                                                    {"pipeline", c.parallel.pipeline},
+                                                    {"expert", c.parallel.expert},
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
