@@ -760,5 +760,48 @@ TEST(CheckpointTools, VerifyExitsOneOnABadCheckpoint) {
   EXPECT_EQ(testing::run_cli(dir, "ckpt verify nowhere").status, 1);
 }
 
+// Every metadata field verify and load read is checked for its exact type, naming the file and the
+// field: each row rewrites one field (and the header hash, so only the type is wrong).
+TEST(CheckpointTools, VerifyNamesTheFieldOfAWrongTypedMetadataValue) {
+  TempDir dir;
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=1", "train.save_interval=1"}));
+  const std::string ckpt = checkpoint_dir(dir.path("run/checkpoints"), 1);
+  const std::string file = ckpt + "/metadata.json";
+  const std::string original = read_file(file);
+  struct Row {
+    const char* pointer;
+    nlohmann::ordered_json value;
+    const char* message;
+  };
+  const Row rows[] = {
+      {"/layout/world", "2", "field 'layout.world' is \"2\", not an integer"},
+      {"/layout/tp", true, "field 'layout.tp' is true, not an integer"},
+      {"/layout/dp", 1.5, "field 'layout.dp' is 1.5, not an integer"},
+      {"/layout/distributed_optimizer", 0, "field 'layout.distributed_optimizer' is 0, not true or false"},
+      {"/step", "1", "field 'step' is \"1\", not an integer"},
+      {"/rng/seed", -1, "field 'rng.seed' is -1, not an unsigned integer"},
+      {"/lr_scheduler/last_lr", "0.001", "field 'lr_scheduler.last_lr' is \"0.001\", not a number"},
+      {"/config", 7, "field 'config' is 7, not a string"},
+      {"/files/0/bytes", 1.0, "field 'files[0].bytes' is 1.0, not an integer"},
+      {"/tensors/0/shape", nlohmann::ordered_json::array({"a"}), "field 'tensors[0].shape' is [\"a\"], not an array of integers"},
+      {"/tensors/0/shards/0/byte_offset", false, "field 'tensors[0].shards[0].byte_offset' is false, not an integer"},
+  };
+  const std::string head = "{\"xxh3\":\"";
+  for (const Row& row : rows) {
+    SCOPED_TRACE(row.pointer);
+    nlohmann::ordered_json wrapper = nlohmann::ordered_json::parse(original);
+    wrapper["metadata"][nlohmann::ordered_json::json_pointer(row.pointer)] = row.value;
+    const std::string body = wrapper["metadata"].dump(1);
+    std::ofstream(file, std::ios::binary) <<
+              (head + hex64(hash_bytes(body.data(), body.size())) + "\",\"metadata\":" + body + "}\n");
+    EXPECT_EQ(testing::user_error_of([&] { verify_checkpoint(ckpt); }), str("checkpoint file '", file, "': ", row.message));
+    EXPECT_EQ(testing::user_error_of([&] { read_checkpoint_metadata(ckpt); }),
+              str("checkpoint file '", file, "': ", row.message));
+  }
+  const testing::CliResult r = testing::run_cli(dir, "ckpt verify run/checkpoints");
+  EXPECT_EQ(r.status, 1);
+  EXPECT_NE(r.err.find("byte_offset' is false, not an integer"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace lockstep

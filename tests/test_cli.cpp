@@ -66,6 +66,10 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train --nproc 2 parallel.pipeline=2 parallel.virtual_pipeline=2 train.global_batch=8 train.micro_batch=8",
        "lockstep: error: interleaved pipeline (parallel.virtual_pipeline = 2): the micro-batches per rank (1 = "
        "train.global_batch / (train.micro_batch x data-parallel size)) must be a multiple of parallel.pipeline = 2\n"},
+      {std::string("train -c ") + LOCKSTEP_SOURCE_DIR + "/configs/debug.toml debug.inject_ulp=1:layers.0.nope train.out_dir=runs/x",
+       "lockstep: error: debug.inject_ulp = \"1:layers.0.nope\": the model has no module 'layers.0.nope'; its modules are: "
+       "embedding, layers.N.attn_norm, layers.N.attn.qkv, layers.N.attn.core, layers.N.attn.proj, layers.N.mlp_norm, "
+       "layers.N.mlp.fc, layers.N.mlp.act, layers.N.mlp.proj, final_norm, output (N: a layer index)\n"},
       {"diff nowhere elsewhere", "lockstep: error: 'nowhere': no such run directory\n"},
       {"diff out.txt err.txt", "lockstep: error: 'out.txt': not a directory (lockstep diff takes run directories)\n"},
       {"diff .", "lockstep: error: command line: lockstep diff needs two run directories, got 1\n"},

@@ -206,6 +206,16 @@ TEST(Diff, ClearErrorsForMissingOrMalformedInput) {
   EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:2: not a JSON object"));
   dir.write("bad/fingerprints/rank-00000.jsonl", "{\"loss\":\"00\"}\n");
   EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:1: no integer \"step\""));
+  // A value of the wrong type is a corrupt file, not a difference.
+  dir.write("bad/fingerprints/rank-00000.jsonl", "{\"step\":1,\"rank\":0,\"loss\":\"zz\"}\n");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),
+            str(bad, "/fingerprints/rank-00000.jsonl:1: \"loss\" = \"zz\" is not 16 hex digits (the file is corrupt)"));
+  dir.write("bad/fingerprints/rank-00000.jsonl", "{\"step\":1,\"rank\":0,\"params\":12}\n");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),
+            str(bad, "/fingerprints/rank-00000.jsonl:1: \"params\" = 12 is not 16 hex digits (the file is corrupt)"));
+  dir.write("bad/fingerprints/rank-00000.jsonl", "{\"step\":1,\"rank\":\"0\"}\n");
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),
+            str(bad, "/fingerprints/rank-00000.jsonl:1: \"rank\" = \"0\" is not an integer (the file is corrupt)"));
   write_run(dir, "later", 1, 0);
   dir.write("later/fingerprints/rank-00000.jsonl", line(9).json());
   EXPECT_EQ(user_error_of([&] { diff_runs(good, dir.path("later")); }),
@@ -229,6 +239,11 @@ TEST(Diff, CommandLineExitStatus) {
   r = testing::run_cli(dir, "diff a");
   EXPECT_EQ(r.status, 2);
   EXPECT_EQ(r.err, "lockstep: error: command line: lockstep diff needs two run directories, got 1\n");
+  // A corrupt fingerprint is unreadable input (exit 2), not a difference (exit 1).
+  dir.write("c/fingerprints/rank-00000.jsonl", "{\"step\":1,\"rank\":0,\"loss\":\"zz\"}\n");
+  r = testing::run_cli(dir, "diff a c");
+  EXPECT_EQ(r.status, 2) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "rank-00000.jsonl:1: \"loss\" = \"zz\" is not 16 hex digits")) << r.err;
 }
 
 }  // namespace

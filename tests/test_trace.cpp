@@ -9,6 +9,7 @@
 
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
+#include "lockstep/model/gpt.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/run_diff.h"
 #include "lockstep/train/trainer.h"
@@ -62,6 +63,18 @@ TEST(Trace, ChangesNoBitAndIsItselfDeterministic) {
     ASSERT_NE(next, std::string::npos) << record << " after offset " << at;
     at = next;
   }
+  // GPT::module_names (what debug.inject_ulp is checked against before the run starts) lists exactly
+  // the outputs the first micro-batch traced, in order.
+  std::vector<std::string> traced;
+  for (size_t line = 0; line < trace.size(); line = trace.find('\n', line) + 1) {
+    const std::string head = "{\"step\":1,\"micro\":0,\"module\":\"";
+    if (trace.compare(line, head.size(), head) != 0) continue;
+    const size_t end = trace.find('"', line + head.size());
+    const std::string kind_out = "\",\"kind\":\"out\"";
+    if (trace.compare(end, kind_out.size(), kind_out) == 0) traced.push_back(trace.substr(line + head.size(), end - line - head.size()));
+  }
+  const Config config = job(dir, "t1", {});
+  EXPECT_EQ(GPT(config.model, config.train.micro_batch, config.moe).module_names(), traced);
   // Without debug.trace there is no trace directory.
   EXPECT_FALSE(std::filesystem::exists(dir.path("plain/trace")));
 }
@@ -134,8 +147,11 @@ TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
   const std::string unknown =
       testing::user_error_of([&] { quiet_train(job(dir, "a", {"debug.inject_ulp=2:layers.0.mlp.fcx"})); });
   EXPECT_TRUE(contains(unknown, "debug.inject_ulp = \"2:layers.0.mlp.fcx\": the model has no module 'layers.0.mlp.fcx'; "
-                                "its modules are: embedding, layers.0.attn_norm, layers.0.attn.qkv,"))
+                                "its modules are: embedding, layers.N.attn_norm, layers.N.attn.qkv,"))
       << unknown;
+  EXPECT_TRUE(contains(unknown, ", output, mtp.layers.N.enorm, ")) << unknown;
+  // Checked before the run starts: no run directory is left behind.
+  EXPECT_FALSE(std::filesystem::exists(dir.path("a")));
 }
 
 }  // namespace

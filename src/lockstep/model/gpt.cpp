@@ -394,6 +394,23 @@ double GPT::evaluate(const int32_t* tokens, const int32_t* targets) {
   return evaluate_head(tokens, targets);
 }
 
+std::vector<std::string> GPT::module_names() const {
+  std::vector<std::string> names;
+  if (part_.first) names.push_back("embedding");
+  for (const auto& [l0, l1] : part_.chunks)
+    for (int64_t l = l0; l < l1; ++l) {
+      attn_[l].trace_names(names);
+      if (moe_[l]) moe_[l]->trace_names(names);
+      else mlp_[l].trace_names(names);
+    }
+  if (part_.last) {
+    names.push_back(final_norm_.name);
+    names.push_back("output");
+    for (const auto& depth : mtp_) depth->trace_names(names);
+  }
+  return names;
+}
+
 double GPT::flops_per_token() const {
   // This rank's part: under pipeline parallelism the stages' counts add up to the model's.
   double matmul = part_.last ? static_cast<double>(V_ * C_) : 0.0;

@@ -164,6 +164,9 @@ class GPT {
   // Model FLOPs per token for forward + backward: 6 x (matmul parameters) + 6 x L x T x C for
   // causal attention (QK^T and PV over T/2 keys on average).
   double flops_per_token() const;
+  // The module names a training micro-batch's forward traces on this rank (model/trace.h), in
+  // execution order: what debug.inject_ulp may name, known before anything runs.
+  std::vector<std::string> module_names() const;
   int64_t activation_bytes() const { return arena_.total_floats() * 4 + arena_.scratch_floats() * 4; }
 
  private:

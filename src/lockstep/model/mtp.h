@@ -65,6 +65,13 @@ struct MtpLayer {
   Norm enorm, hnorm, final_norm;
   int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
   std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (model/trace.h)
+  // The names forward traces, in order (model/trace.h).
+  void trace_names(std::vector<std::string>& out) const {
+    out.insert(out.end(), {enorm.name, hnorm.name, proj_name});
+    attn.trace_names(out);
+    mlp.trace_names(out);
+    out.push_back(final_norm.name);
+  }
   AttentionLayer attn;
   MlpLayer mlp;
   ArenaSlice emb, e, hn, x, mid, y, h;  // saved for backward, (rows, C) each

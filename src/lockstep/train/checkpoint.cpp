@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdint>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -179,6 +180,71 @@ uint64_t parse_hex64(const std::string& s, const std::string& file) {
     user_error("checkpoint file '", file, "': '", s, "' is not a 16-digit hex hash");
   return std::stoull(s, nullptr, 16);
 }
+
+// Typed reads of metadata.json fields: a missing field or one of another type is a user error
+// naming the file and the field's path.
+struct MetaFields {
+  const std::string& file;
+
+  [[noreturn]] void wrong(const std::string& path, const ojson& v, const char* want) const {
+    std::string text = v.dump();
+    if (text.size() > 40) text = text.substr(0, 37) + "...";
+    user_error("checkpoint file '", file, "': field '", path, "' is ", text, ", not ", want);
+  }
+  const ojson& at(const ojson& obj, const char* key, const std::string& path) const {
+    if (!obj.is_object()) wrong(path.substr(0, path.rfind('.') == std::string::npos ? 0 : path.rfind('.')), obj, "an object");
+    const auto it = obj.find(key);
+    if (it == obj.end()) user_error("checkpoint file '", file, "' has no field '", path, "'");
+    return *it;
+  }
+  int64_t integer(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
+      wrong(path, v, "an integer");
+    return v.get<int64_t>();
+  }
+  int int32(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    const int64_t i = integer(obj, key, path);
+    if (i < INT32_MIN || i > INT32_MAX) wrong(path, v, "a 32-bit integer");
+    return static_cast<int>(i);
+  }
+  uint64_t unsigned_integer(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_number_unsigned()) wrong(path, v, "an unsigned integer");
+    return v.get<uint64_t>();
+  }
+  double number(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_number()) wrong(path, v, "a number");
+    return v.get<double>();
+  }
+  bool boolean(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_boolean()) wrong(path, v, "true or false");
+    return v.get<bool>();
+  }
+  std::string string(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_string()) wrong(path, v, "a string");
+    return v.get<std::string>();
+  }
+  const ojson& array(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = at(obj, key, path);
+    if (!v.is_array()) wrong(path, v, "an array");
+    return v;
+  }
+  std::vector<int64_t> integers(const ojson& obj, const char* key, const std::string& path) const {
+    const ojson& v = array(obj, key, path);
+    std::vector<int64_t> out;
+    for (const ojson& e : v) {
+      if (!e.is_number_integer() || (e.is_number_unsigned() && e.get<uint64_t>() > uint64_t(INT64_MAX)))
+        wrong(path, v, "an array of integers");
+      out.push_back(e.get<int64_t>());
+    }
+    return out;
+  }
+};
 
 // Whether the boxes [ao, ao + as) and [bo, bo + bs) intersect.
 bool boxes_intersect(const std::vector<int64_t>& ao, const Shape& as, const std::vector<int64_t>& bo, const Shape& bs) {
@@ -371,7 +437,8 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
   CheckpointMetadata meta;
   meta.dir = dir;
   try {
-    meta.format_version = body.at("format_version").get<int>();
+    const MetaFields m{file};
+    meta.format_version = m.int32(body, "format_version", "format_version");
     // A different version may frame its metadata differently: say so before checking the frame.
     if (meta.format_version != kCheckpointFormatVersion)
       user_error("checkpoint file '", file, "' has format version ", meta.format_version, "; this lockstep reads version ",
@@ -384,36 +451,51 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
     const uint64_t got = hash_bytes(text.data() + kMetaPrefix, text.size() - kMetaPrefix - 2);
     if (got != want)
       user_error("checkpoint file '", file, "' is corrupt: its xxh3 is ", hex64(got), ", its header says ", hex64(want));
+    // Every field read is checked for its exact type (nlohmann would turn true or 2.5 into an int),
+    // naming the field: verify must not pass metadata that load or inspect would misread.
     CheckpointInfo& info = meta.info;
-    info.step = body.at("step").get<int64_t>();
-    info.samples_consumed = body.at("samples_consumed").get<int64_t>();
-    info.tokens_consumed = body.at("tokens_consumed").get<int64_t>();
-    info.seed = body.at("rng").at("seed").get<uint64_t>();
-    info.lr_schedule = body.at("lr_scheduler").at("schedule").get<std::string>();
-    info.lr = body.at("lr_scheduler").at("last_lr").get<double>();
-    info.config_toml = body.at("config").get<std::string>();
-    const ojson& l = body.at("layout");
-    info.layout = {l.at("world").get<int>(), l.at("tp").get<int>(),  l.at("cp").get<int>(), l.at("dp").get<int>(),
-                   l.at("pp").get<int>(),    l.at("ep").get<int>(),  l.at("etp").get<int>(),
-                   l.at("distributed_optimizer").get<bool>()};
-    for (const ojson& f : body.at("files"))
-      meta.files.push_back({f.at("name").get<std::string>(), f.at("bytes").get<int64_t>(),
-                            parse_hex64(f.at("xxh3").get<std::string>(), file)});
-    for (const ojson& t : body.at("tensors")) {
+    info.step = m.integer(body, "step", "step");
+    info.samples_consumed = m.integer(body, "samples_consumed", "samples_consumed");
+    info.tokens_consumed = m.integer(body, "tokens_consumed", "tokens_consumed");
+    info.seed = m.unsigned_integer(m.at(body, "rng", "rng"), "seed", "rng.seed");
+    const ojson& sched = m.at(body, "lr_scheduler", "lr_scheduler");
+    info.lr_schedule = m.string(sched, "schedule", "lr_scheduler.schedule");
+    info.lr = m.number(sched, "last_lr", "lr_scheduler.last_lr");
+    info.config_toml = m.string(body, "config", "config");
+    const ojson& l = m.at(body, "layout", "layout");
+    auto layout_int = [&](const char* key) { return m.int32(l, key, str("layout.", key)); };
+    info.layout = {layout_int("world"), layout_int("tp"), layout_int("cp"),  layout_int("dp"),
+                   layout_int("pp"),    layout_int("ep"), layout_int("etp"),
+                   m.boolean(l, "distributed_optimizer", "layout.distributed_optimizer")};
+    const ojson& files = m.array(body, "files", "files");
+    for (size_t i = 0; i < files.size(); ++i) {
+      const std::string at = str("files[", i, "].");
+      meta.files.push_back({m.string(files[i], "name", at + "name"), m.integer(files[i], "bytes", at + "bytes"),
+                            parse_hex64(m.string(files[i], "xxh3", at + "xxh3"), file)});
+    }
+    const ojson& tensors = m.array(body, "tensors", "tensors");
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const ojson& t = tensors[i];
+      const std::string at = str("tensors[", i, "].");
       CheckpointTensor ct;
-      ct.name = t.at("name").get<std::string>();
-      ct.dtype = dtype_of(t.at("dtype").get<std::string>(), file, ct.name);
-      ct.global_shape = Shape(t.at("shape").get<std::vector<int64_t>>());
-      for (const ojson& p : t.at("shards")) {
+      ct.name = m.string(t, "name", at + "name");
+      ct.dtype = dtype_of(m.string(t, "dtype", at + "dtype"), file, ct.name);
+      ct.global_shape = Shape(m.integers(t, "shape", at + "shape"));
+      const ojson& shards = m.array(t, "shards", at + "shards");
+      for (size_t k = 0; k < shards.size(); ++k) {
+        const ojson& p = shards[k];
+        const std::string sat = str(at, "shards[", k, "].");
         CheckpointPiece cp;
-        cp.box_offset = p.at("offset").get<std::vector<int64_t>>();
-        cp.box_shape = Shape(p.at("shape").get<std::vector<int64_t>>());
-        cp.flat_begin = p.at("flat").at(0).get<int64_t>();
-        cp.flat_end = p.at("flat").at(1).get<int64_t>();
-        cp.file = p.at("file").get<std::string>();
-        cp.byte_offset = p.at("byte_offset").get<int64_t>();
-        cp.bytes = p.at("bytes").get<int64_t>();
-        cp.xxh3 = parse_hex64(p.at("xxh3").get<std::string>(), file);
+        cp.box_offset = m.integers(p, "offset", sat + "offset");
+        cp.box_shape = Shape(m.integers(p, "shape", sat + "shape"));
+        const std::vector<int64_t> flat = m.integers(p, "flat", sat + "flat");
+        if (flat.size() != 2) user_error("checkpoint file '", file, "': field '", sat, "flat' has ", flat.size(), " entries, not 2");
+        cp.flat_begin = flat[0];
+        cp.flat_end = flat[1];
+        cp.file = m.string(p, "file", sat + "file");
+        cp.byte_offset = m.integer(p, "byte_offset", sat + "byte_offset");
+        cp.bytes = m.integer(p, "bytes", sat + "bytes");
+        cp.xxh3 = parse_hex64(m.string(p, "xxh3", sat + "xxh3"), file);
         ct.pieces.push_back(std::move(cp));
       }
       check_pieces(ct, file);

@@ -71,6 +71,26 @@ const std::string* FingerprintLine::find(const std::string& key) const {
   return nullptr;
 }
 
+namespace {
+// The fields Fingerprint::json and trace_lines write as hex64 (fp64 bits or hashes).
+bool is_hex64_field(const std::string& key) {
+  if (is_fingerprint_scalar(key)) return true;
+  for (const char* k : {"params", "grads", "optimizer", "rng", "hash"})
+    if (key == k) return true;
+  return false;
+}
+bool is_coordinate_field(const std::string& key) {
+  for (const char* k : {"rank", "dp", "tp", "pp", "ep", "cp", "etp", "micro"})
+    if (key == k) return true;
+  return false;
+}
+bool is_hex64(const nlohmann::ordered_json& value) {
+  if (!value.is_string()) return false;
+  const std::string& s = value.get_ref<const std::string&>();
+  return s.size() == 16 && s.find_first_not_of("0123456789abcdefABCDEF") == std::string::npos;
+}
+}  // namespace
+
 std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path) {
   std::ifstream in(path);
   if (!in) user_error("cannot read '", path, "'");
@@ -87,6 +107,12 @@ std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path) {
     line.step = step->get<int64_t>();
     for (const auto& [key, value] : j.items()) {
       if (key == "step") continue;
+      // A field the writer gives a type must have it: a corrupt value is the file's fault, not a
+      // difference between two runs.
+      if (is_hex64_field(key) && !is_hex64(value))
+        bad(str("\"", key, "\" = ", value.dump(), " is not 16 hex digits (the file is corrupt)"));
+      if (is_coordinate_field(key) && !value.is_number_integer())
+        bad(str("\"", key, "\" = ", value.dump(), " is not an integer (the file is corrupt)"));
       line.fields.emplace_back(key, value.is_string() ? value.get<std::string>() : value.dump());
     }
     lines.push_back(std::move(line));

@@ -52,7 +52,8 @@ struct FingerprintLine {
 };
 
 // The lines of one JSONL file; UserError naming the file and line when one is not a JSON object
-// with an integer "step".
+// with an integer "step", or a field this writer types (the hex64 scalars and hashes, the integer
+// coordinates) holds a value of another type.
 std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path);
 
 }  // namespace lockstep

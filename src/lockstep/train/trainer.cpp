@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <regex>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -99,15 +100,21 @@ std::string duration_text(double s) {
   return buf;
 }
 
-// debug.inject_ulp names a module that ran (checked after the first micro-batch, whose modules the
-// trace lists): a misspelt name is an error, not a run without the injection.
-void check_injection(const ModuleTrace& trace, const DebugConfig& dbg) {
-  const std::vector<std::string>& modules = trace.modules();
+// debug.inject_ulp names a module the forward traces (checked before the run directory exists): a
+// misspelt name is an error, not a run without the injection.
+void check_injection(const std::vector<std::string>& modules, const DebugConfig& dbg) {
   if (std::find(modules.begin(), modules.end(), dbg.inject_module()) != modules.end()) return;
+  // Briefly: each layer's names once, with its index as N.
+  static const std::regex layer_index("layers\\.[0-9]+\\.");
+  std::vector<std::string> kinds;
+  for (const std::string& m : modules) {
+    std::string kind = std::regex_replace(m, layer_index, "layers.N.");
+    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(std::move(kind));
+  }
   std::string names;
-  for (const std::string& m : modules) names += (names.empty() ? "" : ", ") + m;
+  for (const std::string& k : kinds) names += (names.empty() ? "" : ", ") + k;
   user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": the model has no module '", dbg.inject_module(),
-             "'; its modules are: ", names);
+             "'; its modules are: ", names, " (N: a layer index)");
 }
 
 }  // namespace
@@ -260,6 +267,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     return static_cast<uint64_t>(resumed.samples_consumed + (step - start_step) * tc.global_batch);
   };
 
+  if (config.debug.inject_step() > 0) check_injection(model.module_names(), config.debug);
   create_run_dir(tc.out_dir);
   std::unique_ptr<LineLog> metrics;
   const bool resuming = !resume_dir.empty();
@@ -440,7 +448,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         ModuleTrace::Bind bind_trace(trace.get());
         micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
       }
-      if (trace && step == 1 && micro == 0 && dbg.inject_step() > 0) check_injection(*trace, dbg);
+      if (trace && step == start_step && micro == 0 && dbg.inject_step() > 0)
+        LOCKSTEP_CHECK(std::find(trace->modules().begin(), trace->modules().end(), dbg.inject_module()) !=
+                           trace->modules().end(),
+                       "GPT::module_names() lists '", dbg.inject_module(), "', which the forward did not trace");
       if (trace_log) trace_log->write(trace_lines(trace->take_records()));
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);

@@ -128,6 +128,12 @@ class MoeLayer {
   int64_t shared_fc_width() const { return shared_ ? shared_->fc_width() : 0; }
   int64_t shared_ffn() const { return shared_ ? shared_->F : 0; }
   double matmul_params_per_token() const;  // for the FLOP count: router, K experts, shared
+  // The names forward traces (model/trace.h).
+  void trace_names(std::vector<std::string>& out) const {
+    out.insert(out.end(), {norm_.name, router_name_, experts_name_});
+    if (shared_) out.insert(out.end(), {shared_->fc.name, shared_->proj.name});
+    out.push_back(name_);
+  }
 
  private:
   RouterSpec spec_;
