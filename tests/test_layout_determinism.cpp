@@ -178,6 +178,11 @@ TEST(LayoutDeterminism, PipelineLayoutsMatchSingleProcess) {
       {4, {"parallel.pipeline=4"}},
       {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+      // with expert parallelism: every in-flight micro-batch's dispatcher sums exactly
+      {4, {"parallel.pipeline=2", "parallel.expert=2"}},
+      {4, {"parallel.pipeline=2", "parallel.expert=2", "parallel.virtual_pipeline=2"}},
+      {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall", "parallel.virtual_pipeline=2"}},
   }, untied);
 }
 

@@ -100,6 +100,7 @@ void MoeLayer::make_dispatcher() {
     source_layout_ = &ag->source_layout();
     dispatcher_ = std::move(ag);
   }
+  if (layout_invariant_) dispatcher_->set_layout_invariant();
   if (groups_.etp && groups_.etp->size() > 1)
     etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
 }

@@ -98,7 +98,10 @@ class MoeLayer {
   // experts sum their gradients over micro-batches and sources themselves (experts.h).
   void set_layout(int64_t micros) {
     experts_.set_layout(micros);
+    layout_invariant_ = true;
     dispatcher_->set_layout_invariant();
+    for (Micro& slot : slots_)  // under pipelining, the other in-flight micro-batches' dispatchers
+      if (slot.dispatcher) slot.dispatcher->set_layout_invariant();
   }
   // End of a step: the expert-bias update from the step's counts, summed over the tp group and over
   // `dp` when given (the data-parallel replicas then apply the same update); returns the step's
@@ -186,6 +189,7 @@ class MoeLayer {
   int64_t capacity_ = 0;
   bool pad_ = false;
   std::string dispatcher_kind_;
+  bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
   void make_dispatcher();  // dispatcher_, source_layout_ and etp_ for one micro-batch
   void swap_micro(Micro& other);
 };
