@@ -15,6 +15,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/philox.h"
+#include "lockstep/core/exact_sum.h"
 #include "lockstep/core/tree_sum.h"
 
 namespace lockstep::testing {
@@ -112,6 +113,26 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       comm.reduce_scatter(chunk.data(), xs[me].data(), c, ReduceOp::tree_sum);
       same_bits(chunk.data(), tree.data() + me * c, c, str("reduce_scatter tree_sum n=", c));
       h.update(chunk.data(), chunk.size() * sizeof(float));
+    }
+
+    // all_reduce_exact: every rank gets the exact sum of all ranks' values, the same bits as one
+    // accumulator fed every value in another order (last rank first, elements backwards).
+    {
+      ExactSum sums[2];
+      const std::vector<float> x = rank_values(me, n, "exact");
+      for (int64_t i = 0; i < n; ++i) sums[i % 2].add(x[i]), sums[1].add(double(x[i]) * 1e-30);
+      all_reduce_exact(comm, sums, 2);
+      ExactSum want[2];
+      for (int r = P - 1; r >= 0; --r) {
+        const std::vector<float> y = rank_values(r, n, "exact");
+        for (int64_t i = n - 1; i >= 0; --i) want[i % 2].add(y[i]), want[1].add(double(y[i]) * 1e-30);
+      }
+      for (int k = 0; k < 2; ++k) {
+        const double got = sums[k].value(), expected = want[k].value();
+        if (std::memcmp(&got, &expected, sizeof got))
+          fail(str("all_reduce_exact n=", n, " sum ", k, ": ", got, ", expected ", expected));
+        h.update(&got, sizeof got);
+      }
     }
 
     // all_gather
