@@ -2,11 +2,13 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/kernels/cpu/quantize.h"
@@ -64,10 +66,14 @@ struct Case {
         if (opt.k_segments.empty()) {
           v = chain(i, j, init(i, j, opt), 0, K);
         } else {
-          v = init(i, j, opt);
-          for (size_t s = 0; s + 1 < opt.k_segments.size(); ++s) {
-            v = v + chain(i, j, 0.0f, opt.k_segments[s], opt.k_segments[s + 1]);
-          }
+          // The canonical tree over the segments' chains (core/tree_sum.h), written out
+          // recursively, then added to the init.
+          const std::function<float(size_t, size_t)> tree = [&](size_t s0, size_t s1) -> float {
+            if (s1 - s0 == 1) return chain(i, j, 0.0f, opt.k_segments[s0], opt.k_segments[s0 + 1]);
+            return tree(s0, s0 + static_cast<size_t>(canonical_split(static_cast<int64_t>(s1 - s0)))) +
+                   tree(s0 + static_cast<size_t>(canonical_split(static_cast<int64_t>(s1 - s0))), s1);
+          };
+          v = init(i, j, opt) + tree(0, opt.k_segments.size() - 1);
         }
         C[i * ldc + j] = v;
       }

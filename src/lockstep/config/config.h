@@ -170,6 +170,10 @@ struct PrecisionConfig {
 
 struct Config {
   std::string determinism = "run";
+  // determinism = "layout": how many canonical segments each reduction that tensor parallelism
+  // splits is cut into (docs/determinism.md); a power of two that parallel.tensor and
+  // parallel.expert_tensor divide. Part of the arithmetic, like train.micro_batch.
+  int64_t layout_segments = 8;
   ModelConfig model;
   TrainConfig train;
   OptimizerConfig optimizer;

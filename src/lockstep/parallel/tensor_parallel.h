@@ -41,10 +41,15 @@ struct TensorParallel {
   Communicator* comm = nullptr;  // the tensor-parallel group (comm/mesh.h MeshGroup::tp); null: none
   int rank = 0, size = 1;
   bool sequence = false;  // sequence parallelism
+  // determinism = "layout": the canonical segment count S (config layout_segments) of every
+  // reduction this group splits, each rank holding S / size consecutive segments; 0 under "run".
+  // Set on one process too, so that it computes the same segments.
+  int64_t segments = 0;
 
   TensorParallel() = default;
   TensorParallel(Communicator* group, bool sequence_parallel);
   bool on() const { return size > 1; }
+  bool layout() const { return segments > 0; }
   // Rows of the (N, C) residual stream this rank holds: N / size with sequence parallelism, else N.
   int64_t rows(int64_t N) const { return sequence ? N / size : N; }
 

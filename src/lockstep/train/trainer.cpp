@@ -165,7 +165,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
   // The ranks of a tensor-parallel group share each micro-batch (same dp coordinate).
   Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
-  const TensorParallel tp(&tp_group, pc.sequence_parallel);
+  TensorParallel tp(&tp_group, pc.sequence_parallel);
+  if (config.determinism == "layout") tp.segments = config.layout_segments;
   // Expert parallelism: the MoE layers' experts are split over the ep group, whose ranks exchange
   // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
   Communicator expert_group = comm.split_groups(mesh.groups(MeshGroup::ep));

@@ -21,6 +21,7 @@
 #include <cblas.h>
 #endif
 #include "lockstep/core/float_formats.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/kernels/cpu/vecmath.h"
@@ -700,33 +701,41 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
     run(kr, p);
     return;
   }
-  const Init init = p.init;
-
-  // Each segment's chain goes to a scratch matrix, then is added to C: rare (row-parallel layouts
-  // under determinism = "layout"), so simplicity wins over the extra pass.
+  // Each segment's chain goes to its own scratch matrix; the S partial products are summed along
+  // the canonical tree (core/tree_sum.h), then added to the init: rare (tensor-parallel reductions
+  // under determinism = "layout"), so simplicity wins over the extra passes.
   const auto seg = opt.k_segments;
   LOCKSTEP_CHECK(seg.size() >= 2 && seg.front() == 0 && seg.back() == K,
                  "gemm k_segments must run from 0 to K=", K);
-  std::vector<float> partial(static_cast<size_t>(M * N));
-  for (size_t s = 0; s + 1 < seg.size(); ++s) {
+  const int64_t S = static_cast<int64_t>(seg.size()) - 1, MN = M * N;
+  std::vector<float> partial(static_cast<size_t>(S * MN));
+  std::vector<const float*> leaves(static_cast<size_t>(S));
+  for (int64_t s = 0; s < S; ++s) {
     const int64_t k0 = seg[s], k1 = seg[s + 1];
     LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
     // K runs along A's stored columns for A, along its rows for A^T; the other way round for B.
     const GemmOperand As = A.trans == Trans::N ? gemm_operand_at(A, 0, k0) : gemm_operand_at(A, k0, 0);
     const GemmOperand Bs = B.trans == Trans::T ? gemm_operand_at(B, 0, k0) : gemm_operand_at(B, k0, 0);
-    run(kr, make_operand_problem(partial.data(), N, As, Bs, M, N, k1 - k0, {}, "gemm segment"));
-    const Init base = s == 0 ? init : Init::kC;
-    parallel_for(M, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        float* c = C + i * ldc;
-        const float* q = partial.data() + i * N;
-        for (int64_t j = 0; j < N; ++j) {
-          const float b = base == Init::kC ? c[j] : base == Init::kBias ? opt.bias[j] : 0.0f;
-          c[j] = b + q[j];
-        }
-      }
-    });
+    float* P = partial.data() + s * MN;
+    run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, {}, "gemm segment"));
+    leaves[s] = P;
   }
+  float* sum = partial.data() + (S - 1) * MN;  // tree_sum's output may alias the last leaf
+  const Init init = p.init;
+  parallel_for(M, [&](int64_t i0, int64_t i1) {
+    std::vector<const float*> row(static_cast<size_t>(S));
+    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S) * N));
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t s = 0; s < S; ++s) row[s] = leaves[s] + i * N;
+      tree_sum(sum + i * N, row.data(), S, N, stack.data());
+      float* c = C + i * ldc;
+      const float* q = sum + i * N;
+      for (int64_t j = 0; j < N; ++j) {
+        const float b = init == Init::kC ? c[j] : init == Init::kBias ? opt.bias[j] : 0.0f;
+        c[j] = b + q[j];
+      }
+    }
+  });
 }
 
 #ifdef LOCKSTEP_GEMM_BLAS

@@ -15,8 +15,10 @@
 //   - accumulating two calls over K-ranges [0, K1) then [K1, K) equals one call over [0, K): a
 //     gradient summed over micro-batches is the same as over their concatenation.
 //   With k_segments = {s0 = 0, s1, ..., sS = K} (caller-given boundaries), each segment is its own
-//   chain P_s started from 0, and C = (((init + P_0) + P_1) + ...) + P_{S-1}: this fixes how a
-//   reduction that a parallel layout splits along K (row-parallel layers) is combined.
+//   chain P_s started from 0, the S chains are summed along the canonical tree (core/tree_sum.h),
+//   and C = init + tree(P_0 .. P_{S-1}): how determinism = "layout" combines a reduction that
+//   tensor parallelism splits along K (row-parallel layers), so that ranks holding blocks of
+//   consecutive segments reproduce it with a tree_sum over the group.
 #pragma once
 
 #include <cstdint>
