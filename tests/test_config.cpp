@@ -139,11 +139,26 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"moe.num_experts=-1"}, "config: moe.num_experts = -1: must be >= 0 (0 = dense)"},
       // determinism = "layout": each combination it refuses.
       {{"determinism=layout", "parallel.tensor=2"},
-       "config: determinism = \"layout\" with parallel.tensor = 2: only data, expert and pipeline "
+       "config: determinism = \"layout\" with parallel.tensor = 2: only data, expert, expert tensor and pipeline "
        "parallelism are layout-invariant so far; use 1"},
-      {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2"},
-       "config: determinism = \"layout\" with parallel.expert_tensor = 2: only data, expert and pipeline "
-       "parallelism are layout-invariant so far; use 1"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "parallel.expert_tensor=2"},
+       "config: determinism = \"layout\" with parallel.tensor = 2 and an MoE model: each tensor-parallel rank routes "
+       "its own share of the tokens, so the router, MoE norm and shared expert gradients and each expert's weight "
+       "gradient are sums over the tensor-parallel ranks, which are not canonicalised yet; use parallel.tensor = 1 "
+       "(parallel.expert_tensor may be > 1)"},
+      {{"determinism=layout", "moe.num_experts=4", "moe.ffn_hidden_size=100"},
+       "config: determinism = \"layout\" with moe.ffn_hidden_size = 100 and layout_segments = 8: the expert hidden "
+       "size must be divisible by layout_segments (each canonical segment of the expert GEMMs over the hidden units is "
+       "F / layout_segments units)"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=4", "layout_segments=2"},
+       "config: determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
+       "parallel.expert_tensor must divide layout_segments (each expert-tensor-parallel rank holds a block of whole "
+       "canonical segments of the hidden units)"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2", "precision.params=bf16",
+        "precision.fp8=mxfp8"},
+       "config: determinism = \"layout\" with precision.fp8 = \"mxfp8\" / precision.fp4 = \"none\" and "
+       "parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches, so its scales and "
+       "blocks span them, and its quantised GEMMs are not cut into canonical segments; use parallel.expert_tensor = 1"},
       {{"determinism=layout", "parallel.pipeline=2"},
        "config: determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
        "embedding's gradient would be the sum of a first-stage and a last-stage part, which is not canonicalised yet; "

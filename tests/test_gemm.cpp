@@ -438,6 +438,87 @@ TEST(GemmOperands, GroupedExpertsEqualTheFp32GroupedGemm) {
   }
 }
 
+// determinism = "layout"'s expert GEMMs over the hidden units (grouped_gemm.h): per expert, the tree
+// over segments of chains over slice s of every section, then the bias; and the property expert tensor
+// parallelism relies on: P ranks each computing their block of S / P segments on their slices of
+// the operands (no bias), combined along the canonical tree over ranks, then the bias, give the same
+// bits. Also 1, 2, 3 threads and a double reference.
+TEST(GroupedGemm, SegmentedIsTheTreeOverSegmentsAndSplitsOverRanks) {
+  const int64_t E = 3, Nout = 19, S = 4, f = 3, R = 12;
+  const int64_t offsets[] = {0, 5, 5, 12};  // expert 1 has no rows
+  for (int64_t X : {1, 2}) {
+    const int64_t K = S * X * f, section = S * f;
+    const std::vector<float> A = testing::randn(R * K, 21, "A"), bias = testing::randn(E * Nout, 21, "bias");
+    for (Trans tw : kTrans) {
+      const std::vector<float> W = testing::randn(E * Nout * K, 22, "W");  // (E, Nout, K) for T, (E, K, Nout) for N
+      auto w = [&](int64_t e, int64_t k, int64_t j) {
+        return tw == Trans::T ? W[(e * Nout + j) * K + k] : W[(e * K + k) * Nout + j];
+      };
+      const GemmOperand Aop = gemm_operand(A.data(), K, Trans::N), Wop = gemm_operand(W.data(), tw == Trans::T ? K : Nout, tw);
+      for (bool with_bias : {false, true}) {
+        const float* b = with_bias ? bias.data() : nullptr;
+        const std::string what = str("sections ", X, tw == Trans::T ? " W^T" : " W", with_bias ? " bias" : "");
+        std::vector<float> want(static_cast<size_t>(R * Nout));
+        std::vector<double> ref(want.size());
+        for (int64_t e = 0; e < E; ++e)
+          for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i)
+            for (int64_t j = 0; j < Nout; ++j) {
+              const std::function<float(int64_t, int64_t)> tree = [&](int64_t s0, int64_t s1) -> float {
+                if (s1 - s0 > 1) return tree(s0, s0 + canonical_split(s1 - s0)) + tree(s0 + canonical_split(s1 - s0), s1);
+                float acc = 0.0f;
+                for (int64_t x = 0; x < X; ++x)
+                  for (int64_t k = x * section + s0 * f; k < x * section + (s0 + 1) * f; ++k)
+                    acc = std::fma(A[i * K + k], w(e, k, j), acc);
+                return acc;
+              };
+              const float t = tree(0, S);
+              want[i * Nout + j] = b ? b[e * Nout + j] + t : t;
+              double d = b ? b[e * Nout + j] : 0.0;
+              for (int64_t k = 0; k < K; ++k) d += double(A[i * K + k]) * double(w(e, k, j));
+              ref[i * Nout + j] = d;
+            }
+        for (int threads : {1, 2, 3}) {
+          testing::with_threads(threads, [&] {
+            std::vector<float> got(want.size());
+            grouped_gemm_segmented(got.data(), Aop, Wop, b, offsets, E, Nout, K, KSegments{S, X});
+            ASSERT_TRUE(bitwise_equal(got, want, what)) << threads << " threads";
+          });
+        }
+        ASSERT_TRUE(testing::all_close(want, ref, 1e-5, 1e-5, what));
+        for (int64_t P : {2, 4}) {
+          // Rank r: slices [r S/P f, (r + 1) S/P f) of every section, of A's columns and W's K.
+          const int64_t Kr = K / P, sr = section / P;
+          std::vector<std::vector<float>> parts(static_cast<size_t>(P));
+          for (int64_t r = 0; r < P; ++r) {
+            std::vector<float> Ar(static_cast<size_t>(R * Kr)), Wr(static_cast<size_t>(E * Nout * Kr));
+            for (int64_t x = 0; x < X; ++x)
+              for (int64_t k = 0; k < sr; ++k) {
+                const int64_t kl = x * sr + k, kg = x * section + r * sr + k;
+                for (int64_t i = 0; i < R; ++i) Ar[i * Kr + kl] = A[i * K + kg];
+                for (int64_t e = 0; e < E; ++e)
+                  for (int64_t j = 0; j < Nout; ++j)
+                    (tw == Trans::T ? Wr[(e * Nout + j) * Kr + kl] : Wr[(e * Kr + kl) * Nout + j]) = w(e, kg, j);
+              }
+            parts[r].resize(want.size());
+            grouped_gemm_segmented(parts[r].data(), gemm_operand(Ar.data(), Kr, Trans::N),
+                                   gemm_operand(Wr.data(), tw == Trans::T ? Kr : Nout, tw), nullptr, offsets, E, Nout,
+                                   Kr, KSegments{S / P, X});
+          }
+          std::vector<const float*> leaves;
+          for (const auto& part : parts) leaves.push_back(part.data());
+          std::vector<float> got(want.size()), stack(static_cast<size_t>(tree_sum_stack(P)) * want.size());
+          tree_sum(got.data(), leaves.data(), P, R * Nout, stack.data());
+          if (b)
+            for (int64_t e = 0; e < E; ++e)
+              for (int64_t i = offsets[e]; i < offsets[e + 1]; ++i)
+                for (int64_t j = 0; j < Nout; ++j) got[i * Nout + j] = b[e * Nout + j] + got[i * Nout + j];
+          ASSERT_TRUE(bitwise_equal(got, want, what + str(", ", P, " ranks")));
+        }
+      }
+    }
+  }
+}
+
 TEST(GemmOperands, QuantisedViews) {
   // A view at (row0, col0) of a quantised matrix reads the same values as that block of the
   // dequantised matrix (its scales are the stored blocks', not re-derived).

@@ -132,6 +132,32 @@ TEST(LayoutDeterminism, ExpertParallelLayoutsMatchSingleProcess) {
   });
 }
 
+// Expert tensor parallelism with parallel.tensor = 1 (attention data-parallel): each expert's hidden
+// units split over etp, the proj forward and the fc input gradient cut into layout_segments canonical
+// K segments (each rank's block summed along the canonical tree over the group, the proj bias added
+// after), the expert weight gradients per (expert, source rank) as under expert parallelism. Both
+// dispatchers, SwiGLU (gate and up sections), capacity with padding, other segment counts.
+TEST(LayoutDeterminism, ExpertTensorParallelLayoutsMatchSingleProcess) {
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.expert_tensor=2"}},
+      {4, {"parallel.expert_tensor=2"}},
+      {4, {"parallel.expert_tensor=4"}},
+      {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
+      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall",
+           "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+  });
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.expert_tensor=2"}},
+      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+  }, {"model.preset=llama", "precision.params=bf16"});
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.expert_tensor=2"}},
+      {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
+      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+  }, {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true", "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=4"}}}, {"layout_segments=4"});
+}
+
 // Three micro-batches: the tree over 3 ranks (one micro-batch each) is the tree over 3 leaves.
 TEST(LayoutDeterminism, ThreeRanksMatchSingleProcess) {
   rows_match_single_process("debug", {{3, {}}, {3, {"optimizer.distributed=true"}}}, {"train.global_batch=6"});
@@ -183,6 +209,7 @@ TEST(LayoutDeterminism, PipelineLayoutsMatchSingleProcess) {
       {4, {"parallel.pipeline=2", "parallel.expert=2", "parallel.virtual_pipeline=2"}},
       {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
       {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall", "parallel.virtual_pipeline=2"}},
+      {4, {"parallel.pipeline=2", "parallel.expert_tensor=2", "parallel.virtual_pipeline=2"}},
   }, untied);
 }
 
@@ -222,8 +249,8 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
   EXPECT_NE(error_of(2, {"parallel.tensor=2"})
-                .find("determinism = \"layout\" with parallel.tensor = 2: only data, expert and pipeline parallelism "
-                      "are layout-invariant so far; use 1"),
+                .find("determinism = \"layout\" with parallel.tensor = 2: only data, expert, expert tensor and "
+                      "pipeline parallelism are layout-invariant so far; use 1"),
             std::string::npos);
   // A tied (or MTP) word embedding under pipeline parallelism: its gradient's two stage parts.
   EXPECT_NE(error_of(2, {"parallel.pipeline=2"})
@@ -245,6 +272,21 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2"}, "moe-debug")
                 .find("determinism = \"layout\" with precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
                       "parallel.expert = 2: an expert's tokens come from several ranks' micro-batches"),
+            std::string::npos);
+  // The experts' canonical K segments: F / layout_segments hidden units each, a block of them per etp rank.
+  EXPECT_NE(error_of(1, {"moe.ffn_hidden_size=100"}, "moe-debug")
+                .find("determinism = \"layout\" with moe.ffn_hidden_size = 100 and layout_segments = 8: the expert "
+                      "hidden size must be divisible by layout_segments"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"parallel.expert_tensor=4", "layout_segments=2"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
+                      "parallel.expert_tensor must divide layout_segments"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"parallel.tensor=2", "parallel.expert_tensor=2"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.tensor = 2 and an MoE model: "),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=blockwise", "parallel.expert_tensor=2"}, "moe-debug")
+                .find("and parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches"),
             std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),

@@ -595,7 +595,7 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
-// determinism = "layout" (docs/determinism.md) covers data, expert and pipeline parallelism so far:
+// determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor and pipeline parallelism so far:
 // what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
@@ -605,12 +605,28 @@ void validate_layout_determinism(const Config& c) {
   const auto refuse = [](const std::string& what, const std::string& why) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
   };
+  const MoeConfig& e = c.moe;
+  if (e.num_experts > 0 && c.parallel.tensor > 1)
+    refuse(str("parallel.tensor = ", c.parallel.tensor, " and an MoE model"),
+           "each tensor-parallel rank routes its own share of the tokens, so the router, MoE norm and shared expert "
+           "gradients and each expert's weight gradient are sums over the tensor-parallel ranks, which are not "
+           "canonicalised yet; use parallel.tensor = 1 (parallel.expert_tensor may be > 1)");
   for (const auto& [name, size] : {std::pair<const char*, int64_t>{"tensor", c.parallel.tensor},
-                                   {"context", c.parallel.context},
-                                   {"expert_tensor", c.parallel.expert_tensor}})
+                                   {"context", c.parallel.context}})
     if (size > 1)
       refuse(str("parallel.", name, " = ", size),
-             "only data, expert and pipeline parallelism are layout-invariant so far; use 1");
+             "only data, expert, expert tensor and pipeline parallelism are layout-invariant so far; use 1");
+  // The experts' K segments (model/moe/experts.h): F / S hidden units each, S / etp per etp rank.
+  const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
+  if (e.num_experts > 0 && F % c.layout_segments)
+    refuse(str(e.ffn_hidden_size ? "moe.ffn_hidden_size = " : "moe.ffn_hidden_size = 0 (the experts' width "
+               "model.ffn_hidden_size = ", F, e.ffn_hidden_size ? "" : ")", " and layout_segments = ", c.layout_segments),
+           "the expert hidden size must be divisible by layout_segments (each canonical segment of the expert "
+           "GEMMs over the hidden units is F / layout_segments units)");
+  if (c.layout_segments % c.parallel.expert_tensor)
+    refuse(str("parallel.expert_tensor = ", c.parallel.expert_tensor, " and layout_segments = ", c.layout_segments),
+           "parallel.expert_tensor must divide layout_segments (each expert-tensor-parallel rank holds a block of "
+           "whole canonical segments of the hidden units)");
   if (c.parallel.pipeline > 1 && (c.model.tie_embeddings || c.model.mtp_num_layers > 0))
     refuse(str("parallel.pipeline = ", c.parallel.pipeline, " and ",
                c.model.tie_embeddings ? std::string("model.tie_embeddings = true")
@@ -624,6 +640,11 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert = ",
                c.parallel.expert), "an expert's tokens come from several ranks' micro-batches, so its scales and blocks "
            "span them; use parallel.expert = 1");
+  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),
+           "an expert's tokens come from several ranks' micro-batches, so its scales and blocks span them, and its "
+           "quantised GEMMs are not cut into canonical segments; use parallel.expert_tensor = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
            "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "

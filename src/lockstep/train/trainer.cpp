@@ -139,6 +139,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
     user_error("determinism = \"layout\" with ", dp_size, " data-parallel ranks needs a power-of-two number of "
                "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
                tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum);
+  // (parallel.expert_tensor divides layout_segments, a power of two: the expert groups' etp x ep
+  // micro-batches form a subtree exactly when ep is a power of two.)
   if (mesh.ep() > 1 && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))
     user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), " and ", mesh.edp(), " expert "
                "data-parallel replicas needs a power-of-two parallel.expert (each expert-parallel group's "
@@ -213,7 +215,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const bool layout = config.determinism == "layout";
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
   if (layout) {
-    dp.set_layout(accum, &comm, ep != nullptr);
+    dp.set_layout(accum, &comm, experts_split);
     for (const auto& layer : model.moe_layers())
       if (layer) layer->set_layout(accum);
   }

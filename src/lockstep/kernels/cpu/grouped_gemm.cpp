@@ -3,7 +3,9 @@
 #include <algorithm>
 #include <vector>
 
+#include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -72,6 +74,51 @@ void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, in
         const float* g = dY + r * Nout;
         for (int64_t c = c0; c < c1; ++c) db[c] += g[c];
       }
+    }
+  });
+}
+
+void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
+                            const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg) {
+  const int64_t S = seg.segments, X = seg.sections, R = offsets[E];
+  LOCKSTEP_CHECK(S > 0 && X > 0 && K % (S * X) == 0, "grouped_gemm_segmented: K = ", K, " not divisible by ", S,
+                 " segments x ", X, " sections");
+  if (R == 0) return;
+  const int64_t f = K / (S * X), section = K / X, w_rows = W.trans == Trans::T ? Nout : K, RN = R * Nout;
+  // The segments' chains, (S, R, Nout): section by section, each a batch over (expert, segment).
+  thread_local std::vector<float> partial;
+  thread_local std::vector<GemmBatchItem> items;
+  partial.resize(static_cast<size_t>(S * RN));
+  for (int64_t x = 0; x < X; ++x) {
+    items.clear();
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+      if (rows == 0) continue;
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t k0 = x * section + s * f;
+        GemmBatchItem it{partial.data() + s * RN + r0 * Nout, Nout, nullptr, 0, Trans::N, nullptr, 0, W.trans,
+                         rows, Nout, f};
+        it.a_src = gemm_operand_at(A, r0, k0);
+        it.a_src.trans = Trans::N;
+        // K runs along W's stored columns for op = T, along its rows for N.
+        it.b_src = W.trans == Trans::T ? gemm_operand_at(W, e * w_rows, k0) : gemm_operand_at(W, e * w_rows + k0, 0);
+        it.accumulate = x > 0;
+        items.push_back(it);
+      }
+    }
+    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  }
+  const float* P = partial.data();
+  parallel_for(R, [&](int64_t i0, int64_t i1) {
+    std::vector<const float*> leaves(static_cast<size_t>(S));
+    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S) * Nout));
+    for (int64_t i = i0; i < i1; ++i) {
+      for (int64_t s = 0; s < S; ++s) leaves[s] = P + s * RN + i * Nout;
+      float* c = C + i * Nout;
+      tree_sum(c, leaves.data(), S, Nout, stack.data());
+      if (!bias) continue;
+      const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * Nout;
+      for (int64_t j = 0; j < Nout; ++j) c[j] = b[j] + c[j];
     }
   });
 }

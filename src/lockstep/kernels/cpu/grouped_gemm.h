@@ -49,4 +49,22 @@ void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
 // does with a non-null dbias.
 void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, int64_t E, int64_t Nout);
 
+// determinism = "layout" (docs/determinism.md): the products whose K (an expert's hidden units)
+// expert tensor parallelism splits, cut into canonical segments. K is `sections` equal sections
+// (SwiGLU's [gate | up]: 2, else 1), each cut into `segments` equal slices; segment s is slice s of
+// every section, one FMA chain from zero over them in section order (an accumulating product
+// continues a chain, gemm.h). Per expert, each output element is
+//     C = tree over s of the segments' chains (core/tree_sum.h), then bias[e] + C when bias is given
+// So a rank holding a block of consecutive segments (a subtree: segments and the block powers of
+// two) computes its block's tree with no bias, the group sums the blocks with ReduceOp::tree_sum and
+// adds the bias after: bitwise the single-process result, whatever the number of ranks.
+struct KSegments {
+  int64_t segments = 0;  // 0: off
+  int64_t sections = 1;
+  bool on() const { return segments > 0; }
+};
+// As grouped_gemm (not accumulating); K divisible by segments x sections.
+void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
+                            const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg);
+
 }  // namespace lockstep

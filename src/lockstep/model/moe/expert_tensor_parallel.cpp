@@ -5,6 +5,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -85,6 +86,15 @@ void ExpertTensorParallel::reduce_scatter(float* mine, const float* all) const {
   etp_.all_to_allv(recv_.data(), recv, by_rank, sends);
   const float* parts = recv_.data();
   const int64_t P = P_;
+  if (tree_) {
+    parallel_for(m, [&](int64_t i0, int64_t i1) {
+      std::vector<const float*> leaves(static_cast<size_t>(P));
+      std::vector<float> stack(static_cast<size_t>(tree_sum_stack(P) * (i1 - i0)));
+      for (int64_t p = 0; p < P; ++p) leaves[p] = parts + p * m + i0;
+      tree_sum(mine + i0, leaves.data(), P, i1 - i0, stack.data());
+    });
+    return;
+  }
   parallel_for(m, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       float acc = parts[i];

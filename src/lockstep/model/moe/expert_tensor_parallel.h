@@ -26,7 +26,10 @@
 //
 // Determinism: the regroup is a copy in a fixed order and the sums run in rank order, so a layout is
 // bitwise reproducible run to run, on any backend. Against one rank the proj output sums its F / P
-// slices per rank first, so results agree to rounding.
+// slices per rank first, so results agree to rounding. determinism = "layout" (set_layout_invariant):
+// the ranks' parts are each the canonical tree over their block of K segments (experts.h), and
+// reduce_scatter sums them along the canonical tree over the P ranks (ReduceOp::tree_sum's order)
+// instead of the left fold, which makes the single-process tree over all segments.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +54,8 @@ class ExpertTensorParallel {
   void gather(float* all, const float* mine) const;
   // mine (this rank's rows, C) = the rank-order sum over the group of the partial rows in `all`.
   void reduce_scatter(float* mine, const float* all) const;
+  // determinism = "layout": reduce_scatter sums along the canonical tree over ranks.
+  void set_layout_invariant() { tree_ = true; }
 
   int64_t rows() const { return offsets_[El_]; }
   const int64_t* offsets() const { return offsets_.data(); }    // (El + 1)
@@ -65,6 +70,7 @@ class ExpertTensorParallel {
 
   Communicator& etp_;
   int64_t El_, S_, C_, P_, r_, max_rows_;
+  bool tree_ = false;
   std::vector<int64_t> peer_segments_;  // (P, El x S + 1) every rank's segments
   std::vector<int64_t> peer_rows_;      // (P) rows of each rank
   std::vector<int64_t> peer_at_;        // (P) first row of each rank's block in the exchange layout

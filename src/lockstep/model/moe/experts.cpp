@@ -1,8 +1,11 @@
 #include "lockstep/model/moe/experts.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "lockstep/comm/communicator.h"
+#include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
@@ -12,9 +15,15 @@ namespace lockstep {
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
-    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), swiglu(m.activation == "swiglu") {
+    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), swiglu(m.activation == "swiglu"),
+      has_proj_bias(m.bias), etp_size(shard.etp_size) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
+  if (shard.segments) {  // the config names the keys; these are the invariants the segments need
+    LOCKSTEP_CHECK(shard.segments % P == 0 && F_global % shard.segments == 0, "expert width ", F_global,
+                   ", layout segments ", shard.segments, ", expert tensor parallel size ", P);
+    kseg = KSegments{shard.segments / P, swiglu ? 2 : 1};
+  }
   const float std = static_cast<float>(m.init_std);
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
   const int64_t Fw = fc_width(), Fw_global = swiglu ? 2 * F_global : F_global;
@@ -109,7 +118,33 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
-  p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F);
+  if (!kseg.on() || p.recipe(proj_w) != Precision::Recipe::none) {
+    p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F);
+    return;
+  }
+  // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
+  const float* bias = proj_b >= 0 && !partial() ? ps.weight(proj_b) : nullptr;
+  grouped_gemm_segmented(out, gemm_operand(arena(act), F, Trans::N), gemm_operand(ps.weight(proj_w), F, Trans::T),
+                         bias, offsets, E, C, F, KSegments{kseg.segments, 1});
+  if (!partial()) p.round(out, R * C);
+}
+
+void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const {
+  const int64_t R = offsets[E];
+  if (has_proj_bias) {
+    proj_bias.resize(E * C);
+    if (proj_b >= 0) std::memcpy(proj_bias.data(), ps.weight(proj_b), static_cast<size_t>(E * C) * sizeof(float));
+    etp.broadcast(proj_bias.data(), E * C, 0);
+    const float* bias = proj_bias.data();
+    parallel_for(R, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * C;
+        float* y = out + i * C;
+        for (int64_t j = 0; j < C; ++j) y[j] = b[j] + y[j];
+      }
+    });
+  }
+  ps.precision().round(out, R * C);
 }
 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
@@ -145,7 +180,13 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
-  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C);
+  if (!kseg.on() || p.recipe(fc_w) != Precision::Recipe::none) {
+    p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C);
+  } else {  // layout mode: K = the hidden units of each section, segmented (a raw part under etp)
+    grouped_gemm_segmented(dx, gemm_operand(s.dfc, Fw, Trans::N), gemm_operand(ps.weight(fc_w), C, Trans::N), nullptr,
+                           offsets, E, C, Fw, kseg);
+    if (!partial()) p.round(dx, R * C);
+  }
   wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
   ++micro;
 }

@@ -29,7 +29,19 @@
 // power of two that is the canonical tree over the group's S x A micro-batches, bit for bit the
 // single-process sum of their expert gradients. Until the last micro-batch the parameter gradient
 // stays zero; data parallelism leaves these parameters to this class in that mode and reduces
-// them over the expert data-parallel group along the canonical tree (data_parallel.h).
+// them over the expert data-parallel group along the canonical tree (data_parallel.h). Under expert
+// tensor parallelism the sources are the etp x ep ranks whose rows the group gathers (in world-rank
+// order, so their micro-batches are consecutive): the same blocks and trees.
+//
+// The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
+// K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
+// grouped_gemm.h grouped_gemm_segmented): segment s is slice s of the hidden units (for SwiGLU's fc,
+// of the gate and of the up section, one chain), the segments summed along the canonical tree. Under
+// expert tensor parallelism over P ranks, rank r holds segments [r S/P, (r + 1) S/P) (its hidden
+// units) and its outputs are the raw tree over them (partial(): no bias, not rounded); the group
+// sums them with ReduceOp::tree_sum (expert_tensor_parallel.h), then finish_proj adds the proj bias
+// and rounds: bitwise one process. Quantised expert GEMMs (fp8 / fp4) are not segmented (the config
+// refuses them with expert tensor parallelism under layout).
 #pragma once
 
 #include <string>
@@ -38,9 +50,12 @@
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
+
+class Communicator;
 
 struct ExpertsScratch {
   float* dact;  // (R, F)
@@ -52,6 +67,7 @@ struct ExpertShard {
   int64_t first = 0, E_global = 0;  // experts [first, first + E) of E_global (0: E, all of them)
   int64_t sources = 1;              // ranks whose rows reach these experts (dispatcher / etp sources())
   int64_t etp_rank = 0, etp_size = 1;  // the slice of each expert's hidden units
+  int64_t segments = 0;             // determinism = "layout": canonical K segments of the whole hidden width
 };
 
 struct GroupedExperts {
@@ -71,12 +87,21 @@ struct GroupedExperts {
   void begin_step();
   // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see above).
   void set_layout(int64_t micros);
+  // Layout mode under expert tensor parallelism: forward's output and backward's dx are this rank's
+  // raw partial sums (the tree over its K segments), to be summed over the group with tree_sum.
+  bool partial() const { return kseg.on() && etp_size > 1; }
+  // After that sum: out (rows of `offsets`, C) = proj bias (etp rank 0's, broadcast over the group
+  // etp) + out, rounded; what one process's segmented proj does after its tree.
+  void finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const;
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
-  bool swiglu = false;
+  bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
+  int64_t etp_size = 1;
+  KSegments kseg;                              // this rank's K segments (layout mode)
+  mutable FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
   // Layout mode: one tree per (expert, source) block of each of the four buffers above, in that

@@ -38,7 +38,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
   make_dispatcher();
   const int64_t R = dispatcher_->max_rows();
-  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1};
+  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments};
   if (etp_) {
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
@@ -101,8 +101,10 @@ void MoeLayer::make_dispatcher() {
     dispatcher_ = std::move(ag);
   }
   if (layout_invariant_) dispatcher_->set_layout_invariant();
-  if (groups_.etp && groups_.etp->size() > 1)
+  if (groups_.etp && groups_.etp->size() > 1) {
     etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
+    if (groups_.tp.layout()) etp_->set_layout_invariant();
+  }
 }
 
 void MoeLayer::swap_micro(Micro& other) {
@@ -195,6 +197,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     etp_->gather(arena(etp_in_), arena(rows_in_));
     experts_.forward(ps, arena, arena(etp_out_), arena(etp_in_), etp_->offsets());
     etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
+    if (experts_.partial()) experts_.finish_proj(ps, *groups_.etp, arena(rows_out_), dispatcher_->offsets());
   } else {
     experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
   }
@@ -236,6 +239,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     experts_.backward(ps, arena, s.drows_in, arena(etp_out_), arena(etp_in_), etp_->offsets(), etp_->segments(),
                       s.experts);
     etp_->reduce_scatter(s.drows, s.drows_in);
+    if (experts_.partial()) ps.precision().round(s.drows, dispatcher_->rows() * C_);
     trace_grad_in(experts_name_, s.drows, dispatcher_->rows() * C_);
     std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
     dispatcher_->dispatch_backward(s.dnorm, s.drows);
