@@ -1,11 +1,12 @@
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 
 #include <algorithm>
+#include <bit>
+#include <cstring>
 #include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -81,8 +82,9 @@ void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, in
 void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
                             const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg) {
   const int64_t S = seg.segments, X = seg.sections, R = offsets[E];
-  LOCKSTEP_CHECK(S > 0 && X > 0 && K % (S * X) == 0, "grouped_gemm_segmented: K = ", K, " not divisible by ", S,
-                 " segments x ", X, " sections");
+  LOCKSTEP_CHECK(std::has_single_bit(static_cast<uint64_t>(S)) && X > 0 && K % (S * X) == 0,
+                 "grouped_gemm_segmented: K = ", K, " not divisible by ", S, " segments (a power of two) x ", X,
+                 " sections");
   if (R == 0) return;
   const int64_t f = K / (S * X), section = K / X, w_rows = W.trans == Trans::T ? Nout : K, RN = R * Nout;
   // The segments' chains, (S, R, Nout): section by section, each a batch over (expert, segment).
@@ -108,17 +110,30 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
     }
     gemm_batch(items.data(), static_cast<int64_t>(items.size()));
   }
-  const float* P = partial.data();
+  // S is a power of two, so the canonical tree is the perfect binary one: level by level, segment
+  // s += segment s + h, over each thread's rows (contiguous in every segment), the last level into C.
+  float* P = partial.data();
   parallel_for(R, [&](int64_t i0, int64_t i1) {
-    std::vector<const float*> leaves(static_cast<size_t>(S));
-    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S) * Nout));
+    const int64_t n = (i1 - i0) * Nout, at = i0 * Nout;
+    for (int64_t h = 1; h < S / 2; h *= 2)
+      for (int64_t s = 0; s < S; s += 2 * h) {
+        float* a = P + s * RN + at;
+        const float* b = P + (s + h) * RN + at;
+        for (int64_t k = 0; k < n; ++k) a[k] = a[k] + b[k];
+      }
+    const float* lo = P + at;
+    const float* hi = S > 1 ? P + (S / 2) * RN + at : nullptr;
+    float* c = C + at;
+    if (hi) {
+      for (int64_t k = 0; k < n; ++k) c[k] = lo[k] + hi[k];
+    } else {
+      std::memcpy(c, lo, static_cast<size_t>(n) * sizeof(float));
+    }
+    if (!bias) return;
     for (int64_t i = i0; i < i1; ++i) {
-      for (int64_t s = 0; s < S; ++s) leaves[s] = P + s * RN + i * Nout;
-      float* c = C + i * Nout;
-      tree_sum(c, leaves.data(), S, Nout, stack.data());
-      if (!bias) continue;
       const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * Nout;
-      for (int64_t j = 0; j < Nout; ++j) c[j] = b[j] + c[j];
+      float* y = C + i * Nout;
+      for (int64_t j = 0; j < Nout; ++j) y[j] = b[j] + y[j];
     }
   });
 }

@@ -63,7 +63,7 @@ struct KSegments {
   int64_t sections = 1;
   bool on() const { return segments > 0; }
 };
-// As grouped_gemm (not accumulating); K divisible by segments x sections.
+// As grouped_gemm (not accumulating); segments a power of two, K divisible by segments x sections.
 void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
                             const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg);
 
