@@ -2,7 +2,8 @@
 # determinism = "layout": the same job as one process (one rank, every micro-batch) and as N mpirun
 # processes (data parallel N): identical global fingerprint fields at every step (lockstep diff
 # compares loss, lm_loss, aux_loss, mtp_loss, grad_norm and lr across layouts) and identical
-# parameter hashes on rank 0 (when it holds the whole model: not under expert or pipeline parallelism).
+# parameter hashes on rank 0 (when it holds the whole model: not under expert, expert tensor or
+# pipeline parallelism).
 #   layout_matches_single.sh LOCKSTEP MPIRUN CONFIG NPROC [KEY=VALUE ...]
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
@@ -13,7 +14,9 @@ args=(-c "$config" determinism=layout train.steps=2 train.eval_interval=0 train.
 # The single process holds every expert and layer: the same keys without parallel.expert / pipeline.
 single=()
 for kv in "$@"; do
-  case $kv in parallel.expert=* | parallel.pipeline=* | parallel.virtual_pipeline=*) ;; *) single+=("$kv") ;; esac
+  case $kv in parallel.expert=* | parallel.expert_tensor=* | parallel.pipeline=* | parallel.virtual_pipeline=*) ;;
+    *) single+=("$kv") ;;
+  esac
 done
 "$lockstep" train "${args[@]}" "${single[@]}" train.out_dir="$dir/single" >"$dir/single.log"
 args+=("$@")
@@ -22,7 +25,7 @@ args+=("$@")
 params() { grep -o '"params":"[0-9a-f]*"' "$1/fingerprints/rank-00000.jsonl"; }
 [ "$(params "$dir/single" | wc -l)" = 2 ] || { echo "single run: not 2 fingerprint lines"; exit 1; }
 case " $* " in
-  *" parallel.expert="[2-9]*|*" parallel.pipeline="[2-9]*) ;;
+  *" parallel.expert="[2-9]*|*" parallel.expert_tensor="[2-9]*|*" parallel.pipeline="[2-9]*) ;;
   *) [ "$(params "$dir/single")" = "$(params "$dir/mpi")" ] || { echo "parameter hashes differ"; exit 1; } ;;
 esac
 echo "1 process and $n mpi processes: identical global fingerprints and parameters ($*)"
