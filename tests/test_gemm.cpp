@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -67,13 +68,28 @@ struct Case {
           v = chain(i, j, init(i, j, opt), 0, K);
         } else {
           // The canonical tree over the segments' chains (core/tree_sum.h), written out
-          // recursively, then added to the init.
+          // recursively, then added to the init (none: -0, the identity). A segment's chain runs
+          // over its part of each section in turn (one section: all of K).
+          const std::vector<int64_t> whole = {K};
+          const std::vector<int64_t> sections = opt.k_sections.empty()
+                                                    ? whole
+                                                    : std::vector<int64_t>(opt.k_sections.begin(), opt.k_sections.end());
+          const size_t S = opt.k_segments.size() / sections.size() - 1;
+          const auto leaf = [&](size_t s) {
+            float acc = 0.0f;
+            int64_t at = 0;
+            for (size_t q = 0; q < sections.size(); ++q) {
+              acc = chain(i, j, acc, at + opt.k_segments[q * (S + 1) + s], at + opt.k_segments[q * (S + 1) + s + 1]);
+              at += sections[q];
+            }
+            return acc;
+          };
           const std::function<float(size_t, size_t)> tree = [&](size_t s0, size_t s1) -> float {
-            if (s1 - s0 == 1) return chain(i, j, 0.0f, opt.k_segments[s0], opt.k_segments[s0 + 1]);
+            if (s1 - s0 == 1) return leaf(s0);
             return tree(s0, s0 + static_cast<size_t>(canonical_split(static_cast<int64_t>(s1 - s0)))) +
                    tree(s0 + static_cast<size_t>(canonical_split(static_cast<int64_t>(s1 - s0))), s1);
           };
-          v = init(i, j, opt) + tree(0, opt.k_segments.size() - 1);
+          v = (opt.accumulate || opt.bias ? init(i, j, opt) : -0.0f) + tree(0, S);
         }
         C[i * ldc + j] = v;
       }
@@ -176,6 +192,39 @@ TEST(Gemm, KSegments) {
       }
     }
   }
+}
+
+// Segments over sections (a fused projection's input gradient): segment s's chain runs over its
+// part of each section in turn; empty parts and an empty segment included.
+TEST(Gemm, KSegmentsOverSections) {
+  const std::vector<int64_t> sections = {50, 30, 50};
+  const std::vector<int64_t> segments = {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50};
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      const Case c(17, 67, 130, ta, tb, 6);
+      for (int mode = 0; mode < 3; ++mode) {
+        GemmOptions opt;
+        opt.k_segments = segments;
+        opt.k_sections = sections;
+        opt.accumulate = mode == 1;
+        opt.bias = mode == 2 ? c.bias.data() : nullptr;
+        ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
+        testing::with_threads(3, [&] { ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + " 3 threads")); });
+      }
+    }
+  }
+}
+
+// Without an init the segmented product is the tree itself: a -0 (an underflowing negative
+// product) stays -0, as the sum over ranks of -0 parts keeps it.
+TEST(Gemm, KSegmentsKeepNegativeZero) {
+  const std::vector<float> A(4 * 8, 1e-30f), B(8 * 3, -1e-30f);
+  const std::vector<int64_t> segments = {0, 2, 4, 6, 8};
+  GemmOptions opt;
+  opt.k_segments = segments;
+  std::vector<float> C(4 * 3, 1.0f);
+  gemm(C.data(), A.data(), Trans::N, B.data(), Trans::N, 4, 3, 8, opt);
+  for (float v : C) EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f));
 }
 
 // Every micro-kernel this machine runs (AVX-512, AVX2, portable) gives the chain's exact bits,

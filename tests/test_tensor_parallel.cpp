@@ -8,6 +8,8 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <limits>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -16,7 +18,13 @@
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/model/attention.h"
 #include "lockstep/model/gpt.h"
+#include "lockstep/model/mlp.h"
+#include "lockstep/model/precision.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
@@ -288,6 +296,239 @@ TEST(TensorParallel, LayoutErrorsNameTheKeys) {
             "config: model.num_query_groups = 2 is not divisible by parallel.tensor = 4");
   EXPECT_EQ(error({"model.vocab_size=258", "parallel.tensor=4"}), "config: model.vocab_size = 258 is not divisible by parallel.tensor = 4");
   EXPECT_EQ(error({"parallel.sequence_parallel=true"}), "config: parallel.sequence_parallel = true needs parallel.tensor > 1 (got 1)");
+}
+
+// ---- determinism = "layout": the GEMM-side reductions the group splits (docs/determinism.md)
+//
+// Each is cut into kSegments canonical segments whatever the group's size, so tp = 2 and 4 (with
+// and without sequence parallelism) must give the bits of one process (tp = 1, the same segments).
+
+constexpr int64_t kSegments = 8;
+
+// Index of the first element whose bits differ, -1 when none (sizes must agree).
+int64_t first_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (std::bit_cast<uint32_t>(a[i]) != std::bit_cast<uint32_t>(b[i])) return static_cast<int64_t>(i);
+  return -1;
+}
+
+// Whole tensors by name, assembled from the ranks' shards (a replicated tensor: every rank's
+// copy must agree).
+using Tensors = std::map<std::string, std::vector<float>>;
+
+// The gradients of ps's parameters (but those whose name holds `skip`, when given) into whole.
+void add_grads(Tensors& whole, const ParamStore& ps, const std::string& skip) {
+  for (size_t i = 0; i < ps.specs().size(); ++i) {
+    const ParamSpec& p = ps.specs()[i];
+    if (!skip.empty() && p.name.find(skip) != std::string::npos) continue;
+    std::vector<float>& t = whole[p.name];
+    if (t.empty()) t.assign(static_cast<size_t>(p.global_shape.numel()), std::numeric_limits<float>::quiet_NaN());
+    const float* v = ps.grad(static_cast<int>(i));
+    for (int64_t k = 0; k < p.shape.numel(); ++k) {
+      float& g = t[static_cast<size_t>(global_index(p, k))];
+      if (!std::isnan(g)) EXPECT_EQ(std::bit_cast<uint32_t>(g), std::bit_cast<uint32_t>(v[k])) << p.name << " replicas differ";
+      g = v[k];
+    }
+  }
+}
+
+// The (N, C) rows of every rank, whole: gathered under sequence parallelism.
+std::vector<float> whole_rows(const TensorParallel& tp, const float* rows, int64_t N, int64_t C) {
+  std::vector<float> out(static_cast<size_t>(N * C));
+  if (tp.sequence) gather_from_sp(tp, out.data(), rows, N / tp.size, C);
+  else std::copy(rows, rows + N * C, out.begin());
+  return out;
+}
+
+struct BlockRun {
+  std::vector<float> out, dresid;  // (N, C) whole
+  Tensors grads;
+};
+
+// One transformer layer (attention block, then MLP block) on this rank of `comm` (null: one
+// process) in layout mode: forward from a random residual stream, backward from a random output
+// gradient. Biases and norm weights get random values (they start at 0 and 1). The norms'
+// gradients are left out under sequence parallelism: there they are partial sums over the rank's
+// rows, combined by reduce_sequence_parallel_grads.
+void run_block(Communicator* comm, bool sp, const ModelConfig& m, const PrecisionConfig& pc, int64_t B, BlockRun& r) {
+  TensorParallel tp(comm, sp);
+  tp.segments = kSegments;
+  const int64_t T = m.seq_length, N = B * T, C = m.hidden_size, HS = m.head_dim();
+  ParamStore ps;
+  Arena arena;
+  const AttentionLayer attn(ps, arena, "layers.0.", m, B, T, tp);
+  const MlpLayer mlp(ps, arena, "layers.0.", m, N, tp);
+  ps.allocate();
+  ps.init(7);
+  for (size_t i = 0; i < ps.specs().size(); ++i) {
+    const ParamSpec& p = ps.specs()[i];
+    if (p.name.find("norm") == std::string::npos && p.name.find("bias") == std::string::npos) continue;
+    const std::vector<float> g = testing::randn(p.global_shape.numel(), 3, p.name);
+    for (int64_t k = 0; k < p.shape.numel(); ++k) ps.value(static_cast<int>(i))[k] = g[static_cast<size_t>(global_index(p, k))];
+  }
+  Precision precision(pc, ps, 1);
+  ps.set_precision(&precision);
+  if (precision.bf16()) ps.use_bf16_weights();
+  ps.sync_weights(0, static_cast<int>(ps.specs().size()));
+  ps.zero_grads();
+  arena.allocate();
+  std::vector<float> cos(static_cast<size_t>(T * HS / 2)), sin(cos.size());
+  rope_table(cos.data(), sin.data(), T, HS, m.rope_theta);
+  const int64_t rows = tp.rows(N), row0 = tp.sequence ? tp.rank * rows : 0;
+  std::vector<float> resid = testing::randn(N * C, 1, "resid"), dresid = testing::randn(N * C, 2, "dout");
+  precision.round(resid.data(), N * C);
+  precision.round(dresid.data(), N * C);
+  resid.erase(resid.begin(), resid.begin() + row0 * C);
+  dresid.erase(dresid.begin(), dresid.begin() + row0 * C);
+  std::vector<float> mid(static_cast<size_t>(rows * C)), out(mid.size());
+  attn.forward(ps, arena, mid.data(), resid.data(), cos.data(), sin.data());
+  mlp.forward(ps, arena, out.data(), mid.data());
+  const int64_t wide = std::max({C, mlp.fc_width(), attn.qkv_width()});
+  std::vector<float> dnorm(static_cast<size_t>(N * C)), d1(static_cast<size_t>(N * wide)), d2(d1.size());
+  mlp.backward(ps, arena, dresid.data(), mid.data(), MlpScratch{dnorm.data(), d1.data(), d2.data()});
+  attn.backward(ps, arena, dresid.data(), resid.data(), cos.data(), sin.data(), AttentionScratch{dnorm.data(), d1.data(), d2.data()});
+  r.out = whole_rows(tp, out.data(), N, C);
+  r.dresid = whole_rows(tp, dresid.data(), N, C);
+  add_grads(r.grads, ps, sp ? "norm" : "");
+}
+
+// The attention and MLP blocks under determinism = "layout": output, input gradient and every
+// parameter gradient of TP 2 and 4, with and without sequence parallelism, bitwise those of one
+// process (the row-parallel projections' forward sums, the column-parallel QKV / fc input
+// gradients over their sections, and the reductions over the group as tree_sums).
+void block_matches_one_process(const ModelConfig& m, const PrecisionConfig& pc, const std::string& what) {
+  constexpr int64_t B = 2;
+  BlockRun one;
+  {
+    ThreadPool pool(1);
+    ThreadPool::Bind bind(&pool);
+    run_block(nullptr, false, m, pc, B, one);
+  }
+  for (int P : {2, 4})
+    for (bool sp : {false, true}) {
+      std::vector<BlockRun> ranks(static_cast<size_t>(P));
+      run_threads(P, 60, [&](Communicator& comm) {
+        ThreadPool pool(comm.rank() == 0 ? 2 : 1);  // the thread count changes nothing either
+        ThreadPool::Bind bind(&pool);
+        run_block(&comm, sp, m, pc, B, ranks[static_cast<size_t>(comm.rank())]);
+      });
+      const std::string where = str(what, " tp ", P, sp ? " sp" : "");
+      for (const BlockRun& r : ranks) {
+        EXPECT_EQ(first_difference(r.out, one.out), -1) << where << ": output";
+        EXPECT_EQ(first_difference(r.dresid, one.dresid), -1) << where << ": input gradient";
+      }
+      Tensors grads;
+      for (const BlockRun& r : ranks)
+        for (const auto& [name, t] : r.grads) {
+          std::vector<float>& g = grads[name];
+          if (g.empty()) g = t;
+          for (size_t i = 0; i < t.size(); ++i)
+            if (!std::isnan(t[i])) g[i] = t[i];
+        }
+      for (const auto& [name, g] : grads) {
+        ASSERT_TRUE(one.grads.count(name)) << name;
+        EXPECT_EQ(first_difference(g, one.grads.at(name)), -1) << where << ": gradient of " << name;
+      }
+      size_t expect = 0;
+      for (const auto& [name, g] : one.grads) expect += !sp || name.find("norm") == std::string::npos;
+      EXPECT_EQ(grads.size(), expect) << where;
+    }
+}
+
+ModelConfig layout_model(const std::string& preset) {
+  // 8 heads over 4 KV groups (llama) so that TP 4 splits both; ffn and head sizes not multiples
+  // of the 8 segments per section on every rank (segments are cut at floor(s K / S)).
+  return load_config("", {"model.preset=" + preset, "model.num_layers=1", "model.hidden_size=48", "model.num_heads=8",
+                          "model.num_query_groups=" + std::string(preset == "llama" ? "4" : "0"), "model.seq_length=8",
+                          "model.vocab_size=256"})
+      .model;
+}
+
+TEST(TensorParallelLayout, Gpt2BlockMatchesOneProcess) {
+  block_matches_one_process(layout_model("gpt2"), PrecisionConfig{}, "gpt2");
+}
+TEST(TensorParallelLayout, LlamaBlockMatchesOneProcess) {
+  block_matches_one_process(layout_model("llama"), PrecisionConfig{}, "llama");
+}
+// bf16: each rank's partial sums stay fp32; the sum is rounded once, as one process rounds it.
+TEST(TensorParallelLayout, Bf16BlockMatchesOneProcess) {
+  PrecisionConfig pc;
+  pc.params = "bf16";
+  block_matches_one_process(layout_model("llama"), pc, "llama bf16");
+  block_matches_one_process(layout_model("gpt2"), pc, "gpt2 bf16");
+}
+
+// The output head's input gradient (model/gpt.cpp GPT::head): K is the vocabulary, this rank's
+// V / tp rows cut into its canonical segments (TensorParallel::k_segments over V), summed over the
+// group on leaving the column-parallel region; the same bits as one process over all of V.
+TEST(TensorParallelLayout, HeadInputGradientMatchesOneProcess) {
+  constexpr int64_t N = 12, C = 24, V = 40;  // V / S = 5: five rows per segment
+  const std::vector<float> dlogits = testing::randn(N * V, 1, "dlogits"), w = testing::randn(V * C, 2, "wte");
+  TensorParallel one;
+  one.segments = kSegments;
+  const std::vector<int64_t> all = one.k_segments({V});
+  ASSERT_EQ(all.size(), static_cast<size_t>(kSegments + 1));
+  GemmOptions opt;
+  opt.k_segments = all;
+  std::vector<float> expect(static_cast<size_t>(N * C));
+  gemm(expect.data(), dlogits.data(), Trans::N, w.data(), Trans::N, N, C, V, opt);
+  for (int P : {2, 4})
+    for (bool sp : {false, true})
+      run_threads(P, 30, [&](Communicator& comm) {
+        TensorParallel tp(&comm, sp);
+        tp.segments = kSegments;
+        const int64_t Vl = V / P, v0 = tp.vocab_begin(V);
+        const std::vector<int64_t> mine = tp.k_segments({V});
+        GemmOptions o;
+        o.k_segments = mine;
+        std::vector<float> dfull(static_cast<size_t>(N * C)), drows(static_cast<size_t>(tp.rows(N) * C));
+        gemm(dfull.data(), C, dlogits.data() + v0, V, Trans::N, w.data() + v0 * C, C, Trans::N, N, C, Vl, o);
+        const float* sum = enter_column_parallel_backward(tp, drows.data(), dfull.data(), N, C);
+        EXPECT_EQ(first_difference(whole_rows(tp, sum, N, C), expect), -1) << "tp " << P << (sp ? " sp" : "");
+      });
+}
+
+// The vocab-parallel embedding: the rows of tokens outside a rank's range are -0 under "layout",
+// so the group's sum is the one row exactly, a -0 in the table included (a +0 would turn it +0).
+TEST(TensorParallelLayout, EmbeddingMatchesOneProcessWithNegativeZeros) {
+  constexpr int64_t B = 2, T = 8, N = B * T, C = 16, V = 32;
+  std::vector<float> wte = testing::randn(V * C, 1, "wte");
+  for (int64_t i = 0; i < V * C; i += 3) wte[static_cast<size_t>(i)] = -0.0f;
+  const std::vector<float> wpe = testing::randn(T * C, 2, "wpe");
+  const std::vector<int32_t> tokens = testing::random_ints(N, V, 3, "tokens");
+  for (const bool positions : {false, true}) {
+    std::vector<float> expect(static_cast<size_t>(N * C));
+    embedding_forward(expect.data(), tokens.data(), wte.data(), positions ? wpe.data() : nullptr, B, T, C, V);
+    for (int P : {2, 4})
+      for (bool sp : {false, true})
+        run_threads(P, 30, [&](Communicator& comm) {
+          TensorParallel tp(&comm, sp);
+          tp.segments = kSegments;
+          std::vector<float> x(static_cast<size_t>(tp.rows(N) * C)), partial(static_cast<size_t>(N * C));
+          std::vector<int32_t> local(static_cast<size_t>(N));
+          vocab_parallel_embedding(tp, x.data(), partial.data(), local.data(), tokens.data(),
+                                   wte.data() + tp.vocab_begin(V) * C, positions ? wpe.data() : nullptr, nullptr, N, T,
+                                   C, V);
+          EXPECT_EQ(first_difference(whole_rows(tp, x.data(), N, C), expect), -1)
+              << "tp " << P << (sp ? " sp" : "") << (positions ? " wpe" : "");
+        });
+  }
+}
+
+// The boundaries: segment s of S over K is [floor(s K / S), floor((s + 1) K / S)); a rank's are
+// its block's, relative to its slice; with sections, each section's list in turn; none under "run".
+TEST(TensorParallelLayout, SegmentBoundaries) {
+  TensorParallel tp;
+  EXPECT_TRUE(tp.k_segments({40}).empty());
+  tp.segments = 8;
+  EXPECT_EQ(tp.k_segments({20}), (std::vector<int64_t>{0, 2, 5, 7, 10, 12, 15, 17, 20}));
+  tp.size = 2;
+  tp.rank = 1;
+  EXPECT_EQ(tp.k_segments({20}), (std::vector<int64_t>{0, 2, 5, 7, 10}));
+  tp.size = 4;
+  tp.rank = 2;
+  EXPECT_EQ(tp.k_segments({20, 8}), (std::vector<int64_t>{0, 2, 5, 0, 1, 2}));
 }
 
 }  // namespace

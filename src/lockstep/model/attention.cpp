@@ -62,8 +62,7 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
-  qkv.backward(ps, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);
-  const float* dnorm = enter_column_parallel_backward(tp, s.datt, s.dnorm, N, C);
+  const float* dnorm = qkv.backward(ps, tp, s.datt, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);
   norm.backward(ps, arena, dresid, dnorm, resid_in, tp.rows(N));
 }
 

@@ -92,6 +92,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     head_dfull_ = arena_.reserve_scratch(N_ * C_);
   }
   head_rows_ = std::clamp<int64_t>(kHeadChunkFloats / Vl_, 1, N_);
+  head_segments_ = tp_.k_segments({V_});
   if (part_.last) {
     logits_ = arena_.reserve_scratch(head_rows_ * Vl_);
     losses_ = arena_.reserve_scratch(N_);
@@ -236,6 +237,11 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   const int64_t V = Vl_;
   GemmOptions acc;
   acc.accumulate = true;
+  // K of the input gradient is the vocabulary: under "layout", its canonical segments, each rank's
+  // part left unrounded until the group has summed it (as one process rounds the whole).
+  GemmOptions dgrad;
+  dgrad.k_segments = head_segments_;
+  const bool partial = tp_.on() && tp_.layout();
   for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
     const int64_t rows = std::min(head_rows_, N_ - r0);
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
@@ -246,11 +252,14 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
     if (!backward) continue;
     precision_.round(logits, rows * V);
-    gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V);
-    precision_.round(dfull + r0 * C_, rows * C_);
+    gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
+    if (!partial) precision_.round(dfull + r0 * C_, rows * C_);
     gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
   }
-  if (backward) enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
+  if (backward) {
+    float* sum = enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
+    if (partial) precision_.round(sum, Nl_ * C_);
+  }
 }
 
 void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale) {

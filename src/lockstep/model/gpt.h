@@ -183,6 +183,9 @@ class GPT {
   int64_t B_, T_, C_, V_, L_, N_;
   int64_t Vl_, Nl_;  // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
   int64_t head_rows_;  // rows of logits per chunk
+  // determinism = "layout": the canonical vocabulary segments of the head's input gradient
+  // (TensorParallel::k_segments over V; empty under "run").
+  std::vector<int64_t> head_segments_;
   ParamStore params_;
   Arena arena_;
   int wte_ = -1, wpe_ = -1, out_ = -1;

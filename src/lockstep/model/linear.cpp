@@ -24,6 +24,10 @@ Linear Linear::column(ParamStore& ps, const TensorParallel& tp, const std::strin
   for (int64_t s : out_sections) l.out += s / tp.size;
   l.w = tp.column_weight(ps, name + ".weight", out_sections, in, init_std);
   if (bias) l.b = tp.column_bias(ps, name + ".bias", out_sections);
+  l.dgrad_segments = tp.k_segments(out_sections);
+  if (out_sections.size() > 1 && tp.layout())
+    for (int64_t s : out_sections) l.dgrad_sections.push_back(s / tp.size);
+  l.split = tp.on();
   return l;
 }
 
@@ -35,6 +39,8 @@ Linear Linear::row(ParamStore& ps, const TensorParallel& tp, const std::string& 
   l.out = out;
   l.w = tp.row_weight(ps, name + ".weight", out, in, init_std);
   if (bias) l.b = ps.add(name + ".bias", {out}, Init::zeros);
+  l.fprop_segments = tp.k_segments({in});
+  l.split = tp.on();
   return l;
 }
 
@@ -60,6 +66,7 @@ void Linear::forward_residual(const ParamStore& ps, float* y, const float* resid
   });
   GemmOptions opt;
   opt.accumulate = true;
+  opt.k_segments = fprop_segments;
   ps.precision().fprop(ps, w, y, x, N, out, in, opt);
   trace_out(name, y, N * out);
 }
@@ -68,23 +75,38 @@ void Linear::forward_residual(const ParamStore& ps, const TensorParallel& tp, fl
                               const float* x, int64_t N, float* partial) const {
   if (!tp.on()) return forward_residual(ps, y, residual, x, N);
   LOCKSTEP_CHECK(y != residual, name, ": the row-parallel output may not alias the residual");
-  ps.precision().fprop(ps, w, partial, x, N, out, in, GemmOptions{});
+  GemmOptions opt;
+  opt.k_segments = fprop_segments;
+  ps.precision().fprop(ps, w, partial, x, N, out, in, opt, tp.layout());
   const float* sum = leave_row_parallel(tp, y, partial, N, out);
   const float* bias = b >= 0 ? ps.weight(b) : nullptr;
   const int64_t O = out;
+  // -0 is the identity of addition (a residual's -0 stays -0, as one process keeps it).
+  const float zero = tp.layout() ? -0.0f : 0.0f;
   parallel_for(tp.rows(N), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < O; ++j) y[r * O + j] = (residual[r * O + j] + (bias ? bias[j] : 0.0f)) + sum[r * O + j];
+      for (int64_t j = 0; j < O; ++j) y[r * O + j] = (residual[r * O + j] + (bias ? bias[j] : zero)) + sum[r * O + j];
   });
   ps.precision().round(y, tp.rows(N) * O);
   trace_out(name, y, tp.rows(N) * O);
 }
 
 void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {
-  ps.precision().dgrad(ps, w, dx, dy, N, out, in);
+  GemmOptions opt;
+  opt.k_segments = dgrad_segments;
+  opt.k_sections = dgrad_sections;
+  ps.precision().dgrad(ps, w, dx, dy, N, out, in, opt, split && !dgrad_segments.empty());
   ps.precision().wgrad(ps, w, dy, x, N, out, in);
   if (b >= 0) bias_backward(ps.grad(b), dy, N, out);
   trace_grad_in(name, dx, N * in);
+}
+
+float* Linear::backward(const ParamStore& ps, const TensorParallel& tp, float* drows, float* dfull, const float* dy,
+                        const float* x, int64_t N) const {
+  backward(ps, dfull, dy, x, N);
+  float* sum = enter_column_parallel_backward(tp, drows, dfull, N, in);
+  if (split && tp.layout()) ps.precision().round(sum, tp.rows(N) * in);  // the parts were left unrounded
+  return sum;
 }
 
 }  // namespace lockstep

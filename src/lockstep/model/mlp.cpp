@@ -47,8 +47,7 @@ void MlpLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
   trace_grad_in(act_name, s.dfc, N * fc_width());
-  fc.backward(ps, s.dnorm, s.dfc, tp.sequence ? arena(gathered) : arena(normed), N);
-  const float* dnorm = enter_column_parallel_backward(tp, s.dact, s.dnorm, N, C);
+  const float* dnorm = fc.backward(ps, tp, s.dact, s.dnorm, s.dfc, tp.sequence ? arena(gathered) : arena(normed), N);
   norm.backward(ps, arena, dresid, dnorm, resid_in, tp.rows(N));
 }
 

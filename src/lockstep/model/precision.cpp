@@ -216,14 +216,14 @@ void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, 
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
-                           int64_t in) {
+                           int64_t in, const GemmOptions& opt) {
   Site& s = sites_[static_cast<size_t>(site)];
   const GemmOperand A = quantise(per_tensor() ? s.dy : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
   // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
   // quantisation is the same both ways, so fprop's serves.
   const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0)
                                                  : gemm_operand(s.w, Trans::N);
-  gemm(dx, in, A, B, N, in, out);
+  gemm(dx, in, A, B, N, in, out, opt);
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
@@ -250,19 +250,20 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
 }
 
 void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
-                      const GemmOptions& opt) {
+                      const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise)
     current_amaxes({{first_site_[w], input, x, N * in}, {first_site_[w], weight, ps.weight(w), out * in}});
   if (recipe(w) == Recipe::none) gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
   else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
-  round(y, N * out);
+  if (!partial) round(y, N * out);
 }
 
-void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in) {
+void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
+                      const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
-  if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out);
-  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in);
-  round(dx, N * in);
+  if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
+  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt);
+  if (!partial) round(dx, N * in);
 }
 
 void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out,
@@ -316,7 +317,7 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
     for (int64_t e = 0; e < E; ++e) {
       const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
       if (rows > 0)
-        gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in);
+        gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, {});
     }
   }
   round(dx, offsets[E] * in);

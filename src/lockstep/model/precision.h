@@ -140,10 +140,13 @@ class Precision {
   //   fprop  y (N, out) = init + x W^T   (init per opt: bias, or y itself to accumulate)
   //   dgrad  dx (N, in) = dy W            (assigned)
   //   wgrad  dW (out, in) += dy^T x       (fp32, into the grad buffer)
-  // fprop's and dgrad's outputs are activations (rounded).
+  // fprop's and dgrad's outputs are activations (rounded), unless partial: a tensor-parallel
+  // rank's part of a sum under determinism = "layout", which the caller rounds once summed (as one
+  // process rounds the whole). opt: fprop's init and both GEMMs' canonical segments (k_segments).
   void fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
-             const GemmOptions& opt = {});
-  void dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
+             const GemmOptions& opt = {}, bool partial = false);
+  void dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
+             const GemmOptions& opt = {}, bool partial = false);
   void wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
 
   // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
@@ -193,7 +196,8 @@ class Precision {
   void reduce_amax(float* a, int64_t n, bool expert);
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
                   int64_t in, const GemmOptions& opt);
-  void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in);
+  void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
+                  const GemmOptions& opt);
   void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
 
   bool bf16_ = false;

@@ -52,8 +52,26 @@ int TensorParallel::vocab_weight(ParamStore& ps, const std::string& name, int64_
   return ps.add_part(name, {V, C}, {{{vocab_begin(V), 0}, {V / size, C}}}, Init::normal, std, true);
 }
 
+std::vector<int64_t> TensorParallel::k_segments(const std::vector<int64_t>& sections) const {
+  std::vector<int64_t> b;
+  if (!layout()) return b;
+  LOCKSTEP_CHECK(segments % size == 0, "layout_segments = ", segments, " is not divisible by the tensor-parallel size ", size);
+  const int64_t per = segments / size, first = rank * per;
+  for (const int64_t K : sections) {
+    LOCKSTEP_CHECK(K % size == 0, "a tensor-parallel reduction over ", K, " elements on ", size, " ranks");
+    const int64_t base = first * K / segments;  // = rank x K / size, where this rank's slice starts
+    for (int64_t t = 0; t <= per; ++t) b.push_back((first + t) * K / segments - base);
+  }
+  return b;
+}
+
+namespace {
+// The group's sum: in rank order, or along the canonical tree over ranks under "layout".
+ReduceOp tp_sum(const TensorParallel& tp) { return tp.layout() ? ReduceOp::tree_sum : ReduceOp::sum; }
+}  // namespace
+
 void reduce_from_tp(const TensorParallel& tp, float* x, int64_t n) {
-  if (tp.on()) tp.comm->all_reduce(x, n);
+  if (tp.on()) tp.comm->all_reduce(x, n, tp_sum(tp));
 }
 
 void gather_from_sp(const TensorParallel& tp, float* full, const float* rows, int64_t n_rows, int64_t C) {
@@ -61,7 +79,7 @@ void gather_from_sp(const TensorParallel& tp, float* full, const float* rows, in
 }
 
 void scatter_to_sp(const TensorParallel& tp, float* rows, const float* full, int64_t n_rows, int64_t C) {
-  tp.comm->reduce_scatter(rows, full, n_rows * C);
+  tp.comm->reduce_scatter(rows, full, n_rows * C, tp_sum(tp));
 }
 
 const float* enter_column_parallel(const TensorParallel& tp, float* full, const float* x, int64_t N, int64_t C) {
@@ -103,10 +121,11 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
 void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
                                       const float* wte, int64_t N, int64_t C, int64_t V) {
   vocab_parallel_local_tokens(tp, local, tokens, N, V);
+  const float zero = tp.layout() ? -0.0f : 0.0f;
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* o = out + n * C;
-      if (local[n] < 0) std::fill(o, o + C, 0.0f);
+      if (local[n] < 0) std::fill(o, o + C, zero);
       else std::memcpy(o, wte + static_cast<int64_t>(local[n]) * C, static_cast<size_t>(C) * sizeof(float));
     }
   });

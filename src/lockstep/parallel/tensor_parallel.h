@@ -25,7 +25,11 @@
 // Determinism: every reduction is the communicator's rank-order sum (comm/communicator.h), so a
 // layout gives the same bits run to run, with any thread count, on threads and mpi. Against the
 // single-process run the row-parallel sums and the vocabulary's softmax sums associate per rank
-// first (the `layout` level will make them canonical), so losses agree to rounding.
+// first, so losses agree to rounding. Under determinism = "layout" (segments > 0) each reduction
+// this group splits along K is cut into S canonical segments (k_segments), each rank sums its
+// block of them along the canonical tree, and the group's reductions (reduce_from_tp,
+// scatter_to_sp and so the regions' entries and exits) are ReduceOp::tree_sum: the bits of one
+// process computing the same S segments, whatever the group's size (docs/determinism.md).
 #pragma once
 
 #include <cstdint>
@@ -64,6 +68,14 @@ struct TensorParallel {
   int vocab_weight(ParamStore& ps, const std::string& name, int64_t V, int64_t C, float std) const;
   // This rank's vocabulary range [vocab_begin(V), vocab_begin(V) + V / size).
   int64_t vocab_begin(int64_t V) const { return rank * (V / size); }
+  // determinism = "layout": the canonical cut of a reduction over K elements that this group
+  // splits (K global, size | K, each rank holding its K / size consecutive ones). Segment s of S
+  // is [floor(s K / S), floor((s + 1) K / S)); this rank holds segments [rank, rank + 1) x S / size
+  // (a subtree of the canonical tree over S), and the S / size + 1 boundaries of its segments,
+  // relative to its own slice, are returned (GemmOptions::k_segments). With several sections (a
+  // fused projection: each section split over the group and cut into S segments separately) the
+  // sections' lists are concatenated (GemmOptions::k_sections). Empty under "run": one chain.
+  std::vector<int64_t> k_segments(const std::vector<int64_t>& sections) const;
 };
 
 // The mirrored pairs. x, dx: (n) in place; rows: this rank's row shard (rows, C), full: (size x rows, C).
@@ -89,7 +101,8 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
                                          int64_t C);
 
 // Vocab-parallel embedding. out (N, C) = wte[tokens] for the tokens in this rank's vocabulary
-// range, 0 elsewhere (wte: this rank's (V / size, C) rows; local (N) receives
+// range, 0 elsewhere (-0 under determinism = "layout", the identity of addition: the sum over the
+// group is then the one row bit for bit, a -0 included) (wte: this rank's (V / size, C) rows; local (N) receives
 // vocab_parallel_local_tokens); UserError naming the token when a token is outside [0, V) (on every
 // rank, before anything is written). The caller sums over the group.
 void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,

@@ -651,7 +651,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     } else {
       problems.push_back(make_operand_problem(
           it.C, it.ldc, plain_a ? gemm_operand(it.A, it.lda, it.ta) : it.a_src,
-          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K, {it.accumulate, it.bias, {}},
+          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K, {it.accumulate, it.bias, {}, {}},
           "gemm_batch item"));
     }
     if (it.M > 0 && it.N > 0 && it.K == 0) write_init(problems.back());
@@ -705,19 +705,36 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
   // the canonical tree (core/tree_sum.h), then added to the init: rare (tensor-parallel reductions
   // under determinism = "layout"), so simplicity wins over the extra passes.
   const auto seg = opt.k_segments;
-  LOCKSTEP_CHECK(seg.size() >= 2 && seg.front() == 0 && seg.back() == K,
-                 "gemm k_segments must run from 0 to K=", K);
-  const int64_t S = static_cast<int64_t>(seg.size()) - 1, MN = M * N;
+  const std::span<const int64_t> whole(&K, 1);
+  const auto sections = opt.k_sections.empty() ? whole : opt.k_sections;
+  const int64_t J = static_cast<int64_t>(sections.size());
+  LOCKSTEP_CHECK(static_cast<int64_t>(seg.size()) % J == 0 && static_cast<int64_t>(seg.size()) / J >= 2,
+                 "gemm k_segments: ", seg.size(), " boundaries for ", J, " sections");
+  const int64_t S = static_cast<int64_t>(seg.size()) / J - 1, MN = M * N;
+  int64_t width = 0;
+  for (int64_t j = 0; j < J; ++j) {
+    LOCKSTEP_CHECK(seg[j * (S + 1)] == 0 && seg[j * (S + 1) + S] == sections[j],
+                   "gemm k_segments of section ", j, " must run from 0 to ", sections[j]);
+    width += sections[j];
+  }
+  LOCKSTEP_CHECK(width == K, "gemm k_sections sum to ", width, ", not K=", K);
   std::vector<float> partial(static_cast<size_t>(S * MN));
   std::vector<const float*> leaves(static_cast<size_t>(S));
   for (int64_t s = 0; s < S; ++s) {
-    const int64_t k0 = seg[s], k1 = seg[s + 1];
-    LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s);
-    // K runs along A's stored columns for A, along its rows for A^T; the other way round for B.
-    const GemmOperand As = A.trans == Trans::N ? gemm_operand_at(A, 0, k0) : gemm_operand_at(A, k0, 0);
-    const GemmOperand Bs = B.trans == Trans::T ? gemm_operand_at(B, 0, k0) : gemm_operand_at(B, k0, 0);
     float* P = partial.data() + s * MN;
-    run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, {}, "gemm segment"));
+    int64_t at = 0;  // where section j starts in K
+    for (int64_t j = 0; j < J; ++j) {
+      const int64_t k0 = at + seg[j * (S + 1) + s], k1 = at + seg[j * (S + 1) + s + 1];
+      at += sections[j];
+      LOCKSTEP_CHECK(k0 <= k1, "gemm k_segments decrease at ", s, " in section ", j);
+      // K runs along A's stored columns for A, along its rows for A^T; the other way round for B.
+      const GemmOperand As = A.trans == Trans::N ? gemm_operand_at(A, 0, k0) : gemm_operand_at(A, k0, 0);
+      const GemmOperand Bs = B.trans == Trans::T ? gemm_operand_at(B, 0, k0) : gemm_operand_at(B, k0, 0);
+      // The first part starts the segment's chain from 0, the next ones continue it.
+      GemmOptions part;
+      part.accumulate = j > 0;
+      run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, part, "gemm segment"));
+    }
     leaves[s] = P;
   }
   float* sum = partial.data() + (S - 1) * MN;  // tree_sum's output may alias the last leaf
@@ -730,10 +747,8 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
       tree_sum(sum + i * N, row.data(), S, N, stack.data());
       float* c = C + i * ldc;
       const float* q = sum + i * N;
-      for (int64_t j = 0; j < N; ++j) {
-        const float b = init == Init::kC ? c[j] : init == Init::kBias ? opt.bias[j] : 0.0f;
-        c[j] = b + q[j];
-      }
+      for (int64_t j = 0; j < N; ++j)
+        c[j] = init == Init::kC ? c[j] + q[j] : init == Init::kBias ? opt.bias[j] + q[j] : q[j];
     }
   });
 }

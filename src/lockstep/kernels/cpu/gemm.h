@@ -16,9 +16,16 @@
 //     gradient summed over micro-batches is the same as over their concatenation.
 //   With k_segments = {s0 = 0, s1, ..., sS = K} (caller-given boundaries), each segment is its own
 //   chain P_s started from 0, the S chains are summed along the canonical tree (core/tree_sum.h),
-//   and C = init + tree(P_0 .. P_{S-1}): how determinism = "layout" combines a reduction that
-//   tensor parallelism splits along K (row-parallel layers), so that ranks holding blocks of
-//   consecutive segments reproduce it with a tree_sum over the group.
+//   and C = init + tree(P_0 .. P_{S-1}) (C = the tree itself without an init, so a -0 stays -0):
+//   how determinism = "layout" combines a reduction that tensor parallelism splits along K
+//   (row-parallel layers), so that ranks holding blocks of consecutive segments reproduce it with a
+//   tree_sum over the group.
+//   With k_sections = {w_0, ..., w_{J-1}} as well (summing to K), K is the concatenation of J
+//   sections, each cut into the same S segments: k_segments then holds J x (S + 1) boundaries,
+//   section j's at [j (S + 1), (j + 1) (S + 1)), each list running from 0 to w_j. Segment s's
+//   chain runs over section 0's part [b_0s, b_0(s+1)), then section 1's, ... (one chain, from
+//   0), and the chains are summed as above: the input gradient of a fused column-parallel
+//   projection ([Q | K | V], [gate | up]), whose ranks hold a slice of every section.
 #pragma once
 
 #include <cstdint>
@@ -36,6 +43,7 @@ struct GemmOptions {
   bool accumulate = false;              // init = C (else bias or 0)
   const float* bias = nullptr;          // (N), init when not accumulating
   std::span<const int64_t> k_segments;  // empty: one chain over all of K
+  std::span<const int64_t> k_sections;  // with k_segments: the widths of K's sections (empty: one)
 };
 
 void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
