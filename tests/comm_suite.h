@@ -206,6 +206,25 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     comm.send_recv(s.data(), 17, next, r.data(), 17, prev, 5);
     same_bits(r.data(), rank_values(prev, 17, "ring").data(), 17, "send_recv ring");
     h.update(r.data(), r.size() * sizeof(float));
+    // One batch of sends and receives in both directions (a pipeline stage's exchange): messages
+    // match by (peer, tag, order sent), whatever order the batch lists them in.
+    {
+      std::vector<float> to_next = rank_values(me, 23, "batch-next"), to_prev = rank_values(me, 5, "batch-prev");
+      std::vector<float> first = rank_values(me, 4, "batch-first"), second = rank_values(me, 4, "batch-second");
+      std::vector<float> from_prev(23), from_next(5), first_in(4), second_in(4);
+      using M = Communicator::Message;
+      const std::vector<M> sends = {{next, 13, first.data(), 16}, {prev, 12, to_prev.data(), 20},
+                                    {next, 11, to_next.data(), 92}, {next, 13, second.data(), 16}};
+      const std::vector<M> recvs = {{prev, 11, from_prev.data(), 92}, {prev, 13, first_in.data(), 16},
+                                    {next, 12, from_next.data(), 20}, {prev, 13, second_in.data(), 16}};
+      comm.send_recv_batch_async(sends, recvs).wait();
+      same_bits(from_prev.data(), rank_values(prev, 23, "batch-next").data(), 23, "send_recv_batch from prev");
+      same_bits(from_next.data(), rank_values(next, 5, "batch-prev").data(), 5, "send_recv_batch from next");
+      same_bits(first_in.data(), rank_values(prev, 4, "batch-first").data(), 4, "send_recv_batch: first of one tag");
+      same_bits(second_in.data(), rank_values(prev, 4, "batch-second").data(), 4, "send_recv_batch: second of one tag");
+      h.update(from_prev.data(), from_prev.size() * sizeof(float));
+      h.update(from_next.data(), from_next.size() * sizeof(float));
+    }
     for (int m = 0; m < 3; ++m) {
       float v = static_cast<float>(m);
       if (me == 0) comm.send(&v, 1, P - 1, 9);
