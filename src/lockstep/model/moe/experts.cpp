@@ -118,6 +118,8 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
+  LOCKSTEP_CHECK(!partial() || p.recipe(proj_w) == Precision::Recipe::none,
+                 "quantised expert GEMMs are not segmented: refused with expert tensor parallelism under layout");
   if (!kseg.on() || p.recipe(proj_w) != Precision::Recipe::none) {
     p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F);
     return;
