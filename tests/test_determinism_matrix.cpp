@@ -108,6 +108,8 @@ const Row kRows[] = {
     {"layout_etp2_ep2_alltoall_moe_bf16", "moe-debug.toml", {"determinism=layout", "parallel.expert_tensor=2",
                                                              "parallel.expert=2", "moe.token_dispatcher=alltoall",
                                                              "train.micro_batch=2", "precision.params=bf16"}, 4},
+    {"layout_dp2_fp8_delayed", "moe-debug.toml", {"determinism=layout", "train.micro_batch=2", "precision.params=bf16",
+                                                  "precision.fp8=delayed", "precision.fp8_amax_history_len=2"}, 2},
     {"layout_pp2_dp2_moe_untied", "moe-debug.toml", {"determinism=layout", "parallel.pipeline=2", "train.micro_batch=2",
                                                      "model.tie_embeddings=false", "optimizer.distributed=true"}, 4},
     {"pp2_gpt2_tied_mtp", "debug.toml", {"parallel.pipeline=2", "model.mtp_num_layers=1"}, 2},

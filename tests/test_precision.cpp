@@ -390,6 +390,54 @@ TEST(PrecisionLowp, DelayedScalingFollowsItsHistory) {
   }
 }
 
+// determinism = "layout" (AmaxGroups::per_step): the scale stays the step's first one through all
+// of the step's micro-batches, slot 0 collects the max over them, and end_step updates once.
+// History of 2, algo max, margin 1; two micro-batches a step with input amaxes (2, 4), (1, 1),
+// (1, 0.5): the step amaxes 4, 1, 1, hand-computed as in DelayedScalingFollowsItsHistory. The
+// output of each micro-batch is the GEMM on operands quantised with the step's scale.
+TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
+  QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
+                     "precision.fp8_margin=1"});
+  Precision::AmaxGroups groups;
+  groups.per_step = true;
+  t.precision.set_amax_groups(groups);
+  const int64_t N = t.N, in = t.in, out = t.out;
+  const float amaxes[3][2] = {{2, 4}, {1, 1}, {1, 0.5f}};
+  const std::vector<std::vector<float>> history = {{0, 4}, {0, 1}, {0, 1}};
+  const float scale[4] = {1, 56, 56, 224};  // at the start of each step; (448 / a) / 2
+  std::vector<float> dy(static_cast<size_t>(N * out), 1e-3f), y(dy.size()), dx(static_cast<size_t>(N * in)),
+      y_ref(dy.size());
+  auto state = [&](const char* role) {
+    for (const Precision::NamedHistory& h : t.precision.amax_histories())
+      if (h.name == std::string("layers.0.mlp.fc.weight.") + role) return h.history;
+    return static_cast<AmaxHistory*>(nullptr);
+  };
+  ASSERT_TRUE(state("input") && state("weight"));
+  for (int step = 0; step < 3; ++step) {
+    for (int m = 0; m < 2; ++m) {
+      std::vector<float> x = bf16_randn(N * in, 10 + 2 * step + m, 0.1f);
+      x[5] = amaxes[step][m];  // the largest magnitude by far
+      t.precision.begin_micro_batch(1, step + 1, 2 * step + m);
+      t.lin.forward(t.ps, y.data(), x.data(), N);
+      t.lin.backward(t.ps, dx.data(), dy.data(), x.data(), N);
+      t.precision.end_micro_batch();
+      EXPECT_EQ(state("input")->scale, scale[step]) << "step " << step << " micro-batch " << m;
+      EXPECT_EQ(state("input")->amax[0], std::max(amaxes[step][0], amaxes[step][m])) << "staged: the max so far";
+      QuantizedTensor qx, qw;
+      quantize_tensorwise(qx, x.data(), N, in, ElemFormat::e4m3, scale[step]);
+      quantize_tensorwise(qw, t.ps.weight(t.lin.w), out, in, ElemFormat::e4m3, state("weight")->scale);
+      GemmOptions bias;
+      bias.bias = t.ps.weight(t.lin.b);
+      gemm(y_ref.data(), dequantized(qx).data(), Trans::N, dequantized(qw).data(), Trans::T, N, out, in, bias);
+      round_to_bf16(y_ref.data(), N * out);
+      EXPECT_TRUE(testing::bitwise_equal(y, y_ref)) << "step " << step << " micro-batch " << m;
+    }
+    t.precision.end_step();
+    EXPECT_EQ(state("input")->amax, history[step]) << "step " << step;
+    EXPECT_EQ(state("input")->scale, scale[step + 1]) << "step " << step;
+  }
+}
+
 TEST(PrecisionLowp, DelayedScalingScaleIsTheOneQuantisationUses) {
   QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
   const int64_t N = t.N, in = t.in, out = t.out;

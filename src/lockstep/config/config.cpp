@@ -633,9 +633,6 @@ void validate_layout_determinism(const Config& c) {
                                       : str("model.mtp_num_layers = ", c.model.mtp_num_layers)),
            "the word embedding's gradient would be the sum of a first-stage and a last-stage part, which is not "
            "canonicalised yet; untie the embeddings and drop MTP, or use parallel.pipeline = 1");
-  if (c.precision.fp8 == "delayed")
-    refuse("precision.fp8 = \"delayed\"", "delayed scaling's amax history is kept per rank over its own "
-           "micro-batches; the current-scaling recipes (tensorwise, blockwise, mxfp8) and nvfp4 are layout-invariant");
   if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert > 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert = ",
                c.parallel.expert), "an expert's tokens come from several ranks' micro-batches, so its scales and blocks "

@@ -450,6 +450,7 @@ void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
 }
 
 std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicator* dp) {
+  precision_.end_step();
   std::vector<MoeTokenStats> stats;
   for (auto& layer : moe_)
     if (layer) stats.push_back(layer->finish_step(bias_update_rate, dp));
@@ -457,7 +458,7 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
 }
 
 void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first, int rank,
-                       int world) {
+                       int world, bool etp_first) {
   params_.state_shards(out, dp_first, tp_first, edp_first);
   for (auto& layer : moe_)
     if (layer) layer->state_shards(out, dp_first && tp_first);
@@ -469,7 +470,14 @@ void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_firs
     out.push_back(std::move(s));
   };
   for (const Precision::NamedHistory& h : precision_.amax_histories()) {
-    row("buffer/fp8." + h.name + ".amax_history", h.history->amax.data(), static_cast<int64_t>(h.history->amax.size()));
+    const int64_t H = static_cast<int64_t>(h.history->amax.size());
+    if (precision_.per_step()) {
+      const bool writer = h.expert ? edp_first && etp_first : dp_first && tp_first;
+      out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
+      out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".scale", Shape{1}, &h.history->scale, writer));
+      continue;
+    }
+    row("buffer/fp8." + h.name + ".amax_history", h.history->amax.data(), H);
     row("buffer/fp8." + h.name + ".scale", &h.history->scale, 1);
   }
 }

@@ -98,7 +98,8 @@ class GPT {
   // draws from (seed, layer, step, global element index); clears the step's counters; with bf16
   // weights, the step's first forward refreshes their copy from the master values, range by range
   // as the params-needed hook delivers them), finish_step
-  // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics).
+  // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics;
+  // under determinism = "layout", delayed scaling's once-per-step update, model/precision.h).
   // first_micro: the global index of this rank's first micro-batch in the step (data parallelism:
   // rank r's micro-batch m is the step's micro-batch r x micro-batches per rank + m), so that the
   // router jitter is the same whatever the layout. dp: where the step's expert token counts are
@@ -126,8 +127,11 @@ class GPT {
   // histories and scales (reduced over each tensor's group, but experts named by their index on the
   // rank) are row `rank` of a (world, ...) tensor, written by every rank:
   // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
+  // Under determinism = "layout" they are the same on every rank of the step's reduction group, so
+  // they are whole tensors named with the expert's index in the layer, (history) and (1), written by
+  // the first replica (etp_first: the first expert-tensor-parallel rank), as in the single process.
   void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true, int rank = 0,
-                    int world = 1);
+                    int world = 1, bool etp_first = true);
 
   // Pipeline parallelism. Chunk c of this rank, one micro-batch (micro: its index among this
   // rank's micro-batches of the step), under the selected slot. forward_chunk: input from

@@ -74,6 +74,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
     for (int64_t e = 0; e < E; ++e) {
       Site s;
       s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
+      s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(p.boxes[0].offset[0] + e) : p.name;
       s.expert = p.expert;
       if (recipe_ == Recipe::delayed)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
@@ -98,10 +99,17 @@ void Precision::begin_micro_batch(uint64_t seed, int64_t step, int64_t micro) {
   recording_ = true;
 }
 
-void Precision::reduce_amax(float* a, int64_t n, bool expert) {
-  Communicator* g = recording_ ? (expert ? groups_.expert : groups_.dense)
-                               : (expert ? groups_.expert_eval : groups_.dense_eval);
+namespace {
+
+void max_reduce(Communicator* g, float* a, int64_t n) {
   if (g && g->size() > 1 && n > 0) g->all_reduce(a, n, ReduceOp::max);
+}
+
+}  // namespace
+
+void Precision::reduce_amax(float* a, int64_t n, bool expert) {
+  max_reduce(recording_ ? (expert ? groups_.expert : groups_.dense) : (expert ? groups_.expert_eval : groups_.dense_eval),
+             a, n);
 }
 
 void Precision::current_amaxes(const std::vector<AmaxOf>& of) {
@@ -112,31 +120,37 @@ void Precision::current_amaxes(const std::vector<AmaxOf>& of) {
 }
 
 void Precision::end_micro_batch() {
-  if (recipe_ == Recipe::delayed && recording_) {
-    // The staged amax of every tensor, reduced over its group: one all-reduce per group.
-    for (const bool expert : {false, true}) {
-      std::vector<float> staged;
-      for (const Site& s : sites_)
-        if (s.expert == expert)
-          for (const AmaxHistory& h : s.state) staged.push_back(h.amax[0]);
-      reduce_amax(staged.data(), static_cast<int64_t>(staged.size()), expert);
-      size_t i = 0;
-      for (Site& s : sites_)
-        if (s.expert == expert)
-          for (AmaxHistory& h : s.state) h.amax[0] = staged[i++];
-    }
-    for (Site& s : sites_)
-      for (int r = 0; r < 3; ++r) {
-        AmaxHistory& h = s.state[r];
-        float a = h.amax[0];
-        if (!most_recent_)
-          for (float v : h.amax) a = std::isnan(a) || std::isnan(v) ? NAN : std::max(a, v);
-        h.scale = fp8_scale_from_amax(a, r == grad ? bwd_ : fwd_, margin_, h.scale);
-        std::rotate(h.amax.begin(), h.amax.begin() + 1, h.amax.end());
-        h.amax[0] = 0.0f;
-      }
-  }
+  if (recipe_ == Recipe::delayed && recording_ && !groups_.per_step) update_histories(groups_.dense, groups_.expert);
   recording_ = false;
+}
+
+void Precision::end_step() {
+  if (recipe_ == Recipe::delayed && groups_.per_step) update_histories(groups_.dense_step, groups_.expert_step);
+}
+
+void Precision::update_histories(Communicator* dense, Communicator* expert_group) {
+  // The staged amax of every tensor, reduced over its group: one all-reduce per group.
+  for (const bool expert : {false, true}) {
+    std::vector<float> staged;
+    for (const Site& s : sites_)
+      if (s.expert == expert)
+        for (const AmaxHistory& h : s.state) staged.push_back(h.amax[0]);
+    max_reduce(expert ? expert_group : dense, staged.data(), static_cast<int64_t>(staged.size()));
+    size_t i = 0;
+    for (Site& s : sites_)
+      if (s.expert == expert)
+        for (AmaxHistory& h : s.state) h.amax[0] = staged[i++];
+  }
+  for (Site& s : sites_)
+    for (int r = 0; r < 3; ++r) {
+      AmaxHistory& h = s.state[r];
+      float a = h.amax[0];
+      if (!most_recent_)
+        for (float v : h.amax) a = std::isnan(a) || std::isnan(v) ? NAN : std::max(a, v);
+      h.scale = fp8_scale_from_amax(a, r == grad ? bwd_ : fwd_, margin_, h.scale);
+      std::rotate(h.amax.begin(), h.amax.begin() + 1, h.amax.end());
+      h.amax[0] = 0.0f;
+    }
 }
 
 std::vector<Precision::NamedHistory> Precision::amax_histories() {
@@ -144,7 +158,8 @@ std::vector<Precision::NamedHistory> Precision::amax_histories() {
   if (recipe_ != Recipe::delayed) return out;
   static const char* const kRole[3] = {"input", "weight", "grad"};
   for (Site& s : sites_)
-    for (int r = 0; r < 3; ++r) out.push_back({s.name + "." + kRole[r], &s.state[r]});
+    for (int r = 0; r < 3; ++r)
+      out.push_back({s.name + "." + kRole[r], s.global_name + "." + kRole[r], s.expert, &s.state[r]});
   return out;
 }
 
@@ -157,7 +172,7 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       AmaxHistory& h = sites_[static_cast<size_t>(site)].state[r];
       if (recording_) {
         const float a = amax(x, n);
-        if (!(a <= h.amax[0])) h.amax[0] = a;  // also stages a NaN
+        if (!(a <= h.amax[0]) && !std::isnan(h.amax[0])) h.amax[0] = a;  // also stages a NaN, which stays
       }
       quantize_tensorwise(q, x, rows, cols, f, h.scale);
       return gemm_operand(q, t);

@@ -64,7 +64,8 @@
 // per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
 // layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
 // pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
-// the data-parallel replicas out of the groups there. Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
+// the data-parallel replicas out of the groups there, except from delayed scaling's once-per-step
+// update (AmaxHistory). Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
 // over the ranks that share a batch only (tp x cp; etp). One process, or groups of one rank:
 // nothing is reduced and the bits are those of the unreduced model.
 //
@@ -93,10 +94,16 @@ void round_to_bf16(float* x, int64_t n);
 
 // Delayed scaling's state of one quantised tensor (Transformer Engine's semantics). amax[0] is
 // the staging slot: every quantisation of the tensor in a forward-backward pass raises it to the
-// tensor's amax, using the current `scale`. After the pass (end_micro_batch), the scale becomes
-// (format max / a) / 2^margin with a = max(amax) (algo max) or amax[0] (most_recent), kept when a
-// is 0 or not finite; then the history rotates: [a0, a1, ..., a(H-1)] -> [0, a2, ..., a(H-1), a0]
-// (the oldest, a1, drops out).
+// tensor's amax, using the current `scale` (a NaN, once staged, stays). After the pass
+// (end_micro_batch), the scale becomes (format max / a) / 2^margin with a = max(amax) (algo max)
+// or amax[0] (most_recent), kept when a is 0 or not finite; then the history rotates:
+// [a0, a1, ..., a(H-1)] -> [0, a2, ..., a(H-1), a0] (the oldest, a1, drops out).
+// determinism = "layout" (AmaxGroups::per_step) makes the pass a whole step: every micro-batch of
+// the step quantises with the scale the step began with, slot 0 collects the max over all of the
+// step's micro-batches, and end_step reduces it over every rank of the step (data-parallel replicas
+// included) and updates once, as Megatron / TE do when the amax reduction runs once per step over
+// the data-parallel group. Max is exact, so the step's amax, and with it the history, is the same
+// whatever the layout.
 struct AmaxHistory {
   std::vector<float> amax;  // (fp8_amax_history_len)
   float scale = 1.0f;
@@ -113,12 +120,17 @@ class Precision {
   Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L);
 
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
-  // training's groups (tp-dp-cp, etp x edp); eval: evaluation's (tp-cp, etp).
+  // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
+  // etp). per_step (determinism = "layout"): delayed scaling updates once per step (AmaxHistory),
+  // reducing the step's amax over dense_step / expert_step (tp-dp-cp, etp x edp).
   struct AmaxGroups {
     Communicator* dense = nullptr;
     Communicator* expert = nullptr;
     Communicator* dense_eval = nullptr;
     Communicator* expert_eval = nullptr;
+    bool per_step = false;
+    Communicator* dense_step = nullptr;
+    Communicator* expert_step = nullptr;
   };
   void set_amax_groups(const AmaxGroups& g) { groups_ = g; }
 
@@ -130,9 +142,11 @@ class Precision {
   Recipe recipe(int w) const;
 
   // Training micro-batches: begin keys stochastic rounding (global micro-batch index `micro` of
-  // step `step`) and turns amax recording on; end applies delayed scaling's update.
+  // step `step`) and turns amax recording on; end applies delayed scaling's update, or with
+  // per_step leaves it to end_step, which every rank calls after the step's last micro-batch.
   void begin_micro_batch(uint64_t seed, int64_t step, int64_t micro);
   void end_micro_batch();
+  void end_step();
   // Evaluation: quantisation with the current scales, nothing recorded.
   void begin_evaluation() { recording_ = false; }
 
@@ -159,17 +173,22 @@ class Precision {
                      int64_t E, int64_t out, int64_t in);
 
   // Delayed scaling's state, one entry per quantised tensor, named
-  // "<weight name>[.<expert>].{input,weight,grad}" (checkpoints, tests). Empty unless delayed.
+  // "<weight name>[.<expert>].{input,weight,grad}" with the expert's index on this rank, and in
+  // global_name with its index in the layer (checkpoints, tests). Empty unless delayed. expert:
+  // the tensor is an expert's (replicated over etp x edp, not tp x dp x cp).
   struct NamedHistory {
-    std::string name;
+    std::string name, global_name;
+    bool expert;
     AmaxHistory* history;
   };
   std::vector<NamedHistory> amax_histories();
+  // Whether delayed scaling updates once per step (AmaxGroups::per_step).
+  bool per_step() const { return groups_.per_step; }
 
  private:
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
-    std::string name;
+    std::string name, global_name;  // the expert's index on this rank / in the layer
     bool expert = false;  // reduced over the expert group
     AmaxHistory state[3];
     float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
@@ -194,6 +213,9 @@ class Precision {
   };
   void current_amaxes(const std::vector<AmaxOf>& of);
   void reduce_amax(float* a, int64_t n, bool expert);
+  // Delayed scaling: every history's staged amax, max-reduced over dense / expert, becomes its
+  // scale's source; the histories rotate (AmaxHistory).
+  void update_histories(Communicator* dense, Communicator* expert);
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
                   int64_t in, const GemmOptions& opt);
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,

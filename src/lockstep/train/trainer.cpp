@@ -199,12 +199,22 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
-  // tensors (docs/determinism.md), so there the data-parallel replicas are left out.
+  // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
+  // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
   const bool own_micro_batch = config.determinism == "layout";
   Communicator amax_dense = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::tp_cp : MeshGroup::tp_dp_cp));
   Communicator amax_expert = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::etp : MeshGroup::etp_edp));
   Communicator amax_dense_eval = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
-  model.params().precision().set_amax_groups({&amax_dense, &amax_expert, &amax_dense_eval, &etp_group});
+  Precision::AmaxGroups amax_groups{&amax_dense, &amax_expert, &amax_dense_eval, &etp_group};
+  std::optional<Communicator> amax_dense_step, amax_expert_step;
+  if (own_micro_batch) {
+    amax_dense_step.emplace(comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp)));
+    amax_expert_step.emplace(comm.split_groups(mesh.groups(MeshGroup::etp_edp)));
+    amax_groups.per_step = true;
+    amax_groups.dense_step = &*amax_dense_step;
+    amax_groups.expert_step = &*amax_expert_step;
+  }
+  model.params().precision().set_amax_groups(amax_groups);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
   if (dc.reset_position_ids || dc.reset_attention_mask)
@@ -247,7 +257,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   std::vector<StateShard> state;
   const bool dp_first = coords.dp == 0 && coords.cp == 0, tp_first = coords.tp == 0;
   const bool edp_first = coords.edp == 0;
-  model.state_shards(state, dp_first, tp_first, edp_first, comm.rank(), comm.size());
+  model.state_shards(state, dp_first, tp_first, edp_first, comm.rank(), comm.size(), coords.etp == 0);
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
   optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first,
                          edp_first || config.optimizer.distributed);
