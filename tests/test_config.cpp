@@ -163,10 +163,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
        "embedding's gradient would be the sum of a first-stage and a last-stage part, which is not canonicalised yet; "
        "untie the embeddings and drop MTP, or use parallel.pipeline = 1"},
-      {{"determinism=layout", "moe.num_experts=4", "parallel.expert=2", "precision.params=bf16", "precision.fp8=delayed"},
-       "config: determinism = \"layout\" with precision.fp8 = \"delayed\" / precision.fp4 = \"none\" and parallel.expert = "
-       "2: an expert's tokens come from several ranks' micro-batches, so its scales and blocks span them; use "
-       "parallel.expert = 1"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
        "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},

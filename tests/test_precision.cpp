@@ -390,7 +390,7 @@ TEST(PrecisionLowp, DelayedScalingFollowsItsHistory) {
   }
 }
 
-// determinism = "layout" (AmaxGroups::per_step): the scale stays the step's first one through all
+// determinism = "layout" (AmaxGroups::layout): the scale stays the step's first one through all
 // of the step's micro-batches, slot 0 collects the max over them, and end_step updates once.
 // History of 2, algo max, margin 1; two micro-batches a step with input amaxes (2, 4), (1, 1),
 // (1, 0.5): the step amaxes 4, 1, 1, hand-computed as in DelayedScalingFollowsItsHistory. The
@@ -399,7 +399,7 @@ TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
   QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
                      "precision.fp8_margin=1"});
   Precision::AmaxGroups groups;
-  groups.per_step = true;
+  groups.layout = true;
   t.precision.set_amax_groups(groups);
   const int64_t N = t.N, in = t.in, out = t.out;
   const float amaxes[3][2] = {{2, 4}, {1, 1}, {1, 0.5f}};

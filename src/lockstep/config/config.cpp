@@ -633,10 +633,6 @@ void validate_layout_determinism(const Config& c) {
                                       : str("model.mtp_num_layers = ", c.model.mtp_num_layers)),
            "the word embedding's gradient would be the sum of a first-stage and a last-stage part, which is not "
            "canonicalised yet; untie the embeddings and drop MTP, or use parallel.pipeline = 1");
-  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert > 1)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert = ",
-               c.parallel.expert), "an expert's tokens come from several ranks' micro-batches, so its scales and blocks "
-           "span them; use parallel.expert = 1");
   if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),

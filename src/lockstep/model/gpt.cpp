@@ -471,7 +471,7 @@ void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_firs
   };
   for (const Precision::NamedHistory& h : precision_.amax_histories()) {
     const int64_t H = static_cast<int64_t>(h.history->amax.size());
-    if (precision_.per_step()) {
+    if (precision_.layout()) {
       const bool writer = h.expert ? edp_first && etp_first : dp_first && tp_first;
       out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
       out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".scale", Shape{1}, &h.history->scale, writer));

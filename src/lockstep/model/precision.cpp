@@ -63,6 +63,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
   static const std::regex quantised(
       R"(layers\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|moe\.shared\.fc|moe\.shared\.proj|moe\.experts\.fc|moe\.experts\.proj)\.weight)");
   const int64_t keep = recipe_ == Recipe::nvfp4 ? pc.fp4_high_precision_layers : 0;
+  int64_t global_sites = 0;  // the sites before this parameter's, every expert counted
   for (size_t i = 0; i < ps.specs().size(); ++i) {
     const ParamSpec& p = ps.specs()[i];
     std::smatch m;
@@ -70,16 +71,18 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
     const int64_t layer = std::stoll(m[1].str());
     if (layer < keep || layer >= L - keep) continue;  // selective high precision
     first_site_[i] = static_cast<int64_t>(sites_.size());
-    const int64_t E = p.shape.rank() == 3 ? p.shape[0] : 1;
+    const int64_t E = p.shape.rank() == 3 ? p.shape[0] : 1, first = p.shape.rank() == 3 ? p.boxes[0].offset[0] : 0;
     for (int64_t e = 0; e < E; ++e) {
       Site s;
       s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
-      s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(p.boxes[0].offset[0] + e) : p.name;
+      s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(first + e) : p.name;
+      s.global_index = global_sites + first + e;
       s.expert = p.expert;
       if (recipe_ == Recipe::delayed)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
       sites_.push_back(std::move(s));
     }
+    global_sites += p.shape.rank() == 3 ? p.global_shape[0] : 1;
   }
 }
 
@@ -112,20 +115,28 @@ void Precision::reduce_amax(float* a, int64_t n, bool expert) {
              a, n);
 }
 
-void Precision::current_amaxes(const std::vector<AmaxOf>& of) {
+std::vector<float> Precision::current_amaxes(const std::vector<AmaxOf>& of) {
   std::vector<float> a(of.size());
   for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? amax(of[i].x, of[i].n) : 0.0f;
   if (!of.empty()) reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
   for (size_t i = 0; i < of.size(); ++i) sites_[static_cast<size_t>(of[i].site)].now[of[i].r] = a[i];
+  return a;
+}
+
+QuantizedTensor& Precision::kept(Site& s, Role r, int64_t blk) {
+  if (blk < 0) return r == input ? s.x : s.dy;
+  std::vector<QuantizedTensor>& v = r == input ? s.block_x : s.block_dy;
+  if (static_cast<int64_t>(v.size()) <= blk) v.resize(static_cast<size_t>(blk + 1));
+  return v[static_cast<size_t>(blk)];
 }
 
 void Precision::end_micro_batch() {
-  if (recipe_ == Recipe::delayed && recording_ && !groups_.per_step) update_histories(groups_.dense, groups_.expert);
+  if (recipe_ == Recipe::delayed && recording_ && !groups_.layout) update_histories(groups_.dense, groups_.expert);
   recording_ = false;
 }
 
 void Precision::end_step() {
-  if (recipe_ == Recipe::delayed && groups_.per_step) update_histories(groups_.dense_step, groups_.expert_step);
+  if (recipe_ == Recipe::delayed && groups_.layout) update_histories(groups_.dense_step, groups_.expert_step);
 }
 
 void Precision::update_histories(Communicator* dense, Communicator* expert_group) {
@@ -203,7 +214,10 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
         sr.enabled = true;
         sr.seed = seed_;
         sr.step = static_cast<uint64_t>(step_);
-        sr.tensor_id = static_cast<uint64_t>(site) * 4 + usage;
+        // The site's index in the whole model under layout (an expert's index in its layer: the same
+        // on any expert-parallel layout); run mode keeps the index on this rank.
+        const int64_t id = groups_.layout ? sites_[static_cast<size_t>(site)].global_index : site;
+        sr.tensor_id = static_cast<uint64_t>(id) * 4 + usage;
         sr.index_base = micro_ * n;
       }
       if (k_along_cols) {
@@ -223,17 +237,17 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
 bool Precision::per_tensor() const { return recipe_ == Recipe::delayed || recipe_ == Recipe::tensorwise; }
 
 void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N,
-                           int64_t out, int64_t in, const GemmOptions& opt) {
+                           int64_t out, int64_t in, const GemmOptions& opt, int64_t blk) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A = quantise(per_tensor() ? s.x : qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
+  const GemmOperand A = quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
   const GemmOperand B = quantise(s.w, tb_, w, out, in, Trans::T, true, weight, site, 0);
   gemm(y, ldy, A, B, N, out, in, opt);
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
-                           int64_t in, const GemmOptions& opt) {
+                           int64_t in, const GemmOptions& opt, int64_t blk) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A = quantise(per_tensor() ? s.dy : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
+  const GemmOperand A = quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
   // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
   // quantisation is the same both ways, so fprop's serves.
   const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0)
@@ -242,7 +256,7 @@ void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float*
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
-                           int64_t in) {
+                           int64_t in, int64_t blk) {
   GemmOptions acc;
   acc.accumulate = true;
   if (recipe_ == Recipe::nvfp4) {
@@ -255,8 +269,8 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
     return;
   }
   if (per_tensor()) {  // one scale for the whole tensor: the quantisations of fprop and dgrad serve
-    const Site& s = sites_[static_cast<size_t>(site)];
-    gemm(dw, in, gemm_operand(s.dy, Trans::T), gemm_operand(s.x, Trans::N), out, in, N, acc);
+    Site& s = sites_[static_cast<size_t>(site)];
+    gemm(dw, in, gemm_operand(kept(s, grad, blk), Trans::T), gemm_operand(kept(s, input, blk), Trans::N), out, in, N, acc);
     return;
   }
   const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1);
@@ -292,48 +306,70 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
 }
 
+template <typename F>
+void Precision::for_each_block(const int64_t* offsets, const ExpertBlocks* blocks, int64_t E, F f) {
+  const int64_t S = blocks ? blocks->sources : 1;
+  const int64_t* seg = blocks ? blocks->segments : offsets;
+  const int64_t own = micro_;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t r0 = seg[e * S + s], rows = seg[e * S + s + 1] - r0;
+      if (rows == 0) continue;
+      if (blocks) micro_ = own + (s - blocks->self) * blocks->micros;  // the block's micro-batch keys its draws
+      f(e, blocks ? s : -1, r0, rows);
+    }
+  micro_ = own;
+}
+
 void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets,
-                              int64_t E, int64_t out, int64_t in) {
+                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks) {
   const float* bias = b >= 0 ? ps.weight(b) : nullptr;
   if (recipe(w) == Recipe::none) {
+    LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
   } else {
+    const int64_t S = blocks ? blocks->sources : 1;
+    const int64_t* seg = blocks ? blocks->segments : offsets;
+    std::vector<float> now;  // tensorwise, per expert: each block's input amax, then the weight's
     if (recipe(w) == Recipe::tensorwise) {
       std::vector<AmaxOf> of;
       for (int64_t e = 0; e < E; ++e) {
-        const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-        of.push_back({first_site_[w] + e, input, x + r0 * in, rows * in});
+        for (int64_t s = 0; s < S; ++s) {
+          const int64_t r0 = seg[e * S + s], rows = seg[e * S + s + 1] - r0;
+          of.push_back({first_site_[w] + e, input, x + r0 * in, rows * in});
+        }
         of.push_back({first_site_[w] + e, weight, ps.weight(w) + e * out * in, out * in});
       }
-      current_amaxes(of);
+      now = current_amaxes(of);
     }
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-      if (rows == 0) continue;
+    for_each_block(offsets, blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
+      if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[input] = now[e * (S + 1) + s];
       GemmOptions opt;
       if (bias) opt.bias = bias + e * out;
-      gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt);
-    }
+      gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt, s);
+    });
   }
   round(y, offsets[E] * out);
 }
 
 void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets,
-                              int64_t E, int64_t out, int64_t in) {
+                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks) {
   if (recipe(w) == Recipe::none) {
+    LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
   } else {
+    const int64_t S = blocks ? blocks->sources : 1;
+    const int64_t* seg = blocks ? blocks->segments : offsets;
+    std::vector<float> now;  // tensorwise: each block's gradient amax
     if (recipe(w) == Recipe::tensorwise) {
       std::vector<AmaxOf> of;
-      for (int64_t e = 0; e < E; ++e)
-        of.push_back({first_site_[w] + e, grad, dy + offsets[e] * out, (offsets[e + 1] - offsets[e]) * out});
-      current_amaxes(of);
+      for (int64_t k = 0; k < E * S; ++k) of.push_back({first_site_[w] + k / S, grad, dy + seg[k] * out, (seg[k + 1] - seg[k]) * out});
+      now = current_amaxes(of);
     }
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-      if (rows > 0)
-        gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, {});
-    }
+    for_each_block(offsets, blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
+      if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[grad] = now[e * S + s];
+      gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, {}, s);
+    });
   }
   round(dx, offsets[E] * in);
 }
@@ -351,6 +387,17 @@ void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* d
     gemm_wgrad(first_site_[w] + e, ps.grad(w) + e * out * in, dy + r0 * out, x + r0 * in, rows, out, in);
     if (dbias) bias_backward(dbias + e * out, dy + r0 * out, rows, out);
   }
+}
+
+void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x,
+                                     const ExpertBlocks& blocks, int64_t E, int64_t out, int64_t in) {
+  LOCKSTEP_CHECK(recipe(w) != Recipe::none, "per-source expert blocks need a quantised recipe");
+  const int64_t S = blocks.sources;
+  for_each_block(nullptr, &blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
+    const int64_t k = e * S + s;
+    gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, s);
+    if (db) bias_backward(db + k * out, dy + r0 * out, rows, out);
+  });
 }
 
 }  // namespace lockstep

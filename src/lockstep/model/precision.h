@@ -98,7 +98,7 @@ void round_to_bf16(float* x, int64_t n);
 // (end_micro_batch), the scale becomes (format max / a) / 2^margin with a = max(amax) (algo max)
 // or amax[0] (most_recent), kept when a is 0 or not finite; then the history rotates:
 // [a0, a1, ..., a(H-1)] -> [0, a2, ..., a(H-1), a0] (the oldest, a1, drops out).
-// determinism = "layout" (AmaxGroups::per_step) makes the pass a whole step: every micro-batch of
+// determinism = "layout" (AmaxGroups::layout) makes the pass a whole step: every micro-batch of
 // the step quantises with the scale the step began with, slot 0 collects the max over all of the
 // step's micro-batches, and end_step reduces it over every rank of the step (data-parallel replicas
 // included) and updates once, as Megatron / TE do when the amax reduction runs once per step over
@@ -121,14 +121,15 @@ class Precision {
 
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
-  // etp). per_step (determinism = "layout"): delayed scaling updates once per step (AmaxHistory),
-  // reducing the step's amax over dense_step / expert_step (tp-dp-cp, etp x edp).
+  // etp). layout (determinism = "layout"): delayed scaling updates once per step (AmaxHistory),
+  // reducing the step's amax over dense_step / expert_step (tp-dp-cp, etp x edp), and stochastic
+  // rounding keys an expert's draws by its index in the layer (Site::global_index).
   struct AmaxGroups {
     Communicator* dense = nullptr;
     Communicator* expert = nullptr;
     Communicator* dense_eval = nullptr;
     Communicator* expert_eval = nullptr;
-    bool per_step = false;
+    bool layout = false;
     Communicator* dense_step = nullptr;
     Communicator* expert_step = nullptr;
   };
@@ -142,8 +143,8 @@ class Precision {
   Recipe recipe(int w) const;
 
   // Training micro-batches: begin keys stochastic rounding (global micro-batch index `micro` of
-  // step `step`) and turns amax recording on; end applies delayed scaling's update, or with
-  // per_step leaves it to end_step, which every rank calls after the step's last micro-batch.
+  // step `step`) and turns amax recording on; end applies delayed scaling's update, or under
+  // layout leaves it to end_step, which every rank calls after the step's last micro-batch.
   void begin_micro_batch(uint64_t seed, int64_t step, int64_t micro);
   void end_micro_batch();
   void end_step();
@@ -163,14 +164,31 @@ class Precision {
              const GemmOptions& opt = {}, bool partial = false);
   void wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
 
+  // determinism = "layout" under expert parallelism (model/moe/experts.h): expert e's rows come in
+  // `sources` blocks, block (e, s) = rows [segments[e * sources + s], segments[e * sources + s + 1]),
+  // each one micro-batch of source s, whose global index is this rank's micro-batch + (s - self) x
+  // micros (the expert-parallel group's micro-batches are its sources' runs of `micros`, in source
+  // order). Each block is quantised as one process quantises expert e's rows of that micro-batch:
+  // as its own tensor (its own current scale; blocks along its own tokens; stochastic rounding keyed
+  // by that micro-batch and the expert's index in the layer), and its GEMMs run on it alone.
+  struct ExpertBlocks {
+    const int64_t* segments = nullptr;  // (E x sources + 1)
+    int64_t sources = 1, self = 0, micros = 1;
+  };
+
   // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
-  // weight w (E, out, in), bias b (E, out) or -1; y (R, out), x (R, in).
+  // weight w (E, out, in), bias b (E, out) or -1; y (R, out), x (R, in). With blocks (quantised
+  // recipes only), per (expert, source) block.
   void grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets, int64_t E,
-                     int64_t out, int64_t in);
+                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr);
   void grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets, int64_t E,
-                     int64_t out, int64_t in);
+                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr);
   void grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x, const int64_t* offsets,
                      int64_t E, int64_t out, int64_t in);
+  // The weight gradient per block (quantised recipes): dw (E x sources, out, in) and db (E x
+  // sources, out) or null, block (e, s) += dy^T x and the column sums of dy over its rows.
+  void grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x, const ExpertBlocks& blocks,
+                            int64_t E, int64_t out, int64_t in);
 
   // Delayed scaling's state, one entry per quantised tensor, named
   // "<weight name>[.<expert>].{input,weight,grad}" with the expert's index on this rank, and in
@@ -182,13 +200,14 @@ class Precision {
     AmaxHistory* history;
   };
   std::vector<NamedHistory> amax_histories();
-  // Whether delayed scaling updates once per step (AmaxGroups::per_step).
-  bool per_step() const { return groups_.per_step; }
+  // Whether delayed scaling updates once per step (AmaxGroups::layout).
+  bool layout() const { return groups_.layout; }
 
  private:
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string name, global_name;  // the expert's index on this rank / in the layer
+    int64_t global_index = 0;       // the site's index with every expert of every layer counted (layout's SR key)
     bool expert = false;  // reduced over the expert group
     AmaxHistory state[3];
     float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
@@ -196,6 +215,7 @@ class Precision {
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
     // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad).
     QuantizedTensor x, w, dy;
+    std::vector<QuantizedTensor> block_x, block_dy;  // the same per source block (ExpertBlocks)
   };
   // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with
   // its K along x's columns (k_along_cols) or rows; a recipe that blocks only along rows quantises
@@ -211,16 +231,25 @@ class Precision {
     const float* x;
     int64_t n;
   };
-  void current_amaxes(const std::vector<AmaxOf>& of);
+  // Returns the reduced values too (in the order of `of`).
+  std::vector<float> current_amaxes(const std::vector<AmaxOf>& of);
+  // The operand of role r (input or grad) kept for wgrad: the site's, or source block blk's.
+  QuantizedTensor& kept(Site& s, Role r, int64_t blk);
   void reduce_amax(float* a, int64_t n, bool expert);
   // Delayed scaling: every history's staged amax, max-reduced over dense / expert, becomes its
   // scale's source; the histories rotate (AmaxHistory).
   void update_histories(Communicator* dense, Communicator* expert);
+  // blk: the source block being computed (ExpertBlocks), -1 for none.
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
-                  int64_t in, const GemmOptions& opt);
+                  int64_t in, const GemmOptions& opt, int64_t blk = -1);
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
-                  const GemmOptions& opt);
-  void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in);
+                  const GemmOptions& opt, int64_t blk = -1);
+  void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
+                  int64_t blk = -1);
+  // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
+  // when null: s = -1), with stochastic rounding keyed by the block's micro-batch.
+  template <typename F>
+  void for_each_block(const int64_t* offsets, const ExpertBlocks* blocks, int64_t E, F f);
 
   bool bf16_ = false;
   Recipe recipe_ = Recipe::none;

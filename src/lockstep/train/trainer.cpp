@@ -210,7 +210,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (own_micro_batch) {
     amax_dense_step.emplace(comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp)));
     amax_expert_step.emplace(comm.split_groups(mesh.groups(MeshGroup::etp_edp)));
-    amax_groups.per_step = true;
+    amax_groups.layout = true;
     amax_groups.dense_step = &*amax_dense_step;
     amax_groups.expert_step = &*amax_expert_step;
   }

@@ -15,7 +15,8 @@ namespace lockstep {
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
-    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), swiglu(m.activation == "swiglu"),
+    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), self(shard.first / E_),
+      swiglu(m.activation == "swiglu"),
       has_proj_bias(m.bias), etp_size(shard.etp_size) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
@@ -110,18 +111,26 @@ void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t
 
 }  // namespace
 
+const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
+  if (layout_micros == 0 || sources == 1 || p.recipe(fc_w) == Precision::Recipe::none) return nullptr;
+  LOCKSTEP_CHECK(segments && etp_size == 1, "quantised expert blocks under expert tensor parallelism (refused by the config)");
+  qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
+  return &qblocks;
+}
+
 void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* out, const float* x,
-                             const int64_t* offsets) const {
+                             const int64_t* offsets, const int64_t* segments) const {
   Precision& p = ps.precision();
   const int64_t R = offsets[E];
-  p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C);
+  const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
+  p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C, qb);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
   LOCKSTEP_CHECK(!partial() || p.recipe(proj_w) == Precision::Recipe::none,
                  "quantised expert GEMMs are not segmented: refused with expert tensor parallelism under layout");
   if (!kseg.on() || p.recipe(proj_w) != Precision::Recipe::none) {
-    p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F);
+    p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb);
     return;
   }
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
@@ -155,10 +164,11 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   Precision& p = ps.precision();
   const int64_t R = offsets[E], Fw = fc_width(), S = sources;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
-  // then the rank-order sum (config refuses quantised GEMMs there: their scales would span sources).
+  // then the rank-order sum (quantised per block in layout mode; see the header).
   // Layout mode: the blocks hold this micro-batch only (a tree push zeroes its block) and the
   // parameter gradients are written after the last one. first_tree: the buffer's first tree.
   const bool last = layout_micros == 0 || micro == layout_micros - 1;
+  const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const size_t blocks = static_cast<size_t>(E * S), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * S);
@@ -168,7 +178,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
     if (S == 1) return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
-    grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
+    if (qb) p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
+    else grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
     if (layout_micros) {
       push(dw, first_tree);
       if (b >= 0) push(db, first_tree + blocks);
@@ -177,13 +188,13 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
     sum_sources(ps.grad(w), dw.data(), E, S, nout * nin, layout_micros > 0);
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout, layout_micros > 0);
   };
-  p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F);
+  p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   if (!kseg.on() || p.recipe(fc_w) != Precision::Recipe::none) {
-    p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C);
+    p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb);
   } else {  // layout mode: K = the hidden units of each section, segmented (a raw part under etp)
     grouped_gemm_segmented(dx, gemm_operand(s.dfc, Fw, Trans::N), gemm_operand(ps.weight(fc_w), C, Trans::N), nullptr,
                            offsets, E, C, Fw, kseg);

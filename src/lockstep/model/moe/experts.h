@@ -42,6 +42,15 @@
 // sums them with ReduceOp::tree_sum (expert_tensor_parallel.h), then finish_proj adds the proj bias
 // and rounds: bitwise one process. Quantised expert GEMMs (fp8 / fp4) are not segmented (the config
 // refuses them with expert tensor parallelism under layout).
+//
+// Quantised recipes (fp8 / fp4) in layout mode with several sources (expert parallelism): one
+// process quantises expert e's rows of one micro-batch as one tensor, so every quantised GEMM here
+// runs per (expert, source) block, each block its own tensor (Precision::ExpertBlocks: its own
+// scale, blocks along its own tokens, stochastic rounding keyed by its source's micro-batch and the
+// expert's index in the layer), and the weight gradient of each block is the quantised wgrad of
+// that block. In run mode the blocks' weight gradients are the fp32 GEMM on the unquantised rows
+// (not what one process computes there; the forward and input-gradient GEMMs are quantised per
+// expert over all sources' rows).
 #pragma once
 
 #include <string>
@@ -52,6 +61,7 @@
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/model/precision.h"
 
 namespace lockstep {
 
@@ -77,8 +87,10 @@ struct GroupedExperts {
   GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t E,
                  int64_t F_global, int64_t max_rows, const ExpertShard& shard = ExpertShard{});
 
-  // out (R, C) = expert_e(x) on the rows of each expert e.
-  void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets) const;
+  // out (R, C) = expert_e(x) on the rows of each expert e. segments: as backward's (null with one
+  // source).
+  void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
+               const int64_t* segments = nullptr) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
   // (expert e, source s) at [e * sources + s] (= offsets with one source).
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
@@ -95,9 +107,13 @@ struct GroupedExperts {
   void finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const;
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
+  // Layout mode with several sources and a quantised recipe: the (expert, source) blocks the
+  // quantised GEMMs run on (see above); else null.
+  const Precision::ExpertBlocks* quantised_blocks(const Precision& p, const int64_t* segments) const;
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
+  int64_t self = 0;                          // this rank's index among the sources (expert parallelism)
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
   int64_t etp_size = 1;
   KSegments kseg;                              // this rank's K segments (layout mode)
@@ -110,6 +126,7 @@ struct GroupedExperts {
   int64_t layout_micros = 0;
   mutable std::vector<TreeSum> trees;
   mutable int64_t micro = 0;
+  mutable Precision::ExpertBlocks qblocks;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 

@@ -199,7 +199,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
     if (experts_.partial()) experts_.finish_proj(ps, *groups_.etp, arena(rows_out_), dispatcher_->offsets());
   } else {
-    experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets());
+    experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments());
   }
   trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
   const float* base = in;
