@@ -702,8 +702,8 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
     return;
   }
   // Each segment's chain goes to its own scratch matrix; the S partial products are summed along
-  // the canonical tree (core/tree_sum.h), then added to the init: rare (tensor-parallel reductions
-  // under determinism = "layout"), so simplicity wins over the extra passes.
+  // the canonical tree (core/tree_sum.h), then added to the init (tensor-parallel reductions under
+  // determinism = "layout": S - 1 extra passes over M x N, small against the products).
   const auto seg = opt.k_segments;
   const std::span<const int64_t> whole(&K, 1);
   const auto sections = opt.k_sections.empty() ? whole : opt.k_sections;
@@ -718,10 +718,12 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
     width += sections[j];
   }
   LOCKSTEP_CHECK(width == K, "gemm k_sections sum to ", width, ", not K=", K);
-  std::vector<float> partial(static_cast<size_t>(S * MN));
-  std::vector<const float*> leaves(static_cast<size_t>(S));
+  // Scratch kept per thread across calls: no allocation (and no page faults) in steady state.
+  thread_local std::vector<float> scratch;
+  if (static_cast<int64_t>(scratch.size()) < S * MN) scratch.resize(static_cast<size_t>(S * MN));
+  float* partial = scratch.data();
   for (int64_t s = 0; s < S; ++s) {
-    float* P = partial.data() + s * MN;
+    float* P = partial + s * MN;
     int64_t at = 0;  // where section j starts in K
     for (int64_t j = 0; j < J; ++j) {
       const int64_t k0 = at + seg[j * (S + 1) + s], k1 = at + seg[j * (S + 1) + s + 1];
@@ -730,25 +732,38 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
       // K runs along A's stored columns for A, along its rows for A^T; the other way round for B.
       const GemmOperand As = A.trans == Trans::N ? gemm_operand_at(A, 0, k0) : gemm_operand_at(A, k0, 0);
       const GemmOperand Bs = B.trans == Trans::T ? gemm_operand_at(B, 0, k0) : gemm_operand_at(B, k0, 0);
-      // The first part starts the segment's chain from 0, the next ones continue it.
+      // The first part starts the segment's chain from 0, the next ones continue it (K = 0 writes
+      // the 0: every element of P is written).
       GemmOptions part;
       part.accumulate = j > 0;
       run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, part, "gemm segment"));
     }
-    leaves[s] = P;
   }
-  float* sum = partial.data() + (S - 1) * MN;  // tree_sum's output may alias the last leaf
+  // The canonical tree over the segments, whole contiguous rows at a time: segments [s0, s1) into
+  // segment s0, split at canonical_split as core/tree_sum.h defines it.
   const Init init = p.init;
   parallel_for(M, [&](int64_t i0, int64_t i1) {
-    std::vector<const float*> row(static_cast<size_t>(S));
-    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S) * N));
+    const int64_t a = i0 * N, b = i1 * N;
+    const auto tree = [&](const auto& self, int64_t s0, int64_t s1) -> void {
+      if (s1 - s0 == 1) return;
+      const int64_t h = canonical_split(s1 - s0);
+      self(self, s0, s0 + h);
+      self(self, s0 + h, s1);
+      float* x = partial + s0 * MN;
+      const float* y = partial + (s0 + h) * MN;
+      for (int64_t k = a; k < b; ++k) x[k] = x[k] + y[k];
+    };
+    tree(tree, 0, S);
     for (int64_t i = i0; i < i1; ++i) {
-      for (int64_t s = 0; s < S; ++s) row[s] = leaves[s] + i * N;
-      tree_sum(sum + i * N, row.data(), S, N, stack.data());
       float* c = C + i * ldc;
-      const float* q = sum + i * N;
-      for (int64_t j = 0; j < N; ++j)
-        c[j] = init == Init::kC ? c[j] + q[j] : init == Init::kBias ? opt.bias[j] + q[j] : q[j];
+      const float* q = partial + i * N;
+      if (init == Init::kC) {
+        for (int64_t j = 0; j < N; ++j) c[j] = c[j] + q[j];
+      } else if (init == Init::kBias) {
+        for (int64_t j = 0; j < N; ++j) c[j] = opt.bias[j] + q[j];
+      } else {
+        std::memcpy(c, q, static_cast<size_t>(N) * sizeof(float));
+      }
     }
   });
 }
