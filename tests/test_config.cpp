@@ -158,7 +158,7 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
         "precision.fp8=mxfp8"},
        "config: determinism = \"layout\" with precision.fp8 = \"mxfp8\" / precision.fp4 = \"none\" and "
        "parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches, so its scales and "
-       "blocks span them, and its quantised GEMMs are not cut into canonical segments; use parallel.expert_tensor = 1"},
+       "blocks span them; use parallel.expert_tensor = 1"},
       {{"determinism=layout", "parallel.pipeline=2"},
        "config: determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
        "embedding's gradient would be the sum of a first-stage and a last-stage part, which is not canonicalised yet; "

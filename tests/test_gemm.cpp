@@ -491,7 +491,7 @@ TEST(GemmOperands, GroupedExpertsEqualTheFp32GroupedGemm) {
 // over segments of chains over slice s of every section, then the bias; and the property expert tensor
 // parallelism relies on: P ranks each computing their block of S / P segments on their slices of
 // the operands (no bias), combined along the canonical tree over ranks, then the bias, give the same
-// bits. Also 1, 2, 3 threads and a double reference.
+// bits. Also 1, 2, 3 threads, a double reference and one gemm() per expert with k_segment_bounds.
 TEST(GroupedGemm, SegmentedIsTheTreeOverSegmentsAndSplitsOverRanks) {
   const int64_t E = 3, Nout = 19, S = 4, f = 3, R = 12;
   const int64_t offsets[] = {0, 5, 5, 12};  // expert 1 has no rows
@@ -534,6 +534,20 @@ TEST(GroupedGemm, SegmentedIsTheTreeOverSegmentsAndSplitsOverRanks) {
           });
         }
         ASSERT_TRUE(testing::all_close(want, ref, 1e-5, 1e-5, what));
+        {  // one gemm per expert with the same cut as gemm options
+          std::vector<float> got(want.size());
+          GemmOptions opt;
+          const KSegmentBounds bounds = k_segment_bounds(KSegments{S, X}, K);
+          bounds.apply(opt);
+          for (int64_t e = 0; e < E; ++e) {
+            opt.bias = b ? b + e * Nout : nullptr;
+            const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+            if (rows > 0)
+              gemm(got.data() + r0 * Nout, Nout, A.data() + r0 * K, K, Trans::N, W.data() + e * Nout * K,
+                   tw == Trans::T ? K : Nout, tw, rows, Nout, K, opt);
+          }
+          ASSERT_TRUE(bitwise_equal(got, want, what + ", gemm per expert"));
+        }
         for (int64_t P : {2, 4}) {
           // Rank r: slices [r S/P f, (r + 1) S/P f) of every section, of A's columns and W's K.
           const int64_t Kr = K / P, sr = section / P;

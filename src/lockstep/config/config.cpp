@@ -636,8 +636,8 @@ void validate_layout_determinism(const Config& c) {
   if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),
-           "an expert's tokens come from several ranks' micro-batches, so its scales and blocks span them, and its "
-           "quantised GEMMs are not cut into canonical segments; use parallel.expert_tensor = 1");
+           "an expert's tokens come from several ranks' micro-batches, so its scales and blocks span them; use "
+           "parallel.expert_tensor = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
            "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "

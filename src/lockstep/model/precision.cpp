@@ -322,12 +322,18 @@ void Precision::for_each_block(const int64_t* offsets, const ExpertBlocks* block
 }
 
 void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets,
-                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks) {
-  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
+                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
+                              bool partial) {
+  const float* bias = b >= 0 && !partial ? ps.weight(b) : nullptr;
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
-    grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
+    if (seg.on())
+      grouped_gemm_segmented(y, gemm_operand(x, in, Trans::N), gemm_operand(ps.weight(w), in, Trans::T), bias, offsets,
+                             E, out, in, seg);
+    else
+      grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
   } else {
+    const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, in) : KSegmentBounds{};
     const int64_t S = blocks ? blocks->sources : 1;
     const int64_t* seg = blocks ? blocks->segments : offsets;
     std::vector<float> now;  // tensorwise, per expert: each block's input amax, then the weight's
@@ -346,18 +352,27 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
       if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[input] = now[e * (S + 1) + s];
       GemmOptions opt;
       if (bias) opt.bias = bias + e * out;
+      bounds.apply(opt);
       gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt, s);
     });
   }
-  round(y, offsets[E] * out);
+  if (!partial) round(y, offsets[E] * out);
 }
 
 void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets,
-                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks) {
+                              int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
+                              bool partial) {
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
-    grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
+    if (seg.on())
+      grouped_gemm_segmented(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N), nullptr,
+                             offsets, E, in, out, seg);
+    else
+      grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
   } else {
+    GemmOptions opt;
+    const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, out) : KSegmentBounds{};
+    bounds.apply(opt);
     const int64_t S = blocks ? blocks->sources : 1;
     const int64_t* seg = blocks ? blocks->segments : offsets;
     std::vector<float> now;  // tensorwise: each block's gradient amax
@@ -368,10 +383,10 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
     }
     for_each_block(offsets, blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
       if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[grad] = now[e * S + s];
-      gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, {}, s);
+      gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, opt, s);
     });
   }
-  round(dx, offsets[E] * in);
+  if (!partial) round(dx, offsets[E] * in);
 }
 
 void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x,

@@ -81,6 +81,7 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/kernels/cpu/quantize.h"
 
 namespace lockstep {
@@ -178,11 +179,17 @@ class Precision {
 
   // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
   // weight w (E, out, in), bias b (E, out) or -1; y (R, out), x (R, in). With blocks (quantised
-  // recipes only), per (expert, source) block.
+  // recipes only), per (expert, source) block. seg (determinism = "layout"): K (fprop's in, dgrad's
+  // out: an expert's hidden units) cut into canonical segments (grouped_gemm.h
+  // grouped_gemm_segmented; quantised: the same cut as gemm's k_segments per expert or block);
+  // partial: an expert-tensor-parallel rank's part of the sum, without the bias and not rounded (the
+  // caller adds and rounds after the group's sum).
   void grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets, int64_t E,
-                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr);
+                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr, const KSegments& seg = {},
+                     bool partial = false);
   void grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets, int64_t E,
-                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr);
+                     int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr, const KSegments& seg = {},
+                     bool partial = false);
   void grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x, const int64_t* offsets,
                      int64_t E, int64_t out, int64_t in);
   // The weight gradient per block (quantised recipes): dw (E x sources, out, in) and db (E x

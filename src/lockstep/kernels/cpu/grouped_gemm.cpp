@@ -138,4 +138,13 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
   });
 }
 
+KSegmentBounds k_segment_bounds(const KSegments& seg, int64_t K) {
+  const int64_t S = seg.segments, X = seg.sections, f = K / (S * X);
+  KSegmentBounds b;
+  b.sections.assign(static_cast<size_t>(X), K / X);
+  for (int64_t x = 0; x < X; ++x)
+    for (int64_t s = 0; s <= S; ++s) b.segments.push_back(s * f);
+  return b;
+}
+
 }  // namespace lockstep

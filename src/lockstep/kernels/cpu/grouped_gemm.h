@@ -18,6 +18,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "lockstep/kernels/cpu/gemm.h"
 
@@ -64,7 +65,18 @@ struct KSegments {
   bool on() const { return segments > 0; }
 };
 // As grouped_gemm (not accumulating); segments a power of two, K divisible by segments x sections.
+// Bitwise one gemm() per expert with the options of k_segment_bounds (gemm.h's k_segments and
+// k_sections), in one parallel region for all experts.
 void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
                             const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg);
+// seg's cut of K as gemm options: k_segments (sections x (segments + 1) boundaries), k_sections.
+struct KSegmentBounds {
+  std::vector<int64_t> segments, sections;
+  void apply(GemmOptions& opt) const {
+    opt.k_segments = segments;
+    opt.k_sections = sections;
+  }
+};
+KSegmentBounds k_segment_bounds(const KSegments& seg, int64_t K);
 
 }  // namespace lockstep

@@ -127,17 +127,8 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
-  LOCKSTEP_CHECK(!partial() || p.recipe(proj_w) == Precision::Recipe::none,
-                 "quantised expert GEMMs are not segmented: refused with expert tensor parallelism under layout");
-  if (!kseg.on() || p.recipe(proj_w) != Precision::Recipe::none) {
-    p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb);
-    return;
-  }
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
-  const float* bias = proj_b >= 0 && !partial() ? ps.weight(proj_b) : nullptr;
-  grouped_gemm_segmented(out, gemm_operand(arena(act), F, Trans::N), gemm_operand(ps.weight(proj_w), F, Trans::T),
-                         bias, offsets, E, C, F, KSegments{kseg.segments, 1});
-  if (!partial()) p.round(out, R * C);
+  p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb, KSegments{kseg.segments, 1}, partial());
 }
 
 void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const {
@@ -193,13 +184,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
-  if (!kseg.on() || p.recipe(fc_w) != Precision::Recipe::none) {
-    p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb);
-  } else {  // layout mode: K = the hidden units of each section, segmented (a raw part under etp)
-    grouped_gemm_segmented(dx, gemm_operand(s.dfc, Fw, Trans::N), gemm_operand(ps.weight(fc_w), C, Trans::N), nullptr,
-                           offsets, E, C, Fw, kseg);
-    if (!partial()) p.round(dx, R * C);
-  }
+  // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
+  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial());
   wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
   ++micro;
 }

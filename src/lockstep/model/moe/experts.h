@@ -40,8 +40,9 @@
 // expert tensor parallelism over P ranks, rank r holds segments [r S/P, (r + 1) S/P) (its hidden
 // units) and its outputs are the raw tree over them (partial(): no bias, not rounded); the group
 // sums them with ReduceOp::tree_sum (expert_tensor_parallel.h), then finish_proj adds the proj bias
-// and rounds: bitwise one process. Quantised expert GEMMs (fp8 / fp4) are not segmented (the config
-// refuses them with expert tensor parallelism under layout).
+// and rounds: bitwise one process. Quantised expert GEMMs (fp8 / fp4) are segmented the same way
+// (gemm.h k_segments per expert or block); the config refuses them with expert tensor parallelism
+// under layout (an expert's rows there come from several ranks' micro-batches at once).
 //
 // Quantised recipes (fp8 / fp4) in layout mode with several sources (expert parallelism): one
 // process quantises expert e's rows of one micro-batch as one tensor, so every quantised GEMM here
