@@ -214,5 +214,63 @@ TEST(CrossEntropy, BitwiseAcrossThreadCounts) {
   }
 }
 
+// determinism = "layout": the canonical vocabulary segments (cross_entropy.h) against the double
+// reference, with a vocabulary that S does not divide, ignored targets and masked logits, on 1 to 3
+// threads bitwise. Across tensor-parallel shard counts: test_tensor_parallel.cpp.
+TEST(CrossEntropy, LayoutSegmentsMatchReferenceAndThreads) {
+  const int64_t N = 9, ld = kXentChunk + 70;
+  for (const int64_t V : {int64_t{100}, kXentChunk + 61}) {
+    for (const int64_t S : {1, 2, 8}) {
+      auto x0 = randn(N * ld, 31, "logits", 3.0f);
+      for (int64_t v = 0; v < V; v += 7) x0[2 * ld + v] = -std::numeric_limits<float>::infinity();
+      auto targets = random_ints(N, V, 31, "targets");
+      targets[4] = -1;
+      targets[2] = 1;  // not a masked logit
+      const auto xd = testing::to_double(x0);
+      std::vector<double> ref_l = ref_losses(xd, targets, V, ld), ref_g = ref_grad(xd, targets, V, ld, 0.25);
+      std::vector<float> losses[4], fwd[4], grads[4];
+      for (int threads = 1; threads <= 3; ++threads) {
+        losses[threads].assign(N, 1.0f);
+        fwd[threads].assign(N, 1.0f);
+        grads[threads] = x0;
+        std::vector<float> scratch(3 * N), copy = x0;
+        with_threads(threads, [&] {
+          cross_entropy_segments(fwd[threads].data(), copy.data(), targets.data(), N, V, ld, S, false, 0.0f,
+                                 scratch.data());
+          cross_entropy_segments(losses[threads].data(), grads[threads].data(), targets.data(), N, V, ld, S, true,
+                                 0.25f, scratch.data());
+        });
+        EXPECT_TRUE(bitwise_equal(copy, x0, "forward only leaves the logits alone"));
+      }
+      EXPECT_TRUE(all_close(losses[1].data(), ref_l.data(), N, 1e-5, 1e-5));
+      std::vector<float> g(N * V);
+      std::vector<double> gr(N * V);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t v = 0; v < V; ++v) {
+          g[n * V + v] = grads[1][n * ld + v];
+          gr[n * V + v] = ref_g[n * ld + v];
+        }
+      EXPECT_TRUE(all_close(g.data(), gr.data(), N * V, 1e-6, 1e-5));
+      EXPECT_TRUE(bitwise_equal(padding(grads[1], N, V, ld), padding(x0, N, V, ld), "padding"));
+      for (int threads = 1; threads <= 3; ++threads) {
+        EXPECT_TRUE(bitwise_equal(fwd[threads], losses[1], "forward = forward-backward losses"));
+        EXPECT_TRUE(bitwise_equal(losses[1], losses[threads], "losses"));
+        EXPECT_TRUE(bitwise_equal(grads[1], grads[threads], "dlogits"));
+      }
+    }
+  }
+}
+
+TEST(CrossEntropy, LayoutSegmentsRejectTargetOutsideVocabulary) {
+  const int64_t N = 2, V = 16;
+  auto x = randn(N * V, 3, "logits");
+  const std::vector<int32_t> targets = {3, 16};
+  std::vector<float> losses(N), scratch(3 * N);
+  EXPECT_NE(testing::user_error_of([&] {
+              cross_entropy_segments(losses.data(), x.data(), targets.data(), N, V, V, 4, true, 1.0f, scratch.data());
+            }).find("target 16 at row 1"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace lockstep

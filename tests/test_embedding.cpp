@@ -5,6 +5,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -166,6 +167,47 @@ TEST(BiasBackward, MatchesReferenceAndRowOrder) {
       with_threads(threads, [&] { bias_backward(dbias.data(), dout.data(), N, C); });
       EXPECT_TRUE(testing::all_close(dbias, ref, 1e-5, 1e-5, "dbias"));
       EXPECT_TRUE(bitwise_equal(dbias, serial, "dbias vs serial row order"));
+    }
+  }
+}
+
+// determinism = "layout": S token segments, each summed from zero in row order, then the canonical
+// tree over them, then added to dbias: against that definition written out serially, on 1 to 3
+// threads; and P parts of the rows with S / P segments each, combined along the canonical tree over
+// the parts, give the same bits (the sequence-parallel split).
+TEST(BiasBackward, LayoutTokenSegments) {
+  const int64_t N = 64;
+  for (int64_t C : {1, 37, 100}) {
+    const auto dout = randn(N * C, 13, "dout");
+    for (const int64_t S : {1, 2, 8}) {
+      SCOPED_TRACE(::testing::Message() << "C=" << C << " S=" << S);
+      std::vector<float> want(C, 0.0f);
+      std::vector<std::vector<float>> seg(S, std::vector<float>(C, 0.0f));
+      const std::vector<int64_t> b = canonical_segments(N, S);
+      for (int64_t k = 0; k < S; ++k)
+        for (int64_t n = b[k]; n < b[k + 1]; ++n)
+          for (int64_t c = 0; c < C; ++c) seg[k][c] += dout[n * C + c];
+      std::vector<const float*> leaves;
+      for (const auto& v : seg) leaves.push_back(v.data());
+      std::vector<float> tree(C), stack(tree_sum_stack(S) * C);
+      tree_sum(tree.data(), leaves.data(), S, C, stack.data());
+      for (int64_t c = 0; c < C; ++c) want[c] = 0.0f + tree[c];
+      for (int threads = 1; threads <= 3; ++threads) {
+        std::vector<float> dbias(C, 0.0f);
+        with_threads(threads, [&] { bias_backward(dbias.data(), dout.data(), N, C, S); });
+        EXPECT_TRUE(bitwise_equal(dbias, want, "dbias"));
+      }
+      for (int64_t P = 2; P <= S; P *= 2) {
+        std::vector<std::vector<float>> parts(P, std::vector<float>(C, 0.0f));
+        std::vector<const float*> pl;
+        for (int64_t p = 0; p < P; ++p) {
+          bias_backward(parts[p].data(), dout.data() + p * (N / P) * C, N / P, C, S / P);
+          pl.push_back(parts[p].data());
+        }
+        std::vector<float> sum(C), pstack(tree_sum_stack(P) * C);
+        tree_sum(sum.data(), pl.data(), P, C, pstack.data());
+        EXPECT_TRUE(bitwise_equal(sum, want, "dbias over " + std::to_string(P) + " parts"));
+      }
     }
   }
 }

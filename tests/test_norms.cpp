@@ -1,9 +1,11 @@
 #include "lockstep/kernels/cpu/norms.h"
 
 #include <cmath>
+#include <string>
 #include <vector>
 
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -186,6 +188,79 @@ TEST(Norms, BitwiseIndependentOfThreadCount) {
       EXPECT_TRUE(bitwise_equal(r.rms_rstd, one.rms_rstd, "rmsnorm rstd"));
       EXPECT_TRUE(bitwise_equal(r.rms_dinp, one.rms_dinp, "rmsnorm dinp"));
       EXPECT_TRUE(bitwise_equal(r.rms_dw, one.rms_dw, "rmsnorm dweight"));
+    }
+  }
+}
+
+// determinism = "layout": the parameter gradients in S token segments (norms.h). One process over
+// N rows with S segments equals, bit for bit, P parts of N / P rows with S / P segments each,
+// every part's gradient from zero, combined along the canonical tree over the parts (what
+// ReduceOp::tree_sum does over a sequence-parallel group); the input gradients are per row and
+// equal too. Against the double reference, on 1 to 3 threads bitwise; one segment is the
+// unsegmented sum.
+TEST(Norms, LayoutTokenSegmentsAreSplitInvariant) {
+  for (const bool centered : {true, false}) {
+    for (auto [N, C] : {std::pair<int64_t, int64_t>{64, 300}, {32, 2100}}) {
+      const NormInputs in = make_inputs(N, C, 43);
+      const std::vector<float> dout = randn(N * C, 47, "dout");
+      std::vector<float> out(N * C), mean(N), rstd(N);
+      if (centered)
+        layernorm_forward(out.data(), mean.data(), rstd.data(), in.x.data(), in.w.data(), in.b.data(), N, C, kEps);
+      else
+        rmsnorm_forward(out.data(), rstd.data(), in.x.data(), in.w.data(), N, C, kEps);
+      struct Grads {
+        std::vector<float> dinp, dw, db;
+      };
+      // Rows [r0, r0 + rows) in `segments` segments, gradients from zero.
+      const auto backward = [&](int64_t r0, int64_t rows, int64_t segments) {
+        Grads g{std::vector<float>(rows * C), std::vector<float>(C), std::vector<float>(C)};
+        if (centered)
+          layernorm_backward(g.dinp.data(), g.dw.data(), g.db.data(), dout.data() + r0 * C, in.x.data() + r0 * C,
+                             in.w.data(), mean.data() + r0, rstd.data() + r0, rows, C, segments);
+        else
+          rmsnorm_backward(g.dinp.data(), g.dw.data(), dout.data() + r0 * C, in.x.data() + r0 * C, in.w.data(),
+                           rstd.data() + r0, rows, C, segments);
+        return g;
+      };
+      // The double reference of the parameter gradients.
+      std::vector<double> ref_dw(C, 0.0), ref_db(C, 0.0);
+      for (int64_t n = 0; n < N; ++n)
+        for (int64_t c = 0; c < C; ++c) {
+          const double xhat = (static_cast<double>(in.x[n * C + c]) - (centered ? mean[n] : 0.0f)) * rstd[n];
+          ref_dw[c] += dout[n * C + c] * xhat;
+          ref_db[c] += dout[n * C + c];
+        }
+      EXPECT_TRUE(bitwise_equal(backward(0, N, 1).dw, backward(0, N, 0).dw, "one segment = unsegmented"));
+      for (const int64_t S : {1, 2, 8}) {
+        SCOPED_TRACE(::testing::Message() << (centered ? "layernorm" : "rmsnorm") << " N=" << N << " C=" << C
+                                          << " S=" << S);
+        const Grads one = backward(0, N, S);
+        EXPECT_TRUE(all_close(one.dw, ref_dw, 1e-5, 1e-5, "dweight"));
+        if (centered) EXPECT_TRUE(all_close(one.db, ref_db, 1e-5, 1e-5, "dbias"));
+        for (int threads : {2, 3}) {
+          Grads t;
+          testing::with_threads(threads, [&] { t = backward(0, N, S); });
+          EXPECT_TRUE(bitwise_equal(t.dw, one.dw, "dweight across threads"));
+          EXPECT_TRUE(bitwise_equal(t.db, one.db, "dbias across threads"));
+        }
+        for (int64_t P = 2; P <= S; P *= 2) {
+          std::vector<Grads> parts;
+          for (int64_t p = 0; p < P; ++p) parts.push_back(backward(p * N / P, N / P, S / P));
+          std::vector<float> dw(C), db(C), stack(tree_sum_stack(P) * C);
+          std::vector<const float*> lw, lb;
+          std::vector<float> dinp;
+          for (const Grads& g : parts) {
+            lw.push_back(g.dw.data());
+            lb.push_back(g.db.data());
+            dinp.insert(dinp.end(), g.dinp.begin(), g.dinp.end());
+          }
+          tree_sum(dw.data(), lw.data(), P, C, stack.data());
+          tree_sum(db.data(), lb.data(), P, C, stack.data());
+          EXPECT_TRUE(bitwise_equal(dw, one.dw, "dweight, P = " + std::to_string(P)));
+          if (centered) EXPECT_TRUE(bitwise_equal(db, one.db, "dbias, P = " + std::to_string(P)));
+          EXPECT_TRUE(bitwise_equal(dinp, one.dinp, "dinp, P = " + std::to_string(P)));
+        }
+      }
     }
   }
 }

@@ -18,12 +18,15 @@
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/rope.h"
 #include "lockstep/model/attention.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/mlp.h"
+#include "lockstep/model/moe/shared_experts.h"
+#include "lockstep/model/norm.h"
 #include "lockstep/model/precision.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/fingerprint.h"
@@ -174,6 +177,137 @@ TEST(ExpertTensorParallel, ShardsAreTheSingleProcessWeights) {
         }
       }
     }
+  }
+}
+
+// determinism = "layout": the vocab-parallel softmax cross-entropy on tp = 1, 2, 4 ranks (each its
+// vocabulary shard) gives the one-process kernel's bits (cross_entropy_segments), losses and every
+// logit's gradient, with S = 4 and 8 canonical segments, a vocabulary that S does not divide,
+// ignored targets, masked logits and rows whose max is a signed zero.
+TEST(TensorParallelLayout, VocabParallelCrossEntropyIsTheOneProcessBits) {
+  const int64_t N = 7;
+  for (const int64_t V : {int64_t{100}, int64_t{4 * 1100}}) {
+    auto x = testing::randn(N * V, 41, "logits", 4.0f);
+    auto targets = testing::random_ints(N, V, 41, "targets");
+    targets[3] = -1;
+    for (int64_t v = 1; v < V; v += 5) x[1 * V + v] = -std::numeric_limits<float>::infinity();
+    targets[1] = 0;
+    // Row 5: every logit <= 0, the max a -0 on some shards and +0 on others.
+    for (int64_t v = 0; v < V; ++v) x[5 * V + v] = -std::fabs(x[5 * V + v]);
+    x[5 * V + 3] = -0.0f;
+    x[5 * V + V - 2] = 0.0f;
+    for (const int64_t S : {4, 8}) {
+      std::vector<float> ref_losses(N), ref_grad = x, scratch(3 * N);
+      cross_entropy_segments(ref_losses.data(), ref_grad.data(), targets.data(), N, V, V, S, true, 0.125f, scratch.data());
+      for (int P : {1, 2, 4}) {
+        const int64_t Vl = V / P;
+        std::vector<std::vector<float>> losses(P), fwd(P), grads(P);
+        run_threads(P, 30, [&](Communicator& comm) {
+          TensorParallel tp(&comm, false);
+          tp.segments = S;
+          const int r = comm.rank();
+          std::vector<float> mine(static_cast<size_t>(N * Vl)), loss_scratch;
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t v = 0; v < Vl; ++v) mine[n * Vl + v] = x[n * V + r * Vl + v];
+          std::vector<float> copy = mine;
+          fwd[r].assign(N, 0.0f);
+          losses[r].assign(N, 0.0f);
+          vocab_parallel_cross_entropy(tp, fwd[r].data(), copy.data(), targets.data(), N, V, Vl, false, 0.0f,
+                                       loss_scratch);
+          vocab_parallel_cross_entropy(tp, losses[r].data(), mine.data(), targets.data(), N, V, Vl, true, 0.125f,
+                                       loss_scratch);
+          grads[r] = mine;
+        });
+        for (int r = 0; r < P; ++r) {
+          const std::string at = "V " + std::to_string(V) + ", S " + std::to_string(S) + ", tp " + std::to_string(P) +
+                                 ", rank " + std::to_string(r);
+          EXPECT_TRUE(testing::bitwise_equal(losses[r], ref_losses, "losses, " + at));
+          EXPECT_TRUE(testing::bitwise_equal(fwd[r], ref_losses, "forward losses, " + at));
+          std::vector<float> expect(static_cast<size_t>(N * Vl));
+          for (int64_t n = 0; n < N; ++n)
+            for (int64_t v = 0; v < Vl; ++v) expect[n * Vl + v] = ref_grad[n * V + r * Vl + v];
+          EXPECT_TRUE(testing::bitwise_equal(grads[r], expect, "dlogits, " + at));
+        }
+      }
+    }
+  }
+}
+
+// determinism = "layout": the gradients of parameters that tensor parallelism replicates but whose
+// gradient sums over tokens each rank holds only some of (a norm and an MoE shared expert with bias
+// and gate here: ParamSpec::sequence_parallel) are computed in token segments
+// (ParamStore::token_segments) and summed over the group with tree_sum
+// (reduce_sequence_parallel_grads): on tp = 1, 2, 4 ranks holding N / tp rows each they are the
+// one-process bits, LayerNorm and RMSNorm, S = 4 and 8. Under "run" tp 4 parts from one process.
+TEST(TensorParallelLayout, TokenSumGradientsAreTheOneProcessBits) {
+  const int64_t N = 64, C = 32, F = 48;
+  const std::vector<float> x = testing::randn(N * C, 51, "x"), dout = testing::randn(N * C, 51, "dout");
+  for (const bool rms : {false, true}) {
+    for (const int64_t S : {0, 4, 8}) {
+      std::vector<float> one;
+      for (int P : {1, 2, 4}) {
+        std::vector<float> grads;
+        run_threads(P, 30, [&](Communicator& comm) {
+          TensorParallel tp(&comm, true);
+          tp.segments = S;
+          const int64_t rows = N / P, r0 = comm.rank() * rows;
+          ModelConfig m;
+          m.hidden_size = C;
+          m.normalization = rms ? "rmsnorm" : "layernorm";
+          ParamStore ps;
+          Arena arena;
+          const Norm norm(ps, arena, "norm", rms, C, rows, 1e-5f);
+          const SharedExpert shared(ps, arena, "shared.", m, F, true, rows);
+          if (tp.on())
+            for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) ps.set_sequence_parallel(i);
+          ps.set_layout_segments(tp.segments, tp.size);
+          const ArenaSlice normed = arena.reserve(rows * C), out = arena.reserve(rows * C);
+          ps.allocate();
+          ps.init(7);
+          arena.allocate();
+          std::vector<float> dnormed(rows * C, 0.0f), dx(rows * C, 0.0f), sdout(rows * C), sdact(rows * F),
+              sdfc(rows * F), sdx(rows * C), base(rows * C, 0.0f);
+          norm.forward(ps, arena, arena(normed), x.data() + r0 * C, rows);
+          shared.forward(ps, arena, arena(out), base.data(), arena(normed));
+          shared.backward(ps, arena, dnormed.data(), dout.data() + r0 * C, arena(normed),
+                          SharedExpertScratch{sdout.data(), sdact.data(), sdfc.data(), sdx.data()});
+          norm.backward(ps, arena, dx.data(), dnormed.data(), x.data() + r0 * C, rows);
+          reduce_sequence_parallel_grads(tp, ps);
+          if (comm.rank() == P - 1) grads.assign(ps.grads(), ps.grads() + ps.total());
+        });
+        if (P == 1) one = grads;
+        const std::string at = std::string(rms ? "rmsnorm" : "layernorm") + ", S " + std::to_string(S) + ", tp " +
+                               std::to_string(P);
+        if (S > 0) EXPECT_TRUE(testing::bitwise_equal(grads, one, "gradients, " + at));
+        if (S == 0 && P == 4) EXPECT_FALSE(testing::bitwise_equal(grads, one, "run mode, " + at));
+      }
+    }
+  }
+}
+
+// reduce_sequence_parallel_grads over a range of the table (the trainer's grads-ready hook under
+// "layout", every micro-batch): only the sequence-parallel parameters in [first, end) are summed,
+// with tree_sum under "layout" ((a + b) + (c + d) on 4 ranks) and the rank-order fold under "run".
+TEST(TensorParallelLayout, SequenceParallelReductionOfARange) {
+  for (const int64_t S : {0, 8}) {
+    run_threads(4, 30, [&](Communicator& comm) {
+      TensorParallel tp(&comm, true);
+      tp.segments = S;
+      ParamStore ps;
+      const int a = ps.add("a", {3}, Init::zeros), b = ps.add("b", {2}, Init::zeros), c = ps.add("c", {2}, Init::zeros);
+      ps.set_sequence_parallel(a);
+      ps.set_sequence_parallel(c);
+      ps.allocate();
+      // Rank values whose sums differ between ((x0 + x1) + x2) + x3 and (x0 + x1) + (x2 + x3).
+      const float v[4] = {1.0f, 1e-8f, -1.0f, 1e-8f};
+      for (int i = 0; i < static_cast<int>(ps.total()); ++i) ps.grads()[i] = v[comm.rank()];
+      reduce_sequence_parallel_grads(tp, ps, b, c + 1);
+      const float tree = (v[0] + v[1]) + (v[2] + v[3]), fold = ((v[0] + v[1]) + v[2]) + v[3];
+      ASSERT_NE(tree, fold);
+      EXPECT_EQ(ps.grad(a)[0], v[comm.rank()]);  // outside the range
+      EXPECT_EQ(ps.grad(b)[0], v[comm.rank()]);  // not sequence-parallel
+      EXPECT_EQ(ps.grad(c)[1], S ? tree : fold);
+    });
   }
 }
 

@@ -30,6 +30,17 @@ namespace lockstep {
 // The largest power of two below n (n >= 2): where the canonical tree over n leaves splits.
 inline int64_t canonical_split(int64_t n) { return int64_t{1} << (std::bit_width(static_cast<uint64_t>(n - 1)) - 1); }
 
+// determinism = "layout"'s cut of a reduction that tensor parallelism may split (a sum over tokens
+// or vocabulary columns) into S canonical segments: the S + 1 boundaries of segment s =
+// [s n / S, (s + 1) n / S) (floor). When n is divisible by P and P divides S, part p of the n / P
+// items cut into S / P segments this way gets exactly segments [p S / P, (p + 1) S / P) of the
+// whole, so a rank holding part p holds a subtree of the canonical tree over the S segments.
+inline std::vector<int64_t> canonical_segments(int64_t n, int64_t S) {
+  std::vector<int64_t> b(static_cast<size_t>(S + 1));
+  for (int64_t s = 0; s <= S; ++s) b[static_cast<size_t>(s)] = s * n / S;
+  return b;
+}
+
 // out[i] = the canonical tree sum of leaves[0][i] .. leaves[L-1][i]. stack: scratch of
 // tree_sum_stack(L) x n elements. out may alias leaves[L-1] (and no other leaf).
 template <typename T>

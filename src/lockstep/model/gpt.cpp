@@ -25,6 +25,9 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
   // config validate() names the keys; these guard other callers.
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
+  LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
+  // determinism = "layout": the token sums' segments (ParamStore::token_segments).
+  params_.set_layout_segments(tp_.segments, tp_.size);
   if (part_.chunks.empty()) part_.chunks = {{0, L_}};
   const bool whole = part_.first && part_.last && part_.chunks.size() == 1;
   const float std = static_cast<float>(m.init_std);
@@ -246,7 +249,7 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     const int64_t rows = std::min(head_rows_, N_ - r0);
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
-    if (tp_.on()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
+    if (tp_.on() || tp_.layout()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
                                                loss_scratch_);
     else if (!backward) cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
     else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);

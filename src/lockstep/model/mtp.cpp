@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/precision.h"
@@ -18,6 +19,7 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
   enorm = Norm(ps, arena, prefix + "enorm", rms, C, rows, eps);
   hnorm = Norm(ps, arena, prefix + "hnorm", rms, C, rows, eps);
   proj_w = ps.add(prefix + "eh_proj.weight", {C, 2 * C}, Init::normal, static_cast<float>(m.init_std), true);
+  ps.set_token_sum(proj_w);  // a sum over the stream's rows, which sequence parallelism splits
   proj_name = prefix + "eh_proj";
   attn = AttentionLayer(ps, arena, prefix, m, B, T, tp);
   mlp = MlpLayer(ps, arena, prefix, m, N, tp);
@@ -77,6 +79,10 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
   ps.precision().round(s.de, N * C);
   ps.precision().round(s.dhn, N * C);
+  // determinism = "layout": the weight gradient in token segments (ParamStore::token_segments).
+  const int64_t segments = ps.token_segments(proj_w);
+  const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
+  acc.k_segments = bounds;
   gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
   gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);
   trace_grad_in(proj_name, s.dhn, N * C);

@@ -9,8 +9,10 @@ namespace lockstep {
 Norm::Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms_, int64_t C_, int64_t N, float eps_)
     : name(name), rms(rms_), C(C_), eps(eps_) {
   w = ps.add(name + ".weight", {C}, Init::ones);
+  ps.set_token_sum(w);
   if (!rms) {
     b = ps.add(name + ".bias", {C}, Init::zeros);
+    ps.set_token_sum(b);
     mean = arena.reserve(N);
   }
   rstd = arena.reserve(N);
@@ -30,8 +32,10 @@ void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const f
 
 void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                     const float* inp, int64_t N) const {
-  if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.weight(w), arena(rstd), N, C);
-  else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.weight(w), arena(mean), arena(rstd), N, C);
+  const int64_t segments = ps.token_segments(w);
+  if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.weight(w), arena(rstd), N, C, segments);
+  else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.weight(w), arena(mean), arena(rstd), N, C,
+                          segments);
   ps.precision().round(dinp, N * C);
   trace_grad_in(name, dinp, N * C);
 }

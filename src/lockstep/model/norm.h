@@ -18,7 +18,9 @@ struct Norm {
   void set_sequence_parallel(ParamStore& ps) const;
 
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const;
-  // dinp += d(norm)/d(inp) applied to dout; parameter gradients accumulate.
+  // dinp += d(norm)/d(inp) applied to dout; parameter gradients accumulate, under determinism =
+  // "layout" in token segments (the weight and bias are ParamSpec::token_sum: norms.h,
+  // ParamStore::token_segments).
   void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                 const float* inp, int64_t N) const;
 

@@ -55,6 +55,11 @@ struct ParamSpec {
   // embedding of a tied output head or of the MTP depths): its gradient is summed with the owner's
   // before the update, so both stay equal; the gradient norm and checkpoints count the owner's only.
   bool stage_copy = false;
+  // Its gradient is a sum over the micro-batch's tokens that a layout may split over the
+  // tensor-parallel ranks (sequence_parallel in some layout): every norm, an MoE layer's router and
+  // shared expert, MTP's eh_proj. Under determinism = "layout" it is computed in token segments
+  // (ParamStore::token_segments) in every layout, one process included.
+  bool token_sum = false;
   bool partial() const { return !(shape == global_shape); }
 };
 
@@ -78,6 +83,24 @@ class ParamStore {
                bool decay = false, bool expert = false);
   // Marks parameter i as sequence-parallel (ParamSpec::sequence_parallel).
   void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
+  // Marks parameter i as a sum over tokens (ParamSpec::token_sum).
+  void set_token_sum(int i) { specs_[static_cast<size_t>(i)].token_sum = true; }
+  // determinism = "layout": S canonical segments (TensorParallel::segments; 0 under "run") over a
+  // tensor-parallel group of tp ranks.
+  void set_layout_segments(int64_t S, int tp) {
+    layout_segments_ = S;
+    tp_size_ = tp;
+  }
+  // The token segments parameter i's gradient is computed in over this rank's rows of a
+  // micro-batch (core/tree_sum.h canonical_segments; each segment from zero, summed along the
+  // canonical tree): 0 (one chain: "run", or not a token sum), S over all N tokens, or S / tp over
+  // the N / tp rows of a sequence-parallel parameter, which its tp group then sums with
+  // ReduceOp::tree_sum (the one-process tree over S segments).
+  int64_t token_segments(int i) const {
+    const ParamSpec& p = specs_[static_cast<size_t>(i)];
+    if (!layout_segments_ || !p.token_sum) return 0;
+    return p.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
+  }
   // Marks parameter i as a pipeline stage's copy (ParamSpec::stage_copy).
   void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].stage_copy = true; }
   // Allocates the value and gradient buffers (zeroed).
@@ -123,6 +146,8 @@ class ParamStore {
   FloatBuffer values_, grads_;
   FloatBuffer weights_;  // bf16 compute copy; empty without bf16 weights
   Precision* precision_ = nullptr;
+  int64_t layout_segments_ = 0;
+  int tp_size_ = 1;
 };
 
 }  // namespace lockstep

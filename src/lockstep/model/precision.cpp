@@ -8,6 +8,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
@@ -256,13 +257,18 @@ void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float*
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
-                           int64_t in, int64_t blk) {
+                           int64_t in, std::span<const int64_t> k_segments, int64_t blk) {
   GemmOptions acc;
   acc.accumulate = true;
+  acc.k_segments = k_segments;
   if (recipe_ == Recipe::nvfp4) {
     // (Q dy)^T (Q x) = dy^T x: the transform cancels, the quantisation sees the spread values.
     const int64_t K = hadamard_rows(ha_, dy, N, out);
     hadamard_rows(hb_, x, N, in);
+    // The zero rows that pad K belong to the last token segment (they add nothing).
+    std::vector<int64_t> padded(k_segments.begin(), k_segments.end());
+    if (!padded.empty()) padded.back() = K;
+    acc.k_segments = padded;
     const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1);
     const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1);
     gemm(dw, in, A, B, out, in, K, acc);
@@ -297,12 +303,17 @@ void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, i
 
 void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float* x, int64_t N, int64_t out,
                       int64_t in) {
+  // determinism = "layout": a sum over tokens that a layout may split (ParamStore::token_segments)
+  // runs in canonical token segments, K of this GEMM.
+  const int64_t segments = ps.token_segments(w);
+  const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
   if (recipe(w) != Recipe::none) {
-    gemm_wgrad(first_site_[w], ps.grad(w), dy, x, N, out, in);
+    gemm_wgrad(first_site_[w], ps.grad(w), dy, x, N, out, in, bounds);
     return;
   }
   GemmOptions acc;
   acc.accumulate = true;
+  acc.k_segments = bounds;
   gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
 }
 
@@ -410,7 +421,7 @@ void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* d
   const int64_t S = blocks.sources;
   for_each_block(nullptr, &blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
     const int64_t k = e * S + s;
-    gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, s);
+    gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, s);
     if (db) bias_backward(db + k * out, dy + r0 * out, rows, out);
   });
 }

@@ -76,6 +76,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -155,7 +156,9 @@ class Precision {
   // The three GEMMs of a linear layer whose weight is parameter w (out, in) of ps:
   //   fprop  y (N, out) = init + x W^T   (init per opt: bias, or y itself to accumulate)
   //   dgrad  dx (N, in) = dy W            (assigned)
-  //   wgrad  dW (out, in) += dy^T x       (fp32, into the grad buffer)
+  //   wgrad  dW (out, in) += dy^T x       (fp32, into the grad buffer; in token segments under
+  //                                        determinism = "layout" when w is a token sum:
+  //                                        ParamStore::token_segments)
   // fprop's and dgrad's outputs are activations (rounded), unless partial: a tensor-parallel
   // rank's part of a sum under determinism = "layout", which the caller rounds once summed (as one
   // process rounds the whole). opt: fprop's init and both GEMMs' canonical segments (k_segments).
@@ -252,7 +255,7 @@ class Precision {
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                   const GemmOptions& opt, int64_t blk = -1);
   void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
-                  int64_t blk = -1);
+                  std::span<const int64_t> k_segments = {}, int64_t blk = -1);
   // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
   // when null: s = -1), with stochastic rounding keyed by the block's micro-batch.
   template <typename F>

@@ -158,6 +158,20 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
                                   std::vector<float>& scratch) {
   const int64_t Vl = V / tp.size;
+  if (tp.layout()) {
+    // The canonical vocabulary segments (cross_entropy.h): the global max first (exact), then each
+    // segment's sum of exponentials, this rank's a subtree, combined over the group with tree_sum.
+    if (static_cast<int64_t>(scratch.size()) < 3 * N) scratch.resize(static_cast<size_t>(3 * N));
+    float* rowmax = scratch.data();
+    float* stats = rowmax + N;
+    cross_entropy_segments_max(rowmax, logits, targets, N, Vl, ld, V);
+    if (tp.on()) tp.comm->all_reduce(rowmax, N, ReduceOp::max);
+    cross_entropy_segments_sum(stats, logits, rowmax, targets, N, Vl, ld, tp.vocab_begin(V), V, tp.segments, backward);
+    if (tp.on()) tp.comm->all_reduce(stats, 2 * N, ReduceOp::tree_sum);
+    cross_entropy_segments_loss(losses, rowmax, stats, targets, N);
+    if (backward) cross_entropy_segments_backward(logits, stats, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
+    return;
+  }
   const int64_t chunks = (Vl + kXentChunk - 1) / kXentChunk;
   const int64_t need = 3 * N + 3 * N * tp.size + N * chunks + 2 * N;
   if (static_cast<int64_t>(scratch.size()) < need) scratch.resize(static_cast<size_t>(need));
@@ -171,13 +185,14 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
   if (backward) cross_entropy_shard_backward(logits, cmax, lse, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
 }
 
-void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {
+void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, int first, int end) {
   if (!tp.on()) return;
+  if (end < 0) end = static_cast<int>(ps.specs().size());
   std::vector<int> params;
   int64_t n = 0;
-  for (size_t i = 0; i < ps.specs().size(); ++i)
+  for (int i = first; i < end; ++i)
     if (ps.specs()[i].sequence_parallel) {
-      params.push_back(static_cast<int>(i));
+      params.push_back(i);
       n += ps.specs()[i].shape.numel();
     }
   if (params.empty()) return;  // the same on every rank of the group: one table
@@ -188,7 +203,7 @@ void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps) {
     std::memcpy(packed.data() + at, ps.grad(p), static_cast<size_t>(k) * sizeof(float));
     at += k;
   }
-  tp.comm->all_reduce(packed.data(), n);
+  tp.comm->all_reduce(packed.data(), n, tp.layout() ? ReduceOp::tree_sum : ReduceOp::sum);
   at = 0;
   for (int p : params) {
     const int64_t k = ps.specs()[p].shape.numel();

@@ -126,6 +126,9 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
 // leading dimension ld): losses (N), the same on every rank; with backward, the logits are
 // overwritten by their gradient (softmax - one-hot) x grad_scale. One all-gather of N
 // (max, sum of exponentials, target logit) triples; each row's are combined in rank order.
+// determinism = "layout" (tp.layout(), also on one process: tp.size = 1): the canonical vocabulary
+// segments of cross_entropy.h instead, the one-process bits for every tp: an all-reduce (max) of
+// the N row maxima, then an all-reduce (tree_sum) of N (sum of exponentials, target logit) pairs.
 // scratch: grown on the first call, reused after (steady-state steps do not allocate).
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
@@ -133,7 +136,12 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
 
 // The sequence-parallel parameters' gradients (ParamSpec::sequence_parallel: partial sums over each
 // rank's rows: the norms under sequence parallelism, an MoE layer's norm, router and shared expert
-// under any tensor parallelism) summed over the group, in table order (one all-reduce).
-void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps);
+// under any tensor parallelism) among parameters [first, end) (end < 0: to the end of the table)
+// summed over the group, in table order (one all-reduce). "run": once per step, after the
+// data-parallel reduction. "layout" (tp.layout()): the rank's partial is the tree over its token
+// segments (ParamStore::token_segments), so the sum is a ReduceOp::tree_sum, and it runs for every
+// micro-batch before the micro-batch's gradients become its leaf of the data-parallel tree (the
+// trainer's grads-ready hook), as one process has them.
+void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, int first = 0, int end = -1);
 
 }  // namespace lockstep

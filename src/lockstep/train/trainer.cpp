@@ -240,14 +240,21 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // Layout mode pushes every micro-batch's gradients as its leaf (no shared parameters there:
     // config validation refuses them).
     const std::vector<int> shared = model.shared_params();
-    model.set_grads_ready_hook([&dp, &pipeline, shared, layout](int first, int end) {
-      if (layout) dp.push_grads(first, end, pipeline->backward_micro());
+    model.set_grads_ready_hook([&dp, &pipeline, &tp, &model, shared, layout](int first, int end) {
+      if (layout) {
+        reduce_sequence_parallel_grads(tp, model.params(), first, end);
+        dp.push_grads(first, end, pipeline->backward_micro());
+      }
       if (!pipeline->in_final_backward()) return;
       for (int i = first; i < end; ++i)
         if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.post_ready(i, i + 1);
     });
   } else {
-    model.set_grads_ready_hook([&dp](int first, int end) { dp.grads_ready(first, end); });
+    model.set_grads_ready_hook([&dp, &tp, &model, layout](int first, int end) {
+      // Layout: a micro-batch's sequence-parallel gradients are complete before they become its leaf.
+      if (layout) reduce_sequence_parallel_grads(tp, model.params(), first, end);
+      dp.grads_ready(first, end);
+    });
   }
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
@@ -479,7 +486,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       exact_sums[2].add(micro_sums[2]);
     }
     dp.finish_grad_sync();
-    reduce_sequence_parallel_grads(tp, ps);
+    if (!layout) reduce_sequence_parallel_grads(tp, ps);  // layout: per micro-batch, in the grads-ready hook
     if (pipelined) pp_group.all_reduce(sums, 3);  // the LM and MTP losses of the last stage, each stage's aux losses
     if (layout) {
       if (pipelined) all_reduce_exact(pp_group, exact_sums, 3);

@@ -1,12 +1,14 @@
 #include "lockstep/kernels/cpu/cross_entropy.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
 namespace lockstep {
@@ -244,6 +246,86 @@ void cross_entropy_shard_backward(float* logits, const float* cmax, const float*
       if (t >= 0 && t < V) g[t] -= grad_scale;
     }
   });
+}
+
+// ---- The layout form.
+
+void cross_entropy_segments_max(float* rowmax, const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                int64_t ld, int64_t vocab_size) {
+  check_targets(targets, N, vocab_size);
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float m = V > 0 ? chunk_max(logits + n * ld, V) : -std::numeric_limits<float>::infinity();
+      rowmax[n] = m == 0.0f ? 0.0f : m;  // a max of +0 and -0 depends on the order: read both as +0
+    }
+  });
+}
+
+void cross_entropy_segments_sum(float* stats, float* logits, const float* rowmax, const int32_t* targets, int64_t N,
+                                int64_t V, int64_t ld, int64_t vocab_begin, int64_t vocab_size, int64_t segments,
+                                bool store) {
+  const int64_t S = segments;
+  const auto bound = [&](int64_t s) { return s * vocab_size / S; };
+  // This shard's segments [s0, s0 + n): its columns must be exactly theirs, and a subtree.
+  const int64_t s0 = vocab_begin * S / vocab_size, n = (vocab_begin + V) * S / vocab_size - s0;
+  LOCKSTEP_CHECK(S > 0 && n > 0 && bound(s0) == vocab_begin && bound(s0 + n) == vocab_begin + V &&
+                     std::has_single_bit(static_cast<uint64_t>(n)) && s0 % n == 0,
+                 "cross_entropy_segments_sum: the columns [", vocab_begin, ", ", vocab_begin + V, ") of ", vocab_size,
+                 " are not a subtree of ", S, " segments");
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    std::vector<float> z(static_cast<size_t>(n)), stack(static_cast<size_t>(tree_sum_stack(n)));
+    std::vector<const float*> leaves(static_cast<size_t>(n));
+    for (int64_t j = 0; j < n; ++j) leaves[static_cast<size_t>(j)] = &z[static_cast<size_t>(j)];
+    for (int64_t r = begin; r < end; ++r) {
+      float* x = logits + r * ld;
+      const int64_t t = static_cast<int64_t>(targets[r]) - vocab_begin;
+      // Read before the exps overwrite it; -0 on the shards without the target: x + -0 = x.
+      const float xt = targets[r] >= 0 && t >= 0 && t < V ? x[t] : -0.0f;
+      const float m = rowmax[r];
+      // A fully masked row (all -inf) shifts by 0: its exps are 0, not exp(-inf - -inf) = NaN.
+      const float shift = m == -std::numeric_limits<float>::infinity() ? 0.0f : m;
+      for (int64_t j = 0; j < n; ++j) {
+        const int64_t c0 = bound(s0 + j) - vocab_begin, len = bound(s0 + j + 1) - vocab_begin - c0;
+        z[static_cast<size_t>(j)] = store ? chunk_sum_exp<true>(x + c0, x + c0, len, shift)
+                                          : chunk_sum_exp<false>(nullptr, x + c0, len, shift);
+      }
+      tree_sum(stats + 2 * r, leaves.data(), n, 1, stack.data());
+      stats[2 * r + 1] = xt;
+    }
+  });
+}
+
+void cross_entropy_segments_loss(float* losses, const float* rowmax, const float* stats, const int32_t* targets,
+                                 int64_t N) {
+  for (int64_t n = 0; n < N; ++n)
+    losses[n] = targets[n] < 0 ? 0.0f : (rowmax[n] + std::log(stats[2 * n])) - stats[2 * n + 1];
+}
+
+void cross_entropy_segments_backward(float* logits, const float* stats, const int32_t* targets, int64_t N, int64_t V,
+                                     int64_t ld, int64_t vocab_begin, float grad_scale) {
+  parallel_for(N, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* __restrict g = logits + n * ld;
+      if (targets[n] < 0) {
+        std::fill(g, g + V, 0.0f);
+        continue;
+      }
+      const float k = grad_scale / stats[2 * n];
+      for (int64_t i = 0; i < V; ++i) g[i] *= k;
+      const int64_t t = static_cast<int64_t>(targets[n]) - vocab_begin;
+      if (t >= 0 && t < V) g[t] -= grad_scale;
+    }
+  });
+}
+
+void cross_entropy_segments(float* losses, float* logits, const int32_t* targets, int64_t N, int64_t V, int64_t ld,
+                            int64_t segments, bool backward, float grad_scale, float* scratch) {
+  float* rowmax = scratch;
+  float* stats = scratch + N;
+  cross_entropy_segments_max(rowmax, logits, targets, N, V, ld, V);
+  cross_entropy_segments_sum(stats, logits, rowmax, targets, N, V, ld, 0, V, segments, backward);
+  cross_entropy_segments_loss(losses, rowmax, stats, targets, N);
+  if (backward) cross_entropy_segments_backward(logits, stats, targets, N, V, ld, 0, grad_scale);
 }
 
 }  // namespace lockstep

@@ -1,9 +1,11 @@
 #include "lockstep/kernels/cpu/embedding.h"
 
 #include <algorithm>
+#include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -92,11 +94,28 @@ void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* d
   }
 }
 
-void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C) {
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C, int64_t segments) {
   const int64_t blocks = (C + kColBlock - 1) / kColBlock;
+  if (segments == 0) {
+    parallel_for(blocks, [&](int64_t begin, int64_t end) {
+      const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock);
+      for (int64_t n = 0; n < N; ++n) add_row(dbias + c0, dout + n * C + c0, c1 - c0);
+    });
+    return;
+  }
+  // Each token segment's column sums from zero, then the canonical tree over the segments.
+  const std::vector<int64_t> bounds = canonical_segments(N, segments);
   parallel_for(blocks, [&](int64_t begin, int64_t end) {
-    const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock);
-    for (int64_t n = 0; n < N; ++n) add_row(dbias + c0, dout + n * C + c0, c1 - c0);
+    const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock), w = c1 - c0;
+    std::vector<float> seg(static_cast<size_t>(segments * w), 0.0f), stack(static_cast<size_t>(tree_sum_stack(segments) * w));
+    std::vector<const float*> leaves(static_cast<size_t>(segments));
+    for (int64_t k = 0; k < segments; ++k) {
+      leaves[static_cast<size_t>(k)] = seg.data() + k * w;
+      for (int64_t n = bounds[k]; n < bounds[k + 1]; ++n) add_row(seg.data() + k * w, dout + n * C + c0, w);
+    }
+    float* sum = seg.data() + (segments - 1) * w;  // may alias the last leaf
+    tree_sum(sum, leaves.data(), segments, w, stack.data());
+    for (int64_t j = 0; j < w; ++j) dbias[c0 + j] += sum[j];
   });
 }
 

@@ -25,6 +25,9 @@ void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* d
                         const int32_t* positions = nullptr);
 
 // dbias[c] += sum over the N rows of dout[n, c], in row order (one thread per column range).
-void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C);
+// segments > 0 (determinism = "layout"): the rows cut into that many token segments
+// (core/tree_sum.h canonical_segments), each summed from zero, then summed along the canonical
+// tree before they are added (as norms.h does).
+void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C, int64_t segments = 0);
 
 }  // namespace lockstep

@@ -7,6 +7,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
@@ -29,6 +30,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   experts_name_ = name_ + ".experts";
   norm_ = Norm(ps, arena, prefix + "mlp_norm", m.normalization == "rmsnorm", C_, Nl_, static_cast<float>(m.norm_eps));
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
+  ps.set_token_sum(router_w_);  // a sum over the layer's tokens, which tensor parallelism splits
   // Capacity is per rank that routes: its Nl tokens (Megatron's, under sequence parallelism too).
   capacity_ = expert_capacity(spec_, Nl_);
   pad_ = moe.pad_expert_input_to_capacity;
@@ -258,7 +260,14 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const float* rx = jittered_ ? arena(router_x_) : x;
   GemmOptions acc;
   acc.accumulate = true;
-  gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N, acc);
+  {
+    // determinism = "layout": in token segments (ParamStore::token_segments).
+    const int64_t segments = ps.token_segments(router_w_);
+    const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
+    GemmOptions wgrad = acc;
+    wgrad.k_segments = bounds;
+    gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N, wgrad);
+  }
   if (jittered_) {
     gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
     const float* u = arena(jitter_);

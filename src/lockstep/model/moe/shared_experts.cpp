@@ -3,10 +3,24 @@
 #include <cmath>
 
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/model/precision.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
+
+namespace {
+// Linear::backward, with the bias gradient in token segments as well under determinism = "layout"
+// (ParamStore::token_segments; the weight's: Precision::wgrad).
+void linear_backward(const ParamStore& ps, const Linear& l, float* dx, const float* dy, const float* x, int64_t N) {
+  ps.precision().dgrad(ps, l.w, dx, dy, N, l.out, l.in);
+  ps.precision().wgrad(ps, l.w, dy, x, N, l.out, l.in);
+  if (l.b >= 0) bias_backward(ps.grad(l.b), dy, N, l.out, ps.token_segments(l.b));
+  trace_grad_in(l.name, dx, N * l.in);
+}
+}  // namespace
 
 SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                            int64_t F_, bool use_gate, int64_t N_)
@@ -16,6 +30,9 @@ SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& pref
   fc = Linear(ps, prefix + "fc", C, fc_width(), m.bias, std);
   proj = Linear(ps, prefix + "proj", F, C, m.bias, out_std);
   if (use_gate) gate_w = ps.add(prefix + "gate.weight", {1, C}, Init::normal, std, true);
+  // Sums over the layer's tokens, which tensor parallelism splits (ParamSpec::token_sum).
+  for (int i : {fc.w, fc.b, proj.w, proj.b, gate_w})
+    if (i >= 0) ps.set_token_sum(i);
   fc_out = arena.reserve(N * fc_width());
   act = arena.reserve(N * F);
   y = arena.reserve(N * C);
@@ -66,18 +83,38 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
     }
   });
   ps.precision().round(s.dout, N * C);
-  proj.backward(ps, s.dact, s.dout, arena(act), N);
+  linear_backward(ps, proj, s.dact, s.dout, arena(act), N);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
-  fc.backward(ps, s.dx, s.dfc, x, N);
+  linear_backward(ps, fc, s.dx, s.dfc, x, N);
   float* dw = w ? ps.grad(gate_w) : nullptr;
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.
-  if (w)
+  // determinism = "layout": per token segment from zero, then the canonical tree over them.
+  const int64_t segments = w ? ps.token_segments(gate_w) : 0;
+  if (w && segments == 0)
     parallel_for(C, [&](int64_t c0, int64_t c1) {
       for (int64_t t = 0; t < N; ++t)
         for (int64_t c = c0; c < c1; ++c) dw[c] += dlogit[t] * x[t * C + c];
     });
+  if (w && segments > 0) {
+    const std::vector<int64_t> bounds = canonical_segments(N, segments);
+    parallel_for(C, [&](int64_t c0, int64_t c1) {
+      const int64_t width = c1 - c0;
+      std::vector<float> seg(static_cast<size_t>(segments * width), 0.0f);
+      std::vector<float> stack(static_cast<size_t>(tree_sum_stack(segments) * width));
+      std::vector<const float*> leaves(static_cast<size_t>(segments));
+      for (int64_t k = 0; k < segments; ++k) {
+        float* a = seg.data() + k * width;
+        leaves[static_cast<size_t>(k)] = a;
+        for (int64_t t = bounds[k]; t < bounds[k + 1]; ++t)
+          for (int64_t c = c0; c < c1; ++c) a[c - c0] += dlogit[t] * x[t * C + c];
+      }
+      float* sum = seg.data() + (segments - 1) * width;  // may alias the last leaf
+      tree_sum(sum, leaves.data(), segments, width, stack.data());
+      for (int64_t c = c0; c < c1; ++c) dw[c] += sum[c - c0];
+    });
+  }
   parallel_for(N, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t c = 0; c < C; ++c)
