@@ -138,9 +138,14 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "rank holds the same number of hidden units)"},
       {{"moe.num_experts=-1"}, "config: moe.num_experts = -1: must be >= 0 (0 = dense)"},
       // determinism = "layout": each combination it refuses.
-      {{"determinism=layout", "parallel.tensor=2"},
-       "config: determinism = \"layout\" with parallel.tensor = 2: only data, expert, expert tensor and pipeline "
-       "parallelism are layout-invariant so far; use 1"},
+      {{"determinism=layout", "parallel.tensor=4", "layout_segments=2"},
+       "config: determinism = \"layout\" with parallel.tensor = 4 and layout_segments = 2: parallel.tensor must "
+       "divide layout_segments (each tensor-parallel rank holds a block of whole canonical segments of every "
+       "reduction it splits)"},
+      {{"determinism=layout", "parallel.tensor=2", "precision.params=bf16", "precision.fp4=nvfp4"},
+       "config: determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\" and "
+       "parallel.tensor = 2: a tensor-parallel rank quantises its own slice of each operand, whose scaling blocks and "
+       "stochastic rounding keys differ from one process's; use parallel.tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "parallel.expert_tensor=2"},
        "config: determinism = \"layout\" with parallel.tensor = 2 and an MoE model: each tensor-parallel rank routes "
        "its own share of the tokens, so the router, MoE norm and shared expert gradients and each expert's weight "

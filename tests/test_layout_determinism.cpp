@@ -89,7 +89,8 @@ void rows_match_single_process(const std::string& preset, const std::vector<Row>
     keys.insert(keys.end(), row.keys.begin(), row.keys.end());
     train_ranks(row.ranks, job(preset, out, keys));
     const bool whole = name.find("parallel.expert") == std::string::npos &&
-                       name.find("parallel.pipeline") == std::string::npos;
+                       name.find("parallel.pipeline") == std::string::npos &&
+                       name.find("parallel.tensor") == std::string::npos;
     EXPECT_EQ(global_fields(out, whole), whole ? expected : global_fields(ref, false)) << preset << ": " << name;
     EXPECT_EQ(checkpoint_difference(ref, out), "") << preset << ": " << name << ": checkpoint tensor differs";
   }
@@ -156,6 +157,36 @@ TEST(LayoutDeterminism, ExpertTensorParallelLayoutsMatchSingleProcess) {
       {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
   }, {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true", "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=4"}}}, {"layout_segments=4"});
+}
+
+// Tensor parallelism, dense models: the row-parallel forward sums, the column-parallel and the
+// head's input gradients, the softmax's sums (vocabulary segments), the embedding's sum (-0 rows)
+// and the sequence-parallel gradients (token segments, summed per micro-batch) are cut into
+// layout_segments canonical segments whatever parallel.tensor is. GPT-2 (tied, learned positions,
+// biases), Llama (GQA, SwiGLU, RoPE), bf16, MTP, with data and pipeline parallelism.
+TEST(LayoutDeterminism, TensorParallelLayoutsMatchSingleProcess) {
+  rows_match_single_process("debug", {
+      {2, {"parallel.tensor=2"}},
+      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=2", "optimizer.distributed=true"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "ddp.overlap_grad_reduce=true", "train.threads=2"}},
+  });
+  rows_match_single_process("debug", {
+      {2, {"parallel.tensor=2"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+  }, {"model.preset=llama", "model.num_heads=8", "model.num_query_groups=4"});
+  rows_match_single_process("debug", {
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
+      {4, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+  }, {"model.num_layers=4", "model.tie_embeddings=false"});
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+  rows_match_single_process("debug", {
+      {2, {"parallel.tensor=2"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+  }, {"model.mtp_num_layers=1"});
 }
 
 // Three micro-batches: the tree over 3 ranks (one micro-batch each) is the tree over 3 leaves.
@@ -302,9 +333,14 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "= 12 / (2 x 2) = 3"),
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
-  EXPECT_NE(error_of(2, {"parallel.tensor=2"})
-                .find("determinism = \"layout\" with parallel.tensor = 2: only data, expert, expert tensor and "
-                      "pipeline parallelism are layout-invariant so far; use 1"),
+  // Tensor parallelism: whole canonical segments per rank, and no quantised operands.
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "layout_segments=2"})
+                .find("determinism = \"layout\" with parallel.tensor = 4 and layout_segments = 2: parallel.tensor "
+                      "must divide layout_segments"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.tensor=2"})
+                .find("determinism = \"layout\" with precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
+                      "parallel.tensor = 2: a tensor-parallel rank quantises its own slice"),
             std::string::npos);
   // A tied (or MTP) word embedding under pipeline parallelism: its gradient's two stage parts.
   EXPECT_NE(error_of(2, {"parallel.pipeline=2"})

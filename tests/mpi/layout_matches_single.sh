@@ -2,8 +2,8 @@
 # determinism = "layout": the same job as one process (one rank, every micro-batch) and as N mpirun
 # processes (data parallel N): identical global fingerprint fields at every step (lockstep diff
 # compares loss, lm_loss, aux_loss, mtp_loss, grad_norm and lr across layouts) and identical
-# parameter hashes on rank 0 (when it holds the whole model: not under expert, expert tensor or
-# pipeline parallelism).
+# parameter hashes on rank 0 (when it holds the whole model: not under expert, expert tensor,
+# pipeline or tensor parallelism).
 #   layout_matches_single.sh LOCKSTEP MPIRUN CONFIG NPROC [KEY=VALUE ...]
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
@@ -11,10 +11,11 @@ shift 4
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 args=(-c "$config" determinism=layout train.steps=2 train.eval_interval=0 train.threads=1 data.synthetic_bytes=65536)
-# The single process holds every expert and layer: the same keys without parallel.expert / pipeline.
+# The single process holds every expert, layer and slice: the same keys without the parallel sizes.
 single=()
 for kv in "$@"; do
-  case $kv in parallel.expert=* | parallel.expert_tensor=* | parallel.pipeline=* | parallel.virtual_pipeline=*) ;;
+  case $kv in parallel.expert=* | parallel.expert_tensor=* | parallel.pipeline=* | parallel.virtual_pipeline=* | \
+    parallel.tensor=* | parallel.sequence_parallel=*) ;;
     *) single+=("$kv") ;;
   esac
 done
@@ -25,7 +26,7 @@ args+=("$@")
 params() { grep -o '"params":"[0-9a-f]*"' "$1/fingerprints/rank-00000.jsonl"; }
 [ "$(params "$dir/single" | wc -l)" = 2 ] || { echo "single run: not 2 fingerprint lines"; exit 1; }
 case " $* " in
-  *" parallel.expert="[2-9]*|*" parallel.expert_tensor="[2-9]*|*" parallel.pipeline="[2-9]*) ;;
+  *" parallel.expert="[2-9]*|*" parallel.expert_tensor="[2-9]*|*" parallel.pipeline="[2-9]*|*" parallel.tensor="[2-9]*) ;;
   *) [ "$(params "$dir/single")" = "$(params "$dir/mpi")" ] || { echo "parameter hashes differ"; exit 1; } ;;
 esac
 echo "1 process and $n mpi processes: identical global fingerprints and parameters ($*)"

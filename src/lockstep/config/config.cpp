@@ -213,8 +213,8 @@ void validate_pipeline_parallel(const Config& c) {
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data- and expert-parallel size, micro-batch spread, process count and "
-                          "backend)",
+                          "for any data-, expert-, pipeline- and (dense) tensor-parallel size, micro-batch spread, "
+                          "process count and backend)",
              {"run", "layout"}),
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor parallelism "
                               "splits (a power of two; parallel.tensor and parallel.expert_tensor must divide it)"),
@@ -595,7 +595,8 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
-// determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor and pipeline parallelism so far:
+// determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor
+// and sequence parallelism (context parallelism is not implemented):
 // what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
@@ -611,11 +612,17 @@ void validate_layout_determinism(const Config& c) {
            "each tensor-parallel rank routes its own share of the tokens, so the router, MoE norm and shared expert "
            "gradients and each expert's weight gradient are sums over the tensor-parallel ranks, which are not "
            "canonicalised yet; use parallel.tensor = 1 (parallel.expert_tensor may be > 1)");
-  for (const auto& [name, size] : {std::pair<const char*, int64_t>{"tensor", c.parallel.tensor},
-                                   {"context", c.parallel.context}})
-    if (size > 1)
-      refuse(str("parallel.", name, " = ", size),
-             "only data, expert, expert tensor and pipeline parallelism are layout-invariant so far; use 1");
+  // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
+  // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
+  if (c.layout_segments % c.parallel.tensor)
+    refuse(str("parallel.tensor = ", c.parallel.tensor, " and layout_segments = ", c.layout_segments),
+           "parallel.tensor must divide layout_segments (each tensor-parallel rank holds a block of whole "
+           "canonical segments of every reduction it splits)");
+  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.tensor > 1)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\" and parallel.tensor = ", c.parallel.tensor),
+           "a tensor-parallel rank quantises its own slice of each operand, whose scaling blocks and stochastic "
+           "rounding keys differ from one process's; use parallel.tensor = 1");
   // The experts' K segments (model/moe/experts.h): F / S hidden units each, S / etp per etp rank.
   const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
   if (e.num_experts > 0 && F % c.layout_segments)

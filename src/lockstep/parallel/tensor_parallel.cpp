@@ -6,6 +6,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/embedding.h"
 
@@ -56,11 +57,12 @@ std::vector<int64_t> TensorParallel::k_segments(const std::vector<int64_t>& sect
   std::vector<int64_t> b;
   if (!layout()) return b;
   LOCKSTEP_CHECK(segments % size == 0, "layout_segments = ", segments, " is not divisible by the tensor-parallel size ", size);
-  const int64_t per = segments / size, first = rank * per;
   for (const int64_t K : sections) {
     LOCKSTEP_CHECK(K % size == 0, "a tensor-parallel reduction over ", K, " elements on ", size, " ranks");
-    const int64_t base = first * K / segments;  // = rank x K / size, where this rank's slice starts
-    for (int64_t t = 0; t <= per; ++t) b.push_back((first + t) * K / segments - base);
+    // This rank's K / size items cut into S / size segments: segments [rank, rank + 1) x S / size of
+    // the whole (core/tree_sum.h canonical_segments).
+    const std::vector<int64_t> mine = canonical_segments(K / size, segments / size);
+    b.insert(b.end(), mine.begin(), mine.end());
   }
   return b;
 }
