@@ -164,10 +164,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with precision.fp8 = \"mxfp8\" / precision.fp4 = \"none\" and "
        "parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches, so its scales and "
        "blocks span them; use parallel.expert_tensor = 1"},
-      {{"determinism=layout", "parallel.pipeline=2"},
-       "config: determinism = \"layout\" with parallel.pipeline = 2 and model.tie_embeddings = true: the word "
-       "embedding's gradient would be the sum of a first-stage and a last-stage part, which is not canonicalised yet; "
-       "untie the embeddings and drop MTP, or use parallel.pipeline = 1"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
        "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},

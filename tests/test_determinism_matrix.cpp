@@ -118,6 +118,8 @@ const Row kRows[] = {
                                                         "model.mtp_num_layers=1", "train.micro_batch=2"}, 4},
     {"layout_pp2_dp2_moe_untied", "moe-debug.toml", {"determinism=layout", "parallel.pipeline=2", "train.micro_batch=2",
                                                      "model.tie_embeddings=false", "optimizer.distributed=true"}, 4},
+    {"layout_pp2_tied_mtp", "debug.toml", {"determinism=layout", "parallel.pipeline=2", "train.micro_batch=2",
+                                           "model.mtp_num_layers=1", "optimizer.distributed=true"}, 4},
     {"pp2_gpt2_tied_mtp", "debug.toml", {"parallel.pipeline=2", "model.mtp_num_layers=1"}, 2},
     {"pp2_afab_documents_llama", "debug.toml", {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward",
                                                 "model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",

@@ -634,12 +634,6 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.expert_tensor = ", c.parallel.expert_tensor, " and layout_segments = ", c.layout_segments),
            "parallel.expert_tensor must divide layout_segments (each expert-tensor-parallel rank holds a block of "
            "whole canonical segments of the hidden units)");
-  if (c.parallel.pipeline > 1 && (c.model.tie_embeddings || c.model.mtp_num_layers > 0))
-    refuse(str("parallel.pipeline = ", c.parallel.pipeline, " and ",
-               c.model.tie_embeddings ? std::string("model.tie_embeddings = true")
-                                      : str("model.mtp_num_layers = ", c.model.mtp_num_layers)),
-           "the word embedding's gradient would be the sum of a first-stage and a last-stage part, which is not "
-           "canonicalised yet; untie the embeddings and drop MTP, or use parallel.pipeline = 1");
   if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),

@@ -32,7 +32,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   const bool whole = part_.first && part_.last && part_.chunks.size() == 1;
   const float std = static_cast<float>(m.init_std);
   // The last stage's copies of the first stage's embedding: the tied head's and the MTP depths'.
-  const bool copies = part_.last && !part_.first;
+  const bool copies = part_.last && (!part_.first || part_.split_embedding);
   if (part_.first) {
     wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
     if (m.position_embedding == "learned")
@@ -58,15 +58,18 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_,
                        static_cast<float>(m.norm_eps));
     if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
+    head_wte_ = wte_;
+    head_wpe_ = wpe_;
     if (copies && (m.tie_embeddings || m.mtp_num_layers > 0)) {
-      wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
-      params_.set_stage_copy(wte_);
+      head_wte_ = part_.first ? params_.add_copy(wte_) : tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
+      params_.set_stage_copy(head_wte_);
     }
     if (copies && m.mtp_num_layers > 0 && m.position_embedding == "learned") {
-      wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
-      params_.set_stage_copy(wpe_);
+      head_wpe_ = part_.first ? params_.add_copy(wpe_)
+                              : params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
+      params_.set_stage_copy(head_wpe_);
     }
-    out_ = m.tie_embeddings ? wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
+    out_ = m.tie_embeddings ? head_wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
     for (int64_t k = 0; k < m.mtp_num_layers; ++k)
       mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_));
   }
@@ -173,9 +176,27 @@ std::vector<int> GPT::shared_params() const {
     if (m_.mtp_num_layers > 0 && wpe_ >= 0) shared.push_back(wpe_);
   }
   if (part_.last)
-    for (int i : {wte_, wpe_})
+    for (int i : {head_wte_, head_wpe_})
       if (i >= 0 && params_.specs()[static_cast<size_t>(i)].stage_copy) shared.push_back(i);
   return shared;
+}
+
+std::vector<std::pair<int, int>> GPT::split_params() const {
+  std::vector<std::pair<int, int>> pairs;
+  if (part_.first && part_.last)
+    for (const auto& [owner, copy] : {std::pair{wte_, head_wte_}, std::pair{wpe_, head_wpe_}})
+      if (owner >= 0 && copy != owner) pairs.push_back({owner, copy});
+  return pairs;
+}
+
+void GPT::sum_split_grads() {
+  for (const auto& [owner, copy] : split_params()) {
+    float* a = params_.grad(owner);
+    float* b = params_.grad(copy);
+    parallel_for(params_.specs()[static_cast<size_t>(owner)].shape.numel(), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) b[i] = a[i] = a[i] + b[i];
+    });
+  }
 }
 
 void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training) {
@@ -277,10 +298,10 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
         gk[b * T_ + i] = i + k < T_ ? targets[b * T_ + i + k] : -1;
       }
   }
-  const int wpe = wpe_;
+  const int wte = head_wte_, wpe = head_wpe_;
   const float* prev = arena_(final_out_);
   for (int64_t k = 0; k < D; ++k) {
-    mtp_[k]->forward(params_, arena_, mtp_tokens_.data() + k * N_, prev, wte_, wpe, positions(), doc_start(),
+    mtp_[k]->forward(params_, arena_, mtp_tokens_.data() + k * N_, prev, wte, wpe, positions(), doc_start(),
                      rope_cos_.data(), rope_sin_.data(), local_tokens_.data());
     prev = mtp_[k]->out(arena_);
   }
@@ -309,7 +330,7 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     }
     std::memset(dnext, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
     const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
-    mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte_, wpe, positions(),
+    mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte, wpe, positions(),
                       doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), local_tokens_.data());
   }
   if (backward) {

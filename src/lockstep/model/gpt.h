@@ -23,7 +23,8 @@
 // Pipeline parallelism (parallel/pipeline/pipeline.h): a rank builds only its part of the model
 // (GptPart): its model chunks' layers (parameter names keep the global layer index), the embedding
 // on the first stage, the final norm, head, loss and MTP depths on the last. A last stage that
-// needs the word embedding (tied head, MTP) holds a copy (ParamSpec::stage_copy). The chunk
+// needs the word embedding (tied head, MTP) holds a copy (ParamSpec::stage_copy); under
+// determinism = "layout" one stage holds it too (GptPart::split_embedding). The chunk
 // functions run one chunk of one micro-batch; select_slot picks the in-flight micro-batch whose
 // activations they use (model/arena.h). forward_backward is chunk 0's forward then its backward.
 #pragma once
@@ -54,6 +55,11 @@ struct GptPart {
   std::vector<std::pair<int64_t, int64_t>> chunks;  // [first, end) global layers of each local chunk; {} = all
   bool first = true;  // the embedding (before chunk 0)
   bool last = true;   // the final norm, head, loss and MTP depths (after the last chunk)
+  // determinism = "layout", a part that is first and last (one stage): the head and the MTP depths
+  // use their own copy of the word (and position) embedding, as a pipeline's last stage does, so
+  // that the lookups' gradient and theirs are summed over micro-batches apart and added after the
+  // data-parallel reduction (sum_split_grads), as the stages of a pipeline add theirs.
+  bool split_embedding = false;
 };
 
 class GPT {
@@ -162,6 +168,10 @@ class GPT {
   // The table index range of the parameters shared with another stage (the embedding on the first
   // stage, its copies on the last): their gradients are summed over the pair before the update.
   std::vector<int> shared_params() const;
+  // GptPart::split_embedding: the (owner, copy) pairs this rank holds both of; sum_split_grads makes
+  // both gradients owner's + copy's, as Pipeline::sum_shared_grads does across stages.
+  std::vector<std::pair<int, int>> split_params() const;
+  void sum_split_grads();
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
@@ -192,7 +202,11 @@ class GPT {
   std::vector<int64_t> head_segments_;
   ParamStore params_;
   Arena arena_;
-  int wte_ = -1, wpe_ = -1, out_ = -1;
+  int wte_ = -1, wpe_ = -1, out_ = -1;  // wte_, wpe_: the lookup's (first stage)
+  // The word and position embedding the tied head and the MTP depths use (last stage): a copy
+  // (ParamSpec::stage_copy) on a last stage that is not the first or under split_embedding; else
+  // wte_, wpe_.
+  int head_wte_ = -1, head_wpe_ = -1;
   std::vector<AttentionLayer> attn_;
   std::vector<MlpLayer> mlp_;                  // dense layers (default-constructed on MoE layers)
   std::vector<std::unique_ptr<MoeLayer>> moe_;  // MoE layers (null on dense layers)

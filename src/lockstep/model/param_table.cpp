@@ -21,6 +21,16 @@ int ParamStore::add(std::string name, Shape shape, Init init, float std, bool de
   return static_cast<int>(specs_.size()) - 1;
 }
 
+int ParamStore::add_copy(int owner) {
+  ParamSpec spec = specs_.at(static_cast<size_t>(owner));
+  LOCKSTEP_CHECK(values_.size() == 0, "parameter '", spec.name, "' copied after allocation");
+  spec.offset = (total_ + 15) / 16 * 16;
+  total_ = spec.offset + spec.shape.numel();
+  spec.stage_copy = true;
+  specs_.push_back(std::move(spec));
+  return static_cast<int>(specs_.size()) - 1;
+}
+
 int ParamStore::add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std,
                          bool decay, bool expert) {
   LOCKSTEP_CHECK(!boxes.empty(), "parameter '", name, "' declared with no box");

@@ -52,8 +52,9 @@ struct ParamSpec {
   // (sequence parallelism: norms): the gradients are summed over the tensor-parallel group.
   bool sequence_parallel = false;
   // Pipeline parallelism: the last stage's copy of a parameter the first stage owns (the word
-  // embedding of a tied output head or of the MTP depths): its gradient is summed with the owner's
-  // before the update, so both stay equal; the gradient norm and checkpoints count the owner's only.
+  // embedding of a tied output head or of the MTP depths; under determinism = "layout" one stage
+  // holds both, add_copy): its gradient is summed with the owner's before the update, so both stay
+  // equal; the gradient norm and checkpoints count the owner's only.
   bool stage_copy = false;
   // Its gradient is a sum over the micro-batch's tokens that a layout may split over the
   // tensor-parallel ranks (sequence_parallel in some layout): every norm, an MoE layer's router and
@@ -103,6 +104,10 @@ class ParamStore {
   }
   // Marks parameter i as a pipeline stage's copy (ParamSpec::stage_copy).
   void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].stage_copy = true; }
+  // Declares a stage copy of parameter `owner` in the same table (the one parameter whose name
+  // appears twice: find() names the owner): its name, shapes, boxes and init, so it draws the
+  // owner's values. Only before allocate().
+  int add_copy(int owner);
   // Allocates the value and gradient buffers (zeroed).
   void allocate();
   // Draws every parameter from its Philox stream (in parallel over the current thread pool).

@@ -88,6 +88,10 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   micro_ = pushed_ = 0;
 }
 
+void DataParallel::set_full_grads(const std::vector<int>& params) {
+  for (int p : params) buckets_[static_cast<size_t>(bucket_of_[p])].full = true;
+}
+
 void DataParallel::begin_micro(int64_t micro) {
   if (!world_) return;
   if (micro > 0) check_pushed();
@@ -174,7 +178,7 @@ void DataParallel::post(Bucket& b) {
     return;
   }
   copy_bucket(b, ps_.grads(), Into::packed);
-  b.work = distributed_ ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
+  b.work = distributed_ && !b.full ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
                         : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
 }
 
@@ -187,7 +191,7 @@ void DataParallel::finish_grad_sync() {
     b.posted = false;
     if (b.comm->size() == 1) continue;
     b.work.wait();
-    if (distributed_) copy_chunk(b, ps_.grads(), Into::table);
+    if (distributed_ && !b.full) copy_chunk(b, ps_.grads(), Into::table);
     else if (b.in_place < 0) copy_bucket(b, ps_.grads(), Into::table);
   }
   armed_ = false;

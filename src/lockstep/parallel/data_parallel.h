@@ -72,6 +72,12 @@ class DataParallel {
   // over the micro-batches itself (expert parallelism, model/moe/experts.h): they are left out of
   // this class's tree.
   void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
+  // Parameters whose summed gradient is needed at every element after finish_grad_sync, not only
+  // at this rank's shard (layout mode: a shared word embedding's two parts are added after the
+  // reduction, and the parts' shards differ): under the distributed optimizer their buckets are
+  // all-reduced instead of reduce-scattered (the same bits at the shard: both sum each element
+  // along the same tree over ranks).
+  void set_full_grads(const std::vector<int>& params);
   // Before micro-batch `micro` (0-based, of this rank's step) under set_layout: the leaf its
   // gradients are pushed as.
   void begin_micro(int64_t micro);
@@ -133,6 +139,7 @@ class DataParallel {
     int pending = 0;             // parameters not yet final this step
     bool posted = false;
     bool gathering = false;      // an all-gather of its parameters is in flight
+    bool full = false;           // all-reduced even under the distributed optimizer (set_full_grads)
     int64_t in_place = -1, in_place_size = 0;  // replicated, consecutive parameters: the span of
                                                // ps.grads() reduced where it lies; -1 = packed
     FloatBuffer packed;          // (chunk x P)

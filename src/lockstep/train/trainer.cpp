@@ -194,8 +194,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   ThreadPool::Bind bind(&pool);
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp,
-            pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{});
+  // determinism = "layout": a tied head's or the MTP depths' word embedding keeps its last-stage
+  // copy on one stage too (GptPart::split_embedding).
+  GptPart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{};
+  part.split_embedding = config.determinism == "layout";
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part);
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
@@ -237,9 +240,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
     // A chunk's parameters are final after its backward of the last micro-batch; the embedding
     // shared with another stage only once the stages' gradients are summed (after the schedule).
-    // Layout mode pushes every micro-batch's gradients as its leaf (no shared parameters there:
-    // config validation refuses them).
-    const std::vector<int> shared = model.shared_params();
+    // Layout mode pushes every micro-batch's gradients as its leaf, the shared embedding's stage
+    // part too: each stage reduces its part over the data-parallel ranks, and the stages add the
+    // reduced parts after finish_grad_sync.
+    const std::vector<int> shared = layout ? std::vector<int>{} : model.shared_params();
     model.set_grads_ready_hook([&dp, &pipeline, &tp, &model, shared, layout](int first, int end) {
       if (layout) {
         reduce_sequence_parallel_grads(tp, model.params(), first, end);
@@ -249,12 +253,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       for (int i = first; i < end; ++i)
         if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.post_ready(i, i + 1);
     });
+    if (layout) dp.set_full_grads(model.shared_params());
   } else {
     model.set_grads_ready_hook([&dp, &tp, &model, layout](int first, int end) {
       // Layout: a micro-batch's sequence-parallel gradients are complete before they become its leaf.
       if (layout) reduce_sequence_parallel_grads(tp, model.params(), first, end);
       dp.grads_ready(first, end);
     });
+    for (const auto& [owner, copy] : model.split_params()) dp.set_full_grads({owner, copy});
   }
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
@@ -451,8 +457,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       sums[2] = piped.mtp_loss;
       exact_sums[1] = piped.aux_exact;
       exact_sums[2] = piped.mtp_exact;
-      pipeline->sum_shared_grads(model);
-      for (int i : model.shared_params()) dp.post_ready(i, i + 1);
+      if (!layout) {
+        pipeline->sum_shared_grads(model);
+        for (int i : model.shared_params()) dp.post_ready(i, i + 1);
+      }
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
@@ -486,6 +494,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       exact_sums[2].add(micro_sums[2]);
     }
     dp.finish_grad_sync();
+    // Layout mode: the word (and position) embedding's lookup part and its head / MTP part, each the
+    // canonical tree over the step's micro-batches, are added now (docs/determinism.md).
+    if (layout && pipelined) pipeline->sum_shared_grads(model);
+    if (layout) model.sum_split_grads();
     if (!layout) reduce_sequence_parallel_grads(tp, ps);  // layout: per micro-batch, in the grads-ready hook
     if (pipelined) pp_group.all_reduce(sums, 3);  // the LM and MTP losses of the last stage, each stage's aux losses
     if (layout) {

@@ -6,8 +6,9 @@
 // stage also holds the embedding, the last the final norm, the output head, the loss and the MTP
 // depths (Megatron's pre_process / post_process). A last stage that needs the word embedding (tied
 // head, MTP) keeps a copy, summed with the first stage's gradient before the update
-// (sum_shared_grads: the embedding group, first + last stage, in rank order, so both copies get the
-// same bits).
+// (sum_shared_grads: the embedding group, first + last stage, so both copies get the same bits;
+// `run` mode sums before the data-parallel reduction, `layout` mode after it: each stage's part is
+// then its own canonical tree over micro-batches, docs/determinism.md).
 //
 // Communication: after each action a rank posts one batch (Communicator::send_recv_batch_async)
 // with what the action produced (a chunk's output to the next stage, an input gradient to the
@@ -20,8 +21,8 @@
 // every layout of the stages; parameter gradients accumulate over micro-batches in micro-batch
 // order, as on one rank (under determinism = "layout" each micro-batch's gradient is pushed as its
 // leaf of the canonical tree as the chunk's backward reports it: the tree is fed per micro-batch
-// index whatever the schedule). What differs from one rank: sums over stages (the MoE aux loss, the
-// gradient norm, the tied embedding's two gradient halves) are folded stage by stage.
+// index whatever the schedule). What differs from one rank under `run`: sums over stages (the MoE
+// aux loss, the gradient norm, the tied embedding's two gradient halves) are folded stage by stage.
 #pragma once
 
 #include <cstdint>
@@ -64,7 +65,8 @@ class Pipeline {
   // Forward only, one micro-batch through every stage: the mean LM loss on the last stage, 0 elsewhere.
   double evaluate(GPT& model, const int32_t* tokens, const int32_t* targets);
   // The embedding group: the shared parameters' gradients (GPT::shared_params) become the first
-  // stage's plus the last stage's, on both.
+  // stage's plus the last stage's, on both (each needs them whole: under the distributed optimizer
+  // in layout mode, after the reduction, DataParallel::set_full_grads).
   void sum_shared_grads(GPT& model);
 
   const std::vector<PipelineAction>& actions() const { return actions_; }
