@@ -97,7 +97,7 @@ void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const fl
   opt.k_sections = dgrad_sections;
   ps.precision().dgrad(ps, w, dx, dy, N, out, in, opt, split && !dgrad_segments.empty());
   ps.precision().wgrad(ps, w, dy, x, N, out, in);
-  if (b >= 0) bias_backward(ps.grad(b), dy, N, out);
+  if (b >= 0) bias_backward(ps.grad(b), dy, N, out, ps.token_segments(b));
   trace_grad_in(name, dx, N * in);
 }
 

@@ -42,7 +42,8 @@ struct Linear {
   // residual).
   void forward_residual(const ParamStore& ps, const TensorParallel& tp, float* y, const float* residual,
                         const float* x, int64_t N, float* partial) const;
-  // dx (N, in) = dy W (assigned); dW += dy^T x; db += column sums of dy.
+  // dx (N, in) = dy W (assigned); dW += dy^T x; db += column sums of dy (in token segments when the
+  // bias is a token sum under determinism = "layout": ParamStore::token_segments).
   void backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const;
   // Column-parallel backward: the above into dfull (N, in), this rank's partial input gradient,
   // then summed over the group (enter_column_parallel_backward, drows: (rows(N), in) under sequence

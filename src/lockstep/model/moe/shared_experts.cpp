@@ -11,17 +11,6 @@
 
 namespace lockstep {
 
-namespace {
-// Linear::backward, with the bias gradient in token segments as well under determinism = "layout"
-// (ParamStore::token_segments; the weight's: Precision::wgrad).
-void linear_backward(const ParamStore& ps, const Linear& l, float* dx, const float* dy, const float* x, int64_t N) {
-  ps.precision().dgrad(ps, l.w, dx, dy, N, l.out, l.in);
-  ps.precision().wgrad(ps, l.w, dy, x, N, l.out, l.in);
-  if (l.b >= 0) bias_backward(ps.grad(l.b), dy, N, l.out, ps.token_segments(l.b));
-  trace_grad_in(l.name, dx, N * l.in);
-}
-}  // namespace
-
 SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                            int64_t F_, bool use_gate, int64_t N_)
     : N(N_), C(m.hidden_size), F(F_), swiglu(m.activation == "swiglu") {
@@ -83,11 +72,11 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
     }
   });
   ps.precision().round(s.dout, N * C);
-  linear_backward(ps, proj, s.dact, s.dout, arena(act), N);
+  proj.backward(ps, s.dact, s.dout, arena(act), N);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
-  linear_backward(ps, fc, s.dx, s.dfc, x, N);
+  fc.backward(ps, s.dx, s.dfc, x, N);
   float* dw = w ? ps.grad(gate_w) : nullptr;
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.
   // determinism = "layout": per token segment from zero, then the canonical tree over them.
