@@ -257,7 +257,7 @@ void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float*
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
-                           int64_t in, std::span<const int64_t> k_segments, int64_t blk) {
+                           int64_t in, std::span<const int64_t> k_segments, int64_t blk, int64_t row0) {
   GemmOptions acc;
   acc.accumulate = true;
   acc.k_segments = k_segments;
@@ -276,7 +276,8 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
   }
   if (per_tensor()) {  // one scale for the whole tensor: the quantisations of fprop and dgrad serve
     Site& s = sites_[static_cast<size_t>(site)];
-    gemm(dw, in, gemm_operand(kept(s, grad, blk), Trans::T), gemm_operand(kept(s, input, blk), Trans::N), out, in, N, acc);
+    gemm(dw, in, gemm_operand(kept(s, grad, blk), Trans::T, row0), gemm_operand(kept(s, input, blk), Trans::N, row0), out,
+         in, N, acc);
     return;
   }
   const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1);
@@ -421,7 +422,11 @@ void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* d
   const int64_t S = blocks.sources;
   for_each_block(nullptr, &blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
     const int64_t k = e * S + s;
-    gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, s);
+    if (blocks.whole)  // run mode: the block's rows of the expert's tensors (ExpertBlocks)
+      gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, -1,
+                 r0 - blocks.whole[e]);
+    else
+      gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, s);
     if (db) bias_backward(db + k * out, dy + r0 * out, rows, out);
   });
 }

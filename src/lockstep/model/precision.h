@@ -175,9 +175,17 @@ class Precision {
   // order). Each block is quantised as one process quantises expert e's rows of that micro-batch:
   // as its own tensor (its own current scale; blocks along its own tokens; stochastic rounding keyed
   // by that micro-batch and the expert's index in the layer), and its GEMMs run on it alone.
+  // Run mode (determinism = "run") uses blocks for the weight gradient only (grouped_wgrad_blocks
+  // with `whole`): fprop and dgrad quantised each expert's rows [whole[e], whole[e + 1]), all
+  // sources', as one tensor, and block (e, s)'s wgrad reads its rows of that tensor under per-tensor
+  // scaling (delayed, tensorwise: the scale data parallelism's reduced amax gives), or quantises
+  // them as their own tensor (blockwise, mxfp8, nvfp4: blocks along the block's own tokens, as the
+  // rank that computes its micro-batch alone does); micros = 0 there: every block's stochastic
+  // rounding is keyed by this rank's micro-batch.
   struct ExpertBlocks {
     const int64_t* segments = nullptr;  // (E x sources + 1)
     int64_t sources = 1, self = 0, micros = 1;
+    const int64_t* whole = nullptr;     // run mode: the experts' offsets (E + 1); else null
   };
 
   // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
@@ -254,8 +262,9 @@ class Precision {
                   int64_t in, const GemmOptions& opt, int64_t blk = -1);
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                   const GemmOptions& opt, int64_t blk = -1);
+  // row0: under per-tensor scaling, the operands are rows [row0, row0 + N) of the kept tensors.
   void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
-                  std::span<const int64_t> k_segments = {}, int64_t blk = -1);
+                  std::span<const int64_t> k_segments = {}, int64_t blk = -1, int64_t row0 = 0);
   // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
   // when null: s = -1), with stochastic rounding keyed by the block's micro-batch.
   template <typename F>

@@ -169,8 +169,14 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
     if (S == 1) return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
-    if (qb) p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
-    else grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
+    if (qb) {
+      p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
+    } else if (p.recipe(w) != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
+      const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
+      p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, run, E, nout, nin);
+    } else {
+      grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
+    }
     if (layout_micros) {
       push(dw, first_tree);
       if (b >= 0) push(db, first_tree + blocks);

@@ -49,9 +49,12 @@
 // runs per (expert, source) block, each block its own tensor (Precision::ExpertBlocks: its own
 // scale, blocks along its own tokens, stochastic rounding keyed by its source's micro-batch and the
 // expert's index in the layer), and the weight gradient of each block is the quantised wgrad of
-// that block. In run mode the blocks' weight gradients are the fp32 GEMM on the unquantised rows
-// (not what one process computes there; the forward and input-gradient GEMMs are quantised per
-// expert over all sources' rows).
+// that block. In run mode the forward and input-gradient GEMMs quantise each expert's rows of all
+// sources as one tensor, and the weight gradient of each (expert, source) block is quantised as
+// the data-parallel rank that computes it alone would (Precision::ExpertBlocks::whole): per-tensor
+// scaling reads the block's rows of the expert's tensors (their scale is data parallelism's reduced
+// amax), block recipes quantise the block on its own; with the rank-order sum above that is
+// data parallelism's quantised expert gradient bit for bit (FP8; NVFP4's run-mode keys are per rank).
 #pragma once
 
 #include <string>
