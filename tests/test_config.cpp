@@ -162,8 +162,9 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2", "precision.params=bf16",
         "precision.fp8=mxfp8"},
        "config: determinism = \"layout\" with precision.fp8 = \"mxfp8\" / precision.fp4 = \"none\" and "
-       "parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches, so its scales and "
-       "blocks span them; use parallel.expert_tensor = 1"},
+       "parallel.expert_tensor = 2: each expert-tensor-parallel rank holds a slice of an expert's hidden units, so "
+       "its per-tensor amax would need a reduction over the etp ranks per source block, which is not built; use "
+       "parallel.expert_tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
        "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},

@@ -383,7 +383,8 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.tensor = 2 and an MoE model: "),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=blockwise", "parallel.expert_tensor=2"}, "moe-debug")
-                .find("and parallel.expert_tensor = 2: an expert's tokens come from several ranks' micro-batches"),
+                .find("and parallel.expert_tensor = 2: each expert-tensor-parallel rank holds a slice of an "
+                      "expert's hidden units"),
             std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),

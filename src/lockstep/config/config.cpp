@@ -637,7 +637,8 @@ void validate_layout_determinism(const Config& c) {
   if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),
-           "an expert's tokens come from several ranks' micro-batches, so its scales and blocks span them; use "
+           "each expert-tensor-parallel rank holds a slice of an expert's hidden units, so its per-tensor amax "
+           "would need a reduction over the etp ranks per source block, which is not built; use "
            "parallel.expert_tensor = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
