@@ -213,11 +213,12 @@ void validate_pipeline_parallel(const Config& c) {
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data-, expert-, pipeline- and (dense) tensor-parallel size, micro-batch spread, "
-                          "process count and backend)",
+                          "for any data-, expert-, expert-tensor-, pipeline- and (dense) tensor-parallel size, "
+                          "micro-batch spread, process count and backend)",
              {"run", "layout"}),
-      LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor parallelism "
-                              "splits (a power of two; parallel.tensor and parallel.expert_tensor must divide it)"),
+      LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
+                              "tensor parallelism splits (a power of two in [1, 1024]; parallel.tensor and "
+                              "parallel.expert_tensor must divide it)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
