@@ -217,7 +217,7 @@ const std::vector<Key>& keys() {
                           "micro-batch spread, process count and backend)",
              {"run", "layout"}),
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
-                              "tensor parallelism splits (a power of two in [1, 1024]; parallel.tensor and "
+                              "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
                               "parallel.expert_tensor must divide it)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
@@ -601,8 +601,8 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 // what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
-  if (c.layout_segments < 1 || c.layout_segments > 1024 || std::popcount(static_cast<uint64_t>(c.layout_segments)) != 1)
-    user_error("layout_segments = ", c.layout_segments, ": must be a power of two in [1, 1024]");
+  if (c.layout_segments < 1 || c.layout_segments > 64 || std::popcount(static_cast<uint64_t>(c.layout_segments)) != 1)
+    user_error("layout_segments = ", c.layout_segments, ": must be a power of two in [1, 64]");
   if (c.determinism != "layout") return;
   const auto refuse = [](const std::string& what, const std::string& why) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
