@@ -47,6 +47,20 @@ template <typename T>
 void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack);
 inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_cast<uint64_t>(L - 1)) : 0; }
 
+// In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
+// canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
+// The segmented GEMMs' combiner (kernels/cpu/gemm.cpp, grouped_gemm.cpp): each thread passes its
+// rows, contiguous in every leaf.
+inline void tree_sum_in_place(float* x, int64_t L, int64_t stride, int64_t begin, int64_t end) {
+  if (L <= 1) return;
+  const int64_t h = canonical_split(L);
+  tree_sum_in_place(x, h, stride, begin, end);
+  tree_sum_in_place(x + h * stride, L - h, stride, begin, end);
+  float* a = x + begin;
+  const float* b = x + h * stride + begin;
+  for (int64_t k = 0; k < end - begin; ++k) a[k] = a[k] + b[k];
+}
+
 // Streaming canonical-tree sum of `leaves` float buffers of n elements, pushed in order, possibly
 // range by range (each range of a leaf pushed once, leaves in increasing order per element).
 class TreeSum {

@@ -739,21 +739,10 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
       run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, part, "gemm segment"));
     }
   }
-  // The canonical tree over the segments, whole contiguous rows at a time: segments [s0, s1) into
-  // segment s0, split at canonical_split as core/tree_sum.h defines it.
+  // The canonical tree over the segments into segment 0, each thread over its rows.
   const Init init = p.init;
   parallel_for(M, [&](int64_t i0, int64_t i1) {
-    const int64_t a = i0 * N, b = i1 * N;
-    const auto tree = [&](const auto& self, int64_t s0, int64_t s1) -> void {
-      if (s1 - s0 == 1) return;
-      const int64_t h = canonical_split(s1 - s0);
-      self(self, s0, s0 + h);
-      self(self, s0 + h, s1);
-      float* x = partial + s0 * MN;
-      const float* y = partial + (s0 + h) * MN;
-      for (int64_t k = a; k < b; ++k) x[k] = x[k] + y[k];
-    };
-    tree(tree, 0, S);
+    tree_sum_in_place(partial, S, MN, i0 * N, i1 * N);
     for (int64_t i = i0; i < i1; ++i) {
       float* c = C + i * ldc;
       const float* q = partial + i * N;

@@ -7,6 +7,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -110,25 +111,12 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
     }
     gemm_batch(items.data(), static_cast<int64_t>(items.size()));
   }
-  // S is a power of two, so the canonical tree is the perfect binary one: level by level, segment
-  // s += segment s + h, over each thread's rows (contiguous in every segment), the last level into C.
+  // The canonical tree over the segments into segment 0, each thread over its rows.
   float* P = partial.data();
   parallel_for(R, [&](int64_t i0, int64_t i1) {
     const int64_t n = (i1 - i0) * Nout, at = i0 * Nout;
-    for (int64_t h = 1; h < S / 2; h *= 2)
-      for (int64_t s = 0; s < S; s += 2 * h) {
-        float* a = P + s * RN + at;
-        const float* b = P + (s + h) * RN + at;
-        for (int64_t k = 0; k < n; ++k) a[k] = a[k] + b[k];
-      }
-    const float* lo = P + at;
-    const float* hi = S > 1 ? P + (S / 2) * RN + at : nullptr;
-    float* c = C + at;
-    if (hi) {
-      for (int64_t k = 0; k < n; ++k) c[k] = lo[k] + hi[k];
-    } else {
-      std::memcpy(c, lo, static_cast<size_t>(n) * sizeof(float));
-    }
+    tree_sum_in_place(P, S, RN, at, at + n);
+    std::memcpy(C + at, P + at, static_cast<size_t>(n) * sizeof(float));
     if (!bias) return;
     for (int64_t i = i0; i < i1; ++i) {
       const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * Nout;
