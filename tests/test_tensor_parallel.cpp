@@ -54,15 +54,6 @@ Config job(const std::string& preset, const std::string& out_dir, std::vector<st
 }
 
 
-// A fingerprint field of every step on rank 0, as the exact double.
-std::vector<double> field(const std::string& run_dir, const char* name) {
-  std::vector<double> out;
-  std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
-  for (std::string line; std::getline(in, line);)
-    out.push_back(std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)[name].get<std::string>(), nullptr, 16)));
-  return out;
-}
-
 std::string fingerprints(const std::string& run_dir, int ranks) {
   std::string all;
   for (int r = 0; r < ranks; ++r) all += read_file(fingerprint_path(run_dir, r));
