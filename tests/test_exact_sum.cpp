@@ -193,6 +193,23 @@ TEST(TreeSum, CanonicalSplitAndDefinition) {
   }
 }
 
+// The in-place form (the segmented GEMMs' combiner): leaves a stride apart, summed over ranges
+// [begin, end) cut anywhere, gives leaf 0 the tree's bits there and leaves other elements alone.
+TEST(TreeSum, InPlaceOverRangesEqualsTheTree) {
+  const int64_t n = 101, stride = 128;
+  for (int64_t L = 1; L <= 11; ++L) {
+    const auto x = leaves_of(L, n, 300 + static_cast<uint64_t>(L));
+    const std::vector<float> want = tree_of(x);
+    std::vector<float> packed(static_cast<size_t>(L * stride), 7.0f);
+    for (int64_t l = 0; l < L; ++l) std::copy(x[l].begin(), x[l].end(), packed.begin() + l * stride);
+    for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, 37}, {37, 38}, {38, n}})
+      tree_sum_in_place(packed.data(), L, stride, b, e);
+    EXPECT_TRUE(testing::bitwise_equal(std::vector<float>(packed.begin(), packed.begin() + n), want)) << "L " << L;
+    for (int64_t l = 0; l < L; ++l)
+      for (int64_t i = n; i < stride; ++i) ASSERT_EQ(packed[l * stride + i], 7.0f) << "L " << L;
+  }
+}
+
 // D ranks with A (a power of two) consecutive leaves each: summing each rank's block along the
 // canonical tree, then the D block sums along the canonical tree over D, is the tree over all.
 TEST(TreeSum, PowerOfTwoBlocksAreSubtrees) {
