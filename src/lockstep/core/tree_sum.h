@@ -61,6 +61,18 @@ inline void tree_sum_in_place(float* x, int64_t L, int64_t stride, int64_t begin
   for (int64_t k = 0; k < end - begin; ++k) a[k] = a[k] + b[k];
 }
 
+// dst[0, n) += the canonical tree over the segments of a sum over tokens: leaf k is
+// accumulate(leaf, bounds[k], bounds[k + 1]), which adds tokens [begin, end) into the zeroed
+// leaf (n elements). The layout-mode form of a gradient summed over tokens (bias, gate weight).
+template <typename Accumulate>
+void add_segment_tree(float* dst, int64_t n, const std::vector<int64_t>& bounds, Accumulate&& accumulate) {
+  const int64_t S = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<float> leaves(static_cast<size_t>(S * n), 0.0f);
+  for (int64_t k = 0; k < S; ++k) accumulate(leaves.data() + k * n, bounds[k], bounds[k + 1]);
+  tree_sum_in_place(leaves.data(), S, n, 0, n);
+  for (int64_t j = 0; j < n; ++j) dst[j] += leaves[j];
+}
+
 // Streaming canonical-tree sum of `leaves` float buffers of n elements, pushed in order, possibly
 // range by range (each range of a leaf pushed once, leaves in increasing order per element).
 class TreeSum {

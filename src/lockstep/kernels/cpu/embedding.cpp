@@ -106,16 +106,10 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C, int64_
   // Each token segment's column sums from zero, then the canonical tree over the segments.
   const std::vector<int64_t> bounds = canonical_segments(N, segments);
   parallel_for(blocks, [&](int64_t begin, int64_t end) {
-    const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock), w = c1 - c0;
-    std::vector<float> seg(static_cast<size_t>(segments * w), 0.0f), stack(static_cast<size_t>(tree_sum_stack(segments) * w));
-    std::vector<const float*> leaves(static_cast<size_t>(segments));
-    for (int64_t k = 0; k < segments; ++k) {
-      leaves[static_cast<size_t>(k)] = seg.data() + k * w;
-      for (int64_t n = bounds[k]; n < bounds[k + 1]; ++n) add_row(seg.data() + k * w, dout + n * C + c0, w);
-    }
-    float* sum = seg.data() + (segments - 1) * w;  // may alias the last leaf
-    tree_sum(sum, leaves.data(), segments, w, stack.data());
-    for (int64_t j = 0; j < w; ++j) dbias[c0 + j] += sum[j];
+    const int64_t c0 = begin * kColBlock, c1 = std::min(C, end * kColBlock);
+    add_segment_tree(dbias + c0, c1 - c0, bounds, [&](float* leaf, int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) add_row(leaf, dout + n * C + c0, c1 - c0);
+    });
   });
 }
 

@@ -89,19 +89,10 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
   if (w && segments > 0) {
     const std::vector<int64_t> bounds = canonical_segments(N, segments);
     parallel_for(C, [&](int64_t c0, int64_t c1) {
-      const int64_t width = c1 - c0;
-      std::vector<float> seg(static_cast<size_t>(segments * width), 0.0f);
-      std::vector<float> stack(static_cast<size_t>(tree_sum_stack(segments) * width));
-      std::vector<const float*> leaves(static_cast<size_t>(segments));
-      for (int64_t k = 0; k < segments; ++k) {
-        float* a = seg.data() + k * width;
-        leaves[static_cast<size_t>(k)] = a;
-        for (int64_t t = bounds[k]; t < bounds[k + 1]; ++t)
-          for (int64_t c = c0; c < c1; ++c) a[c - c0] += dlogit[t] * x[t * C + c];
-      }
-      float* sum = seg.data() + (segments - 1) * width;  // may alias the last leaf
-      tree_sum(sum, leaves.data(), segments, width, stack.data());
-      for (int64_t c = c0; c < c1; ++c) dw[c] += sum[c - c0];
+      add_segment_tree(dw + c0, c1 - c0, bounds, [&](float* leaf, int64_t t0, int64_t t1) {
+        for (int64_t t = t0; t < t1; ++t)
+          for (int64_t c = c0; c < c1; ++c) leaf[c - c0] += dlogit[t] * x[t * C + c];
+      });
     });
   }
   parallel_for(N, [&](int64_t t0, int64_t t1) {
