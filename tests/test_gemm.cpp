@@ -178,38 +178,30 @@ TEST(Gemm, EmptyKWritesInit) {
   }
 }
 
+// Segments over K (a row-parallel layer), and over sections (a fused projection's input gradient:
+// segment s's chain runs over its part of each section in turn); empty parts and an empty segment
+// included; 1 and 3 threads.
 TEST(Gemm, KSegments) {
-  const std::vector<int64_t> segments = {0, 40, 40, 77, 130};
-  for (Trans ta : kTrans) {
-    for (Trans tb : kTrans) {
-      const Case c(17, 67, 130, ta, tb, 5);
-      for (int mode = 0; mode < 3; ++mode) {
-        GemmOptions opt;
-        opt.k_segments = segments;
-        opt.accumulate = mode == 1;
-        opt.bias = mode == 2 ? c.bias.data() : nullptr;
-        ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
-      }
-    }
-  }
-}
-
-// Segments over sections (a fused projection's input gradient): segment s's chain runs over its
-// part of each section in turn; empty parts and an empty segment included.
-TEST(Gemm, KSegmentsOverSections) {
-  const std::vector<int64_t> sections = {50, 30, 50};
-  const std::vector<int64_t> segments = {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50};
-  for (Trans ta : kTrans) {
-    for (Trans tb : kTrans) {
-      const Case c(17, 67, 130, ta, tb, 6);
-      for (int mode = 0; mode < 3; ++mode) {
-        GemmOptions opt;
-        opt.k_segments = segments;
-        opt.k_sections = sections;
-        opt.accumulate = mode == 1;
-        opt.bias = mode == 2 ? c.bias.data() : nullptr;
-        ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
-        testing::with_threads(3, [&] { ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + " 3 threads")); });
+  struct Layout {
+    std::vector<int64_t> sections, segments;
+  };
+  const std::vector<Layout> layouts = {
+      {{}, {0, 40, 40, 77, 130}},
+      {{50, 30, 50}, {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50}},
+  };
+  for (const Layout& l : layouts) {
+    for (Trans ta : kTrans) {
+      for (Trans tb : kTrans) {
+        const Case c(17, 67, 130, ta, tb, l.sections.empty() ? 5 : 6);
+        for (int mode = 0; mode < 3; ++mode) {
+          GemmOptions opt;
+          opt.k_segments = l.segments;
+          opt.k_sections = l.sections;
+          opt.accumulate = mode == 1;
+          opt.bias = mode == 2 ? c.bias.data() : nullptr;
+          ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
+          testing::with_threads(3, [&] { ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + " 3 threads")); });
+        }
       }
     }
   }
