@@ -10,6 +10,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "lockstep/core/exact_sum.h"
@@ -228,6 +229,67 @@ TEST(TreeSum, PowerOfTwoBlocksAreSubtrees) {
   EXPECT_FALSE(testing::bitwise_equal(tree_of(halves), tree_of(x)));
 }
 
+// The nodes of the canonical tree over leaves [lo, hi), by its definition.
+void nodes_of(std::vector<std::pair<int64_t, int64_t>>& out, int64_t lo, int64_t hi) {
+  out.push_back({lo, hi});
+  if (hi - lo == 1) return;
+  const int64_t p = lo + canonical_split(hi - lo);
+  nodes_of(out, lo, p);
+  nodes_of(out, p, hi);
+}
+
+// Every block [a, b) of every tree over L = 1..17 leaves: its canonical pieces are nodes of the
+// tree, cover the block in order, and are maximal (no node holding one of them lies in the block);
+// and the tree over L evaluated over the pieces of the blocks [0, a), [a, b), [b, L) (PieceTree)
+// gives the tree's bits.
+TEST(TreeSum, BlocksAreTheirCanonicalPieces) {
+  const int64_t n = 33;
+  for (int64_t L = 1; L <= 17; ++L) {
+    std::vector<std::pair<int64_t, int64_t>> nodes;
+    nodes_of(nodes, 0, L);
+    auto is_node = [&](int64_t lo, int64_t hi) { return std::find(nodes.begin(), nodes.end(), std::pair{lo, hi}) != nodes.end(); };
+    const auto x = leaves_of(L, n, 500 + static_cast<uint64_t>(L));
+    const std::vector<float> want = tree_of(x);
+    for (int64_t a = 0; a < L; ++a)
+      for (int64_t b = a + 1; b <= L; ++b) {
+        const std::vector<int64_t> p = canonical_pieces(L, a, b);
+        ASSERT_GE(p.size(), 2u);
+        EXPECT_EQ(p.front(), a);
+        EXPECT_EQ(p.back(), b);
+        EXPECT_LE(static_cast<int64_t>(p.size()) - 1, 2 * std::bit_width(static_cast<uint64_t>(L)));
+        for (size_t k = 0; k + 1 < p.size(); ++k) {
+          ASSERT_LT(p[k], p[k + 1]);
+          EXPECT_TRUE(is_node(p[k], p[k + 1])) << "L " << L << " [" << a << ", " << b << ") piece " << k;
+          for (const auto& [lo, hi] : nodes)
+            EXPECT_FALSE(lo <= p[k] && p[k + 1] <= hi && hi - lo > p[k + 1] - p[k] && a <= lo && hi <= b)
+                << "L " << L << " [" << a << ", " << b << ") piece " << k << " is inside node [" << lo << ", " << hi << ")";
+        }
+        // The pieces of [0, a), [a, b), [b, L), each summed along its own tree, then PieceTree.
+        std::vector<int64_t> bounds{0};
+        for (const auto& [lo, hi] : {std::pair{int64_t{0}, a}, std::pair{a, b}, std::pair{b, L}}) {
+          if (lo == hi) continue;
+          const std::vector<int64_t> q = canonical_pieces(L, lo, hi);
+          bounds.insert(bounds.end(), q.begin() + 1, q.end());
+        }
+        std::vector<std::vector<float>> sums;
+        std::vector<const float*> at;
+        for (size_t k = 0; k + 1 < bounds.size(); ++k)
+          sums.push_back(tree_of(std::vector<std::vector<float>>(x.begin() + bounds[k], x.begin() + bounds[k + 1])));
+        for (const auto& v : sums) at.push_back(v.data());
+        const PieceTree tree(L, bounds);
+        EXPECT_EQ(tree.pieces(), static_cast<int>(sums.size()));
+        std::vector<float> got(n), scratch(static_cast<size_t>(tree.scratch_size() * n + 1));
+        tree.sum(got.data(), at.data(), n, scratch.data());
+        EXPECT_TRUE(testing::bitwise_equal(got, want)) << "L " << L << " [" << a << ", " << b << ")";
+        // In place, into the last piece.
+        tree.sum(sums.back().data(), at.data(), n, scratch.data());
+        EXPECT_TRUE(testing::bitwise_equal(sums.back(), want)) << "L " << L << " [" << a << ", " << b << ") in place";
+      }
+  }
+  // Pieces that are not subtrees are refused: 3 + 3 leaves of a tree over 6.
+  EXPECT_THROW(PieceTree(6, {0, 3, 6}), std::exception);
+}
+
 TEST(TreeSum, StreamingRangeByRangeEqualsTheTree) {
   const int64_t n = 5000;
   for (int64_t L : {1, 2, 3, 6, 8, 11}) {
@@ -254,6 +316,40 @@ TEST(TreeSum, StreamingRangeByRangeEqualsTheTree) {
       });
     }
   }
+}
+
+// Streaming with pieces: a rank's block of leaves pushed in order leaves each piece's tree sum in
+// piece(k) and the last one's in the buffer (DataParallel's pieced layout mode).
+TEST(TreeSum, StreamingPiecesEqualTheirTrees) {
+  const int64_t n = 3000;
+  for (const auto& [L, a, b] : {std::tuple<int64_t, int64_t, int64_t>{9, 0, 3}, {9, 3, 6}, {9, 6, 9}, {10, 5, 10},
+                                {13, 1, 12}, {6, 2, 4}})
+    for (int threads : {1, 3})
+      with_threads(threads, [&] {
+        const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L * 31 + a));
+        std::vector<int64_t> bounds = canonical_pieces(L, a, b);
+        for (int64_t& v : bounds) v -= a;
+        TreeSum tree;
+        tree.reset(n, bounds);
+        ASSERT_EQ(tree.pieces(), static_cast<int64_t>(bounds.size()) - 1);
+        std::vector<float> buf(static_cast<size_t>(n), 0.0f);
+        for (int64_t l = 0; l < b - a; ++l) {
+          for (int64_t i = 0; i < n; ++i) {
+            ASSERT_EQ(buf[i], 0.0f) << "not zeroed after leaf " << l - 1;
+            buf[i] += x[a + l][i];
+          }
+          const int64_t cuts[] = {n, 2000, 17, 0};
+          for (int k = 0; k + 1 < 4; ++k) tree.push(l, buf.data(), cuts[k + 1], cuts[k]);
+        }
+        auto piece_tree = [&](size_t k) {
+          return tree_of(std::vector<std::vector<float>>(x.begin() + a + bounds[k], x.begin() + a + bounds[k + 1]));
+        };
+        const size_t K = bounds.size() - 1;
+        for (size_t k = 0; k + 1 < K; ++k)
+          EXPECT_TRUE(testing::bitwise_equal(std::vector<float>(tree.piece(k), tree.piece(k) + n), piece_tree(k)))
+              << "L " << L << " [" << a << ", " << b << ") piece " << k;
+        EXPECT_TRUE(testing::bitwise_equal(buf, piece_tree(K - 1))) << "L " << L << " [" << a << ", " << b << ") last piece";
+      });
 }
 
 }  // namespace

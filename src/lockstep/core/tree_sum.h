@@ -12,6 +12,11 @@
 //     sum their A micro-batches along the canonical tree, then combine the D partial sums along the
 //     canonical tree over ranks (ReduceOp::tree_sum, comm/communicator.h), get exactly the bits of
 //     one process summing all L leaves.
+//   - pieces: any block [a, b) of consecutive leaves is the union of O(log L) maximal subtrees
+//     (canonical_pieces), and every subtree is the canonical tree over its own leaves. So D ranks
+//     holding blocks of any sizes each sum their block's pieces along the canonical tree (TreeSum
+//     with pieces), and the pieces of all ranks are combined along the tree over L with the pieces
+//     as leaves (PieceTree; Communicator's *_pieces collectives): again the one-process bits.
 //   - streaming: the leaves can be pushed one at a time with ceil(log2 L) partial sums kept (a
 //     binary counter: after leaf c, bit j of c + 1 says whether a complete subtree of 2^j leaves is
 //     held), so a trainer never holds more than that many gradient-sized buffers.
@@ -21,6 +26,7 @@
 
 #include <bit>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "lockstep/core/tensor.h"
@@ -40,6 +46,35 @@ inline std::vector<int64_t> canonical_segments(int64_t n, int64_t S) {
   for (int64_t s = 0; s <= S; ++s) b[static_cast<size_t>(s)] = s * n / S;
   return b;
 }
+
+// Block [a, b) of the canonical tree over L leaves as its maximal subtrees, left to right: the
+// K + 1 bounds a = p_0 < p_1 < ... < p_K = b, piece k being leaves [p_k, p_{k+1}). When the block
+// is a subtree (e.g. b - a = 2^j with a a multiple of it) K = 1. K <= 2 log2 L.
+std::vector<int64_t> canonical_pieces(int64_t L, int64_t a, int64_t b);
+
+// The canonical tree over L leaves evaluated with subtrees of it as its leaves: `bounds` (0 = p_0 <
+// ... < p_K = L) cut the L leaves into K pieces, each a subtree (the concatenated canonical_pieces
+// of consecutive blocks are); sum() adds the K piece sums along the tree above them, so given each
+// piece's canonical tree sum it returns the tree over all L leaves, bit for bit.
+class PieceTree {
+ public:
+  PieceTree(int64_t L, const std::vector<int64_t>& bounds);
+  int64_t pieces() const { return pieces_; }
+  int64_t scratch_size() const { return temps_; }  // buffers of n elements sum() needs
+  // out[i] = the tree over pieces[0][i] .. pieces[K-1][i]. scratch: scratch_size() x n. out may
+  // alias any piece (each element is read before it is written).
+  template <typename T>
+  void sum(T* out, const T* const* pieces, int64_t n, T* scratch) const;
+
+ private:
+  // An addition dst = a + b; operands >= 0 are pieces, -1 - t is scratch buffer t, and a dst of
+  // -1 - temps_ is out (the root).
+  struct Add {
+    int dst, a, b;
+  };
+  int pieces_ = 0, temps_ = 0;
+  std::vector<Add> adds_;  // in evaluation order
+};
 
 // out[i] = the canonical tree sum of leaves[0][i] .. leaves[L-1][i]. stack: scratch of
 // tree_sum_stack(L) x n elements. out may alias leaves[L-1] (and no other leaf).
@@ -75,18 +110,30 @@ void add_segment_tree(float* dst, int64_t n, const std::vector<int64_t>& bounds,
 
 // Streaming canonical-tree sum of `leaves` float buffers of n elements, pushed in order, possibly
 // range by range (each range of a leaf pushed once, leaves in increasing order per element).
+// With pieces (bounds 0 = p_0 < ... < p_K = leaves, as canonical_pieces cuts a block relative to
+// its first leaf), each piece is summed along its own canonical tree: the sums of pieces 0 .. K-2
+// are kept in piece(k), the last piece's is left in x like the single tree's (one more buffer of n
+// per extra piece; the partial sums are shared, the pieces being pushed one after the other).
 class TreeSum {
  public:
-  void reset(int64_t n, int64_t leaves);
-  int64_t leaves() const { return leaves_; }
+  void reset(int64_t n, int64_t leaves) { reset(n, std::vector<int64_t>{0, leaves}); }
+  void reset(int64_t n, const std::vector<int64_t>& bounds);
+  int64_t leaves() const { return bounds_.back(); }
+  int64_t pieces() const { return static_cast<int64_t>(bounds_.size()) - 1; }
   // x[begin, end) holds leaf `leaf`'s values there. Except for the last leaf they are folded into
-  // the partial sums and x[begin, end) is zeroed (ready to accumulate the next leaf from zero); for
-  // the last leaf x[begin, end) becomes the tree sum of all leaves. Parallel over the current pool.
+  // the partial sums (or, for the last leaf of a piece but the last, become piece(k) there) and
+  // x[begin, end) is zeroed (ready to accumulate the next leaf from zero); for the last leaf
+  // x[begin, end) becomes the tree sum of the last piece (of all leaves without pieces). Parallel
+  // over the current pool.
   void push(int64_t leaf, float* x, int64_t begin, int64_t end);
+  // Piece k < pieces() - 1: its tree sum once its last leaf is pushed (n elements).
+  float* piece(int64_t k) { return held_[static_cast<size_t>(k)].data(); }
 
  private:
-  int64_t n_ = 0, leaves_ = 1;
+  int64_t n_ = 0;
+  std::vector<int64_t> bounds_{0, 1};
   std::vector<FloatBuffer> stack_;  // stack_[j]: a complete subtree of 2^j leaves when held
+  std::vector<FloatBuffer> held_;   // the sums of pieces 0 .. K-2
 };
 
 template <typename T>
@@ -109,6 +156,21 @@ void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack) {
     T carry = x[i];
     for (uint64_t h = held; h; h &= h - 1) carry = stack[std::countr_zero(h) * n + i] + carry;
     out[i] = carry;
+  }
+}
+
+template <typename T>
+void PieceTree::sum(T* out, const T* const* pieces, int64_t n, T* scratch) const {
+  if (adds_.empty()) {
+    if (out != pieces[0]) std::memmove(out, pieces[0], static_cast<size_t>(n) * sizeof(T));
+    return;
+  }
+  auto at = [&](int x) -> T* { return x >= 0 ? const_cast<T*>(pieces[x]) : x == -1 - temps_ ? out : scratch + (-1 - x) * n; };
+  for (const Add& add : adds_) {
+    T* d = at(add.dst);
+    const T* a = at(add.a);
+    const T* b = at(add.b);
+    for (int64_t i = 0; i < n; ++i) d[i] = a[i] + b[i];
   }
 }
 
