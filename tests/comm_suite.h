@@ -115,6 +115,45 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       h.update(chunk.data(), chunk.size() * sizeof(float));
     }
 
+    // The *_pieces forms: leaves in blocks that are not subtrees (3 per rank; 1, 2, 3, 1, 2, 3, ...),
+    // each rank's block as its canonical pieces' tree sums, give every rank the canonical tree over
+    // all leaves, bit for bit, as all_reduce (into the last piece) and reduce_scatter.
+    for (const bool even : {true, false}) {
+      if (n > 1000) break;  // the serial reference costs every leaf on every rank
+      std::vector<int64_t> blocks{0};
+      for (int r = 0; r < P; ++r) blocks.push_back(blocks.back() + (even ? 3 : r % 3 + 1));
+      const int64_t L = blocks.back(), c = n / P + 1, total = c * P;
+      std::vector<std::vector<float>> xs;
+      std::vector<const float*> leaves;
+      for (int64_t l = 0; l < L; ++l) xs.push_back(rank_values(static_cast<int>(l), total, "pieces"));
+      for (const auto& x : xs) leaves.push_back(x.data());
+      std::vector<float> stack(tree_sum_stack(L) * total + 1);
+      auto tree = [&](int64_t a, int64_t b) {  // the canonical tree over leaves [a, b)
+        std::vector<float> t(total);
+        tree_sum(t.data(), leaves.data() + a, b - a, total, stack.data());
+        return t;
+      };
+      const std::vector<float> want = tree(0, L);
+      const std::vector<int64_t> bounds = canonical_pieces(L, blocks[me], blocks[me + 1]);
+      std::vector<std::vector<float>> mine;
+      std::vector<const float*> pieces;
+      for (size_t k = 0; k + 1 < bounds.size(); ++k) mine.push_back(tree(bounds[k], bounds[k + 1]));
+      for (const auto& m : mine) pieces.push_back(m.data());
+      const std::string what = str(" (", even ? "3 leaves per rank" : "1, 2, 3 leaves", ") n=", total);
+      std::vector<float> chunk(c);
+      const int64_t sent = comm.bytes_sent();
+      comm.reduce_scatter_pieces(chunk.data(), pieces, c, blocks);
+      same_bits(chunk.data(), want.data() + me * c, c, "reduce_scatter_pieces" + what);
+      // The wire: each of the rank's K pieces' chunks to every other rank.
+      const int64_t K = static_cast<int64_t>(bounds.size()) - 1;
+      if (comm.bytes_sent() - sent != K * (P - 1) * c * int64_t(sizeof(float)))
+        fail(str("reduce_scatter_pieces", what, ": sent ", comm.bytes_sent() - sent, " bytes, expected ", K, " x ", P - 1,
+                 " x ", c, " floats"));
+      comm.all_reduce_pieces(mine.back().data(), pieces, total, blocks);
+      same_bits(mine.back().data(), want.data(), total, "all_reduce_pieces" + what);
+      h.update(chunk.data(), chunk.size() * sizeof(float));
+    }
+
     // all_reduce_exact: every rank gets the exact sum of all ranks' values, the same bits as one
     // accumulator fed every value in another order (last rank first, elements backwards).
     {

@@ -195,6 +195,67 @@ void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<in
   ordered_fold(out, contrib.data(), P, count, op);
 }
 
+// reduce_scatter_step over pieces (Communicator::*_pieces): chunk `me` of every rank's pieces, all
+// received, combined along the canonical tree over the blocks' leaves into out.
+template <typename T>
+void reduce_scatter_pieces_step(Transport& t, T* out, const std::vector<const T*>& pieces, const std::vector<int64_t>& off,
+                                const std::vector<int64_t>& blocks, const OpInfo& info) {
+  const int P = t.size(), me = t.rank();
+  LOCKSTEP_CHECK(static_cast<int>(blocks.size()) == P + 1, info.name, ": ", blocks.size(), " block bounds for ", P, " ranks");
+  std::vector<int64_t> bounds{0};
+  std::vector<int64_t> first(P + 1, 0);  // rank q's pieces are [first[q], first[q + 1]) of all
+  for (int q = 0; q < P; ++q) {
+    const std::vector<int64_t> b = canonical_pieces(blocks.back(), blocks[q], blocks[q + 1]);
+    bounds.insert(bounds.end(), b.begin() + 1, b.end());
+    first[q + 1] = first[q] + static_cast<int64_t>(b.size()) - 1;
+  }
+  const int64_t K = first[me + 1] - first[me];
+  LOCKSTEP_CHECK(static_cast<int64_t>(pieces.size()) == K, info.name, ": ", pieces.size(), " pieces given, rank ", me,
+                 "'s block has ", K);
+  const PieceTree tree(blocks.back(), bounds);
+  const int64_t count = off[me + 1] - off[me];
+  T* buf = reinterpret_cast<T*>(scratch(static_cast<size_t>(first[P] * count) * sizeof(T)));
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  std::vector<const T*> contrib(static_cast<size_t>(first[P]));
+  for (int q = 0; q < P; ++q)
+    for (int64_t k = 0; k < first[q + 1] - first[q]; ++k) {
+      const int64_t g = first[q] + k;  // the piece's index among all
+      const int tag = static_cast<int>(k);
+      if (q == me) {
+        contrib[g] = pieces[k] + off[me];
+        continue;
+      }
+      contrib[g] = buf + g * count;
+      recvs.push_back({q, buf + g * count, count * int64_t(sizeof(T)), tag});
+    }
+  for (int q = 0; q < P; ++q)
+    for (int64_t k = 0; k < K && q != me; ++k)
+      sends.push_back({q, pieces[k] + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T)), static_cast<int>(k)});
+  exchange(t, sends, recvs, info);
+  constexpr int64_t tile = 2048;
+  std::vector<T> temps(static_cast<size_t>(tree.scratch_size() * tile));
+  std::vector<const T*> at(contrib.size());
+  for (int64_t i0 = 0; i0 < count; i0 += tile) {
+    for (size_t g = 0; g < contrib.size(); ++g) at[g] = contrib[g] + i0;
+    tree.sum(out + i0, at.data(), std::min(count - i0, tile), temps.data());
+  }
+}
+
+// The all-gather step of all_reduce: chunk r = [off[r], off[r + 1]) of data from rank r.
+template <typename T>
+void all_gather_step(Transport& t, T* data, const std::vector<int64_t>& off, const OpInfo& info) {
+  const int P = t.size(), me = t.rank();
+  std::vector<SendSpec> sends;
+  std::vector<RecvSpec> recvs;
+  for (int q = 0; q < P; ++q) {
+    if (q == me) continue;
+    sends.push_back({q, data + off[me], (off[me + 1] - off[me]) * int64_t(sizeof(T))});
+    recvs.push_back({q, data + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
+  }
+  exchange(t, sends, recvs, info);
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -224,15 +285,32 @@ Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
     for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
     const OpInfo info = op_info(*t, "all_reduce");
     reduce_scatter_step(*t, data + off[me], data, off, op, info);
-    // All-gather of the reduced chunks.
-    std::vector<SendSpec> sends;
-    std::vector<RecvSpec> recvs;
-    for (int q = 0; q < P; ++q) {
-      if (q == me) continue;
-      sends.push_back({q, data + off[me], (off[me + 1] - off[me]) * int64_t(sizeof(T))});
-      recvs.push_back({q, data + off[q], (off[q + 1] - off[q]) * int64_t(sizeof(T))});
-    }
-    exchange(*t, sends, recvs, info);
+    all_gather_step(*t, data, off, info);  // of the reduced chunks
+  }));
+}
+
+template <typename T>
+Work Communicator::all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n, std::vector<int64_t> blocks) {
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, out, pieces = std::move(pieces), n, blocks = std::move(blocks)] {
+    const int P = t->size(), me = t->rank();
+    std::vector<int64_t> off(P + 1);
+    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
+    const OpInfo info = op_info(*t, "all_reduce_pieces");
+    reduce_scatter_pieces_step(*t, out + off[me], pieces, off, blocks, info);
+    if (P > 1) all_gather_step(*t, out, off, info);
+  }));
+}
+
+template <typename T>
+Work Communicator::reduce_scatter_pieces_async(T* out, std::vector<const T*> pieces, int64_t count,
+                                               std::vector<int64_t> blocks) {
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, out, pieces = std::move(pieces), count, blocks = std::move(blocks)] {
+    const int P = t->size();
+    std::vector<int64_t> off(P + 1);
+    for (int r = 0; r <= P; ++r) off[r] = r * count;
+    reduce_scatter_pieces_step(*t, out, pieces, off, blocks, op_info(*t, "reduce_scatter_pieces"));
   }));
 }
 
@@ -263,7 +341,9 @@ void all_reduce_exact(Communicator& comm, ExactSum* sums, int n) {
 
 #define LOCKSTEP_INSTANTIATE(T)                                                           \
   template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                 \
-  template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);
+  template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);                       \
+  template Work Communicator::all_reduce_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>); \
+  template Work Communicator::reduce_scatter_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>);
 LOCKSTEP_COMM_REDUCE_TYPES(LOCKSTEP_INSTANTIATE)
 #undef LOCKSTEP_INSTANTIATE
 

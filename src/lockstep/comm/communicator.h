@@ -14,7 +14,9 @@
 // NaN in rank order if any contribution is NaN, else the largest value (+0 and -0 compare equal;
 // the one of the lowest rank wins). tree_sum sums the P contributions along the canonical tree over
 // ranks instead (core/tree_sum.h: split at the largest power of two below P), the cross-rank part
-// of determinism = "layout"'s micro-batch tree; it equals sum for P <= 2.
+// of determinism = "layout"'s micro-batch tree; it equals sum for P <= 2. The *_pieces forms are
+// that tree when the ranks' blocks of leaves are not whole subtrees: each rank contributes its
+// block's canonical pieces, combined along the canonical tree over all leaves.
 //
 // Asynchrony: every operation has an `_async` form that returns a Work handle at once; the
 // operation runs on the rank's progress thread (one per rank, shared by the rank's groups) while
@@ -100,6 +102,26 @@ class Communicator {
   // out (count) <- reduction over ranks of block `rank` of in (size * count).
   template <typename T> void reduce_scatter(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum) { reduce_scatter_async(out, in, count, op).wait(); }
   template <typename T> Work reduce_scatter_async(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum);
+  // determinism = "layout" when the ranks' blocks of leaves are not subtrees (core/tree_sum.h): the
+  // canonical tree over blocks.back() leaves, rank r holding leaves [blocks[r], blocks[r + 1]) as
+  // the sums of its block's K_r canonical pieces (canonical_pieces; pieces[k], k < K_r, each laid
+  // out as the plain form's input). Every rank computes the same PieceTree over all ranks' pieces
+  // and receives all of them for its chunk (an all-to-all of K_r times the bytes: sum's
+  // reduce-scatter step sends (P - 1) / P x n elements per rank, this one K_r times that), so the
+  // result is bitwise the tree over all leaves, and equals tree_sum when every K_r is 1 and the
+  // blocks are equal. out may be one of the pieces (the rank's last, typically).
+  template <typename T>
+  void all_reduce_pieces(T* out, const std::vector<const T*>& pieces, int64_t n, const std::vector<int64_t>& blocks) {
+    all_reduce_pieces_async(out, pieces, n, blocks).wait();
+  }
+  template <typename T>
+  Work all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n, std::vector<int64_t> blocks);
+  template <typename T>
+  void reduce_scatter_pieces(T* out, const std::vector<const T*>& pieces, int64_t count, const std::vector<int64_t>& blocks) {
+    reduce_scatter_pieces_async(out, pieces, count, blocks).wait();
+  }
+  template <typename T>
+  Work reduce_scatter_pieces_async(T* out, std::vector<const T*> pieces, int64_t count, std::vector<int64_t> blocks);
   // out (size * count): block r <- in (count) of rank r.
   template <typename T> void all_gather(T* out, const T* in, int64_t count) { all_gather_async(out, in, count).wait(); }
   template <typename T> Work all_gather_async(T* out, const T* in, int64_t count) {
