@@ -194,6 +194,43 @@ TEST(LayoutDeterminism, ThreeRanksMatchSingleProcess) {
   rows_match_single_process("debug", {{3, {}}, {3, {"optimizer.distributed=true"}}}, {"train.global_batch=6"});
 }
 
+// Any number of micro-batches per data-parallel rank: a rank's block that is not a subtree of the
+// canonical tree goes as its canonical pieces (parallel/data_parallel.h, Communicator::*_pieces).
+// M = 6 on 3 ranks (2 each: subtrees) and on 2 (3 each: pieces); M = 9 on 3; M = 10 on 2 and 5;
+// both optimizers, overlap, pipeline parallelism (1F1B and interleaved).
+TEST(LayoutDeterminism, DataParallelBlocksOfAnySizeMatchSingleProcess) {
+  rows_match_single_process("debug", {
+      {3, {}},
+      {2, {}},
+      {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true"}},
+      {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
+      {6, {"parallel.pipeline=2"}},
+  }, {"train.global_batch=12"});
+  rows_match_single_process("debug", {
+      {3, {}},
+      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      {6, {"parallel.pipeline=2", "ddp.overlap_grad_reduce=true"}},
+  }, {"train.global_batch=18"});
+  rows_match_single_process("debug", {
+      {2, {"ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      {2, {"optimizer.distributed=true"}},
+      {5, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true"}},
+  }, {"train.global_batch=20"});
+  rows_match_single_process("debug", {
+      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+  }, {"train.global_batch=24", "model.num_layers=4"});
+}
+
+// The same with MoE (expert gradients in the data-parallel tree): M = 9 on 3 ranks, M = 6 on 2.
+TEST(LayoutDeterminism, MoeDataParallelBlocksOfAnySizeMatchSingleProcess) {
+  rows_match_single_process("moe-debug", {
+      {3, {}},
+      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+  }, {"train.global_batch=18"});
+  rows_match_single_process("moe-debug", {{2, {"optimizer.distributed=true"}}}, {"train.global_batch=12"});
+}
+
 // The Llama flavour with MTP and bf16 weights, sigmoid router with expert bias and jitter (MoE).
 TEST(LayoutDeterminism, LlamaMtpBf16AndRouterFeaturesMatchSingleProcess) {
   rows_match_single_process("debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
@@ -348,12 +385,13 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
     }
     return std::string("(no error)");
   };
-  // 6 micro-batches on 2 ranks: 3 per rank is not a whole subtree of the canonical tree. (Errors
-  // come as "rank R: ..." from the trainer, "config: ..." from validation.)
-  EXPECT_NE(error_of(2, {"train.global_batch=12"})
-                .find("determinism = \"layout\" with 2 data-parallel ranks needs a power-of-two number of "
-                      "micro-batches per rank, but train.global_batch / (train.micro_batch x data-parallel size) "
-                      "= 12 / (2 x 2) = 3"),
+  // 6 micro-batches on 2 expert-parallel ranks: the experts' per-source trees need 3 per rank to
+  // be a whole subtree of the canonical tree. (Errors come as "rank R: ..." from the trainer,
+  // "config: ..." from validation.)
+  EXPECT_NE(error_of(2, {"parallel.expert=2", "train.global_batch=12"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert = 2, parallel.expert_tensor = 1 needs a "
+                      "power-of-two number of micro-batches per data-parallel rank, but train.global_batch / "
+                      "(train.micro_batch x data-parallel size) = 12 / (2 x 2) = 3"),
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
   // Tensor parallelism: whole canonical segments per rank, and no quantised operands.

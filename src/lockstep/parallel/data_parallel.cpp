@@ -84,8 +84,29 @@ std::vector<ParamRange> DataParallel::optimizer_ranges() const {
 void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_summed) {
   world_ = world;
   experts_summed_ = experts_summed;
-  tree_.reset(ps_.total(), micros);
   micro_ = pushed_ = 0;
+  // Rank r's block of micro-batches as pieces of the canonical tree over the step's; when every
+  // block is one piece (a subtree) the tree over ranks is the canonical one (tree_sum).
+  const int P = dense_.size();
+  std::vector<int64_t> mine;
+  bool subtrees = true;
+  for (int r = 0; r < P; ++r) {
+    const std::vector<int64_t> b = canonical_pieces(P * micros, r * micros, (r + 1) * micros);
+    subtrees = subtrees && b.size() == 2;
+    if (r == dense_.rank())
+      for (int64_t x : b) mine.push_back(x - r * micros);
+  }
+  tree_.reset(ps_.total(), mine);
+  blocks_.clear();
+  if (!subtrees)
+    for (int r = 0; r <= P; ++r) blocks_.push_back(r * micros);
+  for (Bucket& b : buckets_) {
+    // The expert group is the dense one unless the model sums the experts (expert parallelism).
+    b.pieced = !subtrees && !(experts_summed && b.comm == &expert_);
+    b.packed_pieces.clear();
+    if (b.pieced && b.in_place < 0)
+      for (int64_t k = 0; k + 1 < tree_.pieces(); ++k) b.packed_pieces.emplace_back(b.chunk * P);
+  }
 }
 
 void DataParallel::set_full_grads(const std::vector<int>& params) {
@@ -146,10 +167,10 @@ void DataParallel::post_ready(int first, int end) {
   }
 }
 
-void DataParallel::copy_bucket(Bucket& b, float* table, Into into) const {
+void DataParallel::copy_bucket(const Bucket& b, float* table, float* packed, Into into) const {
   for (size_t i = 0; i < b.params.size(); ++i) {
     float* t = table + ps_.specs()[b.params[i]].offset;
-    float* p = b.packed.data() + b.at[i];
+    float* p = packed + b.at[i];
     const size_t bytes = static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float);
     if (into == Into::packed) std::memcpy(p, t, bytes);
     else std::memcpy(t, p, bytes);
@@ -173,6 +194,10 @@ void DataParallel::post(Bucket& b) {
   b.posted = true;
   const int P = b.comm->size();
   if (P == 1) return;
+  if (b.pieced) {
+    post_pieces(b);
+    return;
+  }
   if (b.in_place >= 0) {
     b.work = b.comm->all_reduce_async(ps_.grads() + b.in_place, b.in_place_size, reduce_op());
     return;
@@ -180,6 +205,27 @@ void DataParallel::post(Bucket& b) {
   copy_bucket(b, ps_.grads(), Into::packed);
   b.work = distributed_ && !b.full ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
                         : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
+}
+
+void DataParallel::post_pieces(Bucket& b) {
+  // This rank's pieces: the tree's held sums, then the last one in ps.grads().
+  const int64_t K = tree_.pieces();
+  std::vector<const float*> pieces;
+  if (b.in_place >= 0) {
+    for (int64_t k = 0; k + 1 < K; ++k) pieces.push_back(tree_.piece(k) + b.in_place);
+    pieces.push_back(ps_.grads() + b.in_place);
+    b.work = b.comm->all_reduce_pieces_async(ps_.grads() + b.in_place, pieces, b.in_place_size, blocks_);
+    return;
+  }
+  for (int64_t k = 0; k + 1 < K; ++k) {
+    float* packed = b.packed_pieces[static_cast<size_t>(k)].data();
+    copy_bucket(b, tree_.piece(k), packed, Into::packed);
+    pieces.push_back(packed);
+  }
+  copy_bucket(b, ps_.grads(), Into::packed);
+  pieces.push_back(b.packed.data());
+  b.work = distributed_ && !b.full ? b.comm->reduce_scatter_pieces_async(b.chunk_buf.data(), pieces, b.chunk, blocks_)
+                                   : b.comm->all_reduce_pieces_async(b.packed.data(), pieces, b.size, blocks_);
 }
 
 void DataParallel::finish_grad_sync() {

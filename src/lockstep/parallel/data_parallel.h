@@ -34,7 +34,13 @@
 // micro-batches (core/tree_sum.h) and zeroed; the last micro-batch's push leaves the rank's tree sum
 // in ps.grads(). The buckets are then reduced with ReduceOp::tree_sum, the canonical tree over
 // ranks: with a power-of-two number of micro-batches per rank that is exactly the canonical tree
-// over all the step's micro-batches, the single-process sum. The gradient norm is the exact sum of
+// over all the step's micro-batches, the single-process sum. With A micro-batches per rank that
+// make some rank's block no subtree (A not a power of two, e.g. 3 ranks x 3), each rank's block is
+// cut into its canonical pieces (canonical_pieces): the rank's tree keeps each piece's sum (the
+// last one in ps.grads(), the others in K - 1 more gradient-sized buffers), and the buckets are
+// reduced with the *_pieces collectives, which combine every rank's pieces along the canonical tree
+// over the step's micro-batches (K times the reduce-scatter bytes of the power-of-two case; a
+// packed bucket keeps one packed copy per piece). The gradient norm is the exact sum of
 // squares (core/exact_sum.h) over each element once, so neither the chunking nor bucket_size
 // changes it.
 #pragma once
@@ -66,11 +72,12 @@ class DataParallel {
   std::vector<ParamRange> optimizer_ranges() const;
   int64_t num_buckets() const { return static_cast<int64_t>(buckets_.size()); }
 
-  // determinism = "layout": `micros` micro-batches per rank and step (a power of two when the
-  // group has more than one rank: the trainer checks); world: every rank of the job (the gradient
-  // norm's exact sum runs over it). experts_summed: the model sums the expert parameters' gradients
-  // over the micro-batches itself (expert parallelism, model/moe/experts.h): they are left out of
-  // this class's tree.
+  // determinism = "layout": `micros` micro-batches per rank and step, rank r of the dense group
+  // holding the step's micro-batches [r micros, (r + 1) micros); world: every rank of the job (the
+  // gradient norm's exact sum runs over it). experts_summed: the model sums the expert parameters'
+  // gradients over the micro-batches itself (expert parallelism, model/moe/experts.h): they are left
+  // out of this class's tree and reduced over the expert group with ReduceOp::tree_sum (each expert
+  // data-parallel rank's micro-batches must be a subtree then: the trainer checks).
   void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
   // Parameters whose summed gradient is needed at every element after finish_grad_sync, not only
   // at this rank's shard (layout mode: a shared word embedding's two parts are added after the
@@ -143,6 +150,8 @@ class DataParallel {
     int64_t in_place = -1, in_place_size = 0;  // replicated, consecutive parameters: the span of
                                                // ps.grads() reduced where it lies; -1 = packed
     FloatBuffer packed;          // (chunk x P)
+    bool pieced = false;         // layout mode, reduced as pieces (set_layout)
+    std::vector<FloatBuffer> packed_pieces;  // pieced and packed: pieces 0 .. K-2 (chunk x P each)
     FloatBuffer chunk_buf;       // (chunk) reduce-scatter output / all-gather input
     Work work;
   };
@@ -151,9 +160,11 @@ class DataParallel {
   // Copies between a table-shaped buffer (ps.values() or ps.grads()) and a bucket's packed buffer
   // (every parameter) or its chunk buffer (this rank's chunk), in the direction `into`.
   enum class Into { packed, table };
-  void copy_bucket(Bucket& b, float* table, Into into) const;
+  void copy_bucket(Bucket& b, float* table, Into into) const { copy_bucket(b, table, b.packed.data(), into); }
+  void copy_bucket(const Bucket& b, float* table, float* packed, Into into) const;
   void copy_chunk(Bucket& b, float* table, Into into) const;
   void post(Bucket& b);
+  void post_pieces(Bucket& b);
   void finish_gather(Bucket& b);
   // Rank r's chunk's sum of squares over every bucket of one buffer.
   double chunk_sum_of_squares(bool expert, int r) const;
@@ -166,6 +177,7 @@ class DataParallel {
   ParamStore& ps_;
   Communicator* world_ = nullptr;  // set in layout mode
   TreeSum tree_;
+  std::vector<int64_t> blocks_;  // pieced: the dense group's blocks of micro-batches (P + 1 bounds)
   bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
