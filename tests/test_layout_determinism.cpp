@@ -231,6 +231,23 @@ TEST(LayoutDeterminism, MoeDataParallelBlocksOfAnySizeMatchSingleProcess) {
   rows_match_single_process("moe-debug", {{2, {"optimizer.distributed=true"}}}, {"train.global_batch=12"});
 }
 
+// Expert parallelism with one expert data-parallel replica and A not a power of two: each source's
+// block as its pieces, all sources' pieces combined along the canonical tree over the step's
+// micro-batches. EP 2 x A = 3, EP 3 x A = 3 (both dispatchers), ETP 2 x EP 2 x A = 3.
+TEST(LayoutDeterminism, ExpertParallelBlocksOfAnySizeMatchSingleProcess) {
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.expert=2"}},
+      {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+  }, {"train.global_batch=12"});
+  rows_match_single_process("moe-debug", {
+      {3, {"parallel.expert=3"}},
+      {3, {"parallel.expert=3", "moe.token_dispatcher=alltoall", "ddp.overlap_grad_reduce=true"}},
+  }, {"train.global_batch=18", "moe.num_experts=3"});
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.expert=2", "parallel.expert_tensor=2"}},
+  }, {"train.global_batch=24"});
+}
+
 // The Llama flavour with MTP and bf16 weights, sigmoid router with expert bias and jitter (MoE).
 TEST(LayoutDeterminism, LlamaMtpBf16AndRouterFeaturesMatchSingleProcess) {
   rows_match_single_process("debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
@@ -385,13 +402,13 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
     }
     return std::string("(no error)");
   };
-  // 6 micro-batches on 2 expert-parallel ranks: the experts' per-source trees need 3 per rank to
-  // be a whole subtree of the canonical tree. (Errors come as "rank R: ..." from the trainer,
-  // "config: ..." from validation.)
-  EXPECT_NE(error_of(2, {"parallel.expert=2", "train.global_batch=12"}, "moe-debug")
-                .find("determinism = \"layout\" with parallel.expert = 2, parallel.expert_tensor = 1 needs a "
-                      "power-of-two number of micro-batches per data-parallel rank, but train.global_batch / "
-                      "(train.micro_batch x data-parallel size) = 12 / (2 x 2) = 3"),
+  // 12 micro-batches on 2 expert-parallel groups of 2 ranks: each group's 6 are not a subtree of the
+  // canonical tree over 12. (Errors come as "rank R: ..." from the trainer, "config: ..." from
+  // validation.)
+  EXPECT_NE(error_of(4, {"parallel.expert=2", "train.global_batch=24"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert = 2, parallel.expert_tensor = 1 and 2 expert "
+                      "data-parallel replicas needs a power-of-two number of micro-batches per data-parallel rank, "
+                      "but train.global_batch / (train.micro_batch x data-parallel size) = 24 / (2 x 4) = 3"),
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
   // Tensor parallelism: whole canonical segments per rank, and no quantised operands.

@@ -136,14 +136,16 @@ Mesh checked_mesh(const Config& config, int world_size) {
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   if (config.determinism != "layout") return mesh;
   // Any number of micro-batches per data-parallel rank: blocks that are not subtrees of the canonical
-  // tree go as their pieces (parallel/data_parallel.h). Not yet the experts' per-(expert, source)
-  // trees (model/moe/experts.h), which combine whole blocks.
+  // tree go as their pieces (parallel/data_parallel.h, and the experts' per-source trees within an
+  // expert-parallel group, model/moe/experts.h). The expert data-parallel reduction of the groups'
+  // sums still needs each group's micro-batches to be a subtree.
   const bool experts_split = mesh.ep() > 1 || mesh.etp() > 1;
-  if (dp_size > 1 && experts_split && !std::has_single_bit(static_cast<uint64_t>(accum)))
+  if (experts_split && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
     user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), ", parallel.expert_tensor = ", mesh.etp(),
-               " needs a power-of-two number of micro-batches per data-parallel rank, but train.global_batch / "
-               "(train.micro_batch x data-parallel size) = ", tc.global_batch, " / (", tc.micro_batch, " x ", dp_size,
-               ") = ", accum, " (the experts' per-source gradient trees need whole subtrees)");
+               " and ", mesh.edp(), " expert data-parallel replicas needs a power-of-two number of micro-batches per "
+               "data-parallel rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
+               tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum,
+               " (each expert-parallel group's micro-batches must form a subtree of the canonical tree)");
   // (parallel.expert_tensor divides layout_segments, a power of two: the expert groups' etp x ep
   // micro-batches form a subtree exactly when ep is a power of two.)
   if (mesh.ep() > 1 && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))

@@ -76,12 +76,24 @@ void GroupedExperts::begin_step() {
 void GroupedExperts::set_layout(int64_t micros) {
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   layout_micros = micros;
+  // Source s's micro-batches [s A, (s + 1) A) of the group's S x A as pieces of the canonical tree
+  // over them (one piece each when A is a power of two).
+  std::vector<std::vector<int64_t>> mine;  // per source, relative to its first micro-batch
+  std::vector<int64_t> bounds{0};
+  for (int64_t s = 0; s < sources; ++s) {
+    std::vector<int64_t> b = canonical_pieces(sources * micros, s * micros, (s + 1) * micros);
+    bounds.insert(bounds.end(), b.begin() + 1, b.end());
+    for (int64_t& x : b) x -= s * micros;
+    mine.push_back(std::move(b));
+  }
+  source_pieces.reset();
+  if (static_cast<int64_t>(bounds.size()) - 1 > sources) source_pieces = std::make_shared<PieceTree>(sources * micros, bounds);
   trees.clear();
   for (const FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b}) {
     const int64_t blocks = b->size() ? E * sources : 0;
-    for (int64_t k = 0; k < blocks; ++k) {
+    for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / S, source k % S)
       trees.emplace_back();
-      trees.back().reset(b->size() / (E * sources), micros);
+      trees.back().reset(b->size() / (E * sources), mine[static_cast<size_t>(k % sources)]);
     }
   }
 }
@@ -107,6 +119,26 @@ void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t
       grad[i] = acc;
     }
   });
+}
+
+// Layout mode, blocks that are not subtrees: grad (E, n) = per expert, `tree` over the S sources'
+// pieces, source s's last piece in blocks (E x S, n), its others held by trees[e S + s].
+void sum_source_pieces(float* grad, const float* blocks, TreeSum* trees, const PieceTree& tree, int64_t E, int64_t S,
+                       int64_t n) {
+  for (int64_t e = 0; e < E; ++e) {
+    std::vector<const float*> pieces;
+    for (int64_t s = 0; s < S; ++s) {
+      TreeSum& t = trees[e * S + s];
+      for (int64_t k = 0; k + 1 < t.pieces(); ++k) pieces.push_back(t.piece(k));
+      pieces.push_back(blocks + (e * S + s) * n);
+    }
+    parallel_for(n, [&](int64_t i0, int64_t i1) {
+      std::vector<const float*> at(pieces.size());
+      for (size_t k = 0; k < at.size(); ++k) at[k] = pieces[k] + i0;
+      std::vector<float> scratch(static_cast<size_t>(tree.scratch_size() * (i1 - i0)));
+      tree.sum(grad + e * n + i0, at.data(), i1 - i0, scratch.data());
+    });
+  }
 }
 
 }  // namespace
@@ -182,6 +214,11 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
       if (b >= 0) push(db, first_tree + blocks);
     }
     if (!last) return;
+    if (source_pieces) {
+      sum_source_pieces(ps.grad(w), dw.data(), trees.data() + first_tree, *source_pieces, E, S, nout * nin);
+      if (b >= 0) sum_source_pieces(ps.grad(b), db.data(), trees.data() + first_tree + blocks, *source_pieces, E, S, nout);
+      return;
+    }
     sum_sources(ps.grad(w), dw.data(), E, S, nout * nin, layout_micros > 0);
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout, layout_micros > 0);
   };

@@ -27,7 +27,11 @@
 // the last micro-batch the parameter gradient is the canonical tree over the S sources' sums: the
 // expert-parallel group's micro-batches are the S sources' blocks of A in source order, so with A a
 // power of two that is the canonical tree over the group's S x A micro-batches, bit for bit the
-// single-process sum of their expert gradients. Until the last micro-batch the parameter gradient
+// single-process sum of their expert gradients. With A not a power of two the sources' blocks are
+// cut into their canonical pieces (core/tree_sum.h: each source's tree keeps a sum per piece) and
+// all sources' pieces are combined along the canonical tree over the S x A micro-batches: the same
+// bits, as long as the group's micro-batches are a subtree of the step's (one expert data-parallel
+// replica, or S x A a power of two: the trainer checks). Until the last micro-batch the parameter gradient
 // stays zero; data parallelism leaves these parameters to this class in that mode and reduces
 // them over the expert data-parallel group along the canonical tree (data_parallel.h). Under expert
 // tensor parallelism the sources are the etp x ep ranks whose rows the group gathers (in world-rank
@@ -57,6 +61,7 @@
 // data parallelism's quantised expert gradient bit for bit (FP8; NVFP4's run-mode keys are per rank).
 #pragma once
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -129,6 +134,10 @@ struct GroupedExperts {
   // reads; these are the sums it builds).
   int64_t layout_micros = 0;
   mutable std::vector<TreeSum> trees;
+  // Layout mode when a source's A micro-batches are not a subtree of the canonical tree over the
+  // group's S x A (A not a power of two): each source's tree keeps its block's canonical pieces and
+  // this combines all sources' pieces along the tree over S x A; else null (the tree over sources).
+  std::shared_ptr<const PieceTree> source_pieces;
   mutable int64_t micro = 0;
   mutable Precision::ExpertBlocks qblocks;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
