@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
@@ -17,6 +18,8 @@
 #include "lockstep/comm/mesh.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
+#include "lockstep/core/philox.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/train/fingerprint.h"
@@ -203,6 +206,76 @@ TEST(DataParallel, BackwardPostsEveryBucketAndForwardCompletesEveryGather) {
     model.evaluate(tokens.data(), targets.data());
     EXPECT_EQ(dp.gathers_completed_in_forward(), dp.num_buckets());
   });
+}
+
+// determinism = "layout", driven without a model: micro-batch g's gradient is a fixed random leaf,
+// the P ranks push their A each (rank r: g = r A .. r A + A - 1) and reduce. Every summed element
+// (every one replicated, the shard distributed) is the canonical tree over the M = P A leaves, bit
+// for bit, whether the blocks are subtrees (A = 2, 4: tree_sum) or go as pieces (A = 3, 5); and a
+// rank with K pieces sends exactly K times the power-of-two layout's bytes in the distributed
+// optimizer's reduce-scatter (the figure docs/determinism.md quotes).
+TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
+  const Config c = job("debug", "unused", {"ddp.bucket_size=20000"});
+  auto leaf = [](int64_t g, int p, int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    RandomStream(100 + static_cast<uint64_t>(g), static_cast<uint64_t>(p)).fill_normal(v.data(), n, 1.0f);
+    return v;
+  };
+  for (const bool distributed : {true, false})
+    for (const int P : {2, 3}) {
+      std::map<int64_t, std::vector<int64_t>> sent;  // per A, per rank
+      for (const int64_t A : {2, 3, 4, 5}) {
+        std::vector<int64_t>& bytes = sent[A];
+        bytes.assign(static_cast<size_t>(P), 0);
+        run_threads(P, 60, [&](Communicator& comm) {
+          GPT model(c.model, 1, c.moe);
+          ParamStore& ps = model.params();
+          const Mesh mesh(comm.size(), {});
+          Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+          Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+          DataParallel dp(ps, dense, expert, c.ddp, distributed);
+          dp.set_layout(A, &comm);
+          ps.zero_grads();
+          const int np = static_cast<int>(ps.specs().size()), r = comm.rank();
+          const int64_t before = dense.bytes_sent() + expert.bytes_sent();  // (overlap posts in grads_ready)
+          for (int64_t m = 0; m < A; ++m) {
+            for (int p = 0; p < np; ++p) {
+              const std::vector<float> x = leaf(r * A + m, p, ps.specs()[p].shape.numel());
+              std::copy(x.begin(), x.end(), ps.grad(p));
+            }
+            dp.begin_micro(m);
+            if (m == A - 1) dp.begin_last_micro();
+            dp.grads_ready(0, np);
+          }
+          dp.finish_grad_sync();
+          bytes[static_cast<size_t>(r)] = dense.bytes_sent() + expert.bytes_sent() - before;
+          for (const ParamRange& x : dp.optimizer_ranges()) {
+            std::vector<std::vector<float>> leaves;
+            std::vector<const float*> at;
+            for (int64_t g = 0; g < P * A; ++g) leaves.push_back(leaf(g, x.param, ps.specs()[x.param].shape.numel()));
+            for (const auto& l : leaves) at.push_back(l.data());
+            const int64_t n = ps.specs()[x.param].shape.numel();
+            std::vector<float> want(static_cast<size_t>(n)), stack(static_cast<size_t>(tree_sum_stack(P * A) * n));
+            tree_sum(want.data(), at.data(), P * A, n, stack.data());
+            for (int64_t i = x.begin; i < x.end; ++i)
+              ASSERT_EQ(std::bit_cast<uint32_t>(ps.grad(x.param)[i]), std::bit_cast<uint32_t>(want[static_cast<size_t>(i)]))
+                  << "P " << P << " A " << A << (distributed ? " distributed" : " replicated") << ": "
+                  << ps.specs()[x.param].name << "[" << i << "] on rank " << r;
+          }
+        });
+      }
+      for (const int64_t A : {3, 5})
+        for (int r = 0; r < P; ++r) {
+          const int64_t K = static_cast<int64_t>(canonical_pieces(P * A, r * A, (r + 1) * A).size()) - 1;
+          const int64_t got = sent[A][static_cast<size_t>(r)], pow2 = sent[2][static_cast<size_t>(r)];
+          std::printf("[ wire ] %s, dp %d, %lld micro-batches per rank: rank %d sends %lld bytes, %lld pieces x "
+                      "%lld (A = 2)\n", distributed ? "reduce-scatter" : "all-reduce", P, (long long)A, r,
+                      (long long)got, (long long)K, (long long)pow2);
+          EXPECT_EQ(sent[4][static_cast<size_t>(r)], pow2) << "power-of-two blocks cost the same";
+          if (distributed) EXPECT_EQ(got, K * pow2) << "P " << P << " A " << A << " rank " << r;
+          else EXPECT_LT(got, K * pow2) << "the all-gather half is not repeated";
+        }
+    }
 }
 
 }  // namespace
