@@ -55,17 +55,6 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train --nproc 4 train.global_batch=8 train.micro_batch=4",
        "lockstep: error: train.global_batch = 8 is not divisible by train.micro_batch (4) x data-parallel size (4 = 4 "
        "ranks / (parallel.tensor x parallel.context x parallel.pipeline = 1))\n"},
-      {"train --nproc 4 determinism=layout moe.num_experts=2 moe.router_topk=1 parallel.expert=2 train.global_batch=12 "
-       "train.micro_batch=1",
-       "lockstep: error: determinism = \"layout\" with parallel.expert = 2, parallel.expert_tensor = 1 and 2 expert "
-       "data-parallel replicas needs a power-of-two number of micro-batches per data-parallel rank, but "
-       "train.global_batch / (train.micro_batch x data-parallel size) = 12 / (1 x 4) = 3 (each expert-parallel "
-       "group's micro-batches must form a subtree of the canonical tree)\n"},
-      {"train --nproc 6 determinism=layout moe.num_experts=3 moe.router_topk=1 parallel.expert=3 train.global_batch=12 "
-       "train.micro_batch=1",
-       "lockstep: error: determinism = \"layout\" with parallel.expert = 3 and 2 expert data-parallel replicas needs a "
-       "power-of-two parallel.expert (each expert-parallel group's micro-batches must form a subtree of the canonical "
-       "tree)\n"},
       {"train --nproc 2 parallel.pipeline=2 parallel.virtual_pipeline=2 train.global_batch=8 train.micro_batch=8",
        "lockstep: error: interleaved pipeline (parallel.virtual_pipeline = 2): the micro-batches per rank (1 = "
        "train.global_batch / (train.micro_batch x data-parallel size)) must be a multiple of parallel.pipeline = 2\n"},

@@ -100,12 +100,30 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   blocks_.clear();
   if (!subtrees)
     for (int r = 0; r <= P; ++r) blocks_.push_back(r * micros);
+  // The expert group's blocks, when the model sums the experts: G micro-batches per rank.
+  expert_blocks_.clear();
+  expert_pieces_.clear();
+  expert_first_ = 0;
+  if (experts_summed) {
+    const int D = expert_.size();
+    const int64_t G = P * micros / D;
+    expert_first_ = expert_.rank() * G;
+    bool whole = true;
+    for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(P * micros, g * G, (g + 1) * G).size() == 2;
+    if (!whole) {
+      for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
+      const size_t K = canonical_pieces(P * micros, expert_first_, expert_first_ + G).size() - 1;
+      for (size_t k = 0; k + 1 < K; ++k) expert_pieces_.emplace_back(ps_.total());
+    }
+  }
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
-    b.pieced = !subtrees && !(experts_summed && b.comm == &expert_);
+    const bool experts = experts_summed && b.comm == &expert_;
+    b.pieced = experts ? !expert_blocks_.empty() : !subtrees;
     b.packed_pieces.clear();
+    const int64_t K = experts ? static_cast<int64_t>(expert_pieces_.size()) + 1 : tree_.pieces();
     if (b.pieced && b.in_place < 0)
-      for (int64_t k = 0; k + 1 < tree_.pieces(); ++k) b.packed_pieces.emplace_back(b.chunk * P);
+      for (int64_t k = 0; k + 1 < K; ++k) b.packed_pieces.emplace_back(b.chunk * b.comm->size());
   }
 }
 
@@ -207,25 +225,36 @@ void DataParallel::post(Bucket& b) {
                         : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
 }
 
+std::vector<float*> DataParallel::expert_pieces() {
+  std::vector<float*> tables;
+  for (FloatBuffer& t : expert_pieces_) tables.push_back(t.data());
+  return tables;
+}
+
 void DataParallel::post_pieces(Bucket& b) {
-  // This rank's pieces: the tree's held sums, then the last one in ps.grads().
-  const int64_t K = tree_.pieces();
+  // This rank's pieces: the held sums (the tree's, or the experts' tables), then the last one in
+  // ps.grads().
+  const bool experts = experts_summed_ && b.comm == &expert_;
+  const std::vector<int64_t>& blocks = experts ? expert_blocks_ : blocks_;
+  std::vector<float*> held = experts ? expert_pieces() : std::vector<float*>{};
+  if (!experts)
+    for (int64_t k = 0; k + 1 < tree_.pieces(); ++k) held.push_back(tree_.piece(k));
   std::vector<const float*> pieces;
   if (b.in_place >= 0) {
-    for (int64_t k = 0; k + 1 < K; ++k) pieces.push_back(tree_.piece(k) + b.in_place);
+    for (float* h : held) pieces.push_back(h + b.in_place);
     pieces.push_back(ps_.grads() + b.in_place);
-    b.work = b.comm->all_reduce_pieces_async(ps_.grads() + b.in_place, pieces, b.in_place_size, blocks_);
+    b.work = b.comm->all_reduce_pieces_async(ps_.grads() + b.in_place, pieces, b.in_place_size, blocks);
     return;
   }
-  for (int64_t k = 0; k + 1 < K; ++k) {
-    float* packed = b.packed_pieces[static_cast<size_t>(k)].data();
-    copy_bucket(b, tree_.piece(k), packed, Into::packed);
+  for (size_t k = 0; k < held.size(); ++k) {
+    float* packed = b.packed_pieces[k].data();
+    copy_bucket(b, held[k], packed, Into::packed);
     pieces.push_back(packed);
   }
   copy_bucket(b, ps_.grads(), Into::packed);
   pieces.push_back(b.packed.data());
-  b.work = distributed_ && !b.full ? b.comm->reduce_scatter_pieces_async(b.chunk_buf.data(), pieces, b.chunk, blocks_)
-                                   : b.comm->all_reduce_pieces_async(b.packed.data(), pieces, b.size, blocks_);
+  b.work = distributed_ && !b.full ? b.comm->reduce_scatter_pieces_async(b.chunk_buf.data(), pieces, b.chunk, blocks)
+                                   : b.comm->all_reduce_pieces_async(b.packed.data(), pieces, b.size, blocks);
 }
 
 void DataParallel::finish_grad_sync() {

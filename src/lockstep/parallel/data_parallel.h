@@ -76,9 +76,15 @@ class DataParallel {
   // holding the step's micro-batches [r micros, (r + 1) micros); world: every rank of the job (the
   // gradient norm's exact sum runs over it). experts_summed: the model sums the expert parameters'
   // gradients over the micro-batches itself (expert parallelism, model/moe/experts.h): they are left
-  // out of this class's tree and reduced over the expert group with ReduceOp::tree_sum (each expert
-  // data-parallel rank's micro-batches must be a subtree then: the trainer checks).
+  // out of this class's tree and reduced over the expert group, whose rank g holds the step's
+  // micro-batches [g G, (g + 1) G) (G = all / the group's size): with ReduceOp::tree_sum when every
+  // such block is a subtree, else as the pieces the model writes into expert_pieces() and ps.grads().
   void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
+  // Layout mode, experts_summed: where this rank's expert group's block starts among the step's
+  // micro-batches, and the table-shaped buffers of its canonical pieces but the last (none when the
+  // block is a subtree), for the model's experts to fill (GroupedExperts::set_layout).
+  int64_t expert_block_first() const { return expert_first_; }
+  std::vector<float*> expert_pieces();
   // Parameters whose summed gradient is needed at every element after finish_grad_sync, not only
   // at this rank's shard (layout mode: a shared word embedding's two parts are added after the
   // reduction, and the parts' shards differ): under the distributed optimizer their buckets are
@@ -178,6 +184,10 @@ class DataParallel {
   Communicator* world_ = nullptr;  // set in layout mode
   TreeSum tree_;
   std::vector<int64_t> blocks_;  // pieced: the dense group's blocks of micro-batches (P + 1 bounds)
+  // experts_summed and pieced: the expert group's blocks, and this rank's pieces but the last
+  std::vector<int64_t> expert_blocks_;
+  std::vector<FloatBuffer> expert_pieces_;
+  int64_t expert_first_ = 0;
   bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;

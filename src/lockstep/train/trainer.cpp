@@ -134,24 +134,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);
   // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
-  if (config.determinism != "layout") return mesh;
-  // Any number of micro-batches per data-parallel rank: blocks that are not subtrees of the canonical
-  // tree go as their pieces (parallel/data_parallel.h, and the experts' per-source trees within an
-  // expert-parallel group, model/moe/experts.h). The expert data-parallel reduction of the groups'
-  // sums still needs each group's micro-batches to be a subtree.
-  const bool experts_split = mesh.ep() > 1 || mesh.etp() > 1;
-  if (experts_split && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
-    user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), ", parallel.expert_tensor = ", mesh.etp(),
-               " and ", mesh.edp(), " expert data-parallel replicas needs a power-of-two number of micro-batches per "
-               "data-parallel rank, but train.global_batch / (train.micro_batch x data-parallel size) = ",
-               tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum,
-               " (each expert-parallel group's micro-batches must form a subtree of the canonical tree)");
-  // (parallel.expert_tensor divides layout_segments, a power of two: the expert groups' etp x ep
-  // micro-batches form a subtree exactly when ep is a power of two.)
-  if (mesh.ep() > 1 && mesh.edp() > 1 && !std::has_single_bit(static_cast<uint64_t>(mesh.ep())))
-    user_error("determinism = \"layout\" with parallel.expert = ", mesh.ep(), " and ", mesh.edp(), " expert "
-               "data-parallel replicas needs a power-of-two parallel.expert (each expert-parallel group's "
-               "micro-batches must form a subtree of the canonical tree)");
+  // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
+  // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h).
   return mesh;
 }
 
@@ -237,7 +221,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (layout) {
     dp.set_layout(accum, &comm, experts_split);
     for (const auto& layer : model.moe_layers())
-      if (layer) layer->set_layout(accum);
+      if (layer) layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces());
   }
   if (tp.on()) dp.set_tensor_parallel(&tp_group);
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);

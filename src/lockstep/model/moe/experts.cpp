@@ -73,21 +73,38 @@ void GroupedExperts::begin_step() {
   micro = 0;
 }
 
-void GroupedExperts::set_layout(int64_t micros) {
+void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces) {
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   layout_micros = micros;
-  // Source s's micro-batches [s A, (s + 1) A) of the group's S x A as pieces of the canonical tree
-  // over them (one piece each when A is a power of two).
+  const int64_t n = sources * micros, L = leaves ? leaves : n;
+  // Source s's micro-batches [first + s A, first + (s + 1) A) as pieces of the canonical tree over
+  // the step's L (one piece each when A is a power of two and the group's block is a subtree).
   std::vector<std::vector<int64_t>> mine;  // per source, relative to its first micro-batch
-  std::vector<int64_t> bounds{0};
+  std::vector<int64_t> bounds;             // every source's pieces, as leaves of the step
   for (int64_t s = 0; s < sources; ++s) {
-    std::vector<int64_t> b = canonical_pieces(sources * micros, s * micros, (s + 1) * micros);
-    bounds.insert(bounds.end(), b.begin() + 1, b.end());
-    for (int64_t& x : b) x -= s * micros;
+    const int64_t a = first + s * micros;
+    std::vector<int64_t> b = canonical_pieces(L, a, a + micros);
+    bounds.insert(bounds.end(), b.begin() + (s ? 1 : 0), b.end());
+    for (int64_t& x : b) x -= a;
     mine.push_back(std::move(b));
   }
-  source_pieces.reset();
-  if (static_cast<int64_t>(bounds.size()) - 1 > sources) source_pieces = std::make_shared<PieceTree>(sources * micros, bounds);
+  // The group's block as its canonical pieces; each is a subtree holding whole source pieces, the
+  // canonical tree over its own leaves with them as its leaves.
+  const std::vector<int64_t> group = canonical_pieces(L, first, first + n);
+  LOCKSTEP_CHECK(pieces.size() + 2 == group.size(), "experts: ", pieces.size(), " piece buffers for ", group.size() - 1,
+                 " pieces of the expert group's micro-batches");
+  group_pieces.clear();
+  if (bounds.size() - 1 > static_cast<size_t>(sources) || group.size() > 2) {
+    size_t at = 0;
+    for (size_t j = 0; j + 1 < group.size(); ++j) {
+      std::vector<int64_t> local;
+      const size_t from = at;
+      while (bounds[at] < group[j + 1]) local.push_back(bounds[at++] - group[j]);
+      local.push_back(group[j + 1] - group[j]);
+      group_pieces.push_back({PieceTree(group[j + 1] - group[j], local), static_cast<int64_t>(from),
+                              static_cast<int64_t>(at), j < pieces.size() ? pieces[j] : nullptr});
+    }
+  }
   trees.clear();
   for (const FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b}) {
     const int64_t blocks = b->size() ? E * sources : 0;
@@ -121,23 +138,28 @@ void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t
   });
 }
 
-// Layout mode, blocks that are not subtrees: grad (E, n) = per expert, `tree` over the S sources'
-// pieces, source s's last piece in blocks (E x S, n), its others held by trees[e S + s].
-void sum_source_pieces(float* grad, const float* blocks, TreeSum* trees, const PieceTree& tree, int64_t E, int64_t S,
-                       int64_t n) {
+// Layout mode, blocks that are not subtrees: parameter w's gradient (E, n) as the group's pieces
+// (the last in ps.grad(w), the others in their tables at w's offset), each the tree over the
+// sources' pieces it holds; source s's last piece is in blocks (E x S, n), its others held by
+// trees[e S + s].
+void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum* trees,
+                       const std::vector<GroupedExperts::GroupPiece>& group, int64_t E, int64_t S, int64_t n) {
   for (int64_t e = 0; e < E; ++e) {
-    std::vector<const float*> pieces;
+    std::vector<const float*> pieces;  // all sources' pieces, in order
     for (int64_t s = 0; s < S; ++s) {
       TreeSum& t = trees[e * S + s];
       for (int64_t k = 0; k + 1 < t.pieces(); ++k) pieces.push_back(t.piece(k));
       pieces.push_back(blocks + (e * S + s) * n);
     }
-    parallel_for(n, [&](int64_t i0, int64_t i1) {
-      std::vector<const float*> at(pieces.size());
-      for (size_t k = 0; k < at.size(); ++k) at[k] = pieces[k] + i0;
-      std::vector<float> scratch(static_cast<size_t>(tree.scratch_size() * (i1 - i0)));
-      tree.sum(grad + e * n + i0, at.data(), i1 - i0, scratch.data());
-    });
+    for (const GroupedExperts::GroupPiece& g : group) {
+      float* dst = (g.table ? g.table + ps.specs()[w].offset : ps.grad(w)) + e * n;
+      parallel_for(n, [&](int64_t i0, int64_t i1) {
+        std::vector<const float*> at;
+        for (int64_t k = g.first; k < g.end; ++k) at.push_back(pieces[static_cast<size_t>(k)] + i0);
+        std::vector<float> scratch(static_cast<size_t>(g.tree.scratch_size() * (i1 - i0)));
+        g.tree.sum(dst + i0, at.data(), i1 - i0, scratch.data());
+      });
+    }
   }
 }
 
@@ -214,9 +236,9 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
       if (b >= 0) push(db, first_tree + blocks);
     }
     if (!last) return;
-    if (source_pieces) {
-      sum_source_pieces(ps.grad(w), dw.data(), trees.data() + first_tree, *source_pieces, E, S, nout * nin);
-      if (b >= 0) sum_source_pieces(ps.grad(b), db.data(), trees.data() + first_tree + blocks, *source_pieces, E, S, nout);
+    if (!group_pieces.empty()) {
+      sum_source_pieces(ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, S, nout * nin);
+      if (b >= 0) sum_source_pieces(ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, S, nout);
       return;
     }
     sum_sources(ps.grad(w), dw.data(), E, S, nout * nin, layout_micros > 0);

@@ -27,11 +27,14 @@
 // the last micro-batch the parameter gradient is the canonical tree over the S sources' sums: the
 // expert-parallel group's micro-batches are the S sources' blocks of A in source order, so with A a
 // power of two that is the canonical tree over the group's S x A micro-batches, bit for bit the
-// single-process sum of their expert gradients. With A not a power of two the sources' blocks are
-// cut into their canonical pieces (core/tree_sum.h: each source's tree keeps a sum per piece) and
-// all sources' pieces are combined along the canonical tree over the S x A micro-batches: the same
-// bits, as long as the group's micro-batches are a subtree of the step's (one expert data-parallel
-// replica, or S x A a power of two: the trainer checks). Until the last micro-batch the parameter gradient
+// single-process sum of their expert gradients. Otherwise (A not a power of two, or the group's S x
+// A micro-batches not a subtree of the step's: S not a power of two with several expert
+// data-parallel replicas) the sources' blocks are cut into their canonical pieces of the step's
+// tree (core/tree_sum.h: each source's tree keeps a sum per piece), and each canonical piece of the
+// group's block is the tree over the sources' pieces it holds: the parameter gradient leaves as the
+// group's pieces (the last in ps.grad, the others in DataParallel's tables), which the expert
+// data-parallel reduction combines with the other groups' along the step's tree
+// (Communicator::*_pieces). Until the last micro-batch the parameter gradient
 // stays zero; data parallelism leaves these parameters to this class in that mode and reduces
 // them over the expert data-parallel group along the canonical tree (data_parallel.h). Under expert
 // tensor parallelism the sources are the etp x ep ranks whose rows the group gathers (in world-rank
@@ -61,7 +64,6 @@
 // data parallelism's quantised expert gradient bit for bit (FP8; NVFP4's run-mode keys are per rank).
 #pragma once
 
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -106,8 +108,12 @@ struct GroupedExperts {
                 const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s) const;
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
-  // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see above).
-  void set_layout(int64_t micros);
+  // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see
+  // above). The group's S x micros micro-batches are [first, first + S micros) of the step's
+  // `leaves` (0: the group holds them all); when that block is not a subtree, `pieces` (one per
+  // canonical piece of it but the last, table-shaped like ps.grads(): DataParallel::expert_pieces)
+  // receive those pieces' gradients at the expert parameters' offsets, ps.grad the last one's.
+  void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {});
   // Layout mode under expert tensor parallelism: forward's output and backward's dx are this rank's
   // raw partial sums (the tree over its K segments), to be summed over the group with tree_sum.
   bool partial() const { return kseg.on() && etp_size > 1; }
@@ -134,10 +140,16 @@ struct GroupedExperts {
   // reads; these are the sums it builds).
   int64_t layout_micros = 0;
   mutable std::vector<TreeSum> trees;
-  // Layout mode when a source's A micro-batches are not a subtree of the canonical tree over the
-  // group's S x A (A not a power of two): each source's tree keeps its block's canonical pieces and
-  // this combines all sources' pieces along the tree over S x A; else null (the tree over sources).
-  std::shared_ptr<const PieceTree> source_pieces;
+  // Layout mode when a source's or the group's micro-batches are not a subtree of the step's
+  // canonical tree: each source's tree keeps its block's canonical pieces, and each piece of the
+  // group's block is the tree over the sources' pieces [first, end) it holds (all sources' pieces
+  // in source order), written to `table` (null: ps.grad, the last piece). Empty: the tree over sources.
+  struct GroupPiece {
+    PieceTree tree;
+    int64_t first, end;
+    float* table;
+  };
+  std::vector<GroupPiece> group_pieces;
   mutable int64_t micro = 0;
   mutable Precision::ExpertBlocks qblocks;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward

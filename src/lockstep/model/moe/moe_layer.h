@@ -95,9 +95,10 @@ class MoeLayer {
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
   // determinism = "layout", `micros` micro-batches per rank and step: under expert parallelism the
-  // experts sum their gradients over micro-batches and sources themselves (experts.h).
-  void set_layout(int64_t micros) {
-    experts_.set_layout(micros);
+  // experts sum their gradients over micro-batches and sources themselves (experts.h; the group's
+  // block of the step's `leaves` starts at `first`, `pieces` as GroupedExperts::set_layout's).
+  void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {}) {
+    experts_.set_layout(micros, leaves, first, pieces);
     layout_invariant_ = true;
     dispatcher_->set_layout_invariant();
     for (Micro& slot : slots_)  // under pipelining, the other in-flight micro-batches' dispatchers
