@@ -146,11 +146,15 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\" and "
        "parallel.tensor = 2: a tensor-parallel rank quantises its own slice of each operand, whose scaling blocks and "
        "stochastic rounding keys differ from one process's; use parallel.tensor = 1"},
-      {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "parallel.expert_tensor=2"},
-       "config: determinism = \"layout\" with parallel.tensor = 2 and an MoE model: each tensor-parallel rank routes "
-       "its own share of the tokens, so the router, MoE norm and shared expert gradients and each expert's weight "
-       "gradient are sums over the tensor-parallel ranks, which are not canonicalised yet; use parallel.tensor = 1 "
-       "(parallel.expert_tensor may be > 1)"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "moe.expert_capacity_factor=1.5"},
+       "config: determinism = \"layout\" with moe.expert_capacity_factor = 1.5 and parallel.tensor = 2: each "
+       "tensor-parallel rank computes the capacity over its own N / tp tokens and drops choices by it, which one "
+       "process (capacity over the micro-batch's N tokens) does not; use moe.expert_capacity_factor = 0 (dropless) or "
+       "parallel.tensor = 1"},
+      {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=4", "parallel.expert=2"},
+       "config: determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor = 4: "
+       "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
+       "expert-tensor group must be 1 or a multiple of parallel.tensor"},
       {{"determinism=layout", "moe.num_experts=4", "moe.ffn_hidden_size=100"},
        "config: determinism = \"layout\" with moe.ffn_hidden_size = 100 and layout_segments = 8: the expert hidden "
        "size must be divisible by layout_segments (each canonical segment of the expert GEMMs over the hidden units is "

@@ -189,6 +189,36 @@ TEST(LayoutDeterminism, TensorParallelLayoutsMatchSingleProcess) {
   }, {"model.mtp_num_layers=1"});
 }
 
+// Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of
+// the micro-batch. The router, MoE norm and shared expert gradients are token-segment sums reduced
+// over tp per micro-batch; each expert's weight gradient is, per micro-batch, the tree over its rows'
+// token segments: from the tp ranks inside the expert x expert-tensor group (EP, ETP: both
+// dispatchers), or reduced over tp per micro-batch (EP = ETP = 1). GPT-2 and Llama (SwiGLU) bf16,
+// MTP, data and pipeline parallelism.
+TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.tensor=2"}},
+      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {2, {"parallel.tensor=2", "parallel.expert=2"}},
+      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.tensor=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.tensor=2", "parallel.expert=2", "optimizer.distributed=true"}},
+      {2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2", "parallel.expert=2"}},
+  }, {"moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"model.preset=llama", "precision.params=bf16"});
+  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2"}}}, {"model.mtp_num_layers=1"});
+  // 3 micro-batches per dp rank: the expert x expert-tensor group's micro-batch blocks go as pieces.
+  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "parallel.expert=4"}}}, {"train.global_batch=12"});
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2", "parallel.expert_tensor=2"}},
+  }, {"model.num_layers=4", "model.tie_embeddings=false"});
+}
+
 // Three micro-batches: the tree over 3 ranks (one micro-batch each) is the tree over 3 leaves.
 TEST(LayoutDeterminism, ThreeRanksMatchSingleProcess) {
   rows_match_single_process("debug", {{3, {}}, {3, {"optimizer.distributed=true"}}}, {"train.global_batch=6"});
@@ -440,8 +470,24 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
                       "parallel.expert_tensor must divide layout_segments"),
             std::string::npos);
-  EXPECT_NE(error_of(2, {"parallel.tensor=2", "parallel.expert_tensor=2"}, "moe-debug")
-                .find("determinism = \"layout\" with parallel.tensor = 2 and an MoE model: "),
+  // MoE under tensor parallelism: capacity per tp rank's tokens, an expert group covering part of a
+  // micro-batch's tp ranks, quantised expert blocks.
+  EXPECT_NE(error_of(2, {"parallel.tensor=2", "moe.expert_capacity_factor=1.0"}, "moe-debug")
+                .find("determinism = \"layout\" with moe.expert_capacity_factor = 1 and parallel.tensor = 2: each "
+                      "tensor-parallel rank computes the capacity over its own N / tp tokens"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor "
+                      "= 4: an expert's rows would come from only part of a micro-batch's tensor-parallel ranks"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"parallel.tensor=2", "train.global_batch=12"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.tensor = 2 and an MoE model needs a power-of-two number "
+                      "of micro-batches per data-parallel rank, but train.global_batch / (train.micro_batch x "
+                      "data-parallel size) = 12 / (2 x 2) = 3"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.tensor=2"}, "moe-debug")
+                .find("an MoE model and parallel.tensor = 2: a quantised expert block spans one tensor-parallel "
+                      "rank's tokens"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=blockwise", "parallel.expert_tensor=2"}, "moe-debug")
                 .find("and parallel.expert_tensor = 2: each expert-tensor-parallel rank holds a slice of an "

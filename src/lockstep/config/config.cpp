@@ -608,11 +608,23 @@ void validate_layout_determinism(const Config& c) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
   };
   const MoeConfig& e = c.moe;
-  if (e.num_experts > 0 && c.parallel.tensor > 1)
-    refuse(str("parallel.tensor = ", c.parallel.tensor, " and an MoE model"),
-           "each tensor-parallel rank routes its own share of the tokens, so the router, MoE norm and shared expert "
-           "gradients and each expert's weight gradient are sums over the tensor-parallel ranks, which are not "
-           "canonicalised yet; use parallel.tensor = 1 (parallel.expert_tensor may be > 1)");
+  // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
+  // micro-batch (model/moe/experts.h).
+  const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && e.expert_capacity_factor > 0)
+    refuse(str("moe.expert_capacity_factor = ", e.expert_capacity_factor, " and parallel.tensor = ", c.parallel.tensor),
+           "each tensor-parallel rank computes the capacity over its own N / tp tokens and drops choices by it, "
+           "which one process (capacity over the micro-batch's N tokens) does not; use moe.expert_capacity_factor = 0 "
+           "(dropless) or parallel.tensor = 1");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && expert_group > 1 && expert_group % c.parallel.tensor)
+    refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", c.parallel.tensor),
+           "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
+           "expert-tensor group must be 1 or a multiple of parallel.tensor");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\", an MoE model and parallel.tensor = ", c.parallel.tensor),
+           "a quantised expert block spans one tensor-parallel rank's tokens, not its micro-batch's; use "
+           "parallel.tensor = 1");
   // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
   // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
   if (c.layout_segments % c.parallel.tensor)

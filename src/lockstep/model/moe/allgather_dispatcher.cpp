@@ -34,19 +34,30 @@ void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t 
   count(NK, sizeof(int32_t) + sizeof(uint8_t));
   // Rows: local expert, then source, then the source's choices in order (padding after each block).
   std::fill(slot_.begin(), slot_.begin() + S_ * NK, -1);
+  // Layout mode: each source's token segments (the sources route N tokens each).
+  const std::vector<int32_t> seg = L_ ? token_segment_of(N, L_) : std::vector<int32_t>{};
+  if (L_) tsegs_.resize(static_cast<size_t>(El_ * S_ * L_ + 1));
   int64_t r = 0;
   for (int64_t e = 0; e < El_; ++e) {
     for (int64_t s = 0; s < S_; ++s) {
-      segments_[e * S_ + s] = r;
+      const int64_t b = e * S_ + s;
+      segments_[b] = r;
+      int64_t l = 0;  // the token segment the rows are in
       for (int64_t i = s * NK; i < (s + 1) * NK; ++i) {
         if (!kept_all_[i] || idx_all_[i] != first + e) continue;
+        if (L_)
+          for (const int64_t li = seg[(i - s * NK) / K_]; l < li; ++l) tsegs_[b * L_ + l + 1] = r;
         slot_[i] = static_cast<int32_t>(r);
         row_choice_[r++] = static_cast<int32_t>(i);
       }
       if (pad_) {
-        const int64_t used = r - segments_[e * S_ + s];
+        const int64_t used = r - segments_[b];
         LOCKSTEP_CHECK(used <= capacity_, "expert over capacity after dropping");
-        for (; r < segments_[e * S_ + s] + capacity_; ++r) row_choice_[r] = -1;
+        for (; r < segments_[b] + capacity_; ++r) row_choice_[r] = -1;
+      }
+      if (L_) {  // the segments after the last token's end here (padding counts to the last)
+        tsegs_[b * L_] = segments_[b];
+        for (; l < L_; ++l) tsegs_[b * L_ + l + 1] = r;
       }
     }
     offsets_[e] = segments_[e * S_];

@@ -26,8 +26,23 @@ void AllToAllDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N
   std::vector<int64_t> send_counts(static_cast<size_t>(E_));
   for (int64_t g = 0; g < E_; ++g) send_counts[g] = lo[g + 1] - lo[g];
   for (int64_t d = 0; d < S_; ++d) send_rows_[d] = lo[(d + 1) * El_] - lo[d * El_];
-  ep_.all_to_all(recv_counts_.data(), send_counts.data(), El_);
-  bytes_sent_ += (S_ - 1) * El_ * static_cast<int64_t>(sizeof(int64_t));
+  if (L_) {
+    // Layout mode: the counts per (expert, token segment) instead, (S, El, L) received.
+    const int64_t* lt = local_.token_segments();
+    const int64_t EL = E_ * L_;
+    send_counts.resize(static_cast<size_t>(EL));
+    for (int64_t k = 0; k < EL; ++k) send_counts[k] = lt[k + 1] - lt[k];
+    recv_tcounts_.resize(static_cast<size_t>(S_ * El_ * L_));
+    ep_.all_to_all(recv_tcounts_.data(), send_counts.data(), El_ * L_);
+    bytes_sent_ += (S_ - 1) * El_ * L_ * static_cast<int64_t>(sizeof(int64_t));
+    for (int64_t b = 0; b < S_ * El_; ++b) {
+      recv_counts_[b] = 0;
+      for (int64_t l = 0; l < L_; ++l) recv_counts_[b] += recv_tcounts_[b * L_ + l];
+    }
+  } else {
+    ep_.all_to_all(recv_counts_.data(), send_counts.data(), El_);
+    bytes_sent_ += (S_ - 1) * El_ * static_cast<int64_t>(sizeof(int64_t));
+  }
   int64_t at = 0;
   for (int64_t s = 0; s < S_; ++s) {
     recv_rows_[s] = 0;
@@ -44,6 +59,16 @@ void AllToAllDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N
     for (int64_t s = 0; s < S_; ++s) segments_[e * S_ + s + 1] = segments_[e * S_ + s] + recv_counts_[s * El_ + e];
   }
   offsets_[El_] = segments_[El_ * S_];
+  if (!L_) return;
+  // (local expert, source, token segment): source s's rows of expert e are in its token order.
+  tsegs_.resize(static_cast<size_t>(El_ * S_ * L_ + 1));
+  tsegs_[0] = 0;
+  for (int64_t e = 0; e < El_; ++e)
+    for (int64_t s = 0; s < S_; ++s)
+      for (int64_t l = 0; l < L_; ++l) {
+        const int64_t k = (e * S_ + s) * L_ + l;
+        tsegs_[k + 1] = tsegs_[k] + recv_tcounts_[(s * El_ + e) * L_ + l];
+      }
 }
 
 void AllToAllDispatcher::regroup(float* by_expert, const float* by_source) const {

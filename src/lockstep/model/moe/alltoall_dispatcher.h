@@ -24,7 +24,9 @@
 // computes it and of the other rows), the combine runs on the source rank in the single-process
 // order, and the regroup is a copy; so the forward is bitwise the one of the same micro-batch on a
 // single rank. Each (expert, source) block is a separate segment (segments()), so the weight
-// gradient can be accumulated per source and summed in rank order (experts.h).
+// gradient can be accumulated per source and summed in rank order (experts.h). With token
+// segments (layout mode, set_token_segments) the count exchange carries the rows per (expert,
+// token segment) instead of per expert: El x L counts per peer.
 #pragma once
 
 #include <cstdint>
@@ -62,6 +64,7 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
 
   std::vector<int64_t> send_rows_, recv_rows_;  // (S) rows to / from each rank
   std::vector<int64_t> recv_counts_;      // (S, El) rows of (source, local expert)
+  std::vector<int64_t> recv_tcounts_;     // (S, El, L) the same per token segment (layout mode)
   std::vector<int64_t> recv_at_;          // (S, El) first row of each block in the source-major buffer
   FloatBuffer send_, recv_;               // (local rows, C) source layout / (max rows, C) received
   FloatBuffer back_;                      // (local rows, C) expert outputs returned (saved for backward)

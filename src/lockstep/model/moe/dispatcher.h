@@ -50,7 +50,25 @@ class Dispatcher {
   // choices exactly as the single-process LocalDispatcher does. Only the all-gather dispatcher
   // sums them differently otherwise; the others already do.
   virtual void set_layout_invariant() {}
+  // determinism = "layout": from the next plan on, also count the rows of each (local expert,
+  // source) block per token segment of the source: its tokens (a block of N / tp of the
+  // micro-batch under tensor parallelism) cut into L canonical segments (core/tree_sum.h
+  // canonical_segments), so that an expert's weight gradient can be computed per (micro-batch,
+  // token segment) (experts.h). Inside a block the rows are in token order, so each segment's rows
+  // are consecutive; padding rows (capacity) count to the last segment. 0: off.
+  virtual void set_token_segments(int64_t L) { L_ = L; }
+  int64_t token_segments_per_source() const { return L_; }
+  // (E_local x sources() x L + 1): the rows of (local expert e, source s, token segment l) are
+  // [t[(e sources + s) L + l], t[(e sources + s) L + l + 1]); null when off.
+  const int64_t* token_segments() const { return L_ ? tsegs_.data() : nullptr; }
+
+ protected:
+  int64_t L_ = 0;
+  std::vector<int64_t> tsegs_;
 };
+
+// Token t's canonical segment among L segments of N tokens (L > 0), for t = 0 .. N - 1.
+std::vector<int32_t> token_segment_of(int64_t N, int64_t L);
 
 class LocalDispatcher final : public Dispatcher {
  public:
@@ -96,6 +114,10 @@ class ExpertParallelDispatcher : public Dispatcher {
   int64_t max_rows() const override { return max_rows_; }
   int64_t bytes_sent() const override { return bytes_sent_; }
   const LocalDispatcher& source_layout() const { return local_; }
+  void set_token_segments(int64_t L) override {
+    L_ = L;
+    local_.set_token_segments(L);
+  }
 
  protected:
   // max_rows: every source sends at most all its choices, and at most `capacity` rows per expert.

@@ -18,7 +18,8 @@ ExpertTensorParallel::ExpertTensorParallel(Communicator& etp, int64_t El, int64_
   recv_.resize(P_ * max_rows * C);
 }
 
-void ExpertTensorParallel::plan(const int64_t* segments) {
+void ExpertTensorParallel::plan(const int64_t* segments, const int64_t* token_segments, int64_t L) {
+  L_ = token_segments ? L : 0;
   const int64_t n = El_ * S_ + 1;
   etp_.all_gather(peer_segments_.data(), segments, n);
   int64_t at = 0;
@@ -39,6 +40,20 @@ void ExpertTensorParallel::plan(const int64_t* segments) {
       }
   }
   offsets_[El_] = segments_[El_ * S_ * P_];
+  if (!L_) return;
+  // The same per token segment: (local expert, ep source, etp rank, token segment).
+  const int64_t nt = El_ * S_ * L_ + 1;
+  peer_tsegs_.resize(static_cast<size_t>(P_ * nt));
+  etp_.all_gather(peer_tsegs_.data(), token_segments, nt);
+  tsegs_.resize(static_cast<size_t>(El_ * S_ * P_ * L_ + 1));
+  tsegs_[0] = 0;
+  for (int64_t es = 0; es < El_ * S_; ++es)
+    for (int64_t p = 0; p < P_; ++p)
+      for (int64_t l = 0; l < L_; ++l) {
+        const int64_t k = (es * P_ + p) * L_ + l;
+        const int64_t* pt = peer_tsegs_.data() + p * nt + es * L_ + l;
+        tsegs_[k + 1] = tsegs_[k] + pt[1] - pt[0];
+      }
 }
 
 void ExpertTensorParallel::regroup(float* by_expert, const float* by_rank) const {

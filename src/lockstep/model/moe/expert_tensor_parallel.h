@@ -49,7 +49,9 @@ class ExpertTensorParallel {
 
   // After the dispatcher's plan: segments (El x S + 1) of this rank's rows by (local expert, ep
   // source). Exchanges them over the group (a small all-gather) and lays out the gathered rows.
-  void plan(const int64_t* segments);
+  // token_segments (El x S x L + 1, layout mode; Dispatcher::token_segments) or null: the same per
+  // token segment, gathered too (token_segments() then lays out the gathered rows likewise).
+  void plan(const int64_t* segments, const int64_t* token_segments = nullptr, int64_t L = 0);
   // all (rows(), C) = every rank's rows (C columns each) regrouped by local expert.
   void gather(float* all, const float* mine) const;
   // mine (this rank's rows, C) = the rank-order sum over the group of the partial rows in `all`.
@@ -60,6 +62,9 @@ class ExpertTensorParallel {
   int64_t rows() const { return offsets_[El_]; }
   const int64_t* offsets() const { return offsets_.data(); }    // (El + 1)
   const int64_t* segments() const { return segments_.data(); }  // (El x S x P + 1)
+  // (El x S x P x L + 1): rows of (local expert, ep source, etp rank, token segment); null unless
+  // plan had token segments.
+  const int64_t* token_segments() const { return L_ ? tsegs_.data() : nullptr; }
   int64_t sources() const { return S_ * P_; }
   int64_t max_rows() const { return P_ * max_rows_; }
 
@@ -75,6 +80,8 @@ class ExpertTensorParallel {
   std::vector<int64_t> peer_rows_;      // (P) rows of each rank
   std::vector<int64_t> peer_at_;        // (P) first row of each rank's block in the exchange layout
   std::vector<int64_t> offsets_, segments_;
+  int64_t L_ = 0;                        // token segments per source (layout mode), 0: off
+  std::vector<int64_t> peer_tsegs_, tsegs_;
   FloatBuffer send_, recv_;             // (P x max_rows, C) each
 };
 

@@ -17,7 +17,8 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), self(shard.first / E_),
       swiglu(m.activation == "swiglu"),
-      has_proj_bias(m.bias), etp_size(shard.etp_size) {
+      has_proj_bias(m.bias), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
+      tp(shard.tp), groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
   if (shard.segments) {  // the config names the keys; these are the invariants the segments need
@@ -74,27 +75,36 @@ void GroupedExperts::begin_step() {
 }
 
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces) {
+  if (layout_segments) {
+    // The config refuses the layouts these do not hold for (docs/determinism.md).
+    token_L = layout_segments / tp_size;
+    LOCKSTEP_CHECK(layout_segments % tp_size == 0 && (sources == 1 || sources % tp_size == 0) &&
+                       (sources > 1 || tp_size == 1 || tp),
+                   "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size);
+  }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
+  groups = token_L ? sources / tp_size : sources;
   layout_micros = micros;
-  const int64_t n = sources * micros, L = leaves ? leaves : n;
-  // Source s's micro-batches [first + s A, first + (s + 1) A) as pieces of the canonical tree over
+  // G: the sources, or under tensor parallelism the micro-batch groups they make (see the header).
+  const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
+  // Group g's micro-batches [first + g A, first + (g + 1) A) as pieces of the canonical tree over
   // the step's L (one piece each when A is a power of two and the group's block is a subtree).
-  std::vector<std::vector<int64_t>> mine;  // per source, relative to its first micro-batch
-  std::vector<int64_t> bounds;             // every source's pieces, as leaves of the step
-  for (int64_t s = 0; s < sources; ++s) {
-    const int64_t a = first + s * micros;
+  std::vector<std::vector<int64_t>> mine;  // per group, relative to its first micro-batch
+  std::vector<int64_t> bounds;             // every group's pieces, as leaves of the step
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t a = first + g * micros;
     std::vector<int64_t> b = canonical_pieces(L, a, a + micros);
-    bounds.insert(bounds.end(), b.begin() + (s ? 1 : 0), b.end());
+    bounds.insert(bounds.end(), b.begin() + (g ? 1 : 0), b.end());
     for (int64_t& x : b) x -= a;
     mine.push_back(std::move(b));
   }
-  // The group's block as its canonical pieces; each is a subtree holding whole source pieces, the
+  // The expert group's block as its canonical pieces; each is a subtree holding whole group pieces, the
   // canonical tree over its own leaves with them as its leaves.
   const std::vector<int64_t> group = canonical_pieces(L, first, first + n);
   LOCKSTEP_CHECK(pieces.size() + 2 == group.size(), "experts: ", pieces.size(), " piece buffers for ", group.size() - 1,
                  " pieces of the expert group's micro-batches");
   group_pieces.clear();
-  if (bounds.size() - 1 > static_cast<size_t>(sources) || group.size() > 2) {
+  if (bounds.size() - 1 > static_cast<size_t>(G) || group.size() > 2) {
     size_t at = 0;
     for (size_t j = 0; j + 1 < group.size(); ++j) {
       std::vector<int64_t> local;
@@ -107,10 +117,10 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   }
   trees.clear();
   for (const FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b}) {
-    const int64_t blocks = b->size() ? E * sources : 0;
-    for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / S, source k % S)
+    const int64_t blocks = b->size() ? E * G : 0;
+    for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / G, micro-batch group k % G)
       trees.emplace_back();
-      trees.back().reset(b->size() / (E * sources), mine[static_cast<size_t>(k % sources)]);
+      trees.back().reset(b->size() / (E * sources), mine[static_cast<size_t>(k % G)]);
     }
   }
 }
@@ -163,6 +173,53 @@ void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum
   }
 }
 
+// Leaf g of out (leaves, n) = the canonical tree over the `per` blocks of fine (leaves x per, n)
+// that follow g x per (into fine's first block of each leaf, then copied), a few thousand elements
+// of every block at a time so that the tree's levels run in cache.
+void tree_over_blocks(float* out, float* fine, int64_t leaves, int64_t per, int64_t n) {
+  constexpr int64_t kChunk = 2048;
+  parallel_for(leaves * n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {
+      const int64_t g = i / n, j0 = i % n, j1 = std::min({n, j0 + (i1 - i), j0 + kChunk});
+      float* first = fine + g * per * n;
+      tree_sum_in_place(first, per, n, j0, j1);
+      std::memcpy(out + g * n + j0, first + j0, static_cast<size_t>(j1 - j0) * sizeof(float));
+      i += j1 - j0;
+    }
+  });
+}
+
+// Layout mode (fp32 / bf16 operands): dw (leaves, nout, nin) assigned, leaf g = the canonical tree
+// over its `per` token segments of dy^T x over each segment's rows, every segment a chain from
+// zero (kernels/cpu/gemm.h); db (leaves, nout) or null likewise with the column sums of dy in row
+// order. rows: (leaves x per + 1) boundaries (leaf g's segments are g x per .. (g + 1) x per - 1).
+// One leaf at a time, so that its `per` partial products (per x nout x nin floats) stay in cache
+// for the tree.
+void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, const int64_t* rows, int64_t leaves,
+                         int64_t per, int64_t nout, int64_t nin) {
+  const int64_t n = nout * nin;
+  thread_local std::vector<float> scratch;  // kept across calls (one rank thread's layers in turn)
+  thread_local std::vector<GemmBatchItem> items;
+  if (static_cast<int64_t>(scratch.size()) < per * n) scratch.resize(static_cast<size_t>(per * n));
+  float* f = scratch.data();
+  for (int64_t g = 0; g < leaves; ++g) {
+    items.clear();
+    for (int64_t s = 0; s < per; ++s) {
+      const int64_t r0 = rows[g * per + s], r1 = rows[g * per + s + 1];
+      // K = 0 (no rows) writes the zero.
+      items.push_back(GemmBatchItem{f + s * n, nin, dy + r0 * nout, nout, Trans::T, x + r0 * nin, nin, Trans::N, nout,
+                                    nin, r1 - r0});
+    }
+    gemm_batch(items.data(), per);
+    tree_over_blocks(dw + g * n, f, 1, per, n);
+  }
+  if (!db) return;
+  thread_local std::vector<float> bias;
+  bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
+  grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
+  tree_over_blocks(db, bias.data(), leaves, per, nout);
+}
+
 }  // namespace
 
 const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
@@ -203,18 +260,30 @@ void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float*
   ps.precision().round(out, R * C);
 }
 
+void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
+  // This rank's tree over its token segments, summed over the tp group along the canonical tree:
+  // the micro-batch's leaf. tp rank 0 keeps it; the others give -0, which the expert data-parallel
+  // reduction (tp fastest in it: each tp group a subtree) adds exactly: v + -0 = v.
+  for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}}) {
+    if (i < 0) continue;
+    float* g = ps.grad(i);
+    tp->all_reduce(g, n, ReduceOp::tree_sum);
+    if (tp->rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
+  }
+}
+
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                               const float* x, const int64_t* offsets, const int64_t* segments,
-                              const ExpertsScratch& s) const {
+                              const ExpertsScratch& s, const int64_t* token_segments) const {
   Precision& p = ps.precision();
-  const int64_t R = offsets[E], Fw = fc_width(), S = sources;
+  const int64_t R = offsets[E], Fw = fc_width(), S = sources, G = groups;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
   // then the rank-order sum (quantised per block in layout mode; see the header).
   // Layout mode: the blocks hold this micro-batch only (a tree push zeroes its block) and the
   // parameter gradients are written after the last one. first_tree: the buffer's first tree.
   const bool last = layout_micros == 0 || micro == layout_micros - 1;
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
-  const size_t blocks = static_cast<size_t>(E * S), biases = dfc_b.size() ? blocks : 0;
+  const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * S);
     for (size_t k = 0; k < blocks; ++k)
@@ -222,8 +291,20 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
-    if (S == 1) return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
-    if (qb) {
+    if (token_L && token_segments && p.recipe(w) == Precision::Recipe::none) {
+      // Layout mode: per micro-batch, the tree over its token segments (see the header).
+      const int64_t per = S == 1 ? token_L : tp_size * token_L;
+      float* dwl = S == 1 ? ps.grad(w) : dw.data();
+      float* dbl = b < 0 ? nullptr : S == 1 ? ps.grad(b) : db.data();
+      token_segment_wgrad(dwl, dbl, dy, in, token_segments, E * G, per, nout, nin);
+      if (S == 1) {
+        if (tp_size > 1) reduce_over_tp(ps, w, b, nout * nin, nout);
+        return;
+      }
+    } else if (S == 1) {
+      LOCKSTEP_CHECK(tp_size == 1 || !token_L, "quantised expert gradients under tensor parallelism (refused by the config)");
+      return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
+    } else if (qb) {
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
     } else if (p.recipe(w) != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
       const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
@@ -237,12 +318,12 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
     }
     if (!last) return;
     if (!group_pieces.empty()) {
-      sum_source_pieces(ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, S, nout * nin);
-      if (b >= 0) sum_source_pieces(ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, S, nout);
+      sum_source_pieces(ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, G, nout * nin);
+      if (b >= 0) sum_source_pieces(ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, G, nout);
       return;
     }
-    sum_sources(ps.grad(w), dw.data(), E, S, nout * nin, layout_micros > 0);
-    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, S, nout, layout_micros > 0);
+    sum_sources(ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
+    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);

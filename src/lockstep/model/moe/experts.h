@@ -40,6 +40,21 @@
 // tensor parallelism the sources are the etp x ep ranks whose rows the group gathers (in world-rank
 // order, so their micro-batches are consecutive): the same blocks and trees.
 //
+// Token segments (layout mode, fp32 / bf16 weights): what one process computes as micro-batch m's
+// gradient of expert e is the canonical tree over the S = layout_segments token segments of m (core/
+// tree_sum.h canonical_segments over its N tokens), each segment one FMA chain from zero over e's
+// rows from that segment (and likewise each bias gradient's column sums), so that tensor
+// parallelism, whose ranks route N / tp tokens each (whole segments), can rebuild it. The
+// dispatcher gives the rows per (expert, source, token segment of the source's N / tp tokens)
+// (Dispatcher::token_segments, token_segments_per_source() = S / tp of them). With several sources
+// the tp_size consecutive ones that share a micro-batch (the tp ranks of one dp rank, world-rank
+// order) make one leaf, the tree over their S segments, so the (expert, source) blocks above become
+// (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
+// source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
+// tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
+// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md). The
+// quantised recipes keep one chain per (expert, micro-batch) block (refused with tp > 1).
+//
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
 // grouped_gemm.h grouped_gemm_segmented): segment s is slice s of the hidden units (for SwiGLU's fc,
@@ -89,6 +104,9 @@ struct ExpertShard {
   int64_t sources = 1;              // ranks whose rows reach these experts (dispatcher / etp sources())
   int64_t etp_rank = 0, etp_size = 1;  // the slice of each expert's hidden units
   int64_t segments = 0;             // determinism = "layout": canonical K segments of the whole hidden width
+                                    // and canonical token segments of a micro-batch
+  int64_t tp_size = 1;              // tensor parallelism: each source routes N / tp_size tokens
+  Communicator* tp = nullptr;       // the tp group (layout mode with one source: see above)
 };
 
 struct GroupedExperts {
@@ -103,9 +121,12 @@ struct GroupedExperts {
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
                const int64_t* segments = nullptr) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
-  // (expert e, source s) at [e * sources + s] (= offsets with one source).
+  // (expert e, source s) at [e * sources + s] (= offsets with one source). token_segments (layout
+  // mode): (E x sources x token_segments_per_source() + 1) rows of (expert, source, token segment)
+  // (Dispatcher::token_segments).
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
-                const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s) const;
+                const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
+                const int64_t* token_segments = nullptr) const;
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
   // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see
@@ -114,6 +135,9 @@ struct GroupedExperts {
   // canonical piece of it but the last, table-shaped like ps.grads(): DataParallel::expert_pieces)
   // receive those pieces' gradients at the expert parameters' offsets, ps.grad the last one's.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {});
+  // Layout mode: the token segments per source the weight gradients need (segments / tp_size), 0
+  // otherwise (run mode).
+  int64_t token_segments_per_source() const { return token_L; }
   // Layout mode under expert tensor parallelism: forward's output and backward's dx are this rank's
   // raw partial sums (the tree over its K segments), to be summed over the group with tree_sum.
   bool partial() const { return kseg.on() && etp_size > 1; }
@@ -126,12 +150,22 @@ struct GroupedExperts {
   // quantised GEMMs run on (see above); else null.
   const Precision::ExpertBlocks* quantised_blocks(const Precision& p, const int64_t* segments) const;
 
+  // Layout mode, one source under tensor parallelism: the micro-batch's weight gradients of w and
+  // b (nw, nb elements per expert) from this rank's token segments (see the header).
+  void reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const;
+
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
   int64_t self = 0;                          // this rank's index among the sources (expert parallelism)
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
   int64_t etp_size = 1;
   KSegments kseg;                              // this rank's K segments (layout mode)
+  int64_t layout_segments = 0, tp_size = 1;    // ExpertShard's
+  Communicator* tp = nullptr;
+  int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
+  // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
+  // micro-batch groups they make (sources / tp_size, token segments under tensor parallelism).
+  int64_t groups = 1;
   mutable FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;

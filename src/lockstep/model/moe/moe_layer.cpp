@@ -40,7 +40,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
   make_dispatcher();
   const int64_t R = dispatcher_->max_rows();
-  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments};
+  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments, tp_.size, tp_.comm};
   if (etp_) {
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
@@ -102,7 +102,10 @@ void MoeLayer::make_dispatcher() {
     source_layout_ = &ag->source_layout();
     dispatcher_ = std::move(ag);
   }
-  if (layout_invariant_) dispatcher_->set_layout_invariant();
+  if (layout_invariant_) {
+    dispatcher_->set_layout_invariant();
+    dispatcher_->set_token_segments(experts_.token_segments_per_source());
+  }
   if (groups_.etp && groups_.etp->size() > 1) {
     etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
     if (groups_.tp.layout()) etp_->set_layout_invariant();
@@ -195,7 +198,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   dispatcher_->plan(idx_.data(), kept_.data(), N);
   dispatcher_->dispatch(arena(rows_in_), x);
   if (etp_) {
-    etp_->plan(dispatcher_->segments());
+    etp_->plan(dispatcher_->segments(), dispatcher_->token_segments(), dispatcher_->token_segments_per_source());
     etp_->gather(arena(etp_in_), arena(rows_in_));
     experts_.forward(ps, arena, arena(etp_out_), arena(etp_in_), etp_->offsets());
     etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
@@ -239,7 +242,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     // The expert outputs' gradient to every etp rank, the partial input gradients back.
     etp_->gather(arena(etp_out_), s.drows);
     experts_.backward(ps, arena, s.drows_in, arena(etp_out_), arena(etp_in_), etp_->offsets(), etp_->segments(),
-                      s.experts);
+                      s.experts, etp_->token_segments());
     etp_->reduce_scatter(s.drows, s.drows_in);
     if (experts_.partial()) ps.precision().round(s.drows, dispatcher_->rows() * C_);
     trace_grad_in(experts_name_, s.drows, dispatcher_->rows() * C_);
@@ -247,7 +250,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     dispatcher_->dispatch_backward(s.dnorm, s.drows);
   } else {
     experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
-                      s.experts);
+                      s.experts, dispatcher_->token_segments());
     trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
     std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
     dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
