@@ -211,8 +211,12 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"model.preset=llama", "precision.params=bf16"});
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2"}}}, {"model.mtp_num_layers=1"});
-  // 3 micro-batches per dp rank: the expert x expert-tensor group's micro-batch blocks go as pieces.
-  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "parallel.expert=4"}}}, {"train.global_batch=12"});
+  // 3 micro-batches per dp rank: the micro-batch groups' blocks go as pieces (EP 4: one expert
+  // data-parallel replica; EP 2: two, the expert reduction over pieces).
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.tensor=2", "parallel.expert=4"}},
+      {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+  }, {"train.global_batch=12"});
   rows_match_single_process("moe-debug", {
       {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2", "parallel.expert_tensor=2"}},
