@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -7,6 +9,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/parallel/context_parallel.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -340,6 +343,81 @@ TEST(AttentionDocuments, BitwiseAcrossThreadsAndPortable) {
   EXPECT_TRUE(testing::bitwise_equal(portable.out, base.out, "out portable"));
   EXPECT_TRUE(testing::bitwise_equal(portable.lse, base.lse, "lse portable"));
   EXPECT_TRUE(testing::bitwise_equal(portable.dqkv, base.dqkv, "dqkv portable"));
+}
+
+// Context parallelism's attention (attention_forward_chunks / attention_backward_chunks), every cp
+// rank of a group simulated in one process: rank r holds chunks r and 2P-1-r of each sample and sees
+// every key and value. Each rank's out, lse and dq rows are bitwise the whole-sequence call's; the
+// ranks' dK, dV contributions, summed in rank order (the reduce-scatter's order), match the whole
+// call to rounding and the double reference. Chunk sizes not multiples of kAttnBlock (24, 16, 8, 5)
+// and a multiple (64); GQA; packed documents.
+TEST(AttentionChunks, LoadBalancedChunksReproduceTheWholeSequence) {
+  struct Case {
+    Dims d;
+    int P;
+    bool docs;
+  };
+  const Case cases[] = {{{2, 96, 4, 2, 16}, 2, false}, {{1, 96, 4, 1, 12}, 3, false}, {{2, 64, 2, 2, 8}, 4, false},
+                        {{1, 256, 2, 1, 16}, 2, false}, {{5, 200, 4, 2, 12}, 4, true}, {{1, 40, 2, 2, 8}, 4, true}};
+  for (const Case& c : cases) {
+    const Dims& d = c.d;
+    const DocStarts ds = c.docs ? doc_starts(d, kLayouts) : DocStarts{};
+    const int32_t* doc = ds.empty() ? nullptr : ds.data();
+    const std::vector<float> qkv = inputs(d, 11), dout = out_grad(d, 11);
+    const Result whole = run(qkv, dout, d, false, ds);
+    const int64_t C3 = d.C3(), KV = 2 * d.NKV * d.HS, NHS = d.NH * d.HS, Tl = d.T / c.P;
+    // Every position's keys and values, as the all-gather assembles them.
+    std::vector<float> kv(static_cast<size_t>(d.B * d.T * KV));
+    for (int64_t n = 0; n < d.B * d.T; ++n)
+      std::copy_n(qkv.begin() + n * C3 + d.NH * d.HS, KV, kv.begin() + n * KV);
+    std::vector<float> dkv_sum(kv.size(), 0.0f);
+    for (int r = 0; r < c.P; ++r) {
+      ContextParallel cp;
+      cp.size = c.P;
+      cp.rank = r;
+      const QueryChunks chunks = cp.chunks(d.T);
+      std::vector<int64_t> rows;  // global row of each local row
+      for (int64_t b = 0; b < d.B; ++b)
+        for (const auto& [begin, end] : chunks)
+          for (int64_t t = begin; t < end; ++t) rows.push_back(b * d.T + t);
+      ASSERT_EQ(static_cast<int64_t>(rows.size()), d.B * Tl);
+      std::vector<float> q_local, dout_local;
+      for (int64_t n : rows) {
+        q_local.insert(q_local.end(), qkv.begin() + n * C3, qkv.begin() + (n + 1) * C3);
+        dout_local.insert(dout_local.end(), dout.begin() + n * NHS, dout.begin() + (n + 1) * NHS);
+      }
+      std::vector<float> out(static_cast<size_t>(d.B * Tl * NHS)), lse(static_cast<size_t>(d.B * d.NH * Tl));
+      attention_forward_chunks(out.data(), lse.data(), q_local.data(), kv.data(), d.B, d.T, chunks, d.NH, d.NKV, d.HS,
+                               doc);
+      std::vector<float> dq(q_local.size(), std::numeric_limits<float>::quiet_NaN()), dkv(kv.size());
+      attention_backward_chunks(dq.data(), dkv.data(), dout_local.data(), q_local.data(), kv.data(), out.data(),
+                                lse.data(), d.B, d.T, chunks, d.NH, d.NKV, d.HS, doc);
+      for (size_t i = 0; i < dkv.size(); ++i) dkv_sum[i] += dkv[i];
+      std::vector<float> want_out, want_lse, got_dq, want_dq;
+      for (size_t i = 0; i < rows.size(); ++i) {
+        const int64_t n = rows[i], b = n / d.T, t = n % d.T;
+        want_out.insert(want_out.end(), whole.out.begin() + n * NHS, whole.out.begin() + (n + 1) * NHS);
+        got_dq.insert(got_dq.end(), dq.begin() + static_cast<int64_t>(i) * C3, dq.begin() + static_cast<int64_t>(i) * C3 + NHS);
+        want_dq.insert(want_dq.end(), whole.dqkv.begin() + n * C3, whole.dqkv.begin() + n * C3 + NHS);
+        for (int64_t h = 0; h < d.NH; ++h)
+          EXPECT_EQ(std::bit_cast<uint32_t>(lse[(b * d.NH + h) * Tl + static_cast<int64_t>(i) % Tl]),
+                    std::bit_cast<uint32_t>(whole.lse[(b * d.NH + h) * d.T + t]))
+              << name(d) << " P=" << c.P << " rank " << r << " lse row " << t << " head " << h;
+      }
+      const std::string at = name(d) + str(" P=", c.P, " rank ", r);
+      EXPECT_TRUE(testing::bitwise_equal(out, want_out, "out " + at));
+      EXPECT_TRUE(testing::bitwise_equal(got_dq, want_dq, "dq " + at));
+    }
+    std::vector<float> want_dkv;
+    std::vector<double> ref_dkv;
+    const std::vector<double> ref = ref_backward(testing::to_double(qkv), testing::to_double(dout), d, ds);
+    for (int64_t n = 0; n < d.B * d.T; ++n) {
+      want_dkv.insert(want_dkv.end(), whole.dqkv.begin() + n * C3 + d.NH * d.HS, whole.dqkv.begin() + (n + 1) * C3);
+      ref_dkv.insert(ref_dkv.end(), ref.begin() + n * C3 + d.NH * d.HS, ref.begin() + (n + 1) * C3);
+    }
+    EXPECT_TRUE(testing::all_close(dkv_sum, testing::to_double(want_dkv), 1e-5, 1e-6, "dkv vs whole " + name(d)));
+    EXPECT_TRUE(testing::all_close(dkv_sum, ref_dkv, 1e-4, 1e-5, "dkv vs reference " + name(d)));
+  }
 }
 
 }  // namespace

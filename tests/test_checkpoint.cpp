@@ -399,6 +399,37 @@ TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   for (const char* run : {"tp2to1", "tp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
 }
 
+// ---- context parallelism: resume and resharding ----
+
+// CP 2 resumes bitwise on both ranks. Its ranks hold whole replicas (the cp ranks split tokens, not
+// parameters), so cp rank 0 alone writes them: the checkpoint has the single process's tensors, in
+// one file, and continues under CP 1 and back.
+TEST(CheckpointContextParallel, ResumesBitwiseAndReshardsBetweenCpTwoAndOne) {
+  TempDir dir;
+  const std::vector<std::string> cp2 = plus(dp_keys(2, false), {"parallel.context=2"});
+  expect_two_ranks_resume_bitwise("debug.toml", cp2, dir, "cp2");
+  train_ranks(1, job("debug.toml", dir.path("cp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("cp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("cp1/checkpoints"), 2);
+  const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
+  EXPECT_EQ(m2.info.layout.cp, 2);
+  EXPECT_EQ(m2.info.layout.dp, 1);
+  EXPECT_EQ(m2.files.size(), 1u);
+  ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
+  for (const CheckpointTensor& t : m2.tensors) {
+    ASSERT_NE(m1.find(t.name), nullptr) << t.name;
+    EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
+    EXPECT_EQ(t.pieces.size(), 1u) << t.name;
+  }
+  train_ranks(1, job("debug.toml", dir.path("cp2to1"), plus(dp_keys(1, false), {"train.resume=" + at2})));
+  train_ranks(2, job("debug.toml", dir.path("cp1to2"), plus(cp2, {"train.resume=" + at1})));
+  for (const char* run : {"cp2to1", "cp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
+  // CP 2's state continues under CP 1 as CP 2 itself continues, to rounding.
+  const auto whole = testing::trajectory(dir.path("cp2-whole")), moved = testing::trajectory(dir.path("cp2to1"));
+  ASSERT_EQ(whole.size(), 4u);
+  ASSERT_EQ(moved.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(moved[s].first, whole[s + 2].first, 1e-6 * whole[s + 2].first) << s;
+}
+
 // ---- expert tensor parallelism: resume and resharding ----
 
 // TP 2 + SP with ETP 2 (the MoE preset on 2 ranks) resumes bitwise on both ranks; each expert's

@@ -244,20 +244,26 @@ std::string write_documents(const testing::TempDir& dir) {
 
 // The step's loss is the mean over its unmasked tokens, whatever the micro-batch split: one
 // micro-batch of 4, four of 1 (each with its own count of EOD tokens), and the same global batch on
-// 2 and 4 data-parallel ranks (the unmasked tokens are counted over the ranks) agree. A
-// per-micro-batch or per-rank mean would not.
+// 2 and 4 data-parallel ranks (the unmasked tokens are counted over the ranks), and context
+// parallelism 2 (alone and with 2 data-parallel ranks: each rank's chunks hold a share of the
+// documents, their positions and masks taken from the whole sequence) agree. A per-micro-batch or
+// per-rank mean would not.
 TEST(Documents, EodMaskLossNormalisesByTheStepsTokens) {
   testing::TempDir dir;
   const std::string prefix = write_documents(dir);
   std::vector<TrainSummary> runs;
-  for (const auto& [micro, ranks] : {std::pair{"4", 1}, {"1", 1}, {"2", 2}, {"1", 4}}) {
+  struct Layout {
+    std::string micro;
+    int ranks, cp;
+  };
+  for (const auto& [micro, ranks, cp] : {Layout{"4", 1, 1}, {"1", 1, 1}, {"2", 2, 1}, {"1", 4, 1}, {"4", 2, 2}, {"2", 4, 2}}) {
     const Config c = load_config(
         std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
         {"data.source=indexed:" + prefix, "data.eod_token=256", "data.eod_mask_loss=true",
          "data.reset_position_ids=true", "data.reset_attention_mask=true", "model.vocab_size=259",
          "model.seq_length=32", "train.steps=3", "train.global_batch=4", std::string("train.micro_batch=") + micro,
-         "train.eval_interval=0", ranks > 1 ? "train.threads=1" : "train.threads=2",
-         "train.out_dir=" + dir.path(micro + std::to_string(ranks))});
+         "train.eval_interval=0", ranks > 1 ? "train.threads=1" : "train.threads=2", str("parallel.context=", cp),
+         "train.out_dir=" + dir.path(micro + std::to_string(ranks) + std::to_string(cp))});
     if (ranks == 1) {
       runs.push_back(quiet_train(c));
       continue;

@@ -1,6 +1,7 @@
 // The parallel-layout matrix: one row per layout of the dense and MoE debug models (tensor
 // parallelism 1/2/4 with sequence parallelism off/on, expert parallelism 1/2/4/8 with both token
-// dispatchers, expert tensor parallelism 1/2, pipeline parallelism 2 (1F1B and interleaved),
+// dispatchers, expert tensor parallelism 1/2, pipeline parallelism 2 (1F1B and interleaved), context
+// parallelism 2/4 (dense),
 // folded together and with data parallelism) on the
 // threads backend, ranks as threads with one thread each. Each row trains 3 steps twice: the two
 // runs give byte-identical fingerprints on every rank, and rank 0's losses and gradient norms
@@ -138,6 +139,13 @@ const Row kRows[] = {
                                                                                "parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                                                                "parallel.tensor=2", "parallel.expert_tensor=2",
                                                                                "parallel.expert=2", AG}},
+    // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (of 16 tokens for
+    // gpt2, 8 or 4 for the Llama flavour: none a multiple of the attention's key block), alone and with dp, tp (+ sp).
+    {"gpt2_cp2", "debug.toml", 2, {"parallel.context=2"}},
+    {"gpt2_cp2_dp2", "debug.toml", 4, {"parallel.context=2"}},
+    {"gpt2_cp2_tp2_sp", "debug.toml", 4, {"parallel.context=2", "parallel.tensor=2", SP}},
+    {"llama_gqa_cp2_tp2", "debug.toml", 4, {LLAMA, "parallel.context=2", "parallel.tensor=2"}},
+    {"llama_gqa_cp4", "debug.toml", 4, {LLAMA, "parallel.context=4"}},
     // FP8 per-tensor scaling: amax reduced over tp x cp x dp (dense) and etp x edp (experts); BF16's
     // own difference under the same layouts for comparison.
     {"bf16_gpt2_tp2_sp", "debug.toml", 2, {"precision.params=bf16", "parallel.tensor=2", SP}, {}, BF16_NOISE},

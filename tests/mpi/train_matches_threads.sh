@@ -5,12 +5,13 @@
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
 shift 4
-# Ranks are ordered tp-cp-ep-dp-pp, tp fastest: rank r is tp r % tp, dp (r / tp) % dp, pp r / (tp dp).
-tp=1 pp=1
+# Ranks are ordered tp-cp-ep-dp-pp, tp fastest: rank r is tp r % tp, cp (r / tp) % cp, dp (r / (tp cp)) % dp,
+# pp r / (tp cp dp).
+tp=1 cp=1 pp=1
 for kv in "$@"; do
-  case $kv in parallel.tensor=*) tp=${kv#*=} ;; parallel.pipeline=*) pp=${kv#*=} ;; esac
+  case $kv in parallel.tensor=*) tp=${kv#*=} ;; parallel.context=*) cp=${kv#*=} ;; parallel.pipeline=*) pp=${kv#*=} ;; esac
 done
-dp=$((n / (tp * pp)))
+dp=$((n / (tp * cp * pp)))
 dir=$(mktemp -d)
 trap 'rm -rf "$dir"' EXIT
 args=(-c "$config" train.steps=2 train.eval_interval=0 train.threads=1 data.synthetic_bytes=65536 "$@")
@@ -20,7 +21,7 @@ for ((r = 0; r < n; r++)); do
   f=$(printf 'fingerprints/rank-%05d.jsonl' "$r")
   [ "$(wc -l <"$dir/threads/$f")" = 2 ] || { echo "threads run: $f does not have 2 lines"; exit 1; }
   cmp "$dir/threads/$f" "$dir/mpi/$f" || { echo "rank $r: fingerprints differ"; diff "$dir/threads/$f" "$dir/mpi/$f"; exit 1; }
-  grep -q "\"rank\":$r,\"dp\":$((r / tp % dp)),\"tp\":$((r % tp)),\"pp\":$((r / (tp * dp)))," "$dir/mpi/$f" ||
+  grep -q "\"rank\":$r,\"dp\":$((r / (tp * cp) % dp)),\"tp\":$((r % tp)),\"pp\":$((r / (tp * cp * dp))),\"ep\":[0-9]*,\"cp\":$((r / tp % cp))," "$dir/mpi/$f" ||
     { echo "rank $r: wrong coordinates"; head -1 "$dir/mpi/$f"; exit 1; }
 done
 [ -f "$dir/mpi/metrics.jsonl" ] && [ -f "$dir/mpi/config.toml" ]

@@ -264,7 +264,7 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
       LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
                                          "group (needs parallel.tensor > 1)"),
-      LS_KEY(parallel.context, "context-parallel size"),
+      LS_KEY(parallel.context, "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x context - 1 - r (dense models; docs/parallelism.md)"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size: the layers split over this many stages (docs/parallelism.md)"),
       LS_KEY(parallel.pipeline_layers, "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
                                        "virtual_pipeline entries); \"\" = an even split"),
@@ -596,8 +596,41 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
+// Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (x tp rows under sequence
+// parallelism); what it does not support yet is refused by name.
+void validate_context_parallel(const Config& c) {
+  const int64_t cp = c.parallel.context;
+  if (cp == 1) return;
+  const ModelConfig& m = c.model;
+  const bool sp = c.parallel.sequence_parallel;
+  const int64_t tp = c.parallel.tensor;
+  if (m.seq_length % (2 * cp))
+    user_error("parallel.context = ", cp, ": model.seq_length = ", m.seq_length, " is not divisible by 2 x parallel.context = ",
+               2 * cp, " (each sequence is cut into 2 x context chunks, two per rank)");
+  if (sp && (c.train.micro_batch * m.seq_length / cp) % tp)
+    user_error("parallel.context = ", cp, " with parallel.sequence_parallel: train.micro_batch x model.seq_length / context = ",
+               c.train.micro_batch * m.seq_length / cp, " tokens per rank are not divisible by parallel.tensor = ", tp);
+  const auto refuse = [cp](const std::string& what, const std::string& why) {
+    user_error("parallel.context = ", cp, " with ", what, ": ", why);
+  };
+  if (c.determinism == "layout")
+    refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
+           "rank's tokens, which are not cut into canonical segments yet; use determinism = \"run\"");
+  if (c.moe.num_experts > 0)
+    refuse(str("moe.num_experts = ", c.moe.num_experts),
+           "MoE layers under context parallelism are not supported yet (the load-balancing statistics would need "
+           "reducing over the context-parallel group); use a dense model");
+  if (m.mtp_num_layers > 0)
+    refuse(str("model.mtp_num_layers = ", m.mtp_num_layers),
+           "multi-token prediction shifts the tokens along the whole sequence, across the ranks' chunks; not supported "
+           "yet");
+  if (c.parallel.pipeline > 1)
+    refuse(str("parallel.pipeline = ", c.parallel.pipeline), "pipeline parallelism with context parallelism is not "
+           "supported yet");
+}
+
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor
-// and sequence parallelism (context parallelism is not implemented):
+// and sequence parallelism (context parallelism is refused under it: validate_context_parallel):
 // what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
 // micro-batches per rank, depends on the world size: the trainer checks it.)
 void validate_layout_determinism(const Config& c) {
@@ -714,11 +747,9 @@ void validate(const Config& c) {
                                                     {"expert_tensor", c.parallel.expert_tensor}};
   for (const auto& [name, size] : layout) {
     if (size < 1) user_error("parallel.", name, " = ", size, ": must be positive");
-    if (size > 1 && name != std::string("tensor") && name != std::string("expert") && name != std::string("expert_tensor") &&
-        name != std::string("pipeline"))
-      user_error("parallel.", name, " = ", size, ": ", name, " parallelism is not implemented yet");
   }
   validate_tensor_parallel(c);
+  validate_context_parallel(c);
   validate_expert_parallel(c);
   validate_pipeline_parallel(c);
   if (c.ddp.bucket_size <= 0) user_error("ddp.bucket_size = ", c.ddp.bucket_size, ": must be positive");

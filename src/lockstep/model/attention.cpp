@@ -10,9 +10,10 @@
 namespace lockstep {
 
 AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix,
-                               const ModelConfig& m, int64_t B_, int64_t T_, const TensorParallel& tp_)
+                               const ModelConfig& m, int64_t B_, int64_t T_, const TensorParallel& tp_,
+                               const ContextParallel& cp_)
     : B(B_), T(T_), C(m.hidden_size), NH(m.num_heads / tp_.size), NKV(m.query_groups() / tp_.size), HS(m.head_dim()),
-      rope(m.position_embedding == "rope"), tp(tp_) {
+      Tg(T_ * cp_.size), rope(m.position_embedding == "rope"), tp(tp_), cp(cp_) {
   const int64_t N = B * T;
   const float std = static_cast<float>(m.init_std);
   // Residual projections start smaller so the residual stream's variance does not grow with
@@ -30,6 +31,12 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   lse = arena.reserve(B * NH * T);
   if (tp.on()) partial = arena.reserve(N * C);
   if (tp.sequence) gathered = arena.reserve(N * C);
+  if (cp.on()) {
+    const int64_t KV = 2 * NKV * HS;
+    this->kv = arena.reserve(B * Tg * KV);
+    cp_buf = arena.reserve_scratch((B * Tg + N) * KV);
+    dkv = arena.reserve_scratch(B * Tg * KV);
+  }
 }
 
 void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out,
@@ -41,10 +48,16 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   qkv.forward(ps, arena(qkv_out), x, N);
   const Precision& p = ps.precision();
   if (rope) {
-    rope_forward(arena(qkv_out), rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+    rope_forward(arena(qkv_out), rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
     p.round(arena(qkv_out), N * qkv_width());
   }
-  attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
+  if (cp.on()) {
+    gather_kv(cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
+    attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, cp.chunks(Tg), NH, NKV, HS,
+                             doc_start);
+  } else {
+    attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
+  }
   p.round(arena(att), N * NH * HS);
   trace_out(core_name, arena(att), N * NH * HS);
   proj.forward_residual(ps, tp, resid_out, resid_in, arena(att), N, tp.on() ? arena(partial) : nullptr);
@@ -58,8 +71,14 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   // The full output gradient (gathered into dnorm, free until qkv's backward).
   const float* dy = leave_row_parallel_backward(tp, s.dnorm, dresid, N, C);
   proj.backward(ps, s.datt, dy, arena(att), N);
-  attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
-  if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, T, NH + NKV, HS, qkv_width(), positions);
+  if (cp.on()) {
+    attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att), arena(lse), B, Tg,
+                              cp.chunks(Tg), NH, NKV, HS, doc_start);
+    reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+  } else {
+    attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
+  }
+  if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
   const float* dnorm = qkv.backward(ps, tp, s.datt, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);

@@ -1,7 +1,9 @@
 // The attention sublayer: norm -> fused QKV projection -> RoPE (llama) -> causal GQA attention ->
 // output projection, added to the residual stream. Tensor parallelism (parallel/tensor_parallel.h):
 // QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
-// parallelism the norm and the residual stream hold this rank's rows only.
+// parallelism the norm and the residual stream hold this rank's rows only. Context parallelism
+// (parallel/context_parallel.h): the layer holds T = seq_length / cp positions per sample (its
+// rank's two chunks); keys and values are all-gathered over the cp group for the attention.
 #pragma once
 
 #include <string>
@@ -11,6 +13,7 @@
 #include "lockstep/model/arena.h"
 #include "lockstep/model/linear.h"
 #include "lockstep/model/norm.h"
+#include "lockstep/parallel/context_parallel.h"
 
 namespace lockstep {
 
@@ -23,12 +26,14 @@ struct AttentionScratch {
 struct AttentionLayer {
   AttentionLayer() = default;
   AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                 int64_t B, int64_t T, const TensorParallel& tp = TensorParallel{});
+                 int64_t B, int64_t T, const TensorParallel& tp = TensorParallel{},
+                 const ContextParallel& cp = ContextParallel{});
 
   // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))) (this rank's rows under
   // sequence parallelism).
   // positions (N) (RoPE) and doc_start (B, T) (attention): packed documents (data/documents.h);
-  // null = plain positions and causal attention.
+  // null = plain positions and causal attention. Context parallelism: positions are the rows'
+  // global positions (never null) and doc_start is over the whole sequence (B, seq_length).
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
                const float* rope_cos, const float* rope_sin, const int32_t* positions = nullptr,
                const int32_t* doc_start = nullptr) const;
@@ -46,8 +51,12 @@ struct AttentionLayer {
   // The names forward traces, in order (model/trace.h).
   void trace_names(std::vector<std::string>& out) const { out.insert(out.end(), {norm.name, qkv.name, core_name, proj.name}); }
   int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;  // NH, NKV: this rank's heads and KV groups
+  int64_t Tg = 0;  // positions per sample of the whole sequence (T x cp)
   bool rope = false;
   TensorParallel tp;
+  ContextParallel cp;
+  ArenaSlice kv;             // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
+  ArenaSlice cp_buf, dkv;    // and the scratch of the gather / reduce-scatter, the full dK, dV
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
 };

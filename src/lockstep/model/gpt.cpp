@@ -20,9 +20,14 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
-         const TensorParallel& tp, Communicator* ep, Communicator* etp, const GptPart& part)
-    : m_(m), part_(part), tp_(tp), B_(B), T_(m.seq_length), C_(m.hidden_size), V_(m.vocab_size),
-      L_(m.num_layers), N_(B * T_), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
+         const TensorParallel& tp, Communicator* ep, Communicator* etp, const GptPart& part,
+         const ContextParallel& cp)
+    : m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
+      L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
+  LOCKSTEP_CHECK(!cp_.on() || (Tg_ % (2 * cp_.size) == 0 && moe.num_experts == 0 && m.mtp_num_layers == 0 &&
+                               part_.chunks.empty() && part_.first && part_.last),
+                 "context parallelism: seq_length ", Tg_, " must split into 2 x ", cp_.size,
+                 " chunks, with a dense model, no MTP and no pipeline");
   // config validate() names the keys; these guard other callers.
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
@@ -36,7 +41,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   if (part_.first) {
     wte_ = tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
     if (m.position_embedding == "learned")
-      wpe_ = params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
+      wpe_ = params_.add("embedding.position.weight", {Tg_, C_}, Init::normal, std, true);
   }
   embed_end_ = static_cast<int>(params_.specs().size());
   layer_first_.assign(static_cast<size_t>(L_), -1);
@@ -48,7 +53,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     for (int64_t l = first; l < end; ++l) {
       const std::string prefix = "layers." + std::to_string(l) + ".";
       layer_first_[l] = static_cast<int>(params_.specs().size());
-      attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_);
+      attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_);
       if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp});
       else mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
       layer_end_[l] = static_cast<int>(params_.specs().size());
@@ -150,16 +155,30 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
 
   if (m.position_embedding == "rope") {
     const int64_t HS = m.head_dim();
-    rope_cos_.resize(static_cast<size_t>(T_ * HS / 2));
+    rope_cos_.resize(static_cast<size_t>(Tg_ * HS / 2));
     rope_sin_.resize(rope_cos_.size());
-    rope_table(rope_cos_.data(), rope_sin_.data(), T_, HS, m.rope_theta);
+    rope_table(rope_cos_.data(), rope_sin_.data(), Tg_, HS, m.rope_theta);
   }
+  if (cp_.on()) {
+    positions_.resize(static_cast<size_t>(N_));
+    cp_.positions(positions_.data(), B_, Tg_);
+    cp_tokens_.resize(static_cast<size_t>(N_));
+    cp_targets_.resize(static_cast<size_t>(N_));
+  }
+}
+
+const int32_t* GPT::local(const int32_t* global, std::vector<int32_t>& buf) const {
+  if (!cp_.on()) return global;
+  cp_.take_local(buf.data(), global, B_, Tg_);
+  return buf.data();
 }
 
 void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask) {
   eod_ = eod;
-  positions_.assign(reset_position_ids ? static_cast<size_t>(N_) : 0, 0);
-  doc_start_.assign(reset_attention_mask ? static_cast<size_t>(N_) : 0, 0);
+  reset_positions_ = reset_position_ids;
+  if (!cp_.on()) positions_.assign(reset_position_ids ? static_cast<size_t>(N_) : 0, 0);
+  if (cp_.on() && reset_position_ids) full_positions_.assign(static_cast<size_t>(B_ * Tg_), 0);
+  doc_start_.assign(reset_attention_mask ? static_cast<size_t>(B_ * Tg_) : 0, 0);
 }
 
 void GPT::select_slot(int k) {
@@ -207,6 +226,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
   const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
   const bool stale = weights_stale_[static_cast<size_t>(c)];
   layout_documents(tokens);
+  tokens = local(tokens, cp_tokens_);
   if (part_.first && c == 0) {
     need_params(0, embed_end_, stale);
     // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
@@ -214,7 +234,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
       vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
                                params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
     else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
-                           B_, T_, C_, V_, positions());
+                           B_, T_, C_, V_, positions(), Tg_);
     precision_.round(arena_(resid_[0]), Nl_ * C_);
     trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
   }
@@ -239,9 +259,10 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
 }
 
 void GPT::layout_documents(const int32_t* tokens) {
-  if (positions() || doc_start())
-    document_layout(positions_.empty() ? nullptr : positions_.data(), doc_start_.empty() ? nullptr : doc_start_.data(),
-                    tokens, B_, T_, eod_);
+  if (!reset_positions_ && !doc_start()) return;
+  int32_t* pos = !reset_positions_ ? nullptr : cp_.on() ? full_positions_.data() : positions_.data();
+  document_layout(pos, doc_start_.empty() ? nullptr : doc_start_.data(), tokens, B_, Tg_, eod_);
+  if (cp_.on() && reset_positions_) cp_.take_local(positions_.data(), full_positions_.data(), B_, Tg_);
 }
 
 void GPT::need_params(int first, int end, bool stale) {
@@ -344,14 +365,19 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
 }
 
 namespace {
-// Mean over the positions with a target (masked ones hold loss 0); 0 when every one is masked.
-double mean_loss(const float* x, const int32_t* targets, int64_t n) {
+// Sum over the n positions of x divided by the count of targets >= 0 among `count_n` (masked
+// positions hold loss 0); 0 when every one is masked.
+double mean_loss(const float* x, int64_t n, const int32_t* targets, int64_t count_n) {
   double s = 0;
   for (int64_t i = 0; i < n; ++i) s += x[i];
-  const int64_t count = count_targets(targets, n);
+  const int64_t count = count_targets(targets, count_n);
   return count ? s / static_cast<double>(count) : 0.0;
 }
 }  // namespace
+
+double GPT::lm_loss(const int32_t* targets) const {
+  return mean_loss(arena_(losses_), N_, targets, B_ * Tg_);
+}
 
 double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) {
   micro_ = first_micro_ + micro;
@@ -361,13 +387,16 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   // Pipeline parallelism: another micro-batch's forward may have run since this one's.
   const bool whole = part_.first && part_.last && num_chunks() == 1;
   if (!whole) layout_documents(tokens);
+  const int32_t* all_targets = targets;
+  tokens = local(tokens, cp_tokens_);
+  targets = local(targets, cp_targets_);
   double lm = 0;
   if (part_.last && c == num_chunks() - 1) {
     head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
     trace_out("output", arena_(losses_), N_);  // the per-token losses
     trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
     // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
-    lm = mean_loss(arena_(losses_), targets, N_);
+    lm = lm_loss(all_targets);
     if (!mtp_.empty()) mtp(tokens, targets, true, aux_scale);
     std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
     final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
@@ -389,10 +418,10 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     if (tp_.on()) {
       vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr,
                                         order_.data(), arena_(dnorm_), dresid, local_tokens_.data(), tokens,
-                                        positions(), B_, T_, C_, V_);
+                                        positions(), B_, T_, C_, V_, Tg_);
     } else {
       embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                         tokens, B_, T_, C_, positions());
+                         tokens, B_, T_, C_, positions(), Tg_);
     }
     if (grads_ready_) grads_ready_(0, embed_end_);
   }
@@ -415,8 +444,11 @@ void GPT::begin_evaluation() {
 }
 
 double GPT::evaluate_head(const int32_t* tokens, const int32_t* targets) {
+  const int32_t* all_targets = targets;
+  tokens = local(tokens, cp_tokens_);
+  targets = local(targets, cp_targets_);
   head(arena_(final_out_), targets, nullptr, false, 0.0f);
-  const double lm = mean_loss(arena_(losses_), targets, N_);
+  const double lm = lm_loss(all_targets);
   if (!mtp_.empty()) mtp(tokens, targets, false, 0.0f);
   return lm;
 }
@@ -461,7 +493,7 @@ double GPT::flops_per_token() const {
     matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
               tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
                                        d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out);
-  return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * T_ * C_);
+  return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * Tg_ * C_);
 }
 
 void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {

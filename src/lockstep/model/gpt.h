@@ -20,6 +20,12 @@
 // lookup and the loss combine over the group); with sequence parallelism the residual stream, the
 // norms and the position embedding hold this rank's rows of the (B x T, C) activations.
 //
+// Context parallelism (parallel/context_parallel.h): the callers pass whole (B, seq_length)
+// micro-batches; the model keeps its rank's two chunks of each sample (T = seq_length / cp rows per
+// sample), embeds them at their global positions, and its attention gathers keys and values over
+// the cp group. The LM loss it returns is its rows' share: the sum over them divided by the
+// micro-batch's token count, to be summed over the cp group.
+//
 // Pipeline parallelism (parallel/pipeline/pipeline.h): a rank builds only its part of the model
 // (GptPart): its model chunks' layers (parameter names keep the global layer index), the embedding
 // on the first stage, the final norm, head, loss and MTP depths on the last. A last stage that
@@ -44,6 +50,7 @@
 #include "lockstep/model/norm.h"
 #include "lockstep/model/param_table.h"
 #include "lockstep/model/precision.h"
+#include "lockstep/parallel/context_parallel.h"
 #include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {
@@ -74,7 +81,8 @@ class GPT {
   // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
-      Communicator* ep = nullptr, Communicator* etp = nullptr, const GptPart& part = GptPart{});
+      Communicator* ep = nullptr, Communicator* etp = nullptr, const GptPart& part = GptPart{},
+      const ContextParallel& cp = ContextParallel{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -194,7 +202,9 @@ class GPT {
   GptPart part_;
   Precision precision_;
   TensorParallel tp_;
-  int64_t B_, T_, C_, V_, L_, N_;
+  ContextParallel cp_;
+  int64_t B_, T_, C_, V_, L_, N_;  // T_: positions per sample this rank holds (seq_length / cp)
+  int64_t Tg_;                     // seq_length
   int64_t Vl_, Nl_;  // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
   int64_t head_rows_;  // rows of logits per chunk
   // determinism = "layout": the canonical vocabulary segments of the head's input gradient
@@ -241,8 +251,17 @@ class GPT {
   std::vector<int32_t> positions_, doc_start_;
   const int32_t* positions() const { return positions_.empty() ? nullptr : positions_.data(); }
   const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }
-  // Packed documents: positions_ and doc_start_ for this micro-batch's tokens.
+  // Packed documents: positions_ and doc_start_ for this micro-batch's tokens (the whole
+  // micro-batch's, (B, seq_length)).
   void layout_documents(const int32_t* tokens);
+  bool reset_positions_ = false;
+  // Context parallelism: positions_ holds the rows' global positions (or their positions in their
+  // documents), doc_start_ the whole sequence's (B, seq_length); the micro-batch's positions in
+  // documents; this rank's tokens and targets.
+  std::vector<int32_t> full_positions_, cp_tokens_, cp_targets_;
+  const int32_t* local(const int32_t* global, std::vector<int32_t>& buf) const;
+  // The mean LM loss of the micro-batch (this rank's share of it under context parallelism).
+  double lm_loss(const int32_t* targets) const;
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
   // The table ranges: the embedding [0, embed_end_), layer l's [layer_first_[l], layer_end_[l])

@@ -118,7 +118,7 @@ void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial
 // rank). order, local: (N) scratch.
 void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
                                        const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
-                                       int64_t B, int64_t T, int64_t C, int64_t V);
+                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P = 0);
 // local (N): each token's row in this rank's table, -1 outside its range (for embedding_backward).
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V);
 

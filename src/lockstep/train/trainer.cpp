@@ -124,8 +124,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
   const ParallelConfig& pc = config.parallel;
   const Mesh mesh(world_size, {static_cast<int>(pc.tensor), static_cast<int>(pc.context), static_cast<int>(pc.pipeline),
                                static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
-  // Each data-parallel rank takes its own micro-batches of the global batch (context parallelism
-  // would split sequences, not samples).
+  // Each data-parallel rank takes its own micro-batches of the global batch (the ranks of a
+  // context-parallel group share them: context parallelism splits sequences, not samples).
   const int64_t dp_size = mesh.dp();
   if (tc.global_batch % (tc.micro_batch * dp_size))
     user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
@@ -169,6 +169,13 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // The ranks of a tensor-parallel group share each micro-batch (same dp coordinate).
   Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
   TensorParallel tp(&tp_group, pc.sequence_parallel);
+  // Context parallelism: the ranks of a cp group share each micro-batch (same dp coordinate), each
+  // holding two chunks of every sample (parallel/context_parallel.h). The loss and gradient sums
+  // over dp x cp (dense_dp) add up their shares; counts of the micro-batches' tokens are summed over
+  // dp only (every cp rank counts the whole micro-batch).
+  Communicator cp_group = comm.split_groups(mesh.groups(MeshGroup::cp));
+  const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr);
+  Communicator dp_only = comm.split_groups(mesh.groups(MeshGroup::dp));
   if (config.determinism == "layout") tp.segments = config.layout_segments;
   // Expert parallelism: the MoE layers' experts are split over the ep group, whose ranks exchange
   // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
@@ -199,7 +206,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // copy on one stage too (GptPart::split_embedding).
   GptPart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{};
   part.split_embedding = config.determinism == "layout";
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp);
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
@@ -370,7 +377,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       if (pipelined) all_reduce_exact(pp_group, &exact, 1);
       all_reduce_exact(dense_dp, &exact, 1);
       sum = exact.value();
-    } else if (dp_size > 1) {
+    } else if (dense_dp.size() > 1) {
       dense_dp.all_reduce(&sum, 1);
     }
     return sum / static_cast<double>(tc.eval_batches);
@@ -417,7 +424,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const auto start = Clock::now();
   for (int64_t step = start_step; step <= tc.steps; ++step) {
     const auto t0 = Clock::now();
-    const int64_t tp_bytes_before = tp_group.bytes_sent(), etp_bytes_before = etp_group.bytes_sent();
+    const int64_t tp_bytes_before = tp_group.bytes_sent(), etp_bytes_before = etp_group.bytes_sent(),
+                  cp_bytes_before = cp_group.bytes_sent();
     ParamStore& ps = model.params();
     ps.zero_grads();
     const uint64_t first_sample = first_sample_of(step);
@@ -437,7 +445,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (dc.eod_mask_loss) {
       loss_tokens = 0;
       for (int64_t micro = 0; micro < accum; ++micro) loss_tokens += fetch(micro);
-      if (dp_size > 1) dense_dp.all_reduce(&loss_tokens, 1);
+      if (dp_size > 1) dp_only.all_reduce(&loss_tokens, 1);
     }
     const float grad_scale = 1.0f / static_cast<float>(std::max<int64_t>(loss_tokens, 1));
     // Sums over this rank's micro-batches of the LM loss (token-weighted with eod_mask_loss), aux
@@ -505,7 +513,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       if (pipelined) all_reduce_exact(pp_group, exact_sums, 3);
       all_reduce_exact(dense_dp, exact_sums, 3);
       for (int k = 0; k < 3; ++k) sums[k] = exact_sums[k].value();
-    } else if (dp_size > 1) {
+    } else if (dense_dp.size() > 1) {
       dense_dp.all_reduce(sums, 3);
     }
     const double micros = static_cast<double>(accum * dp_size);
@@ -563,6 +571,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                       moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
     if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
     if (etp) metrics_line.add("etp_bytes", etp_group.bytes_sent() - etp_bytes_before);  // rank 0's, in its etp group
+    if (cp.on()) metrics_line.add("cp_bytes", cp_group.bytes_sent() - cp_bytes_before);  // rank 0's, in its cp group
     if (pipelined) {
       // Per stage: the fraction of the schedule spent waiting for messages, the micro-batches whose
       // activations it held at once (arena slots), the activation memory (those slots plus backward

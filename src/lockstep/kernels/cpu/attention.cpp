@@ -224,29 +224,55 @@ void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, 
   }
 }
 
+// A block of query rows: global positions [q0, q0 + nq) inside one kBlk-aligned block of
+// positions, whose local rows start at `row`.
+struct QBlock {
+  int64_t q0, nq, row;
+};
+
 struct Shape {
   int64_t B, T, NH, NKV, HS;
+  int64_t Tl;      // query rows per sample (T without context parallelism)
   int64_t HSp;     // HS rounded up to 8: tiles are zero-padded so every loop runs on whole vectors
-  int64_t C3;      // qkv row length
   int64_t group;   // query heads per kv head
-  int64_t blocks;  // blocks of kBlk positions
+  std::vector<QBlock> blocks;  // the query blocks of a sample, ascending
   float scale;
 };
 
-Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+// Where the operands live. q (B, Tl, ldq) query head h at column h * HS; k, v (B, T, ldkv) key /
+// value group g at column g * HS; out, dout (B, Tl, NH * HS). The gradients mirror them.
+struct Io {
+  const float* q;
+  int64_t ldq;
+  const float* k;
+  const float* v;
+  int64_t ldkv;
+  float* dq;
+  int64_t lddq;
+  float* dk;
+  float* dv;
+  int64_t lddkv;
+};
+
+Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const QueryChunks& chunks) {
   LOCKSTEP_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0, "attention: B=", B, " T=", T,
                  " NH=", NH, " NKV=", NKV, " HS=", HS);
   LOCKSTEP_CHECK(NH % NKV == 0, "attention: NH=", NH, " is not a multiple of NKV=", NKV);
-  return Shape{B,
-               T,
-               NH,
-               NKV,
-               HS,
-               round_up(HS, 8),
-               (NH + 2 * NKV) * HS,
-               NH / NKV,
-               (T + kBlk - 1) / kBlk,
-               1.0f / std::sqrt(static_cast<float>(HS))};
+  Shape s{B, T, NH, NKV, HS, 0, round_up(HS, 8), NH / NKV, {}, 1.0f / std::sqrt(static_cast<float>(HS))};
+  int64_t prev_end = 0;
+  for (const auto& [begin, end] : chunks) {
+    LOCKSTEP_CHECK(begin >= prev_end && begin < end && end <= T, "attention: query chunk [", begin, ", ", end,
+                   ") is not ascending inside [0, ", T, ")");
+    prev_end = end;
+    // Query blocks never cross a multiple of kBlk, so every key block a query sees is whole or the
+    // diagonal one, as in the whole-sequence call.
+    for (int64_t q0 = begin; q0 < end; q0 = (q0 / kBlk + 1) * kBlk) {
+      const int64_t nq = std::min(end, (q0 / kBlk + 1) * kBlk) - q0;
+      s.blocks.push_back({q0, nq, s.Tl});
+      s.Tl += nq;
+    }
+  }
+  return s;
 }
 
 // Scratch that grows to the largest shape seen on this thread, then stays.
@@ -292,8 +318,8 @@ void check_doc_start(const int32_t* doc_start, int64_t B, int64_t T) {
 
 // One (b, h, query block): out rows and lse of the block.
 template <class O>
-void forward_block(float* out, float* lse, const float* qkv, const int32_t* doc_start,
-                   const Shape& s, int64_t b, int64_t h, int64_t qb, float* scratch) {
+void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_start, const Shape& s, int64_t b,
+                   int64_t h, const QBlock& blk, float* scratch) {
   using V = typename O::V;
   const int64_t HSp = s.HSp;
   float* qt = scratch;           // (HSp, kBlk) scaled queries, transposed
@@ -307,9 +333,10 @@ void forward_block(float* out, float* lse, const float* qkv, const int32_t* doc_
   float* dsf = corr + kBlk;      // (kBlk) document starts of the queries (doc_start only)
 
   const int64_t g = h / s.group;
-  const float* base = qkv + b * s.T * s.C3;
-  const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 8);
-  copy_transposed(qt, HSp, base + q0 * s.C3 + h * s.HS, s.C3, nq, nqp, s.HS, s.scale);
+  const float* kbase = io.k + b * s.T * io.ldkv + g * s.HS;
+  const float* vbase = io.v + b * s.T * io.ldkv + g * s.HS;
+  const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
+  copy_transposed(qt, HSp, io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS, io.ldq, nq, nqp, s.HS, s.scale);
   std::fill(acc, acc + nqp * HSp, 0.0f);
   std::fill(m, m + nqp, -kInf);
   std::fill(l, l + nqp, 0.0f);
@@ -320,10 +347,11 @@ void forward_block(float* out, float* lse, const float* qkv, const int32_t* doc_
 
   for (int64_t kb = kb_begin; kb <= qb; ++kb) {
     const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
+    // diag >= 0: a query block lies inside one kBlk-aligned block. A query's row in the tile does
+    // not change its arithmetic: more masked keys in its visible rows only add exact zeros.
     const int64_t diag = q0 - k0;
-    copy_rows(kr, HSp, base + k0 * s.C3 + (s.NH + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
-    copy_rows(vr, HSp, base + k0 * s.C3 + (s.NH + s.NKV + g) * s.HS, s.C3, nk, nkp, s.HS, 1.0f);
-
+    copy_rows(kr, HSp, kbase + k0 * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
+    copy_rows(vr, HSp, vbase + k0 * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
     tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, Band{.n_begin_off = -diag});
     for (int64_t c = 0; c < nqp; c += 8) {
       const int64_t rows = visible_rows(c, diag, nk);
@@ -370,39 +398,40 @@ void forward_block(float* out, float* lse, const float* qkv, const int32_t* doc_
     float* ar = acc + i * HSp;
     const V lv = O::set1(l[i]);
     for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::div(O::load(ar + d), lv));
-    std::memcpy(out + ((b * s.T + q0 + i) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
-    lse[(b * s.NH + h) * s.T + q0 + i] = m[i] + std::log(l[i]);
+    std::memcpy(out + ((b * s.Tl + blk.row + i) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
+    lse[(b * s.NH + h) * s.Tl + blk.row + i] = m[i] + std::log(l[i]);
   }
 }
 
 template <class O>
-void forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
+void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, const QueryChunks& chunks, int64_t NH,
              int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  const Shape s = make_shape(B, T, NH, NKV, HS);
+  const Shape s = make_shape(B, T, NH, NKV, HS, chunks);
   check_doc_start(doc_start, B, T);
   const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 4 * kBlk);
-  parallel_for(B * NH * s.blocks, [&](int64_t begin, int64_t end) {
+  const auto nb = static_cast<int64_t>(s.blocks.size());
+  parallel_for(B * NH * nb, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u) {
-      const int64_t qb = u % s.blocks, h = u / s.blocks % NH, b = u / (s.blocks * NH);
-      forward_block<O>(out, lse, qkv, doc_start, s, b, h, qb, scratch);
+      const int64_t qb = u % nb, h = u / nb % NH, b = u / (nb * NH);
+      forward_block<O>(out, lse, io, doc_start, s, b, h, s.blocks[static_cast<size_t>(qb)], scratch);
     }
   });
 }
 
 // One (b, kv head g): dk, dv of g and dq of its query heads, all assigned.
 template <class O>
-void backward_group(float* dqkv, const float* dout, const float* qkv, const float* out,
-                    const float* lse, const int32_t* doc_start, const Shape& s, int64_t b,
-                    int64_t g, float* scratch) {
+void backward_group(const Io& io, const float* dout, const float* out, const float* lse, const int32_t* doc_start,
+                    const Shape& s, int64_t b, int64_t g, float* scratch) {
   using V = typename O::V;
-  const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = round_up(s.T, 8), C = s.NH * s.HS;
+  const auto nb = static_cast<int64_t>(s.blocks.size());
+  const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = nb * kBlk, C = s.NH * s.HS;
   float* kall = scratch;             // (Tk, HSp) keys
   float* vall = kall + Tk * HSp;     // (Tk, HSp) values
   float* dk = vall + Tk * HSp;       // (Tk, HSp)
   float* dv = dk + Tk * HSp;         // (Tk, HSp)
-  float* lse_g = dv + Tk * HSp;      // (group, Tq) lse, +inf past T so padding queries get p = 0
-  float* dd = lse_g + s.group * Tq;  // (group, Tq) D
+  float* lse_g = dv + Tk * HSp;      // (group, blocks x kBlk) lse, +inf past a block's rows so padding queries get p = 0
+  float* dd = lse_g + s.group * Tq;  // (group, blocks x kBlk) D
   float* qs = dd + s.group * Tq;     // (kBlk, HSp) scaled queries of the query block
   float* qt = qs + kBlk * HSp;       // (HSp, kBlk) the same, transposed
   float* go = qt + HSp * kBlk;       // (kBlk, HSp) dout of the query block
@@ -414,44 +443,48 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
   float* dsf = row + 2 * HSp;        // (kBlk) document starts of the query block
   const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
 
-  const float* base = qkv + b * s.T * s.C3;
-  copy_rows(kall, HSp, base + (s.NH + g) * s.HS, s.C3, s.T, Tk, s.HS, 1.0f);
-  copy_rows(vall, HSp, base + (s.NH + s.NKV + g) * s.HS, s.C3, s.T, Tk, s.HS, 1.0f);
+  copy_rows(kall, HSp, io.k + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
+  copy_rows(vall, HSp, io.v + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
   std::fill(dk, dk + 2 * Tk * HSp, 0.0f);
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
-    for (int64_t t = 0; t < Tq; ++t) {
-      if (t >= s.T) {
-        lse_g[hh * Tq + t] = kInf;
-        dd[hh * Tq + t] = 0.0f;
-        continue;
+    for (int64_t qb = 0; qb < nb; ++qb) {
+      const QBlock& blk = s.blocks[static_cast<size_t>(qb)];
+      for (int64_t i = 0; i < kBlk; ++i) {
+        const int64_t at_blk = hh * Tq + qb * kBlk + i;
+        if (i >= blk.nq) {
+          lse_g[at_blk] = kInf;
+          dd[at_blk] = 0.0f;
+          continue;
+        }
+        const int64_t t = blk.row + i;
+        const int64_t at = (b * s.Tl + t) * C + h * s.HS;
+        copy_rows(row, HSp, out + at, 0, 1, 1, s.HS, 1.0f);
+        copy_rows(row + HSp, HSp, dout + at, 0, 1, 1, s.HS, 1.0f);
+        V acc = O::zero();
+        for (int64_t d = 0; d < HSp; d += 8)
+          acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
+        dd[at_blk] = O::hsum(acc);
+        lse_g[at_blk] = lse[(b * s.NH + h) * s.Tl + t];
       }
-      const int64_t at = (b * s.T + t) * C + h * s.HS;
-      copy_rows(row, HSp, out + at, 0, 1, 1, s.HS, 1.0f);
-      copy_rows(row + HSp, HSp, dout + at, 0, 1, 1, s.HS, 1.0f);
-      V acc = O::zero();
-      for (int64_t d = 0; d < HSp; d += 8)
-        acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
-      dd[hh * Tq + t] = O::hsum(acc);
-      lse_g[hh * Tq + t] = lse[(b * s.NH + h) * s.T + t];
     }
   }
 
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
-    for (int64_t qb = 0; qb < s.blocks; ++qb) {
-      const int64_t q0 = qb * kBlk, nq = std::min(kBlk, s.T - q0), nqp = round_up(nq, 8);
-      const float* qrow = base + q0 * s.C3 + h * s.HS;
-      const float* gorow = dout + (b * s.T + q0) * C + h * s.HS;
-      copy_rows(qs, HSp, qrow, s.C3, nq, nqp, s.HS, s.scale);
-      copy_transposed(qt, HSp, qrow, s.C3, nq, nqp, s.HS, s.scale);
+    for (int64_t qbi = 0; qbi < nb; ++qbi) {
+      const QBlock& blk = s.blocks[static_cast<size_t>(qbi)];
+      const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
+      const float* qrow = io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS;
+      const float* gorow = dout + (b * s.Tl + blk.row) * C + h * s.HS;
+      copy_rows(qs, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
+      copy_transposed(qt, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
       copy_rows(go, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
       copy_transposed(got, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
       std::fill(dq, dq + nqp * HSp, 0.0f);
-      const float* lse_q = lse_g + hh * Tq + q0;
-      const float* d_q = dd + hh * Tq + q0;
+      const float* lse_q = lse_g + hh * Tq + qbi * kBlk;
+      const float* d_q = dd + hh * Tq + qbi * kBlk;
       const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
-
       for (int64_t kb = kb_begin; kb <= qb; ++kb) {
         const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
         const int64_t diag = q0 - k0;
@@ -486,56 +519,84 @@ void backward_group(float* dqkv, const float* dout, const float* qkv, const floa
                    Band{.k_end_off = 4 + diag});
       }
       for (int64_t i = 0; i < nq; ++i) {
-        float* drow = dqkv + (b * s.T + q0 + i) * s.C3 + h * s.HS;
+        float* drow = io.dq + (b * s.Tl + blk.row + i) * io.lddq + h * s.HS;
         for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
       }
     }
   }
   for (int64_t t = 0; t < s.T; ++t) {
-    float* drow = dqkv + (b * s.T + t) * s.C3;
-    std::memcpy(drow + (s.NH + g) * s.HS, dk + t * HSp, s.HS * sizeof(float));
-    std::memcpy(drow + (s.NH + s.NKV + g) * s.HS, dv + t * HSp, s.HS * sizeof(float));
+    const int64_t at = (b * s.T + t) * io.lddkv + g * s.HS;
+    std::memcpy(io.dk + at, dk + t * HSp, s.HS * sizeof(float));
+    std::memcpy(io.dv + at, dv + t * HSp, s.HS * sizeof(float));
   }
 }
 
 template <class O>
-void backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
-              int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
-              const int32_t* doc_start) {
-  const Shape s = make_shape(B, T, NH, NKV, HS);
+void backward(const Io& io, const float* dout, const float* out, const float* lse, int64_t B, int64_t T,
+              const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
+  const Shape s = make_shape(B, T, NH, NKV, HS, chunks);
   check_doc_start(doc_start, B, T);
-  const int64_t Tk = round_up(T, 4), Tq = round_up(T, 8);
+  const int64_t Tk = round_up(T, 4), Tq = static_cast<int64_t>(s.blocks.size()) * kBlk;
   const size_t need = static_cast<size_t>(4 * Tk * s.HSp + 2 * s.group * Tq + 5 * kBlk * s.HSp +
                                           2 * kBlk * kBlk + 2 * s.HSp + kBlk);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u)
-      backward_group<O>(dqkv, dout, qkv, out, lse, doc_start, s, u / NKV, u % NKV, scratch);
+      backward_group<O>(io, dout, out, lse, doc_start, s, u / NKV, u % NKV, scratch);
   });
 }
+
+// The whole sequence from one fused qkv buffer (B, T, (NH + 2 NKV) HS), and its gradient.
+Io fused_io(const float* qkv, float* dqkv, int64_t NH, int64_t NKV, int64_t HS) {
+  const int64_t C3 = (NH + 2 * NKV) * HS;
+  return Io{qkv, C3, qkv + NH * HS, qkv + (NH + NKV) * HS, C3,
+            dqkv, C3, dqkv ? dqkv + NH * HS : nullptr, dqkv ? dqkv + (NH + NKV) * HS : nullptr, C3};
+}
+
+// Context parallelism: the rank's query rows of qkv (B, Tl, C3), keys and values gathered
+// (B, T, 2 NKV HS).
+Io chunk_io(const float* qkv, const float* kv, float* dqkv, float* dkv, int64_t NH, int64_t NKV, int64_t HS) {
+  const int64_t C3 = (NH + 2 * NKV) * HS, KV = 2 * NKV * HS;
+  return Io{qkv, C3, kv, kv + NKV * HS, KV, dqkv, C3, dkv, dkv ? dkv + NKV * HS : nullptr, KV};
+}
+
+QueryChunks whole(int64_t T) { return {{0, T}}; }
 
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                        int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  forward<FastOps>(out, lse, qkv, B, T, NH, NKV, HS, doc_start);
+  forward<FastOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, whole(T), NH, NKV, HS, doc_start);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                         int64_t HS, const int32_t* doc_start) {
-  backward<FastOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, doc_start);
+  backward<FastOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, whole(T), NH, NKV, HS, doc_start);
+}
+
+void attention_forward_chunks(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
+                              const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS,
+                              const int32_t* doc_start) {
+  forward<FastOps>(out, lse, chunk_io(qkv, kv, nullptr, nullptr, NH, NKV, HS), B, T, chunks, NH, NKV, HS, doc_start);
+}
+
+void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
+                               const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks,
+                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
+  backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, chunks, NH, NKV, HS,
+                    doc_start);
 }
 
 namespace detail {
 void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
                                 int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  forward<PortableOps>(out, lse, qkv, B, T, NH, NKV, HS, doc_start);
+  forward<PortableOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, whole(T), NH, NKV, HS, doc_start);
 }
 void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out,
                                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                                  int64_t HS, const int32_t* doc_start) {
-  backward<PortableOps>(dqkv, dout, qkv, out, lse, B, T, NH, NKV, HS, doc_start);
+  backward<PortableOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, whole(T), NH, NKV, HS, doc_start);
 }
 }  // namespace detail
 

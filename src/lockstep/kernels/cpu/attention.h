@@ -37,9 +37,19 @@
 // operations lane by lane and give the same bits. Scratch is thread-local and grows to the largest
 // shape seen (the backward holds k, v, dk, dv of one (b, kv head): 4*T*HS floats), so steady-state
 // calls do not allocate.
+//
+// Context parallelism (parallel/context_parallel.h): the _chunks forms compute only some query rows
+// (chunks of each sample's positions) against the whole sequence's keys and values. Query blocks
+// are cut at the multiples of kBlk, so each query sees the same key blocks, in the same order, with
+// the same arithmetic as in the whole-sequence call: a query row's out, lse and dq are bitwise the
+// whole-sequence ones (more masked keys in a tile only add exact zeros). dk and dv hold only the
+// given queries' contributions; summed over the ranks that hold the other queries, they equal the
+// whole-sequence gradients up to the association of that sum.
 #pragma once
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 namespace lockstep {
 
@@ -53,6 +63,22 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
                         int64_t HS, const int32_t* doc_start = nullptr);
+
+// Global positions [begin, end) of each chunk of query rows, ascending and disjoint; the local rows
+// of a sample are the chunks' positions back to back (Tl rows in all).
+using QueryChunks = std::vector<std::pair<int64_t, int64_t>>;
+
+// qkv (B, Tl, (NH + 2*NKV)*HS): the local rows (only the query columns are read); kv (B, T,
+// 2*NKV*HS): every position's key heads, then value heads. out (B, Tl, NH*HS), lse (B, NH, Tl).
+// doc_start (B, T) over the global positions.
+void attention_forward_chunks(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
+                              const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS,
+                              const int32_t* doc_start = nullptr);
+// The query columns of dqkv (B, Tl, ...) and all of dkv (B, T, 2*NKV*HS) are assigned: the local
+// queries' gradient and their contributions to every key's and value's.
+void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
+                               const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks,
+                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr);
 
 namespace detail {
 // The portable forms, exposed so tests can check them against the AVX2 forms bitwise.

@@ -55,7 +55,7 @@ void check_positions(const int32_t* positions, int64_t N, int64_t T) {
 }  // namespace
 
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, int64_t V, const int32_t* positions) {
+                       int64_t B, int64_t T, int64_t C, int64_t V, const int32_t* positions, int64_t P) {
   // Validate everything before writing anything: a bad token leaves `out` untouched.
   for (int64_t n = 0; n < B * T; ++n) {
     if (tokens[n] < 0 || tokens[n] >= V) {
@@ -63,7 +63,7 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
                  ") is outside the vocabulary [0, ", V, ")");
     }
   }
-  check_positions(wpe ? positions : nullptr, B * T, T);
+  check_positions(wpe ? positions : nullptr, B * T, P ? P : T);
   parallel_for(B * T, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float* __restrict o = out + n * C;
@@ -80,10 +80,10 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
                         const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                        const int32_t* positions) {
+                        const int32_t* positions, int64_t P) {
   segment_sum(dwte, order, dout, tokens, B * T, C);
   if (dwpe && positions) {
-    check_positions(positions, B * T, T);
+    check_positions(positions, B * T, P ? P : T);
     segment_sum(dwpe, order, dout, positions, B * T, C);
   } else if (dwpe) {
     parallel_for(T, [&](int64_t begin, int64_t end) {

@@ -8,6 +8,8 @@
 // one thread in position order. dwpe[t] += sum over b of dout[b, t], in b order; with positions,
 // dwpe[p] += the sum of dout[n] over the rows n with positions[n] == p, in row order (the same
 // sorted segment sum as dwte). No atomics; bits do not depend on the thread count.
+// P: the rows of wpe that positions index (0: T); context parallelism holds T / cp rows of a
+// sample, at positions of the whole sequence.
 #pragma once
 
 #include <cstdint>
@@ -17,12 +19,12 @@ namespace lockstep {
 // Raises UserError naming the token when a token is outside [0, V).
 void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
                        int64_t B, int64_t T, int64_t C, int64_t V,
-                       const int32_t* positions = nullptr);
+                       const int32_t* positions = nullptr, int64_t P = 0);
 
 // order: scratch of B*T int32.
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
                         const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                        const int32_t* positions = nullptr);
+                        const int32_t* positions = nullptr, int64_t P = 0);
 
 // dbias[c] += sum over the N rows of dout[n, c], in row order (one thread per column range).
 // segments > 0 (determinism = "layout"): the rows cut into that many token segments

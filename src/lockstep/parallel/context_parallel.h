@@ -1,0 +1,57 @@
+// Context parallelism (Megatron's semantics, Llama-3's all-gather attention) over the cp group.
+//
+// Each sample's T positions are cut into 2 x cp chunks of T / (2 cp); cp rank r holds chunks r and
+// 2 cp - 1 - r (causal load balancing: every rank gets one early and one late chunk, so the causal
+// attention work is even). Every module but attention works token by token on the rank's
+// B x T / cp rows; positions (learned embedding, RoPE) are the tokens' global positions and the
+// causal and document masks compare global positions.
+//
+// Attention: each rank all-gathers the key and value rows of the group into the whole sequence
+// (B, T, 2 NKV HS), then computes its own query rows against every key (kernels/cpu/attention.h
+// attention_forward_chunks): a query row sees exactly the keys it sees in one process, in the same
+// order, so its output is bitwise the single-process one. Backward: each rank's queries give
+// partial dK, dV for every position; a reduce-scatter sums them over the group (rank order) into
+// each rank's own rows. The pair is gather_kv / reduce_scatter_dkv, each the other's backward.
+//
+// The loss is the mean over the micro-batch's tokens: each rank's sum over its rows divided by the
+// micro-batch's count, summed over the group with the data-parallel sums (the trainer's dp x cp
+// group); parameter gradients are partial sums over the rank's tokens, reduced over dp x cp.
+#pragma once
+
+#include <cstdint>
+
+#include "lockstep/kernels/cpu/attention.h"
+
+namespace lockstep {
+
+class Communicator;
+
+struct ContextParallel {
+  Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
+  int rank = 0, size = 1;
+
+  ContextParallel() = default;
+  explicit ContextParallel(Communicator* group);
+  bool on() const { return size > 1; }
+  // Positions per sample a rank holds: T / size.
+  int64_t local(int64_t T) const { return T / size; }
+  // The two chunks of rank r ([r, r + 1) and [2 size - 1 - r, 2 size - r) x T / (2 size)), or the
+  // whole [0, T) without context parallelism.
+  QueryChunks chunks(int64_t T, int r) const;
+  QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
+  // The global position of each local row n of B x T / size: (B x T / size).
+  void positions(int32_t* pos, int64_t B, int64_t T) const;
+  // local (B, T / size) <- this rank's positions of global (B, T).
+  void take_local(int32_t* local, const int32_t* global, int64_t B, int64_t T) const;
+};
+
+// kv (B, T, 2 NKV HS) <- every rank's key and value heads of its local rows of qkv (B, T / size,
+// (NH + 2 NKV) HS), placed at their global positions. buf: (size + 1) x B x T / size x 2 NKV HS.
+void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
+               int64_t NKV, int64_t HS);
+// The key and value columns of dqkv (B, T / size, ...) <- the sum over the group, in rank order, of
+// each rank's dkv (B, T, 2 NKV HS) at this rank's positions. buf as above.
+void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
+                        int64_t NH, int64_t NKV, int64_t HS);
+
+}  // namespace lockstep

@@ -1,0 +1,79 @@
+// Context parallelism (parallel/context_parallel.h) end to end: the communication volume against
+// the formula of docs/parallelism.md, and the configurations it refuses. That CP 2 (alone, with DP
+// and with TP + SP) reproduces one process is in test_parallel_layouts.cpp (rows gpt2_cp2...), its
+// determinism run to run, across threads and resumed in test_determinism_matrix.cpp (rows cp2_...),
+// its attention against the whole-sequence kernel in test_attention.cpp (AttentionChunks), packed
+// documents in test_documents.cpp, checkpoints in test_checkpoint.cpp, threads vs mpi in tests/mpi.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "model_testing.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+Config job(const std::string& out_dir, std::vector<std::string> keys) {
+  for (const std::string& k : {std::string("train.steps=2"), std::string("train.eval_interval=0"), std::string("train.threads=1"),
+                               std::string("train.micro_batch=2"), std::string("train.global_batch=8"),
+                               "train.out_dir=" + out_dir})
+    keys.push_back(k);
+  return load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/debug.toml"), keys);
+}
+
+// Bytes rank 0 sends per step in its cp group (metrics.jsonl cp_bytes): per layer and micro-batch,
+// the all-gather of the keys and values of its B x T / cp rows and the reduce-scatter of their
+// gradients, each (cp - 1) x B x T / cp x 2 NKV / tp x HS floats. debug.toml: L 2, T 64, 4 heads of 16.
+TEST(ContextParallel, CommunicationVolumeMatchesTheFormula) {
+  const int64_t L = 2, T = 64, NKV = 4, HS = 16, B = 2, global = 8;
+  struct Case {
+    int cp, tp, dp;
+  };
+  for (const Case& c : {Case{2, 1, 1}, Case{4, 1, 1}, Case{2, 2, 1}, Case{2, 1, 2}}) {
+    testing::TempDir dir;
+    const int world = c.cp * c.tp * c.dp;
+    testing::train_ranks(world, job(dir.path("run"), {str("parallel.context=", c.cp), str("parallel.tensor=", c.tp)}));
+    const int64_t micro = global / (B * c.dp), P = c.cp;
+    const int64_t expected = 4 * micro * L * 2 * (P - 1) * B * (T / P) * 2 * (NKV / c.tp) * HS;
+    std::istringstream in(testing::read_file(dir.path("run") + "/metrics.jsonl"));
+    int steps = 0;
+    for (std::string line; std::getline(in, line); ++steps)
+      EXPECT_EQ(nlohmann::json::parse(line).value("cp_bytes", int64_t{-1}), expected)
+          << "cp " << c.cp << " tp " << c.tp << " dp " << c.dp;
+    EXPECT_EQ(steps, 2);
+    std::printf("[ debug ] cp %d x tp %d x dp %d: %lld bytes per step per rank in the cp group\n", c.cp, c.tp, c.dp,
+                static_cast<long long>(expected));
+  }
+}
+
+TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
+  auto error = [](const char* config, std::vector<std::string> o) {
+    return testing::user_error_of([&] { load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/", config), o); });
+  };
+  EXPECT_EQ(error("debug.toml", {"parallel.context=3"}),
+            "config: parallel.context = 3: model.seq_length = 64 is not divisible by 2 x parallel.context = 6 (each "
+            "sequence is cut into 2 x context chunks, two per rank)");
+  EXPECT_EQ(error("debug.toml", {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true",
+                                 "model.seq_length=12", "train.micro_batch=1"}),
+            "config: parallel.context = 2 with parallel.sequence_parallel: train.micro_batch x model.seq_length / "
+            "context = 6 tokens per rank are not divisible by parallel.tensor = 4");
+  for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"determinism=layout"}, "determinism = \"layout\""},
+           {{"model.mtp_num_layers=1"}, "model.mtp_num_layers = 1"},
+           {{"parallel.pipeline=2"}, "parallel.pipeline = 2"}}) {
+    std::vector<std::string> o = keys;
+    o.push_back("parallel.context=2");
+    const std::string e = error("debug.toml", o);
+    EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
+  }
+  const std::string moe = error("moe-debug.toml", {"parallel.context=2"});
+  EXPECT_EQ(moe.rfind("config: parallel.context = 2 with moe.num_experts = 4: ", 0), 0u) << moe;
+}
+
+}  // namespace
+}  // namespace lockstep
