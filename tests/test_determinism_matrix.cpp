@@ -137,7 +137,7 @@ const Row kRows[] = {
                                                         "parallel.tensor=2", "parallel.expert_tensor=2", "train.micro_batch=2"}, 4},
     {"pp4_dp_distributed_moe", "moe-debug.toml", {"parallel.pipeline=4", "model.num_layers=4", "train.micro_batch=1",
                                                   "optimizer.distributed=true"}, 8},
-    // Context parallelism (dense): load-balanced chunks, all-gathered keys and values.
+    // Context parallelism: load-balanced chunks, all-gathered keys and values (dense and MoE).
     {"cp2_gpt2", "debug.toml", {"parallel.context=2"}, 2},
     {"cp2_dp2_documents_llama_gqa", "debug.toml", {"parallel.context=2", "model.preset=llama", "model.num_query_groups=2",
                                                    "data.source=indexed:{docs}", "data.eod_token=256", "model.vocab_size=259",
@@ -145,6 +145,10 @@ const Row kRows[] = {
                                                    "data.eod_mask_loss=true"}, 4},
     {"cp2_tp2_sp_bf16_distributed", "debug.toml", {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
                                                    "precision.params=bf16", "optimizer.distributed=true"}, 4},
+    {"cp2_ep2_alltoall_moe_bias_every_aux_loss", "moe-debug.toml", {"parallel.context=2", "parallel.expert=2",
+                                                                     "moe.token_dispatcher=alltoall", kMoeBalance,
+                                                                     "moe.router_score_function=sigmoid",
+                                                                     "moe.router_enable_expert_bias=true"}, 4},
     // Low precision split over ranks: amax reduced over the tensor's group (model/precision.h).
     {"fp8_delayed_tp2_sp_dp2_llama", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "model.preset=llama",
                                                     "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4},

@@ -1,7 +1,7 @@
 // The parallel-layout matrix: one row per layout of the dense and MoE debug models (tensor
 // parallelism 1/2/4 with sequence parallelism off/on, expert parallelism 1/2/4/8 with both token
 // dispatchers, expert tensor parallelism 1/2, pipeline parallelism 2 (1F1B and interleaved), context
-// parallelism 2/4 (dense),
+// parallelism 2/4 (dense and MoE),
 // folded together and with data parallelism) on the
 // threads backend, ranks as threads with one thread each. Each row trains 3 steps twice: the two
 // runs give byte-identical fingerprints on every rank, and rank 0's losses and gradient norms
@@ -146,6 +146,16 @@ const Row kRows[] = {
     {"gpt2_cp2_tp2_sp", "debug.toml", 4, {"parallel.context=2", "parallel.tensor=2", SP}},
     {"llama_gqa_cp2_tp2", "debug.toml", 4, {LLAMA, "parallel.context=2", "parallel.tensor=2"}},
     {"llama_gqa_cp4", "debug.toml", 4, {LLAMA, "parallel.context=4"}},
+    // MoE under context parallelism: the aux losses over the whole micro-batch (logits gathered over tp x cp; the
+    // sequence aux loss per whole sequence), the router jitter at the tokens' global indices.
+    {"moe_cp2_every_aux_loss_jitter", "moe-debug.toml", 2, {"parallel.context=2", "moe.input_jitter_eps=0.01",
+                                                            "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
+    {"moe_cp2_tp2_sp_dp2", "moe-debug.toml", 8, {"parallel.context=2", "parallel.tensor=2", SP, "train.micro_batch=1"}},
+    {"moe_cp2_tp2_seq_aux", "moe-debug.toml", 4, {"parallel.context=2", "parallel.tensor=2",
+                                                  "moe.router_load_balancing_type=seq_aux_loss"}},
+    {"moe_cp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.context=2", "parallel.expert=2", A2A}},
+    {"llama_moe_cp2_etp2_ep2_allgather", "moe-debug.toml", 4, {LLAMA_MOE, "parallel.context=2", "parallel.expert_tensor=2",
+                                                               "parallel.expert=2", AG}},
     // FP8 per-tensor scaling: amax reduced over tp x cp x dp (dense) and etp x edp (experts); BF16's
     // own difference under the same layouts for comparison.
     {"bf16_gpt2_tp2_sp", "debug.toml", 2, {"precision.params=bf16", "parallel.tensor=2", SP}, {}, BF16_NOISE},

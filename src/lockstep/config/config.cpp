@@ -264,7 +264,7 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
       LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
                                          "group (needs parallel.tensor > 1)"),
-      LS_KEY(parallel.context, "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x context - 1 - r (dense models; docs/parallelism.md)"),
+      LS_KEY(parallel.context, "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x context - 1 - r (docs/parallelism.md)"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size: the layers split over this many stages (docs/parallelism.md)"),
       LS_KEY(parallel.pipeline_layers, "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
                                        "virtual_pipeline entries); \"\" = an even split"),
@@ -607,19 +607,16 @@ void validate_context_parallel(const Config& c) {
   if (m.seq_length % (2 * cp))
     user_error("parallel.context = ", cp, ": model.seq_length = ", m.seq_length, " is not divisible by 2 x parallel.context = ",
                2 * cp, " (each sequence is cut into 2 x context chunks, two per rank)");
-  if (sp && (c.train.micro_batch * m.seq_length / cp) % tp)
-    user_error("parallel.context = ", cp, " with parallel.sequence_parallel: train.micro_batch x model.seq_length / context = ",
-               c.train.micro_batch * m.seq_length / cp, " tokens per rank are not divisible by parallel.tensor = ", tp);
+  if ((sp || c.moe.num_experts > 0) && (c.train.micro_batch * m.seq_length / cp) % tp)
+    user_error("parallel.context = ", cp, sp ? " with parallel.sequence_parallel" : " with an MoE model",
+               ": train.micro_batch x model.seq_length / context = ", c.train.micro_batch * m.seq_length / cp,
+               " tokens per rank are not divisible by parallel.tensor = ", tp);
   const auto refuse = [cp](const std::string& what, const std::string& why) {
     user_error("parallel.context = ", cp, " with ", what, ": ", why);
   };
   if (c.determinism == "layout")
     refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
            "rank's tokens, which are not cut into canonical segments yet; use determinism = \"run\"");
-  if (c.moe.num_experts > 0)
-    refuse(str("moe.num_experts = ", c.moe.num_experts),
-           "MoE layers under context parallelism are not supported yet (the load-balancing statistics would need "
-           "reducing over the context-parallel group); use a dense model");
   if (m.mtp_num_layers > 0)
     refuse(str("model.mtp_num_layers = ", m.mtp_num_layers),
            "multi-token prediction shifts the tokens along the whole sequence, across the ranks' chunks; not supported "

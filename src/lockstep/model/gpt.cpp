@@ -24,10 +24,10 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
          const ContextParallel& cp)
     : m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
-  LOCKSTEP_CHECK(!cp_.on() || (Tg_ % (2 * cp_.size) == 0 && moe.num_experts == 0 && m.mtp_num_layers == 0 &&
-                               part_.chunks.empty() && part_.first && part_.last),
+  LOCKSTEP_CHECK(!cp_.on() || (Tg_ % (2 * cp_.size) == 0 && m.mtp_num_layers == 0 && part_.chunks.empty() &&
+                               part_.first && part_.last),
                  "context parallelism: seq_length ", Tg_, " must split into 2 x ", cp_.size,
-                 " chunks, with a dense model, no MTP and no pipeline");
+                 " chunks, with no MTP and no pipeline");
   // config validate() names the keys; these guard other callers.
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
@@ -54,7 +54,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       const std::string prefix = "layers." + std::to_string(l) + ".";
       layer_first_[l] = static_cast<int>(params_.specs().size());
       attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_);
-      if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp});
+      if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp, cp_});
       else mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
       layer_end_[l] = static_cast<int>(params_.specs().size());
     }
@@ -381,7 +381,7 @@ double GPT::lm_loss(const int32_t* targets) const {
 
 double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) {
   micro_ = first_micro_ + micro;
-  const float aux_scale = grad_scale * static_cast<float>(N_);
+  const float aux_scale = grad_scale * static_cast<float>(B_ * Tg_);  // the micro-batch's tokens
   const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
   float* dresid = arena_(dresid_);
   // Pipeline parallelism: another micro-batch's forward may have run since this one's.

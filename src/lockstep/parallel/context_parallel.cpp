@@ -19,12 +19,14 @@ QueryChunks ContextParallel::chunks(int64_t T, int r) const {
   return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
 }
 
+int64_t ContextParallel::global_row(int64_t n, int64_t T) const {
+  const int64_t Tl = local(T), c = T / (2 * size), j = n % Tl;
+  const int64_t chunk = j < c ? rank : 2 * size - 1 - rank;
+  return n / Tl * T + chunk * c + j % c;
+}
+
 void ContextParallel::positions(int32_t* pos, int64_t B, int64_t T) const {
-  const QueryChunks ch = chunks(T);
-  int64_t n = 0;
-  for (int64_t b = 0; b < B; ++b)
-    for (const auto& [begin, end] : ch)
-      for (int64_t t = begin; t < end; ++t) pos[n++] = static_cast<int32_t>(t);
+  for (int64_t n = 0; n < B * local(T); ++n) pos[n] = static_cast<int32_t>(global_row(n, T) % T);
 }
 
 void ContextParallel::take_local(int32_t* local, const int32_t* global, int64_t B, int64_t T) const {
@@ -37,27 +39,32 @@ void ContextParallel::take_local(int32_t* local, const int32_t* global, int64_t 
 }
 
 namespace {
-// Copies the KV-wide rows of every local row of rank r: to (from_local = true: local rows of
-// `local` with stride ld_local, columns from col0; global rows of `global`) or the other way.
+// Rank r's local rows (B, T / size, W) to their global positions in (B, T, W) (kToGlobal), or back.
 template <bool kToGlobal>
-void move_rows(const ContextParallel& cp, int r, float* global, float* local, int64_t ld_local, int64_t col0,
-               int64_t B, int64_t T, int64_t KV) {
+void move_rows(const ContextParallel& cp, int r, float* global, float* local, int64_t B, int64_t T, int64_t W) {
   const QueryChunks ch = cp.chunks(T, r);
   const int64_t Tl = cp.local(T);
   parallel_for(B, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      int64_t row = b * Tl;
-      for (const auto& [begin, end] : ch)
-        for (int64_t t = begin; t < end; ++t, ++row) {
-          float* g = global + (b * T + t) * KV;
-          float* l = local + row * ld_local + col0;
-          if constexpr (kToGlobal) std::memcpy(g, l, static_cast<size_t>(KV) * sizeof(float));
-          else std::memcpy(l, g, static_cast<size_t>(KV) * sizeof(float));
-        }
+      float* l = local + b * Tl * W;
+      for (const auto& [begin, end] : ch) {
+        float* g = global + (b * T + begin) * W;
+        const auto bytes = static_cast<size_t>((end - begin) * W) * sizeof(float);
+        if constexpr (kToGlobal) std::memcpy(g, l, bytes);
+        else std::memcpy(l, g, bytes);
+        l += (end - begin) * W;
+      }
     }
   });
 }
 }  // namespace
+
+void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, const float* local, int64_t B, int64_t T,
+                         int64_t W) {
+  const int64_t n = B * cp.local(T) * W;
+  cp.comm->all_gather(buf, local, n);
+  for (int r = 0; r < cp.size; ++r) move_rows<true>(cp, r, global, buf + r * n, B, T, W);
+}
 
 void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
                int64_t NKV, int64_t HS) {
@@ -68,8 +75,7 @@ void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qk
     for (int64_t r = r0; r < r1; ++r)
       std::memcpy(mine + r * KV, qkv + r * C3 + NH * HS, static_cast<size_t>(KV) * sizeof(float));
   });
-  cp.comm->all_gather(buf, mine, n);
-  for (int r = 0; r < cp.size; ++r) move_rows<true>(cp, r, kv, buf + r * n, KV, 0, B, T, KV);
+  all_gather_sequence(cp, kv, buf, mine, B, T, KV);
 }
 
 void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
@@ -77,7 +83,7 @@ void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, cons
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
-  for (int r = 0; r < cp.size; ++r) move_rows<false>(cp, r, const_cast<float*>(dkv), buf + r * n, KV, 0, B, T, KV);
+  for (int r = 0; r < cp.size; ++r) move_rows<false>(cp, r, const_cast<float*>(dkv), buf + r * n, B, T, KV);
   cp.comm->reduce_scatter(mine, buf, n);
   parallel_for(B * Tl, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)

@@ -39,12 +39,18 @@ struct ContextParallel {
   // whole [0, T) without context parallelism.
   QueryChunks chunks(int64_t T, int r) const;
   QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
+  // The row in the whole micro-batch (b x T + global position) of local row n of B x T / size.
+  int64_t global_row(int64_t n, int64_t T) const;
   // The global position of each local row n of B x T / size: (B x T / size).
   void positions(int32_t* pos, int64_t B, int64_t T) const;
   // local (B, T / size) <- this rank's positions of global (B, T).
   void take_local(int32_t* local, const int32_t* global, int64_t B, int64_t T) const;
 };
 
+// global (B, T, W) <- every rank's local rows (B, T / size, W), placed at their global positions.
+// buf: size x B x T / size x W.
+void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, const float* local, int64_t B, int64_t T,
+                         int64_t W);
 // kv (B, T, 2 NKV HS) <- every rank's key and value heads of its local rows of qkv (B, T / size,
 // (NH + 2 NKV) HS), placed at their global positions. buf: (size + 1) x B x T / size x 2 NKV HS.
 void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,

@@ -494,12 +494,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
       }
+      // Every rank of a cp group computes the whole micro-batch's aux losses: counted once, on cp rank 0.
+      const bool aux_here = coords.cp == 0;
       const double micro_sums[3] = {dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
-                                    model.aux_loss(), model.mtp_loss()};
+                                    aux_here ? model.aux_loss() : 0.0, model.mtp_loss()};
       for (int k = 0; k < 3; ++k) sums[k] += micro_sums[k];
       // The aux losses layer by layer, as pipeline stages that hold some of the layers add them.
       exact_sums[0].add(micro_sums[0]);
-      exact_sums[1].merge(model.aux_loss_exact());
+      if (aux_here) exact_sums[1].merge(model.aux_loss_exact());
       exact_sums[2].add(micro_sums[2]);
     }
     dp.finish_grad_sync();
@@ -528,7 +530,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     ShardHashes shard_hashes(dp.shard());
     dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm), &shard_hashes);
     const std::vector<MoeTokenStats> moe_stats =
-        model.finish_step(config.moe.router_bias_update_rate, dp_size > 1 ? &dense_dp : nullptr);
+        model.finish_step(config.moe.router_bias_update_rate, dense_dp.size() > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);
     if (step > start_step || start_step == tc.steps) step_seconds.push_back(secs);
     const int64_t dispatch_bytes = dispatch_total() - dispatch_bytes_before;  // this step's

@@ -21,7 +21,8 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
                    const MoeConfig& moe, int64_t B, int64_t T, const MoeGroups& groups)
     : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
       K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias),
-      F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()), tp_(groups.tp) {
+      F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()), tp_(groups.tp), cp_(groups.cp),
+      Tg_(T * groups.cp.size) {
   LOCKSTEP_CHECK(N_ % tp_.size == 0, "MoE layer: ", N_, " tokens not divisible by the tensor-parallel size ", tp_.size);
   Nl_ = N_ / tp_.size;
   row0_ = tp_.rank * Nl_;
@@ -59,8 +60,12 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   if (tp_.on()) {
     norm_.set_sequence_parallel(ps);
     ps.set_sequence_parallel(router_w_);
-    all_logits_ = arena.reserve(N_ * E_);
     if (!tp_.sequence) own_out_ = arena.reserve(Nl_ * C_);
+  }
+  if (tp_.on() || cp_.on()) all_logits_ = arena.reserve(B_ * Tg_ * E_);
+  if (cp_.on()) {
+    if (tp_.on()) cp_logits_ = arena.reserve_scratch(N_ * E_);
+    cp_buf_ = arena.reserve_scratch(B_ * Tg_ * E_);
   }
   if (etp_) {
     etp_in_ = arena.reserve(expert_rows * C_);
@@ -169,11 +174,12 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     float* u = arena(jitter_);
     float* xr = arena(router_x_);
     const float lo = static_cast<float>(1.0 - jitter_eps_), width = static_cast<float>(2.0 * jitter_eps_);
-    // Global element index in the step's batch.
-    const uint64_t first = static_cast<uint64_t>(micro * N_ * C_ + row0_ * C_);
+    // Global element index in the step's batch (of the token's row in the whole micro-batch).
+    const int64_t micro_rows = B_ * Tg_;
     parallel_for(N * C_, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        u[i] = lo + width * rng.uniform(first + static_cast<uint64_t>(i));
+        const int64_t row = micro * micro_rows + global_row(row0_ + i / C_);
+        u[i] = lo + width * rng.uniform(static_cast<uint64_t>(row * C_ + i % C_));
         xr[i] = x[i] * u[i];
       }
     });
@@ -185,13 +191,15 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   trace_out(router_name_, logits, N * E_);
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
   apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
-  // The aux losses are over the whole micro-batch: every tp rank gets every token's logits.
+  // The aux losses are over the whole micro-batch: every tp (and cp) rank gets every token's logits.
   const float* batch_logits = logits;
-  if (tp_.on()) {
-    tp_.comm->all_gather(arena(all_logits_), logits, N * E_);
+  if (tp_.on() || cp_.on()) {
+    float* rank_logits = cp_.on() ? (tp_.on() ? arena(cp_logits_) : logits) : arena(all_logits_);
+    if (tp_.on()) tp_.comm->all_gather(rank_logits, logits, N * E_);
+    if (cp_.on()) all_gather_sequence(cp_, arena(all_logits_), arena(cp_buf_), rank_logits, B_, Tg_, E_);
     batch_logits = arena(all_logits_);
   }
-  aux_ = aux_losses_forward(batch_logits, spec_, B_, T_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
+  aux_ = aux_losses_forward(batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
                             counts_seq_);
 
   // Dispatch, experts, combine.
@@ -258,8 +266,18 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
 
   route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N);
-  aux_losses_backward(s.dlogits, tp_.on() ? arena(all_logits_) : logits, spec_, B_, T_, global_counts_.data(),
-                      counts_seq_, aux_scale, row0_, N);
+  if (!cp_.on()) {
+    aux_losses_backward(s.dlogits, tp_.on() ? arena(all_logits_) : logits, spec_, B_, T_, global_counts_.data(),
+                        counts_seq_, aux_scale, row0_, N);
+  } else {
+    // The rank's rows are runs of consecutive positions of the whole micro-batch.
+    for (int64_t i = 0, len = 1; i < N; i += len) {
+      const int64_t g = global_row(row0_ + i);
+      for (len = 1; i + len < N && global_row(row0_ + i + len) == g + len;) ++len;
+      aux_losses_backward(s.dlogits + i * E_, arena(all_logits_), spec_, B_, Tg_, global_counts_.data(), counts_seq_,
+                          aux_scale, g, len);
+    }
+  }
   const float* rx = jittered_ ? arena(router_x_) : x;
   GemmOptions acc;
   acc.accumulate = true;

@@ -27,6 +27,10 @@
 //     reduce_sequence_parallel_grads). The load-balancing losses need the whole micro-batch's
 //     statistics: the router logits (E per token) are all-gathered over the group, so every rank
 //     computes the single-process aux losses and the gradient of its own rows;
+//   context parallelism (cp, parallel/context_parallel.h): the layer holds its rank's T / cp positions
+//     of each sample (T = B x T / cp tokens, split over tp as above); the logits are all-gathered
+//     over the cp group too, into the whole micro-batch's order, so every rank computes the
+//     single-process aux losses (sequence aux loss per whole sequence) and the gradient of its rows;
 //   expert parallelism (ep): the dispatcher exchanges those tokens over the ep group;
 //   expert tensor parallelism (etp): the dispatched rows are gathered over the etp group and each
 //     expert's hidden units split over it (expert_tensor_parallel.h).
@@ -43,6 +47,7 @@
 #include "lockstep/model/moe/router.h"
 #include "lockstep/model/moe/shared_experts.h"
 #include "lockstep/model/norm.h"
+#include "lockstep/parallel/context_parallel.h"
 #include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {
@@ -55,6 +60,7 @@ struct MoeGroups {
   TensorParallel tp;              // the dense tensor-parallel group (and sequence parallelism)
   Communicator* ep = nullptr;     // expert parallel
   Communicator* etp = nullptr;    // expert tensor parallel
+  ContextParallel cp;             // context parallel (the dense mesh's)
 };
 
 // Backward scratch shared by every MoE layer of a model.
@@ -155,6 +161,8 @@ class MoeLayer {
   bool expert_bias_on_;
   int64_t F_;           // expert width (all of it; this rank may compute a slice)
   TensorParallel tp_;
+  ContextParallel cp_;
+  int64_t Tg_ = 0;  // positions of a whole sequence (T_ x cp)
   int64_t Nl_, row0_;   // tokens this rank routes: rows [row0_, row0_ + Nl_) of the micro-batch
   Norm norm_;
   int router_w_ = -1;
@@ -167,6 +175,11 @@ class MoeLayer {
   // Tensor parallelism: the micro-batch's logits (N, E) for the aux losses, this rank's output rows
   // without sequence parallelism (Nl, C); expert tensor parallelism: the gathered rows (in, out).
   ArenaSlice all_logits_, own_out_, etp_in_, etp_out_;
+  // Context parallelism: the rank's logits (N, E) gathered over tp, and the cp all-gather's buffer.
+  ArenaSlice cp_logits_, cp_buf_;
+  // The micro-batch's row (b x Tg + global position) of local row n (context parallelism: n itself
+  // otherwise).
+  int64_t global_row(int64_t n) const { return cp_.on() ? cp_.global_row(n, Tg_) : n; }
   std::vector<int32_t> idx_;
   std::vector<uint8_t> kept_;
   std::vector<float> expert_bias_;
