@@ -368,6 +368,15 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
 
 // ---- tensor parallelism: resume and resharding ----
 
+// Checkpoints a and b hold the same tensors (names and global shapes), whatever their pieces.
+void expect_same_global_tensors(const CheckpointMetadata& a, const CheckpointMetadata& b) {
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (const CheckpointTensor& t : a.tensors) {
+    ASSERT_NE(b.find(t.name), nullptr) << t.name;
+    EXPECT_EQ(t.global_shape, b.find(t.name)->global_shape) << t.name;
+  }
+}
+
 // TP 2 (with sequence parallelism) resumes bitwise on both ranks; its pieces are boxes of the
 // global tensors (QKV: one box per section), which reassemble to the same bits under TP 1 and back,
 // and training continues under the other layout.
@@ -381,11 +390,7 @@ TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
   EXPECT_EQ(m2.info.layout.tp, 2);
   EXPECT_EQ(m2.files.size(), 2u);
-  ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
-  for (const CheckpointTensor& t : m2.tensors) {
-    ASSERT_NE(m1.find(t.name), nullptr) << t.name;
-    EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
-  }
+  expect_same_global_tensors(m2, m1);
   EXPECT_EQ(m2.find("param/layers.0.attn.qkv.weight")->pieces.size(), 6u);  // 2 ranks x [Q | K | V]
   EXPECT_EQ(m2.find("param/layers.0.attn_norm.weight")->pieces.size(), 1u);  // replicated: written once
 
@@ -414,12 +419,8 @@ TEST(CheckpointContextParallel, ResumesBitwiseAndReshardsBetweenCpTwoAndOne) {
   EXPECT_EQ(m2.info.layout.cp, 2);
   EXPECT_EQ(m2.info.layout.dp, 1);
   EXPECT_EQ(m2.files.size(), 1u);
-  ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
-  for (const CheckpointTensor& t : m2.tensors) {
-    ASSERT_NE(m1.find(t.name), nullptr) << t.name;
-    EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
-    EXPECT_EQ(t.pieces.size(), 1u) << t.name;
-  }
+  expect_same_global_tensors(m2, m1);
+  for (const CheckpointTensor& t : m2.tensors) EXPECT_EQ(t.pieces.size(), 1u) << t.name;
   train_ranks(1, job("debug.toml", dir.path("cp2to1"), plus(dp_keys(1, false), {"train.resume=" + at2})));
   train_ranks(2, job("debug.toml", dir.path("cp1to2"), plus(cp2, {"train.resume=" + at1})));
   for (const char* run : {"cp2to1", "cp1to2"}) EXPECT_EQ(count_lines(fingerprint_path(dir.path(run), 0)), 2) << run;
