@@ -79,26 +79,33 @@ void TreeSum::push(int64_t leaf, float* x, int64_t begin, int64_t end) {
   if (last && !done && c == 0) return;  // a one-leaf last piece: x is its sum
   float* s[64];
   for (size_t j = 0; j < stack_.size(); ++j) s[j] = stack_[j].data();
-  const int t = std::countr_one(c);
+  // The held subtrees folded into the leaf, smallest first: the last leaf's every one (the set bits
+  // of c), another leaf's those it completes (its trailing one bits, t of them) into s[t].
+  int fold[64];
+  int folds = 0;
+  if (last) {
+    for (uint64_t h = c; h; h &= h - 1) fold[folds++] = std::countr_zero(h);
+  } else {
+    for (int j = 0, t = std::countr_one(c); j < t; ++j) fold[folds++] = j;
+  }
+  float* dst = last ? (done ? done : x) : s[std::countr_one(c)];
+  const bool zero = !last || done;  // x starts the next leaf from zero
   parallel_for(end - begin, [&](int64_t i0, int64_t i1) {
     i0 += begin, i1 += begin;
-    if (last) {
-      float* dst = done ? done : x;
-      for (int64_t i = i0; i < i1; ++i) {
-        float carry = x[i];
-        for (uint64_t h = c; h; h &= h - 1) carry = s[std::countr_zero(h)][i] + carry;
-        dst[i] = carry;
+    // Block by block, so that the additions vectorise and x's block is zeroed while in cache: per
+    // element carry = x, then carry = held subtree + carry, smallest first (the tree's additions).
+    constexpr int64_t kBlock = 512;
+    float carry[kBlock];
+    for (int64_t b = i0; b < i1; b += kBlock) {
+      const size_t w = static_cast<size_t>(std::min(kBlock, i1 - b));
+      std::memcpy(carry, x + b, w * sizeof(float));
+      for (int f = 0; f < folds; ++f) {
+        const float* h = s[fold[f]] + b;
+        for (size_t e = 0; e < w; ++e) carry[e] = h[e] + carry[e];
       }
-      if (done) std::memset(x + i0, 0, static_cast<size_t>(i1 - i0) * sizeof(float));
-      return;
+      std::memcpy(dst + b, carry, w * sizeof(float));
+      if (zero) std::memset(x + b, 0, w * sizeof(float));
     }
-    float* dst = s[t];
-    for (int64_t i = i0; i < i1; ++i) {
-      float carry = x[i];
-      for (int j = 0; j < t; ++j) carry = s[j][i] + carry;
-      dst[i] = carry;
-    }
-    std::memset(x + i0, 0, static_cast<size_t>(i1 - i0) * sizeof(float));
   });
 }
 
