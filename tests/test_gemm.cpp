@@ -180,19 +180,24 @@ TEST(Gemm, EmptyKWritesInit) {
 
 // Segments over K (a row-parallel layer), and over sections (a fused projection's input gradient:
 // segment s's chain runs over its part of each section in turn); empty parts and an empty segment
-// included; 1 and 3 threads.
+// included; segment counts that are not powers of two (the streamed tree holds several subtrees at
+// the last one); output rows wider than the combiner's block; 1 and 3 threads.
 TEST(Gemm, KSegments) {
   struct Layout {
     std::vector<int64_t> sections, segments;
+    int64_t N = 67;
   };
   const std::vector<Layout> layouts = {
       {{}, {0, 40, 40, 77, 130}},
       {{50, 30, 50}, {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50}},
+      {{}, {0, 130}},
+      {{}, {0, 9, 30, 31, 77, 90, 130}, 300},
+      {{}, {0, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 130}},
   };
   for (const Layout& l : layouts) {
     for (Trans ta : kTrans) {
       for (Trans tb : kTrans) {
-        const Case c(17, 67, 130, ta, tb, l.sections.empty() ? 5 : 6);
+        const Case c(17, l.N, 130, ta, tb, l.sections.empty() ? 5 : 6);
         for (int mode = 0; mode < 3; ++mode) {
           GemmOptions opt;
           opt.k_segments = l.segments;

@@ -84,7 +84,7 @@ inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_
 
 // In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
 // canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
-// The segmented GEMMs' combiner (kernels/cpu/gemm.cpp, grouped_gemm.cpp): each thread passes its
+// The segmented grouped GEMM's combiner (kernels/cpu/grouped_gemm.cpp): each thread passes its
 // rows, contiguous in every leaf.
 inline void tree_sum_in_place(float* x, int64_t L, int64_t stride, int64_t begin, int64_t end) {
   if (L <= 1) return;

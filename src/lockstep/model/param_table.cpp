@@ -96,6 +96,13 @@ void ParamStore::init(uint64_t seed) {
   for (const ParamSpec& p : specs_) {
     float* v = values_.data() + p.offset;
     const int64_t n = p.shape.numel();
+    // A copy of a parameter of this table (add_copy; find() names the owner, declared first) takes
+    // the values the owner drew: the same bits as drawing them again, without the second draw.
+    const int owner = p.stage_copy ? find(p.name) : -1;
+    if (owner >= 0 && value(owner) != v) {
+      std::memcpy(v, value(owner), static_cast<size_t>(n) * sizeof(float));
+      continue;
+    }
     switch (p.init) {
       case Init::normal: init_normal(RandomStream(seed, purpose_id("init/" + p.name)), p, v); break;
       case Init::zeros: std::fill(v, v + n, 0.0f); break;

@@ -10,6 +10,7 @@
 #include "lockstep/kernels/cpu/gemm.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -703,7 +704,7 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
   }
   // Each segment's chain goes to its own scratch matrix; the S partial products are summed along
   // the canonical tree (core/tree_sum.h), then added to the init (tensor-parallel reductions under
-  // determinism = "layout": S - 1 extra passes over M x N, small against the products).
+  // determinism = "layout": S - 1 extra additions over M x N, small against the products).
   const auto seg = opt.k_segments;
   const std::span<const int64_t> whole(&K, 1);
   const auto sections = opt.k_sections.empty() ? whole : opt.k_sections;
@@ -718,12 +719,20 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
     width += sections[j];
   }
   LOCKSTEP_CHECK(width == K, "gemm k_sections sum to ", width, ", not K=", K);
+  // The canonical tree over the segments, streamed (core/tree_sum.h's binary counter: the same
+  // additions as tree_sum): after s segments the tree holds popcount(s) complete subtrees, largest
+  // first, in slots 0, 1, ...; segment s's product goes to the next slot and is folded into the
+  // subtrees it completes right away, while it is still in cache. So the scratch is
+  // bit_width(S - 1) + 1 products, not S, and each product is read back once, hot.
+  const int64_t slots = std::bit_width(static_cast<uint64_t>(S - 1)) + 1;
   // Scratch kept per thread across calls: no allocation (and no page faults) in steady state.
   thread_local std::vector<float> scratch;
-  if (static_cast<int64_t>(scratch.size()) < S * MN) scratch.resize(static_cast<size_t>(S * MN));
-  float* partial = scratch.data();
+  if (static_cast<int64_t>(scratch.size()) < slots * MN) scratch.resize(static_cast<size_t>(slots * MN));
+  float* slot = scratch.data();
+  const Init init = p.init;
   for (int64_t s = 0; s < S; ++s) {
-    float* P = partial + s * MN;
+    const int held = std::popcount(static_cast<uint64_t>(s));
+    float* P = slot + held * MN;
     int64_t at = 0;  // where section j starts in K
     for (int64_t j = 0; j < J; ++j) {
       const int64_t k0 = at + seg[j * (S + 1) + s], k1 = at + seg[j * (S + 1) + s + 1];
@@ -738,23 +747,38 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
       part.accumulate = j > 0;
       run(kr, make_operand_problem(P, N, As, Bs, M, N, k1 - k0, part, "gemm segment"));
     }
+    // The subtrees segment s completes: those of its trailing one bits (the smallest held ones);
+    // the last segment folds every held one. carry = P, then held subtree + carry, smallest first;
+    // the last adds the init.
+    const bool last = s == S - 1;
+    const int fold = last ? held : std::countr_one(static_cast<uint64_t>(s));
+    if (!last && fold == 0) continue;
+    parallel_for(M, [&](int64_t i0, int64_t i1) {
+      constexpr int64_t kBlock = 256;
+      float carry[kBlock];
+      for (int64_t i = i0; i < i1; ++i)
+        for (int64_t b0 = 0; b0 < N; b0 += kBlock) {
+          const int64_t e0 = i * N + b0, w = std::min(kBlock, N - b0);
+          std::memcpy(carry, P + e0, static_cast<size_t>(w) * sizeof(float));
+          for (int f = 1; f <= fold; ++f) {
+            const float* h = slot + (held - f) * MN + e0;
+            for (int64_t e = 0; e < w; ++e) carry[e] = h[e] + carry[e];
+          }
+          if (!last) {
+            std::memcpy(slot + (held - fold) * MN + e0, carry, static_cast<size_t>(w) * sizeof(float));
+            continue;
+          }
+          float* c = C + i * ldc + b0;
+          if (init == Init::kC) {
+            for (int64_t e = 0; e < w; ++e) c[e] = c[e] + carry[e];
+          } else if (init == Init::kBias) {
+            for (int64_t e = 0; e < w; ++e) c[e] = opt.bias[b0 + e] + carry[e];
+          } else {
+            std::memcpy(c, carry, static_cast<size_t>(w) * sizeof(float));
+          }
+        }
+    });
   }
-  // The canonical tree over the segments into segment 0, each thread over its rows.
-  const Init init = p.init;
-  parallel_for(M, [&](int64_t i0, int64_t i1) {
-    tree_sum_in_place(partial, S, MN, i0 * N, i1 * N);
-    for (int64_t i = i0; i < i1; ++i) {
-      float* c = C + i * ldc;
-      const float* q = partial + i * N;
-      if (init == Init::kC) {
-        for (int64_t j = 0; j < N; ++j) c[j] = c[j] + q[j];
-      } else if (init == Init::kBias) {
-        for (int64_t j = 0; j < N; ++j) c[j] = opt.bias[j] + q[j];
-      } else {
-        std::memcpy(c, q, static_cast<size_t>(N) * sizeof(float));
-      }
-    }
-  });
 }
 
 #ifdef LOCKSTEP_GEMM_BLAS
