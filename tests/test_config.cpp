@@ -170,8 +170,10 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "its per-tensor amax would need a reduction over the etp ranks per source block, which is not built; use "
        "parallel.expert_tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
-       "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": the global aux "
-       "loss averages over each rank's earlier micro-batches of the step, which depends on the layout"},
+       "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": Megatron's "
+       "global aux loss balances a rank's micro-batch i against the counts of every data-parallel rank's "
+       "micro-batches 0 .. i of the step, which are other micro-batches under another data-parallel size: the loss "
+       "itself depends on the layout"},
       {{"train.out_dir="}, "config: train.out_dir is empty"},
       // The pipeline keys.
       {{"parallel.pipeline=0"}, "config: parallel.pipeline = 0: must be positive"},

@@ -4,9 +4,16 @@
 // MLP; the whole MoE model's gradient; bitwise determinism of MoE training.
 #include <gtest/gtest.h>
 
+#include <array>
+#include <bit>
 #include <cmath>
+#include <cstdio>
+#include <nlohmann/json.hpp>
 #include <numeric>
+#include <sstream>
 
+#include "lockstep/comm/communicator.h"
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
@@ -209,6 +216,79 @@ TEST(MoeAuxLoss, GradientsMatchFiniteDifferences) {
       check_aux_gradient({"moe.router_topk=2", "moe.aux_loss_coeff=0.5", std::string("moe.router_load_balancing_type=") + type,
                           std::string("moe.router_score_function=") + score});
   check_aux_gradient({"moe.router_topk=2", "moe.z_loss_coeff=0.3", "moe.router_load_balancing_type=none"});
+}
+
+// The global aux loss under data parallelism (Megatron's): each micro-batch's counts are summed
+// over the replicas, the token count is replicas x N, and each replica's term has its own
+// probability sums. So the replicas' terms add up to the single-process loss of their joint batch
+// (and its gradient rows are the joint batch's), which is what these tests check; the per-step
+// running mean, however, mixes different micro-batches under different data-parallel sizes (DP 2
+// with one micro-batch each is one joint micro-batch, not one process's two): docs/moe.md.
+TEST(MoeAuxLoss, GlobalOverReplicasHandComputed) {
+  // The HandComputedValues batch (E = 2, K = 1, 2 tokens, P = (1, 1), counts (1, 1)) on one of two
+  // replicas; the other routes both its tokens to expert 0, and the step's earlier micro-batch
+  // counted (4, 0) over both. Joint counts (3, 1), running mean ((4 + 3) / 2, (0 + 1) / 2) =
+  // (3.5, 0.5), 4 tokens: 0.1 * E / (K 4^2) * (1.0 * 3.5 + 1.0 * 0.5) = 0.05.
+  const float l3 = static_cast<float>(std::log(3.0));
+  const std::vector<float> logits = {l3, 0.0f, 0.0f, l3};
+  RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
+                          "moe.router_load_balancing_type=global_aux_loss"});
+  s.global_replicas = 2;
+  const int64_t prev[2] = {4, 0};
+  std::vector<int64_t> counts;
+  float global[2];
+  int64_t micro[2];
+  auto other_replica = [](int64_t* c, int64_t n) {
+    ASSERT_EQ(n, 2);
+    c[0] += 2;
+  };
+  const AuxLosses a = aux_losses_forward(logits.data(), s, 2, 1, prev, 1, global, counts, micro, other_replica);
+  EXPECT_NEAR(a.global_aux, 0.05, 1e-7);
+  EXPECT_EQ(global[0], 3.5f);
+  EXPECT_EQ(global[1], 0.5f);
+  EXPECT_EQ(micro[0], 3);
+  EXPECT_EQ(micro[1], 1);
+  EXPECT_EQ(counts, (std::vector<int64_t>{1, 0, 0, 1}));  // the sequences' own counts stay local
+}
+
+TEST(MoeAuxLoss, GlobalReplicasAddUpToTheJointBatch) {
+  for (const char* score : {"softmax", "sigmoid"}) {
+    SCOPED_TRACE(score);
+    RouterSpec joint = spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.5",
+                                "moe.router_load_balancing_type=global_aux_loss",
+                                std::string("moe.router_score_function=") + score});
+    const int64_t B = 2, T = 3, N = B * T, E = joint.E, R = 2;
+    const std::vector<float> all = randn(R * N * E, 11, "logits");  // replica r: rows [r N, (r + 1) N)
+    const int64_t prev[4] = {7, 3, 9, 5};                            // an earlier micro-batch, both replicas
+    std::vector<int64_t> joint_counts;
+    std::vector<float> joint_global(static_cast<size_t>(E));
+    const double joint_loss =
+        aux_losses_forward(all.data(), joint, R * B, T, prev, 1, joint_global.data(), joint_counts).global_aux;
+    std::vector<float> joint_grad(all.size(), 0.0f);
+    aux_losses_backward(joint_grad.data(), all.data(), joint, R * B, T, joint_global.data(), joint_counts, 0.5f);
+    RouterSpec s = joint;
+    s.global_replicas = R;
+    std::vector<double> loss(R);
+    std::vector<std::vector<float>> global(R), grad(R);
+    run_threads(static_cast<int>(R), 30, [&](Communicator& comm) {
+      const int r = comm.rank();
+      const float* mine = all.data() + r * N * E;
+      std::vector<int64_t> counts;
+      std::vector<float> g(static_cast<size_t>(E));
+      loss[r] = aux_losses_forward(mine, s, B, T, prev, 1, g.data(), counts, nullptr,
+                                   [&](int64_t* c, int64_t n) { comm.all_reduce(c, n); })
+                    .global_aux;
+      std::vector<float> d(static_cast<size_t>(N * E), 0.0f);
+      aux_losses_backward(d.data(), mine, s, B, T, g.data(), counts, 0.5f);
+      global[r] = g;
+      grad[r] = d;
+    });
+    for (int64_t r = 0; r < R; ++r) {
+      EXPECT_EQ(global[r], joint_global) << "replica " << r << " balances against the joint counts";
+      EXPECT_TRUE(testing::bitwise_equal(grad[r].data(), joint_grad.data() + r * N * E, N * E)) << "replica " << r;
+    }
+    EXPECT_NEAR(loss[0] + loss[1], joint_loss, 1e-12 * joint_loss);
+  }
 }
 
 // A hand-built routing: E = 3, K = 2, N = 4.
@@ -557,6 +637,96 @@ TEST(MoeTraining, DeterministicAcrossRunsAndThreads) {
   EXPECT_EQ(std::count(a.begin(), a.end(), '\n'), 3);
   EXPECT_EQ(a, testing::read_file(fingerprint_path(dir.path("b"), 0)));
   EXPECT_EQ(a, testing::read_file(fingerprint_path(dir.path("c"), 0)));
+}
+
+TEST(MoeTraining, GlobalAuxLossCountsAreTheSameOnEveryDataParallelRank) {
+  // Two data-parallel ranks, two micro-batches each: after every forward both ranks balance against
+  // the same running mean of the joint counts, which sums to replicas x N x K (each token counts K
+  // times in the aux routing map); a rank's own counts would sum to N x K.
+  const Config c = moe_job("unused", {"moe.router_load_balancing_type=global_aux_loss"});
+  const int64_t B = 2, N = B * c.model.seq_length, K = c.moe.router_topk;
+  run_threads(2, 60, [&](Communicator& comm) {
+    GPT model(c.model, B, c.moe);
+    model.params().init(7);
+    for (const auto& layer : model.moe_layers())
+      if (layer) layer->set_data_parallel(&comm);
+    model.begin_step(1, 1, 2 * comm.rank());
+    for (int micro = 0; micro < 2; ++micro) {
+      const uint64_t seed = static_cast<uint64_t>(2 * comm.rank() + micro);
+      const std::vector<int32_t> tokens = testing::random_ints(N, c.model.vocab_size, seed, "tokens");
+      const std::vector<int32_t> targets = testing::random_ints(N, c.model.vocab_size, seed, "targets");
+      model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(2 * 2 * N));
+      for (const auto& layer : model.moe_layers()) {
+        if (!layer) continue;
+        const std::vector<float>& g = layer->global_counts();
+        const uint64_t h = hash_floats(g.data(), static_cast<int64_t>(g.size()));
+        uint64_t agree[2] = {h, ~h};
+        comm.all_reduce(agree, 2, ReduceOp::max);
+        EXPECT_TRUE(agree[0] == h && agree[1] == ~h) << "rank " << comm.rank() << " micro " << micro;
+        EXPECT_EQ(std::accumulate(g.begin(), g.end(), 0.0), static_cast<double>(2 * N * K));
+      }
+    }
+  });
+}
+
+// (aux_loss, loss, grad_norm) of every step, exact, from rank 0's fingerprints.
+std::vector<std::array<double, 3>> aux_trajectory(const std::string& run_dir) {
+  std::vector<std::array<double, 3>> out;
+  std::istringstream in(testing::read_file(fingerprint_path(run_dir, 0)));
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    std::array<double, 3> v{};
+    int i = 0;
+    for (const char* k : {"aux_loss", "loss", "grad_norm"})
+      v[i++] = std::bit_cast<double>(std::stoull(j[k].get<std::string>(), nullptr, 16));
+    out.push_back(v);
+  }
+  return out;
+}
+
+TEST(MoeTraining, GlobalAuxLossUnderDataParallelismIsTheJointBatchs) {
+  // One micro-batch per rank: Megatron's global aux loss over R data-parallel ranks is the switch
+  // loss of their joint batch / R, with the gradient of that (docs/moe.md). So R = 2 ranks of
+  // micro-batch 2 with aux_loss_coeff 2c train what one process of micro-batch 4 (the same
+  // samples) trains with c, within the rounding of the gradient sums (1e-8 relative with no
+  // balancing loss at all); at step 1 (same parameters, batch-invariant GEMMs) the aux loss
+  // differs only by its double sums' association, and under tensor parallelism by the rounding of
+  // the row-parallel sums before the router. Under expert parallelism the ep ranks are those
+  // data-parallel ranks; under tensor parallelism every tp rank counts the whole micro-batch.
+  testing::TempDir dir;
+  const std::vector<std::string> base = {"train.steps=3", "train.eval_interval=0", "train.threads=1",
+                                         "train.global_batch=4", "data.synthetic_bytes=65536",
+                                         "moe.router_load_balancing_type=global_aux_loss"};
+  auto job = [&](const std::string& name, std::vector<std::string> extra) {
+    extra.insert(extra.end(), base.begin(), base.end());
+    return moe_job(dir.path(name), extra);
+  };
+  quiet_train(job("one", {"train.micro_batch=4", "moe.aux_loss_coeff=0.01"}));
+  const auto one = aux_trajectory(dir.path("one"));
+  ASSERT_EQ(one.size(), 3u);
+  const struct {
+    const char* name;
+    int ranks;
+    std::vector<std::string> keys;
+    double step1_aux;  // tolerance
+  } layouts[] = {{"dp2", 2, {}, 1e-12},
+                 {"ep2", 2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}, 1e-12},
+                 {"tp2sp_dp2", 4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}, 1e-7}};
+  for (const auto& l : layouts) {
+    std::vector<std::string> keys = l.keys;
+    keys.insert(keys.end(), {"train.micro_batch=2", "moe.aux_loss_coeff=0.02"});
+    testing::train_ranks(l.ranks, job(l.name, keys));
+    const auto dp = aux_trajectory(dir.path(l.name));
+    ASSERT_EQ(dp.size(), one.size()) << l.name;
+    const double aux1 = std::fabs(dp[0][0] - one[0][0]) / one[0][0];
+    double worst = 0;
+    for (size_t s = 0; s < one.size(); ++s)
+      for (int k : {1, 2}) worst = std::max(worst, std::fabs(dp[s][k] - one[s][k]) / std::fabs(one[s][k]));
+    std::printf("[ global aux ] %s vs one process: step-1 aux loss %.2e, loss / grad norm %.2e (relative)\n", l.name,
+                aux1, worst);
+    EXPECT_LT(aux1, l.step1_aux) << l.name;
+    EXPECT_LT(worst, 1e-6) << l.name;
+  }
 }
 
 TEST(MoeTraining, MetricsAndFingerprintsCarryTheAuxLoss) {

@@ -685,8 +685,9 @@ void validate_layout_determinism(const Config& c) {
            "parallel.expert_tensor = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
-           "the global aux loss averages over each rank's earlier micro-batches of the step, which depends on "
-           "the layout");
+           "Megatron's global aux loss balances a rank's micro-batch i against the counts of every data-parallel "
+           "rank's micro-batches 0 .. i of the step, which are other micro-batches under another data-parallel "
+           "size: the loss itself depends on the layout");
 }
 
 void validate(const Config& c) {

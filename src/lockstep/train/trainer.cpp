@@ -235,6 +235,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // or along the canonical tree (parallel/data_parallel.h, docs/determinism.md).
   const bool layout = config.determinism == "layout";
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
+  // Megatron's global aux loss counts each micro-batch over the ranks holding the step's other ones:
+  // the dp group only, since every tp and cp rank already counts its whole micro-batch (the router
+  // logits are gathered over tp x cp).
+  for (const auto& layer : model.moe_layers())
+    if (layer) layer->set_data_parallel(&dp_only);
   if (layout) {
     dp.set_layout(accum, &comm, experts_split);
     for (const auto& layer : model.moe_layers())

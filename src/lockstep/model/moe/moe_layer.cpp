@@ -85,6 +85,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   expert_bias_.assign(static_cast<size_t>(E_), 0.0f);
   step_counts_.assign(static_cast<size_t>(E_), 0);
   global_counts_sum_.assign(static_cast<size_t>(E_), 0);
+  micro_counts_.assign(static_cast<size_t>(E_), 0);
   global_counts_.assign(static_cast<size_t>(E_), 0.0f);
   slots_.resize(1);
 }
@@ -199,8 +200,11 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     if (cp_.on()) all_gather_sequence(cp_, arena(all_logits_), arena(cp_buf_), rank_logits, B_, Tg_, E_);
     batch_logits = arena(all_logits_);
   }
+  // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's).
+  std::function<void(int64_t*, int64_t)> sum_over_dp;
+  if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };
   aux_ = aux_losses_forward(batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
-                            counts_seq_);
+                            counts_seq_, micro_counts_.data(), sum_over_dp);
 
   // Dispatch, experts, combine.
   dispatcher_->plan(idx_.data(), kept_.data(), N);
@@ -228,8 +232,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   if (training) {
     const std::vector<int64_t>& counts = dispatcher_->tokens_per_expert();
     for (int64_t e = 0; e < E_; ++e) step_counts_[e] += counts[e];
-    for (int64_t b = 0; b < B_; ++b)
-      for (int64_t e = 0; e < E_; ++e) global_counts_sum_[e] += counts_seq_[b * E_ + e];
+    for (int64_t e = 0; e < E_; ++e) global_counts_sum_[e] += micro_counts_[e];
     ++global_micro_;
   }
 }
@@ -320,6 +323,11 @@ void MoeLayer::begin_step() {
   std::fill(step_counts_.begin(), step_counts_.end(), 0);
   std::fill(global_counts_sum_.begin(), global_counts_sum_.end(), 0);
   global_micro_ = 0;
+}
+
+void MoeLayer::set_data_parallel(Communicator* dp) {
+  data_parallel_ = dp && dp->size() > 1 ? dp : nullptr;
+  spec_.global_replicas = data_parallel_ ? data_parallel_->size() : 1;
 }
 
 MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {

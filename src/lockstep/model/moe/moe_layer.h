@@ -100,6 +100,14 @@ class MoeLayer {
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
+  // The ranks holding the step's other micro-batches (the dense data-parallel x context-parallel
+  // group): the global aux loss sums each micro-batch's counts over them, as Megatron's over its
+  // tp x dp x cp group (tp is in already: every tp rank counts the whole micro-batch). Training
+  // forwards then all-reduce E counts over dp per MoE layer and micro-batch (docs/moe.md).
+  void set_data_parallel(Communicator* dp);
+  // The global aux loss's counts of the last forward: the running mean over the step's
+  // micro-batches so far, summed over the data-parallel group (E).
+  const std::vector<float>& global_counts() const { return global_counts_; }
   // determinism = "layout", `micros` micro-batches per rank and step: under expert parallelism the
   // experts sum their gradients over micro-batches and sources themselves (experts.h; the group's
   // block of the step's `leaves` starts at `first`, `pieces` as GroupedExperts::set_layout's).
@@ -185,8 +193,10 @@ class MoeLayer {
   std::vector<float> expert_bias_;
   std::vector<int64_t> counts_seq_;                 // (B, E) aux-loss routing map counts
   std::vector<int64_t> step_counts_;                // (E) tokens processed this step
-  std::vector<int64_t> global_counts_sum_;          // (E) aux routing counts over the step
+  std::vector<int64_t> global_counts_sum_;          // (E) aux routing counts over the step (and dp)
+  std::vector<int64_t> micro_counts_;               // (E) the last micro-batch's, summed over dp
   int64_t global_micro_ = 0;
+  Communicator* data_parallel_ = nullptr;           // set_data_parallel(); null: one replica
   std::vector<float> global_counts_;                // (E) running mean used by this micro-batch
   bool jittered_ = false;
   AuxLosses aux_;

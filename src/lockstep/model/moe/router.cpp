@@ -206,10 +206,12 @@ double switch_weight(const RouterSpec& s, double count, double n) {
 
 AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B, int64_t T,
                              const int64_t* prev_sum, int64_t prev_micro, float* global_counts,
-                             std::vector<int64_t>& counts_seq) {
+                             std::vector<int64_t>& counts_seq, int64_t* micro_counts,
+                             const std::function<void(int64_t*, int64_t)>& sum_over_replicas) {
   const int64_t E = s.E, K = s.K, N = B * T;
   AuxLosses out;
   counts_seq.assign(static_cast<size_t>(B * E), 0);
+  if (micro_counts) std::fill(micro_counts, micro_counts + E, int64_t{0});
   const bool any_aux = s.aux_coeff > 0 && (s.aux || s.seq_aux || s.global_aux);
   if (!any_aux && s.z_coeff <= 0) return out;
   // Per sequence: probability sums (B, E) and counts; per token lse^2 for the z-loss. One thread
@@ -243,11 +245,17 @@ AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B
   for (int64_t b = 0; b < B; ++b) out.z += zsq[b];
   out.z *= s.z_coeff / n;
   if (!any_aux) return out;
+  // The global aux loss's counts: this micro-batch's over the replicas (integers: exact in any order).
+  std::vector<int64_t> batch(static_cast<size_t>(E), 0);
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t b = 0; b < B; ++b) batch[e] += counts_seq[b * E + e];
+  if (s.global_aux && sum_over_replicas) sum_over_replicas(batch.data(), E);
+  if (micro_counts) std::copy(batch.begin(), batch.end(), micro_counts);
   for (int64_t e = 0; e < E; ++e) {
-    int64_t count = prev_sum ? prev_sum[e] : 0;
-    for (int64_t b = 0; b < B; ++b) count += counts_seq[b * E + e];
+    const int64_t count = (prev_sum ? prev_sum[e] : 0) + batch[e];
     global_counts[e] = static_cast<float>(static_cast<double>(count) / static_cast<double>(prev_micro + 1));
   }
+  const double n_global = n * static_cast<double>(s.global_replicas);
   for (int64_t e = 0; e < E; ++e) {
     double count = 0, p = 0;
     for (int64_t b = 0; b < B; ++b) {
@@ -256,7 +264,7 @@ AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B
       if (s.seq_aux) out.seq_aux += switch_weight(s, static_cast<double>(counts_seq[b * E + e]), static_cast<double>(T)) * psum[b * E + e];
     }
     if (s.aux) out.aux += switch_weight(s, count, n) * p;
-    if (s.global_aux) out.global_aux += switch_weight(s, global_counts[e], n) * p;
+    if (s.global_aux) out.global_aux += switch_weight(s, global_counts[e], n_global) * p;
   }
   out.aux *= s.aux_coeff;
   out.seq_aux *= s.aux_coeff / static_cast<double>(B);
@@ -284,7 +292,7 @@ void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& 
                           switch_weight(s, static_cast<double>(counts_seq[b * E + e]), static_cast<double>(T));
     }
     if (s.aux) g[e] += s.aux_coeff * switch_weight(s, count, n);
-    if (s.global_aux) g[e] += s.aux_coeff * switch_weight(s, global_counts[e], n);
+    if (s.global_aux) g[e] += s.aux_coeff * switch_weight(s, global_counts[e], n * static_cast<double>(s.global_replicas));
   }
   parallel_for(rows, [&](int64_t r0, int64_t r1) {
     std::vector<float> a(static_cast<size_t>(E)), ga(static_cast<size_t>(E)), sg(static_cast<size_t>(E));

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,6 +34,10 @@ struct RouterSpec {
   double aux_coeff = 0, z_coeff = 0;
   double capacity_factor = 0;
   bool drop_by_position = false;
+  // The global aux loss's replicas: the ranks whose micro-batches of the same index are counted
+  // together (the dense data-parallel x context-parallel group; MoeLayer::set_data_parallel). Its
+  // token count is replicas x N.
+  int64_t global_replicas = 1;
 };
 
 // Per token: chooses K experts (idx, ascending) and their routing weights (probs) from logits
@@ -58,12 +63,20 @@ struct AuxLosses {
 
 // Scores the aux losses use: softmax(logits) over all E, or sigmoid(logits) normalised to sum 1.
 // Their routing map is the plain top-K of these scores (no groups, no expert bias).
-// Returns counts_seq (B, E): tokens per expert per sequence in that map. The global aux loss
-// balances global_counts (E) = (prev_sum + this micro-batch's counts) / (prev_micro + 1): the
-// running mean over the step's micro-batches so far (Megatron's tracker); written for backward.
+// Returns counts_seq (B, E): tokens per expert per sequence in that map.
+// The global aux loss (Megatron's TopKRouter._apply_global_aux_loss): this micro-batch's counts are
+// summed over the replicas (sum_over_replicas: an all-reduce over s.global_replicas ranks; null
+// when there is one) into micro_counts (E, when given), and global_counts (E) = (prev_sum +
+// micro_counts) / (prev_micro + 1) is their running mean over the step's micro-batches so far
+// (Megatron's tracker; written for backward). The loss is the switch loss of this rank's
+// probability sums against global_counts with the token count of all the replicas,
+// coeff * E / (K (replicas N)^2) * sum_e P_e global_e: the replicas' terms add up to the switch
+// loss of their joint batch (so the data-parallel mean, which the gradient follows, is that loss /
+// replicas, as in Megatron).
 AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B, int64_t T,
                              const int64_t* prev_sum, int64_t prev_micro, float* global_counts,
-                             std::vector<int64_t>& counts_seq);
+                             std::vector<int64_t>& counts_seq, int64_t* micro_counts = nullptr,
+                             const std::function<void(int64_t*, int64_t)>& sum_over_replicas = {});
 // dlogits += scale * d(aux losses)/d(logits) for the tokens [first, first + rows) of the micro-batch
 // (rows < 0: all N; dlogits holds those rows, logits all (N, E)): a tensor-parallel rank's rows.
 void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T,
