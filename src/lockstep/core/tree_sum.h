@@ -41,7 +41,10 @@ inline int64_t canonical_split(int64_t n) { return int64_t{1} << (std::bit_width
 // [s n / S, (s + 1) n / S) (floor). When n is divisible by P and P divides S, part p of the n / P
 // items cut into S / P segments this way gets exactly segments [p S / P, (p + 1) S / P) of the
 // whole, so a rank holding part p holds a subtree of the canonical tree over the S segments.
+// S = 0 (determinism = "run", ParamStore::token_segments): no boundaries, the sum is one chain
+// (GemmOptions::k_segments empty).
 inline std::vector<int64_t> canonical_segments(int64_t n, int64_t S) {
+  if (S <= 0) return {};
   std::vector<int64_t> b(static_cast<size_t>(S + 1));
   for (int64_t s = 0; s <= S; ++s) b[static_cast<size_t>(s)] = s * n / S;
   return b;

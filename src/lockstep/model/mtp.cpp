@@ -80,8 +80,7 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   ps.precision().round(s.de, N * C);
   ps.precision().round(s.dhn, N * C);
   // determinism = "layout": the weight gradient in token segments (ParamStore::token_segments).
-  const int64_t segments = ps.token_segments(proj_w);
-  const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
+  const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(proj_w));
   acc.k_segments = bounds;
   gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
   gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);

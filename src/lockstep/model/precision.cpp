@@ -306,8 +306,7 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
                       int64_t in) {
   // determinism = "layout": a sum over tokens that a layout may split (ParamStore::token_segments)
   // runs in canonical token segments, K of this GEMM.
-  const int64_t segments = ps.token_segments(w);
-  const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
+  const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(w));
   if (recipe(w) != Recipe::none) {
     gemm_wgrad(first_site_[w], ps.grad(w), dy, x, N, out, in, bounds);
     return;

@@ -148,7 +148,7 @@ void norm_backward_columns(float* dweight, float* dbias, const float* dout, cons
       });
     }
   };
-  const std::vector<int64_t> bounds = segments > 0 ? canonical_segments(N, segments) : std::vector<int64_t>{};
+  const std::vector<int64_t> bounds = canonical_segments(N, segments);
   parallel_for((C + 7) / 8, [&](int64_t block_begin, int64_t block_end) {
     const int64_t col_end = std::min(block_end * 8, C);
     // Layout: every segment's tile (weight, then bias), the tree's stack.

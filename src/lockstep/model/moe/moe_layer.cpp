@@ -286,8 +286,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   acc.accumulate = true;
   {
     // determinism = "layout": in token segments (ParamStore::token_segments).
-    const int64_t segments = ps.token_segments(router_w_);
-    const std::vector<int64_t> bounds = segments ? canonical_segments(N, segments) : std::vector<int64_t>{};
+    const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(router_w_));
     GemmOptions wgrad = acc;
     wgrad.k_segments = bounds;
     gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N, wgrad);
