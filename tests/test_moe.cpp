@@ -602,6 +602,8 @@ TEST(MoeConfig, LayerFreqAndValidation) {
   EXPECT_NE(error({"moe.num_experts=4", "model.num_layers=4", "moe.layer_freq=[0,1]"}).find("has 2 entries"),
             std::string::npos);
   EXPECT_NE(error({"moe.num_experts=4", "moe.router_topk=5"}).find("moe.router_topk = 5"), std::string::npos);
+  EXPECT_EQ(error({"moe.num_experts=1025"}),
+            "config: moe.num_experts = 1025: must be at most 1024 (the router's per-token top-k limit)");
   EXPECT_NE(error({"moe.num_experts=6", "moe.router_num_groups=4", "moe.router_group_topk=1"}).find("not divisible"),
             std::string::npos);
   EXPECT_NE(error({"moe.num_experts=4", "moe.router_enable_expert_bias=true"}).find("sigmoid"), std::string::npos);

@@ -531,6 +531,8 @@ const std::map<std::string, std::vector<std::pair<std::string, Value>>>& presets
 void validate_moe(const MoeConfig& e, int64_t L) {
   if (e.num_experts < 0) user_error("moe.num_experts = ", e.num_experts, ": must be >= 0 (0 = dense)");
   if (e.num_experts == 0) return;
+  if (e.num_experts > 1024)
+    user_error("moe.num_experts = ", e.num_experts, ": must be at most 1024 (the router's per-token top-k limit)");
   const int64_t E = e.num_experts, K = e.router_topk;
   if (K <= 0 || K > E) user_error("moe.router_topk = ", K, ": must be in [1, moe.num_experts = ", E, "]");
   if (e.router_num_groups < 0 || e.router_group_topk < 0)
