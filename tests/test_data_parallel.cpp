@@ -278,5 +278,28 @@ TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
     }
 }
 
+// determinism = "layout" under expert parallelism with pieces in both groups (EP 2 x EDP 2, 3 or 5
+// micro-batches per rank): the experts' piece tables are other elements of the dense tree's piece
+// buffers (the tree sums the dense parameters only), so they share them: a rank holds max(K - 1,
+// K_expert - 1) extra gradient-sized buffers, not K - 1 + K_expert - 1.
+TEST(DataParallel, LayoutExpertPiecesShareTheDenseTreesBuffers) {
+  const Config c = job("moe-debug", "unused");
+  for (const int64_t A : {3, 5})
+    run_threads(4, 60, [&](Communicator& comm) {
+      GPT model(c.model, 1, c.moe);
+      const Mesh mesh(comm.size(), {1, 1, 1, 2, 1});
+      Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
+      Communicator expert = comm.split_groups(mesh.groups(MeshGroup::edp));
+      DataParallel dp(model.params(), dense, expert, c.ddp, /*distributed=*/true);
+      dp.set_layout(A, &comm, /*experts_summed=*/true);
+      const int64_t r = dense.rank(), g = expert.rank(), M = 4 * A;
+      const int64_t K = static_cast<int64_t>(canonical_pieces(M, r * A, (r + 1) * A).size()) - 1;
+      const int64_t Ke = static_cast<int64_t>(canonical_pieces(M, g * 2 * A, (g + 1) * 2 * A).size()) - 1;
+      ASSERT_EQ(static_cast<int64_t>(dp.expert_pieces().size()), Ke - 1) << "A " << A << " rank " << r;
+      EXPECT_EQ(dp.piece_buffers(), std::max(K, Ke) - 1) << "A " << A << " rank " << r << ": " << K << " dense, " << Ke
+                                                           << " expert pieces";
+    });
+}
+
 }  // namespace
 }  // namespace lockstep

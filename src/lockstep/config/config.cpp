@@ -630,8 +630,8 @@ void validate_context_parallel(const Config& c) {
 
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor
 // and sequence parallelism (context parallelism is refused under it: validate_context_parallel):
-// what it cannot yet make layout-invariant is refused by name. (The data-parallel condition, a power-of-two number of
-// micro-batches per rank, depends on the world size: the trainer checks it.)
+// what it cannot yet make layout-invariant is refused by name. (Any number of micro-batches per rank is taken: blocks
+// that are not subtrees of the canonical tree are reduced as their pieces, parallel/data_parallel.h.)
 void validate_layout_determinism(const Config& c) {
   if (c.layout_segments < 1 || c.layout_segments > 64 || std::popcount(static_cast<uint64_t>(c.layout_segments)) != 1)
     user_error("layout_segments = ", c.layout_segments, ": must be a power of two in [1, 64]");

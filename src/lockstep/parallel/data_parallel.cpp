@@ -103,7 +103,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   // The expert group's blocks, when the model sums the experts: G micro-batches per rank.
   expert_blocks_.clear();
   expert_pieces_.clear();
-  expert_first_ = 0;
+  expert_first_ = expert_held_ = 0;
   if (experts_summed) {
     const int D = expert_.size();
     const int64_t G = P * micros / D;
@@ -112,8 +112,11 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(P * micros, g * G, (g + 1) * G).size() == 2;
     if (!whole) {
       for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
-      const size_t K = canonical_pieces(P * micros, expert_first_, expert_first_ + G).size() - 1;
-      for (size_t k = 0; k + 1 < K; ++k) expert_pieces_.emplace_back(ps_.total());
+      // The experts' tables are written at the expert parameters' offsets only, the dense tree's
+      // held pieces at the others' (push_grads skips the experts): the first tables are the tree's
+      // buffers, only the pieces beyond the tree's get buffers of their own.
+      expert_held_ = static_cast<int64_t>(canonical_pieces(P * micros, expert_first_, expert_first_ + G).size()) - 2;
+      for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
   }
   for (Bucket& b : buckets_) {
@@ -121,7 +124,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     const bool experts = experts_summed && b.comm == &expert_;
     b.pieced = experts ? !expert_blocks_.empty() : !subtrees;
     b.packed_pieces.clear();
-    const int64_t K = experts ? static_cast<int64_t>(expert_pieces_.size()) + 1 : tree_.pieces();
+    const int64_t K = experts ? expert_held_ + 1 : tree_.pieces();
     if (b.pieced && b.in_place < 0)
       for (int64_t k = 0; k + 1 < K; ++k) b.packed_pieces.emplace_back(b.chunk * b.comm->size());
   }
@@ -227,7 +230,9 @@ void DataParallel::post(Bucket& b) {
 
 std::vector<float*> DataParallel::expert_pieces() {
   std::vector<float*> tables;
-  for (FloatBuffer& t : expert_pieces_) tables.push_back(t.data());
+  const int64_t shared = tree_.pieces() - 1;  // the dense tree's held pieces (set_layout)
+  for (int64_t k = 0; k < expert_held_; ++k)
+    tables.push_back(k < shared ? tree_.piece(k) : expert_pieces_[static_cast<size_t>(k - shared)].data());
   return tables;
 }
 

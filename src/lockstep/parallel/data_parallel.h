@@ -83,8 +83,13 @@ class DataParallel {
   // Layout mode, experts_summed: where this rank's expert group's block starts among the step's
   // micro-batches, and the table-shaped buffers of its canonical pieces but the last (none when the
   // block is a subtree), for the model's experts to fill (GroupedExperts::set_layout).
+  // The tables share the dense tree's buffers of its pieces where it has them (the experts' are
+  // other elements of the same table shape).
   int64_t expert_block_first() const { return expert_first_; }
   std::vector<float*> expert_pieces();
+  // Layout mode: the gradient-sized buffers held for pieces (the dense tree's and the experts'
+  // tables beyond them): max(K - 1, K_expert - 1) for a rank with K dense and K_expert expert pieces.
+  int64_t piece_buffers() const { return tree_.pieces() - 1 + static_cast<int64_t>(expert_pieces_.size()); }
   // Parameters whose summed gradient is needed at every element after finish_grad_sync, not only
   // at this rank's shard (layout mode: a shared word embedding's two parts are added after the
   // reduction, and the parts' shards differ): under the distributed optimizer their buckets are
@@ -186,8 +191,8 @@ class DataParallel {
   std::vector<int64_t> blocks_;  // pieced: the dense group's blocks of micro-batches (P + 1 bounds)
   // experts_summed and pieced: the expert group's blocks, and this rank's pieces but the last
   std::vector<int64_t> expert_blocks_;
-  std::vector<FloatBuffer> expert_pieces_;
-  int64_t expert_first_ = 0;
+  std::vector<FloatBuffer> expert_pieces_;  // the tables beyond the dense tree's held pieces
+  int64_t expert_first_ = 0, expert_held_ = 0;  // expert_held_: this rank's expert pieces but the last
   bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
