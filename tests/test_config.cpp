@@ -142,10 +142,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with parallel.tensor = 4 and layout_segments = 2: parallel.tensor must "
        "divide layout_segments (each tensor-parallel rank holds a block of whole canonical segments of every "
        "reduction it splits)"},
-      {{"determinism=layout", "parallel.tensor=2", "precision.params=bf16", "precision.fp4=nvfp4"},
-       "config: determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\" and "
-       "parallel.tensor = 2: a tensor-parallel rank quantises its own slice of each operand, whose scaling blocks and "
-       "stochastic rounding keys differ from one process's; use parallel.tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "moe.expert_capacity_factor=1.5"},
        "config: determinism = \"layout\" with moe.expert_capacity_factor = 1.5 and parallel.tensor = 2: each "
        "tensor-parallel rank computes the capacity over its own N / tp tokens and drops choices by it, which one "
@@ -163,12 +159,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
        "parallel.expert_tensor must divide layout_segments (each expert-tensor-parallel rank holds a block of whole "
        "canonical segments of the hidden units)"},
-      {{"determinism=layout", "moe.num_experts=4", "parallel.expert_tensor=2", "precision.params=bf16",
-        "precision.fp8=mxfp8"},
-       "config: determinism = \"layout\" with precision.fp8 = \"mxfp8\" / precision.fp4 = \"none\" and "
-       "parallel.expert_tensor = 2: each expert-tensor-parallel rank holds a slice of an expert's hidden units, so "
-       "its per-tensor amax would need a reduction over the etp ranks per source block, which is not built; use "
-       "parallel.expert_tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "moe.router_load_balancing_type=global_aux_loss"},
        "config: determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\": Megatron's "
        "global aux loss balances a rank's micro-batch i against the counts of every data-parallel rank's "

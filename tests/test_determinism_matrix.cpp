@@ -113,6 +113,8 @@ const Row kRows[] = {
     {"layout_ep2_nvfp4_alltoall", "moe-debug.toml", {"determinism=layout", "parallel.expert=2", "train.micro_batch=2",
                                                      "moe.token_dispatcher=alltoall", "precision.params=bf16",
                                                      "precision.fp4=nvfp4"}, 2},
+    {"layout_tp2_sp_nvfp4", "debug.toml", {"determinism=layout", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                           "train.micro_batch=2", "precision.params=bf16", "precision.fp4=nvfp4"}, 2},
     {"layout_tp2_sp_dp2_llama_bf16_mtp", "debug.toml", {"determinism=layout", "parallel.tensor=2", "parallel.sequence_parallel=true",
                                                         "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16",
                                                         "model.mtp_num_layers=1", "train.micro_batch=2"}, 4},

@@ -663,11 +663,6 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.tensor = ", c.parallel.tensor, " and layout_segments = ", c.layout_segments),
            "parallel.tensor must divide layout_segments (each tensor-parallel rank holds a block of whole "
            "canonical segments of every reduction it splits)");
-  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.tensor > 1)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\" and parallel.tensor = ", c.parallel.tensor),
-           "a tensor-parallel rank quantises its own slice of each operand, whose scaling blocks and stochastic "
-           "rounding keys differ from one process's; use parallel.tensor = 1");
   // The experts' K segments (model/moe/experts.h): F / S hidden units each, S / etp per etp rank.
   const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
   if (e.num_experts > 0 && F % c.layout_segments)
@@ -679,12 +674,6 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.expert_tensor = ", c.parallel.expert_tensor, " and layout_segments = ", c.layout_segments),
            "parallel.expert_tensor must divide layout_segments (each expert-tensor-parallel rank holds a block of "
            "whole canonical segments of the hidden units)");
-  if ((c.precision.fp8 != "none" || c.precision.fp4 != "none") && c.parallel.expert_tensor > 1)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\" and parallel.expert_tensor = ", c.parallel.expert_tensor),
-           "each expert-tensor-parallel rank holds a slice of an expert's hidden units, so its per-tensor amax "
-           "would need a reduction over the etp ranks per source block, which is not built; use "
-           "parallel.expert_tensor = 1");
   if (c.moe.router_load_balancing_type.find("global_aux_loss") != std::string::npos)
     refuse("moe.router_load_balancing_type = \"" + c.moe.router_load_balancing_type + "\"",
            "Megatron's global aux loss balances a rank's micro-batch i against the counts of every data-parallel "

@@ -28,6 +28,7 @@ Linear Linear::column(ParamStore& ps, const TensorParallel& tp, const std::strin
   if (out_sections.size() > 1 && tp.layout())
     for (int64_t s : out_sections) l.dgrad_sections.push_back(s / tp.size);
   l.split = tp.on();
+  ps.set_layout_cut(l.w, 0, layout_cut(l.dgrad_segments, l.dgrad_sections));
   return l;
 }
 
@@ -41,6 +42,7 @@ Linear Linear::row(ParamStore& ps, const TensorParallel& tp, const std::string& 
   if (bias) l.b = ps.add(name + ".bias", {out}, Init::zeros);
   l.fprop_segments = tp.k_segments({in});
   l.split = tp.on();
+  ps.set_layout_cut(l.w, 1, l.fprop_segments);
   return l;
 }
 

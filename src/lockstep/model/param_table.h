@@ -61,6 +61,13 @@ struct ParamSpec {
   // shared expert, MTP's eh_proj. Under determinism = "layout" it is computed in token segments
   // (ParamStore::token_segments) in every layout, one process included.
   bool token_sum = false;
+  // determinism = "layout": the dimension of a weight that tensor (or expert tensor) parallelism
+  // splits (a column-parallel weight's out, dim 0, or an expert fc's, dim 1; a row-parallel one's in,
+  // the last dim) and this rank's canonical pieces of it: local boundaries 0 = b0 < ... = width,
+  // each section's slice cut into its canonical segments (TensorParallel::k_segments). Low-precision
+  // scaling blocks stay inside a piece (model/precision.h). -1 / empty: none.
+  int cut_dim = -1;
+  std::vector<int64_t> cut = {};
   bool partial() const { return !(shape == global_shape); }
 };
 
@@ -101,6 +108,11 @@ class ParamStore {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
     if (!layout_segments_ || !p.token_sum) return 0;
     return p.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
+  }
+  // Sets parameter i's canonical pieces (ParamSpec::cut_dim, cut).
+  void set_layout_cut(int i, int dim, std::vector<int64_t> bounds) {
+    specs_[static_cast<size_t>(i)].cut_dim = dim;
+    specs_[static_cast<size_t>(i)].cut = std::move(bounds);
   }
   // Marks parameter i as a pipeline stage's copy (ParamSpec::stage_copy).
   void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].stage_copy = true; }

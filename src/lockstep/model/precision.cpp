@@ -19,6 +19,20 @@ void round_to_bf16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = to_f32(to_bf16(x[i]));
 }
 
+std::vector<int64_t> layout_cut(std::span<const int64_t> segments, std::span<const int64_t> sections) {
+  std::vector<int64_t> b;
+  if (segments.empty()) return b;
+  if (sections.empty()) return {segments.begin(), segments.end()};
+  const size_t per = segments.size() / sections.size();
+  int64_t at = 0;
+  b.push_back(0);
+  for (size_t j = 0; j < sections.size(); ++j) {
+    for (size_t k = 1; k < per; ++k) b.push_back(at + segments[j * per + k]);
+    at += sections[j];
+  }
+  return b;
+}
+
 namespace {
 
 Precision::Recipe recipe_of(const PrecisionConfig& pc) {
@@ -79,6 +93,17 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
       s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(first + e) : p.name;
       s.global_index = global_sites + first + e;
       s.expert = p.expert;
+      const int out_dim = p.shape.rank() - 2, in_dim = p.shape.rank() - 1;
+      if (p.cut_dim == in_dim) s.cut_in = p.cut;
+      if (p.cut_dim == out_dim) {
+        s.cut_out = p.cut;
+        s.out_len = p.global_shape[out_dim];
+        // This rank's out rows (the first expert's boxes: every expert's are alike) in the whole tensor.
+        for (const ParamBox& b : p.boxes)
+          if (out_dim == 0 || b.offset[0] == p.boxes[0].offset[0])
+            for (int64_t i = 0; i < b.shape[out_dim]; ++i) s.out_global.push_back(b.offset[out_dim] + i);
+        LOCKSTEP_CHECK(static_cast<int64_t>(s.out_global.size()) == p.shape[out_dim], p.name, ": boxes along out");
+      }
       if (recipe_ == Recipe::delayed)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
       sites_.push_back(std::move(s));
@@ -175,8 +200,97 @@ std::vector<Precision::NamedHistory> Precision::amax_histories() {
   return out;
 }
 
+bool Precision::in_pieces(const Site& s) const {
+  return groups_.layout && (recipe_ == Recipe::blockwise || recipe_ == Recipe::mxfp8 || recipe_ == Recipe::nvfp4) &&
+         (!s.cut_out.empty() || !s.cut_in.empty());
+}
+
+const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s) {
+  if (!groups_.layout) return nullptr;
+  a = amax(x, n);
+  reduce_amax(&a, 1, s.expert);
+  return &a;
+}
+
+StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64_t grows, int64_t gcols,
+                                             int64_t grow, int64_t gcol) const {
+  StochasticRounding sr;
+  sr.enabled = true;
+  sr.seed = seed_;
+  sr.step = static_cast<uint64_t>(step_);
+  // The site's index in the whole model under layout (an expert's index in its layer: the same
+  // on any expert-parallel layout); run mode keeps the index on this rank.
+  const int64_t id = groups_.layout ? sites_[static_cast<size_t>(site)].global_index : site;
+  sr.tensor_id = static_cast<uint64_t>(id) * 4 + usage;
+  sr.index_base = micro_ * grows * gcols + grow * gcols + gcol;
+  sr.global_cols = gcols;
+  return sr;
+}
+
+GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
+                                       bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd) {
+  const Site& s = sites_[static_cast<size_t>(site)];
+  std::vector<float> tr;
+  if (!k_along_cols && recipe_ != Recipe::blockwise) {  // mxfp8 and nvfp4 block along rows: the transpose
+    transpose(tr, x, rows, cols);
+    x = tr.data();
+    std::swap(rows, cols);
+    std::swap(rd, cd);
+    t = flip(t);
+    k_along_cols = true;
+  }
+  auto bounds = [&](Dim d, int64_t n) {
+    const std::vector<int64_t>& c = d == Dim::out ? s.cut_out : d == Dim::in ? s.cut_in : std::vector<int64_t>{};
+    LOCKSTEP_CHECK(c.empty() || c.back() == n, "canonical pieces of ", c.back(), " for ", n, " elements");
+    return c.empty() ? std::vector<int64_t>{0, n} : c;
+  };
+  const std::vector<int64_t> rb = bounds(rd, rows), cb = bounds(cd, cols);
+  // Global coordinates (stochastic rounding keys): a column-parallel shard's out rows are the whole
+  // tensor's rows out_global.
+  auto global = [&](Dim d, int64_t i) { return d == Dim::out && !s.out_global.empty() ? s.out_global[i] : i; };
+  auto length = [&](Dim d, int64_t n) { return d == Dim::out && !s.out_global.empty() ? s.out_len : n; };
+  const ElemFormat f = r == grad ? bwd_ : fwd_;
+  float a = 0.0f;
+  const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s) : nullptr;
+  dst.resize(static_cast<size_t>(rows * cols));
+  QuantizedTensor q;
+  std::vector<float> piece, values;
+  for (size_t i = 0; i + 1 < rb.size(); ++i)
+    for (size_t j = 0; j + 1 < cb.size(); ++j) {
+      const int64_t r0 = rb[i], c0 = cb[j], pr = rb[i + 1] - r0, pc = cb[j + 1] - c0;
+      if (pr == 0 || pc == 0) continue;
+      piece.resize(static_cast<size_t>(pr * pc));
+      for (int64_t u = 0; u < pr; ++u)
+        std::memcpy(piece.data() + u * pc, x + (r0 + u) * cols + c0, static_cast<size_t>(pc) * sizeof(float));
+      switch (recipe_) {
+        case Recipe::blockwise: {
+          const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
+          quantize_blockwise(q, piece.data(), pr, pc, f, br, bc);
+          break;
+        }
+        case Recipe::mxfp8: quantize_mxfp8(q, piece.data(), pr, pc, f); break;
+        case Recipe::nvfp4: {
+          StochasticRounding sr;
+          if (r == grad)
+            sr = nvfp4_rounding(site, usage, length(rd, rows), length(cd, cols), global(rd, r0), global(cd, c0));
+          quantize_nvfp4(q, piece.data(), pr, pc, r == weight ? 16 : 1, sr, whole);
+          break;
+        }
+        default: LOCKSTEP_CHECK(false, "pieces need a block recipe");
+      }
+      values.resize(piece.size());
+      dequantize(values.data(), q);
+      for (int64_t u = 0; u < pr; ++u)
+        std::memcpy(dst.data() + (r0 + u) * cols + c0, values.data() + u * pc, static_cast<size_t>(pc) * sizeof(float));
+    }
+  return gemm_operand(dst.data(), cols, t);
+}
+
 GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows,
-                                int64_t cols, Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage) {
+                                int64_t cols, Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd,
+                                Dim cd) {
+  if (in_pieces(sites_[static_cast<size_t>(site)]))
+    return quantise_pieces(scratch, x, rows, cols, t, k_along_cols, r, site, usage, rd, cd);
   const int64_t n = rows * cols;
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   switch (recipe_) {
@@ -207,26 +321,21 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       return gemm_operand(q, flip(t));
     case Recipe::nvfp4: {
       if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
-        quantize_nvfp4(q, x, rows, cols, 16);
+        float a = 0.0f;
+        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]));
         return gemm_operand(q, t);
       }
       StochasticRounding sr;
-      if (r == grad) {
-        sr.enabled = true;
-        sr.seed = seed_;
-        sr.step = static_cast<uint64_t>(step_);
-        // The site's index in the whole model under layout (an expert's index in its layer: the same
-        // on any expert-parallel layout); run mode keeps the index on this rank.
-        const int64_t id = groups_.layout ? sites_[static_cast<size_t>(site)].global_index : site;
-        sr.tensor_id = static_cast<uint64_t>(id) * 4 + usage;
-        sr.index_base = micro_ * n;
-      }
+      if (r == grad) sr = nvfp4_rounding(site, usage, rows, cols, 0, 0);
+      float a = 0.0f;
+      const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]);
       if (k_along_cols) {
-        quantize_nvfp4(q, x, rows, cols, 1, sr);
+        quantize_nvfp4(q, x, rows, cols, 1, sr, whole);
         return gemm_operand(q, t);
       }
       transpose(scratch, x, rows, cols);
-      quantize_nvfp4(q, scratch.data(), cols, rows, 1, sr);
+      if (r == grad) sr = nvfp4_rounding(site, usage, cols, rows, 0, 0);
+      quantize_nvfp4(q, scratch.data(), cols, rows, 1, sr, whole);
       return gemm_operand(q, flip(t));
     }
     case Recipe::none: break;
@@ -240,18 +349,21 @@ bool Precision::per_tensor() const { return recipe_ == Recipe::delayed || recipe
 void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N,
                            int64_t out, int64_t in, const GemmOptions& opt, int64_t blk) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A = quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site, 0);
-  const GemmOperand B = quantise(s.w, tb_, w, out, in, Trans::T, true, weight, site, 0);
+  const GemmOperand A =
+      quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site, 0, Dim::tokens, Dim::in);
+  const GemmOperand B = quantise(s.w, in_pieces(s) ? s.wf : tb_, w, out, in, Trans::T, true, weight, site, 0, Dim::out, Dim::in);
   gemm(y, ldy, A, B, N, out, in, opt);
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
                            int64_t in, const GemmOptions& opt, int64_t blk) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A = quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0);
+  const GemmOperand A =
+      quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0, Dim::tokens, Dim::out);
   // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
   // quantisation is the same both ways, so fprop's serves.
-  const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0)
+  const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0, Dim::out, Dim::in)
+                        : in_pieces(s)           ? gemm_operand(s.wf.data(), in, Trans::N)
                                                  : gemm_operand(s.w, Trans::N);
   gemm(dx, in, A, B, N, in, out, opt);
 }
@@ -269,8 +381,8 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
     std::vector<int64_t> padded(k_segments.begin(), k_segments.end());
     if (!padded.empty()) padded.back() = K;
     acc.k_segments = padded;
-    const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1);
-    const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1);
+    const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out);
+    const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in);
     gemm(dw, in, A, B, out, in, K, acc);
     return;
   }
@@ -280,8 +392,8 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
          in, N, acc);
     return;
   }
-  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1);
-  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1);
+  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out);
+  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in);
   gemm(dw, in, A, B, out, in, N, acc);
 }
 

@@ -69,6 +69,19 @@
 // over the ranks that share a batch only (tp x cp; etp). One process, or groups of one rank:
 // nothing is reduced and the bits are those of the unreduced model.
 //
+// determinism = "layout" under tensor / expert tensor parallelism: a weight's dimension that the
+// layout may split (ParamSpec::cut: a column-parallel out, a row-parallel in, an expert's hidden
+// units) is cut into canonical pieces, each section's slice of each canonical segment, in every
+// layout (one process too), and the block recipes (blockwise, mxfp8, nvfp4) quantise every operand
+// along such a dimension piece by piece: no scaling block straddles a piece, so none straddles a
+// tensor-parallel shard, and each piece is quantised from its own values (into the fp32 values it
+// stands for, which the GEMM reads: bitwise what the codes give, gemm.h). NVFP4's tensor scale there
+// comes from the amax of the whole tensor (max-reduced over the group: dense tp-cp, experts etp, per
+// (expert, source) block), and its stochastic rounding keys each element by its index in the whole
+// tensor (the global row of a column-parallel shard's out, through its boxes), so a rank's piece
+// draws what one process draws. Per-tensor recipes need no pieces: their amax is reduced over the
+// group already. Pieces that are multiples of the block leave the recipe's blocks as they were.
+//
 // Determinism: rounding is elementwise, quantisation is a pure function of the tensor (and of the
 // stochastic-rounding key, which holds no thread or rank), max is exact in any order (so the
 // reduced amax is the same bits whatever the transport), and the GEMMs keep their guarantee
@@ -93,6 +106,10 @@ class ParamStore;
 // Rounds x (n) to bf16 values in place (round-to-nearest-even, core/dtype.h); serial (callers
 // run it on their own part of a parallel loop).
 void round_to_bf16(float* x, int64_t n);
+
+// The canonical pieces of K as absolute boundaries (ParamSpec::cut) from gemm.h's k_segments and
+// k_sections (each section's boundaries, offset by the sections before it); empty for none.
+std::vector<int64_t> layout_cut(std::span<const int64_t> segments, std::span<const int64_t> sections);
 
 // Delayed scaling's state of one quantised tensor (Transformer Engine's semantics). amax[0] is
 // the staging slot: every quantisation of the tensor in a forward-backward pass raises it to the
@@ -228,6 +245,11 @@ class Precision {
     int64_t global_index = 0;       // the site's index with every expert of every layer counted (layout's SR key)
     bool expert = false;  // reduced over the expert group
     AmaxHistory state[3];
+    // determinism = "layout": the canonical pieces of out / in (ParamSpec::cut; local boundaries,
+    // empty: one piece), the global index of each local out row (empty: its own), global out.
+    std::vector<int64_t> cut_out, cut_in, out_global;
+    int64_t out_len = 0;
+    std::vector<float> wf;  // the weight's values quantised in pieces, kept for dgrad (as w)
     float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
@@ -238,8 +260,23 @@ class Precision {
   // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with
   // its K along x's columns (k_along_cols) or rows; a recipe that blocks only along rows quantises
   // the transpose (in `scratch`) and flips t. usage tells apart the draws of stochastic rounding.
+  // rd / cd: what x's rows and columns are (tokens, or the weight's out or in dimension). A site with
+  // canonical pieces (in_pieces) quantises them one by one into `scratch`, the fp32 values the
+  // operand stands for, which the GEMM reads.
+  enum class Dim : uint8_t { tokens, out, in };
   GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
-                       Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage);
+                       Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd);
+  GemmOperand quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
+                              bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd);
+  bool in_pieces(const Site& s) const;
+  // NVFP4 under layout: the amax of x (n values), max-reduced over the site's group (the whole
+  // tensor's); null otherwise (the quantiser takes x's own).
+  const float* nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s);
+  // NVFP4's stochastic rounding of a gradient (usage tells apart its quantisations); element (r, c)
+  // of a piece at global (grow, gcol) of a (grows, gcols) tensor draws index micro x grows x gcols +
+  // (grow + r) x gcols + gcol + c.
+  StochasticRounding nvfp4_rounding(int64_t site, uint64_t usage, int64_t grows, int64_t gcols, int64_t grow,
+                                    int64_t gcol) const;
   bool per_tensor() const;  // delayed or tensorwise: one scale per tensor
   // Tensorwise: Site::now of each (site, role) = amax of its operand x (n values), max-reduced over
   // the sites' group in one all-reduce (all sites of one weight: the same group).

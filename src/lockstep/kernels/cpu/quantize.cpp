@@ -262,11 +262,11 @@ void quantize_mxfp8(QuantizedTensor& out, const float* x, int64_t rows, int64_t 
 }
 
 void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
-                    int64_t block_rows, const StochasticRounding& sr) {
+                    int64_t block_rows, const StochasticRounding& sr, const float* tensor_amax) {
   LOCKSTEP_CHECK(block_rows == 1 || block_rows == 16, "NVFP4 blocks are 1x16 or 16x16, got ", block_rows, "x16");
   prepare(out, rows, cols, ElemFormat::e2m1, ScaleFormat::e4m3, block_rows, 16);
   constexpr float kRange = 6.0f * 448.0f;
-  const float t = amax(x, rows * cols);
+  const float t = tensor_amax ? *tensor_amax : amax(x, rows * cols);
   const float S = !std::isfinite(t) ? kNaN : t == 0.0f ? 1.0f : kRange / t;
   out.tensor_scale = !std::isfinite(t) ? kNaN : t == 0.0f ? 1.0f : t / kRange;
   quantize_blocks(out, x, Encoder(ElemFormat::e2m1, sr, cols), [S](float amax_b) {

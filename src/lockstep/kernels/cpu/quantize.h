@@ -126,9 +126,11 @@ void quantize_mxfp8(QuantizedTensor& out, const float* x, int64_t rows, int64_t 
                     const StochasticRounding& sr = {});
 
 // NVFP4: E2M1 codes, E4M3 scale per block_rows x 16 block (block_rows 1, or 16 for 2-D weight
-// blocks), f32 tensor scale.
+// blocks), f32 tensor scale. tensor_amax: amax(x) of the whole tensor when x is a piece of it (a
+// tensor-parallel shard, or a piece quantised on its own: the tensor scale and S are the whole
+// tensor's); null: amax(x).
 void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
-                    int64_t block_rows = 1, const StochasticRounding& sr = {});
+                    int64_t block_rows = 1, const StochasticRounding& sr = {}, const float* tensor_amax = nullptr);
 
 // ---- Random Hadamard transform (NVFP4's weight-gradient recipe)
 //

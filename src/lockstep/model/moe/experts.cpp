@@ -15,8 +15,8 @@ namespace lockstep {
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
-    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources), self(shard.first / E_),
-      swiglu(m.activation == "swiglu"),
+    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
+      self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
       has_proj_bias(m.bias), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
       tp(shard.tp), groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
@@ -58,6 +58,11 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
                out_std, true);
   // The row-parallel proj's bias is added once, by etp rank 0, to its partial sum.
   if (m.bias && r == 0) proj_b = add("proj.bias", {E_global, C}, {ParamBox{{first, 0}, Shape{E, C}}}, Init::zeros, 0.0f, false);
+  if (kseg.on()) {  // low precision's canonical pieces of the hidden units (model/precision.h)
+    const KSegmentBounds fc = k_segment_bounds(kseg, Fw);
+    ps.set_layout_cut(fc_w, 1, layout_cut(fc.segments, fc.sections));
+    ps.set_layout_cut(proj_w, 2, k_segment_bounds(KSegments{kseg.segments, 1}, F).segments);
+  }
   fc_out = arena.reserve(max_rows * fc_width());
   act = arena.reserve(max_rows * F);
   if (sources > 1) {
@@ -224,7 +229,7 @@ void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, 
 
 const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
   if (layout_micros == 0 || sources == 1 || p.recipe(fc_w) == Precision::Recipe::none) return nullptr;
-  LOCKSTEP_CHECK(segments && etp_size == 1, "quantised expert blocks under expert tensor parallelism (refused by the config)");
+  LOCKSTEP_CHECK(segments, "quantised expert blocks without segments");
   qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
   return &qblocks;
 }

@@ -156,7 +156,7 @@ struct GroupedExperts {
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
-  int64_t self = 0;                          // this rank's index among the sources (expert parallelism)
+  int64_t self = 0;                          // this rank's index among the sources: ep index x etp + etp rank
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
   int64_t etp_size = 1;
   KSegments kseg;                              // this rank's K segments (layout mode)
