@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <limits>
+#include <tuple>
 #include <vector>
 
 #include "lockstep/core/float_formats.h"
@@ -202,6 +203,45 @@ TEST(Quantize, Nvfp4TwoLevelScales) {
   QuantizedTensor z;
   quantize_nvfp4(z, zeros.data(), 2, 32);
   for (int64_t i = 0; i < 64; ++i) EXPECT_EQ(z.value(i / 32, i % 32), 0.0f);
+}
+
+// quantize.h: given the whole tensor's amax, a piece (cut on block boundaries: a tensor-parallel
+// shard, a canonical piece under determinism = "layout") gets the whole tensor's tensor scale, and
+// so the codes and block scales the whole tensor's quantisation gives it, bit for bit.
+TEST(Quantize, Nvfp4PieceWithTheTensorsAmaxIsTheWholesSlice) {
+  const int64_t rows = 48, cols = 96;
+  const std::vector<float> x = test_matrix(rows, cols, 11);
+  const float t = amax(x.data(), rows * cols);
+  for (int64_t br : {1, 16}) {
+    QuantizedTensor whole, given;
+    quantize_nvfp4(whole, x.data(), rows, cols, br);
+    quantize_nvfp4(given, x.data(), rows, cols, br, {}, &t);  // the amax passed for the whole: the same bits
+    EXPECT_EQ(given.codes, whole.codes);
+    EXPECT_EQ(given.scale_codes, whole.scale_codes);
+    EXPECT_EQ(std::bit_cast<uint32_t>(given.tensor_scale), std::bit_cast<uint32_t>(whole.tensor_scale));
+    // Pieces [r0, r0 + 16) x [c0, c0 + pc): their own amax is smaller than t (the outliers fall elsewhere).
+    for (const auto& [r0, c0, pc] : {std::tuple<int64_t, int64_t, int64_t>{0, 0, 32}, {16, 32, 64}, {32, 80, 16}}) {
+      const int64_t pr = 16;
+      std::vector<float> piece(static_cast<size_t>(pr * pc));
+      for (int64_t r = 0; r < pr; ++r)
+        for (int64_t c = 0; c < pc; ++c) piece[r * pc + c] = x[(r0 + r) * cols + c0 + c];
+      QuantizedTensor q;
+      quantize_nvfp4(q, piece.data(), pr, pc, br, {}, &t);
+      EXPECT_EQ(std::bit_cast<uint32_t>(q.tensor_scale), std::bit_cast<uint32_t>(whole.tensor_scale)) << br;
+      for (int64_t r = 0; r < pr; ++r)
+        for (int64_t c = 0; c < pc; ++c)
+          ASSERT_EQ(q.code(r, c), whole.code(r0 + r, c0 + c)) << br << " " << r0 + r << "," << c0 + c;
+      for (int64_t gr = 0; gr < q.grid_rows(); ++gr)
+        for (int64_t gc = 0; gc < q.grid_cols(); ++gc)
+          ASSERT_EQ(std::bit_cast<uint32_t>(q.block_scale(gr, gc)),
+                    std::bit_cast<uint32_t>(whole.block_scale(r0 / br + gr, c0 / 16 + gc)))
+              << br << " block " << gr << "," << gc;
+      // Without it the piece's own amax sets the scales: other bits (the test can fail).
+      QuantizedTensor own;
+      quantize_nvfp4(own, piece.data(), pr, pc, br);
+      if (amax(piece.data(), pr * pc) != t) EXPECT_NE(own.tensor_scale, whole.tensor_scale);
+    }
+  }
 }
 
 TEST(Quantize, NaNPoisonsItsBlock) {
