@@ -151,11 +151,9 @@ void norm_backward_columns(float* dweight, float* dbias, const float* dout, cons
   const std::vector<int64_t> bounds = canonical_segments(N, segments);
   parallel_for((C + 7) / 8, [&](int64_t block_begin, int64_t block_end) {
     const int64_t col_end = std::min(block_end * 8, C);
-    // Layout: every segment's tile (weight, then bias), the tree's stack.
+    // Layout: every segment's tile (weight, then bias).
     const int64_t parts = kCentered ? 2 : 1;
     std::vector<float> seg(static_cast<size_t>(segments * parts * kTile));
-    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(segments) * kTile));
-    std::vector<const float*> leaves(static_cast<size_t>(segments));
     for (int64_t c0 = block_begin * 8; c0 < col_end; c0 += kTile) {
       const int64_t width = std::min(kTile, col_end - c0);
       if (segments == 0) {
@@ -173,9 +171,8 @@ void norm_backward_columns(float* dweight, float* dbias, const float* dout, cons
         rows(seg.data() + k * kTile, kCentered ? seg.data() + (segments + k) * kTile : nullptr, bounds[k],
              bounds[k + 1], c0, width);
       for (int64_t p = 0; p < parts; ++p) {
-        for (int64_t k = 0; k < segments; ++k) leaves[k] = seg.data() + (p * segments + k) * kTile;
-        float* sum = seg.data() + (p * segments + segments - 1) * kTile;  // may alias the last leaf
-        tree_sum(sum, leaves.data(), segments, width, stack.data());
+        float* sum = seg.data() + p * segments * kTile;  // the tree over the part's segments, into its first
+        tree_sum_in_place(sum, segments, kTile, 0, width);
         float* d = p == 0 ? dweight : dbias;
         for (int64_t j = 0; j < width; ++j) d[c0 + j] += sum[j];
       }
