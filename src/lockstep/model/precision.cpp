@@ -325,18 +325,20 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
         quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]));
         return gemm_operand(q, t);
       }
-      StochasticRounding sr;
-      if (r == grad) sr = nvfp4_rounding(site, usage, rows, cols, 0, 0);
       float a = 0.0f;
       const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]);
-      if (k_along_cols) {
-        quantize_nvfp4(q, x, rows, cols, 1, sr, whole);
-        return gemm_operand(q, t);
+      // 1x16 blocks along K: K along the rows is quantised transposed.
+      const float* src = x;
+      int64_t qr = rows, qc = cols;
+      if (!k_along_cols) {
+        transpose(scratch, x, rows, cols);
+        src = scratch.data();
+        std::swap(qr, qc);
       }
-      transpose(scratch, x, rows, cols);
-      if (r == grad) sr = nvfp4_rounding(site, usage, cols, rows, 0, 0);
-      quantize_nvfp4(q, scratch.data(), cols, rows, 1, sr, whole);
-      return gemm_operand(q, flip(t));
+      StochasticRounding sr;
+      if (r == grad) sr = nvfp4_rounding(site, usage, qr, qc, 0, 0);
+      quantize_nvfp4(q, src, qr, qc, 1, sr, whole);
+      return gemm_operand(q, k_along_cols ? t : flip(t));
     }
     case Recipe::none: break;
   }
