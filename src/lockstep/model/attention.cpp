@@ -36,6 +36,7 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
     this->kv = arena.reserve(B * Tg * KV);
     cp_buf = arena.reserve_scratch((B * Tg + N) * KV);
     dkv = arena.reserve_scratch(B * Tg * KV);
+    chunks = cp.chunks(Tg);
   }
 }
 
@@ -53,7 +54,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   }
   if (cp.on()) {
     gather_kv(cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
-    attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, cp.chunks(Tg), NH, NKV, HS,
+    attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, chunks, NH, NKV, HS,
                              doc_start);
   } else {
     attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
@@ -73,7 +74,7 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   proj.backward(ps, s.datt, dy, arena(att), N);
   if (cp.on()) {
     attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att), arena(lse), B, Tg,
-                              cp.chunks(Tg), NH, NKV, HS, doc_start);
+                              chunks, NH, NKV, HS, doc_start);
     reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);

@@ -57,6 +57,7 @@ struct AttentionLayer {
   ContextParallel cp;
   ArenaSlice kv;             // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
   ArenaSlice cp_buf, dkv;    // and the scratch of the gather / reduce-scatter, the full dK, dV
+  QueryChunks chunks;        // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
 };
