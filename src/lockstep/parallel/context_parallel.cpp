@@ -39,20 +39,19 @@ void ContextParallel::take_local(int32_t* local, const int32_t* global, int64_t 
 }
 
 namespace {
-// Rank r's local rows (B, T / size, W) to their global positions in (B, T, W) (kToGlobal), or back.
-template <bool kToGlobal>
-void move_rows(const ContextParallel& cp, int r, float* global, float* local, int64_t B, int64_t T, int64_t W) {
+// Rank r's local rows (B, T / size, W) to their global positions in (B, T, W) (to_global: dst is
+// the global tensor, src the local rows), or back (dst local, src global).
+void move_rows(const ContextParallel& cp, int r, float* dst, const float* src, bool to_global, int64_t B, int64_t T,
+               int64_t W) {
   const QueryChunks ch = cp.chunks(T, r);
   const int64_t Tl = cp.local(T);
   parallel_for(B, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      float* l = local + b * Tl * W;
+      int64_t l = b * Tl * W;  // offset of the local rows
       for (const auto& [begin, end] : ch) {
-        float* g = global + (b * T + begin) * W;
-        const auto bytes = static_cast<size_t>((end - begin) * W) * sizeof(float);
-        if constexpr (kToGlobal) std::memcpy(g, l, bytes);
-        else std::memcpy(l, g, bytes);
-        l += (end - begin) * W;
+        const int64_t g = (b * T + begin) * W, n = (end - begin) * W;
+        std::memcpy(dst + (to_global ? g : l), src + (to_global ? l : g), static_cast<size_t>(n) * sizeof(float));
+        l += n;
       }
     }
   });
@@ -63,7 +62,7 @@ void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, c
                          int64_t W) {
   const int64_t n = B * cp.local(T) * W;
   cp.comm->all_gather(buf, local, n);
-  for (int r = 0; r < cp.size; ++r) move_rows<true>(cp, r, global, buf + r * n, B, T, W);
+  for (int r = 0; r < cp.size; ++r) move_rows(cp, r, global, buf + r * n, true, B, T, W);
 }
 
 void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
@@ -83,7 +82,7 @@ void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, cons
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
-  for (int r = 0; r < cp.size; ++r) move_rows<false>(cp, r, const_cast<float*>(dkv), buf + r * n, B, T, KV);
+  for (int r = 0; r < cp.size; ++r) move_rows(cp, r, buf + r * n, dkv, false, B, T, KV);
   cp.comm->reduce_scatter(mine, buf, n);
   parallel_for(B * Tl, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
