@@ -35,8 +35,9 @@ struct RouterSpec {
   double capacity_factor = 0;
   bool drop_by_position = false;
   // The global aux loss's replicas: the ranks whose micro-batches of the same index are counted
-  // together (the dense data-parallel x context-parallel group; MoeLayer::set_data_parallel). Its
-  // token count is replicas x N.
+  // together (the data-parallel group only, MoeLayer::set_data_parallel: every tp and cp rank
+  // already counts its whole micro-batch from the gathered router logits). Its token count is
+  // replicas x N.
   int64_t global_replicas = 1;
 };
 
