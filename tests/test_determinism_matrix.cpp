@@ -151,6 +151,14 @@ const Row kRows[] = {
                                                                      "moe.token_dispatcher=alltoall", kMoeBalance,
                                                                      "moe.router_score_function=sigmoid",
                                                                      "moe.router_enable_expert_bias=true"}, 4},
+    // With pipeline parallelism (each stage's ranks a cp group) and multi-token prediction.
+    {"cp2_pp2_mtp_documents_llama", "debug.toml", {"parallel.context=2", "parallel.pipeline=2", "model.mtp_num_layers=1",
+                                                   "model.preset=llama", "data.source=indexed:{docs}", "data.eod_token=256",
+                                                   "model.vocab_size=259", "data.reset_position_ids=true",
+                                                   "data.reset_attention_mask=true", "data.eod_mask_loss=true"}, 4},
+    {"cp2_pp2_interleaved_moe_every_aux_loss", "moe-debug.toml", {"parallel.context=2", "parallel.pipeline=2",
+                                                                  "parallel.virtual_pipeline=2", "model.num_layers=4",
+                                                                  "train.micro_batch=2", kMoeBalance}, 4},
     // Low precision split over ranks: amax reduced over the tensor's group (model/precision.h).
     {"fp8_delayed_tp2_sp_dp2_llama", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "model.preset=llama",
                                                     "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4},

@@ -1,7 +1,7 @@
 // The parallel-layout matrix: one row per layout of the dense and MoE debug models (tensor
 // parallelism 1/2/4 with sequence parallelism off/on, expert parallelism 1/2/4/8 with both token
 // dispatchers, expert tensor parallelism 1/2, pipeline parallelism 2 (1F1B and interleaved), context
-// parallelism 2/4 (dense and MoE),
+// parallelism 2/4 (dense and MoE, with MTP and with pipeline parallelism),
 // folded together and with data parallelism) on the
 // threads backend, ranks as threads with one thread each. Each row trains 3 steps twice: the two
 // runs give byte-identical fingerprints on every rank, and rank 0's losses and gradient norms
@@ -156,6 +156,19 @@ const Row kRows[] = {
     {"moe_cp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.context=2", "parallel.expert=2", A2A}},
     {"llama_moe_cp2_etp2_ep2_allgather", "moe-debug.toml", 4, {LLAMA_MOE, "parallel.context=2", "parallel.expert_tensor=2",
                                                                "parallel.expert=2", AG}},
+    // Context parallelism with multi-token prediction (each depth's ids and targets shifted over the whole
+    // sequence, then the rank's positions taken; the depth's attention gathers K/V over cp) and with pipeline
+    // parallelism (each stage's ranks form cp groups: 1F1B, interleaved, the last stage's copies of the word and
+    // position embedding, the MoE aux loss counted once per cp group).
+    {"gpt2_mtp_cp2", "debug.toml", 2, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
+    {"gpt2_mtp_cp2_tp2_sp", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3",
+                                              "parallel.context=2", "parallel.tensor=2", SP}},
+    {"gpt2_pp2_cp2", "debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2"}},
+    {"llama_gqa_pp2_interleaved_cp2", "debug.toml", 4, {LLAMA, "model.num_layers=4", "parallel.pipeline=2",
+                                                         "parallel.virtual_pipeline=2", "parallel.context=2"}},
+    {"gpt2_mtp_pp2_cp2", "debug.toml", 4, {"model.mtp_num_layers=1", "parallel.pipeline=2", "parallel.context=2"}},
+    {"moe_pp2_cp2_every_aux_loss", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2",
+                                                         "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
     // FP8 per-tensor scaling: amax reduced over tp x cp x dp (dense) and etp x edp (experts); BF16's
     // own difference under the same layouts for comparison.
     {"bf16_gpt2_tp2_sp", "debug.toml", 2, {"precision.params=bf16", "parallel.tensor=2", SP}, {}, BF16_NOISE},

@@ -3,7 +3,7 @@
 // simulated bubble against (p - 1) / (v m + p - 1)), the layer split and its errors, and whole
 // runs on the threads backend against the single process: PP 2 and 4, interleaved, all-forward-
 // all-backward and an uneven split, on the dense and MoE debug models, alone and with TP, EP and DP,
-// plus checkpoints (PP 2 resume bitwise; PP 2 <-> PP 1 resharding).
+// plus checkpoints (PP 2 and PP 2 x CP 2 resume bitwise; PP 2 <-> PP 1 resharding).
 //
 // What is bitwise and what is not: a micro-batch's arithmetic is the single process's on every
 // stage, but sums over stages are folded stage by stage (the gradient norm, the MoE aux loss, the
@@ -269,6 +269,31 @@ TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
   const auto single = trajectory(dir.path("single")), two = trajectory(dir.path("two"));
   ASSERT_EQ(two.size(), 2u);
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(two[s].first, single[s + 2].first, 1e-6 * single[s + 2].first);
+}
+
+// Pipeline x context parallelism (PP 2 x CP 2 on 4 ranks, tied head and MTP on the last stage):
+// stopped at step 2 and resumed, every rank's fingerprints are the uninterrupted run's; the
+// checkpoint (each stage's cp rank 0 writes the stage's tensors, whole) continues in one process
+// as the four ranks continue, to rounding.
+TEST(PipelineParallel, WithContextParallelResumesBitwise) {
+  TempDir dir;
+  const std::vector<std::string> keys = {"parallel.pipeline=2", "parallel.context=2", "model.mtp_num_layers=1",
+                                         "train.save_interval=2"};
+  train_ranks(4, job("debug.toml", dir.path("full"), keys));
+  std::vector<std::string> cut = keys;
+  cut.push_back("train.exit_interval=2");
+  train_ranks(4, job("debug.toml", dir.path("resumed"), cut));
+  cut.back() = "train.resume=auto";
+  train_ranks(4, job("debug.toml", dir.path("resumed"), cut));
+  for (int r = 0; r < 4; ++r)
+    EXPECT_EQ(read_file(fingerprint_path(dir.path("full"), r)), read_file(fingerprint_path(dir.path("resumed"), r)))
+        << "rank " << r;
+  testing::quiet_train(job("debug.toml", dir.path("one"), {"model.mtp_num_layers=1",
+                                                           "train.resume=" + dir.path("full") + "/checkpoints/step-00000002"}));
+  const auto full = trajectory(dir.path("full")), one = trajectory(dir.path("one"));
+  ASSERT_EQ(full.size(), 4u);
+  ASSERT_EQ(one.size(), 2u);
+  for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(one[s].first, full[s + 2].first, 1e-6 * full[s + 2].first);
 }
 
 }  // namespace

@@ -619,13 +619,6 @@ void validate_context_parallel(const Config& c) {
   if (c.determinism == "layout")
     refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
            "rank's tokens, which are not cut into canonical segments yet; use determinism = \"run\"");
-  if (m.mtp_num_layers > 0)
-    refuse(str("model.mtp_num_layers = ", m.mtp_num_layers),
-           "multi-token prediction shifts the tokens along the whole sequence, across the ranks' chunks; not supported "
-           "yet");
-  if (c.parallel.pipeline > 1)
-    refuse(str("parallel.pipeline = ", c.parallel.pipeline), "pipeline parallelism with context parallelism is not "
-           "supported yet");
 }
 
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor

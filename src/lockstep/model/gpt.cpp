@@ -24,10 +24,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
          const ContextParallel& cp)
     : m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
-  LOCKSTEP_CHECK(!cp_.on() || (Tg_ % (2 * cp_.size) == 0 && m.mtp_num_layers == 0 && part_.chunks.empty() &&
-                               part_.first && part_.last),
-                 "context parallelism: seq_length ", Tg_, " must split into 2 x ", cp_.size,
-                 " chunks, with no MTP and no pipeline");
+  LOCKSTEP_CHECK(!cp_.on() || Tg_ % (2 * cp_.size) == 0, "context parallelism: seq_length ", Tg_,
+                 " must split into 2 x ", cp_.size, " chunks");
   // config validate() names the keys; these guard other callers.
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
@@ -71,12 +69,12 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     }
     if (copies && m.mtp_num_layers > 0 && m.position_embedding == "learned") {
       head_wpe_ = part_.first ? params_.add_copy(wpe_)
-                              : params_.add("embedding.position.weight", {T_, C_}, Init::normal, std, true);
+                              : params_.add("embedding.position.weight", {Tg_, C_}, Init::normal, std, true);
       params_.set_stage_copy(head_wpe_);
     }
     out_ = m.tie_embeddings ? head_wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
     for (int64_t k = 0; k < m.mtp_num_layers; ++k)
-      mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_));
+      mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_, cp_));
   }
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
@@ -123,6 +121,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     const int64_t D = static_cast<int64_t>(mtp_.size());
     mtp_tokens_.resize(static_cast<size_t>(D * N_));
     mtp_targets_.resize(static_cast<size_t>(D * N_));
+    if (cp_.on()) mtp_shifted_.resize(static_cast<size_t>(2 * B_ * Tg_));
     for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_})
       *sl = arena_.reserve_scratch(Nl_ * C_);
   }
@@ -309,15 +308,25 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
 
 void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale) {
   const int64_t D = static_cast<int64_t>(mtp_.size());
-  // Depth k reads t_{i+k} (rolled within the sequence, as Megatron) and predicts t_{i+k+1}.
+  // Depth k reads t_{i+k} (rolled within the sequence, as Megatron) and predicts t_{i+k+1}: shifted
+  // over the whole sequence, then (context parallelism) this rank's positions of it. valid: each
+  // depth's targets in the micro-batch, the denominator of its mean on every cp rank.
+  std::vector<int64_t> valid(static_cast<size_t>(D));
   for (int64_t k = 1; k <= D; ++k) {
     int32_t* tk = mtp_tokens_.data() + (k - 1) * N_;
     int32_t* gk = mtp_targets_.data() + (k - 1) * N_;
+    int32_t* st = cp_.on() ? mtp_shifted_.data() : tk;
+    int32_t* sg = cp_.on() ? mtp_shifted_.data() + B_ * Tg_ : gk;
     for (int64_t b = 0; b < B_; ++b)
-      for (int64_t i = 0; i < T_; ++i) {
-        tk[b * T_ + i] = tokens[b * T_ + (i + k) % T_];
-        gk[b * T_ + i] = i + k < T_ ? targets[b * T_ + i + k] : -1;
+      for (int64_t i = 0; i < Tg_; ++i) {
+        st[b * Tg_ + i] = tokens[b * Tg_ + (i + k) % Tg_];
+        sg[b * Tg_ + i] = i + k < Tg_ ? targets[b * Tg_ + i + k] : -1;
       }
+    valid[static_cast<size_t>(k - 1)] = count_targets(sg, B_ * Tg_);
+    if (cp_.on()) {
+      cp_.take_local(tk, st, B_, Tg_);
+      cp_.take_local(gk, sg, B_, Tg_);
+    }
   }
   const int wte = head_wte_, wpe = head_wpe_;
   const float* prev = arena_(final_out_);
@@ -336,13 +345,13 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   // Deepest first: depth k's input gradient (dnext) joins depth k-1's head gradient.
   for (int64_t k = D - 1; k >= 0; --k) {
     const int32_t* gk = mtp_targets_.data() + k * N_;
-    const int64_t valid = count_targets(gk, N_);
-    const float scale = valid ? static_cast<float>(weight * aux_scale / static_cast<double>(valid)) : 0.0f;
+    const int64_t n = valid[static_cast<size_t>(k)];
+    const float scale = n ? static_cast<float>(weight * aux_scale / static_cast<double>(n)) : 0.0f;
     head(mtp_[k]->out(arena_), gk, dh, backward, scale);
     double sum = 0;
     const float* losses = arena_(losses_);
     for (int64_t i = 0; i < N_; ++i) sum += losses[i];
-    depth_loss[static_cast<size_t>(k)] = valid ? sum / static_cast<double>(valid) : 0.0;
+    depth_loss[static_cast<size_t>(k)] = n ? sum / static_cast<double>(n) : 0.0;
     if (!backward) continue;
     if (k + 1 < D) {
       parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
@@ -387,7 +396,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   // Pipeline parallelism: another micro-batch's forward may have run since this one's.
   const bool whole = part_.first && part_.last && num_chunks() == 1;
   if (!whole) layout_documents(tokens);
-  const int32_t* all_targets = targets;
+  const int32_t *all_tokens = tokens, *all_targets = targets;
   tokens = local(tokens, cp_tokens_);
   targets = local(targets, cp_targets_);
   double lm = 0;
@@ -397,7 +406,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
     // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
     lm = lm_loss(all_targets);
-    if (!mtp_.empty()) mtp(tokens, targets, true, aux_scale);
+    if (!mtp_.empty()) mtp(all_tokens, all_targets, true, aux_scale);
     std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
     final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
     // The head and the MTP depths ran their backward before this one.
@@ -444,11 +453,8 @@ void GPT::begin_evaluation() {
 }
 
 double GPT::evaluate_head(const int32_t* tokens, const int32_t* targets) {
-  const int32_t* all_targets = targets;
-  tokens = local(tokens, cp_tokens_);
-  targets = local(targets, cp_targets_);
-  head(arena_(final_out_), targets, nullptr, false, 0.0f);
-  const double lm = lm_loss(all_targets);
+  head(arena_(final_out_), local(targets, cp_targets_), nullptr, false, 0.0f);
+  const double lm = lm_loss(targets);
   if (!mtp_.empty()) mtp(tokens, targets, false, 0.0f);
   return lm;
 }

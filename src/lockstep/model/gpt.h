@@ -106,6 +106,8 @@ class GPT {
   // The multi-token prediction loss of the last forward_backward or evaluate (model/mtp.h):
   // (mtp_loss_scaling_factor / D) * sum over depths of each depth's mean loss; 0 without MTP. It is
   // part of the training loss like aux_loss(): its gradients are scaled by grad_scale * B * T.
+  // Context parallelism: this rank's share (its positions' losses over the micro-batch's count of
+  // each depth's targets), summed over the cp group like lm_loss.
   double mtp_loss() const { return mtp_loss_; }
 
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
@@ -195,7 +197,9 @@ class GPT {
   // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
   void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
   // The MTP depths after the main head: forward, losses, and with backward their gradients (the
-  // depth-1 input's added to d(final norm output)).
+  // depth-1 input's added to d(final norm output)). tokens, targets: the whole micro-batch's (B,
+  // seq_length); the shifted ids cross the context-parallel ranks' chunks, so each depth's are
+  // shifted over the whole sequence and this rank's positions taken.
   void mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale);
 
   ModelConfig m_;
@@ -241,9 +245,10 @@ class GPT {
       sh_dout_, sh_dact_, sh_dfc_, sh_dx_;
   double aux_loss_ = 0;
   ExactSum aux_exact_;
-  // Multi-token prediction: depths, their inputs and targets ((D, N) each), backward scratch.
+  // Multi-token prediction: depths, their inputs and targets ((D, N) each), backward scratch;
+  // context parallelism: a depth's shifted inputs and targets over the whole sequence ((2, B, seq_length)).
   std::vector<std::unique_ptr<MtpLayer>> mtp_;
-  std::vector<int32_t> mtp_tokens_, mtp_targets_;
+  std::vector<int32_t> mtp_tokens_, mtp_targets_, mtp_shifted_;
   ArenaSlice mtp_dh_, mtp_dnext_, mtp_dx_, mtp_de_, mtp_dhn_, mtp_demb_;
   double mtp_loss_ = 0;
   // Packed documents: (N) each, filled by forward when the flag is on; null pointers otherwise.

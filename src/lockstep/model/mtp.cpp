@@ -11,8 +11,8 @@
 namespace lockstep {
 
 MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B_, int64_t T_,
-                   const TensorParallel& tp_)
-    : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size), tp(tp_), rows(tp_.rows(B_ * T_)) {
+                   const TensorParallel& tp_, const ContextParallel& cp)
+    : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size), Tg(T_ * cp.size), tp(tp_), rows(tp_.rows(B_ * T_)) {
   const std::string prefix = "mtp.layers." + std::to_string(depth) + ".";
   const bool rms = m.normalization == "rmsnorm";
   const float eps = static_cast<float>(m.norm_eps);
@@ -21,7 +21,7 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
   proj_w = ps.add(prefix + "eh_proj.weight", {C, 2 * C}, Init::normal, static_cast<float>(m.init_std), true);
   ps.set_token_sum(proj_w);  // a sum over the stream's rows, which sequence parallelism splits
   proj_name = prefix + "eh_proj";
-  attn = AttentionLayer(ps, arena, prefix, m, B, T, tp);
+  attn = AttentionLayer(ps, arena, prefix, m, B, T, tp, cp);
   mlp = MlpLayer(ps, arena, prefix, m, N, tp);
   final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, rows, eps);
   // Sequence parallelism: these see this rank's rows only, so their gradients are partial sums.
@@ -42,7 +42,8 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
     vocab_parallel_embedding(tp, arena(emb), arena(emb_partial), local_tokens, tokens_k, ps.weight(wte),
                              wpe >= 0 ? ps.weight(wpe) : nullptr, positions, this->N, T, C, V);
   else
-    embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions);
+    embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions,
+                      Tg);
   p.round(arena(emb), N * C);
   enorm.forward(ps, arena, arena(e), arena(emb), N);
   hnorm.forward(ps, arena, arena(hn), h_prev, N);
@@ -90,9 +91,9 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);
   if (tp.on())
     vocab_parallel_embedding_backward(tp, ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.attn.dnorm, s.demb,
-                                      local_tokens, tokens_k, positions, B, T, C, V);
+                                      local_tokens, tokens_k, positions, B, T, C, V, Tg);
   else
-    embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions);
+    embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions, Tg);
 }
 
 }  // namespace lockstep

@@ -19,6 +19,12 @@
 // Tensor parallelism (parallel/tensor_parallel.h): the depth's attention and MLP split like the
 // main model's, its embedding lookup is vocab-parallel; with sequence parallelism the depth's
 // activations (and eh_proj, on this rank's rows) hold this rank's rows of the (N, C) stream.
+//
+// Context parallelism (parallel/context_parallel.h): the depth holds the rank's T = seq_length / cp
+// positions per sample, as the main model; the hidden states stay where they are, only the token
+// ids and targets move along the sequence (GPT::mtp shifts them over the whole sequence and takes
+// this rank's positions), and the depth's attention all-gathers its keys and values over the cp
+// group like a main layer's.
 #pragma once
 
 #include <string>
@@ -45,8 +51,9 @@ struct MtpScratch {
 struct MtpLayer {
   MtpLayer() = default;
   // depth: k - 1 (0-based), the index in the parameter names.
+  // T: the positions per sample this rank holds (seq_length / cp).
   MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B, int64_t T,
-           const TensorParallel& tp = TensorParallel{});
+           const TensorParallel& tp = TensorParallel{}, const ContextParallel& cp = ContextParallel{});
 
   // tokens_k (N): the inputs t_{i+k}. h_prev (N, C): h_{k-1}. Writes h_k (out()).
   void forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
@@ -62,6 +69,7 @@ struct MtpLayer {
   const float* out(const Arena& arena) const { return arena(h); }
 
   int64_t B = 0, T = 0, N = 0, C = 0, V = 0;
+  int64_t Tg = 0;  // positions per sample of the whole sequence (the position embedding's rows)
   Norm enorm, hnorm, final_norm;
   int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
   std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (model/trace.h)

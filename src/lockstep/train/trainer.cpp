@@ -458,6 +458,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     double sums[3] = {0, 0, 0};
     ExactSum exact_sums[3];  // the same, exactly (layout mode)
     model.begin_step(tc.seed, step, first_micro);
+    // Every rank of a cp group computes the whole micro-batch's aux losses: counted once, on cp rank 0.
+    const bool aux_here = coords.cp == 0;
     Pipeline::StepResult piped;
     if (pipelined) {
       piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
@@ -467,9 +469,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         sums[0] += term;
         exact_sums[0].add(term);  // 0 on the stages without the head
       }
-      sums[1] = piped.aux_loss;
+      sums[1] = aux_here ? piped.aux_loss : 0.0;
       sums[2] = piped.mtp_loss;
-      exact_sums[1] = piped.aux_exact;
+      if (aux_here) exact_sums[1] = piped.aux_exact;
       exact_sums[2] = piped.mtp_exact;
       if (!layout) {
         pipeline->sum_shared_grads(model);
@@ -499,8 +501,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
       }
-      // Every rank of a cp group computes the whole micro-batch's aux losses: counted once, on cp rank 0.
-      const bool aux_here = coords.cp == 0;
       const double micro_sums[3] = {dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
                                     aux_here ? model.aux_loss() : 0.0, model.mtp_loss()};
       for (int k = 0; k < 3; ++k) sums[k] += micro_sums[k];

@@ -10,6 +10,10 @@
 // `run` mode sums before the data-parallel reduction, `layout` mode after it: each stage's part is
 // then its own canonical tree over micro-batches, docs/determinism.md).
 //
+// Context parallelism: each stage's ranks form their own cp groups (a pipeline group links ranks
+// with equal tp, cp and dp coordinates); fetch gives every rank the whole micro-batch and the model
+// takes its positions, so what passes between stages is the rank's rows of the stream (B x T / cp).
+//
 // Communication: after each action a rank posts one batch (Communicator::send_recv_batch_async)
 // with what the action produced (a chunk's output to the next stage, an input gradient to the
 // previous one) and what its next action needs, then waits for it; messages are tagged by the
