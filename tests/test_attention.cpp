@@ -8,6 +8,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/parallel/context_parallel.h"
 #include "testing.h"
@@ -417,6 +418,102 @@ TEST(AttentionChunks, LoadBalancedChunksReproduceTheWholeSequence) {
     }
     EXPECT_TRUE(testing::all_close(dkv_sum, testing::to_double(want_dkv), 1e-5, 1e-6, "dkv vs whole " + name(d)));
     EXPECT_TRUE(testing::all_close(dkv_sum, ref_dkv, 1e-4, 1e-5, "dkv vs reference " + name(d)));
+  }
+}
+
+// Query segments (determinism = "layout" with layout_token_segments): the whole-sequence backward
+// with G segments keeps dq bitwise, its dK, dV are the canonical tree over the G segments' chains
+// (each segment computed alone, as a one-segment chunk) bitwise, AVX2 and portable agree, it matches
+// the double reference; and the cp ranks' per-chunk results (attention_backward_chunks, rank r's
+// chunks r and 2P-1-r), summed along the canonical tree over the 2P chunks in position order, are
+// its bits exactly (what reduce_scatter_dkv does over the group). GQA, documents, chunks of 4..32.
+TEST(AttentionChunks, QuerySegmentsAreTheTreeOverSegmentsAndSplitOverCpRanks) {
+  struct Case {
+    Dims d;
+    int64_t G;
+    int P;
+    bool docs;
+  };
+  const Case cases[] = {{{2, 64, 4, 2, 16}, 8, 2, false},  {{1, 128, 4, 1, 12}, 8, 4, false},
+                        {{2, 96, 2, 2, 8}, 8, 2, true},     {{1, 256, 2, 1, 16}, 16, 2, false},
+                        {{1, 40, 2, 2, 8}, 8, 4, true}};
+  for (const Case& c : cases) {
+    const Dims& d = c.d;
+    const std::string at = name(d) + str(" G=", c.G, " P=", c.P);
+    const DocStarts ds = c.docs ? doc_starts(d, kLayouts) : DocStarts{};
+    const int32_t* doc = ds.empty() ? nullptr : ds.data();
+    const std::vector<float> qkv = inputs(d, 21), dout = out_grad(d, 21);
+    const Result plain = run(qkv, dout, d, false, ds);
+    std::vector<float> seg(qkv.size(), std::numeric_limits<float>::quiet_NaN()), port = seg;
+    attention_backward(seg.data(), dout.data(), qkv.data(), plain.out.data(), plain.lse.data(), d.B, d.T, d.NH, d.NKV,
+                       d.HS, doc, c.G);
+    detail::attention_backward_portable(port.data(), dout.data(), qkv.data(), plain.out.data(), plain.lse.data(), d.B,
+                                        d.T, d.NH, d.NKV, d.HS, doc, c.G);
+    EXPECT_TRUE(testing::bitwise_equal(port, seg, "portable " + at));
+    const int64_t C3 = d.C3(), KV = 2 * d.NKV * d.HS, NHS = d.NH * d.HS, n = d.B * d.T * KV;
+    std::vector<float> kv(static_cast<size_t>(n)), want_dkv(kv.size()), got_dq, want_dq;
+    std::vector<double> ref_dkv;
+    const std::vector<double> ref = ref_backward(testing::to_double(qkv), testing::to_double(dout), d, ds);
+    for (int64_t r = 0; r < d.B * d.T; ++r) {
+      std::copy_n(qkv.begin() + r * C3 + NHS, KV, kv.begin() + r * KV);
+      std::copy_n(seg.begin() + r * C3 + NHS, KV, want_dkv.begin() + r * KV);
+      ref_dkv.insert(ref_dkv.end(), ref.begin() + r * C3 + NHS, ref.begin() + (r + 1) * C3);
+      got_dq.insert(got_dq.end(), seg.begin() + r * C3, seg.begin() + r * C3 + NHS);
+      want_dq.insert(want_dq.end(), plain.dqkv.begin() + r * C3, plain.dqkv.begin() + r * C3 + NHS);
+    }
+    EXPECT_TRUE(testing::bitwise_equal(got_dq, want_dq, "dq " + at));
+    int64_t moved = 0;  // the segments are another association than the one chain: some bits differ
+    for (int64_t r = 0; r < d.B * d.T * C3; ++r) moved += std::bit_cast<uint32_t>(seg[r]) != std::bit_cast<uint32_t>(plain.dqkv[r]);
+    EXPECT_GT(moved, 0) << at;
+    EXPECT_TRUE(testing::all_close(want_dkv, ref_dkv, 1e-4, 1e-5, "dkv vs reference " + at));
+
+    // Local rows of query chunks (one chunk per sample's list), as a cp rank holds them.
+    auto local = [&](const std::vector<float>& x, int64_t W, const QueryChunks& ch) {
+      std::vector<float> y;
+      for (int64_t b = 0; b < d.B; ++b)
+        for (const auto& [begin, end] : ch) y.insert(y.end(), x.begin() + (b * d.T + begin) * W, x.begin() + (b * d.T + end) * W);
+      return y;
+    };
+    auto lse_local = [&](const QueryChunks& ch) {
+      std::vector<float> y;
+      for (int64_t b = 0; b < d.B; ++b)
+        for (int64_t h = 0; h < d.NH; ++h)
+          for (const auto& [begin, end] : ch)
+            y.insert(y.end(), plain.lse.begin() + (b * d.NH + h) * d.T + begin, plain.lse.begin() + (b * d.NH + h) * d.T + end);
+      return y;
+    };
+    auto chunk_dkv = [&](const QueryChunks& ch) {
+      const std::vector<float> q = local(qkv, C3, ch), go = local(dout, NHS, ch), o = local(plain.out, NHS, ch);
+      std::vector<float> dq(q.size()), dkv(static_cast<size_t>(static_cast<int64_t>(ch.size()) * n));
+      attention_backward_chunks(dq.data(), dkv.data(), go.data(), q.data(), kv.data(), o.data(), lse_local(ch).data(),
+                                d.B, d.T, ch, d.NH, d.NKV, d.HS, doc, c.G);
+      return dkv;
+    };
+    // The definition: each segment from zero, then the tree.
+    std::vector<std::vector<float>> leaves;
+    const std::vector<int64_t> sb = canonical_segments(d.T, c.G);
+    for (int64_t g = 0; g < c.G; ++g) leaves.push_back(chunk_dkv({{sb[g], sb[g + 1]}}));
+    std::vector<const float*> lp;
+    for (const auto& l : leaves) lp.push_back(l.data());
+    std::vector<float> tree(static_cast<size_t>(n)), stack(static_cast<size_t>(tree_sum_stack(c.G) * n));
+    tree_sum(tree.data(), lp.data(), c.G, n, stack.data());
+    EXPECT_TRUE(testing::bitwise_equal(tree, want_dkv, "tree over segments " + at));
+
+    // The cp ranks' chunks, combined along the tree over the 2P chunks in position order.
+    std::vector<std::vector<float>> pieces(static_cast<size_t>(2 * c.P));
+    for (int r = 0; r < c.P; ++r) {
+      ContextParallel cp;
+      cp.size = c.P;
+      cp.rank = r;
+      const std::vector<float> dkv = chunk_dkv(cp.chunks(d.T));
+      pieces[static_cast<size_t>(r)].assign(dkv.begin(), dkv.begin() + n);
+      pieces[static_cast<size_t>(2 * c.P - 1 - r)].assign(dkv.begin() + n, dkv.end());
+    }
+    lp.clear();
+    for (const auto& p : pieces) lp.push_back(p.data());
+    stack.assign(static_cast<size_t>(tree_sum_stack(2 * c.P) * n), 0.0f);
+    tree_sum(tree.data(), lp.data(), 2 * c.P, n, stack.data());
+    EXPECT_TRUE(testing::bitwise_equal(tree, want_dkv, "cp pieces " + at));
   }
 }
 

@@ -84,6 +84,10 @@ class PieceTree {
 template <typename T>
 void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack);
 inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_cast<uint64_t>(L - 1)) : 0; }
+// tree_sum one leaf at a time: push leaves c = 0, 1, ..., L - 1 in order (last: c = L - 1); the
+// last push writes the tree sum to out (which may alias x). stack as tree_sum's.
+template <typename T>
+void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack);
 
 // In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
 // canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
@@ -140,26 +144,30 @@ class TreeSum {
 };
 
 template <typename T>
-void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack) {
+void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack) {
   // Leaf c completes the subtrees of its trailing one bits: carry = S_0 + x, S_1 + carry, ...,
   // stored at the first zero bit; the last leaf folds every held subtree, smallest first.
-  for (int64_t c = 0; c + 1 < L; ++c) {
+  if (!last) {
     const int t = std::countr_one(static_cast<uint64_t>(c));
     T* dst = stack + t * n;
-    const T* x = leaves[c];
     for (int64_t i = 0; i < n; ++i) {
       T carry = x[i];
       for (int j = 0; j < t; ++j) carry = stack[j * n + i] + carry;
       dst[i] = carry;
     }
+    return;
   }
-  const uint64_t held = static_cast<uint64_t>(L - 1);
-  const T* x = leaves[L - 1];
+  const uint64_t held = static_cast<uint64_t>(c);
   for (int64_t i = 0; i < n; ++i) {
     T carry = x[i];
     for (uint64_t h = held; h; h &= h - 1) carry = stack[std::countr_zero(h) * n + i] + carry;
     out[i] = carry;
   }
+}
+
+template <typename T>
+void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack) {
+  for (int64_t c = 0; c < L; ++c) tree_sum_push(out, leaves[c], c, c + 1 == L, n, stack);
 }
 
 template <typename T>

@@ -4,10 +4,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <span>
 #include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
 namespace lockstep {
@@ -228,6 +230,8 @@ void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, 
 // positions, whose local rows start at `row`.
 struct QBlock {
   int64_t q0, nq, row;
+  int64_t chunk;    // the query chunk it belongs to
+  int64_t segment;  // query segments: its canonical segment's index among the chunk's (else 0)
 };
 
 struct Shape {
@@ -235,8 +239,13 @@ struct Shape {
   int64_t Tl;      // query rows per sample (T without context parallelism)
   int64_t HSp;     // HS rounded up to 8: tiles are zero-padded so every loop runs on whole vectors
   int64_t group;   // query heads per kv head
-  std::vector<QBlock> blocks;  // the query blocks of a sample, ascending
+  std::span<const QBlock> blocks;  // the query blocks of a sample, ascending
   float scale;
+  // Query segments (determinism = "layout", layout_token_segments): dk and dv are summed per
+  // canonical segment, each from zero, then along the canonical tree over each chunk's segments.
+  int64_t segments = 0;       // per sample (0: one chain over all queries)
+  int64_t max_chunk_segs = 0;  // the most segments a chunk holds
+  int64_t chunks = 1;
 };
 
 // Where the operands live. q (B, Tl, ldq) query head h at column h * HS; k, v (B, T, ldkv) key /
@@ -254,24 +263,50 @@ struct Io {
   int64_t lddkv;
 };
 
-Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const QueryChunks& chunks) {
+using Chunks = std::span<const std::pair<int64_t, int64_t>>;
+
+// The query blocks of a sample; kept per calling thread (its capacity stays, so steady-state calls
+// do not allocate), read by the pool's workers during the call.
+Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, Chunks chunks, int64_t segments) {
   LOCKSTEP_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0, "attention: B=", B, " T=", T,
                  " NH=", NH, " NKV=", NKV, " HS=", HS);
   LOCKSTEP_CHECK(NH % NKV == 0, "attention: NH=", NH, " is not a multiple of NKV=", NKV);
+  LOCKSTEP_CHECK(segments >= 0 && segments <= T, "attention: ", segments, " query segments of ", T, " positions");
+  thread_local std::vector<QBlock> blocks;
+  blocks.clear();
   Shape s{B, T, NH, NKV, HS, 0, round_up(HS, 8), NH / NKV, {}, 1.0f / std::sqrt(static_cast<float>(HS))};
+  s.segments = segments;
+  s.chunks = static_cast<int64_t>(chunks.size());
+  // Segment g of a sample is [g T / G, (g + 1) T / G) (canonical_segments).
+  auto bound = [&](int64_t g) { return g * T / segments; };
   int64_t prev_end = 0;
-  for (const auto& [begin, end] : chunks) {
+  for (size_t j = 0; j < chunks.size(); ++j) {
+    const auto [begin, end] = chunks[j];
     LOCKSTEP_CHECK(begin >= prev_end && begin < end && end <= T, "attention: query chunk [", begin, ", ", end,
                    ") is not ascending inside [0, ", T, ")");
     prev_end = end;
-    // Query blocks never cross a multiple of kBlk, so every key block a query sees is whole or the
-    // diagonal one, as in the whole-sequence call.
-    for (int64_t q0 = begin; q0 < end; q0 = (q0 / kBlk + 1) * kBlk) {
-      const int64_t nq = std::min(end, (q0 / kBlk + 1) * kBlk) - q0;
-      s.blocks.push_back({q0, nq, s.Tl});
-      s.Tl += nq;
+    int64_t g = 0, g_end = 1;  // the chunk's segments [g, g_end)
+    if (segments) {
+      g = begin * segments / T;
+      while (bound(g) < begin) ++g;
+      g_end = g;
+      while (bound(g_end) < end) ++g_end;
+      LOCKSTEP_CHECK(bound(g) == begin && bound(g_end) == end, "attention: query chunk [", begin, ", ", end,
+                     ") is not whole segments of ", T, " / ", segments);
+      s.max_chunk_segs = std::max(s.max_chunk_segs, g_end - g);
+    }
+    for (int64_t k = g; k < g_end; ++k) {
+      const int64_t b0 = segments ? bound(k) : begin, b1 = segments ? bound(k + 1) : end;
+      // Query blocks never cross a multiple of kBlk (or a segment), so every key block a query sees
+      // is whole or the diagonal one, as in the whole-sequence call.
+      for (int64_t q0 = b0; q0 < b1; q0 = (q0 / kBlk + 1) * kBlk) {
+        const int64_t nq = std::min(b1, (q0 / kBlk + 1) * kBlk) - q0;
+        blocks.push_back({q0, nq, s.Tl, static_cast<int64_t>(j), k - g});
+        s.Tl += nq;
+      }
     }
   }
+  s.blocks = blocks;
   return s;
 }
 
@@ -404,9 +439,9 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
 }
 
 template <class O>
-void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, const QueryChunks& chunks, int64_t NH,
+void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, Chunks chunks, int64_t NH,
              int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  const Shape s = make_shape(B, T, NH, NKV, HS, chunks);
+  const Shape s = make_shape(B, T, NH, NKV, HS, chunks, 0);
   check_doc_start(doc_start, B, T);
   const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 4 * kBlk);
   const auto nb = static_cast<int64_t>(s.blocks.size());
@@ -417,6 +452,17 @@ void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, const Q
       forward_block<O>(out, lse, io, doc_start, s, b, h, s.blocks[static_cast<size_t>(qb)], scratch);
     }
   });
+}
+
+// dk, dv (Tk, HSp) of (b, kv head g) into chunk j's (B, T, ...) gradient (chunk 0 without query
+// segments).
+void write_dkv(const Io& io, const Shape& s, int64_t b, int64_t g, int64_t j, const float* dk, const float* dv) {
+  const int64_t HSp = s.HSp, base = j * s.B * s.T * io.lddkv;
+  for (int64_t t = 0; t < s.T; ++t) {
+    const int64_t at = base + (b * s.T + t) * io.lddkv + g * s.HS;
+    std::memcpy(io.dk + at, dk + t * HSp, s.HS * sizeof(float));
+    std::memcpy(io.dv + at, dv + t * HSp, s.HS * sizeof(float));
+  }
 }
 
 // One (b, kv head g): dk, dv of g and dq of its query heads, all assigned.
@@ -441,6 +487,8 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
   float* dst = pt + kBlk * kBlk;     // (kBlk keys, kBlk queries) dP, then dS
   float* row = dst + kBlk * kBlk;    // (2, HSp) padded copies of one out and dout row
   float* dsf = row + 2 * HSp;        // (kBlk) document starts of the query block
+  float* stack = dsf + kBlk;         // query segments: tree_sum_stack(segments of a chunk) x (dk, dv)
+  const int64_t M = 2 * Tk * HSp;    // dk and dv, back to back
   const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
 
   copy_rows(kall, HSp, io.k + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
@@ -470,9 +518,18 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
     }
   }
 
+  // Without query segments one chain over (query head, query position) for every key; with them,
+  // one such chain per segment from zero (its blocks i0 .. i1 - 1), pushed into the canonical tree
+  // over its chunk's segments, which lands in the chunk's dk, dv.
+  for (int64_t i0 = 0; i0 < nb;) {
+    const QBlock& first = s.blocks[static_cast<size_t>(i0)];
+    int64_t i1 = s.segments ? i0 + 1 : nb;
+    while (i1 < nb && s.blocks[static_cast<size_t>(i1)].chunk == first.chunk &&
+           s.blocks[static_cast<size_t>(i1)].segment == first.segment)
+      ++i1;
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
-    for (int64_t qbi = 0; qbi < nb; ++qbi) {
+    for (int64_t qbi = i0; qbi < i1; ++qbi) {
       const QBlock& blk = s.blocks[static_cast<size_t>(qbi)];
       const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
       const float* qrow = io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS;
@@ -524,21 +581,25 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
       }
     }
   }
-  for (int64_t t = 0; t < s.T; ++t) {
-    const int64_t at = (b * s.T + t) * io.lddkv + g * s.HS;
-    std::memcpy(io.dk + at, dk + t * HSp, s.HS * sizeof(float));
-    std::memcpy(io.dv + at, dv + t * HSp, s.HS * sizeof(float));
+    if (s.segments) {
+      const bool last = i1 == nb || s.blocks[static_cast<size_t>(i1)].chunk != first.chunk;
+      tree_sum_push(dk, dk, first.segment, last, M, stack);
+      if (last) write_dkv(io, s, b, g, first.chunk, dk, dv);
+      std::fill(dk, dk + M, 0.0f);
+    }
+    i0 = i1;
   }
+  if (!s.segments) write_dkv(io, s, b, g, 0, dk, dv);
 }
 
 template <class O>
 void backward(const Io& io, const float* dout, const float* out, const float* lse, int64_t B, int64_t T,
-              const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  const Shape s = make_shape(B, T, NH, NKV, HS, chunks);
+              Chunks chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t segments) {
+  const Shape s = make_shape(B, T, NH, NKV, HS, chunks, segments);
   check_doc_start(doc_start, B, T);
   const int64_t Tk = round_up(T, 4), Tq = static_cast<int64_t>(s.blocks.size()) * kBlk;
-  const size_t need = static_cast<size_t>(4 * Tk * s.HSp + 2 * s.group * Tq + 5 * kBlk * s.HSp +
-                                          2 * kBlk * kBlk + 2 * s.HSp + kBlk);
+  const size_t need = static_cast<size_t>((4 + 2 * tree_sum_stack(s.max_chunk_segs)) * Tk * s.HSp +
+                                          2 * s.group * Tq + 5 * kBlk * s.HSp + 2 * kBlk * kBlk + 2 * s.HSp + kBlk);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u)
@@ -560,19 +621,25 @@ Io chunk_io(const float* qkv, const float* kv, float* dqkv, float* dkv, int64_t 
   return Io{qkv, C3, kv, kv + NKV * HS, KV, dqkv, C3, dkv, dkv ? dkv + NKV * HS : nullptr, KV};
 }
 
-QueryChunks whole(int64_t T) { return {{0, T}}; }
+// The whole sequence as one query chunk, without allocating.
+struct Whole {
+  std::pair<int64_t, int64_t> chunk;
+  explicit Whole(int64_t T) : chunk{0, T} {}
+  operator Chunks() const { return {&chunk, 1}; }
+};
 
 }  // namespace
 
 void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
                        int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  forward<FastOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, whole(T), NH, NKV, HS, doc_start);
+  forward<FastOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, Whole(T), NH, NKV, HS, doc_start);
 }
 
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, const int32_t* doc_start) {
-  backward<FastOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, whole(T), NH, NKV, HS, doc_start);
+                        int64_t HS, const int32_t* doc_start, int64_t query_segments) {
+  backward<FastOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, Whole(T), NH, NKV, HS, doc_start,
+                    query_segments);
 }
 
 void attention_forward_chunks(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
@@ -583,20 +650,22 @@ void attention_forward_chunks(float* out, float* lse, const float* qkv, const fl
 
 void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                                const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks,
-                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
+                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start,
+                               int64_t query_segments) {
   backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, chunks, NH, NKV, HS,
-                    doc_start);
+                    doc_start, query_segments);
 }
 
 namespace detail {
 void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
                                 int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
-  forward<PortableOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, whole(T), NH, NKV, HS, doc_start);
+  forward<PortableOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, Whole(T), NH, NKV, HS, doc_start);
 }
 void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out,
                                  const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                 int64_t HS, const int32_t* doc_start) {
-  backward<PortableOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, whole(T), NH, NKV, HS, doc_start);
+                                 int64_t HS, const int32_t* doc_start, int64_t query_segments) {
+  backward<PortableOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, Whole(T), NH, NKV, HS, doc_start,
+                        query_segments);
 }
 }  // namespace detail
 

@@ -45,6 +45,17 @@
 // whole-sequence ones (more masked keys in a tile only add exact zeros). dk and dv hold only the
 // given queries' contributions; summed over the ranks that hold the other queries, they equal the
 // whole-sequence gradients up to the association of that sum.
+//
+// Query segments (determinism = "layout" with layout_token_segments, docs/determinism.md): with
+// query_segments = G > 0 the backward cuts each sample's queries into G canonical segments
+// (core/tree_sum.h canonical_segments(T, G); G <= T) and computes dk, dv per segment, each one FMA
+// chain from zero over (query head of the group, then query position ascending) of that segment's
+// queries, then sums a chunk's segments along the canonical tree over them. Query blocks are also
+// cut at the segments (dq, out and lse keep their bits). Every chunk must be whole segments; when
+// each chunk's segments are an aligned power-of-two block of the G (context parallelism's chunks
+// with 2 cp dividing G), the canonical tree over the chunks' results in position order is, bit for
+// bit, the whole-sequence call's tree over the G segments (parallel/context_parallel.h
+// reduce_scatter_dkv).
 #pragma once
 
 #include <cstdint>
@@ -60,9 +71,10 @@ void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int6
                        int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr);
 
 // dqkv (B, T, (NH + 2*NKV)*HS) is assigned. out and lse are what attention_forward returned.
+// query_segments: dk and dv in that many query segments per sample (above); 0: one chain.
 void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
                         const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, const int32_t* doc_start = nullptr);
+                        int64_t HS, const int32_t* doc_start = nullptr, int64_t query_segments = 0);
 
 // Global positions [begin, end) of each chunk of query rows, ascending and disjoint; the local rows
 // of a sample are the chunks' positions back to back (Tl rows in all).
@@ -75,10 +87,12 @@ void attention_forward_chunks(float* out, float* lse, const float* qkv, const fl
                               const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS,
                               const int32_t* doc_start = nullptr);
 // The query columns of dqkv (B, Tl, ...) and all of dkv (B, T, 2*NKV*HS) are assigned: the local
-// queries' gradient and their contributions to every key's and value's.
+// queries' gradient and their contributions to every key's and value's. With query_segments, dkv
+// is (chunks, B, T, 2*NKV*HS): each chunk's tree over its segments, kept apart.
 void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                                const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks,
-                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr);
+                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr,
+                               int64_t query_segments = 0);
 
 namespace detail {
 // The portable forms, exposed so tests can check them against the AVX2 forms bitwise.
@@ -88,7 +102,7 @@ void attention_forward_portable(float* out, float* lse, const float* qkv, int64_
 void attention_backward_portable(float* dqkv, const float* dout, const float* qkv,
                                  const float* out, const float* lse, int64_t B, int64_t T,
                                  int64_t NH, int64_t NKV, int64_t HS,
-                                const int32_t* doc_start = nullptr);
+                                 const int32_t* doc_start = nullptr, int64_t query_segments = 0);
 }  // namespace detail
 
 }  // namespace lockstep
