@@ -109,7 +109,8 @@ class Communicator {
   // and receives all of them for its chunk (an all-to-all of K_r times the bytes: sum's
   // reduce-scatter step sends (P - 1) / P x n elements per rank, this one K_r times that), so the
   // result is bitwise the tree over all leaves, and equals tree_sum when every K_r is 1 and the
-  // blocks are equal. out may be one of the pieces (the rank's last, typically).
+  // blocks are equal. out may be one of the pieces (the rank's last, typically). A rank may hold an
+  // empty block (blocks[r] == blocks[r + 1]): it gives no pieces and receives the sum all the same.
   template <typename T>
   void all_reduce_pieces(T* out, const std::vector<const T*>& pieces, int64_t n, const std::vector<int64_t>& blocks) {
     all_reduce_pieces_async(out, pieces, n, blocks).wait();

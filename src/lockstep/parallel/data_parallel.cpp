@@ -104,6 +104,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   expert_blocks_.clear();
   expert_pieces_.clear();
   expert_first_ = expert_held_ = 0;
+  expert_keeps_ = true;
   if (experts_summed) {
     const int D = expert_.size();
     const int64_t G = P * micros / D;
@@ -118,13 +119,33 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
       expert_held_ = static_cast<int64_t>(canonical_pieces(P * micros, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
+  } else if (!subtrees && expert_.size() != P) {
+    // MoE under tensor parallelism without expert (tensor) parallelism: the expert group is the dense
+    // one with each rank's tensor-parallel replicas; tp rank 0 holds the micro-batches' expert
+    // gradients, the others -0 (model/moe/experts.h reduce_over_tp). As pieces, tp rank 0 gives its
+    // dense rank's block and the others an empty one.
+    const int D = expert_.size();
+    const int me[2] = {dense_.rank(), tp_ ? tp_->rank() : 0};
+    std::vector<int> all(static_cast<size_t>(2 * D));
+    expert_.all_gather(all.data(), me, 2);
+    expert_blocks_.push_back(0);
+    for (int j = 0; j < D; ++j) {
+      const bool keeps = all[static_cast<size_t>(2 * j + 1)] == 0;
+      const int64_t first = all[static_cast<size_t>(2 * j)] * micros;
+      LOCKSTEP_CHECK(!keeps || expert_blocks_.back() == first, "expert group rank ", j, " holds micro-batches from ",
+                     first, " after ", expert_blocks_.back());
+      expert_blocks_.push_back(keeps ? first + micros : expert_blocks_.back());
+      if (j == expert_.rank()) expert_keeps_ = keeps;
+    }
+    LOCKSTEP_CHECK(expert_blocks_.back() == P * micros, "the expert group's tp rank 0s hold ", expert_blocks_.back(),
+                   " of ", P * micros, " micro-batches");
   }
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;
     b.pieced = experts ? !expert_blocks_.empty() : !subtrees;
     b.packed_pieces.clear();
-    const int64_t K = experts ? expert_held_ + 1 : tree_.pieces();
+    const int64_t K = experts ? expert_held_ + 1 : b.comm == &expert_ && !expert_keeps_ ? 0 : tree_.pieces();
     if (b.pieced && b.in_place < 0)
       for (int64_t k = 0; k + 1 < K; ++k) b.packed_pieces.emplace_back(b.chunk * b.comm->size());
   }
@@ -239,15 +260,18 @@ std::vector<float*> DataParallel::expert_pieces() {
 void DataParallel::post_pieces(Bucket& b) {
   // This rank's pieces: the held sums (the tree's, or the experts' tables), then the last one in
   // ps.grads().
-  const bool experts = experts_summed_ && b.comm == &expert_;
+  // The experts' own blocks (expert_blocks_) when the model sums them or tensor parallelism replicates
+  // the dense ranks in their group; there a replica other than tp rank 0 gives no pieces.
+  const bool experts = b.comm == &expert_ && !expert_blocks_.empty();
+  const bool none = experts && !expert_keeps_;
   const std::vector<int64_t>& blocks = experts ? expert_blocks_ : blocks_;
-  std::vector<float*> held = experts ? expert_pieces() : std::vector<float*>{};
-  if (!experts)
+  std::vector<float*> held = experts && experts_summed_ ? expert_pieces() : std::vector<float*>{};
+  if (!(experts && experts_summed_) && !none)
     for (int64_t k = 0; k + 1 < tree_.pieces(); ++k) held.push_back(tree_.piece(k));
   std::vector<const float*> pieces;
   if (b.in_place >= 0) {
     for (float* h : held) pieces.push_back(h + b.in_place);
-    pieces.push_back(ps_.grads() + b.in_place);
+    if (!none) pieces.push_back(ps_.grads() + b.in_place);
     b.work = b.comm->all_reduce_pieces_async(ps_.grads() + b.in_place, pieces, b.in_place_size, blocks);
     return;
   }
@@ -256,8 +280,10 @@ void DataParallel::post_pieces(Bucket& b) {
     copy_bucket(b, held[k], packed, Into::packed);
     pieces.push_back(packed);
   }
-  copy_bucket(b, ps_.grads(), Into::packed);
-  pieces.push_back(b.packed.data());
+  if (!none) {
+    copy_bucket(b, ps_.grads(), Into::packed);
+    pieces.push_back(b.packed.data());
+  }
   b.work = distributed_ && !b.full ? b.comm->reduce_scatter_pieces_async(b.chunk_buf.data(), pieces, b.chunk, blocks)
                                    : b.comm->all_reduce_pieces_async(b.packed.data(), pieces, b.size, blocks);
 }

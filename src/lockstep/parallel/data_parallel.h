@@ -79,6 +79,10 @@ class DataParallel {
   // out of this class's tree and reduced over the expert group, whose rank g holds the step's
   // micro-batches [g G, (g + 1) G) (G = all / the group's size): with ReduceOp::tree_sum when every
   // such block is a subtree, else as the pieces the model writes into expert_pieces() and ps.grads().
+  // Otherwise, when the expert group also holds each dense rank's tensor-parallel replicas (MoE under
+  // tensor parallelism, ep = etp = 1: tp rank 0 holds the expert gradients, the others -0) and the
+  // dense blocks go as pieces, the expert buckets go as tp rank 0's pieces, the replicas' blocks empty.
+  // Call set_tensor_parallel first.
   void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
   // Layout mode, experts_summed: where this rank's expert group's block starts among the step's
   // micro-batches, and the table-shaped buffers of its canonical pieces but the last (none when the
@@ -193,6 +197,9 @@ class DataParallel {
   std::vector<int64_t> expert_blocks_;
   std::vector<FloatBuffer> expert_pieces_;  // the tables beyond the dense tree's held pieces
   int64_t expert_first_ = 0, expert_held_ = 0;  // expert_held_: this rank's expert pieces but the last
+  // Not experts_summed, pieced, and the expert group holds tensor-parallel replicas of the dense ranks:
+  // whether this rank's expert gradients count (tp rank 0; the others' blocks are empty).
+  bool expert_keeps_ = true;
   bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;

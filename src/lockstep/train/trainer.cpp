@@ -136,16 +136,6 @@ Mesh checked_mesh(const Config& config, int world_size) {
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h).
-  // Except an MoE model under tensor parallelism without ep / etp: its expert gradients are reduced
-  // over the tp x dp ranks (model/moe/experts.h reduce_over_tp), whose blocks the pieced reduction does
-  // not know.
-  const bool experts_split = mesh.ep() > 1 || mesh.etp() > 1;
-  if (config.determinism == "layout" && dp_size > 1 && !experts_split && mesh.tp() > 1 &&
-      config.moe.num_experts > 0 && !std::has_single_bit(static_cast<uint64_t>(accum)))
-    user_error("determinism = \"layout\" with parallel.tensor = ", mesh.tp(), " and an MoE model needs a power-of-two "
-               "number of micro-batches per data-parallel rank, but train.global_batch / (train.micro_batch x "
-               "data-parallel size) = ", tc.global_batch, " / (", tc.micro_batch, " x ", dp_size, ") = ", accum,
-               " (the expert gradients' reduction over the tensor x data-parallel ranks needs whole subtrees)");
   return mesh;
 }
 
@@ -240,12 +230,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // logits are gathered over tp x cp).
   for (const auto& layer : model.moe_layers())
     if (layer) layer->set_data_parallel(&dp_only);
+  if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
   if (layout) {
     dp.set_layout(accum, &comm, experts_split);
     for (const auto& layer : model.moe_layers())
       if (layer) layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces());
   }
-  if (tp.on()) dp.set_tensor_parallel(&tp_group);
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   std::unique_ptr<Pipeline> pipeline;
   if (pipelined) {
