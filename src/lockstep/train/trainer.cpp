@@ -202,18 +202,17 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
   // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
+  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode.
   const bool own_micro_batch = config.determinism == "layout";
-  Communicator amax_dense = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::tp_cp : MeshGroup::tp_dp_cp));
-  Communicator amax_expert = comm.split_groups(mesh.groups(own_micro_batch ? MeshGroup::etp : MeshGroup::etp_edp));
-  Communicator amax_dense_eval = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
-  Precision::AmaxGroups amax_groups{&amax_dense, &amax_expert, &amax_dense_eval, &etp_group};
-  std::optional<Communicator> amax_dense_step, amax_expert_step;
+  Communicator tp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
+  Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
+  Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
+  Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
+                                    own_micro_batch ? &etp_group : &etp_edp_group, &tp_cp_group, &etp_group};
   if (own_micro_batch) {
-    amax_dense_step.emplace(comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp)));
-    amax_expert_step.emplace(comm.split_groups(mesh.groups(MeshGroup::etp_edp)));
     amax_groups.layout = true;
-    amax_groups.dense_step = &*amax_dense_step;
-    amax_groups.expert_step = &*amax_expert_step;
+    amax_groups.dense_step = &tp_dp_cp_group;
+    amax_groups.expert_step = &etp_edp_group;
   }
   model.params().precision().set_amax_groups(amax_groups);
   const DataConfig& dc = config.data;
