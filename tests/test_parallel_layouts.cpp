@@ -161,6 +161,7 @@ const Row kRows[] = {
     // parallelism (each stage's ranks form cp groups: 1F1B, interleaved, the last stage's copies of the word and
     // position embedding, the MoE aux loss counted once per cp group).
     {"gpt2_mtp_cp2", "debug.toml", 2, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
+    {"gpt2_mtp_cp2_dp2", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
     {"gpt2_mtp_cp2_tp2_sp", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3",
                                               "parallel.context=2", "parallel.tensor=2", SP}},
     {"gpt2_pp2_cp2", "debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2"}},

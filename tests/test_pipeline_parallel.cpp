@@ -241,26 +241,33 @@ TEST(PipelineParallel, StagesHoldTheActivationsTheScheduleKeepsInFlight) {
   EXPECT_LT(first_stage_mb["1f1b"], first_stage_mb["all_forward_all_backward"]);
 }
 
-TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
-  TempDir dir;
-  const std::vector<std::string> pp2 = {"parallel.pipeline=2", "model.mtp_num_layers=1", "train.save_interval=2"};
-  train_ranks(2, job("moe-debug.toml", dir.path("full"), pp2));
-  std::vector<std::string> cut = pp2;
+// `ranks` ranks training with `keys` (which save at step 2) uninterrupted in dir/full, and stopped
+// after step 2 and resumed ("auto") in dir/resumed: every rank's fingerprints are equal. The step-2
+// checkpoint read by one process (`single` keys): its steps 3 and 4 follow the ranks' to rounding.
+void expect_resumes_bitwise_and_in_one_process(const char* config, int ranks, const std::vector<std::string>& keys,
+                                               std::vector<std::string> single, const TempDir& dir) {
+  train_ranks(ranks, job(config, dir.path("full"), keys));
+  std::vector<std::string> cut = keys;
   cut.push_back("train.exit_interval=2");
-  train_ranks(2, job("moe-debug.toml", dir.path("resumed"), cut));
-  cut.pop_back();
-  cut.push_back("train.resume=auto");
-  train_ranks(2, job("moe-debug.toml", dir.path("resumed"), cut));
-  for (int r = 0; r < 2; ++r)
+  train_ranks(ranks, job(config, dir.path("resumed"), cut));
+  cut.back() = "train.resume=auto";
+  train_ranks(ranks, job(config, dir.path("resumed"), cut));
+  for (int r = 0; r < ranks; ++r)
     EXPECT_EQ(read_file(fingerprint_path(dir.path("full"), r)), read_file(fingerprint_path(dir.path("resumed"), r)))
         << "rank " << r;
-  // The step-2 checkpoint of two stages, read by one process: its steps 3 and 4 follow the pipeline's
-  // to rounding.
-  testing::quiet_train(job("moe-debug.toml", dir.path("one"), {"model.mtp_num_layers=1",
-                                                               "train.resume=" + dir.path("full") + "/checkpoints/step-00000002"}));
+  single.push_back("train.resume=" + dir.path("full") + "/checkpoints/step-00000002");
+  testing::quiet_train(job(config, dir.path("one"), single));
   const auto full = trajectory(dir.path("full")), one = trajectory(dir.path("one"));
+  ASSERT_EQ(full.size(), 4u);
   ASSERT_EQ(one.size(), 2u);
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(one[s].first, full[s + 2].first, 1e-6 * full[s + 2].first);
+}
+
+TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
+  TempDir dir;
+  expect_resumes_bitwise_and_in_one_process("moe-debug.toml", 2,
+                                            {"parallel.pipeline=2", "model.mtp_num_layers=1", "train.save_interval=2"},
+                                            {"model.mtp_num_layers=1"}, dir);
   // And back: a one-process checkpoint read by two stages (the last stage's embedding copy and its
   // moments come from the single tensor the one process wrote).
   testing::quiet_train(job("moe-debug.toml", dir.path("single"), {"model.mtp_num_layers=1", "train.save_interval=2"}));
@@ -271,29 +278,14 @@ TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(two[s].first, single[s + 2].first, 1e-6 * single[s + 2].first);
 }
 
-// Pipeline x context parallelism (PP 2 x CP 2 on 4 ranks, tied head and MTP on the last stage):
-// stopped at step 2 and resumed, every rank's fingerprints are the uninterrupted run's; the
-// checkpoint (each stage's cp rank 0 writes the stage's tensors, whole) continues in one process
-// as the four ranks continue, to rounding.
+// Pipeline x context parallelism (PP 2 x CP 2 on 4 ranks, tied head and MTP on the last stage)
+// resumes bitwise; its checkpoint (each stage's cp rank 0 writes the stage's tensors, whole)
+// continues in one process.
 TEST(PipelineParallel, WithContextParallelResumesBitwise) {
   TempDir dir;
-  const std::vector<std::string> keys = {"parallel.pipeline=2", "parallel.context=2", "model.mtp_num_layers=1",
-                                         "train.save_interval=2"};
-  train_ranks(4, job("debug.toml", dir.path("full"), keys));
-  std::vector<std::string> cut = keys;
-  cut.push_back("train.exit_interval=2");
-  train_ranks(4, job("debug.toml", dir.path("resumed"), cut));
-  cut.back() = "train.resume=auto";
-  train_ranks(4, job("debug.toml", dir.path("resumed"), cut));
-  for (int r = 0; r < 4; ++r)
-    EXPECT_EQ(read_file(fingerprint_path(dir.path("full"), r)), read_file(fingerprint_path(dir.path("resumed"), r)))
-        << "rank " << r;
-  testing::quiet_train(job("debug.toml", dir.path("one"), {"model.mtp_num_layers=1",
-                                                           "train.resume=" + dir.path("full") + "/checkpoints/step-00000002"}));
-  const auto full = trajectory(dir.path("full")), one = trajectory(dir.path("one"));
-  ASSERT_EQ(full.size(), 4u);
-  ASSERT_EQ(one.size(), 2u);
-  for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(one[s].first, full[s + 2].first, 1e-6 * full[s + 2].first);
+  expect_resumes_bitwise_and_in_one_process(
+      "debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2", "model.mtp_num_layers=1", "train.save_interval=2"},
+      {"model.mtp_num_layers=1"}, dir);
 }
 
 }  // namespace
