@@ -11,7 +11,7 @@ namespace lockstep {
 
 AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix,
                                const ModelConfig& m, int64_t B_, int64_t T_, const TensorParallel& tp_,
-                               const ContextParallel& cp_)
+                               const ContextParallel& cp_, const AttentionLayer* scratch_of)
     : B(B_), T(T_), C(m.hidden_size), NH(m.num_heads / tp_.size), NKV(m.query_groups() / tp_.size), HS(m.head_dim()),
       Tg(T_ * cp_.size), rope(m.position_embedding == "rope"), tp(tp_), cp(cp_) {
   const int64_t N = B * T;
@@ -34,8 +34,13 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   if (cp.on()) {
     const int64_t KV = 2 * NKV * HS;
     this->kv = arena.reserve(B * Tg * KV);
-    cp_buf = arena.reserve_scratch((B * Tg + N) * KV);
-    dkv = arena.reserve_scratch(B * Tg * KV);
+    if (scratch_of) {
+      cp_buf = scratch_of->cp_buf;
+      dkv = scratch_of->dkv;
+    } else {
+      cp_buf = arena.reserve_scratch((B * Tg + N) * KV);
+      dkv = arena.reserve_scratch(B * Tg * KV);
+    }
     chunks = cp.chunks(Tg);
   }
 }

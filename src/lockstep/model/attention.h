@@ -27,7 +27,7 @@ struct AttentionLayer {
   AttentionLayer() = default;
   AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                  int64_t B, int64_t T, const TensorParallel& tp = TensorParallel{},
-                 const ContextParallel& cp = ContextParallel{});
+                 const ContextParallel& cp = ContextParallel{}, const AttentionLayer* scratch_of = nullptr);
 
   // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))) (this rank's rows under
   // sequence parallelism).
@@ -56,7 +56,9 @@ struct AttentionLayer {
   TensorParallel tp;
   ContextParallel cp;
   ArenaSlice kv;             // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
-  ArenaSlice cp_buf, dkv;    // and the scratch of the gather / reduce-scatter, the full dK, dV
+  // and the scratch of the gather / reduce-scatter, the full dK, dV: one for all layers (a layer's
+  // forward or backward uses it within the call; the constructor's scratch_of shares another's)
+  ArenaSlice cp_buf, dkv;
   QueryChunks chunks;        // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums

@@ -47,11 +47,13 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   attn_.resize(static_cast<size_t>(L_));
   mlp_.resize(static_cast<size_t>(L_));
   moe_.resize(static_cast<size_t>(L_));
+  const AttentionLayer* cp_scratch = nullptr;  // the first layer's context-parallel scratch, shared
   for (const auto& [first, end] : part_.chunks)
     for (int64_t l = first; l < end; ++l) {
       const std::string prefix = "layers." + std::to_string(l) + ".";
       layer_first_[l] = static_cast<int>(params_.specs().size());
-      attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_);
+      attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_, cp_scratch);
+      cp_scratch = &attn_[l];
       if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp, cp_});
       else mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
       layer_end_[l] = static_cast<int>(params_.specs().size());
