@@ -224,6 +224,102 @@ TEST(Gemm, KSegmentsKeepNegativeZero) {
   for (float v : C) EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f));
 }
 
+// The segmented product runs in one pass (every segment's chain and the tree per tile) up to
+// 128 segments and K up to 4 kernel K blocks, segment by segment past that: both give the
+// reference's bits on every micro-kernel, with several rectangles per thread, sections, empty
+// segments and K = 0.
+TEST(Gemm, KSegmentsEveryKernelAndPastTheOnePassLimits) {
+  struct Layout {
+    int64_t M, N, K;
+    std::vector<int64_t> sections, segments;
+  };
+  std::vector<int64_t> many(131);  // 130 segments: past the one-pass limit
+  for (int64_t s = 0; s <= 130; ++s) many[s] = s * 260 / 130;
+  std::vector<int64_t> long_k = {0, 1000, 1000, 2500, 4000};  // K = 4000 > 4 x 768 (and 4 x 512)
+  const std::vector<Layout> layouts = {
+      {70, 150, 96, {}, {0, 12, 24, 36, 48, 60, 72, 84, 96}},
+      {9, 70, 100, {60, 40}, {0, 0, 20, 60, /**/ 0, 10, 40, 40}},
+      {9, 70, 260, {}, many},
+      {9, 33, 4000, {}, long_k},
+      {5, 7, 0, {}, {0, 0, 0}},
+      {5, 7, 0, {0, 0}, {0, 0, 0, /**/ 0, 0, 0}},
+  };
+  const std::vector<std::string> kernels = detail::gemm_kernels();
+  uint64_t seed = 40;
+  for (const Layout& l : layouts) {
+    for (Trans ta : kTrans) {
+      for (Trans tb : kTrans) {
+        const Case c(l.M, l.N, l.K, ta, tb, seed++);
+        for (int mode = 0; mode < 3; ++mode) {
+          GemmOptions opt;
+          opt.k_segments = l.segments;
+          opt.k_sections = l.sections;
+          opt.accumulate = mode == 1;
+          opt.bias = mode == 2 ? c.bias.data() : nullptr;
+          const std::vector<float> ref = c.reference(opt);
+          const std::string what = c.name() + str(" mode ", mode, " segments ", l.segments.size());
+          for (const std::string& k : kernels) {
+            std::vector<float> C = c.C0;
+            detail::gemm_with_kernel(k, C.data(), c.ldc, c.A.data(), c.lda, ta, c.B.data(), c.ldb, tb, c.M, c.N, c.K,
+                                     opt);
+            ASSERT_TRUE(bitwise_equal(C, ref, what + " " + k));
+          }
+          testing::with_threads(3, [&] { ASSERT_TRUE(bitwise_equal(c.run(opt), ref, what + " 3 threads")); });
+        }
+      }
+    }
+  }
+}
+
+// Segmented items of a batch (the grouped GEMMs of determinism = "layout") give their own gemm()
+// reference's bits, next to plain items, in one pass or past its limits, for any thread count.
+TEST(Gemm, BatchOfSegmentedItems) {
+  const std::vector<int64_t> seg8 = {0, 4, 9, 9, 15, 20, 26, 30, 37}, seg3 = {0, 1, 2, 3}, one = {0, 37};
+  const std::vector<int64_t> seg_long = {0, 1000, 4000}, seg_empty = {0, 0, 0, 0, 0};
+  struct Item {
+    int64_t M, N, K;
+    const std::vector<int64_t>* segments;
+  };
+  const std::vector<Item> shapes = {{211, 150, 37, &seg8}, {64, 64, 37, &seg8}, {3, 5, 3, &seg3},
+                                    {17, 19, 37, nullptr}, {6, 9, 37, &one},     {7, 20, 4000, &seg_long},
+                                    {6, 9, 0, &seg_empty}, {0, 9, 37, &seg8}};
+  std::vector<Case> cases;
+  cases.reserve(4 * shapes.size());  // opts point into the cases
+  std::vector<GemmOptions> opts;
+  uint64_t seed = 60;
+  for (Trans ta : kTrans) {
+    for (Trans tb : kTrans) {
+      for (const Item& s : shapes) {
+        cases.emplace_back(s.M, s.N, s.K, ta, tb, seed++);
+        GemmOptions o;
+        o.accumulate = seed % 3 == 0;
+        if (seed % 3 == 1) o.bias = cases.back().bias.data();
+        if (s.segments) o.k_segments = *s.segments;
+        opts.push_back(o);
+      }
+    }
+  }
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ThreadPool::Bind bind(&pool);
+    std::vector<std::vector<float>> out;
+    std::vector<GemmBatchItem> items;
+    for (const Case& c : cases) out.push_back(c.C0);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      GemmBatchItem it{out[i].data(), c.ldc, c.A.data(), c.lda, c.ta, c.B.data(), c.ldb, c.tb, c.M, c.N, c.K};
+      it.accumulate = opts[i].accumulate;
+      it.bias = opts[i].bias;
+      it.k_segments = opts[i].k_segments;
+      items.push_back(it);
+    }
+    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+    for (size_t i = 0; i < cases.size(); ++i) {
+      ASSERT_TRUE(bitwise_equal(out[i], cases[i].reference(opts[i]), cases[i].name() + str(" item ", i, " threads ", threads)));
+    }
+  }
+}
+
 // Every micro-kernel this machine runs (AVX-512, AVX2, portable) gives the chain's exact bits,
 // also across K blocks and edge tiles.
 TEST(Gemm, EveryKernelSameBits) {

@@ -44,7 +44,31 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // whose a_src / b_src is not f32 is read from there (decoded while packing), not from A / B.
 struct Problem : GemmBatchItem {
   Init init;
+  int64_t segs = 0;  // k_segments: the number of segments S (0: one chain over K)
 };
+
+// The number of segments of k_segments (each of the sections' S + 1 boundaries running from 0 to
+// the section's width, the widths summing to K), checked; 0 without segments.
+int64_t count_segments(std::span<const int64_t> seg, std::span<const int64_t> sections_in, int64_t K) {
+  if (seg.empty()) return 0;
+  const std::span<const int64_t> whole(&K, 1);
+  const auto sections = sections_in.empty() ? whole : sections_in;
+  const int64_t J = static_cast<int64_t>(sections.size());
+  LOCKSTEP_CHECK(static_cast<int64_t>(seg.size()) % J == 0 && static_cast<int64_t>(seg.size()) / J >= 2,
+                 "gemm k_segments: ", seg.size(), " boundaries for ", J, " sections");
+  const int64_t S = static_cast<int64_t>(seg.size()) / J - 1;
+  int64_t width = 0;
+  for (int64_t j = 0; j < J; ++j) {
+    LOCKSTEP_CHECK(seg[j * (S + 1)] == 0 && seg[j * (S + 1) + S] == sections[j],
+                   "gemm k_segments of section ", j, " must run from 0 to ", sections[j]);
+    for (int64_t s = 0; s < S; ++s)
+      LOCKSTEP_CHECK(seg[j * (S + 1) + s] <= seg[j * (S + 1) + s + 1], "gemm k_segments decrease at ", s,
+                     " in section ", j);
+    width += sections[j];
+  }
+  LOCKSTEP_CHECK(width == K, "gemm k_sections sum to ", width, ", not K=", K);
+  return S;
+}
 
 // Checks a product's sizes and leading dimensions (`what` names it in the message) and derives
 // where its chains start: C (accumulate), else bias (when given), else 0.
@@ -53,7 +77,8 @@ Problem make_problem(const GemmBatchItem& it, const char* what) {
   LOCKSTEP_CHECK(it.ldc >= it.N, what, " ldc=", it.ldc, " < N=", it.N);
   LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), what, " lda=", it.lda, " too small");
   LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), what, " ldb=", it.ldb, " too small");
-  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero};
+  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero,
+                 count_segments(it.k_segments, it.k_sections, it.K)};
 }
 
 // The grid tm x (parts / tm) of rectangles over units_m x units_n micro-tiles with the smallest
@@ -466,11 +491,119 @@ struct Blocks {
   int64_t mc, kc, nc;  // cache blocks: a packed B block is kc x nc, a packed A block mc x kc
 };
 
+// The segmented product in one pass (k_segments, up to kMaxFusedSegments segments and K up to
+// kMaxFusedK x the kernel's kc): K is not blocked, so a tile's packed A and B panels hold every
+// segment, and each tile runs one micro-kernel call per (segment, section) piece into an
+// L1-resident tile of its own, then folds the canonical tree over the segments as they come (the
+// binary counter of core/tree_sum.h: segment s goes to slot popcount(s) and completes the subtrees
+// of its trailing one bits, smallest first; the last one folds every held subtree), and writes C =
+// init + the tree once. The same chains and additions as gemm_with's segment-by-segment path, with
+// the operands packed once and no product-sized scratch.
+constexpr int64_t kMaxFusedSegments = 128;  // slots = bit_width(S - 1) + 1 <= 8 tiles
+constexpr int64_t kMaxFusedK = 4;           // in kernel kc's
+
+bool fused_segments(const Problem& p, const Blocks& bl) {
+  return p.segs > 0 && p.segs <= kMaxFusedSegments && p.K <= kMaxFusedK * bl.kc;
+}
+
+// A segmented product with K = 0: every segment's chain is +0, so C = init + 0 (0 without init).
+void write_segmented_empty(const Problem& p) {
+  for (int64_t i = 0; i < p.M; ++i) {
+    float* c = p.C + i * p.ldc;
+    for (int64_t j = 0; j < p.N; ++j)
+      c[j] = p.init == Init::kC ? c[j] + 0.0f : p.init == Init::kBias ? p.bias[j] + 0.0f : 0.0f;
+  }
+}
+
+template <int MR, int NR, MicroKernel Micro>
+void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
+                              int64_t n1) {
+  thread_local Scratch a_scratch, b_scratch;
+  thread_local std::vector<int64_t> pieces_store;  // (segment, section) -> [k0, k1) in K
+  std::vector<int64_t>& pieces = pieces_store;
+  const int64_t K = p.K, S = p.segs;
+  const std::span<const int64_t> whole(&K, 1);
+  const auto sections = p.k_sections.empty() ? whole : p.k_sections;
+  const int64_t J = static_cast<int64_t>(sections.size());
+  pieces.resize(static_cast<size_t>(2 * S * J));
+  for (int64_t s = 0; s < S; ++s) {
+    int64_t at = 0;
+    for (int64_t j = 0; j < J; ++j) {
+      pieces[2 * (s * J + j)] = at + p.k_segments[j * (S + 1) + s];
+      pieces[2 * (s * J + j) + 1] = at + p.k_segments[j * (S + 1) + s + 1];
+      at += sections[j];
+    }
+  }
+  // The packed blocks hold all of K: as many rows (columns) as the unsegmented blocks' floats allow.
+  const int64_t kc = std::max<int64_t>(K, 1);
+  const int64_t mc_cap = std::max<int64_t>(MR, bl.mc * bl.kc / kc / MR * MR);
+  const int64_t nc_cap = std::max<int64_t>(NR, bl.nc * bl.kc / kc / NR * NR);
+  const int64_t mc_max = balanced_block(m1 - m0, mc_cap, MR), nc_max = balanced_block(n1 - n0, nc_cap, NR);
+  float* apack = a_scratch.get(static_cast<size_t>(mc_max * kc));
+  float* bpack = b_scratch.get(static_cast<size_t>(nc_max * kc));
+  constexpr int kSlots = std::bit_width(static_cast<uint64_t>(kMaxFusedSegments - 1)) + 1;
+  alignas(64) float slot[kSlots][MR * NR];
+
+  for (int64_t jc = n0; jc < n1; jc += nc_max) {
+    const int64_t nc = std::min(nc_max, n1 - jc);
+    pack_b<NR>(bpack, p, 0, K, jc, nc);
+    for (int64_t ic = m0; ic < m1; ic += mc_max) {
+      const int64_t mc = std::min(mc_max, m1 - ic);
+      pack_a<MR>(apack, p, ic, mc, 0, K);
+      for (int64_t jr = 0; jr < nc; jr += NR) {
+        const int64_t cols = std::min<int64_t>(NR, nc - jr);
+        const float* bias = p.bias ? p.bias + jc + jr : nullptr;
+        const float* bp = bpack + jr * K;
+        for (int64_t ir = 0; ir < mc; ir += MR) {
+          const int64_t rows = std::min<int64_t>(MR, mc - ir);
+          const float* ap = apack + ir * K;
+          float* cur = nullptr;
+          for (int64_t s = 0; s < S; ++s) {
+            const int held = std::popcount(static_cast<uint64_t>(s));
+            float* P = slot[held];
+            // The segment's chain from 0 over its part of each section in turn (K = 0: the 0).
+            for (int64_t j = 0; j < J; ++j) {
+              const int64_t k0 = pieces[2 * (s * J + j)], k1 = pieces[2 * (s * J + j) + 1];
+              // (bias unread: given as is rather than null, which would have GCC clone the kernel
+              // for a null bias and warn about the kBias load it keeps in the clone.)
+              Micro(k1 - k0, ap + k0 * MR, bp + k0 * NR, P, NR, j == 0 ? Init::kZero : Init::kC, bias);
+            }
+            const bool last = s == S - 1;
+            const int fold = last ? held : std::countr_one(static_cast<uint64_t>(s));
+            cur = P;
+            for (int f = 1; f <= fold; ++f) {  // held subtree + carry, smallest first
+              float* h = slot[held - f];
+              for (int e = 0; e < MR * NR; ++e) h[e] = h[e] + cur[e];
+              cur = h;
+            }
+          }
+          for (int64_t i = 0; i < rows; ++i) {
+            float* c = p.C + (ic + ir + i) * p.ldc + jc + jr;
+            const float* t = cur + i * NR;
+            if (p.init == Init::kC) {
+              for (int64_t j = 0; j < cols; ++j) c[j] = c[j] + t[j];
+            } else if (p.init == Init::kBias) {
+              for (int64_t j = 0; j < cols; ++j) c[j] = bias[j] + t[j];
+            } else {
+              std::memcpy(c, t, static_cast<size_t>(cols) * sizeof(float));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // The rows [m0, m1) x columns [n0, n1) of C, on the calling thread. Loop order of BLIS: for each
 // B block, for each A block, every B micro-panel against every A micro-panel.
 template <int MR, int NR, MicroKernel Micro>
 void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
                     int64_t n1) {
+  if (p.segs) {
+    LOCKSTEP_CHECK(fused_segments(p, bl), "gemm: a segmented product past the one-pass limits reached a region");
+    compute_region_segmented<MR, NR, Micro>(p, bl, m0, m1, n0, n1);
+    return;
+  }
   thread_local Scratch a_scratch, b_scratch;
   const int64_t kc_max = balanced_block(p.K, bl.kc, 1);
   const int64_t mc_max = balanced_block(m1 - m0, bl.mc, MR);
@@ -578,7 +711,8 @@ void write_init(const Problem& p) {
 void run(const Kernel& kr, const Problem& p) {
   if (p.M == 0 || p.N == 0) return;
   if (p.K == 0) {
-    write_init(p);
+    if (p.segs) write_segmented_empty(p);
+    else write_init(p);
     return;
   }
   ThreadPool* pool = ThreadPool::current();
@@ -612,7 +746,7 @@ Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const 
     return o.kind == GemmOperand::Kind::f32 ? static_cast<const float*>(o.data) : nullptr;
   };
   Problem p = make_problem({C, ldc, floats(A), A.ld, A.trans, floats(B), B.ld, B.trans, M, N, K,
-                            opt.accumulate, opt.bias}, what);
+                            opt.accumulate, opt.bias, {}, {}, opt.k_segments, opt.k_sections}, what);
   p.a_src = A;
   p.b_src = B;
   // Stored shape of op(X) (rows x cols) for an operand whose op is (outer x K) (A) or (K x outer) (B).
@@ -629,6 +763,9 @@ Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const 
   }
   return p;
 }
+
+void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
+               int64_t M, int64_t N, int64_t K, const GemmOptions& opt);
 
 struct BatchPart {
   int64_t item, m0, m1, n0, n1, work;
@@ -652,10 +789,15 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     } else {
       problems.push_back(make_operand_problem(
           it.C, it.ldc, plain_a ? gemm_operand(it.A, it.lda, it.ta) : it.a_src,
-          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K, {it.accumulate, it.bias, {}, {}},
-          "gemm_batch item"));
+          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K,
+          {it.accumulate, it.bias, it.k_segments, it.k_sections}, "gemm_batch item"));
     }
-    if (it.M > 0 && it.N > 0 && it.K == 0) write_init(problems.back());
+    const Problem& p = problems.back();
+    if (it.M > 0 && it.N > 0 && it.K == 0) {
+      if (p.segs) write_segmented_empty(p);
+      else write_init(p);
+    }
+    if (p.segs && !fused_segments(p, kr.blocks)) continue;  // after the region, on its own (below)
     total += it.M * it.N * it.K;
   }
   ThreadPool* pool = ThreadPool::current();
@@ -668,7 +810,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   for (int64_t i = 0; i < count; ++i) {
     const Problem& p = problems[static_cast<size_t>(i)];
     const int64_t work = p.M * p.N * p.K;
-    if (work == 0) continue;
+    if (work == 0 || (p.segs && !fused_segments(p, kr.blocks))) continue;
     const int64_t units_m = ceil_div(p.M, kr.mr), units_n = ceil_div(p.N, kr.nr);
     const int64_t want = std::clamp<int64_t>((work + target / 2) / target, 1, units_m * units_n);
     const int64_t fit = choose_grid_rows(units_m, units_n, want, kr.mr, kr.nr);
@@ -693,32 +835,32 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   } else {
     for (int64_t j = 0; j < n; ++j) run_part(j);
   }
+  // Segmented products past the one-pass limits: segment by segment, each in its own regions.
+  for (int64_t i = 0; i < count; ++i) {
+    const Problem& p = problems[static_cast<size_t>(i)];
+    if (!p.segs || fused_segments(p, kr.blocks) || p.M * p.N * p.K == 0) continue;
+    gemm_with(kr, p.C, p.ldc, p.a_src.data ? p.a_src : gemm_operand(p.A, p.lda, p.ta),
+              p.b_src.data ? p.b_src : gemm_operand(p.B, p.ldb, p.tb), p.M, p.N, p.K,
+              {p.accumulate, p.bias, p.k_segments, p.k_sections});
+  }
 }
 
 void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
                int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   const Problem p = make_operand_problem(C, ldc, A, B, M, N, K, opt, "gemm");
-  if (opt.k_segments.empty()) {
+  // No segments, or few enough and K short enough: one pass (compute_region_segmented).
+  if (!p.segs || fused_segments(p, kr.blocks)) {
     run(kr, p);
     return;
   }
-  // Each segment's chain goes to its own scratch matrix; the S partial products are summed along
-  // the canonical tree (core/tree_sum.h), then added to the init (tensor-parallel reductions under
-  // determinism = "layout": S - 1 extra additions over M x N, small against the products).
+  // Else each segment's chain goes to its own scratch matrix; the S partial products are summed
+  // along the canonical tree (core/tree_sum.h), then added to the init (tensor-parallel reductions
+  // under determinism = "layout": S - 1 extra additions over M x N, small against the products).
   const auto seg = opt.k_segments;
   const std::span<const int64_t> whole(&K, 1);
   const auto sections = opt.k_sections.empty() ? whole : opt.k_sections;
   const int64_t J = static_cast<int64_t>(sections.size());
-  LOCKSTEP_CHECK(static_cast<int64_t>(seg.size()) % J == 0 && static_cast<int64_t>(seg.size()) / J >= 2,
-                 "gemm k_segments: ", seg.size(), " boundaries for ", J, " sections");
-  const int64_t S = static_cast<int64_t>(seg.size()) / J - 1, MN = M * N;
-  int64_t width = 0;
-  for (int64_t j = 0; j < J; ++j) {
-    LOCKSTEP_CHECK(seg[j * (S + 1)] == 0 && seg[j * (S + 1) + S] == sections[j],
-                   "gemm k_segments of section ", j, " must run from 0 to ", sections[j]);
-    width += sections[j];
-  }
-  LOCKSTEP_CHECK(width == K, "gemm k_sections sum to ", width, ", not K=", K);
+  const int64_t S = p.segs, MN = M * N;
   // The canonical tree over the segments, streamed (core/tree_sum.h's binary counter: the same
   // additions as tree_sum): after s segments the tree holds popcount(s) complete subtrees, largest
   // first, in slots 0, 1, ...; segment s's product goes to the next slot and is folded into the
@@ -847,6 +989,8 @@ void gemm_batch(const GemmBatchItem* items, int64_t count) {
     GemmOptions opt;
     opt.accumulate = t.accumulate;
     opt.bias = t.bias;
+    opt.k_segments = t.k_segments;
+    opt.k_sections = t.k_sections;
     if (t.a_src.data || t.b_src.data || !blas_gemm(t.C, t.ldc, t.A, t.lda, t.ta, t.B, t.ldb, t.tb, t.M, t.N, t.K, opt))
       gemm_batch_with(best_kernel(), &t, 1);
   }

@@ -109,11 +109,15 @@ struct GemmBatchItem {
   // Operands in any storage (gemm_operand): when a_src (b_src) is set (data not null) it replaces
   // A, lda, ta (B, ldb, tb), and the guarantee of the GemmOperand overload of gemm() holds.
   GemmOperand a_src{}, b_src{};
+  // As GemmOptions' (the caller's memory, read during the call): C = init + the canonical tree
+  // over the segments' chains. The segmented products of a batch share its parallel region too.
+  std::span<const int64_t> k_segments{}, k_sections{};
 };
 
 // Every item of the batch in one parallel region: each item is cut into rectangles of C and all
 // the rectangles of all items are shared among the threads (largest first). Bitwise the same as
-// calling gemm() on each item (the guarantee above holds per item); items must not overlap in C.
+// calling gemm() on each item (the guarantee above holds per item, k_segments included); items
+// must not overlap in C.
 // For many small products (an MoE layer's experts), this replaces one region per product.
 void gemm_batch(const GemmBatchItem* items, int64_t count);
 

@@ -7,7 +7,6 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -82,48 +81,34 @@ void grouped_bias_grad(float* dbias, const float* dY, const int64_t* offsets, in
 
 void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
                             const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, const KSegments& seg) {
-  const int64_t S = seg.segments, X = seg.sections, R = offsets[E];
+  const int64_t S = seg.segments, X = seg.sections;
   LOCKSTEP_CHECK(std::has_single_bit(static_cast<uint64_t>(S)) && X > 0 && K % (S * X) == 0,
                  "grouped_gemm_segmented: K = ", K, " not divisible by ", S, " segments (a power of two) x ", X,
                  " sections");
-  if (R == 0) return;
-  const int64_t f = K / (S * X), section = K / X, w_rows = W.trans == Trans::T ? Nout : K, RN = R * Nout;
-  // The segments' chains, (S, R, Nout): section by section, each a batch over (expert, segment).
-  thread_local std::vector<float> partial;
+  // One segmented product per expert (gemm.h k_segments / k_sections), all in one batch: each tile
+  // runs its segments' chains and their tree in cache, and C is written once.
+  thread_local KSegmentBounds bounds;
   thread_local std::vector<GemmBatchItem> items;
-  partial.resize(static_cast<size_t>(S * RN));
-  for (int64_t x = 0; x < X; ++x) {
-    items.clear();
-    for (int64_t e = 0; e < E; ++e) {
-      const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-      if (rows == 0) continue;
-      for (int64_t s = 0; s < S; ++s) {
-        const int64_t k0 = x * section + s * f;
-        GemmBatchItem it{partial.data() + s * RN + r0 * Nout, Nout, nullptr, 0, Trans::N, nullptr, 0, W.trans,
-                         rows, Nout, f};
-        it.a_src = gemm_operand_at(A, r0, k0);
-        it.a_src.trans = Trans::N;
-        // K runs along W's stored columns for op = T, along its rows for N.
-        it.b_src = W.trans == Trans::T ? gemm_operand_at(W, e * w_rows, k0) : gemm_operand_at(W, e * w_rows + k0, 0);
-        it.accumulate = x > 0;
-        items.push_back(it);
-      }
-    }
-    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  const int64_t f = K / (S * X);
+  bounds.sections.assign(static_cast<size_t>(X), K / X);  // k_segment_bounds(seg, K), in place
+  bounds.segments.clear();
+  for (int64_t x = 0; x < X; ++x)
+    for (int64_t s = 0; s <= S; ++s) bounds.segments.push_back(s * f);
+  items.clear();
+  const int64_t w_rows = W.trans == Trans::T ? Nout : K;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
+    if (rows == 0) continue;
+    GemmBatchItem it{C + r0 * Nout, Nout, nullptr, 0, Trans::N, nullptr, 0, W.trans, rows, Nout, K};
+    it.a_src = gemm_operand_at(A, r0, 0);
+    it.a_src.trans = Trans::N;
+    it.b_src = gemm_operand_at(W, e * w_rows, 0);
+    if (bias) it.bias = bias + e * Nout;
+    it.k_segments = bounds.segments;
+    it.k_sections = bounds.sections;
+    items.push_back(it);
   }
-  // The canonical tree over the segments into segment 0, each thread over its rows.
-  float* P = partial.data();
-  parallel_for(R, [&](int64_t i0, int64_t i1) {
-    const int64_t n = (i1 - i0) * Nout, at = i0 * Nout;
-    tree_sum_in_place(P, S, RN, at, at + n);
-    std::memcpy(C + at, P + at, static_cast<size_t>(n) * sizeof(float));
-    if (!bias) return;
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * Nout;
-      float* y = C + i * Nout;
-      for (int64_t j = 0; j < Nout; ++j) y[j] = b[j] + y[j];
-    }
-  });
+  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
 }
 
 KSegmentBounds k_segment_bounds(const KSegments& seg, int64_t K) {

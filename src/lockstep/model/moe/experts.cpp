@@ -198,26 +198,25 @@ void tree_over_blocks(float* out, float* fine, int64_t leaves, int64_t per, int6
 // over its `per` token segments of dy^T x over each segment's rows, every segment a chain from
 // zero (kernels/cpu/gemm.h); db (leaves, nout) or null likewise with the column sums of dy in row
 // order. rows: (leaves x per + 1) boundaries (leaf g's segments are g x per .. (g + 1) x per - 1).
-// One leaf at a time, so that its `per` partial products (per x nout x nin floats) stay in cache
-// for the tree.
+// Every leaf is one segmented product (gemm.h k_segments) and all of them one batch: each tile of
+// dw runs its segments' chains and their tree in cache and is written once.
 void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, const int64_t* rows, int64_t leaves,
                          int64_t per, int64_t nout, int64_t nin) {
   const int64_t n = nout * nin;
-  thread_local std::vector<float> scratch;  // kept across calls (one rank thread's layers in turn)
+  thread_local std::vector<int64_t> bounds;  // leaf g's segments relative to its first row, (per + 1) each
   thread_local std::vector<GemmBatchItem> items;
-  if (static_cast<int64_t>(scratch.size()) < per * n) scratch.resize(static_cast<size_t>(per * n));
-  float* f = scratch.data();
+  bounds.resize(static_cast<size_t>(leaves * (per + 1)));
+  items.clear();
   for (int64_t g = 0; g < leaves; ++g) {
-    items.clear();
-    for (int64_t s = 0; s < per; ++s) {
-      const int64_t r0 = rows[g * per + s], r1 = rows[g * per + s + 1];
-      // K = 0 (no rows) writes the zero.
-      items.push_back(GemmBatchItem{f + s * n, nin, dy + r0 * nout, nout, Trans::T, x + r0 * nin, nin, Trans::N, nout,
-                                    nin, r1 - r0});
-    }
-    gemm_batch(items.data(), per);
-    tree_over_blocks(dw + g * n, f, 1, per, n);
+    const int64_t r0 = rows[g * per];
+    int64_t* b = bounds.data() + g * (per + 1);
+    for (int64_t s = 0; s <= per; ++s) b[s] = rows[g * per + s] - r0;
+    // K = 0 (no rows) writes the zero.
+    GemmBatchItem it{dw + g * n, nin, dy + r0 * nout, nout, Trans::T, x + r0 * nin, nin, Trans::N, nout, nin, b[per]};
+    it.k_segments = std::span<const int64_t>(b, static_cast<size_t>(per + 1));
+    items.push_back(it);
   }
+  gemm_batch(items.data(), leaves);
   if (!db) return;
   thread_local std::vector<float> bias;
   bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
