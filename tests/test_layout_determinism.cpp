@@ -189,6 +189,28 @@ TEST(LayoutDeterminism, TensorParallelLayoutsMatchSingleProcess) {
   }, {"model.mtp_num_layers=1"});
 }
 
+// layout_token_segments: every weight gradient and attention's dK, dV in the micro-batch's token
+// segments. Data, tensor (+ sequence) and pipeline parallelism reproduce the single process with
+// the key; GPT-2, Llama (GQA, RoPE) bf16 (documents: AttentionChunks.QuerySegments...). The key changes the arithmetic
+// (its single process differs from the one without it).
+TEST(LayoutDeterminism, TokenSegmentsMatchSingleProcess) {
+  const std::vector<std::string> key = {"layout_token_segments=true"};
+  rows_match_single_process("debug", {
+      {2, {}},
+      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      {2, {"parallel.pipeline=2"}},
+  }, key);
+  rows_match_single_process("debug", {
+      {2, {}},
+      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+  }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+  TempDir dir;
+  train_ranks(1, job("debug", dir.path("on"), key));
+  train_ranks(1, job("debug", dir.path("off"), {}));
+  EXPECT_NE(global_fields(dir.path("on")), global_fields(dir.path("off")));
+}
+
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of
 // the micro-batch. The router, MoE norm and shared expert gradients are token-segment sums reduced
 // over tp per micro-batch; each expert's weight gradient is, per micro-batch, the tree over its rows'
@@ -489,6 +511,20 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "must divide layout_segments"),
             std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("refused"))) << "nothing is written";
+  // layout_token_segments: segments on sample boundaries; dense models without MTP.
+  EXPECT_NE(error_of(1, {"layout_token_segments=true", "train.micro_batch=4", "layout_segments=2"})
+                .find("determinism = \"layout\" with layout_token_segments = true, train.micro_batch = 4 and "
+                      "layout_segments = 2: the micro-batch's token segments must fall on sample boundaries"),
+            std::string::npos);
+  EXPECT_NE(error_of(1, {"layout_token_segments=true"}, "moe-debug")
+                .find("determinism = \"layout\" with layout_token_segments = true and an MoE model"),
+            std::string::npos);
+  EXPECT_NE(error_of(1, {"layout_token_segments=true", "model.mtp_num_layers=1"})
+                .find("determinism = \"layout\" with layout_token_segments = true and model.mtp_num_layers = 1"),
+            std::string::npos);
+  EXPECT_NE(error_of(1, {"layout_token_segments=true", "determinism=run"})
+                .find("layout_token_segments = true: needs determinism = \"layout\""),
+            std::string::npos);
   // The experts' canonical K segments: F / layout_segments hidden units each, a block of them per etp rank.
   EXPECT_NE(error_of(1, {"moe.ffn_hidden_size=100"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.ffn_hidden_size = 100 and layout_segments = 8: the expert "

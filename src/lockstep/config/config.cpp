@@ -219,6 +219,9 @@ const std::vector<Key>& keys() {
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
                               "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
                               "parallel.expert_tensor must divide it)"),
+      LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
+                                    "gradients in layout_segments token segments of the micro-batch (dense models; "
+                                    "train.micro_batch must divide layout_segments)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
@@ -618,7 +621,8 @@ void validate_context_parallel(const Config& c) {
   };
   if (c.determinism == "layout")
     refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
-           "rank's tokens, which are not cut into canonical segments yet; use determinism = \"run\"");
+           "rank's tokens, whose exact combination over the cp group is not built yet (layout_token_segments cuts "
+           "them into canonical token segments); use determinism = \"run\"");
 }
 
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor
@@ -628,10 +632,26 @@ void validate_context_parallel(const Config& c) {
 void validate_layout_determinism(const Config& c) {
   if (c.layout_segments < 1 || c.layout_segments > 64 || std::popcount(static_cast<uint64_t>(c.layout_segments)) != 1)
     user_error("layout_segments = ", c.layout_segments, ": must be a power of two in [1, 64]");
+  if (c.layout_token_segments && c.determinism != "layout")
+    user_error("layout_token_segments = true: needs determinism = \"layout\" (it chooses layout mode's summation "
+               "order), not \"", c.determinism, "\"");
   if (c.determinism != "layout") return;
   const auto refuse = [](const std::string& what, const std::string& why) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
   };
+  if (c.layout_token_segments) {
+    const int64_t B = c.train.micro_batch;
+    if (c.layout_segments % B || c.layout_segments / B > c.model.seq_length)
+      refuse(str("layout_token_segments = true, train.micro_batch = ", B, " and layout_segments = ", c.layout_segments),
+             "the micro-batch's token segments must fall on sample boundaries: train.micro_batch must divide "
+             "layout_segments, with at most model.seq_length segments per sample");
+    if (c.moe.num_experts > 0)
+      refuse("layout_token_segments = true and an MoE model", "token segments of the expert and router gradients "
+             "are built for tensor parallelism only; use layout_token_segments = false");
+    if (c.model.mtp_num_layers > 0)
+      refuse(str("layout_token_segments = true and model.mtp_num_layers = ", c.model.mtp_num_layers),
+             "the MTP depths' gradients are not cut into token segments; use layout_token_segments = false");
+  }
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h).

@@ -82,7 +82,9 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
                               chunks, NH, NKV, HS, doc_start);
     reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
-    attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start);
+    // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
+    attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start,
+                       tp.token_segments ? tp.segments / B : 0);
   }
   if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());

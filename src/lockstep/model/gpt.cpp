@@ -5,6 +5,7 @@
 
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/embedding.h"
@@ -78,6 +79,9 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     for (int64_t k = 0; k < m.mtp_num_layers; ++k)
       mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_, cp_));
   }
+  // layout_token_segments: every gradient is computed in token segments (ParamStore::token_segments).
+  if (tp_.token_segments)
+    for (int i = 0; i < static_cast<int>(params_.specs().size()); ++i) params_.set_token_sum(i);
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
@@ -106,6 +110,9 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   head_segments_ = tp_.k_segments({V_});
   if (part_.last) {
     logits_ = arena_.reserve_scratch(head_rows_ * Vl_);
+    // The head's weight gradient in token segments: one segment's leaf and the tree's partial sums.
+    if (tp_.token_segments)
+      head_leaf_ = arena_.reserve_scratch((1 + tree_sum_stack(tp_.segments)) * Vl_ * C_);
     losses_ = arena_.reserve_scratch(N_);
   }
   int64_t F = 0, fcw = 0, qkvw = 0;
@@ -288,8 +295,18 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   GemmOptions dgrad;
   dgrad.k_segments = head_segments_;
   const bool partial = tp_.on() && tp_.layout();
-  for (int64_t r0 = 0; r0 < N_; r0 += head_rows_) {
-    const int64_t rows = std::min(head_rows_, N_ - r0);
+  // The weight gradient in token segments (layout_token_segments): chunks stop at the segments'
+  // bounds, each segment's chunks accumulate into its leaf from zero, and the leaves go through the
+  // canonical tree over the segments (tree_sum_push), whose root is added to the gradient.
+  const std::vector<int64_t> wseg = canonical_segments(N_, backward ? params_.token_segments(out_) : 0);
+  float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
+  int64_t seg = 0;
+  for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
+    rows = std::min(head_rows_, N_ - r0);
+    if (leaf) {
+      while (wseg[static_cast<size_t>(seg + 1)] <= r0) ++seg;
+      rows = std::min(rows, wseg[static_cast<size_t>(seg + 1)] - r0);
+    }
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
     if (tp_.on() || tp_.layout()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
@@ -300,7 +317,21 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     precision_.round(logits, rows * V);
     gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
     if (!partial) precision_.round(dfull + r0 * C_, rows * C_);
-    gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
+    if (!leaf) {
+      gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
+      continue;
+    }
+    const int64_t n = V * C_;
+    if (r0 == wseg[static_cast<size_t>(seg)]) std::fill(leaf, leaf + n, 0.0f);
+    gemm(leaf, logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
+    if (r0 + rows < wseg[static_cast<size_t>(seg + 1)]) continue;
+    // Segment seg is complete (validation keeps every segment non-empty: S <= N).
+    const bool last = seg + 2 == static_cast<int64_t>(wseg.size());
+    tree_sum_push(leaf, leaf, seg, last, n, leaf + n);
+    if (last) {
+      float* g = params_.grad(out_);
+      for (int64_t i = 0; i < n; ++i) g[i] += leaf[i];
+    }
   }
   if (backward) {
     float* sum = enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
@@ -429,10 +460,12 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     if (tp_.on()) {
       vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr,
                                         order_.data(), arena_(dnorm_), dresid, local_tokens_.data(), tokens,
-                                        positions(), B_, T_, C_, V_, Tg_);
+                                        positions(), B_, T_, C_, V_, Tg_, params_.token_segments(wte_),
+                                        wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     } else {
       embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                         tokens, B_, T_, C_, positions(), Tg_);
+                         tokens, B_, T_, C_, positions(), Tg_, params_.token_segments(wte_),
+                         wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     }
     if (grads_ready_) grads_ready_(0, embed_end_);
   }

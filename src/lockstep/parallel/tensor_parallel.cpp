@@ -150,10 +150,11 @@ void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial
 
 void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
                                        const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
-                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P) {
+                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P, int64_t segments,
+                                       int64_t pos_segments) {
   const float* d = leave_row_parallel_backward(tp, dfull, dx, B * T, C);
   vocab_parallel_local_tokens(tp, local, tokens, B * T, V);
-  embedding_backward(dwte, dwpe, order, d, local, B, T, C, positions, P);
+  embedding_backward(dwte, dwpe, order, d, local, B, T, C, positions, P, segments, pos_segments);
 }
 
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,

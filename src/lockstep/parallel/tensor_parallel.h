@@ -49,6 +49,10 @@ struct TensorParallel {
   // reduction this group splits, each rank holding S / size consecutive segments; 0 under "run".
   // Set on one process too, so that it computes the same segments.
   int64_t segments = 0;
+  // determinism = "layout" with layout_token_segments: every weight gradient is a token sum in S
+  // token segments (ParamSpec::token_sum on every parameter) and attention's dK, dV are summed in
+  // S / B query segments per sample (kernels/cpu/attention.h), in every layout.
+  bool token_segments = false;
 
   TensorParallel() = default;
   TensorParallel(Communicator* group, bool sequence_parallel);
@@ -118,7 +122,8 @@ void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial
 // rank). order, local: (N) scratch.
 void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
                                        const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
-                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P = 0);
+                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P = 0,
+                                       int64_t segments = 0, int64_t pos_segments = 0);
 // local (N): each token's row in this rank's table, -1 outside its range (for embedding_backward).
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V);
 

@@ -166,7 +166,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator cp_group = comm.split_groups(mesh.groups(MeshGroup::cp));
   const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr);
   Communicator dp_only = comm.split_groups(mesh.groups(MeshGroup::dp));
-  if (config.determinism == "layout") tp.segments = config.layout_segments;
+  if (config.determinism == "layout") {
+    tp.segments = config.layout_segments;
+    tp.token_segments = config.layout_token_segments;
+  }
   // Expert parallelism: the MoE layers' experts are split over the ep group, whose ranks exchange
   // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
   Communicator expert_group = comm.split_groups(mesh.groups(MeshGroup::ep));

@@ -18,9 +18,11 @@ inline void add_row(float* __restrict dst, const float* __restrict src, int64_t 
 }
 
 // dst[keys[n]] += dout[n] for every row n, as a sorted segment sum: rows ordered by (key, row),
-// each dst row summed by one thread in row order. order: scratch of N int32.
+// each dst row summed by one thread in row order. order: scratch of N int32. segments > 0: each
+// key's rows of token segment s (canonical_segments(N, segments)) summed from zero, the segments'
+// sums added along the canonical tree (an empty segment is a zero leaf), then into dst.
 void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* keys, int64_t N,
-                 int64_t C) {
+                 int64_t C, int64_t segments = 0) {
   // Rows ordered by (key, row): equal to a stable sort by key, but in place.
   for (int64_t n = 0; n < N; ++n) order[n] = static_cast<int32_t>(n);
   std::sort(order, order + N, [keys](int32_t a, int32_t b) {
@@ -28,9 +30,12 @@ void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* k
   });
   // Negative keys (rows another rank's vocabulary shard owns) sort first and are skipped.
   const int64_t skip = std::partition_point(order, order + N, [keys](int32_t a) { return keys[a] < 0; }) - order;
+  const std::vector<int64_t> bounds = canonical_segments(N, segments);
   // A chunk owns the segments (runs of one key) that start inside it, and follows its last one
   // past the chunk end: each dst row is written by one thread, in row order.
   parallel_for(N - skip, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> leaves;
+    if (segments) leaves.resize(static_cast<size_t>(segments * C));
     begin += skip;
     end += skip;
     int64_t i = begin;
@@ -38,10 +43,22 @@ void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* k
     while (i < end) {
       const int32_t v = keys[order[i]];
       float* row = dst + static_cast<int64_t>(v) * C;
+      if (segments) std::fill(leaves.begin(), leaves.end(), 0.0f);
+      int64_t k = 0;  // the token segment of row order[i] (rows ascend within a key)
       do {
-        add_row(row, dout + static_cast<int64_t>(order[i]) * C, C);
+        const int64_t n = order[i];
+        if (segments) {
+          while (bounds[static_cast<size_t>(k + 1)] <= n) ++k;
+          add_row(leaves.data() + k * C, dout + n * C, C);
+        } else {
+          add_row(row, dout + n * C, C);
+        }
         ++i;
       } while (i < N && keys[order[i]] == v);
+      if (segments) {
+        tree_sum_in_place(leaves.data(), segments, C, 0, C);
+        add_row(row, leaves.data(), C);
+      }
     }
   });
 }
@@ -80,11 +97,17 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
 
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
                         const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                        const int32_t* positions, int64_t P) {
-  segment_sum(dwte, order, dout, tokens, B * T, C);
-  if (dwpe && positions) {
+                        const int32_t* positions, int64_t P, int64_t segments, int64_t pos_segments) {
+  segment_sum(dwte, order, dout, tokens, B * T, C, segments);
+  if (dwpe && !positions && pos_segments) {
+    // Each row's position as its key, for the segmented sum.
+    thread_local std::vector<int32_t> pos;
+    pos.resize(static_cast<size_t>(B * T));
+    for (int64_t n = 0; n < B * T; ++n) pos[static_cast<size_t>(n)] = static_cast<int32_t>(n % T);
+    segment_sum(dwpe, order, dout, pos.data(), B * T, C, pos_segments);
+  } else if (dwpe && positions) {
     check_positions(positions, B * T, P ? P : T);
-    segment_sum(dwpe, order, dout, positions, B * T, C);
+    segment_sum(dwpe, order, dout, positions, B * T, C, pos_segments);
   } else if (dwpe) {
     parallel_for(T, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {

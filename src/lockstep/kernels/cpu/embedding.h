@@ -21,10 +21,15 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
                        int64_t B, int64_t T, int64_t C, int64_t V,
                        const int32_t* positions = nullptr, int64_t P = 0);
 
-// order: scratch of B*T int32.
+// order: scratch of B*T int32. segments, pos_segments > 0 (determinism = "layout" with
+// layout_token_segments, ParamStore::token_segments): dwte's (dwpe's) sums cut into that many token
+// segments over the B*T rows (core/tree_sum.h canonical_segments), each vocabulary (position) row's
+// segment sums from zero in row order, added along the canonical tree over the segments (empty
+// segments are zero leaves), then into the row.
 void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
                         const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                        const int32_t* positions = nullptr, int64_t P = 0);
+                        const int32_t* positions = nullptr, int64_t P = 0, int64_t segments = 0,
+                        int64_t pos_segments = 0);
 
 // dbias[c] += sum over the N rows of dout[n, c], in row order (one thread per column range).
 // segments > 0 (determinism = "layout"): the rows cut into that many token segments
