@@ -142,11 +142,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "config: determinism = \"layout\" with parallel.tensor = 4 and layout_segments = 2: parallel.tensor must "
        "divide layout_segments (each tensor-parallel rank holds a block of whole canonical segments of every "
        "reduction it splits)"},
-      {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=2", "moe.expert_capacity_factor=1.5"},
-       "config: determinism = \"layout\" with moe.expert_capacity_factor = 1.5 and parallel.tensor = 2: each "
-       "tensor-parallel rank computes the capacity over its own N / tp tokens and drops choices by it, which one "
-       "process (capacity over the micro-batch's N tokens) does not; use moe.expert_capacity_factor = 0 (dropless) or "
-       "parallel.tensor = 1"},
       {{"determinism=layout", "moe.num_experts=4", "parallel.tensor=4", "parallel.expert=2"},
        "config: determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor = 4: "
        "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "

@@ -250,6 +250,23 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
   }, {"train.global_batch=20"});
+  // A capacity: the micro-batch's, each tp rank keeping its tokens' part of the micro-batch's drop mask
+  // (both drop policies, padding to capacity; both dispatchers under EP, ETP, DP).
+  const std::vector<Row> capacity_rows = {
+      {2, {"parallel.tensor=2"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"}},
+      {4, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
+  };
+  rows_match_single_process("moe-debug", capacity_rows, {"moe.expert_capacity_factor=1.0"});
+  rows_match_single_process("moe-debug", capacity_rows,
+                            {"moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true",
+                             "moe.token_drop_policy=position"});
+  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"model.preset=llama", "precision.params=bf16", "moe.expert_capacity_factor=1.0",
+                             "moe.pad_expert_input_to_capacity=true"});
   rows_match_single_process("moe-debug", {
       {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2", "parallel.expert_tensor=2"}},
@@ -534,12 +551,8 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
                       "parallel.expert_tensor must divide layout_segments"),
             std::string::npos);
-  // MoE under tensor parallelism: capacity per tp rank's tokens, an expert group covering part of a
-  // micro-batch's tp ranks, quantised expert blocks.
-  EXPECT_NE(error_of(2, {"parallel.tensor=2", "moe.expert_capacity_factor=1.0"}, "moe-debug")
-                .find("determinism = \"layout\" with moe.expert_capacity_factor = 1 and parallel.tensor = 2: each "
-                      "tensor-parallel rank computes the capacity over its own N / tp tokens"),
-            std::string::npos);
+  // MoE under tensor parallelism: an expert group covering part of a micro-batch's tp ranks, quantised
+  // expert blocks.
   EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2"}, "moe-debug")
                 .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor "
                       "= 4: an expert's rows would come from only part of a micro-batch's tensor-parallel ranks"),

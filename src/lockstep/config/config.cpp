@@ -654,13 +654,8 @@ void validate_layout_determinism(const Config& c) {
   }
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
-  // micro-batch (model/moe/experts.h).
+  // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).
   const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && e.expert_capacity_factor > 0)
-    refuse(str("moe.expert_capacity_factor = ", e.expert_capacity_factor, " and parallel.tensor = ", c.parallel.tensor),
-           "each tensor-parallel rank computes the capacity over its own N / tp tokens and drops choices by it, "
-           "which one process (capacity over the micro-batch's N tokens) does not; use moe.expert_capacity_factor = 0 "
-           "(dropless) or parallel.tensor = 1");
   if (e.num_experts > 0 && c.parallel.tensor > 1 && expert_group > 1 && expert_group % c.parallel.tensor)
     refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", c.parallel.tensor),
            "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "

@@ -33,7 +33,15 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   router_w_ = ps.add(prefix + "moe.router.weight", {E_, C_}, Init::normal, static_cast<float>(m.init_std), true);
   ps.set_token_sum(router_w_);  // a sum over the layer's tokens, which tensor parallelism splits
   // Capacity is per rank that routes: its Nl tokens (Megatron's, under sequence parallelism too).
-  capacity_ = expert_capacity(spec_, Nl_);
+  // determinism = "layout" under tensor (or context) parallelism: the micro-batch's B x Tg tokens, as
+  // one process has it; every rank drops over the gathered logits (forward).
+  batch_capacity_ = groups.tp.layout() && (tp_.on() || cp_.on()) && spec_.capacity_factor > 0;
+  capacity_ = expert_capacity(spec_, batch_capacity_ ? B_ * Tg_ : Nl_);
+  if (batch_capacity_) {
+    batch_idx_.resize(static_cast<size_t>(B_ * Tg_ * K_));
+    batch_probs_.resize(static_cast<size_t>(B_ * Tg_ * K_));
+    batch_kept_.resize(static_cast<size_t>(B_ * Tg_ * K_));
+  }
   pad_ = moe.pad_expert_input_to_capacity;
   dispatcher_kind_ = moe.token_dispatcher;
   groups_ = groups;
@@ -154,6 +162,21 @@ int64_t MoeLayer::dispatch_bytes_sent() const {
   return n;
 }
 
+void MoeLayer::drop_over_micro_batch(const float* batch_logits) {
+  // Every token of the micro-batch routed again from its logits (each token on its own: the bits of
+  // the rank that owns it), the capacity applied over all of them, then this rank's tokens' part.
+  const int64_t Nb = B_ * Tg_, N = Nl_, K = K_;
+  route_topk(batch_idx_.data(), batch_probs_.data(), batch_logits, expert_bias_on_ ? expert_bias_.data() : nullptr,
+             spec_, Nb);
+  apply_capacity(batch_kept_.data(), batch_idx_.data(), batch_probs_.data(), spec_, Nb);
+  for (int64_t i = 0; i < N; ++i) {
+    const int64_t t = global_row(row0_ + i);
+    LOCKSTEP_CHECK(std::equal(idx_.data() + i * K, idx_.data() + (i + 1) * K, batch_idx_.data() + t * K),
+                   "MoE layer: token ", t, " routed differently from the gathered logits");
+    std::copy(batch_kept_.data() + t * K, batch_kept_.data() + (t + 1) * K, kept_.data() + i * K);
+  }
+}
+
 int64_t MoeLayer::max_rows() const { return etp_ ? etp_->max_rows() : dispatcher_->max_rows(); }
 
 void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
@@ -191,7 +214,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   gemm(logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
   trace_out(router_name_, logits, N * E_);
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
-  apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
+  if (!batch_capacity_) apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
   // The aux losses are over the whole micro-batch: every tp (and cp) rank gets every token's logits.
   const float* batch_logits = logits;
   if (tp_.on() || cp_.on()) {
@@ -200,6 +223,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     if (cp_.on()) all_gather_sequence(cp_, arena(all_logits_), arena(cp_buf_), rank_logits, B_, Tg_, E_);
     batch_logits = arena(all_logits_);
   }
+  if (batch_capacity_) drop_over_micro_batch(batch_logits);
   // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's).
   std::function<void(int64_t*, int64_t)> sum_over_dp;
   if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };

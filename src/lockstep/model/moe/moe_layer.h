@@ -216,8 +216,16 @@ class MoeLayer {
   std::vector<Micro> slots_;
   int slot_ = 0;
   MoeGroups groups_;
-  int64_t capacity_ = 0;
+  int64_t capacity_ = 0;  // an expert's capacity (rows kept per micro-batch; the rows padded to)
   bool pad_ = false;
+  // determinism = "layout" under tensor / context parallelism with a capacity: the capacity and the
+  // drop decision are the micro-batch's (one process's), not the rank's tokens' (Megatron's, run
+  // mode). batch_*: the micro-batch's routing and drop mask (B x Tg, K), scratch of forward.
+  bool batch_capacity_ = false;
+  std::vector<int32_t> batch_idx_;
+  std::vector<float> batch_probs_;
+  std::vector<uint8_t> batch_kept_;
+  void drop_over_micro_batch(const float* batch_logits);  // kept_ from the micro-batch's drop mask
   std::string dispatcher_kind_;
   bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
   void make_dispatcher();  // dispatcher_, source_layout_ and etp_ for one micro-batch
