@@ -63,11 +63,18 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
             "config: parallel.context = 2 with parallel.sequence_parallel: train.micro_batch x model.seq_length / "
             "context = 6 tokens per rank are not divisible by parallel.tensor = 4");
   for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
-           {{"determinism=layout"}, "determinism = \"layout\""}}) {
+           {{"determinism=layout"}, "determinism = \"layout\""},
+           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=4"},
+            "determinism = \"layout\", train.micro_batch = 4 and layout_segments = 8"},
+           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.tensor=2"},
+            "determinism = \"layout\" and parallel.tensor = 2"},
+           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.pipeline=2"},
+            "determinism = \"layout\" and parallel.pipeline = 2"}}) {
     std::vector<std::string> o = keys;
     o.push_back("parallel.context=2");
     const std::string e = error("debug.toml", o);
     EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
+    EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
   EXPECT_EQ(error("moe-debug.toml", {"parallel.context=2", "parallel.tensor=4", "model.seq_length=12", "train.micro_batch=1"}),
             "config: parallel.context = 2 with an MoE model: train.micro_batch x model.seq_length / context = 6 tokens "

@@ -211,6 +211,24 @@ TEST(LayoutDeterminism, TokenSegmentsMatchSingleProcess) {
   EXPECT_NE(global_fields(dir.path("on")), global_fields(dir.path("off")));
 }
 
+// Context parallelism (layout_token_segments): each cp rank's chunks are whole token segments, its 2B
+// token pieces of every weight gradient and its two chunks' dK, dV trees are combined exactly over
+// the group (combine_token_pieces, reduce_scatter_dkv_pieces): CP 2, CP 2 x DP 2 (distributed
+// optimizer), CP 4 (16 segments), Llama GQA (RoPE) bf16 CP 2 and CP 2 x DP 2, bitwise equal to one
+// process with the key (fingerprints and checkpoints).
+TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
+  rows_match_single_process("debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "optimizer.distributed=true"}},
+  }, {"layout_token_segments=true"});
+  rows_match_single_process("debug", {{4, {"parallel.context=4"}}},
+                            {"layout_token_segments=true", "layout_segments=16"});
+  rows_match_single_process("debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2"}},
+  }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+}
+
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of
 // the micro-batch. The router, MoE norm and shared expert gradients are token-segment sums reduced
 // over tp per micro-batch; each expert's weight gradient is, per micro-batch, the tree over its rows'

@@ -619,10 +619,24 @@ void validate_context_parallel(const Config& c) {
   const auto refuse = [cp](const std::string& what, const std::string& why) {
     user_error("parallel.context = ", cp, " with ", what, ": ", why);
   };
-  if (c.determinism == "layout")
-    refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
-           "rank's tokens, whose exact combination over the cp group is not built yet (layout_token_segments cuts "
-           "them into canonical token segments); use determinism = \"run\"");
+  // Layout: every sum over a micro-batch's tokens in token segments (layout_token_segments), each rank's
+  // chunks whole segments: its 2B token pieces, combined exactly over the group (combine_token_pieces).
+  if (c.determinism == "layout") {
+    const int64_t B = c.train.micro_batch, S = c.layout_segments;
+    if (!c.layout_token_segments)
+      refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
+             "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
+    if (S % (2 * cp * B))
+      refuse(str("determinism = \"layout\", train.micro_batch = ", B, " and layout_segments = ", S),
+             str("each rank's chunks must be whole token segments: 2 x parallel.context x train.micro_batch = ",
+                 2 * cp * B, " must divide layout_segments (at most 64)"));
+    if (tp > 1)
+      refuse(str("determinism = \"layout\" and parallel.tensor = ", tp), "the tensor-parallel ranks' shares of the "
+             "token pieces are not combined yet; use parallel.tensor = 1");
+    if (c.parallel.pipeline > 1)
+      refuse(str("determinism = \"layout\" and parallel.pipeline = ", c.parallel.pipeline),
+             "not built yet; use determinism = \"run\"");
+  }
 }
 
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor

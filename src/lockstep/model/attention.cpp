@@ -38,8 +38,10 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
       cp_buf = scratch_of->cp_buf;
       dkv = scratch_of->dkv;
     } else {
-      cp_buf = arena.reserve_scratch((B * Tg + N) * KV);
-      dkv = arena.reserve_scratch(B * Tg * KV);
+      // layout_token_segments: two chunks' dK, dV and the pieces' all-to-all (reduce_scatter_dkv_pieces).
+      const bool pieces = tp.token_segments;
+      cp_buf = arena.reserve_scratch(pieces ? dkv_pieces_buffer(cp, B, Tg, NKV, HS) : (B * Tg + N) * KV);
+      dkv = arena.reserve_scratch((pieces ? 2 : 1) * B * Tg * KV);
     }
     chunks = cp.chunks(Tg);
   }
@@ -78,9 +80,12 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   const float* dy = leave_row_parallel_backward(tp, s.dnorm, dresid, N, C);
   proj.backward(ps, s.datt, dy, arena(att), N);
   if (cp.on()) {
+    // layout_token_segments: each chunk's tree over its query segments, combined exactly over the group.
+    const int64_t segments = tp.token_segments ? tp.segments / B : 0;
     attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att), arena(lse), B, Tg,
-                              chunks, NH, NKV, HS, doc_start);
-    reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+                              chunks, NH, NKV, HS, doc_start, segments);
+    if (segments) reduce_scatter_dkv_pieces(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    else reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
     attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start,

@@ -82,6 +82,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // layout_token_segments: every gradient is computed in token segments (ParamStore::token_segments).
   if (tp_.token_segments)
     for (int i = 0; i < static_cast<int>(params_.specs().size()); ++i) params_.set_token_sum(i);
+  // Context parallelism: the rank's two chunks of each sample are its 2B pieces of those sums.
+  if (tp_.token_segments && cp_.on()) params_.set_token_pieces(2 * B_, T_ / 2, cp_.size);
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
@@ -298,7 +300,9 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   // The weight gradient in token segments (layout_token_segments): chunks stop at the segments'
   // bounds, each segment's chunks accumulate into its leaf from zero, and the leaves go through the
   // canonical tree over the segments (tree_sum_push), whose root is added to the gradient.
-  const std::vector<int64_t> wseg = canonical_segments(N_, backward ? params_.token_segments(out_) : 0);
+  // Context parallelism: per piece of the rank's rows (ParamStore::token_pieces), each its own tree.
+  const int64_t pieces = params_.token_pieces(), per_piece = backward ? params_.token_segments(out_) : 0;
+  const std::vector<int64_t> wseg = canonical_segments(N_, pieces * per_piece);
   float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
   int64_t seg = 0;
   for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
@@ -326,10 +330,10 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     gemm(leaf, logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
     if (r0 + rows < wseg[static_cast<size_t>(seg + 1)]) continue;
     // Segment seg is complete (validation keeps every segment non-empty: S <= N).
-    const bool last = seg + 2 == static_cast<int64_t>(wseg.size());
-    tree_sum_push(leaf, leaf, seg, last, n, leaf + n);
+    const bool last = seg % per_piece == per_piece - 1;
+    tree_sum_push(leaf, leaf, seg % per_piece, last, n, leaf + n);
     if (last) {
-      float* g = params_.grad(out_);
+      float* g = params_.grad_piece(out_, seg / per_piece);
       for (int64_t i = 0; i < n; ++i) g[i] += leaf[i];
     }
   }
@@ -463,9 +467,13 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
                                         positions(), B_, T_, C_, V_, Tg_, params_.token_segments(wte_),
                                         wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     } else {
-      embedding_backward(params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr, order_.data(), dresid,
-                         tokens, B_, T_, C_, positions(), Tg_, params_.token_segments(wte_),
-                         wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
+      // Context parallelism under layout_token_segments: per piece of the rank's rows.
+      const int64_t K = params_.token_pieces(), rows = K > 1 ? params_.piece_rows() : T_;
+      for (int64_t k = 0; k < K; ++k)
+        embedding_backward(params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr,
+                           order_.data(), dresid + k * rows * C_, tokens + k * rows, K > 1 ? 1 : B_, rows, C_,
+                           positions() ? positions() + k * rows : nullptr, Tg_, params_.token_segments(wte_),
+                           wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     }
     if (grads_ready_) grads_ready_(0, embed_end_);
   }

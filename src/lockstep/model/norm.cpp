@@ -33,9 +33,17 @@ void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const f
 void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                     const float* inp, int64_t N) const {
   const int64_t segments = ps.token_segments(w);
-  if (rms) rmsnorm_backward(dinp, ps.grad(w), dout, inp, ps.weight(w), arena(rstd), N, C, segments);
-  else layernorm_backward(dinp, ps.grad(w), ps.grad(b), dout, inp, ps.weight(w), arena(mean), arena(rstd), N, C,
-                          segments);
+  // Under context parallelism each piece of the rank's rows separately (ParamStore::token_pieces).
+  const int64_t K = ps.token_pieces(), n = K > 1 ? ps.piece_rows() : N;
+  for (int64_t k = 0; k < K; ++k) {
+    const int64_t r = k * n;
+    if (rms)
+      rmsnorm_backward(dinp + r * C, ps.grad_piece(w, k), dout + r * C, inp + r * C, ps.weight(w), arena(rstd) + r, n,
+                       C, segments);
+    else
+      layernorm_backward(dinp + r * C, ps.grad_piece(w, k), ps.grad_piece(b, k), dout + r * C, inp + r * C,
+                         ps.weight(w), arena(mean) + r, arena(rstd) + r, n, C, segments);
+  }
   ps.precision().round(dinp, N * C);
   trace_grad_in(name, dinp, N * C);
 }

@@ -56,6 +56,7 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
 void ParamStore::allocate() {
   values_.resize(total_);
   grads_.resize(total_);
+  for (int64_t k = 1; k < pieces_; ++k) pieces_grads_.emplace_back(total_);
 }
 
 namespace {

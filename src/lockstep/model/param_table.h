@@ -107,7 +107,24 @@ class ParamStore {
   int64_t token_segments(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
     if (!layout_segments_ || !p.token_sum) return 0;
+    if (pieces_ > 1) return layout_segments_ / cp_size_ / pieces_;
     return p.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
+  }
+  // Context parallelism under determinism = "layout" (layout_token_segments): a rank's rows are
+  // `pieces` blocks of `rows` consecutive rows each (its two chunks of every sample), each a
+  // subtree of the micro-batch's canonical tree over the token segments. Every token-sum gradient
+  // is then computed per piece (token_segments(i) segments each) into grad_piece(i, k), and the cp
+  // group combines the pieces (parallel/context_parallel.h combine_token_pieces). Before allocate().
+  void set_token_pieces(int64_t pieces, int64_t rows, int cp) {
+    pieces_ = pieces;
+    piece_rows_ = rows;
+    cp_size_ = cp;
+  }
+  int64_t token_pieces() const { return pieces_; }
+  int64_t piece_rows() const { return piece_rows_; }
+  // Piece k's gradient of parameter i (piece 0 is grad(i)).
+  float* grad_piece(int i, int64_t k) const {
+    return k == 0 ? grad(i) : pieces_grads_[static_cast<size_t>(k - 1)].data() + specs_[i].offset;
   }
   // Sets parameter i's canonical pieces (ParamSpec::cut_dim, cut).
   void set_layout_cut(int i, int dim, std::vector<int64_t> bounds) {
@@ -165,6 +182,9 @@ class ParamStore {
   Precision* precision_ = nullptr;
   int64_t layout_segments_ = 0;
   int tp_size_ = 1;
+  int64_t pieces_ = 1, piece_rows_ = 0;
+  int cp_size_ = 1;
+  std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1
 };
 
 }  // namespace lockstep

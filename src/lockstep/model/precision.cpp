@@ -420,15 +420,22 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
                       int64_t in) {
   // determinism = "layout": a sum over tokens that a layout may split (ParamStore::token_segments)
   // runs in canonical token segments, K of this GEMM.
-  const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(w));
-  if (recipe(w) != Recipe::none) {
-    gemm_wgrad(first_site_[w], ps.grad(w), dy, x, N, out, in, bounds);
-    return;
+  // Under context parallelism each piece of the rank's rows separately (ParamStore::token_pieces).
+  const int64_t K = ps.token_pieces(), rows = K > 1 ? ps.piece_rows() : N;
+  LOCKSTEP_CHECK(K * rows == N, "wgrad: ", K, " token pieces of ", rows, " rows for ", N, " rows");
+  const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(w));
+  for (int64_t k = 0; k < K; ++k) {
+    const float* dyk = dy + k * rows * out;
+    const float* xk = x + k * rows * in;
+    if (recipe(w) != Recipe::none) {
+      gemm_wgrad(first_site_[w], ps.grad_piece(w, k), dyk, xk, rows, out, in, bounds);
+      continue;
+    }
+    GemmOptions acc;
+    acc.accumulate = true;
+    acc.k_segments = bounds;
+    gemm(ps.grad_piece(w, k), dyk, Trans::T, xk, Trans::N, out, in, rows, acc);
   }
-  GemmOptions acc;
-  acc.accumulate = true;
-  acc.k_segments = bounds;
-  gemm(ps.grad(w), dy, Trans::T, x, Trans::N, out, in, N, acc);
 }
 
 template <typename F>

@@ -1,10 +1,13 @@
 #include "lockstep/parallel/context_parallel.h"
 
+#include <algorithm>
+#include <bit>
 #include <cstring>
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
@@ -56,6 +59,13 @@ void move_rows(const ContextParallel& cp, int r, float* dst, const float* src, b
     }
   });
 }
+// The key and value columns of dqkv (rows, C3), from column `at` <- kv (rows, KV).
+void copy_kv_columns(float* dqkv, const float* kv, int64_t rows, int64_t KV, int64_t C3, int64_t at) {
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(dqkv + r * C3 + at, kv + r * KV, static_cast<size_t>(KV) * sizeof(float));
+  });
+}
 }  // namespace
 
 void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, const float* local, int64_t B, int64_t T,
@@ -84,9 +94,65 @@ void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, cons
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
   for (int r = 0; r < cp.size; ++r) move_rows(cp, r, buf + r * n, dkv, false, B, T, KV);
   cp.comm->reduce_scatter(mine, buf, n);
-  parallel_for(B * Tl, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(dqkv + r * C3 + NH * HS, mine + r * KV, static_cast<size_t>(KV) * sizeof(float));
+  copy_kv_columns(dqkv, mine, B * Tl, KV, C3, NH * HS);
+}
+
+void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+                               int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+  const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV, P = cp.size;
+  float* send = buf;
+  float* recv = send + 2 * P * n;
+  float* mine = recv + 2 * P * n;
+  float* stack = mine + n;
+  // Block (r, e): this rank's chunk e's tree (early, late) at rank r's rows, in rank r's local order.
+  for (int r = 0; r < P; ++r)
+    for (int64_t e = 0; e < 2; ++e) move_rows(cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
+  cp.comm->all_to_all(recv, send, 2 * n);
+  // Chunk c's tree came from rank c (its early chunk) or 2P - 1 - c (its late one); the canonical
+  // tree over the 2P chunks in position order is the one-process tree over the query segments.
+  LOCKSTEP_CHECK(P <= kMaxContext, "context parallelism: ", P, " ranks");
+  const int64_t depth = tree_sum_stack(2 * P);
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    const float* leaves[2 * kMaxContext];
+    for (int64_t c = 0; c < 2 * P; ++c) leaves[c] = recv + (c < P ? 2 * c : 2 * (2 * P - 1 - c) + 1) * n + i0;
+    tree_sum(mine + i0, leaves, 2 * P, i1 - i0, stack + depth * i0);
+  });
+  copy_kv_columns(dqkv, mine, B * Tl, KV, C3, NH * HS);
+}
+
+int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS) {
+  return (4 * cp.size + tree_sum_stack(2 * cp.size) + 1) * B * cp.local(T) * 2 * NKV * HS;
+}
+
+void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch) {
+  const int64_t K = ps.token_pieces();
+  if (!cp.on() || K <= 1 || first >= end) return;
+  const auto& specs = ps.specs();
+  const int64_t lo = specs[first].offset;
+  const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
+  const int64_t n = hi - lo, P = cp.size, L = P * K;  // L = 2 size B pieces of the micro-batch
+  LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
+                 " token pieces");
+  const int64_t depth = tree_sum_stack(L);
+  scratch.resize(static_cast<size_t>((K + L + depth) * n));
+  float* send = scratch.data();
+  float* recv = send + K * n;
+  float* stack = recv + L * n;
+  for (int64_t k = 0; k < K; ++k) std::memcpy(send + k * n, ps.grad_piece(first, k), static_cast<size_t>(n) * sizeof(float));
+  cp.comm->all_gather(recv, send, K * n);
+  float* out = ps.grad(first);
+  const bool keep = cp.rank == 0;
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    const float* leaves[2 * kMaxContext];
+    // Piece (b, chunk c): rank c's early chunk (local piece 2b) or rank 2P - 1 - c's late one (2b + 1).
+    for (int64_t g = 0; g < L; ++g) {
+      const int64_t b = g / (2 * P), c = g % (2 * P);
+      const int64_t q = c < P ? c : 2 * P - 1 - c, k = 2 * b + (c < P ? 0 : 1);
+      leaves[g] = recv + (q * K + k) * n + i0;
+    }
+    if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
+    else std::fill(out + i0, out + i1, -0.0f);
+    for (int64_t k = 1; k < K; ++k) std::fill(ps.grad_piece(first, k) + i0, ps.grad_piece(first, k) + i1, 0.0f);
   });
 }
 

@@ -16,11 +16,15 @@
 // The loss is the mean over the micro-batch's tokens: each rank's sum over its rows divided by the
 // micro-batch's count, summed over the group with the data-parallel sums (the trainer's dp x cp
 // group); parameter gradients are partial sums over the rank's tokens, reduced over dp x cp.
+// determinism = "layout" (layout_token_segments): the rank's chunks are whole token segments, and its
+// parts of dK, dV and of every weight gradient are combined exactly (reduce_scatter_dkv_pieces,
+// combine_token_pieces; docs/determinism.md).
 #pragma once
 
 #include <cstdint>
 
 #include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/model/param_table.h"
 
 namespace lockstep {
 
@@ -59,5 +63,26 @@ void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qk
 // each rank's dkv (B, T, 2 NKV HS) at this rank's positions. buf as above.
 void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
                         int64_t NH, int64_t NKV, int64_t HS);
+// determinism = "layout" with layout_token_segments: dkv (2, B, T, 2 NKV HS) holds this rank's two
+// chunks' trees over their query segments (attention_backward_chunks with query_segments), each a
+// subtree of a sample's tree; every rank sends both to each rank's rows (an all-to-all of twice the
+// reduce-scatter's blocks) and sums the 2 size chunks' trees along the canonical tree in position
+// order: the one-process dK, dV bits. buf: dkv_pieces_buffer floats.
+void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+                               int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS);
+
+// determinism = "layout" with layout_token_segments, per micro-batch (the grads-ready hook, before
+// the micro-batch's gradients become its leaf of the tree over micro-batches): parameters [first,
+// end) hold this rank's 2B token pieces (ParamStore::grad_piece: its two chunks of each sample, each
+// the tree over its token segments). The group all-gathers them and sums the micro-batch's 2 size B
+// pieces along the canonical tree in token order (sample, then chunk): the one-process micro-batch
+// gradient, which cp rank 0 keeps while the others hold -0, so the dp x cp reduction adds it once,
+// exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next micro-batch. Wire per call:
+// an all-gather of 2B x the range's gradients (each rank receives (size - 1) x 2B x n floats).
+void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
+
+// The most context-parallel ranks (config validation keeps parallel.context at or below).
+inline constexpr int kMaxContext = 64;
 
 }  // namespace lockstep

@@ -136,6 +136,12 @@ Mesh checked_mesh(const Config& config, int world_size) {
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h).
+  // Except under context parallelism, whose cp ranks give -0 in the dp x cp reduction (a subtree only
+  // when every rank's block is one).
+  if (config.determinism == "layout" && mesh.cp() > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
+    user_error("parallel.context = ", mesh.cp(), " with determinism = \"layout\": ", accum,
+               " micro-batches per data-parallel rank (train.global_batch / (train.micro_batch x data-parallel size "
+               "", dp_size, ")) must be a power of two");
   return mesh;
 }
 
@@ -240,6 +246,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   }
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   std::unique_ptr<Pipeline> pipeline;
+  std::vector<float> piece_scratch;  // combine_token_pieces's, kept across micro-batches
   if (pipelined) {
     dp.set_pipeline_parallel(&pp_group);
     pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
@@ -260,9 +267,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     });
     if (layout) dp.set_full_grads(model.shared_params());
   } else {
-    model.set_grads_ready_hook([&dp, &tp, &model, layout](int first, int end) {
-      // Layout: a micro-batch's sequence-parallel gradients are complete before they become its leaf.
+    model.set_grads_ready_hook([&dp, &tp, &cp, &model, &piece_scratch, layout](int first, int end) {
+      // Layout: a micro-batch's sequence-parallel gradients are complete before they become its leaf,
+      // and so are its context-parallel token pieces (layout_token_segments).
       if (layout) reduce_sequence_parallel_grads(tp, model.params(), first, end);
+      if (layout) combine_token_pieces(cp, model.params(), first, end, piece_scratch);
       dp.grads_ready(first, end);
     });
     for (const auto& [owner, copy] : model.split_params()) dp.set_full_grads({owner, copy});
