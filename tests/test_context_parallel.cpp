@@ -66,8 +66,9 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
            {{"determinism=layout"}, "determinism = \"layout\""},
            {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=4"},
             "determinism = \"layout\", train.micro_batch = 4 and layout_segments = 8"},
-           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.tensor=2"},
-            "determinism = \"layout\" and parallel.tensor = 2"},
+           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.tensor=2",
+             "parallel.sequence_parallel=true"},
+            "determinism = \"layout\" and parallel.sequence_parallel"},
            {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.pipeline=2"},
             "determinism = \"layout\" and parallel.pipeline = 2"}}) {
     std::vector<std::string> o = keys;

@@ -220,12 +220,14 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
   rows_match_single_process("debug", {
       {2, {"parallel.context=2"}},
       {4, {"parallel.context=2", "optimizer.distributed=true"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
   }, {"layout_token_segments=true"});
   rows_match_single_process("debug", {{4, {"parallel.context=4"}}},
                             {"layout_token_segments=true", "layout_segments=16"});
   rows_match_single_process("debug", {
       {2, {"parallel.context=2"}},
       {4, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
   }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
 }
 

@@ -630,9 +630,9 @@ void validate_context_parallel(const Config& c) {
       refuse(str("determinism = \"layout\", train.micro_batch = ", B, " and layout_segments = ", S),
              str("each rank's chunks must be whole token segments: 2 x parallel.context x train.micro_batch = ",
                  2 * cp * B, " must divide layout_segments (at most 64)"));
-    if (tp > 1)
-      refuse(str("determinism = \"layout\" and parallel.tensor = ", tp), "the tensor-parallel ranks' shares of the "
-             "token pieces are not combined yet; use parallel.tensor = 1");
+    if (sp)
+      refuse("determinism = \"layout\" and parallel.sequence_parallel", "the tensor-parallel ranks' shares of the "
+             "token pieces are not combined yet; use parallel.sequence_parallel = false");
     if (c.parallel.pipeline > 1)
       refuse(str("determinism = \"layout\" and parallel.pipeline = ", c.parallel.pipeline),
              "not built yet; use determinism = \"run\"");

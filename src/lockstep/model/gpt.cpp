@@ -461,14 +461,17 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     if (grads_ready_) grads_ready_(layer_first_[l], layer_end_[l]);
   }
   if (part_.first && c == 0) {
+    // Context parallelism under layout_token_segments: per piece of the rank's rows (no sequence
+    // parallelism there: every tp rank holds all of them).
+    const int64_t K = params_.token_pieces(), rows = K > 1 ? params_.piece_rows() : T_;
     if (tp_.on()) {
-      vocab_parallel_embedding_backward(tp_, params_.grad(wte_), wpe_ >= 0 ? params_.grad(wpe_) : nullptr,
-                                        order_.data(), arena_(dnorm_), dresid, local_tokens_.data(), tokens,
-                                        positions(), B_, T_, C_, V_, Tg_, params_.token_segments(wte_),
-                                        wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
+      for (int64_t k = 0; k < K; ++k)
+        vocab_parallel_embedding_backward(
+            tp_, params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr, order_.data(),
+            arena_(dnorm_) + k * rows * C_, dresid + k * rows * C_, local_tokens_.data() + k * rows, tokens + k * rows,
+            positions() ? positions() + k * rows : nullptr, K > 1 ? 1 : B_, rows, C_, V_, Tg_,
+            params_.token_segments(wte_), wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     } else {
-      // Context parallelism under layout_token_segments: per piece of the rank's rows.
-      const int64_t K = params_.token_pieces(), rows = K > 1 ? params_.piece_rows() : T_;
       for (int64_t k = 0; k < K; ++k)
         embedding_backward(params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr,
                            order_.data(), dresid + k * rows * C_, tokens + k * rows, K > 1 ? 1 : B_, rows, C_,
