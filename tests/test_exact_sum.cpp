@@ -90,6 +90,19 @@ TEST(ExactSum, SameBitsInAnyOrderAndGrouping) {
   }
 }
 
+// The binned squares at their worst: every element the largest significand of one exponent, a
+// whole flush of them per bin set and past it, and runs of one exponent (every bin set's chain).
+TEST(ExactSum, SumOfSquaresFullBins) {
+  for (float v : {std::nextafter(2.0f, 0.0f), -std::nextafter(1e30f, 0.0f), std::nextafter(1e-40f, 1.0f)}) {
+    for (int64_t n : {int64_t{1} << 15, (int64_t{1} << 16) + 3, int64_t{200003}}) {
+      const std::vector<float> x(static_cast<size_t>(n), v);
+      ExactSum by_term;
+      for (float t : x) by_term.add(static_cast<double>(t) * static_cast<double>(t));
+      EXPECT_TRUE(exact_sum_of_squares(x.data(), n) == by_term) << v << " x " << n;
+    }
+  }
+}
+
 TEST(ExactSum, CancellationRoundingAndRange) {
   EXPECT_EQ(sum_of({1e300, 1.0, -1e300}), 1.0);  // a left fold in double gives 0
   const __float128 r = static_cast<__float128>(0.1) + 0.2 - 0.3;  // exact: the terms share a binade's grid

@@ -17,6 +17,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/kernels/cpu/permute.h"
 #include "lockstep/model/gpt.h"
@@ -78,6 +79,16 @@ void check_router_gradient(const std::vector<std::string>& options, bool with_bi
     ASSERT_EQ(im, idx);
     EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-3) << "logit " << i;
   }
+}
+
+// The dispatchers' closed form of a token's canonical segment is canonical_segments' cut.
+TEST(MoeDispatch, TokenSegmentIsTheCanonicalSegment) {
+  for (int64_t N : {1, 2, 7, 8, 64, 1000, 1024})
+    for (int64_t L : {1, 2, 4, 8, 16, 64}) {
+      const std::vector<int64_t> b = canonical_segments(N, L);
+      for (int64_t l = 0; l < L; ++l)
+        for (int64_t t = b[l]; t < b[l + 1]; ++t) ASSERT_EQ(token_segment(t, N, L), l) << N << " " << L << " " << t;
+    }
 }
 
 TEST(MoeRouter, GradientsMatchFiniteDifferences) {

@@ -109,7 +109,8 @@ inline void tree_sum_in_place(float* x, int64_t L, int64_t stride, int64_t begin
 template <typename Accumulate>
 void add_segment_tree(float* dst, int64_t n, const std::vector<int64_t>& bounds, Accumulate&& accumulate) {
   const int64_t S = static_cast<int64_t>(bounds.size()) - 1;
-  std::vector<float> leaves(static_cast<size_t>(S * n), 0.0f);
+  thread_local std::vector<float> leaves;  // per thread, kept across calls (no allocation in steady state)
+  leaves.assign(static_cast<size_t>(S * n), 0.0f);
   for (int64_t k = 0; k < S; ++k) accumulate(leaves.data() + k * n, bounds[k], bounds[k + 1]);
   tree_sum_in_place(leaves.data(), S, n, 0, n);
   for (int64_t j = 0; j < n; ++j) dst[j] += leaves[j];

@@ -35,7 +35,6 @@ void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t 
   // Rows: local expert, then source, then the source's choices in order (padding after each block).
   std::fill(slot_.begin(), slot_.begin() + S_ * NK, -1);
   // Layout mode: each source's token segments (the sources route N tokens each).
-  const std::vector<int32_t> seg = L_ ? token_segment_of(N, L_) : std::vector<int32_t>{};
   if (L_) tsegs_.resize(static_cast<size_t>(El_ * S_ * L_ + 1));
   int64_t r = 0;
   for (int64_t e = 0; e < El_; ++e) {
@@ -46,7 +45,7 @@ void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t 
       for (int64_t i = s * NK; i < (s + 1) * NK; ++i) {
         if (!kept_all_[i] || idx_all_[i] != first + e) continue;
         if (L_)
-          for (const int64_t li = seg[(i - s * NK) / K_]; l < li; ++l) tsegs_[b * L_ + l + 1] = r;
+          for (const int64_t li = token_segment((i - s * NK) / K_, N, L_); l < li; ++l) tsegs_[b * L_ + l + 1] = r;
         slot_[i] = static_cast<int32_t>(r);
         row_choice_[r++] = static_cast<int32_t>(i);
       }

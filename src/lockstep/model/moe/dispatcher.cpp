@@ -48,20 +48,11 @@ void LocalDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N) {
   }
   if (!L_) return;
   // Rows per (expert, token segment); an expert's padding rows (after its tokens) to its last one.
-  const std::vector<int32_t> seg = token_segment_of(N, L_);
   tsegs_.assign(static_cast<size_t>(E_ * L_ + 1), 0);
   for (int64_t e = 0; e < E_; ++e)
     for (int64_t r = offsets_[e]; r < offsets_[e + 1]; ++r)
-      ++tsegs_[e * L_ + (row_choice_[r] >= 0 ? seg[row_choice_[r] / K_] : L_ - 1) + 1];
+      ++tsegs_[e * L_ + (row_choice_[r] >= 0 ? token_segment(row_choice_[r] / K_, N, L_) : L_ - 1) + 1];
   for (int64_t k = 0; k < E_ * L_; ++k) tsegs_[k + 1] += tsegs_[k];
-}
-
-std::vector<int32_t> token_segment_of(int64_t N, int64_t L) {
-  const std::vector<int64_t> b = canonical_segments(N, L);
-  std::vector<int32_t> seg(static_cast<size_t>(N));
-  for (int64_t l = 0; l < L; ++l)
-    for (int64_t t = b[l]; t < b[l + 1]; ++t) seg[t] = static_cast<int32_t>(l);
-  return seg;
 }
 
 void LocalDispatcher::dispatch(float* expert_in, const float* x) const {

@@ -67,8 +67,10 @@ class Dispatcher {
   std::vector<int64_t> tsegs_;
 };
 
-// Token t's canonical segment among L segments of N tokens (L > 0), for t = 0 .. N - 1.
-std::vector<int32_t> token_segment_of(int64_t N, int64_t L);
+// Token t's canonical segment among L segments of N tokens (L > 0), for t = 0 .. N - 1: the l
+// with canonical_segments(N, L)[l] <= t < [l + 1], i.e. the largest l with floor(l N / L) <= t,
+// l N < (t + 1) L.
+inline int64_t token_segment(int64_t t, int64_t N, int64_t L) { return ((t + 1) * L - 1) / N; }
 
 class LocalDispatcher final : public Dispatcher {
  public:

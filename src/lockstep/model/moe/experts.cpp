@@ -136,8 +136,10 @@ namespace {
 // `tree` the canonical tree over s (core/tree_sum.h).
 void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t n, bool tree = false) {
   parallel_for(E * n, [&](int64_t i0, int64_t i1) {
-    std::vector<float> stack(static_cast<size_t>(tree_sum_stack(S)) + 1);
-    std::vector<const float*> at(static_cast<size_t>(S));
+    thread_local std::vector<float> stack;  // per thread, kept across calls
+    thread_local std::vector<const float*> at;
+    stack.resize(static_cast<size_t>(tree_sum_stack(S)) + 1);
+    at.resize(static_cast<size_t>(S));
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t e = i / n, j = i % n;
       const float* b = blocks + e * S * n + j;
@@ -159,8 +161,9 @@ void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t
 // trees[e S + s].
 void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum* trees,
                        const std::vector<GroupedExperts::GroupPiece>& group, int64_t E, int64_t S, int64_t n) {
+  thread_local std::vector<const float*> pieces;  // all sources' pieces, in order (kept across calls)
   for (int64_t e = 0; e < E; ++e) {
-    std::vector<const float*> pieces;  // all sources' pieces, in order
+    pieces.clear();
     for (int64_t s = 0; s < S; ++s) {
       TreeSum& t = trees[e * S + s];
       for (int64_t k = 0; k + 1 < t.pieces(); ++k) pieces.push_back(t.piece(k));
@@ -168,10 +171,13 @@ void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum
     }
     for (const GroupedExperts::GroupPiece& g : group) {
       float* dst = (g.table ? g.table + ps.specs()[w].offset : ps.grad(w)) + e * n;
+      const std::vector<const float*>& all = pieces;  // the caller's (a thread_local named in the body would be the worker's)
       parallel_for(n, [&](int64_t i0, int64_t i1) {
-        std::vector<const float*> at;
-        for (int64_t k = g.first; k < g.end; ++k) at.push_back(pieces[static_cast<size_t>(k)] + i0);
-        std::vector<float> scratch(static_cast<size_t>(g.tree.scratch_size() * (i1 - i0)));
+        thread_local std::vector<const float*> at;  // per thread, kept across calls
+        thread_local std::vector<float> scratch;
+        at.clear();
+        for (int64_t k = g.first; k < g.end; ++k) at.push_back(all[static_cast<size_t>(k)] + i0);
+        scratch.resize(static_cast<size_t>(g.tree.scratch_size() * (i1 - i0)));
         g.tree.sum(dst + i0, at.data(), i1 - i0, scratch.data());
       });
     }

@@ -246,7 +246,8 @@ AuxLosses aux_losses_forward(const float* logits, const RouterSpec& s, int64_t B
   out.z *= s.z_coeff / n;
   if (!any_aux) return out;
   // The global aux loss's counts: this micro-batch's over the replicas (integers: exact in any order).
-  std::vector<int64_t> batch(static_cast<size_t>(E), 0);
+  thread_local std::vector<int64_t> batch;  // per rank thread, kept across layers and micro-batches
+  batch.assign(static_cast<size_t>(E), 0);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t b = 0; b < B; ++b) batch[e] += counts_seq[b * E + e];
   if (s.global_aux && sum_over_replicas) sum_over_replicas(batch.data(), E);
