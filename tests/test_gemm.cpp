@@ -114,6 +114,31 @@ struct Case {
 
 const Trans kTrans[] = {Trans::N, Trans::T};
 
+// One gemm_batch of the cases (options: init and k_segments) gives each its reference's bits, for
+// 1, 2 and 3 threads.
+void batch_matches_reference(const std::vector<Case>& cases, const std::vector<GemmOptions>& opts) {
+  for (int threads : {1, 2, 3}) {
+    ThreadPool pool(threads);
+    ThreadPool::Bind bind(&pool);
+    std::vector<std::vector<float>> out;
+    std::vector<GemmBatchItem> items;
+    for (const Case& c : cases) out.push_back(c.C0);
+    for (size_t i = 0; i < cases.size(); ++i) {
+      const Case& c = cases[i];
+      GemmBatchItem it{out[i].data(), c.ldc, c.A.data(), c.lda, c.ta, c.B.data(), c.ldb, c.tb, c.M, c.N, c.K};
+      it.accumulate = opts[i].accumulate;
+      it.bias = opts[i].bias;
+      it.k_segments = opts[i].k_segments;
+      it.k_sections = opts[i].k_sections;
+      items.push_back(it);
+    }
+    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+    for (size_t i = 0; i < cases.size(); ++i)
+      ASSERT_TRUE(bitwise_equal(out[i], cases[i].reference(opts[i]), cases[i].name() + str(" item ", i, " threads ", threads)));
+  }
+}
+
+
 TEST(Gemm, MatchesFmaChainAndDoubleReference) {
   const int64_t sizes[] = {1, 5, 17, 67, 130};
   for (Trans ta : kTrans) {
@@ -182,36 +207,6 @@ TEST(Gemm, EmptyKWritesInit) {
 // segment s's chain runs over its part of each section in turn); empty parts and an empty segment
 // included; segment counts that are not powers of two (the streamed tree holds several subtrees at
 // the last one); output rows wider than the combiner's block; 1 and 3 threads.
-TEST(Gemm, KSegments) {
-  struct Layout {
-    std::vector<int64_t> sections, segments;
-    int64_t N = 67;
-  };
-  const std::vector<Layout> layouts = {
-      {{}, {0, 40, 40, 77, 130}},
-      {{50, 30, 50}, {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50}},
-      {{}, {0, 130}},
-      {{}, {0, 9, 30, 31, 77, 90, 130}, 300},
-      {{}, {0, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 130}},
-  };
-  for (const Layout& l : layouts) {
-    for (Trans ta : kTrans) {
-      for (Trans tb : kTrans) {
-        const Case c(17, l.N, 130, ta, tb, l.sections.empty() ? 5 : 6);
-        for (int mode = 0; mode < 3; ++mode) {
-          GemmOptions opt;
-          opt.k_segments = l.segments;
-          opt.k_sections = l.sections;
-          opt.accumulate = mode == 1;
-          opt.bias = mode == 2 ? c.bias.data() : nullptr;
-          ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + str(" mode ", mode)));
-          testing::with_threads(3, [&] { ASSERT_TRUE(bitwise_equal(c.run(opt), c.reference(opt), c.name() + " 3 threads")); });
-        }
-      }
-    }
-  }
-}
-
 // Without an init the segmented product is the tree itself: a -0 (an underflowing negative
 // product) stays -0, as the sum over ranks of -0 parts keeps it.
 TEST(Gemm, KSegmentsKeepNegativeZero) {
@@ -224,11 +219,12 @@ TEST(Gemm, KSegmentsKeepNegativeZero) {
   for (float v : C) EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f));
 }
 
-// The segmented product runs in one pass (every segment's chain and the tree per tile) up to
-// 128 segments and K up to 4 kernel K blocks, segment by segment past that: both give the
-// reference's bits on every micro-kernel, with several rectangles per thread, sections, empty
-// segments and K = 0.
-TEST(Gemm, KSegmentsEveryKernelAndPastTheOnePassLimits) {
+// k_segments (and k_sections): the canonical tree over the segments' chains plus the init, as the
+// reference writes it out. The product runs in one pass (every segment's chain and the tree per
+// tile) up to 128 segments and K up to 4 kernel K blocks, segment by segment past that: both give
+// the reference's bits on every micro-kernel and for 3 threads, with several rectangles per
+// thread, sections, empty segments, 12 (not a power of two) segments and K = 0.
+TEST(Gemm, KSegments) {
   struct Layout {
     int64_t M, N, K;
     std::vector<int64_t> sections, segments;
@@ -237,6 +233,11 @@ TEST(Gemm, KSegmentsEveryKernelAndPastTheOnePassLimits) {
   for (int64_t s = 0; s <= 130; ++s) many[s] = s * 260 / 130;
   std::vector<int64_t> long_k = {0, 1000, 1000, 2500, 4000};  // K = 4000 > 4 x 768 (and 4 x 512)
   const std::vector<Layout> layouts = {
+      {17, 67, 130, {}, {0, 40, 40, 77, 130}},
+      {17, 67, 130, {50, 30, 50}, {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50}},
+      {17, 67, 130, {}, {0, 130}},
+      {17, 300, 130, {}, {0, 9, 30, 31, 77, 90, 130}},
+      {17, 67, 130, {}, {0, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 130}},
       {70, 150, 96, {}, {0, 12, 24, 36, 48, 60, 72, 84, 96}},
       {9, 70, 100, {60, 40}, {0, 0, 20, 60, /**/ 0, 10, 40, 40}},
       {9, 70, 260, {}, many},
@@ -299,25 +300,7 @@ TEST(Gemm, BatchOfSegmentedItems) {
       }
     }
   }
-  for (int threads : {1, 2, 3}) {
-    ThreadPool pool(threads);
-    ThreadPool::Bind bind(&pool);
-    std::vector<std::vector<float>> out;
-    std::vector<GemmBatchItem> items;
-    for (const Case& c : cases) out.push_back(c.C0);
-    for (size_t i = 0; i < cases.size(); ++i) {
-      const Case& c = cases[i];
-      GemmBatchItem it{out[i].data(), c.ldc, c.A.data(), c.lda, c.ta, c.B.data(), c.ldb, c.tb, c.M, c.N, c.K};
-      it.accumulate = opts[i].accumulate;
-      it.bias = opts[i].bias;
-      it.k_segments = opts[i].k_segments;
-      items.push_back(it);
-    }
-    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
-    for (size_t i = 0; i < cases.size(); ++i) {
-      ASSERT_TRUE(bitwise_equal(out[i], cases[i].reference(opts[i]), cases[i].name() + str(" item ", i, " threads ", threads)));
-    }
-  }
+  batch_matches_reference(cases, opts);
 }
 
 // Every micro-kernel this machine runs (AVX-512, AVX2, portable) gives the chain's exact bits,
@@ -411,24 +394,7 @@ TEST(Gemm, BatchEqualsOneGemmPerItem) {
     if (i % 3 == 1) o.bias = cases[i].bias.data();
     opts.push_back(o);
   }
-  for (int threads : {1, 2, 3}) {
-    ThreadPool pool(threads);
-    ThreadPool::Bind bind(&pool);
-    std::vector<std::vector<float>> out;
-    std::vector<GemmBatchItem> items;
-    for (const Case& c : cases) out.push_back(c.C0);
-    for (size_t i = 0; i < cases.size(); ++i) {
-      const Case& c = cases[i];
-      GemmBatchItem it{out[i].data(), c.ldc, c.A.data(), c.lda, c.ta, c.B.data(), c.ldb, c.tb, c.M, c.N, c.K};
-      it.accumulate = opts[i].accumulate;
-      it.bias = opts[i].bias;
-      items.push_back(it);
-    }
-    gemm_batch(items.data(), static_cast<int64_t>(items.size()));
-    for (size_t i = 0; i < cases.size(); ++i) {
-      ASSERT_TRUE(bitwise_equal(out[i], cases[i].reference(opts[i]), cases[i].name() + str(" threads ", threads)));
-    }
-  }
+  batch_matches_reference(cases, opts);
 }
 
 TEST(Gemm, ContiguousOverload) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <span>
 #include <vector>
 
 #include "lockstep/core/error.h"
@@ -27,8 +28,12 @@ void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X
   if (dbias) grouped_bias_grad(dbias, dY, offsets, E, Nout);
 }
 
-void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
-                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+namespace {
+// One batch item per expert with rows: C[rows of e] = init + A[rows of e] op(W_e), init C
+// (accumulate), else bias[e] (when given), else 0; K cut as segments / sections (empty: one chain).
+void expert_batch(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias, const int64_t* offsets,
+                  int64_t E, int64_t Nout, int64_t K, bool accumulate, std::span<const int64_t> segments = {},
+                  std::span<const int64_t> sections = {}) {
   thread_local std::vector<GemmBatchItem> items;
   items.clear();
   const int64_t w_rows = W.trans == Trans::T ? Nout : K;
@@ -41,9 +46,26 @@ void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const fl
     it.b_src = gemm_operand_at(W, e * w_rows, 0);
     it.accumulate = accumulate;
     if (!accumulate && bias) it.bias = bias + e * Nout;
+    it.k_segments = segments;
+    it.k_sections = sections;
     items.push_back(it);
   }
   gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+}
+
+// k_segment_bounds into b (its vectors reused).
+void fill_k_segment_bounds(KSegmentBounds& b, const KSegments& seg, int64_t K) {
+  const int64_t S = seg.segments, X = seg.sections, f = K / (S * X);
+  b.sections.assign(static_cast<size_t>(X), K / X);
+  b.segments.clear();
+  for (int64_t x = 0; x < X; ++x)
+    for (int64_t s = 0; s <= S; ++s) b.segments.push_back(s * f);
+}
+}  // namespace
+
+void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
+                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+  expert_batch(C, A, W, bias, offsets, E, Nout, K, accumulate);
 }
 
 void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
@@ -87,36 +109,14 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
                  " sections");
   // One segmented product per expert (gemm.h k_segments / k_sections), all in one batch: each tile
   // runs its segments' chains and their tree in cache, and C is written once.
-  thread_local KSegmentBounds bounds;
-  thread_local std::vector<GemmBatchItem> items;
-  const int64_t f = K / (S * X);
-  bounds.sections.assign(static_cast<size_t>(X), K / X);  // k_segment_bounds(seg, K), in place
-  bounds.segments.clear();
-  for (int64_t x = 0; x < X; ++x)
-    for (int64_t s = 0; s <= S; ++s) bounds.segments.push_back(s * f);
-  items.clear();
-  const int64_t w_rows = W.trans == Trans::T ? Nout : K;
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
-    if (rows == 0) continue;
-    GemmBatchItem it{C + r0 * Nout, Nout, nullptr, 0, Trans::N, nullptr, 0, W.trans, rows, Nout, K};
-    it.a_src = gemm_operand_at(A, r0, 0);
-    it.a_src.trans = Trans::N;
-    it.b_src = gemm_operand_at(W, e * w_rows, 0);
-    if (bias) it.bias = bias + e * Nout;
-    it.k_segments = bounds.segments;
-    it.k_sections = bounds.sections;
-    items.push_back(it);
-  }
-  gemm_batch(items.data(), static_cast<int64_t>(items.size()));
+  thread_local KSegmentBounds bounds;  // kept across calls
+  fill_k_segment_bounds(bounds, seg, K);
+  expert_batch(C, A, W, bias, offsets, E, Nout, K, false, bounds.segments, bounds.sections);
 }
 
 KSegmentBounds k_segment_bounds(const KSegments& seg, int64_t K) {
-  const int64_t S = seg.segments, X = seg.sections, f = K / (S * X);
   KSegmentBounds b;
-  b.sections.assign(static_cast<size_t>(X), K / X);
-  for (int64_t x = 0; x < X; ++x)
-    for (int64_t s = 0; s <= S; ++s) b.segments.push_back(s * f);
+  fill_k_segment_bounds(b, seg, K);
   return b;
 }
 
