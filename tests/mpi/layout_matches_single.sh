@@ -4,6 +4,7 @@
 # compares loss, lm_loss, aux_loss, mtp_loss, grad_norm and lr across layouts) and identical
 # parameter hashes on rank 0 (when it holds the whole model: not under expert, expert tensor,
 # pipeline or tensor parallelism).
+# (context parallelism: rank 0 still holds every parameter, so the hashes are compared too.)
 #   layout_matches_single.sh LOCKSTEP MPIRUN CONFIG NPROC [KEY=VALUE ...]
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
@@ -15,7 +16,7 @@ args=(-c "$config" determinism=layout train.steps=2 train.eval_interval=0 train.
 single=()
 for kv in "$@"; do
   case $kv in parallel.expert=* | parallel.expert_tensor=* | parallel.pipeline=* | parallel.virtual_pipeline=* | \
-    parallel.tensor=* | parallel.sequence_parallel=*) ;;
+    parallel.tensor=* | parallel.sequence_parallel=* | parallel.context=*) ;;
     *) single+=("$kv") ;;
   esac
 done
