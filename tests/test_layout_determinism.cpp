@@ -405,6 +405,29 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
                              "precision.fp8_margin=1"});
 }
 
+// Low precision with MoE under tensor parallelism: an expert x expert-tensor group holding whole tp
+// groups has all of a micro-batch's rows of its experts (the tp ranks' tokens in order), quantised as
+// one block, as one process quantises them. Every recipe, both dispatchers, ETP, SP, a capacity.
+TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProcess) {
+  const std::string bf16 = "precision.params=bf16";
+  const std::vector<Row> rows = {
+      {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"}},
+      {2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
+  };
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8",
+                             "precision.fp4=nvfp4"})
+    rows_match_single_process("moe-debug", rows, {bf16, recipe});
+  rows_match_single_process("moe-debug", {rows[0]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp4=nvfp4", "moe.expert_capacity_factor=1.0"});
+  // A shared expert: the per-tensor recipes (its amax max-reduced over tp).
+  rows_match_single_process("moe-debug", {rows[1]},
+                            {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {rows[0]},
+                            {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
+                             "moe.shared_expert_intermediate_size=64"});
+}
+
 // Low precision under expert parallelism: an expert's rows come from several ranks' micro-batches,
 // so each (expert, source) block is quantised as its own tensor, as one process quantises the
 // expert's rows of that micro-batch (its own current scale, blocks along its own tokens, stochastic
@@ -578,8 +601,20 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "= 4: an expert's rows would come from only part of a micro-batch's tensor-parallel ranks"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.tensor=2"}, "moe-debug")
-                .find("an MoE model and parallel.tensor = 2: a quantised expert block spans one tensor-parallel "
-                      "rank's tokens"),
+                .find("an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor = 1: a quantised "
+                      "expert block would span one tensor-parallel rank's tokens"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
+                         "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
+                .find("determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\", "
+                      "moe.pad_expert_input_to_capacity = true and parallel.tensor = 2: a micro-batch's quantised expert "
+                      "block would hold each tensor-parallel rank's padding"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp8=blockwise", "parallel.tensor=2", "parallel.expert=2",
+                         "moe.shared_expert_intermediate_size=64"}, "moe-debug")
+                .find("determinism = \"layout\" with precision.fp8 = \"blockwise\" / precision.fp4 = \"none\", "
+                      "moe.shared_expert_intermediate_size = 64 and parallel.tensor = 2: the shared expert's weight "
+                      "gradients quantise a tensor-parallel rank's tokens"),
             std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),

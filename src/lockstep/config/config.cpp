@@ -674,11 +674,31 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", c.parallel.tensor),
            "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
            "expert-tensor group must be 1 or a multiple of parallel.tensor");
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
+  // Quantised experts: an expert's rows of one micro-batch are one tensor (Precision::ExpertBlocks), which
+  // the expert x expert-tensor group holds whole when it holds whole tp groups, without padding between
+  // the tp ranks' rows.
+  const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && expert_group == 1)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\", an MoE model and parallel.tensor = ", c.parallel.tensor),
-           "a quantised expert block spans one tensor-parallel rank's tokens, not its micro-batch's; use "
-           "parallel.tensor = 1");
+               "\", an MoE model, parallel.tensor = ", c.parallel.tensor, " and parallel.expert x "
+               "parallel.expert_tensor = 1"),
+           "a quantised expert block would span one tensor-parallel rank's tokens, not its micro-batch's; use "
+           "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor) or parallel.tensor = 1");
+  // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
+  // those tokens, so only the per-tensor recipes (amax max-reduced over tp) are the micro-batch's.
+  const bool per_tensor = c.precision.fp4 == "none" && (c.precision.fp8 == "tensorwise" || c.precision.fp8 == "delayed");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && !per_tensor && e.shared_expert_intermediate_size > 0)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\", moe.shared_expert_intermediate_size = ", e.shared_expert_intermediate_size,
+               " and parallel.tensor = ", c.parallel.tensor),
+           "the shared expert's weight gradients quantise a tensor-parallel rank's tokens in blocks along them and "
+           "key stochastic rounding by the rank's rows, not the micro-batch's; use precision.fp8 = \"tensorwise\" "
+           "or \"delayed\", no shared expert, or parallel.tensor = 1");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && e.pad_expert_input_to_capacity)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ", c.parallel.tensor),
+           "a micro-batch's quantised expert block would hold each tensor-parallel rank's padding between its "
+           "tokens; use moe.pad_expert_input_to_capacity = false or parallel.tensor = 1");
   // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
   // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
   if (c.layout_segments % c.parallel.tensor)

@@ -235,7 +235,17 @@ void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, 
 const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
   if (layout_micros == 0 || sources == 1 || p.recipe(fc_w) == Precision::Recipe::none) return nullptr;
   LOCKSTEP_CHECK(segments, "quantised expert blocks without segments");
-  qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
+  if (groups == sources) {
+    qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
+    return &qblocks;
+  }
+  // Tensor parallelism: the tp_size consecutive sources of a micro-batch group hold its tokens in
+  // order, so their rows of expert e are the micro-batch's rows of e, one block (the config refuses
+  // padding, which would sit between the sources' rows).
+  const int64_t T = sources / groups;
+  group_segments.resize(static_cast<size_t>(E * groups + 1));
+  for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
+  qblocks = Precision::ExpertBlocks{group_segments.data(), groups, self / T, layout_micros};
   return &qblocks;
 }
 

@@ -53,7 +53,9 @@
 // source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
 // expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md). The
-// quantised recipes keep one chain per (expert, micro-batch) block (refused with tp > 1).
+// quantised recipes keep one chain per (expert, micro-batch) block: under tensor parallelism the
+// block of a micro-batch group (its tp sources' rows back to back, the micro-batch's rows of the
+// expert in token order; quantised_blocks); with one source under tp they are refused by the config.
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
@@ -186,6 +188,7 @@ struct GroupedExperts {
   std::vector<GroupPiece> group_pieces;
   mutable int64_t micro = 0;
   mutable Precision::ExpertBlocks qblocks;
+  mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 
