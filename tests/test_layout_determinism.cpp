@@ -229,6 +229,14 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
       {4, {"parallel.context=2"}},
       {4, {"parallel.context=2", "parallel.tensor=2"}},
   }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+  // Micro-batches per rank not a power of two (6 at DP 1, 3 at DP 2): cp rank 0's block as pieces of
+  // the tree over the step's micro-batches, the other cp ranks' blocks empty.
+  rows_match_single_process("debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+  }, {"layout_token_segments=true", "train.global_batch=12"});
 }
 
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of

@@ -1,6 +1,7 @@
 #include "lockstep/parallel/data_parallel.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -81,6 +82,33 @@ std::vector<ParamRange> DataParallel::optimizer_ranges() const {
   return all;
 }
 
+namespace {
+
+// The bounds (group.size() + 1) of the group's blocks of micro-batches when only some ranks keep
+// theirs: rank j holds `micros` micro-batches from block_j x micros if it keeps them (replica 0 of
+// its block), else an empty block. Gathered over the group; the kept blocks must tile the total in
+// rank order.
+std::vector<int64_t> kept_blocks(Communicator& group, int block, int replica, int64_t micros, int64_t total,
+                                 const char* who) {
+  const int D = group.size();
+  const int me[2] = {block, replica};
+  std::vector<int> all(static_cast<size_t>(2 * D));
+  group.all_gather(all.data(), me, 2);
+  std::vector<int64_t> blocks = {0};
+  for (int j = 0; j < D; ++j) {
+    const bool keeps = all[static_cast<size_t>(2 * j + 1)] == 0;
+    const int64_t first = all[static_cast<size_t>(2 * j)] * micros;
+    LOCKSTEP_CHECK(!keeps || blocks.back() == first, who, " group rank ", j, " holds micro-batches from ", first,
+                   " after ", blocks.back());
+    blocks.push_back(keeps ? first + micros : blocks.back());
+  }
+  LOCKSTEP_CHECK(blocks.back() == total, "the ", who, " group's kept blocks hold ", blocks.back(), " of ", total,
+                 " micro-batches");
+  return blocks;
+}
+
+}  // namespace
+
 void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_summed) {
   world_ = world;
   experts_summed_ = experts_summed;
@@ -96,10 +124,22 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     if (r == dense_.rank())
       for (int64_t x : b) mine.push_back(x - r * micros);
   }
-  tree_.reset(ps_.total(), mine);
   blocks_.clear();
-  if (!subtrees)
+  dense_keeps_ = true;
+  if (cp_size_ > 1 && (!subtrees || !std::has_single_bit(static_cast<uint64_t>(micros)))) {
+    // Context parallelism with blocks that are not subtrees: the tree over the step's micro-batches
+    // (P / cp blocks), cp rank 0 of each dp rank giving its block as pieces, the other cp ranks (-0)
+    // empty blocks. The dense group is gathered to find each rank's block (bounds in rank order).
+    const int64_t D = P / cp_size_;
+    mine.clear();
+    for (int64_t x : canonical_pieces(D * micros, cp_dp_rank_ * micros, (cp_dp_rank_ + 1) * micros))
+      mine.push_back(x - cp_dp_rank_ * micros);
+    blocks_ = kept_blocks(dense_, cp_dp_rank_, cp_rank_, micros, D * micros, "dense");
+    dense_keeps_ = cp_rank_ == 0;
+  } else if (!subtrees) {
     for (int r = 0; r <= P; ++r) blocks_.push_back(r * micros);
+  }
+  tree_.reset(ps_.total(), mine);
   // The expert group's blocks, when the model sums the experts: G micro-batches per rank.
   expert_blocks_.clear();
   expert_pieces_.clear();
@@ -119,33 +159,24 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
       expert_held_ = static_cast<int64_t>(canonical_pieces(P * micros, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
-  } else if (!subtrees && expert_.size() != P) {
+  } else if (!subtrees && expert_.size() != P && cp_size_ == 1) {
     // MoE under tensor parallelism without expert (tensor) parallelism: the expert group is the dense
     // one with each rank's tensor-parallel replicas; tp rank 0 holds the micro-batches' expert
     // gradients, the others -0 (model/moe/experts.h reduce_over_tp). As pieces, tp rank 0 gives its
     // dense rank's block and the others an empty one.
-    const int D = expert_.size();
-    const int me[2] = {dense_.rank(), tp_ ? tp_->rank() : 0};
-    std::vector<int> all(static_cast<size_t>(2 * D));
-    expert_.all_gather(all.data(), me, 2);
-    expert_blocks_.push_back(0);
-    for (int j = 0; j < D; ++j) {
-      const bool keeps = all[static_cast<size_t>(2 * j + 1)] == 0;
-      const int64_t first = all[static_cast<size_t>(2 * j)] * micros;
-      LOCKSTEP_CHECK(!keeps || expert_blocks_.back() == first, "expert group rank ", j, " holds micro-batches from ",
-                     first, " after ", expert_blocks_.back());
-      expert_blocks_.push_back(keeps ? first + micros : expert_blocks_.back());
-      if (j == expert_.rank()) expert_keeps_ = keeps;
-    }
-    LOCKSTEP_CHECK(expert_blocks_.back() == P * micros, "the expert group's tp rank 0s hold ", expert_blocks_.back(),
-                   " of ", P * micros, " micro-batches");
+    const int tp_rank = tp_ ? tp_->rank() : 0;
+    expert_blocks_ = kept_blocks(expert_, dense_.rank(), tp_rank, micros, P * micros, "expert");
+    expert_keeps_ = tp_rank == 0;
   }
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;
-    b.pieced = experts ? !expert_blocks_.empty() : !subtrees;
+    b.pieced = experts ? !expert_blocks_.empty() : !blocks_.empty();
     b.packed_pieces.clear();
-    const int64_t K = experts ? expert_held_ + 1 : b.comm == &expert_ && !expert_keeps_ ? 0 : tree_.pieces();
+    const int64_t K = experts                                  ? expert_held_ + 1
+                      : b.comm == &expert_ && !expert_keeps_ ? 0
+                      : b.comm == &dense_ && !dense_keeps_   ? 0
+                                                             : tree_.pieces();
     if (b.pieced && b.in_place < 0)
       for (int64_t k = 0; k + 1 < K; ++k) b.packed_pieces.emplace_back(b.chunk * b.comm->size());
   }
@@ -263,7 +294,7 @@ void DataParallel::post_pieces(Bucket& b) {
   // The experts' own blocks (expert_blocks_) when the model sums them or tensor parallelism replicates
   // the dense ranks in their group; there a replica other than tp rank 0 gives no pieces.
   const bool experts = b.comm == &expert_ && !expert_blocks_.empty();
-  const bool none = experts && !expert_keeps_;
+  const bool none = experts ? !expert_keeps_ : b.comm == &dense_ && !dense_keeps_;
   const std::vector<int64_t>& blocks = experts ? expert_blocks_ : blocks_;
   std::vector<float*> held = experts && experts_summed_ ? expert_pieces() : std::vector<float*>{};
   if (!(experts && experts_summed_) && !none)

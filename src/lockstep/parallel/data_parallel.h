@@ -123,6 +123,14 @@ class DataParallel {
   // Tensor parallelism: the gradient norm also sums over the tensor-parallel group (tp), counting
   // the parameters every tp rank holds (ParamSpec::tp_replicated) once, on tp rank 0.
   void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
+  // Context parallelism (layout mode; call before set_layout): the dense group is dp x cp and the
+  // ranks of a cp group share their micro-batches, cp rank 0 holding each micro-batch's gradient and
+  // the others -0 (combine_token_pieces). When the blocks are subtrees (a power of two of micro-batches
+  // per rank) the tree over dp x cp adds the -0 exactly; otherwise the blocks go as pieces of the tree
+  // over the step's micro-batches, cp rank 0 giving its dp rank's block and the others an empty one.
+  void set_context_parallel(int dp_rank, int cp_rank, int cp_size) {
+    cp_dp_rank_ = dp_rank, cp_rank_ = cp_rank, cp_size_ = cp_size;
+  }
   // Expert (tensor) parallelism: the ranks of the expert-tensor x expert group (MeshGroup::tp_ep)
   // hold different experts or different slices of them, so the gradient norm adds their expert parts.
   void set_expert_parallel(Communicator* tp_ep) { ep_ = tp_ep; }
@@ -200,6 +208,9 @@ class DataParallel {
   // Not experts_summed, pieced, and the expert group holds tensor-parallel replicas of the dense ranks:
   // whether this rank's expert gradients count (tp rank 0; the others' blocks are empty).
   bool expert_keeps_ = true;
+  // Context parallelism (set_context_parallel), pieced: whether this rank's dense pieces count (cp rank 0).
+  bool dense_keeps_ = true;
+  int cp_dp_rank_ = 0, cp_rank_ = 0, cp_size_ = 1;
   bool experts_summed_ = false;
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;

@@ -135,13 +135,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
   // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
-  // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h).
-  // Except under context parallelism, whose cp ranks give -0 in the dp x cp reduction (a subtree only
-  // when every rank's block is one).
-  if (config.determinism == "layout" && mesh.cp() > 1 && !std::has_single_bit(static_cast<uint64_t>(accum)))
-    user_error("parallel.context = ", mesh.cp(), " with determinism = \"layout\": ", accum,
-               " micro-batches per data-parallel rank (train.global_batch / (train.micro_batch x data-parallel size "
-               "", dp_size, ")) must be a power of two");
+  // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
+  // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel).
   return mesh;
 }
 
@@ -240,6 +235,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (layer) layer->set_data_parallel(&dp_only);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
   if (layout) {
+    if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
     dp.set_layout(accum, &comm, experts_split);
     for (const auto& layer : model.moe_layers())
       if (layer) layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces());
