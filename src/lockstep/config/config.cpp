@@ -623,6 +623,15 @@ void validate_context_parallel(const Config& c) {
   // chunks whole segments: its 2B token pieces, combined exactly over the group (combine_token_pieces).
   if (c.determinism == "layout") {
     const int64_t B = c.train.micro_batch, S = c.layout_segments;
+    // Refused before the key: layout_token_segments itself refuses MoE models and MTP.
+    if (c.moe.num_experts > 0)
+      refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
+             "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
+             "determinism = \"run\" or parallel.context = 1");
+    if (c.model.mtp_num_layers > 0)
+      refuse(str("determinism = \"layout\" and model.mtp_num_layers = ", c.model.mtp_num_layers),
+             "the MTP depths' gradients are not cut into token segments (layout_token_segments, which the cp ranks' "
+             "pieces need, refuses MTP); use determinism = \"run\" or parallel.context = 1");
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
@@ -640,7 +649,7 @@ void validate_context_parallel(const Config& c) {
 }
 
 // determinism = "layout" (docs/determinism.md) covers data, expert, expert tensor, pipeline and (dense models) tensor
-// and sequence parallelism (context parallelism is refused under it: validate_context_parallel):
+// and sequence parallelism, and context parallelism within validate_context_parallel's limits:
 // what it cannot yet make layout-invariant is refused by name. (Any number of micro-batches per rank is taken: blocks
 // that are not subtrees of the canonical tree are reduced as their pieces, parallel/data_parallel.h.)
 void validate_layout_determinism(const Config& c) {
