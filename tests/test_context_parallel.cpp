@@ -93,6 +93,14 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
               0u) << mtp;
     EXPECT_EQ(mtp.find('\n'), std::string::npos) << mtp;
   }
+  // Low precision under layout: each cp rank would quantise its own tokens (measured: CP 2 tensorwise,
+  // delayed, blockwise, mxfp8, nvfp4 all differ from one process at step 1's grad norm).
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp4=nvfp4"}) {
+    const std::string e = error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
+                                               "train.micro_batch=2", "precision.params=bf16", recipe});
+    EXPECT_EQ(e.rfind("config: parallel.context = 2 with determinism = \"layout\" and precision.fp8 = \"", 0), 0u) << e;
+    EXPECT_NE(e.find("use precision.fp8 = \"none\" and precision.fp4 = \"none\""), std::string::npos) << e;
+  }
   EXPECT_EQ(error("moe-debug.toml", {"parallel.context=2", "parallel.tensor=4", "model.seq_length=12", "train.micro_batch=1"}),
             "config: parallel.context = 2 with an MoE model: train.micro_batch x model.seq_length / context = 6 tokens "
             "per rank are not divisible by parallel.tensor = 4");

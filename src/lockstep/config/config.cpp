@@ -632,6 +632,13 @@ void validate_context_parallel(const Config& c) {
       refuse(str("determinism = \"layout\" and model.mtp_num_layers = ", c.model.mtp_num_layers),
              "the MTP depths' gradients are not cut into token segments (layout_token_segments, which the cp ranks' "
              "pieces need, refuses MTP); use determinism = \"run\" or parallel.context = 1");
+    // Low precision: a cp rank's GEMMs quantise its own tokens (per-rank amax, blocks along its rows), not
+    // the micro-batch's (measured: CP 2 differs from one process at step 1 with every recipe).
+    if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
+      refuse(str("determinism = \"layout\" and precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"",
+                 c.precision.fp4, "\""),
+             "each cp rank quantises its own tokens' activations and gradients (their amax, blocks along them), not "
+             "the micro-batch's; use precision.fp8 = \"none\" and precision.fp4 = \"none\", or determinism = \"run\"");
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
