@@ -93,6 +93,10 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
               0u) << mtp;
     EXPECT_EQ(mtp.find('\n'), std::string::npos) << mtp;
   }
+  // A layout_segments that is no power of two is named as such, not as CP's divisibility.
+  EXPECT_EQ(error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
+                                 "layout_segments=12"}),
+            "config: layout_segments = 12: must be a power of two in [1, 64]");
   // Low precision under layout: each cp rank would quantise its own tokens (measured: CP 2 tensorwise,
   // delayed, blockwise, mxfp8, nvfp4 all differ from one process at step 1's grad norm).
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp4=nvfp4"}) {

@@ -642,7 +642,8 @@ void validate_context_parallel(const Config& c) {
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
-    if (S % (2 * cp * B))
+    // (A layout_segments that is no power of two in [1, 64] is named by validate_layout_determinism.)
+    if (std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (2 * cp * B))
       refuse(str("determinism = \"layout\", train.micro_batch = ", B, " and layout_segments = ", S),
              str("each rank's chunks must be whole token segments: 2 x parallel.context x train.micro_batch = ",
                  2 * cp * B, " must divide layout_segments (at most 64)"));
