@@ -474,6 +474,10 @@ TEST(LayoutDeterminism, LowPrecisionUnderTensorParallelismMatchesSingleProcess) 
   rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {bf16, "precision.fp8=tensorwise"});
   rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}}, {bf16, "precision.fp8=blockwise"});
   rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {bf16, "precision.fp4=nvfp4"});
+  // SwiGLU experts: under expert tensor parallelism an expert's fc rows are two boxes (its gate and up
+  // slices), one site per expert all the same.
+  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}}, {"model.preset=llama", bf16, "precision.fp8=tensorwise"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {"model.preset=llama", bf16, "precision.fp4=nvfp4"});
 }
 
 // The histories are whole tensors under layout: a DP 4 run's checkpoint after step 2 resumes on one

@@ -87,6 +87,12 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
     if (layer < keep || layer >= L - keep) continue;  // selective high precision
     first_site_[i] = static_cast<int64_t>(sites_.size());
     const int64_t E = p.shape.rank() == 3 ? p.shape[0] : 1, first = p.shape.rank() == 3 ? p.boxes[0].offset[0] : 0;
+    // An expert tensor's boxes may cut an expert in several (SwiGLU's fc under expert tensor parallelism:
+    // one box per (expert, gate / up section), the local shape's dimension 0 summed over them, so E
+    // counts sections and the sites past the experts go unused; kept so that run mode's site numbers,
+    // which key stochastic rounding, stay): the experts, each holding local rows out / experts.
+    const int64_t experts =
+        p.shape.rank() == 3 ? p.boxes.back().offset[0] + p.boxes.back().shape[0] - p.boxes[0].offset[0] : 1;
     for (int64_t e = 0; e < E; ++e) {
       Site s;
       s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
@@ -102,7 +108,8 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
         for (const ParamBox& b : p.boxes)
           if (out_dim == 0 || b.offset[0] == p.boxes[0].offset[0])
             for (int64_t i = 0; i < b.shape[out_dim]; ++i) s.out_global.push_back(b.offset[out_dim] + i);
-        LOCKSTEP_CHECK(static_cast<int64_t>(s.out_global.size()) == p.shape[out_dim], p.name, ": boxes along out");
+        LOCKSTEP_CHECK(static_cast<int64_t>(s.out_global.size()) * experts * p.shape[in_dim] == p.shape.numel(), p.name,
+                       ": boxes along out");
       }
       if (recipe_ == Recipe::delayed)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
