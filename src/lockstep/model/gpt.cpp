@@ -422,6 +422,15 @@ double mean_loss(const float* x, int64_t n, const int32_t* targets, int64_t coun
 }  // namespace
 
 double GPT::lm_loss(const int32_t* targets) const {
+  // Context parallelism under layout (layout_token_segments): a rank's share divided by the count is
+  // rounded, and the shares' exact sum is not the one-process mean. The per-token losses are
+  // gathered in position order and cp rank 0 takes the one-process mean; the others count 0.
+  if (cp_.on() && tp_.token_segments) {
+    const int64_t G = B_ * Tg_;
+    cp_losses_.resize(static_cast<size_t>(G + cp_.size * N_));
+    all_gather_sequence(cp_, cp_losses_.data(), cp_losses_.data() + G, arena_(losses_), B_, Tg_, 1);
+    return cp_.rank == 0 ? mean_loss(cp_losses_.data(), G, targets, G) : 0.0;
+  }
   return mean_loss(arena_(losses_), N_, targets, B_ * Tg_);
 }
 

@@ -266,8 +266,11 @@ class GPT {
   // documents; this rank's tokens and targets.
   std::vector<int32_t> full_positions_, cp_tokens_, cp_targets_;
   const int32_t* local(const int32_t* global, std::vector<int32_t>& buf) const;
-  // The mean LM loss of the micro-batch (this rank's share of it under context parallelism).
+  // The mean LM loss of the micro-batch (this rank's share of it under context parallelism; with
+  // layout_token_segments the whole micro-batch's on cp rank 0, 0 on the others: cp_losses_).
   double lm_loss(const int32_t* targets) const;
+  // Context parallelism under layout: the gathered per-token losses (B, Tg) and the gather's buffer.
+  mutable std::vector<float> cp_losses_;
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
   // The table ranges: the embedding [0, embed_end_), layer l's [layer_first_[l], layer_end_[l])
