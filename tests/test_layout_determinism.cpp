@@ -482,6 +482,7 @@ TEST(LayoutDeterminism, LowPrecisionUnderTensorParallelismMatchesSingleProcess) 
   // slices), one site per expert all the same.
   rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}}, {"model.preset=llama", bf16, "precision.fp8=tensorwise"});
   rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {"model.preset=llama", bf16, "precision.fp4=nvfp4"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}, {4, {"parallel.expert_tensor=2", "parallel.tensor=2"}}}, {"model.preset=llama", bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
 }
 
 // The histories are whole tensors under layout: a DP 4 run's checkpoint after step 2 resumes on one

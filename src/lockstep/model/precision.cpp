@@ -89,8 +89,8 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
     const int64_t E = p.shape.rank() == 3 ? p.shape[0] : 1, first = p.shape.rank() == 3 ? p.boxes[0].offset[0] : 0;
     // An expert tensor's boxes may cut an expert in several (SwiGLU's fc under expert tensor parallelism:
     // one box per (expert, gate / up section), the local shape's dimension 0 summed over them, so E
-    // counts sections and the sites past the experts go unused; kept so that run mode's site numbers,
-    // which key stochastic rounding, stay): the experts, each holding local rows out / experts.
+    // counts sections and the sites past the experts go unused, not saved; kept so that run mode's site
+    // numbers, which key stochastic rounding, stay): the experts, each holding local rows out / experts.
     const int64_t experts =
         p.shape.rank() == 3 ? p.boxes.back().offset[0] + p.boxes.back().shape[0] - p.boxes[0].offset[0] : 1;
     for (int64_t e = 0; e < E; ++e) {
@@ -99,6 +99,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
       s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(first + e) : p.name;
       s.global_index = global_sites + first + e;
       s.expert = p.expert;
+      s.unused = e >= experts;
       const int out_dim = p.shape.rank() - 2, in_dim = p.shape.rank() - 1;
       if (p.cut_dim == in_dim) s.cut_in = p.cut;
       if (p.cut_dim == out_dim) {
@@ -202,7 +203,7 @@ std::vector<Precision::NamedHistory> Precision::amax_histories() {
   if (recipe_ != Recipe::delayed) return out;
   static const char* const kRole[3] = {"input", "weight", "grad"};
   for (Site& s : sites_)
-    for (int r = 0; r < 3; ++r)
+    for (int r = 0; r < 3 && !s.unused; ++r)
       out.push_back({s.name + "." + kRole[r], s.global_name + "." + kRole[r], s.expert, &s.state[r]});
   return out;
 }

@@ -244,6 +244,7 @@ class Precision {
     std::string name, global_name;  // the expert's index on this rank / in the layer
     int64_t global_index = 0;       // the site's index with every expert of every layer counted (layout's SR key)
     bool expert = false;  // reduced over the expert group
+    bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
     AmaxHistory state[3];
     // determinism = "layout": the canonical pieces of out / in (ParamSpec::cut; local boundaries,
     // empty: one piece), the global index of each local out row (empty: its own), global out.
