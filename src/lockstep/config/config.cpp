@@ -213,15 +213,18 @@ void validate_pipeline_parallel(const Config& c) {
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data-, expert-, expert-tensor-, pipeline- and (dense) tensor-parallel size, "
-                          "micro-batch spread, process count and backend)",
+                          "for any data-, tensor-, expert-, expert-tensor- and pipeline-parallel size, (dense, with "
+                          "layout_token_segments) context-parallel size, micro-batch spread, process count and "
+                          "backend)",
              {"run", "layout"}),
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
                               "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
-                              "parallel.expert_tensor must divide it)"),
+                              "parallel.expert_tensor must divide it, and 2 x parallel.context x train.micro_batch "
+                              "under context parallelism)"),
       LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
-                                    "gradients in layout_segments token segments of the micro-batch (dense models; "
-                                    "train.micro_batch must divide layout_segments)"),
+                                    "gradients in layout_segments token segments of the micro-batch, what parallel.context > 1 "
+                                    "needs (dense models without MTP; train.micro_batch must divide "
+                                    "layout_segments)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
