@@ -130,30 +130,40 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
   const auto& specs = ps.specs();
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
-  const int64_t n = hi - lo, P = cp.size, L = P * K;  // L = 2 size B pieces of the micro-batch
+  const int64_t P = cp.size, L = P * K;  // L = 2 size B pieces of the micro-batch
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
   const int64_t depth = tree_sum_stack(L);
-  scratch.resize(static_cast<size_t>((K + L + depth) * n));
+  // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
+  // (K + L + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding or head).
+  const int64_t chunk = std::min(hi - lo, kCombineChunk);
+  scratch.resize(static_cast<size_t>((K + L + depth) * chunk));
   float* send = scratch.data();
-  float* recv = send + K * n;
-  float* stack = recv + L * n;
-  for (int64_t k = 0; k < K; ++k) std::memcpy(send + k * n, ps.grad_piece(first, k), static_cast<size_t>(n) * sizeof(float));
-  cp.comm->all_gather(recv, send, K * n);
-  float* out = ps.grad(first);
+  float* recv = send + K * chunk;
+  float* stack = recv + L * chunk;
   const bool keep = cp.rank == 0;
-  parallel_for(n, [&](int64_t i0, int64_t i1) {
-    const float* leaves[2 * kMaxContext];
-    // Piece (b, chunk c): rank c's early chunk (local piece 2b) or rank 2P - 1 - c's late one (2b + 1).
-    for (int64_t g = 0; g < L; ++g) {
-      const int64_t b = g / (2 * P), c = g % (2 * P);
-      const int64_t q = c < P ? c : 2 * P - 1 - c, k = 2 * b + (c < P ? 0 : 1);
-      leaves[g] = recv + (q * K + k) * n + i0;
-    }
-    if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
-    else std::fill(out + i0, out + i1, -0.0f);
-    for (int64_t k = 1; k < K; ++k) std::fill(ps.grad_piece(first, k) + i0, ps.grad_piece(first, k) + i1, 0.0f);
-  });
+  for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
+    const int64_t n = std::min(chunk, hi - lo - c0);
+    for (int64_t k = 0; k < K; ++k)
+      std::memcpy(send + k * n, ps.grad_piece(first, k) + c0, static_cast<size_t>(n) * sizeof(float));
+    cp.comm->all_gather(recv, send, K * n);
+    float* out = ps.grad(first) + c0;
+    parallel_for(n, [&](int64_t i0, int64_t i1) {
+      const float* leaves[2 * kMaxContext];
+      // Piece (b, chunk c): rank c's early chunk (local piece 2b) or rank 2P - 1 - c's late one (2b + 1).
+      for (int64_t g = 0; g < L; ++g) {
+        const int64_t b = g / (2 * P), c = g % (2 * P);
+        const int64_t q = c < P ? c : 2 * P - 1 - c, k = 2 * b + (c < P ? 0 : 1);
+        leaves[g] = recv + (q * K + k) * n + i0;
+      }
+      if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
+      else std::fill(out + i0, out + i1, -0.0f);
+      for (int64_t k = 1; k < K; ++k) {
+        float* piece = ps.grad_piece(first, k) + c0;
+        std::fill(piece + i0, piece + i1, 0.0f);
+      }
+    });
+  }
 }
 
 }  // namespace lockstep

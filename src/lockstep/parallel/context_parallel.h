@@ -79,7 +79,10 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // pieces along the canonical tree in token order (sample, then chunk): the one-process micro-batch
 // gradient, which cp rank 0 keeps while the others hold -0, so the dp x cp reduction adds it once,
 // exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next micro-batch. Wire per call:
-// an all-gather of 2B x the range's gradients (each rank receives (size - 1) x 2B x n floats).
+// an all-gather of 2B x the range's gradients (each rank receives (size - 1) x 2B x n floats), in
+// chunks of at most kCombineChunk elements, so scratch holds (2B + 2 size B + depth) x kCombineChunk
+// floats at most.
+inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
 
 // The most context-parallel ranks (config validation keeps parallel.context at or below).
