@@ -506,15 +506,6 @@ bool fused_segments(const Problem& p, const Blocks& bl) {
   return p.segs > 0 && p.segs <= kMaxFusedSegments && p.K <= kMaxFusedK * bl.kc;
 }
 
-// A segmented product with K = 0: every segment's chain is +0, so C = init + 0 (0 without init).
-void write_segmented_empty(const Problem& p) {
-  for (int64_t i = 0; i < p.M; ++i) {
-    float* c = p.C + i * p.ldc;
-    for (int64_t j = 0; j < p.N; ++j)
-      c[j] = p.init == Init::kC ? c[j] + 0.0f : p.init == Init::kBias ? p.bias[j] + 0.0f : 0.0f;
-  }
-}
-
 template <int MR, int NR, MicroKernel Micro>
 void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
                               int64_t n1) {
@@ -693,7 +684,17 @@ const Kernel& best_kernel() {
   return k;
 }
 
+// C of a product with K = 0: its init. Segmented (k_segments), every segment's chain is +0, so
+// C = init + 0 (a -0 in C or bias becomes +0; 0 without init).
 void write_init(const Problem& p) {
+  if (p.segs) {
+    for (int64_t i = 0; i < p.M; ++i) {
+      float* c = p.C + i * p.ldc;
+      for (int64_t j = 0; j < p.N; ++j)
+        c[j] = p.init == Init::kC ? c[j] + 0.0f : p.init == Init::kBias ? p.bias[j] + 0.0f : 0.0f;
+    }
+    return;
+  }
   if (p.init == Init::kC) return;
   for (int64_t i = 0; i < p.M; ++i) {
     float* c = p.C + i * p.ldc;
@@ -711,8 +712,7 @@ void write_init(const Problem& p) {
 void run(const Kernel& kr, const Problem& p) {
   if (p.M == 0 || p.N == 0) return;
   if (p.K == 0) {
-    if (p.segs) write_segmented_empty(p);
-    else write_init(p);
+    write_init(p);
     return;
   }
   ThreadPool* pool = ThreadPool::current();
@@ -793,10 +793,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
           {it.accumulate, it.bias, it.k_segments, it.k_sections}, "gemm_batch item"));
     }
     const Problem& p = problems.back();
-    if (it.M > 0 && it.N > 0 && it.K == 0) {
-      if (p.segs) write_segmented_empty(p);
-      else write_init(p);
-    }
+    if (it.M > 0 && it.N > 0 && it.K == 0) write_init(p);
     if (p.segs && !fused_segments(p, kr.blocks)) continue;  // after the region, on its own (below)
     total += it.M * it.N * it.K;
   }
