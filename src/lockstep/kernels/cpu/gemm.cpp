@@ -506,12 +506,23 @@ bool fused_segments(const Problem& p, const Blocks& bl) {
   return p.segs > 0 && p.segs <= kMaxFusedSegments && p.K <= kMaxFusedK * bl.kc;
 }
 
+// c[0, w) = init + t[0, w) (C: c + t, bias: bias + t, 0: t): a segmented product's last addition,
+// the init plus the tree over its segments (t), for one tile row or one row block.
+inline void add_to_init(Init init, float* c, const float* bias, const float* t, int64_t w) {
+  if (init == Init::kC) {
+    for (int64_t e = 0; e < w; ++e) c[e] = c[e] + t[e];
+  } else if (init == Init::kBias) {
+    for (int64_t e = 0; e < w; ++e) c[e] = bias[e] + t[e];
+  } else {
+    std::memcpy(c, t, static_cast<size_t>(w) * sizeof(float));
+  }
+}
+
 template <int MR, int NR, MicroKernel Micro>
 void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
                               int64_t n1) {
   thread_local Scratch a_scratch, b_scratch;
-  thread_local std::vector<int64_t> pieces_store;  // (segment, section) -> [k0, k1) in K
-  std::vector<int64_t>& pieces = pieces_store;
+  thread_local std::vector<int64_t> pieces;  // (segment, section) -> [k0, k1) in K
   const int64_t K = p.K, S = p.segs;
   const std::span<const int64_t> whole(&K, 1);
   const auto sections = p.k_sections.empty() ? whole : p.k_sections;
@@ -568,17 +579,8 @@ void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, in
               cur = h;
             }
           }
-          for (int64_t i = 0; i < rows; ++i) {
-            float* c = p.C + (ic + ir + i) * p.ldc + jc + jr;
-            const float* t = cur + i * NR;
-            if (p.init == Init::kC) {
-              for (int64_t j = 0; j < cols; ++j) c[j] = c[j] + t[j];
-            } else if (p.init == Init::kBias) {
-              for (int64_t j = 0; j < cols; ++j) c[j] = bias[j] + t[j];
-            } else {
-              std::memcpy(c, t, static_cast<size_t>(cols) * sizeof(float));
-            }
-          }
+          for (int64_t i = 0; i < rows; ++i)
+            add_to_init(p.init, p.C + (ic + ir + i) * p.ldc + jc + jr, bias, cur + i * NR, cols);
         }
       }
     }
@@ -907,14 +909,7 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
             std::memcpy(slot + (held - fold) * MN + e0, carry, static_cast<size_t>(w) * sizeof(float));
             continue;
           }
-          float* c = C + i * ldc + b0;
-          if (init == Init::kC) {
-            for (int64_t e = 0; e < w; ++e) c[e] = c[e] + carry[e];
-          } else if (init == Init::kBias) {
-            for (int64_t e = 0; e < w; ++e) c[e] = opt.bias[b0 + e] + carry[e];
-          } else {
-            std::memcpy(c, carry, static_cast<size_t>(w) * sizeof(float));
-          }
+          add_to_init(init, C + i * ldc + b0, opt.bias ? opt.bias + b0 : nullptr, carry, w);
         }
     });
   }
