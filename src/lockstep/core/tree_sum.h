@@ -91,8 +91,8 @@ void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack
 
 // In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
 // canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
-// The segmented grouped GEMM's combiner (kernels/cpu/grouped_gemm.cpp): each thread passes its
-// rows, contiguous in every leaf.
+// The combiner of per-segment partials (model/moe/experts.cpp, kernels/cpu/norms.cpp,
+// embedding.cpp): each thread passes its rows, contiguous in every leaf.
 inline void tree_sum_in_place(float* x, int64_t L, int64_t stride, int64_t begin, int64_t end) {
   if (L <= 1) return;
   const int64_t h = canonical_split(L);

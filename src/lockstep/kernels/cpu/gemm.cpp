@@ -502,8 +502,10 @@ struct Blocks {
 constexpr int64_t kMaxFusedSegments = 128;  // slots = bit_width(S - 1) + 1 <= 8 tiles
 constexpr int64_t kMaxFusedK = 4;           // in kernel kc's
 
-bool fused_segments(const Problem& p, const Blocks& bl) {
-  return p.segs > 0 && p.segs <= kMaxFusedSegments && p.K <= kMaxFusedK * bl.kc;
+// A segmented product past those limits: gemm_with runs it segment by segment, each segment in
+// regions of its own.
+bool segment_by_segment(const Problem& p, const Blocks& bl) {
+  return p.segs > 0 && (p.segs > kMaxFusedSegments || p.K > kMaxFusedK * bl.kc);
 }
 
 // c[0, w) = init + t[0, w) (C: c + t, bias: bias + t, 0: t): a segmented product's last addition,
@@ -593,7 +595,7 @@ template <int MR, int NR, MicroKernel Micro>
 void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
                     int64_t n1) {
   if (p.segs) {
-    LOCKSTEP_CHECK(fused_segments(p, bl), "gemm: a segmented product past the one-pass limits reached a region");
+    LOCKSTEP_CHECK(!segment_by_segment(p, bl), "gemm: a segmented product past the one-pass limits reached a region");
     compute_region_segmented<MR, NR, Micro>(p, bl, m0, m1, n0, n1);
     return;
   }
@@ -796,7 +798,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     }
     const Problem& p = problems.back();
     if (it.M > 0 && it.N > 0 && it.K == 0) write_init(p);
-    if (p.segs && !fused_segments(p, kr.blocks)) continue;  // after the region, on its own (below)
+    if (segment_by_segment(p, kr.blocks)) continue;  // after the region, on its own (below)
     total += it.M * it.N * it.K;
   }
   ThreadPool* pool = ThreadPool::current();
@@ -809,7 +811,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   for (int64_t i = 0; i < count; ++i) {
     const Problem& p = problems[static_cast<size_t>(i)];
     const int64_t work = p.M * p.N * p.K;
-    if (work == 0 || (p.segs && !fused_segments(p, kr.blocks))) continue;
+    if (work == 0 || segment_by_segment(p, kr.blocks)) continue;
     const int64_t units_m = ceil_div(p.M, kr.mr), units_n = ceil_div(p.N, kr.nr);
     const int64_t want = std::clamp<int64_t>((work + target / 2) / target, 1, units_m * units_n);
     const int64_t fit = choose_grid_rows(units_m, units_n, want, kr.mr, kr.nr);
@@ -837,7 +839,7 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   // Segmented products past the one-pass limits: segment by segment, each in its own regions.
   for (int64_t i = 0; i < count; ++i) {
     const Problem& p = problems[static_cast<size_t>(i)];
-    if (!p.segs || fused_segments(p, kr.blocks) || p.M * p.N * p.K == 0) continue;
+    if (!segment_by_segment(p, kr.blocks) || p.M * p.N * p.K == 0) continue;
     gemm_with(kr, p.C, p.ldc, p.a_src.data ? p.a_src : gemm_operand(p.A, p.lda, p.ta),
               p.b_src.data ? p.b_src : gemm_operand(p.B, p.ldb, p.tb), p.M, p.N, p.K,
               {p.accumulate, p.bias, p.k_segments, p.k_sections});
@@ -848,7 +850,7 @@ void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, co
                int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   const Problem p = make_operand_problem(C, ldc, A, B, M, N, K, opt, "gemm");
   // No segments, or few enough and K short enough: one pass (compute_region_segmented).
-  if (!p.segs || fused_segments(p, kr.blocks)) {
+  if (!segment_by_segment(p, kr.blocks)) {
     run(kr, p);
     return;
   }
