@@ -238,7 +238,8 @@ StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64
 GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
                                        bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd) {
   const Site& s = sites_[static_cast<size_t>(site)];
-  std::vector<float> tr;
+  // Scratch per (rank) thread, kept across calls: no allocation per quantised operand in steady state.
+  thread_local std::vector<float> tr, piece, values;
   if (!k_along_cols && recipe_ != Recipe::blockwise) {  // mxfp8 and nvfp4 block along rows: the transpose
     transpose(tr, x, rows, cols);
     x = tr.data();
@@ -262,7 +263,6 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s) : nullptr;
   dst.resize(static_cast<size_t>(rows * cols));
   QuantizedTensor q;
-  std::vector<float> piece, values;
   for (size_t i = 0; i + 1 < rb.size(); ++i)
     for (size_t j = 0; j + 1 < cb.size(); ++j) {
       const int64_t r0 = rb[i], c0 = cb[j], pr = rb[i + 1] - r0, pc = cb[j + 1] - c0;
