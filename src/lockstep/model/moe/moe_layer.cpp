@@ -116,10 +116,7 @@ void MoeLayer::make_dispatcher() {
     source_layout_ = &ag->source_layout();
     dispatcher_ = std::move(ag);
   }
-  if (layout_invariant_) {
-    dispatcher_->set_layout_invariant();
-    dispatcher_->set_token_segments(experts_.token_segments_per_source());
-  }
+  if (layout_invariant_) make_layout_invariant(*dispatcher_);
   if (groups_.etp && groups_.etp->size() > 1) {
     etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
     if (groups_.tp.layout()) etp_->set_layout_invariant();

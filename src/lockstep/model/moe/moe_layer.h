@@ -114,15 +114,9 @@ class MoeLayer {
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {}) {
     experts_.set_layout(micros, leaves, first, pieces);
     layout_invariant_ = true;
-    // The dispatch plans count each expert's rows per token segment (experts.h).
-    const int64_t L = experts_.token_segments_per_source();
-    dispatcher_->set_layout_invariant();
-    dispatcher_->set_token_segments(L);
+    make_layout_invariant(*dispatcher_);
     for (Micro& slot : slots_)  // under pipelining, the other in-flight micro-batches' dispatchers
-      if (slot.dispatcher) {
-        slot.dispatcher->set_layout_invariant();
-        slot.dispatcher->set_token_segments(L);
-      }
+      if (slot.dispatcher) make_layout_invariant(*slot.dispatcher);
   }
   // End of a step: the expert-bias update from the step's counts, summed over the tp group and over
   // `dp` when given (the data-parallel replicas then apply the same update); returns the step's
@@ -229,6 +223,11 @@ class MoeLayer {
   std::string dispatcher_kind_;
   bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
   void make_dispatcher();  // dispatcher_, source_layout_ and etp_ for one micro-batch
+  // Layout mode: d sums exactly and its plans count each expert's rows per token segment (experts.h).
+  void make_layout_invariant(Dispatcher& d) {
+    d.set_layout_invariant();
+    d.set_token_segments(experts_.token_segments_per_source());
+  }
   void swap_micro(Micro& other);
 };
 
