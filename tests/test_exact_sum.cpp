@@ -207,6 +207,24 @@ TEST(TreeSum, CanonicalSplitAndDefinition) {
   }
 }
 
+// tree_sum_push one leaf at a time through one buffer, the last push writing the sum over the leaf
+// it reads (out aliasing x, as the LM head's and attention's token segments use it): the tree's bits.
+TEST(TreeSum, PushOneLeafAtATimeInPlaceEqualsTheTree) {
+  const int64_t n = 67;
+  for (int64_t L = 1; L <= 13; ++L) {
+    const auto x = leaves_of(L, n, 500 + static_cast<uint64_t>(L));
+    std::vector<float> leaf(static_cast<size_t>(n));
+    std::vector<float> stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
+    for (int64_t c = 0; c < L; ++c) {
+      std::copy(x[c].begin(), x[c].end(), leaf.begin());
+      tree_sum_push(leaf.data(), leaf.data(), c, c + 1 == L, n, stack.data());
+    }
+    for (int64_t i = 0; i < n; ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(leaf[i]), std::bit_cast<uint32_t>(tree_reference(x, 0, x.size(), i)))
+          << "L " << L << " element " << i;
+  }
+}
+
 // The in-place form (the segmented GEMMs' combiner): leaves a stride apart, summed over ranges
 // [begin, end) cut anywhere, gives leaf 0 the tree's bits there and leaves other elements alone.
 TEST(TreeSum, InPlaceOverRangesEqualsTheTree) {
