@@ -115,13 +115,14 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       h.update(chunk.data(), chunk.size() * sizeof(float));
     }
 
-    // The *_pieces forms: leaves in blocks that are not subtrees (3 per rank; 1, 2, 3, 1, 2, 3, ...),
-    // each rank's block as its canonical pieces' tree sums, give every rank the canonical tree over
-    // all leaves, bit for bit, as all_reduce (into the last piece) and reduce_scatter.
-    for (const bool even : {true, false}) {
+    // The *_pieces forms: leaves in blocks that are not subtrees (3 per rank; 1, 2, 3, 1, 2, 3, ...;
+    // 2, 0, 2, 0, ...: every odd rank an empty block, as DataParallel's replicas that hold another
+    // rank's values), each rank's block as its canonical pieces' tree sums, give every rank the
+    // canonical tree over all leaves, bit for bit, as all_reduce and reduce_scatter.
+    for (const int shape : {0, 1, 2}) {
       if (n > 1000) break;  // the serial reference costs every leaf on every rank
       std::vector<int64_t> blocks{0};
-      for (int r = 0; r < P; ++r) blocks.push_back(blocks.back() + (even ? 3 : r % 3 + 1));
+      for (int r = 0; r < P; ++r) blocks.push_back(blocks.back() + (shape == 0 ? 3 : shape == 1 ? r % 3 + 1 : 2 - 2 * (r % 2)));
       const int64_t L = blocks.back(), c = n / P + 1, total = c * P;
       std::vector<std::vector<float>> xs;
       std::vector<const float*> leaves;
@@ -134,12 +135,14 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
         return t;
       };
       const std::vector<float> want = tree(0, L);
-      const std::vector<int64_t> bounds = canonical_pieces(L, blocks[me], blocks[me + 1]);
+      const bool empty = blocks[me] == blocks[me + 1];
+      const std::vector<int64_t> bounds = empty ? std::vector<int64_t>{blocks[me]} : canonical_pieces(L, blocks[me], blocks[me + 1]);
       std::vector<std::vector<float>> mine;
       std::vector<const float*> pieces;
       for (size_t k = 0; k + 1 < bounds.size(); ++k) mine.push_back(tree(bounds[k], bounds[k + 1]));
       for (const auto& m : mine) pieces.push_back(m.data());
-      const std::string what = str(" (", even ? "3 leaves per rank" : "1, 2, 3 leaves", ") n=", total);
+      const char* shapes[] = {"3 leaves per rank", "1, 2, 3 leaves", "2, 0, 2, 0 leaves"};
+      const std::string what = str(" (", shapes[shape], ") n=", total);
       std::vector<float> chunk(c);
       const int64_t sent = comm.bytes_sent();
       comm.reduce_scatter_pieces(chunk.data(), pieces, c, blocks);
@@ -149,8 +152,11 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       if (comm.bytes_sent() - sent != K * (P - 1) * c * int64_t(sizeof(float)))
         fail(str("reduce_scatter_pieces", what, ": sent ", comm.bytes_sent() - sent, " bytes, expected ", K, " x ", P - 1,
                  " x ", c, " floats"));
-      comm.all_reduce_pieces(mine.back().data(), pieces, total, blocks);
-      same_bits(mine.back().data(), want.data(), total, "all_reduce_pieces" + what);
+      // Into the last piece, or (an empty block) a buffer of the rank's own.
+      std::vector<float> all(empty ? total : 0);
+      float* out = empty ? all.data() : mine.back().data();
+      comm.all_reduce_pieces(out, pieces, total, blocks);
+      same_bits(out, want.data(), total, "all_reduce_pieces" + what);
       h.update(chunk.data(), chunk.size() * sizeof(float));
     }
 
