@@ -136,7 +136,7 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       };
       const std::vector<float> want = tree(0, L);
       const bool empty = blocks[me] == blocks[me + 1];
-      const std::vector<int64_t> bounds = empty ? std::vector<int64_t>{blocks[me]} : canonical_pieces(L, blocks[me], blocks[me + 1]);
+      const std::vector<int64_t> bounds = canonical_pieces(L, blocks[me], blocks[me + 1]);
       std::vector<std::vector<float>> mine;
       std::vector<const float*> pieces;
       for (size_t k = 0; k + 1 < bounds.size(); ++k) mine.push_back(tree(bounds[k], bounds[k + 1]));

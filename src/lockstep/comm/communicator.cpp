@@ -205,10 +205,8 @@ void reduce_scatter_pieces_step(Transport& t, T* out, const std::vector<const T*
   std::vector<int64_t> bounds{0};
   std::vector<int64_t> first(P + 1, 0);  // rank q's pieces are [first[q], first[q + 1]) of all
   for (int q = 0; q < P; ++q) {
-    // An empty block (a rank whose values are another's: DataParallel's experts under tensor
-    // parallelism) has no pieces.
-    const std::vector<int64_t> b = blocks[q] == blocks[q + 1] ? std::vector<int64_t>{blocks[q]}
-                                                               : canonical_pieces(blocks.back(), blocks[q], blocks[q + 1]);
+    // An empty block (a rank whose values are another's: DataParallel's tp / cp replicas) has no pieces.
+    const std::vector<int64_t> b = canonical_pieces(blocks.back(), blocks[q], blocks[q + 1]);
     bounds.insert(bounds.end(), b.begin() + 1, b.end());
     first[q + 1] = first[q] + static_cast<int64_t>(b.size()) - 1;
   }

@@ -24,7 +24,7 @@ void pieces_of(std::vector<int64_t>& out, int64_t lo, int64_t hi, int64_t a, int
 }  // namespace
 
 std::vector<int64_t> canonical_pieces(int64_t L, int64_t a, int64_t b) {
-  LOCKSTEP_CHECK(0 <= a && a < b && b <= L, "canonical_pieces: block [", a, ", ", b, ") of ", L, " leaves");
+  LOCKSTEP_CHECK(0 <= a && a <= b && b <= L, "canonical_pieces: block [", a, ", ", b, ") of ", L, " leaves");
   std::vector<int64_t> bounds{a};
   pieces_of(bounds, 0, L, a, b);
   return bounds;

@@ -52,7 +52,8 @@ inline std::vector<int64_t> canonical_segments(int64_t n, int64_t S) {
 
 // Block [a, b) of the canonical tree over L leaves as its maximal subtrees, left to right: the
 // K + 1 bounds a = p_0 < p_1 < ... < p_K = b, piece k being leaves [p_k, p_{k+1}). When the block
-// is a subtree (e.g. b - a = 2^j with a a multiple of it) K = 1. K <= 2 log2 L.
+// is a subtree (e.g. b - a = 2^j with a a multiple of it) K = 1. K <= 2 log2 L. An empty block
+// (a == b) has no pieces: {a}, K = 0.
 std::vector<int64_t> canonical_pieces(int64_t L, int64_t a, int64_t b);
 
 // The canonical tree over L leaves evaluated with subtrees of it as its leaves: `bounds` (0 = p_0 <
