@@ -59,11 +59,12 @@ void move_rows(const ContextParallel& cp, int r, float* dst, const float* src, b
     }
   });
 }
-// The key and value columns of dqkv (rows, C3), from column `at` <- kv (rows, KV).
-void copy_kv_columns(float* dqkv, const float* kv, int64_t rows, int64_t KV, int64_t C3, int64_t at) {
+// width columns of `rows` rows: dst (row stride ld_dst) <- src (row stride ld_src). Packs the key
+// and value columns of qkv (rows, C3) into (rows, KV), and writes them back into dqkv.
+void copy_columns(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t width) {
   parallel_for(rows, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(dqkv + r * C3 + at, kv + r * KV, static_cast<size_t>(KV) * sizeof(float));
+      std::memcpy(dst + r * ld_dst, src + r * ld_src, static_cast<size_t>(width) * sizeof(float));
   });
 }
 }  // namespace
@@ -80,10 +81,7 @@ void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qk
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // This rank's K and V columns, packed (B, Tl, KV); then every rank's block into its positions.
-  parallel_for(B * Tl, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(mine + r * KV, qkv + r * C3 + NH * HS, static_cast<size_t>(KV) * sizeof(float));
-  });
+  copy_columns(mine, KV, qkv + NH * HS, C3, B * Tl, KV);
   all_gather_sequence(cp, kv, buf, mine, B, T, KV);
 }
 
@@ -94,7 +92,7 @@ void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, cons
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
   for (int r = 0; r < cp.size; ++r) move_rows(cp, r, buf + r * n, dkv, false, B, T, KV);
   cp.comm->reduce_scatter(mine, buf, n);
-  copy_kv_columns(dqkv, mine, B * Tl, KV, C3, NH * HS);
+  copy_columns(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
 }
 
 void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
@@ -117,7 +115,7 @@ void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* bu
     for (int64_t c = 0; c < 2 * P; ++c) leaves[c] = recv + (c < P ? 2 * c : 2 * (2 * P - 1 - c) + 1) * n + i0;
     tree_sum(mine + i0, leaves, 2 * P, i1 - i0, stack + depth * i0);
   });
-  copy_kv_columns(dqkv, mine, B * Tl, KV, C3, NH * HS);
+  copy_columns(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
 }
 
 int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS) {
