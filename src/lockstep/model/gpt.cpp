@@ -334,7 +334,9 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     tree_sum_push(leaf, leaf, seg % per_piece, last, n, leaf + n);
     if (last) {
       float* g = params_.grad_piece(out_, seg / per_piece);
-      for (int64_t i = 0; i < n; ++i) g[i] += leaf[i];
+      parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
+        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
+      });
     }
   }
   if (backward) {
