@@ -68,9 +68,7 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
             "determinism = \"layout\", train.micro_batch = 4 and layout_segments = 8"},
            {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.tensor=2",
              "parallel.sequence_parallel=true"},
-            "determinism = \"layout\" and parallel.sequence_parallel"},
-           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.pipeline=2"},
-            "determinism = \"layout\" and parallel.pipeline = 2"}}) {
+            "determinism = \"layout\" and parallel.sequence_parallel"}}) {
     std::vector<std::string> o = keys;
     o.push_back("parallel.context=2");
     const std::string e = error("debug.toml", o);

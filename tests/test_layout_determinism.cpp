@@ -237,6 +237,18 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
       {4, {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
       {4, {"parallel.context=2", "parallel.tensor=2"}},
   }, {"layout_token_segments=true", "train.global_batch=12"});
+  // Pipeline parallelism: each stage's cp group combines its chunks' pieces as the schedule runs the
+  // micro-batches' backwards (tied head on the last stage, interleaved, DP 2 x A = 3 distributed).
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=2", "parallel.pipeline=2"}},
+      {8, {"parallel.context=2", "parallel.pipeline=2", "parallel.tensor=2"}},
+  }, {"layout_token_segments=true", "model.num_layers=4"});
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+      {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+           "ddp.bucket_size=20000"}},
+  }, {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
+      "precision.params=bf16", "train.global_batch=12"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},

@@ -653,9 +653,6 @@ void validate_context_parallel(const Config& c) {
     if (sp)
       refuse("determinism = \"layout\" and parallel.sequence_parallel", "the tensor-parallel ranks' shares of the "
              "token pieces are not combined yet; use parallel.sequence_parallel = false");
-    if (c.parallel.pipeline > 1)
-      refuse(str("determinism = \"layout\" and parallel.pipeline = ", c.parallel.pipeline),
-             "not built yet; use determinism = \"run\"");
   }
 }
 

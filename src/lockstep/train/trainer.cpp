@@ -252,9 +252,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // part too: each stage reduces its part over the data-parallel ranks, and the stages add the
     // reduced parts after finish_grad_sync.
     const std::vector<int> shared = layout ? std::vector<int>{} : model.shared_params();
-    model.set_grads_ready_hook([&dp, &pipeline, &tp, &model, shared, layout](int first, int end) {
+    model.set_grads_ready_hook([&dp, &pipeline, &tp, &cp, &model, &piece_scratch, shared, layout](int first, int end) {
       if (layout) {
         reduce_sequence_parallel_grads(tp, model.params(), first, end);
+        combine_token_pieces(cp, model.params(), first, end, piece_scratch);
         dp.push_grads(first, end, pipeline->backward_micro());
       }
       if (!pipeline->in_final_backward()) return;
