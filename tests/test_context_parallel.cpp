@@ -66,9 +66,9 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
            {{"determinism=layout"}, "determinism = \"layout\""},
            {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=4"},
             "determinism = \"layout\", train.micro_batch = 4 and layout_segments = 8"},
-           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2", "parallel.tensor=2",
-             "parallel.sequence_parallel=true"},
-            "determinism = \"layout\" and parallel.sequence_parallel"}}) {
+           {{"determinism=layout", "layout_token_segments=true", "train.micro_batch=1", "layout_segments=4",
+             "parallel.tensor=4", "parallel.sequence_parallel=true"},
+            "determinism = \"layout\", parallel.sequence_parallel, parallel.tensor = 4 and layout_segments = 4"}}) {
     std::vector<std::string> o = keys;
     o.push_back("parallel.context=2");
     const std::string e = error("debug.toml", o);

@@ -249,6 +249,26 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
            "ddp.bucket_size=20000"}},
   }, {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
       "precision.params=bf16", "train.global_batch=12"});
+  // Sequence parallelism: the norms' gradients are each tp rank's units of the cp rank's rows (max(2B,
+  // tp) units per cp rank), combined over tp x cp; TP 2 and 4, micro-batches of 1, 2 and 4, with DP,
+  // PP (3 micro-batches per rank) and CP 4, GPT-2 and Llama GQA bf16.
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {8, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true",
+           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+  }, {"layout_token_segments=true"});
+  rows_match_single_process("debug", {
+      {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      {8, {"parallel.context=4", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+  }, {"layout_token_segments=true", "train.micro_batch=1", "layout_segments=16"});
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {8, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
+  }, {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
+      "precision.params=bf16", "train.global_batch=12"});
+  rows_match_single_process("debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"layout_token_segments=true", "train.micro_batch=4", "layout_segments=16"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},

@@ -220,7 +220,8 @@ const std::vector<Key>& keys() {
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
                               "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
                               "parallel.expert_tensor must divide it, and 2 x parallel.context x train.micro_batch "
-                              "under context parallelism)"),
+                              "under context parallelism, with sequence parallelism parallel.context x "
+                              "parallel.tensor too)"),
       LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
                                     "gradients in layout_segments token segments of the micro-batch, what parallel.context > 1 "
                                     "needs (dense models without MTP; train.micro_batch must divide "
@@ -650,9 +651,11 @@ void validate_context_parallel(const Config& c) {
       refuse(str("determinism = \"layout\", train.micro_batch = ", B, " and layout_segments = ", S),
              str("each rank's chunks must be whole token segments: 2 x parallel.context x train.micro_batch = ",
                  2 * cp * B, " must divide layout_segments (at most 64)"));
-    if (sp)
-      refuse("determinism = \"layout\" and parallel.sequence_parallel", "the tensor-parallel ranks' shares of the "
-             "token pieces are not combined yet; use parallel.sequence_parallel = false");
+    // Sequence parallelism: a tp rank holds 1 / tp of the cp rank's rows, whole token segments of them.
+    if (sp && std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (cp * tp))
+      refuse(str("determinism = \"layout\", parallel.sequence_parallel, parallel.tensor = ", tp, " and layout_segments = ", S),
+             str("each tensor-parallel rank's rows must be whole token segments: parallel.context x parallel.tensor = ",
+                 cp * tp, " must divide layout_segments (at most 64)"));
   }
 }
 

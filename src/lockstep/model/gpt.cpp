@@ -83,7 +83,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   if (tp_.token_segments)
     for (int i = 0; i < static_cast<int>(params_.specs().size()); ++i) params_.set_token_sum(i);
   // Context parallelism: the rank's two chunks of each sample are its 2B pieces of those sums.
-  if (tp_.token_segments && cp_.on()) params_.set_token_pieces(2 * B_, T_ / 2, cp_.size);
+  // Under sequence parallelism the sequence-parallel parameters' rows are a tp rank's share of them.
+  if (tp_.token_segments && cp_.on()) params_.set_token_pieces(2 * B_, cp_.size, tp_.sequence ? tp_.size : 1);
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
@@ -301,7 +302,7 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   // bounds, each segment's chunks accumulate into its leaf from zero, and the leaves go through the
   // canonical tree over the segments (tree_sum_push), whose root is added to the gradient.
   // Context parallelism: per piece of the rank's rows (ParamStore::token_pieces), each its own tree.
-  const int64_t pieces = params_.token_pieces(), per_piece = backward ? params_.token_segments(out_) : 0;
+  const int64_t pieces = params_.token_pieces(out_), per_piece = backward ? params_.token_segments(out_) : 0;
   const std::vector<int64_t> wseg = canonical_segments(N_, pieces * per_piece);
   float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
   int64_t seg = 0;
@@ -472,23 +473,21 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     if (grads_ready_) grads_ready_(layer_first_[l], layer_end_[l]);
   }
   if (part_.first && c == 0) {
-    // Context parallelism under layout_token_segments: per piece of the rank's rows (no sequence
-    // parallelism there: every tp rank holds all of them).
-    const int64_t K = params_.token_pieces(), rows = K > 1 ? params_.piece_rows() : T_;
+    // The whole rows' gradient (gathered over tp under sequence parallelism) and the vocabulary rows
+    // this rank holds of each token; under context parallelism (layout_token_segments) per piece of
+    // the rank's rows.
+    const float* d = tp_.on() ? leave_row_parallel_backward(tp_, arena_(dnorm_), dresid, B_ * T_, C_) : dresid;
+    const int32_t* ids = tokens;
     if (tp_.on()) {
-      for (int64_t k = 0; k < K; ++k)
-        vocab_parallel_embedding_backward(
-            tp_, params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr, order_.data(),
-            arena_(dnorm_) + k * rows * C_, dresid + k * rows * C_, local_tokens_.data() + k * rows, tokens + k * rows,
-            positions() ? positions() + k * rows : nullptr, K > 1 ? 1 : B_, rows, C_, V_, Tg_,
-            params_.token_segments(wte_), wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
-    } else {
-      for (int64_t k = 0; k < K; ++k)
-        embedding_backward(params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr,
-                           order_.data(), dresid + k * rows * C_, tokens + k * rows, K > 1 ? 1 : B_, rows, C_,
-                           positions() ? positions() + k * rows : nullptr, Tg_, params_.token_segments(wte_),
-                           wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
+      vocab_parallel_local_tokens(tp_, local_tokens_.data(), tokens, B_ * T_, V_);
+      ids = local_tokens_.data();
     }
+    const int64_t K = params_.token_pieces(wte_), rows = B_ * T_ / K;
+    for (int64_t k = 0; k < K; ++k)
+      embedding_backward(params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr,
+                         order_.data(), d + k * rows * C_, ids + k * rows, K > 1 ? 1 : B_, K > 1 ? rows : T_, C_,
+                         positions() ? positions() + k * rows : nullptr, Tg_, params_.token_segments(wte_),
+                         wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
     if (grads_ready_) grads_ready_(0, embed_end_);
   }
   if (part_.first && c == 0) precision_.end_micro_batch();

@@ -100,7 +100,7 @@ void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const fl
   ps.precision().dgrad(ps, w, dx, dy, N, out, in, opt, split && !dgrad_segments.empty());
   ps.precision().wgrad(ps, w, dy, x, N, out, in);
   if (b >= 0) {
-    const int64_t K = ps.token_pieces(), rows = K > 1 ? ps.piece_rows() : N;
+    const int64_t K = ps.token_pieces(b), rows = N / K;
     for (int64_t k = 0; k < K; ++k)
       bias_backward(ps.grad_piece(b, k), dy + k * rows * out, rows, out, ps.token_segments(b));
   }

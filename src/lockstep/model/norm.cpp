@@ -34,7 +34,7 @@ void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const
                     const float* inp, int64_t N) const {
   const int64_t segments = ps.token_segments(w);
   // Under context parallelism each piece of the rank's rows separately (ParamStore::token_pieces).
-  const int64_t K = ps.token_pieces(), n = K > 1 ? ps.piece_rows() : N;
+  const int64_t K = ps.token_pieces(w), n = N / K;
   for (int64_t k = 0; k < K; ++k) {
     const int64_t r = k * n;
     if (rms)

@@ -16,6 +16,7 @@
 // single process does). Adding, removing or reordering other parameters changes nothing about p.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -107,21 +108,32 @@ class ParamStore {
   int64_t token_segments(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
     if (!layout_segments_ || !p.token_sum) return 0;
-    if (pieces_ > 1) return layout_segments_ / cp_size_ / pieces_;
+    if (pieced()) return layout_segments_ / cp_size_ / token_units(i);
     return p.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
   }
-  // Context parallelism under determinism = "layout" (layout_token_segments): a rank's rows are
-  // `pieces` blocks of `rows` consecutive rows each (its two chunks of every sample), each a
-  // subtree of the micro-batch's canonical tree over the token segments. Every token-sum gradient
-  // is then computed per piece (token_segments(i) segments each) into grad_piece(i, k), and the cp
-  // group combines the pieces (parallel/context_parallel.h combine_token_pieces). Before allocate().
-  void set_token_pieces(int64_t pieces, int64_t rows, int cp) {
+  // Context parallelism under determinism = "layout" (layout_token_segments): a cp rank's rows are
+  // `pieces` blocks of consecutive rows (its two chunks of every sample), each a subtree of the
+  // micro-batch's canonical tree over the token segments. Every token-sum gradient is then computed
+  // per piece (token_segments(i) segments each) into grad_piece(i, k), and the group combines the
+  // pieces (parallel/context_parallel.h combine_token_pieces). Under sequence parallelism
+  // (sequence_tp: the tp size splitting a cp rank's rows; 1 without it) a sequence-parallel
+  // parameter's rows are a tp rank's share: the cp rank's rows cut into max(pieces, sequence_tp)
+  // units, a subtree each, of which every tp rank holds its consecutive token_pieces(i) (the tp x cp
+  // group combines them). Before allocate().
+  void set_token_pieces(int64_t pieces, int cp, int sequence_tp) {
     pieces_ = pieces;
-    piece_rows_ = rows;
     cp_size_ = cp;
+    sequence_tp_ = sequence_tp;
   }
-  int64_t token_pieces() const { return pieces_; }
-  int64_t piece_rows() const { return piece_rows_; }
+  bool pieced() const { return pieces_ > 1; }
+  // The pieces of a cp rank's rows (set_token_pieces' pieces: its two chunks of every sample).
+  int64_t chunk_pieces() const { return pieces_; }
+  // Parameter i's pieces of the rank's rows (1 when not pieced): N rows make pieces of N / that.
+  int64_t token_pieces(int i) const { return token_units(i) / (sequence_tp(i) ? sequence_tp_ : 1); }
+  // Pieced: the units a cp rank's rows are cut into for parameter i's gradient (its tp ranks' pieces).
+  int64_t token_units(int i) const { return sequence_tp(i) ? std::max<int64_t>(pieces_, sequence_tp_) : pieces_; }
+  // Pieced: whether parameter i's pieces are a tp rank's share of the cp rank's rows.
+  bool sequence_tp(int i) const { return sequence_tp_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
   // Piece k's gradient of parameter i (piece 0 is grad(i)).
   float* grad_piece(int i, int64_t k) const {
     return k == 0 ? grad(i) : pieces_grads_[static_cast<size_t>(k - 1)].data() + specs_[i].offset;
@@ -182,8 +194,8 @@ class ParamStore {
   Precision* precision_ = nullptr;
   int64_t layout_segments_ = 0;
   int tp_size_ = 1;
-  int64_t pieces_ = 1, piece_rows_ = 0;
-  int cp_size_ = 1;
+  int64_t pieces_ = 1;
+  int cp_size_ = 1, sequence_tp_ = 1;
   std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1
 };
 

@@ -429,7 +429,7 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   // determinism = "layout": a sum over tokens that a layout may split (ParamStore::token_segments)
   // runs in canonical token segments, K of this GEMM.
   // Under context parallelism each piece of the rank's rows separately (ParamStore::token_pieces).
-  const int64_t K = ps.token_pieces(), rows = K > 1 ? ps.piece_rows() : N;
+  const int64_t K = ps.token_pieces(w), rows = N / K;
   LOCKSTEP_CHECK(K * rows == N, "wgrad: ", K, " token pieces of ", rows, " rows for ", N, " rows");
   const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(w));
   for (int64_t k = 0; k < K; ++k) {

@@ -11,8 +11,13 @@
 
 namespace lockstep {
 
-ContextParallel::ContextParallel(Communicator* group)
-    : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1) {}
+ContextParallel::ContextParallel(Communicator* group, Communicator* tp_cp)
+    : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1), sequence_group(tp_cp),
+      sequence_tp(tp_cp ? tp_cp->size() / size : 1) {
+  LOCKSTEP_CHECK(!tp_cp || (tp_cp->size() % size == 0 && tp_cp->rank() / sequence_tp == rank),
+                 "context parallelism: rank ", tp_cp ? tp_cp->rank() : 0, " of a tp x cp group of ",
+                 tp_cp ? tp_cp->size() : 0, " is not cp rank ", rank, " of ", size, " (tp the faster)");
+}
 
 QueryChunks ContextParallel::chunks(int64_t T, int r) const {
   if (size == 1) return {{0, T}};
@@ -122,36 +127,37 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
   return (4 * cp.size + tree_sum_stack(2 * cp.size) + 1) * B * cp.local(T) * 2 * NKV * HS;
 }
 
-void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch) {
-  const int64_t K = ps.token_pieces();
-  if (!cp.on() || K <= 1 || first >= end) return;
+namespace {
+// combine_token_pieces over the parameters [first, end) alike, whose gradients hold K pieces each:
+// `group` all-gathers every rank's K pieces, and the L leaves of the micro-batch's tree, in token
+// order, are leaf(g) = {the group rank holding it, its piece there}. keep: this rank receives the
+// root (else -0).
+template <class Leaf>
+void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, bool keep,
+                    const Leaf& leaf, std::vector<float>& scratch) {
+  LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
+                 " token pieces");
   const auto& specs = ps.specs();
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
-  const int64_t P = cp.size, L = P * K;  // L = 2 size B pieces of the micro-batch
-  LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
-                 " token pieces");
-  const int64_t depth = tree_sum_stack(L);
+  const int64_t depth = tree_sum_stack(L), R = group.size();
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
-  // (K + L + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding or head).
+  // (K + R K + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding or head).
   const int64_t chunk = std::min(hi - lo, kCombineChunk);
-  scratch.resize(static_cast<size_t>((K + L + depth) * chunk));
+  scratch.resize(static_cast<size_t>((K + R * K + depth) * chunk));
   float* send = scratch.data();
   float* recv = send + K * chunk;
-  float* stack = recv + L * chunk;
-  const bool keep = cp.rank == 0;
+  float* stack = recv + R * K * chunk;
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
     const int64_t n = std::min(chunk, hi - lo - c0);
     for (int64_t k = 0; k < K; ++k)
       std::memcpy(send + k * n, ps.grad_piece(first, k) + c0, static_cast<size_t>(n) * sizeof(float));
-    cp.comm->all_gather(recv, send, K * n);
+    group.all_gather(recv, send, K * n);
     float* out = ps.grad(first) + c0;
     parallel_for(n, [&](int64_t i0, int64_t i1) {
       const float* leaves[2 * kMaxContext];
-      // Piece (b, chunk c): rank c's early chunk (local piece 2b) or rank 2P - 1 - c's late one (2b + 1).
       for (int64_t g = 0; g < L; ++g) {
-        const int64_t b = g / (2 * P), c = g % (2 * P);
-        const int64_t q = c < P ? c : 2 * P - 1 - c, k = 2 * b + (c < P ? 0 : 1);
+        const auto [q, k] = leaf(g);
         leaves[g] = recv + (q * K + k) * n + i0;
       }
       if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
@@ -161,6 +167,28 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
         std::fill(piece + i0, piece + i1, 0.0f);
       }
     });
+  }
+}
+}  // namespace
+
+void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch) {
+  if (!cp.on() || !ps.pieced()) return;
+  const int64_t P = cp.size, C = ps.chunk_pieces();  // C = 2B: the cp rank's chunks
+  // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows), a call each.
+  for (int a = first, b = first; a < end; a = b) {
+    const bool shares = ps.sequence_tp(a);
+    while (b < end && ps.sequence_tp(b) == shares) ++b;
+    const int64_t K = ps.token_pieces(a), U = ps.token_units(a);
+    // Unit g of the micro-batch's P U, in token order (sample, chunk c of 2P, sub-unit of U / C):
+    // chunk c is cp rank c's early chunk or rank 2P - 1 - c's late one, the cp rank's local unit u
+    // (local rows: each sample's early then late chunk), held by its tp rank u / K as piece u % K.
+    const int64_t sub = U / C, tp = shares ? cp.sequence_tp : 1;
+    const auto leaf = [P, sub, K, tp](int64_t g) {
+      const int64_t s = g / (2 * P * sub), c = g / sub % (2 * P);
+      const int64_t q = c < P ? c : 2 * P - 1 - c, u = (2 * s + (c < P ? 0 : 1)) * sub + g % sub;
+      return std::pair<int64_t, int64_t>{q * tp + u / K, u % K};
+    };
+    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, cp.rank == 0, leaf, scratch);
   }
 }
 

@@ -33,9 +33,15 @@ class Communicator;
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
   int rank = 0, size = 1;
+  // Layout mode under sequence parallelism: the tp x cp group (MeshGroup::tp_cp, tp the faster), whose
+  // ranks hold the shares of the sequence-parallel parameters' token pieces (combine_token_pieces);
+  // null otherwise. sequence_tp: its tp size.
+  Communicator* sequence_group = nullptr;
+  int sequence_tp = 1;
 
   ContextParallel() = default;
-  explicit ContextParallel(Communicator* group);
+  // tp_cp: the tp x cp group, for the sequence-parallel pieces (layout mode, sequence parallelism).
+  explicit ContextParallel(Communicator* group, Communicator* tp_cp = nullptr);
   bool on() const { return size > 1; }
   // Positions per sample a rank holds: T / size.
   int64_t local(int64_t T) const { return T / size; }
@@ -81,7 +87,10 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next micro-batch. Wire per call:
 // an all-gather of 2B x the range's gradients (each rank receives (size - 1) x 2B x n floats), in
 // chunks of at most kCombineChunk elements, so scratch holds (2B + 2 size B + depth) x kCombineChunk
-// floats at most.
+// floats at most. Under sequence parallelism the sequence-parallel parameters' pieces are the tp
+// ranks' shares of the cp rank's rows (ParamStore::token_units): the tp x cp group (sequence_group)
+// all-gathers those and sums the micro-batch's size x units of them along the canonical tree (every
+// tp rank of cp rank 0 keeps the sum, the replicas every tp rank holds; the others -0).
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
 

@@ -189,7 +189,9 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
 }
 
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, int first, int end) {
-  if (!tp.on()) return;
+  // Context parallelism's token pieces (layout mode): combined over tp x cp with the cp ranks'
+  // pieces instead (parallel/context_parallel.h combine_token_pieces).
+  if (!tp.on() || ps.pieced()) return;
   if (end < 0) end = static_cast<int>(ps.specs().size());
   std::vector<int> params;
   int64_t n = 0;

@@ -146,7 +146,8 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
 // data-parallel reduction. "layout" (tp.layout()): the rank's partial is the tree over its token
 // segments (ParamStore::token_segments), so the sum is a ReduceOp::tree_sum, and it runs for every
 // micro-batch before the micro-batch's gradients become its leaf of the data-parallel tree (the
-// trainer's grads-ready hook), as one process has them.
+// trainer's grads-ready hook), as one process has them; under context parallelism (ParamStore::pieced)
+// not here but with the cp ranks' token pieces (combine_token_pieces).
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, int first = 0, int end = -1);
 
 }  // namespace lockstep

@@ -165,7 +165,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // over dp x cp (dense_dp) add up their shares; counts of the micro-batches' tokens are summed over
   // dp only (every cp rank counts the whole micro-batch).
   Communicator cp_group = comm.split_groups(mesh.groups(MeshGroup::cp));
-  const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr);
+  // Layout mode under sequence parallelism: the tp x cp group combines the sequence-parallel
+  // parameters' token pieces (combine_token_pieces).
+  Communicator tp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
+  const bool sequence_pieces = config.determinism == "layout" && pc.sequence_parallel && mesh.tp() > 1;
+  const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr, mesh.cp() > 1 && sequence_pieces ? &tp_cp_group : nullptr);
   Communicator dp_only = comm.split_groups(mesh.groups(MeshGroup::dp));
   if (config.determinism == "layout") {
     tp.segments = config.layout_segments;
@@ -208,7 +212,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
   // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode.
   const bool own_micro_batch = config.determinism == "layout";
-  Communicator tp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
