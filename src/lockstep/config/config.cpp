@@ -224,7 +224,7 @@ const std::vector<Key>& keys() {
                               "parallel.tensor too)"),
       LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
                                     "gradients in layout_segments token segments of the micro-batch, what parallel.context > 1 "
-                                    "needs (dense models without MTP; train.micro_batch must divide "
+                                    "needs (dense models; train.micro_batch must divide "
                                     "layout_segments)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
@@ -627,15 +627,18 @@ void validate_context_parallel(const Config& c) {
   // chunks whole segments: its 2B token pieces, combined exactly over the group (combine_token_pieces).
   if (c.determinism == "layout") {
     const int64_t B = c.train.micro_batch, S = c.layout_segments;
-    // Refused before the key: layout_token_segments itself refuses MoE models and MTP.
+    // Refused before the key: layout_token_segments itself refuses MoE models.
     if (c.moe.num_experts > 0)
       refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
              "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
              "determinism = \"run\" or parallel.context = 1");
+    // MTP: the output head's weight (and the depths' embedding copies) sum several token-segment trees
+    // per micro-batch (the main head's, then each depth's), while the cp ranks' pieces combine one tree.
     if (c.model.mtp_num_layers > 0)
       refuse(str("determinism = \"layout\" and model.mtp_num_layers = ", c.model.mtp_num_layers),
-             "the MTP depths' gradients are not cut into token segments (layout_token_segments, which the cp ranks' "
-             "pieces need, refuses MTP); use determinism = \"run\" or parallel.context = 1");
+             "the output head's weight gets one token-segment tree from the main head and one from each MTP depth per "
+             "micro-batch, and the cp ranks' pieces would have to be combined once per tree (not built); use "
+             "determinism = \"run\" or parallel.context = 1");
     // Low precision: a cp rank's GEMMs quantise its own tokens (per-rank amax, blocks along its rows), not
     // the micro-batch's (measured: CP 2 differs from one process at step 1 with every recipe).
     if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
@@ -682,9 +685,6 @@ void validate_layout_determinism(const Config& c) {
     if (c.moe.num_experts > 0)
       refuse("layout_token_segments = true and an MoE model", "token segments of the expert and router gradients "
              "are built for tensor parallelism only; use layout_token_segments = false");
-    if (c.model.mtp_num_layers > 0)
-      refuse(str("layout_token_segments = true and model.mtp_num_layers = ", c.model.mtp_num_layers),
-             "the MTP depths' gradients are not cut into token segments; use layout_token_segments = false");
   }
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the

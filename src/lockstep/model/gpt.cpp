@@ -388,10 +388,7 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     const int64_t n = valid[static_cast<size_t>(k)];
     const float scale = n ? static_cast<float>(weight * aux_scale / static_cast<double>(n)) : 0.0f;
     head(mtp_[k]->out(arena_), gk, dh, backward, scale);
-    double sum = 0;
-    const float* losses = arena_(losses_);
-    for (int64_t i = 0; i < N_; ++i) sum += losses[i];
-    depth_loss[static_cast<size_t>(k)] = n ? sum / static_cast<double>(n) : 0.0;
+    depth_loss[static_cast<size_t>(k)] = micro_batch_mean(n);
     if (!backward) continue;
     if (k + 1 < D) {
       parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
@@ -413,29 +410,25 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   for (double l : depth_loss) mtp_loss_ += weight * l;
 }
 
-namespace {
-// Sum over the n positions of x divided by the count of targets >= 0 among `count_n` (masked
-// positions hold loss 0); 0 when every one is masked.
-double mean_loss(const float* x, int64_t n, const int32_t* targets, int64_t count_n) {
-  double s = 0;
-  for (int64_t i = 0; i < n; ++i) s += x[i];
-  const int64_t count = count_targets(targets, count_n);
-  return count ? s / static_cast<double>(count) : 0.0;
-}
-}  // namespace
-
-double GPT::lm_loss(const int32_t* targets) const {
+double GPT::micro_batch_mean(int64_t count) const {
   // Context parallelism under layout (layout_token_segments): a rank's share divided by the count is
   // rounded, and the shares' exact sum is not the one-process mean. The per-token losses are
   // gathered in position order and cp rank 0 takes the one-process mean; the others count 0.
+  const float* x = arena_(losses_);
+  int64_t n = N_;
   if (cp_.on() && tp_.token_segments) {
-    const int64_t G = B_ * Tg_;
-    cp_losses_.resize(static_cast<size_t>(G + cp_.size * N_));
-    all_gather_sequence(cp_, cp_losses_.data(), cp_losses_.data() + G, arena_(losses_), B_, Tg_, 1);
-    return cp_.rank == 0 ? mean_loss(cp_losses_.data(), G, targets, G) : 0.0;
+    n = B_ * Tg_;
+    cp_losses_.resize(static_cast<size_t>(n + cp_.size * N_));
+    all_gather_sequence(cp_, cp_losses_.data(), cp_losses_.data() + n, x, B_, Tg_, 1);
+    if (cp_.rank != 0) return 0.0;
+    x = cp_losses_.data();
   }
-  return mean_loss(arena_(losses_), N_, targets, B_ * Tg_);
+  double s = 0;
+  for (int64_t i = 0; i < n; ++i) s += x[i];
+  return count ? s / static_cast<double>(count) : 0.0;
 }
+
+double GPT::lm_loss(const int32_t* targets) const { return micro_batch_mean(count_targets(targets, B_ * Tg_)); }
 
 double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) {
   micro_ = first_micro_ + micro;
@@ -473,21 +466,8 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     if (grads_ready_) grads_ready_(layer_first_[l], layer_end_[l]);
   }
   if (part_.first && c == 0) {
-    // The whole rows' gradient (gathered over tp under sequence parallelism) and the vocabulary rows
-    // this rank holds of each token; under context parallelism (layout_token_segments) per piece of
-    // the rank's rows.
-    const float* d = tp_.on() ? leave_row_parallel_backward(tp_, arena_(dnorm_), dresid, B_ * T_, C_) : dresid;
-    const int32_t* ids = tokens;
-    if (tp_.on()) {
-      vocab_parallel_local_tokens(tp_, local_tokens_.data(), tokens, B_ * T_, V_);
-      ids = local_tokens_.data();
-    }
-    const int64_t K = params_.token_pieces(wte_), rows = B_ * T_ / K;
-    for (int64_t k = 0; k < K; ++k)
-      embedding_backward(params_.grad_piece(wte_, k), wpe_ >= 0 ? params_.grad_piece(wpe_, k) : nullptr,
-                         order_.data(), d + k * rows * C_, ids + k * rows, K > 1 ? 1 : B_, K > 1 ? rows : T_, C_,
-                         positions() ? positions() + k * rows : nullptr, Tg_, params_.token_segments(wte_),
-                         wpe_ >= 0 ? params_.token_segments(wpe_) : 0);
+    vocab_parallel_embedding_backward(tp_, params_, wte_, wpe_, order_.data(), arena_(dnorm_), dresid,
+                                      local_tokens_.data(), tokens, positions(), B_, T_, C_, V_, Tg_);
     if (grads_ready_) grads_ready_(0, embed_end_);
   }
   if (part_.first && c == 0) precision_.end_micro_batch();

@@ -266,8 +266,11 @@ class GPT {
   // documents; this rank's tokens and targets.
   std::vector<int32_t> full_positions_, cp_tokens_, cp_targets_;
   const int32_t* local(const int32_t* global, std::vector<int32_t>& buf) const;
-  // The mean LM loss of the micro-batch (this rank's share of it under context parallelism; with
-  // layout_token_segments the whole micro-batch's on cp rank 0, 0 on the others: cp_losses_).
+  // The micro-batch's per-token losses (losses_, this rank's rows) summed and divided by `count`
+  // (0 when count is 0): this rank's share under context parallelism; with layout_token_segments the
+  // whole micro-batch's on cp rank 0, 0 on the others (gathered into cp_losses_).
+  double micro_batch_mean(int64_t count) const;
+  // The mean LM loss of the micro-batch: over its targets >= 0 (masked positions hold loss 0).
   double lm_loss(const int32_t* targets) const;
   // Context parallelism under layout: the gathered per-token losses (B, Tg) and the gather's buffer.
   mutable std::vector<float> cp_losses_;

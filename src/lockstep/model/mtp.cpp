@@ -73,27 +73,29 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   attn.backward(ps, arena, s.dx, arena(x), rope_cos, rope_sin, s.attn, positions, doc_start);
   // eh_proj: d[e | hn] = dx W, dW += dx^T [e | hn], each half on its own columns.
   const float* w = ps.weight(proj_w);
-  float* dw = ps.grad(proj_w);
   GemmOptions acc;
   acc.accumulate = true;
   gemm(s.de, C, s.dx, C, Trans::N, w, 2 * C, Trans::N, N, C, C);
   gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
   ps.precision().round(s.de, N * C);
   ps.precision().round(s.dhn, N * C);
-  // determinism = "layout": the weight gradient in token segments (ParamStore::token_segments).
-  const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(proj_w));
+  // determinism = "layout": the weight gradient in token segments (ParamStore::token_segments), per
+  // token piece of the rank's rows (ParamStore::token_pieces: context parallelism).
+  const int64_t K = ps.token_pieces(proj_w), n = N / K;
+  const std::vector<int64_t> bounds = canonical_segments(n, ps.token_segments(proj_w));
   acc.k_segments = bounds;
-  gemm(dw, 2 * C, s.dx, C, Trans::T, arena(e), C, Trans::N, C, C, N, acc);
-  gemm(dw + C, 2 * C, s.dx, C, Trans::T, arena(hn), C, Trans::N, C, C, N, acc);
+  for (int64_t k = 0; k < K; ++k) {
+    float* dw = ps.grad_piece(proj_w, k);
+    const float* dxk = s.dx + k * n * C;
+    gemm(dw, 2 * C, dxk, C, Trans::T, arena(e) + k * n * C, C, Trans::N, C, C, n, acc);
+    gemm(dw + C, 2 * C, dxk, C, Trans::T, arena(hn) + k * n * C, C, Trans::N, C, C, n, acc);
+  }
   trace_grad_in(proj_name, s.dhn, N * C);
   hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);
   std::memset(s.demb, 0, bytes);
   enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);
-  if (tp.on())
-    vocab_parallel_embedding_backward(tp, ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.attn.dnorm, s.demb,
-                                      local_tokens, tokens_k, positions, B, T, C, V, Tg);
-  else
-    embedding_backward(ps.grad(wte), wpe >= 0 ? ps.grad(wpe) : nullptr, order, s.demb, tokens_k, B, T, C, positions, Tg);
+  vocab_parallel_embedding_backward(tp, ps, wte, wpe, order, s.attn.dnorm, s.demb, local_tokens, tokens_k, positions, B,
+                                    T, C, V, Tg);
 }
 
 }  // namespace lockstep

@@ -148,13 +148,21 @@ void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial
   });
 }
 
-void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
-                                       const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
-                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P, int64_t segments,
-                                       int64_t pos_segments) {
-  const float* d = leave_row_parallel_backward(tp, dfull, dx, B * T, C);
-  vocab_parallel_local_tokens(tp, local, tokens, B * T, V);
-  embedding_backward(dwte, dwpe, order, d, local, B, T, C, positions, P, segments, pos_segments);
+void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStore& ps, int wte, int wpe, int32_t* order,
+                                       float* dfull, const float* dx, int32_t* local, const int32_t* tokens,
+                                       const int32_t* positions, int64_t B, int64_t T, int64_t C, int64_t V, int64_t P) {
+  const int64_t N = B * T;
+  const float* d = tp.on() ? leave_row_parallel_backward(tp, dfull, dx, N, C) : dx;
+  const int32_t* ids = tokens;
+  if (tp.on()) {
+    vocab_parallel_local_tokens(tp, local, tokens, N, V);
+    ids = local;
+  }
+  const int64_t K = ps.token_pieces(wte), rows = N / K;
+  for (int64_t k = 0; k < K; ++k)
+    embedding_backward(ps.grad_piece(wte, k), wpe >= 0 ? ps.grad_piece(wpe, k) : nullptr, order, d + k * rows * C,
+                       ids + k * rows, K > 1 ? 1 : B, K > 1 ? rows : T, C, positions ? positions + k * rows : nullptr, P,
+                       ps.token_segments(wte), wpe >= 0 ? ps.token_segments(wpe) : 0);
 }
 
 void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,

@@ -117,13 +117,15 @@ void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int3
 void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
                               const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
                               int64_t C, int64_t V);
-// Its backward from dx (this rank's rows): the full gradient (gathered into dfull (N, C) under
-// sequence parallelism) into this rank's vocabulary rows of dwte and into dwpe (the same on every
-// rank). order, local: (N) scratch.
-void vocab_parallel_embedding_backward(const TensorParallel& tp, float* dwte, float* dwpe, int32_t* order, float* dfull,
-                                       const float* dx, int32_t* local, const int32_t* tokens, const int32_t* positions,
-                                       int64_t B, int64_t T, int64_t C, int64_t V, int64_t P = 0,
-                                       int64_t segments = 0, int64_t pos_segments = 0);
+// Its backward from dx (this rank's rows; without tensor parallelism the plain embedding's): the
+// full gradient (gathered into dfull (N, C) under sequence parallelism) into this rank's vocabulary
+// rows of parameter wte's gradient and into wpe's (-1: none; the same on every rank), in their
+// token segments (ParamStore::token_segments) and per token piece of the rank's rows
+// (ParamStore::token_pieces: context parallelism under layout_token_segments). order, local: (N) scratch.
+void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStore& ps, int wte, int wpe, int32_t* order,
+                                       float* dfull, const float* dx, int32_t* local, const int32_t* tokens,
+                                       const int32_t* positions, int64_t B, int64_t T, int64_t C, int64_t V,
+                                       int64_t P = 0);
 // local (N): each token's row in this rank's table, -1 outside its range (for embedding_backward).
 void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V);
 
