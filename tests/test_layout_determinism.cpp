@@ -280,6 +280,22 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
       "precision.params=bf16", "train.global_batch=12"});
   rows_match_single_process("debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"layout_token_segments=true", "train.micro_batch=4", "layout_segments=16"});
+  // MTP: the output head's weight gets a tree from every head (and, tied, the depths' lookups), the
+  // embedding copies one per depth, folded in one by one over the cp group (fold_token_pieces); each
+  // depth's loss the micro-batch's mean. Tied D = 2 at CP 2 and CP 4, untied (RoPE, no position copy)
+  // Llama GQA bf16 at CP 2 x TP 2 + SP and CP 2 x PP 2, with DP 2 (3 micro-batches per rank).
+  rows_match_single_process("debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+  }, {"layout_token_segments=true", "model.mtp_num_layers=2"});
+  rows_match_single_process("debug", {{4, {"parallel.context=4"}}},
+                            {"layout_token_segments=true", "model.mtp_num_layers=2", "layout_segments=16"});
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.context=2", "parallel.pipeline=2"}},
+      {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true"}},
+  }, {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
+      "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},

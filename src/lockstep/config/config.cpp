@@ -632,13 +632,6 @@ void validate_context_parallel(const Config& c) {
       refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
              "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
              "determinism = \"run\" or parallel.context = 1");
-    // MTP: the output head's weight (and the depths' embedding copies) sum several token-segment trees
-    // per micro-batch (the main head's, then each depth's), while the cp ranks' pieces combine one tree.
-    if (c.model.mtp_num_layers > 0)
-      refuse(str("determinism = \"layout\" and model.mtp_num_layers = ", c.model.mtp_num_layers),
-             "the output head's weight gets one token-segment tree from the main head and one from each MTP depth per "
-             "micro-batch, and the cp ranks' pieces would have to be combined once per tree (not built); use "
-             "determinism = \"run\" or parallel.context = 1");
     // Low precision: a cp rank's GEMMs quantise its own tokens (per-rank amax, blocks along its rows), not
     // the micro-batch's (measured: CP 2 differs from one process at step 1 with every recipe).
     if (c.precision.fp8 != "none" || c.precision.fp4 != "none")

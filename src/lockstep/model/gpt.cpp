@@ -85,6 +85,15 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // Context parallelism: the rank's two chunks of each sample are its 2B pieces of those sums.
   // Under sequence parallelism the sequence-parallel parameters' rows are a tp rank's share of them.
   if (tp_.token_segments && cp_.on()) params_.set_token_pieces(2 * B_, cp_.size, tp_.sequence ? tp_.size : 1);
+  // With MTP the output head's weight gets a tree from every head, and the depths' embedding copies
+  // one from every depth: folded one by one (fold_token_pieces).
+  if (params_.pieced() && !mtp_.empty())
+    for (int i : {out_, head_wte_, head_wpe_})
+      if (i >= 0 && std::find_if(folded_.begin(), folded_.end(), [i](const auto& f) { return f.first == i; }) ==
+                        folded_.end()) {
+        params_.set_folded(i);
+        folded_.emplace_back(i, std::vector<float>(static_cast<size_t>(params_.specs()[i].shape.numel()), 0.0f));
+      }
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);
@@ -390,6 +399,7 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     head(mtp_[k]->out(arena_), gk, dh, backward, scale);
     depth_loss[static_cast<size_t>(k)] = micro_batch_mean(n);
     if (!backward) continue;
+    fold_pieces(out_);
     if (k + 1 < D) {
       parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
         for (int64_t i = i0; i < i1; ++i) dh[i] += dnext[i];
@@ -399,6 +409,8 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
     mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte, wpe, positions(),
                       doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), local_tokens_.data());
+    fold_pieces(wte);  // the depth's embedding lookup
+    if (wpe >= 0) fold_pieces(wpe);
   }
   if (backward) {
     float* dfinal = arena_(dfinal_);
@@ -408,6 +420,11 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   }
   mtp_loss_ = 0;
   for (double l : depth_loss) mtp_loss_ += weight * l;
+}
+
+void GPT::fold_pieces(int param) {
+  for (auto& [i, acc] : folded_)
+    if (i == param) fold_token_pieces(cp_, params_, i, acc.data(), fold_scratch_);
 }
 
 double GPT::micro_batch_mean(int64_t count) const {
@@ -444,6 +461,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   double lm = 0;
   if (part_.last && c == num_chunks() - 1) {
     head(arena_(final_out_), targets, arena_(dfinal_), true, grad_scale);
+    fold_pieces(out_);
     trace_out("output", arena_(losses_), N_);  // the per-token losses
     trace_grad_in("output", arena_(dfinal_), Nl_ * C_);
     // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
@@ -452,6 +470,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
     final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
     // The head and the MTP depths ran their backward before this one.
+    for (auto& [i, acc] : folded_) finish_folded_pieces(cp_, params_, i, acc.data());
     if (grads_ready_) grads_ready_(head_first_, static_cast<int>(params_.specs().size()));
   } else {
     std::memcpy(dresid, chunk_output_grad(c), static_cast<size_t>(Nl_ * C_) * sizeof(float));

@@ -274,6 +274,12 @@ class GPT {
   double lm_loss(const int32_t* targets) const;
   // Context parallelism under layout: the gathered per-token losses (B, Tg) and the gather's buffer.
   mutable std::vector<float> cp_losses_;
+  // Context parallelism's token pieces with MTP: the parameters that get several token-segment trees
+  // per micro-batch (ParamSpec::folded) and their sums so far; fold_pieces(i) folds in i's last tree
+  // (nothing for the others).
+  std::vector<std::pair<int, std::vector<float>>> folded_;
+  std::vector<float> fold_scratch_;
+  void fold_pieces(int param);
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
   // The table ranges: the embedding [0, embed_end_), layer l's [layer_first_[l], layer_end_[l])

@@ -62,6 +62,10 @@ struct ParamSpec {
   // shared expert, MTP's eh_proj. Under determinism = "layout" it is computed in token segments
   // (ParamStore::token_segments) in every layout, one process included.
   bool token_sum = false;
+  // Context parallelism's token pieces (ParamStore::pieced): the gradient gets several token-segment
+  // trees per micro-batch (the output head's weight and the MTP depths' embedding copies: one tree per
+  // head or depth), which the model folds in one by one (parallel/context_parallel.h fold_token_pieces).
+  bool folded = false;
   // determinism = "layout": the dimension of a weight that tensor (or expert tensor) parallelism
   // splits (a column-parallel weight's out, dim 0, or an expert fc's, dim 1; a row-parallel one's in,
   // the last dim) and this rank's canonical pieces of it: local boundaries 0 = b0 < ... = width,
@@ -94,6 +98,8 @@ class ParamStore {
   void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
   // Marks parameter i as a sum over tokens (ParamSpec::token_sum).
   void set_token_sum(int i) { specs_[static_cast<size_t>(i)].token_sum = true; }
+  // Marks parameter i's pieces as folded by the model (ParamSpec::folded).
+  void set_folded(int i) { specs_[static_cast<size_t>(i)].folded = true; }
   // determinism = "layout": S canonical segments (TensorParallel::segments; 0 under "run") over a
   // tensor-parallel group of tp ranks.
   void set_layout_segments(int64_t S, int tp) {

@@ -131,10 +131,11 @@ namespace {
 // combine_token_pieces over the parameters [first, end) alike, whose gradients hold K pieces each:
 // `group` all-gathers every rank's K pieces, and the L leaves of the micro-batch's tree, in token
 // order, are leaf(g) = {the group rank holding it, its piece there}. keep: this rank receives the
-// root (else -0).
+// root (else -0). acc (fold_token_pieces): the root is added into acc (when keep) and the gradient
+// zeroed instead.
 template <class Leaf>
 void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, bool keep,
-                    const Leaf& leaf, std::vector<float>& scratch) {
+                    const Leaf& leaf, std::vector<float>& scratch, float* acc = nullptr) {
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
   const auto& specs = ps.specs();
@@ -160,8 +161,15 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
         const auto [q, k] = leaf(g);
         leaves[g] = recv + (q * K + k) * n + i0;
       }
+      // The leaves are the gathered copies: the gradient may take the root.
       if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
-      else std::fill(out + i0, out + i1, -0.0f);
+      if (acc) {
+        if (keep)
+          for (int64_t i = i0; i < i1; ++i) acc[c0 + i] += out[i];
+        std::fill(out + i0, out + i1, 0.0f);
+      } else if (!keep) {
+        std::fill(out + i0, out + i1, -0.0f);
+      }
       for (int64_t k = 1; k < K; ++k) {
         float* piece = ps.grad_piece(first, k) + c0;
         std::fill(piece + i0, piece + i1, 0.0f);
@@ -169,27 +177,52 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
     });
   }
 }
+
+// Unit g of the micro-batch's 2 P B x sub, in token order (sample, chunk c of 2P, sub-unit of sub
+// per chunk): chunk c is cp rank c's early chunk or rank 2P - 1 - c's late one, the cp rank's local
+// unit u (local rows: each sample's early then late chunk), held by its tp rank u / K (of tp ranks
+// sharing the cp rank's rows; 1: every tp rank holds them) as its piece u % K: {the rank in the
+// tp x cp (tp = 1: cp) group, the piece}.
+std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
+  const int64_t s = g / (2 * P * sub), c = g / sub % (2 * P);
+  const int64_t q = c < P ? c : 2 * P - 1 - c, u = (2 * s + (c < P ? 0 : 1)) * sub + g % sub;
+  return {q * tp + u / K, u % K};
+}
 }  // namespace
 
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch) {
   if (!cp.on() || !ps.pieced()) return;
   const int64_t P = cp.size, C = ps.chunk_pieces();  // C = 2B: the cp rank's chunks
-  // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows), a call each.
+  const auto& specs = ps.specs();
+  // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows), a call each;
+  // the folded ones are the model's (fold_token_pieces).
   for (int a = first, b = first; a < end; a = b) {
-    const bool shares = ps.sequence_tp(a);
-    while (b < end && ps.sequence_tp(b) == shares) ++b;
-    const int64_t K = ps.token_pieces(a), U = ps.token_units(a);
-    // Unit g of the micro-batch's P U, in token order (sample, chunk c of 2P, sub-unit of U / C):
-    // chunk c is cp rank c's early chunk or rank 2P - 1 - c's late one, the cp rank's local unit u
-    // (local rows: each sample's early then late chunk), held by its tp rank u / K as piece u % K.
-    const int64_t sub = U / C, tp = shares ? cp.sequence_tp : 1;
-    const auto leaf = [P, sub, K, tp](int64_t g) {
-      const int64_t s = g / (2 * P * sub), c = g / sub % (2 * P);
-      const int64_t q = c < P ? c : 2 * P - 1 - c, u = (2 * s + (c < P ? 0 : 1)) * sub + g % sub;
-      return std::pair<int64_t, int64_t>{q * tp + u / K, u % K};
-    };
+    const bool shares = ps.sequence_tp(a), folded = specs[static_cast<size_t>(a)].folded;
+    while (b < end && ps.sequence_tp(b) == shares && specs[static_cast<size_t>(b)].folded == folded) ++b;
+    if (folded) continue;
+    // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
+    const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
+    const auto leaf = [P, sub, K, tp](int64_t g) { return unit_holder(P, sub, K, tp, g); };
     combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, cp.rank == 0, leaf, scratch);
   }
+}
+
+void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc, std::vector<float>& scratch) {
+  LOCKSTEP_CHECK(!ps.sequence_tp(i) && ps.token_pieces(i) == ps.chunk_pieces(), "context parallelism: parameter ",
+                 ps.specs()[static_cast<size_t>(i)].name, " folds the cp rank's whole rows");
+  const int64_t P = cp.size, C = ps.chunk_pieces();
+  combine_pieces(*cp.comm, ps, i, i + 1, C, P * C, cp.rank == 0, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); },
+                 scratch, acc);
+}
+
+void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc) {
+  const int64_t n = ps.specs()[static_cast<size_t>(i)].shape.numel();
+  float* g = ps.grad(i);
+  const bool keep = cp.rank == 0;
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    for (int64_t j = i0; j < i1; ++j) g[j] = keep ? acc[j] : -0.0f;
+    std::fill(acc + i0, acc + i1, 0.0f);
+  });
 }
 
 }  // namespace lockstep

@@ -91,8 +91,17 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // ranks' shares of the cp rank's rows (ParamStore::token_units): the tp x cp group (sequence_group)
 // all-gathers those and sums the micro-batch's size x units of them along the canonical tree (every
 // tp rank of cp rank 0 keeps the sum, the replicas every tp rank holds; the others -0).
+// Parameters the model folds itself (ParamSpec::folded) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
+// The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:
+// one process adds them into the gradient one after another, each the tree over its segments), called
+// after each tree: its pieces are combined as above and the sum added into acc (the parameter's
+// size; cp rank 0's, the others' untouched), every piece zeroed, piece 0 included. After the last
+// tree, finish_folded_pieces makes acc the gradient (cp rank 0; -0 on the others) and zeroes acc: the
+// one-process ((0 + tree 1) + tree 2) + ... bit for bit. Wire: one combine per tree.
+void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc, std::vector<float>& scratch);
+void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc);
 
 // The most context-parallel ranks (config validation keeps parallel.context at or below).
 inline constexpr int kMaxContext = 64;
