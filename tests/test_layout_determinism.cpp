@@ -296,6 +296,19 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
       {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true"}},
   }, {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
       "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
+  // FP8: the per-tensor recipes read each piece's rows of the operands quantised whole (the micro-batch's
+  // amax over tp x cp); the block recipes cut the weight gradients' token blocks at the token segments.
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
+                             "precision.fp8=mxfp8"})
+    rows_match_single_process("debug", {
+        {2, {"parallel.context=2"}},
+        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+    }, {"layout_token_segments=true", "precision.params=bf16", recipe});
+  rows_match_single_process("debug", {
+      {4, {"parallel.context=4"}},
+      {4, {"parallel.context=2", "optimizer.distributed=true"}},
+  }, {"layout_token_segments=true", "layout_segments=16", "model.preset=llama", "model.num_query_groups=2",
+      "precision.params=bf16", "precision.fp8=blockwise", "train.global_batch=12"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},
@@ -491,9 +504,12 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
   rows_match_single_process("moe-debug", {rows[0]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp4=nvfp4", "moe.expert_capacity_factor=1.0"});
-  // A shared expert: the per-tensor recipes (its amax max-reduced over tp).
+  // A shared expert: the per-tensor recipes (its amax max-reduced over tp) and the block recipes (its
+  // weight gradients' token blocks stop at the token segments, whole segments on every tp rank).
   rows_match_single_process("moe-debug", {rows[1]},
                             {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
+  for (const char* recipe : {"precision.fp8=blockwise", "precision.fp8=mxfp8"})
+    rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {rows[0]},
                             {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
                              "moe.shared_expert_intermediate_size=64"});
@@ -683,9 +699,9 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "moe.pad_expert_input_to_capacity = true and parallel.tensor = 2: a micro-batch's quantised expert "
                       "block would hold each tensor-parallel rank's padding"),
             std::string::npos);
-  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp8=blockwise", "parallel.tensor=2", "parallel.expert=2",
+  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.shared_expert_intermediate_size=64"}, "moe-debug")
-                .find("determinism = \"layout\" with precision.fp8 = \"blockwise\" / precision.fp4 = \"none\", "
+                .find("determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\", "
                       "moe.shared_expert_intermediate_size = 64 and parallel.tensor = 2: the shared expert's weight "
                       "gradients quantise a tensor-parallel rank's tokens"),
             std::string::npos);

@@ -632,13 +632,13 @@ void validate_context_parallel(const Config& c) {
       refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
              "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
              "determinism = \"run\" or parallel.context = 1");
-    // Low precision: a cp rank's GEMMs quantise its own tokens (per-rank amax, blocks along its rows), not
-    // the micro-batch's (measured: CP 2 differs from one process at step 1 with every recipe).
-    if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
-      refuse(str("determinism = \"layout\" and precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"",
-                 c.precision.fp4, "\""),
-             "each cp rank quantises its own tokens' activations and gradients (their amax, blocks along them), not "
-             "the micro-batch's; use precision.fp8 = \"none\" and precision.fp4 = \"none\", or determinism = \"run\"");
+    // NVFP4: a cp rank's weight-gradient operands are its token pieces, whose tensor scale, random
+    // Hadamard transform and stochastic-rounding keys would be the pieces', not the micro-batch's (the
+    // FP8 recipes take the micro-batch's amax and cut their token blocks at the token segments).
+    if (c.precision.fp4 != "none")
+      refuse(str("determinism = \"layout\" and precision.fp4 = \"", c.precision.fp4, "\""),
+             "each cp rank would quantise its weight gradients' operands from its own tokens (their amax, Hadamard "
+             "blocks and stochastic-rounding keys), not the micro-batch's; use precision.fp8, or determinism = \"run\"");
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
@@ -698,15 +698,15 @@ void validate_layout_determinism(const Config& c) {
            "a quantised expert block would span one tensor-parallel rank's tokens, not its micro-batch's; use "
            "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor) or parallel.tensor = 1");
   // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
-  // those tokens, so only the per-tensor recipes (amax max-reduced over tp) are the micro-batch's.
-  const bool per_tensor = c.precision.fp4 == "none" && (c.precision.fp8 == "tensorwise" || c.precision.fp8 == "delayed");
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && !per_tensor && e.shared_expert_intermediate_size > 0)
+  // those tokens (the FP8 block recipes' blocks stop at the token segments, so those are the micro-batch's;
+  // NVFP4 keys its stochastic rounding by the rank's rows).
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.shared_expert_intermediate_size > 0)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\", moe.shared_expert_intermediate_size = ", e.shared_expert_intermediate_size,
                " and parallel.tensor = ", c.parallel.tensor),
-           "the shared expert's weight gradients quantise a tensor-parallel rank's tokens in blocks along them and "
-           "key stochastic rounding by the rank's rows, not the micro-batch's; use precision.fp8 = \"tensorwise\" "
-           "or \"delayed\", no shared expert, or parallel.tensor = 1");
+           "the shared expert's weight gradients quantise a tensor-parallel rank's tokens and key NVFP4's stochastic "
+           "rounding by the rank's rows, not the micro-batch's; use precision.fp8, no shared expert, or "
+           "parallel.tensor = 1");
   if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && e.pad_expert_input_to_capacity)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ", c.parallel.tensor),

@@ -236,7 +236,8 @@ StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64
 }
 
 GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
-                                       bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd) {
+                                       bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
+                                       std::span<const int64_t> token_cut) {
   const Site& s = sites_[static_cast<size_t>(site)];
   // Scratch per (rank) thread, kept across calls: no allocation per quantised operand in steady state.
   thread_local std::vector<float> tr, piece, values;
@@ -249,7 +250,9 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
     k_along_cols = true;
   }
   auto bounds = [&](Dim d, int64_t n) {
-    const std::vector<int64_t>& c = d == Dim::out ? s.cut_out : d == Dim::in ? s.cut_in : std::vector<int64_t>{};
+    const std::vector<int64_t> c = d == Dim::out  ? s.cut_out
+                                   : d == Dim::in ? s.cut_in
+                                                  : std::vector<int64_t>(token_cut.begin(), token_cut.end());
     LOCKSTEP_CHECK(c.empty() || c.back() == n, "canonical pieces of ", c.back(), " for ", n, " elements");
     return c.empty() ? std::vector<int64_t>{0, n} : c;
   };
@@ -296,9 +299,10 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
 
 GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows,
                                 int64_t cols, Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd,
-                                Dim cd) {
-  if (in_pieces(sites_[static_cast<size_t>(site)]))
-    return quantise_pieces(scratch, x, rows, cols, t, k_along_cols, r, site, usage, rd, cd);
+                                Dim cd, std::span<const int64_t> token_cut) {
+  const bool blocks = recipe_ == Recipe::blockwise || recipe_ == Recipe::mxfp8 || recipe_ == Recipe::nvfp4;
+  if (in_pieces(sites_[static_cast<size_t>(site)]) || (groups_.layout && blocks && !token_cut.empty()))
+    return quantise_pieces(scratch, x, rows, cols, t, k_along_cols, r, site, usage, rd, cd, token_cut);
   const int64_t n = rows * cols;
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   switch (recipe_) {
@@ -402,8 +406,9 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
          in, N, acc);
     return;
   }
-  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out);
-  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in);
+  // Blocks along the tokens stop at the token segments (k_segments).
+  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, k_segments);
+  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, k_segments);
   gemm(dw, in, A, B, out, in, N, acc);
 }
 
@@ -436,7 +441,8 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
     const float* dyk = dy + k * rows * out;
     const float* xk = x + k * rows * in;
     if (recipe(w) != Recipe::none) {
-      gemm_wgrad(first_site_[w], ps.grad_piece(w, k), dyk, xk, rows, out, in, bounds);
+      // Per-tensor scaling reads the piece's rows of the operands fprop and dgrad quantised whole.
+      gemm_wgrad(first_site_[w], ps.grad_piece(w, k), dyk, xk, rows, out, in, bounds, -1, k * rows);
       continue;
     }
     GemmOptions acc;

@@ -263,12 +263,16 @@ class Precision {
   // the transpose (in `scratch`) and flips t. usage tells apart the draws of stochastic rounding.
   // rd / cd: what x's rows and columns are (tokens, or the weight's out or in dimension). A site with
   // canonical pieces (in_pieces) quantises them one by one into `scratch`, the fp32 values the
-  // operand stands for, which the GEMM reads.
+  // operand stands for, which the GEMM reads. token_cut (the block recipes under layout: a weight
+  // gradient's token segments, GemmOptions::k_segments): the tokens dimension cut there too, so no
+  // block straddles a token segment and a layout's share of whole segments quantises as one process.
   enum class Dim : uint8_t { tokens, out, in };
   GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
-                       Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd);
+                       Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
+                       std::span<const int64_t> token_cut = {});
   GemmOperand quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
-                              bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd);
+                              bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
+                              std::span<const int64_t> token_cut = {});
   bool in_pieces(const Site& s) const;
   // NVFP4 under layout: the amax of x (n values), max-reduced over the site's group (the whole
   // tensor's); null otherwise (the quantiser takes x's own).
