@@ -91,12 +91,12 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
   EXPECT_EQ(error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
                                  "layout_segments=12"}),
             "config: layout_segments = 12: must be a power of two in [1, 64]");
-  // NVFP4 under layout: each cp rank would quantise its weight gradients' operands from its own tokens.
-  const std::string fp4 = error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
-                                               "train.micro_batch=2", "precision.params=bf16", "precision.fp4=nvfp4"});
-  EXPECT_EQ(fp4.rfind("config: parallel.context = 2 with determinism = \"layout\" and precision.fp4 = \"nvfp4\": ", 0), 0u)
-      << fp4;
-  EXPECT_NE(fp4.find("use precision.fp8, or determinism = \"run\""), std::string::npos) << fp4;
+  // NVFP4 under layout: a rank's chunks must be whole 16-token Hadamard blocks.
+  EXPECT_EQ(error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
+                                 "train.micro_batch=2", "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=32"}),
+            "config: parallel.context = 2 with determinism = \"layout\", precision.fp4 = \"nvfp4\" and model.seq_length = "
+            "32: each rank's chunks of 8 tokens must be whole 16-token blocks of the weight gradients' Hadamard "
+            "transform: model.seq_length / (2 x parallel.context) must be a multiple of 16");
   EXPECT_EQ(error("moe-debug.toml", {"parallel.context=2", "parallel.tensor=4", "model.seq_length=12", "train.micro_batch=1"}),
             "config: parallel.context = 2 with an MoE model: train.micro_batch x model.seq_length / context = 6 tokens "
             "per rank are not divisible by parallel.tensor = 4");

@@ -309,6 +309,18 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
       {4, {"parallel.context=2", "optimizer.distributed=true"}},
   }, {"layout_token_segments=true", "layout_segments=16", "model.preset=llama", "model.num_query_groups=2",
       "precision.params=bf16", "precision.fp8=blockwise", "train.global_batch=12"});
+  // NVFP4: the weight gradients' operands transformed and quantised over the rank's pieces at once (one
+  // tensor amax over tp x cp), their stochastic rounding (and dgrad's) keyed by the pieces' micro-batch
+  // tokens; chunks of whole 16-token blocks.
+  rows_match_single_process("debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4"});
+  rows_match_single_process("debug", {{4, {"parallel.context=4"}}, {4, {"parallel.context=2", "optimizer.distributed=true"}}},
+                            {"layout_token_segments=true", "layout_segments=16", "model.seq_length=128",
+                             "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16",
+                             "precision.fp4=nvfp4", "train.global_batch=12"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},

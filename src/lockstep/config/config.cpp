@@ -632,13 +632,12 @@ void validate_context_parallel(const Config& c) {
       refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
              "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
              "determinism = \"run\" or parallel.context = 1");
-    // NVFP4: a cp rank's weight-gradient operands are its token pieces, whose tensor scale, random
-    // Hadamard transform and stochastic-rounding keys would be the pieces', not the micro-batch's (the
-    // FP8 recipes take the micro-batch's amax and cut their token blocks at the token segments).
-    if (c.precision.fp4 != "none")
-      refuse(str("determinism = \"layout\" and precision.fp4 = \"", c.precision.fp4, "\""),
-             "each cp rank would quantise its weight gradients' operands from its own tokens (their amax, Hadamard "
-             "blocks and stochastic-rounding keys), not the micro-batch's; use precision.fp8, or determinism = \"run\"");
+    // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
+    // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
+    if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
+      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4, "\" and model.seq_length = ", m.seq_length),
+             str("each rank's chunks of ", m.seq_length / (2 * cp), " tokens must be whole 16-token blocks of the weight "
+                 "gradients' Hadamard transform: model.seq_length / (2 x parallel.context) must be a multiple of 16"));
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");

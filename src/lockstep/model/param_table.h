@@ -125,12 +125,23 @@ class ParamStore {
   // (sequence_tp: the tp size splitting a cp rank's rows; 1 without it) a sequence-parallel
   // parameter's rows are a tp rank's share: the cp rank's rows cut into max(pieces, sequence_tp)
   // units, a subtree each, of which every tp rank holds its consecutive token_pieces(i) (the tp x cp
-  // group combines them). Before allocate().
-  void set_token_pieces(int64_t pieces, int cp, int sequence_tp) {
+  // group combines them). cp_rank, sample_tokens: the rank and the tokens of a whole sample, for
+  // piece_token. Before allocate().
+  void set_token_pieces(int64_t pieces, int cp, int cp_rank, int64_t sample_tokens, int sequence_tp) {
     pieces_ = pieces;
     cp_size_ = cp;
+    cp_rank_ = cp_rank;
+    sample_tokens_ = sample_tokens;
     sequence_tp_ = sequence_tp;
   }
+  // Pieced: the micro-batch token (sample b x its tokens + position) that the cp rank's piece k
+  // starts at (piece 2b: sample b's early chunk, cp_rank; 2b + 1: its late one, 2 cp - 1 - cp_rank),
+  // and the micro-batch's tokens.
+  int64_t piece_token(int64_t k) const {
+    const int64_t chunk = k % 2 == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
+    return k / 2 * sample_tokens_ + chunk * (sample_tokens_ / (2 * cp_size_));
+  }
+  int64_t micro_batch_tokens() const { return pieces_ / 2 * sample_tokens_; }
   bool pieced() const { return pieces_ > 1; }
   // The pieces of a cp rank's rows (set_token_pieces' pieces: its two chunks of every sample).
   int64_t chunk_pieces() const { return pieces_; }
@@ -201,7 +212,8 @@ class ParamStore {
   int64_t layout_segments_ = 0;
   int tp_size_ = 1;
   int64_t pieces_ = 1;
-  int cp_size_ = 1, sequence_tp_ = 1;
+  int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
+  int64_t sample_tokens_ = 0;
   std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1
 };
 

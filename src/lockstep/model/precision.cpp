@@ -237,7 +237,7 @@ StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64
 
 GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
                                        bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
-                                       std::span<const int64_t> token_cut) {
+                                       const TokenShare& tokens) {
   const Site& s = sites_[static_cast<size_t>(site)];
   // Scratch per (rank) thread, kept across calls: no allocation per quantised operand in steady state.
   thread_local std::vector<float> tr, piece, values;
@@ -252,15 +252,25 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   auto bounds = [&](Dim d, int64_t n) {
     const std::vector<int64_t> c = d == Dim::out  ? s.cut_out
                                    : d == Dim::in ? s.cut_in
-                                                  : std::vector<int64_t>(token_cut.begin(), token_cut.end());
+                                                  : std::vector<int64_t>(tokens.cut.begin(), tokens.cut.end());
     LOCKSTEP_CHECK(c.empty() || c.back() == n, "canonical pieces of ", c.back(), " for ", n, " elements");
     return c.empty() ? std::vector<int64_t>{0, n} : c;
   };
   const std::vector<int64_t> rb = bounds(rd, rows), cb = bounds(cd, cols);
   // Global coordinates (stochastic rounding keys): a column-parallel shard's out rows are the whole
-  // tensor's rows out_global.
-  auto global = [&](Dim d, int64_t i) { return d == Dim::out && !s.out_global.empty() ? s.out_global[i] : i; };
-  auto length = [&](Dim d, int64_t n) { return d == Dim::out && !s.out_global.empty() ? s.out_len : n; };
+  // tensor's rows out_global, a cp rank's token pieces their micro-batch tokens (i: a piece's start).
+  auto global = [&](Dim d, int64_t i) {
+    if (d == Dim::tokens && !tokens.first.empty()) {
+      const auto at = std::lower_bound(tokens.cut.begin(), tokens.cut.end(), i);
+      LOCKSTEP_CHECK(at != tokens.cut.end() && *at == i, "token ", i, " starts no token piece");
+      return tokens.first[static_cast<size_t>(at - tokens.cut.begin())];
+    }
+    return d == Dim::out && !s.out_global.empty() ? s.out_global[i] : i;
+  };
+  auto length = [&](Dim d, int64_t n) {
+    if (d == Dim::tokens && tokens.total) return tokens.total;
+    return d == Dim::out && !s.out_global.empty() ? s.out_len : n;
+  };
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   float a = 0.0f;
   const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s) : nullptr;
@@ -299,10 +309,10 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
 
 GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows,
                                 int64_t cols, Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd,
-                                Dim cd, std::span<const int64_t> token_cut) {
+                                Dim cd, const TokenShare& tokens) {
   const bool blocks = recipe_ == Recipe::blockwise || recipe_ == Recipe::mxfp8 || recipe_ == Recipe::nvfp4;
-  if (in_pieces(sites_[static_cast<size_t>(site)]) || (groups_.layout && blocks && !token_cut.empty()))
-    return quantise_pieces(scratch, x, rows, cols, t, k_along_cols, r, site, usage, rd, cd, token_cut);
+  if (in_pieces(sites_[static_cast<size_t>(site)]) || (groups_.layout && blocks && !tokens.cut.empty()))
+    return quantise_pieces(scratch, x, rows, cols, t, k_along_cols, r, site, usage, rd, cd, tokens);
   const int64_t n = rows * cols;
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   switch (recipe_) {
@@ -370,10 +380,10 @@ void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, 
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
-                           int64_t in, const GemmOptions& opt, int64_t blk) {
+                           int64_t in, const GemmOptions& opt, int64_t blk, const TokenShare& tokens) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A =
-      quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0, Dim::tokens, Dim::out);
+  const GemmOperand A = quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0,
+                                 Dim::tokens, Dim::out, tokens);
   // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
   // quantisation is the same both ways, so fprop's serves.
   const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0, Dim::out, Dim::in)
@@ -388,16 +398,7 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
   acc.accumulate = true;
   acc.k_segments = k_segments;
   if (recipe_ == Recipe::nvfp4) {
-    // (Q dy)^T (Q x) = dy^T x: the transform cancels, the quantisation sees the spread values.
-    const int64_t K = hadamard_rows(ha_, dy, N, out);
-    hadamard_rows(hb_, x, N, in);
-    // The zero rows that pad K belong to the last token segment (they add nothing).
-    std::vector<int64_t> padded(k_segments.begin(), k_segments.end());
-    if (!padded.empty()) padded.back() = K;
-    acc.k_segments = padded;
-    const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out);
-    const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in);
-    gemm(dw, in, A, B, out, in, K, acc);
+    gemm_wgrad_nvfp4(site, std::span<float* const>(&dw, 1), dy, x, N, out, in, k_segments);
     return;
   }
   if (per_tensor()) {  // one scale for the whole tensor: the quantisations of fprop and dgrad serve
@@ -407,9 +408,53 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
     return;
   }
   // Blocks along the tokens stop at the token segments (k_segments).
-  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, k_segments);
-  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, k_segments);
+  const TokenShare segments{k_segments};
+  const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, segments);
+  const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, segments);
   gemm(dw, in, A, B, out, in, N, acc);
+}
+
+void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const float* dy, const float* x, int64_t N,
+                                 int64_t out, int64_t in, std::span<const int64_t> k_segments,
+                                 const TokenShare& tokens) {
+  // (Q dy)^T (Q x) = dy^T x: the transform cancels, the quantisation sees the spread values.
+  const int64_t K = hadamard_rows(ha_, dy, N, out);
+  hadamard_rows(hb_, x, N, in);
+  GemmOptions acc;
+  acc.accumulate = true;
+  // The zero rows that pad K belong to the last token segment (they add nothing; token pieces: the
+  // segments are each piece's, and nothing pads).
+  std::vector<int64_t> padded(k_segments.begin(), k_segments.end());
+  if (!padded.empty() && dw.size() == 1) padded.back() = K;
+  acc.k_segments = padded;
+  const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, tokens);
+  const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, tokens);
+  if (dw.size() == 1) {
+    gemm(dw[0], in, A, B, out, in, K, acc);
+    return;
+  }
+  // Token pieces: each output reads its rows, K along the columns of both operands' fp32 storage
+  // (quantise_pieces: A as (out, K), B as (in, K) transposed), 16-row aligned, so nothing pads.
+  const int64_t P = static_cast<int64_t>(dw.size()), rows = N / P;
+  LOCKSTEP_CHECK(K == N && rows * P == N && A.kind == GemmOperand::Kind::f32 && B.kind == GemmOperand::Kind::f32 &&
+                     A.trans == Trans::N && B.trans == Trans::T,
+                 "nvfp4 weight gradient of ", N, " rows in ", P, " token pieces");
+  for (int64_t p = 0; p < P; ++p) {
+    GemmOperand a = A, b = B;
+    a.data = static_cast<const float*>(A.data) + p * rows;
+    b.data = static_cast<const float*>(B.data) + p * rows;
+    gemm(dw[static_cast<size_t>(p)], in, a, b, out, in, rows, acc);
+  }
+}
+
+TokenShare Precision::piece_tokens(const ParamStore& ps, int w, int64_t N) {
+  const int64_t K = ps.token_pieces(w);
+  if (recipe_ != Recipe::nvfp4 || !ps.pieced() || K == 1) return {};
+  piece_cut_.resize(static_cast<size_t>(K + 1));
+  piece_first_.resize(static_cast<size_t>(K));
+  for (int64_t k = 0; k <= K; ++k) piece_cut_[static_cast<size_t>(k)] = k * N / K;
+  for (int64_t k = 0; k < K; ++k) piece_first_[static_cast<size_t>(k)] = ps.piece_token(k);
+  return {piece_cut_, piece_first_, ps.micro_batch_tokens()};
 }
 
 void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int64_t N, int64_t out, int64_t in,
@@ -425,7 +470,7 @@ void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, i
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
   if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
-  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt);
+  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt, -1, piece_tokens(ps, w, N));
   if (!partial) round(dx, N * in);
 }
 
@@ -437,6 +482,14 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   const int64_t K = ps.token_pieces(w), rows = N / K;
   LOCKSTEP_CHECK(K * rows == N, "wgrad: ", K, " token pieces of ", rows, " rows for ", N, " rows");
   const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(w));
+  if (K > 1 && recipe(w) == Recipe::nvfp4) {
+    // NVFP4 under context parallelism: the rank's pieces transformed and quantised at once (one
+    // tensor amax, each piece's tokens keyed as the micro-batch's), then multiplied piece by piece.
+    std::vector<float*> dws(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) dws[static_cast<size_t>(k)] = ps.grad_piece(w, k);
+    gemm_wgrad_nvfp4(first_site_[w], dws, dy, x, N, out, in, bounds, piece_tokens(ps, w, N));
+    return;
+  }
   for (int64_t k = 0; k < K; ++k) {
     const float* dyk = dy + k * rows * out;
     const float* xk = x + k * rows * in;

@@ -103,6 +103,16 @@ namespace lockstep {
 class Communicator;
 class ParamStore;
 
+// An operand's tokens under layout: cut (boundaries over its tokens, 0 .. n): no block straddles
+// one, so a layout's share of whole pieces quantises as one process (a weight gradient's token
+// segments, GemmOptions::k_segments; under context parallelism a cp rank's token pieces). first:
+// the micro-batch token each piece starts at, of total (NVFP4's stochastic-rounding keys; empty:
+// the operand's tokens are the micro-batch's from 0).
+struct TokenShare {
+  std::span<const int64_t> cut, first;
+  int64_t total = 0;
+};
+
 // Rounds x (n) to bf16 values in place (round-to-nearest-even, core/dtype.h); serial (callers
 // run it on their own part of a parallel loop).
 void round_to_bf16(float* x, int64_t n);
@@ -263,16 +273,15 @@ class Precision {
   // the transpose (in `scratch`) and flips t. usage tells apart the draws of stochastic rounding.
   // rd / cd: what x's rows and columns are (tokens, or the weight's out or in dimension). A site with
   // canonical pieces (in_pieces) quantises them one by one into `scratch`, the fp32 values the
-  // operand stands for, which the GEMM reads. token_cut (the block recipes under layout: a weight
-  // gradient's token segments, GemmOptions::k_segments): the tokens dimension cut there too, so no
-  // block straddles a token segment and a layout's share of whole segments quantises as one process.
+  // operand stands for, which the GEMM reads. tokens (the block recipes under layout): what the
+  // tokens dimension is of the micro-batch's, cut into pieces too.
   enum class Dim : uint8_t { tokens, out, in };
   GemmOperand quantise(QuantizedTensor& q, std::vector<float>& scratch, const float* x, int64_t rows, int64_t cols,
                        Trans t, bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
-                       std::span<const int64_t> token_cut = {});
+                       const TokenShare& tokens = {});
   GemmOperand quantise_pieces(std::vector<float>& dst, const float* x, int64_t rows, int64_t cols, Trans t,
                               bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
-                              std::span<const int64_t> token_cut = {});
+                              const TokenShare& tokens = {});
   bool in_pieces(const Site& s) const;
   // NVFP4 under layout: the amax of x (n values), max-reduced over the site's group (the whole
   // tensor's); null otherwise (the quantiser takes x's own).
@@ -302,11 +311,21 @@ class Precision {
   // blk: the source block being computed (ExpertBlocks), -1 for none.
   void gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
                   int64_t in, const GemmOptions& opt, int64_t blk = -1);
+  // tokens: dy's rows as the micro-batch's tokens (NVFP4 under context parallelism).
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
-                  const GemmOptions& opt, int64_t blk = -1);
+                  const GemmOptions& opt, int64_t blk = -1, const TokenShare& tokens = {});
   // row0: under per-tensor scaling, the operands are rows [row0, row0 + N) of the kept tensors.
   void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
                   std::span<const int64_t> k_segments = {}, int64_t blk = -1, int64_t row0 = 0);
+  // NVFP4's weight gradient: the N rows transformed (random Hadamard along the tokens), quantised
+  // (tokens: as the micro-batch's; one tensor amax) and multiplied once per output of dw, each of
+  // the next N / dw.size() rows (context parallelism's token pieces), in k_segments.
+  void gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const float* dy, const float* x, int64_t N,
+                        int64_t out, int64_t in, std::span<const int64_t> k_segments, const TokenShare& tokens = {});
+  // NVFP4 under context parallelism: parameter w's N rows as the rank's token pieces (into
+  // piece_cut_ / piece_first_); an empty share otherwise.
+  TokenShare piece_tokens(const ParamStore& ps, int w, int64_t N);
+  std::vector<int64_t> piece_cut_, piece_first_;
   // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
   // when null: s = -1), with stochastic rounding keyed by the block's micro-batch.
   template <typename F>
