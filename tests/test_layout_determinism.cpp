@@ -520,8 +520,12 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
   // weight gradients' token blocks stop at the token segments, whole segments on every tp rank).
   rows_match_single_process("moe-debug", {rows[1]},
                             {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
-  for (const char* recipe : {"precision.fp8=blockwise", "precision.fp8=mxfp8"})
+  // NVFP4: its rows' stochastic rounding keyed by their micro-batch tokens (ParamStore::rows_token).
+  for (const char* recipe : {"precision.fp8=blockwise", "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.sequence_parallel=true",
+                                               "parallel.expert_tensor=4"}}},
+                            {bf16, "precision.fp4=nvfp4", "moe.shared_expert_intermediate_size=64", "train.micro_batch=1"});
   rows_match_single_process("moe-debug", {rows[0]},
                             {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
                              "moe.shared_expert_intermediate_size=64"});
@@ -712,10 +716,11 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "block would hold each tensor-parallel rank's padding"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
-                         "moe.shared_expert_intermediate_size=64"}, "moe-debug")
-                .find("determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\", "
-                      "moe.shared_expert_intermediate_size = 64 and parallel.tensor = 2: the shared expert's weight "
-                      "gradients quantise a tensor-parallel rank's tokens"),
+                         "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=24"},
+                     "moe-debug")
+                .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = "
+                      "64 and parallel.tensor = 2: the shared expert's weight gradients transform each tensor-parallel "
+                      "rank's 12 tokens in 16-token Hadamard blocks"),
             std::string::npos);
   EXPECT_NE(error_of(1, {"moe.router_load_balancing_type=global_aux_loss"}, "moe-debug")
                 .find("determinism = \"layout\" with moe.router_load_balancing_type = \"global_aux_loss\""),

@@ -251,7 +251,7 @@ TEST(TensorParallelLayout, TokenSumGradientsAreTheOneProcessBits) {
           const SharedExpert shared(ps, arena, "shared.", m, F, true, rows);
           if (tp.on())
             for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) ps.set_sequence_parallel(i);
-          ps.set_layout_segments(tp.segments, tp.size);
+          ps.set_layout_segments(tp.segments, tp.size, tp.rank);
           const ArenaSlice normed = arena.reserve(rows * C), out = arena.reserve(rows * C);
           ps.allocate();
           ps.init(7);

@@ -697,15 +697,16 @@ void validate_layout_determinism(const Config& c) {
            "a quantised expert block would span one tensor-parallel rank's tokens, not its micro-batch's; use "
            "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor) or parallel.tensor = 1");
   // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
-  // those tokens (the FP8 block recipes' blocks stop at the token segments, so those are the micro-batch's;
-  // NVFP4 keys its stochastic rounding by the rank's rows).
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.shared_expert_intermediate_size > 0)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\", moe.shared_expert_intermediate_size = ", e.shared_expert_intermediate_size,
-               " and parallel.tensor = ", c.parallel.tensor),
-           "the shared expert's weight gradients quantise a tensor-parallel rank's tokens and key NVFP4's stochastic "
-           "rounding by the rank's rows, not the micro-batch's; use precision.fp8, no shared expert, or "
-           "parallel.tensor = 1");
+  // those tokens (the FP8 block recipes' blocks stop at the token segments; NVFP4 keys its stochastic
+  // rounding by their micro-batch tokens, its Hadamard blocks of 16 within the rank's).
+  const int64_t rank_tokens = c.train.micro_batch * c.model.seq_length / c.parallel.tensor;
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.shared_expert_intermediate_size > 0 &&
+      rank_tokens % 16)
+    refuse(str("precision.fp4 = \"", c.precision.fp4, "\", moe.shared_expert_intermediate_size = ",
+               e.shared_expert_intermediate_size, " and parallel.tensor = ", c.parallel.tensor),
+           str("the shared expert's weight gradients transform each tensor-parallel rank's ", rank_tokens,
+               " tokens in 16-token Hadamard blocks: train.micro_batch x model.seq_length / parallel.tensor must be a "
+               "multiple of 16"));
   if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && e.pad_expert_input_to_capacity)
     refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
                "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ", c.parallel.tensor),

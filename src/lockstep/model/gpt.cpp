@@ -31,7 +31,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
   LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
   // determinism = "layout": the token sums' segments (ParamStore::token_segments).
-  params_.set_layout_segments(tp_.segments, tp_.size);
+  params_.set_layout_segments(tp_.segments, tp_.size, tp_.rank);
   if (part_.chunks.empty()) part_.chunks = {{0, L_}};
   const bool whole = part_.first && part_.last && part_.chunks.size() == 1;
   const float std = static_cast<float>(m.init_std);

@@ -101,11 +101,17 @@ class ParamStore {
   // Marks parameter i's pieces as folded by the model (ParamSpec::folded).
   void set_folded(int i) { specs_[static_cast<size_t>(i)].folded = true; }
   // determinism = "layout": S canonical segments (TensorParallel::segments; 0 under "run") over a
-  // tensor-parallel group of tp ranks.
-  void set_layout_segments(int64_t S, int tp) {
+  // tensor-parallel group of tp ranks, this rank tp_rank.
+  void set_layout_segments(int64_t S, int tp, int tp_rank) {
     layout_segments_ = S;
     tp_size_ = tp;
+    tp_rank_ = tp_rank;
   }
+  // Layout mode, not pieced: the first of the micro-batch's tokens that parameter i's rows are
+  // (a sequence-parallel parameter's are the tp rank's N / tp: tp_rank x rows; 0 otherwise), and
+  // how many the micro-batch has.
+  int64_t rows_token(int i, int64_t rows) const { return sequence_parallel(i) ? tp_rank_ * rows : 0; }
+  int64_t rows_tokens(int i, int64_t rows) const { return sequence_parallel(i) ? tp_size_ * rows : rows; }
   // The token segments parameter i's gradient is computed in over this rank's rows of a
   // micro-batch (core/tree_sum.h canonical_segments; each segment from zero, summed along the
   // canonical tree): 0 (one chain: "run", or not a token sum), S over all N tokens, or S / tp over
@@ -210,7 +216,8 @@ class ParamStore {
   FloatBuffer weights_;  // bf16 compute copy; empty without bf16 weights
   Precision* precision_ = nullptr;
   int64_t layout_segments_ = 0;
-  int tp_size_ = 1;
+  int tp_size_ = 1, tp_rank_ = 0;
+  bool sequence_parallel(int i) const { return tp_size_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
   int64_t pieces_ = 1;
   int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
   int64_t sample_tokens_ = 0;

@@ -427,6 +427,7 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
   std::vector<int64_t> padded(k_segments.begin(), k_segments.end());
   if (!padded.empty() && dw.size() == 1) padded.back() = K;
   acc.k_segments = padded;
+  LOCKSTEP_CHECK(tokens.cut.empty() || K == N, "nvfp4 weight gradient: a share of ", N, " tokens pads to ", K);
   const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, tokens);
   const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, tokens);
   if (dw.size() == 1) {
@@ -449,7 +450,14 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
 
 TokenShare Precision::piece_tokens(const ParamStore& ps, int w, int64_t N) {
   const int64_t K = ps.token_pieces(w);
-  if (recipe_ != Recipe::nvfp4 || !ps.pieced() || K == 1) return {};
+  if (recipe_ != Recipe::nvfp4 || !groups_.layout) return {};
+  if (!ps.pieced()) {  // a tp rank's rows of a sequence-parallel parameter (the MoE shared expert)
+    if (ps.rows_tokens(w, N) == N) return {};
+    piece_cut_ = {0, N};
+    piece_first_ = {ps.rows_token(w, N)};
+    return {piece_cut_, piece_first_, ps.rows_tokens(w, N)};
+  }
+  if (K == 1) return {};
   piece_cut_.resize(static_cast<size_t>(K + 1));
   piece_first_.resize(static_cast<size_t>(K));
   for (int64_t k = 0; k <= K; ++k) piece_cut_[static_cast<size_t>(k)] = k * N / K;
@@ -482,12 +490,14 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   const int64_t K = ps.token_pieces(w), rows = N / K;
   LOCKSTEP_CHECK(K * rows == N, "wgrad: ", K, " token pieces of ", rows, " rows for ", N, " rows");
   const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(w));
-  if (K > 1 && recipe(w) == Recipe::nvfp4) {
-    // NVFP4 under context parallelism: the rank's pieces transformed and quantised at once (one
-    // tensor amax, each piece's tokens keyed as the micro-batch's), then multiplied piece by piece.
+  const TokenShare share = piece_tokens(ps, w, N);
+  if (recipe(w) == Recipe::nvfp4 && !share.first.empty()) {
+    // NVFP4 on a share of the micro-batch's tokens (context parallelism's pieces, a tp rank's rows of
+    // the shared expert): the rank's rows transformed and quantised at once (one tensor amax, each
+    // piece's tokens keyed as the micro-batch's), then multiplied piece by piece.
     std::vector<float*> dws(static_cast<size_t>(K));
     for (int64_t k = 0; k < K; ++k) dws[static_cast<size_t>(k)] = ps.grad_piece(w, k);
-    gemm_wgrad_nvfp4(first_site_[w], dws, dy, x, N, out, in, bounds, piece_tokens(ps, w, N));
+    gemm_wgrad_nvfp4(first_site_[w], dws, dy, x, N, out, in, bounds, share);
     return;
   }
   for (int64_t k = 0; k < K; ++k) {
