@@ -129,12 +129,12 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 
 namespace {
 // combine_token_pieces over the parameters [first, end) alike, whose gradients hold K pieces each:
-// `group` all-gathers every rank's K pieces, and the L leaves of the micro-batch's tree, in token
-// order, are leaf(g) = {the group rank holding it, its piece there}. keep: this rank receives the
-// root (else -0). acc (fold_token_pieces): the root is added into acc (when keep) and the gradient
-// zeroed instead.
+// every rank of `group` sends its K pieces to the keepers (group ranks 0 .. keepers - 1: cp rank 0's,
+// which receive the root; the others hold -0), and the L leaves of the micro-batch's tree, in token
+// order, are leaf(g) = {the group rank holding it, its piece there}. acc (fold_token_pieces): the
+// root is added into acc (on the keepers) and the gradient zeroed instead.
 template <class Leaf>
-void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, bool keep,
+void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, int keepers,
                     const Leaf& leaf, std::vector<float>& scratch, float* acc = nullptr) {
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
@@ -142,18 +142,27 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
   const int64_t depth = tree_sum_stack(L), R = group.size();
+  const bool keep = group.rank() < keepers;
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
-  // (K + R K + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding or head).
+  // (keepers K + R K + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding
+  // or head).
   const int64_t chunk = std::min(hi - lo, kCombineChunk);
-  scratch.resize(static_cast<size_t>((K + R * K + depth) * chunk));
+  scratch.resize(static_cast<size_t>((keepers * K + R * K + depth) * chunk));
   float* send = scratch.data();
-  float* recv = send + K * chunk;
+  float* recv = send + keepers * K * chunk;
   float* stack = recv + R * K * chunk;
+  std::vector<int64_t> send_counts(static_cast<size_t>(R), 0), recv_counts(static_cast<size_t>(R), 0);
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
     const int64_t n = std::min(chunk, hi - lo - c0);
-    for (int64_t k = 0; k < K; ++k)
-      std::memcpy(send + k * n, ps.grad_piece(first, k) + c0, static_cast<size_t>(n) * sizeof(float));
-    group.all_gather(recv, send, K * n);
+    // One copy of the pieces per keeper (all_to_allv sends each rank its own block).
+    for (int q = 0; q < keepers; ++q)
+      for (int64_t k = 0; k < K; ++k)
+        std::memcpy(send + (q * K + k) * n, ps.grad_piece(first, k) + c0, static_cast<size_t>(n) * sizeof(float));
+    for (int q = 0; q < R; ++q) {
+      send_counts[static_cast<size_t>(q)] = q < keepers ? K * n : 0;
+      recv_counts[static_cast<size_t>(q)] = keep ? K * n : 0;
+    }
+    group.all_to_allv(recv, recv_counts, send, send_counts);
     float* out = ps.grad(first) + c0;
     parallel_for(n, [&](int64_t i0, int64_t i1) {
       const float* leaves[2 * kMaxContext];
@@ -203,7 +212,7 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
     // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
     const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
     const auto leaf = [P, sub, K, tp](int64_t g) { return unit_holder(P, sub, K, tp, g); };
-    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, cp.rank == 0, leaf, scratch);
+    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, static_cast<int>(tp), leaf, scratch);
   }
 }
 
@@ -211,8 +220,8 @@ void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* 
   LOCKSTEP_CHECK(!ps.sequence_tp(i) && ps.token_pieces(i) == ps.chunk_pieces(), "context parallelism: parameter ",
                  ps.specs()[static_cast<size_t>(i)].name, " folds the cp rank's whole rows");
   const int64_t P = cp.size, C = ps.chunk_pieces();
-  combine_pieces(*cp.comm, ps, i, i + 1, C, P * C, cp.rank == 0, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); },
-                 scratch, acc);
+  combine_pieces(*cp.comm, ps, i, i + 1, C, P * C, 1, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); }, scratch,
+                 acc);
 }
 
 void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc) {
