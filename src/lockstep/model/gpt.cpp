@@ -89,12 +89,16 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // With MTP the output head's weight gets a tree from every head, and the depths' embedding copies
   // one from every depth: folded one by one (fold_token_pieces).
   if (params_.pieced() && !mtp_.empty())
-    for (int i : {out_, head_wte_, head_wpe_})
+    for (int i : {out_, head_wte_, head_wpe_}) {
+      // The lookups of the first stage's embedding are combined by the hook (layout keeps copies).
+      LOCKSTEP_CHECK(i < 0 || (i != wte_ && i != wpe_), "MTP under context parallelism folds the head's embedding "
+                     "copies, not the embedding (GptPart::split_embedding)");
       if (i >= 0 && std::find_if(folded_.begin(), folded_.end(), [i](const auto& f) { return f.first == i; }) ==
                         folded_.end()) {
         params_.set_folded(i);
         folded_.emplace_back(i, std::vector<float>(static_cast<size_t>(params_.specs()[i].shape.numel()), 0.0f));
       }
+    }
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);

@@ -458,6 +458,8 @@ TokenShare Precision::piece_tokens(const ParamStore& ps, int w, int64_t N) {
     return {piece_cut_, piece_first_, ps.rows_tokens(w, N)};
   }
   if (K == 1) return {};
+  LOCKSTEP_CHECK(!ps.sequence_tp(w), "nvfp4: parameter ", ps.specs()[static_cast<size_t>(w)].name,
+                 " is a tp rank's share of the cp rank's rows");
   piece_cut_.resize(static_cast<size_t>(K + 1));
   piece_first_.resize(static_cast<size_t>(K));
   for (int64_t k = 0; k <= K; ++k) piece_cut_[static_cast<size_t>(k)] = k * N / K;
@@ -495,9 +497,9 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
     // NVFP4 on a share of the micro-batch's tokens (context parallelism's pieces, a tp rank's rows of
     // the shared expert): the rank's rows transformed and quantised at once (one tensor amax, each
     // piece's tokens keyed as the micro-batch's), then multiplied piece by piece.
-    std::vector<float*> dws(static_cast<size_t>(K));
-    for (int64_t k = 0; k < K; ++k) dws[static_cast<size_t>(k)] = ps.grad_piece(w, k);
-    gemm_wgrad_nvfp4(first_site_[w], dws, dy, x, N, out, in, bounds, share);
+    piece_grads_.resize(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) piece_grads_[static_cast<size_t>(k)] = ps.grad_piece(w, k);
+    gemm_wgrad_nvfp4(first_site_[w], piece_grads_, dy, x, N, out, in, bounds, share);
     return;
   }
   for (int64_t k = 0; k < K; ++k) {

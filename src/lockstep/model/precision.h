@@ -322,10 +322,12 @@ class Precision {
   // the next N / dw.size() rows (context parallelism's token pieces), in k_segments.
   void gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const float* dy, const float* x, int64_t N,
                         int64_t out, int64_t in, std::span<const int64_t> k_segments, const TokenShare& tokens = {});
-  // NVFP4 under context parallelism: parameter w's N rows as the rank's token pieces (into
-  // piece_cut_ / piece_first_); an empty share otherwise.
+  // NVFP4 in layout mode on a share of the micro-batch's tokens: parameter w's N rows as the rank's
+  // token pieces (context parallelism) or as a tp rank's rows of a sequence-parallel parameter (the
+  // MoE shared expert), into piece_cut_ / piece_first_; an empty share otherwise.
   TokenShare piece_tokens(const ParamStore& ps, int w, int64_t N);
   std::vector<int64_t> piece_cut_, piece_first_;
+  std::vector<float*> piece_grads_;  // the pieces' gradients of the NVFP4 weight gradient (scratch)
   // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
   // when null: s = -1), with stochastic rounding keyed by the block's micro-batch.
   template <typename F>

@@ -14,7 +14,8 @@ namespace lockstep {
 ContextParallel::ContextParallel(Communicator* group, Communicator* tp_cp)
     : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1), sequence_group(tp_cp),
       sequence_tp(tp_cp ? tp_cp->size() / size : 1) {
-  LOCKSTEP_CHECK(!tp_cp || (tp_cp->size() % size == 0 && tp_cp->rank() / sequence_tp == rank),
+  LOCKSTEP_CHECK(!tp_cp || (tp_cp->size() % size == 0 && tp_cp->rank() / sequence_tp == rank &&
+                             tp_cp->rank() == rank * sequence_tp + tp_cp->rank() % sequence_tp),
                  "context parallelism: rank ", tp_cp ? tp_cp->rank() : 0, " of a tp x cp group of ",
                  tp_cp ? tp_cp->size() : 0, " is not cp rank ", rank, " of ", size, " (tp the faster)");
 }
@@ -144,13 +145,13 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   const int64_t depth = tree_sum_stack(L), R = group.size();
   const bool keep = group.rank() < keepers;
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
-  // (keepers K + R K + depth) x kCombineChunk floats whatever the range (a vocabulary-sized embedding
-  // or head).
+  // (keepers K + R K + depth) x kCombineChunk floats on a keeper, keepers K x kCombineChunk on the
+  // others, whatever the range (a vocabulary-sized embedding or head).
   const int64_t chunk = std::min(hi - lo, kCombineChunk);
-  scratch.resize(static_cast<size_t>((keepers * K + R * K + depth) * chunk));
+  scratch.resize(static_cast<size_t>((keepers * K + (keep ? R * K + depth : 0)) * chunk));
   float* send = scratch.data();
-  float* recv = send + keepers * K * chunk;
-  float* stack = recv + R * K * chunk;
+  float* recv = keep ? send + keepers * K * chunk : send;  // a non-keeper receives nothing
+  float* stack = keep ? recv + R * K * chunk : send;
   std::vector<int64_t> send_counts(static_cast<size_t>(R), 0), recv_counts(static_cast<size_t>(R), 0);
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
     const int64_t n = std::min(chunk, hi - lo - c0);
@@ -165,13 +166,15 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
     group.all_to_allv(recv, recv_counts, send, send_counts);
     float* out = ps.grad(first) + c0;
     parallel_for(n, [&](int64_t i0, int64_t i1) {
-      const float* leaves[2 * kMaxContext];
-      for (int64_t g = 0; g < L; ++g) {
-        const auto [q, k] = leaf(g);
-        leaves[g] = recv + (q * K + k) * n + i0;
+      if (keep) {
+        const float* leaves[2 * kMaxContext];
+        for (int64_t g = 0; g < L; ++g) {
+          const auto [q, k] = leaf(g);
+          leaves[g] = recv + (q * K + k) * n + i0;
+        }
+        // The leaves are the received copies: the gradient may take the root.
+        tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
       }
-      // The leaves are the gathered copies: the gradient may take the root.
-      if (keep) tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
       if (acc) {
         if (keep)
           for (int64_t i = i0; i < i1; ++i) acc[c0 + i] += out[i];
@@ -211,6 +214,8 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
     if (folded) continue;
     // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
     const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
+    LOCKSTEP_CHECK(!shares || (cp.sequence_group && U == std::max<int64_t>(C, tp)),
+                   "context parallelism: sequence-parallel pieces without their tp x cp group of ", tp, " tp ranks");
     const auto leaf = [P, sub, K, tp](int64_t g) { return unit_holder(P, sub, K, tp, g); };
     combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, static_cast<int>(tp), leaf, scratch);
   }
