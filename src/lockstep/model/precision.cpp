@@ -408,7 +408,7 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
     return;
   }
   // Blocks along the tokens stop at the token segments (k_segments).
-  const TokenShare segments{k_segments};
+  const TokenShare segments{k_segments, {}, 0};
   const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, segments);
   const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, segments);
   gemm(dw, in, A, B, out, in, N, acc);
