@@ -144,6 +144,7 @@ class ParamStore {
   // starts at (piece 2b: sample b's early chunk, cp_rank; 2b + 1: its late one, 2 cp - 1 - cp_rank),
   // and the micro-batch's tokens.
   int64_t piece_token(int64_t k) const {
+    // (parallel/context_parallel.h's layout: late_chunk; this header cannot include it.)
     const int64_t chunk = k % 2 == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
     return k / 2 * sample_tokens_ + chunk * (sample_tokens_ / (2 * cp_size_));
   }

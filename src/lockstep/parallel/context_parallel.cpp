@@ -24,13 +24,13 @@ QueryChunks ContextParallel::chunks(int64_t T, int r) const {
   if (size == 1) return {{0, T}};
   LOCKSTEP_CHECK(T % (2 * size) == 0, "context parallelism: ", T, " positions do not split into 2 x ", size, " chunks");
   const int64_t c = T / (2 * size);
-  const int64_t late = 2 * size - 1 - r;
+  const int64_t late = late_chunk(size, r);
   return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
 }
 
 int64_t ContextParallel::global_row(int64_t n, int64_t T) const {
   const int64_t Tl = local(T), c = T / (2 * size), j = n % Tl;
-  const int64_t chunk = j < c ? rank : 2 * size - 1 - rank;
+  const int64_t chunk = j < c ? rank : late_chunk(size, rank);
   return n / Tl * T + chunk * c + j % c;
 }
 
@@ -112,13 +112,16 @@ void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* bu
   for (int r = 0; r < P; ++r)
     for (int64_t e = 0; e < 2; ++e) move_rows(cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
   cp.comm->all_to_all(recv, send, 2 * n);
-  // Chunk c's tree came from rank c (its early chunk) or 2P - 1 - c (its late one); the canonical
-  // tree over the 2P chunks in position order is the one-process tree over the query segments.
+  // Chunk c's tree came from its holder's early or late block (chunk_holder); the canonical tree
+  // over the 2P chunks in position order is the one-process tree over the query segments.
   LOCKSTEP_CHECK(P <= kMaxContext, "context parallelism: ", P, " ranks");
   const int64_t depth = tree_sum_stack(2 * P);
   parallel_for(n, [&](int64_t i0, int64_t i1) {
     const float* leaves[2 * kMaxContext];
-    for (int64_t c = 0; c < 2 * P; ++c) leaves[c] = recv + (c < P ? 2 * c : 2 * (2 * P - 1 - c) + 1) * n + i0;
+    for (int64_t c = 0; c < 2 * P; ++c) {
+      const ChunkHolder h = chunk_holder(P, c);
+      leaves[c] = recv + (2 * h.rank + h.side) * n + i0;
+    }
     tree_sum(mine + i0, leaves, 2 * P, i1 - i0, stack + depth * i0);
   });
   copy_columns(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
@@ -191,14 +194,14 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
 }
 
 // Unit g of the micro-batch's 2 P B x sub, in token order (sample, chunk c of 2P, sub-unit of sub
-// per chunk): chunk c is cp rank c's early chunk or rank 2P - 1 - c's late one, the cp rank's local
-// unit u (local rows: each sample's early then late chunk), held by its tp rank u / K (of tp ranks
-// sharing the cp rank's rows; 1: every tp rank holds them) as its piece u % K: {the rank in the
-// tp x cp (tp = 1: cp) group, the piece}.
+// per chunk): chunk c's holder's (chunk_holder) local unit u (local rows: each sample's early then
+// late chunk), held by its tp rank u / K (of tp ranks sharing the cp rank's rows; 1: every tp rank
+// holds them) as its piece u % K: {the rank in the tp x cp (tp = 1: cp) group, the piece}.
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
-  const int64_t s = g / (2 * P * sub), c = g / sub % (2 * P);
-  const int64_t q = c < P ? c : 2 * P - 1 - c, u = (2 * s + (c < P ? 0 : 1)) * sub + g % sub;
-  return {q * tp + u / K, u % K};
+  const int64_t s = g / (2 * P * sub);
+  const ChunkHolder h = chunk_holder(P, g / sub % (2 * P));
+  const int64_t u = (2 * s + h.side) * sub + g % sub;
+  return {h.rank * tp + u / K, u % K};
 }
 }  // namespace
 

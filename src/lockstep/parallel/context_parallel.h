@@ -30,6 +30,16 @@ namespace lockstep {
 
 class Communicator;
 
+// Chunk c of a sample's 2 size chunks is held by rank c (its early chunk, side 0) or by rank
+// 2 size - 1 - c (its late one, side 1); rank r's late chunk is late_chunk(size, r).
+struct ChunkHolder {
+  int64_t rank, side;
+};
+inline ChunkHolder chunk_holder(int64_t size, int64_t c) {
+  return c < size ? ChunkHolder{c, 0} : ChunkHolder{2 * size - 1 - c, 1};
+}
+inline int64_t late_chunk(int64_t size, int64_t r) { return 2 * size - 1 - r; }
+
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
   int rank = 0, size = 1;
