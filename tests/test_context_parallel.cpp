@@ -75,8 +75,7 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
-  // MoE under layout: named as context parallelism's limit, with or without layout_token_segments
-  // (which refuses it itself: its message alone would send the user back and forth).
+  // MoE under layout: named as context parallelism's limit, with or without layout_token_segments.
   for (const std::vector<std::string>& keys :
        {std::vector<std::string>{"determinism=layout"},
         std::vector<std::string>{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2"}}) {

@@ -224,7 +224,7 @@ const std::vector<Key>& keys() {
                               "parallel.tensor too)"),
       LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
                                     "gradients in layout_segments token segments of the micro-batch, what parallel.context > 1 "
-                                    "needs (dense models; train.micro_batch must divide "
+                                    "needs (dense models there; train.micro_batch must divide "
                                     "layout_segments)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
@@ -627,10 +627,10 @@ void validate_context_parallel(const Config& c) {
   // chunks whole segments: its 2B token pieces, combined exactly over the group (combine_token_pieces).
   if (c.determinism == "layout") {
     const int64_t B = c.train.micro_batch, S = c.layout_segments;
-    // Refused before the key: layout_token_segments itself refuses MoE models.
+    // Refused before the key, with or without it.
     if (c.moe.num_experts > 0)
-      refuse("determinism = \"layout\" and an MoE model", "the router and expert gradients are not cut into token "
-             "segments (layout_token_segments, which the cp ranks' pieces need, refuses MoE models); use "
+      refuse("determinism = \"layout\" and an MoE model", "the router, shared expert gate and expert gradients are "
+             "not computed per token piece of a cp rank's rows (as layout_token_segments does for dense layers); use "
              "determinism = \"run\" or parallel.context = 1");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
@@ -674,9 +674,6 @@ void validate_layout_determinism(const Config& c) {
       refuse(str("layout_token_segments = true, train.micro_batch = ", B, " and layout_segments = ", c.layout_segments),
              "the micro-batch's token segments must fall on sample boundaries: train.micro_batch must divide "
              "layout_segments, with at most model.seq_length segments per sample");
-    if (c.moe.num_experts > 0)
-      refuse("layout_token_segments = true and an MoE model", "token segments of the expert and router gradients "
-             "are built for tensor parallelism only; use layout_token_segments = false");
   }
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
