@@ -429,7 +429,12 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
 
 void GPT::fold_pieces(int param) {
   for (auto& [i, acc] : folded_)
-    if (i == param) fold_token_pieces(cp_, params_, i, acc.data(), fold_scratch_);
+    if (i == param) fold_token_pieces(cp_, params_, i, acc.data(), piece_scratch_);
+}
+
+void GPT::complete_micro_batch_grads(int first, int end) {
+  reduce_sequence_parallel_grads(tp_, params_, first, end);
+  combine_token_pieces(cp_, params_, first, end, piece_scratch_);
 }
 
 double GPT::micro_batch_mean(int64_t count) const {

@@ -185,6 +185,12 @@ class GPT {
 
   ParamStore& params() { return params_; }
   const ParamStore& params() const { return params_; }
+  // determinism = "layout", from the grads-ready hook: parameters [first, end) of the micro-batch
+  // whose backward just reported them become its whole gradient, before it is the micro-batch's
+  // leaf of the data-parallel tree: the sequence-parallel ones summed over tp
+  // (reduce_sequence_parallel_grads), context parallelism's token pieces combined
+  // (combine_token_pieces, with the scratch fold_token_pieces uses too).
+  void complete_micro_batch_grads(int first, int end);
   // Model FLOPs per token for forward + backward: 6 x (matmul parameters) + 6 x L x T x C for
   // causal attention (QK^T and PV over T/2 keys on average).
   double flops_per_token() const;
@@ -278,7 +284,7 @@ class GPT {
   // per micro-batch (ParamSpec::folded) and their sums so far; fold_pieces(i) folds in i's last tree
   // (nothing for the others).
   std::vector<std::pair<int, std::vector<float>>> folded_;
-  std::vector<float> fold_scratch_;
+  std::vector<float> piece_scratch_;  // combine_token_pieces' / fold_token_pieces', kept across calls
   void fold_pieces(int param);
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;

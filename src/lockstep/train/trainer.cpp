@@ -245,7 +245,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   }
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   std::unique_ptr<Pipeline> pipeline;
-  std::vector<float> piece_scratch;  // combine_token_pieces's, kept across micro-batches
   if (pipelined) {
     dp.set_pipeline_parallel(&pp_group);
     pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
@@ -255,10 +254,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // part too: each stage reduces its part over the data-parallel ranks, and the stages add the
     // reduced parts after finish_grad_sync.
     const std::vector<int> shared = layout ? std::vector<int>{} : model.shared_params();
-    model.set_grads_ready_hook([&dp, &pipeline, &tp, &cp, &model, &piece_scratch, shared, layout](int first, int end) {
+    model.set_grads_ready_hook([&dp, &pipeline, &model, shared, layout](int first, int end) {
       if (layout) {
-        reduce_sequence_parallel_grads(tp, model.params(), first, end);
-        combine_token_pieces(cp, model.params(), first, end, piece_scratch);
+        model.complete_micro_batch_grads(first, end);
         dp.push_grads(first, end, pipeline->backward_micro());
       }
       if (!pipeline->in_final_backward()) return;
@@ -267,11 +265,10 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     });
     if (layout) dp.set_full_grads(model.shared_params());
   } else {
-    model.set_grads_ready_hook([&dp, &tp, &cp, &model, &piece_scratch, layout](int first, int end) {
-      // Layout: a micro-batch's sequence-parallel gradients are complete before they become its leaf,
-      // and so are its context-parallel token pieces (layout_token_segments).
-      if (layout) reduce_sequence_parallel_grads(tp, model.params(), first, end);
-      if (layout) combine_token_pieces(cp, model.params(), first, end, piece_scratch);
+    model.set_grads_ready_hook([&dp, &model, layout](int first, int end) {
+      // Layout: a micro-batch's sequence-parallel gradients and its context-parallel token pieces
+      // (layout_token_segments) are complete before they become its leaf.
+      if (layout) model.complete_micro_batch_grads(first, end);
       dp.grads_ready(first, end);
     });
     for (const auto& [owner, copy] : model.split_params()) dp.set_full_grads({owner, copy});
