@@ -110,8 +110,8 @@ class ParamStore {
   // Layout mode, not pieced: the first of the micro-batch's tokens that parameter i's rows are
   // (a sequence-parallel parameter's are the tp rank's N / tp: tp_rank x rows; 0 otherwise), and
   // how many the micro-batch has.
-  int64_t rows_token(int i, int64_t rows) const { return sequence_parallel(i) ? tp_rank_ * rows : 0; }
-  int64_t rows_tokens(int i, int64_t rows) const { return sequence_parallel(i) ? tp_size_ * rows : rows; }
+  int64_t rows_token(int i, int64_t rows) const { return tp_share(i) ? tp_rank_ * rows : 0; }
+  int64_t rows_tokens(int i, int64_t rows) const { return tp_share(i) ? tp_size_ * rows : rows; }
   // The token segments parameter i's gradient is computed in over this rank's rows of a
   // micro-batch (core/tree_sum.h canonical_segments; each segment from zero, summed along the
   // canonical tree): 0 (one chain: "run", or not a token sum), S over all N tokens, or S / tp over
@@ -218,7 +218,9 @@ class ParamStore {
   Precision* precision_ = nullptr;
   int64_t layout_segments_ = 0;
   int tp_size_ = 1, tp_rank_ = 0;
-  bool sequence_parallel(int i) const { return tp_size_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
+  // Not pieced: whether parameter i's rows are a tp rank's N / tp of the micro-batch (sequence_tp(i)
+  // is the pieced counterpart: a tp rank's share of a cp rank's rows).
+  bool tp_share(int i) const { return tp_size_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
   int64_t pieces_ = 1;
   int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
   int64_t sample_tokens_ = 0;
