@@ -6,6 +6,8 @@
 // documents in test_documents.cpp, checkpoints in test_checkpoint.cpp, threads vs mpi in tests/mpi.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -75,15 +77,27 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
-  // MoE under layout: named as context parallelism's limit, with or without layout_token_segments.
-  for (const std::vector<std::string>& keys :
-       {std::vector<std::string>{"determinism=layout"},
-        std::vector<std::string>{"determinism=layout", "layout_token_segments=true", "train.micro_batch=2"}}) {
+  // MoE under layout: the key, then an MoE model's limits: expert (tensor) parallelism, quantised
+  // experts, and under tensor parallelism a tp rank's rows of whole token segments.
+  for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"determinism=layout"}, "determinism = \"layout\": the key and value gradients"},
+           {{"layout_token_segments=true", "parallel.expert=2"},
+            "determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = 2: an expert's "
+            "rows would come from several ranks' token pieces"},
+           {{"layout_token_segments=true", "parallel.expert_tensor=2"},
+            "determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = 2: "},
+           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise"},
+            "determinism = \"layout\", an MoE model and precision.fp8 = \"blockwise\" / precision.fp4 = \"none\": a "
+            "quantised expert block would be one cp rank's rows"},
+           {{"layout_token_segments=true", "train.micro_batch=1", "layout_segments=4", "parallel.tensor=4"},
+            "determinism = \"layout\", an MoE model, parallel.tensor = 4 and layout_segments = 4: each tensor-parallel "
+            "rank's rows must be whole token segments: parallel.context x parallel.tensor = 8"}}) {
     std::vector<std::string> o = keys;
     o.push_back("parallel.context=2");
+    if (keys.size() > 1) o.push_back("determinism=layout");
+    if (std::find(keys.begin(), keys.end(), "train.micro_batch=1") == keys.end()) o.push_back("train.micro_batch=2");
     const std::string moe = error("moe-debug.toml", o);
-    EXPECT_EQ(moe.rfind("config: parallel.context = 2 with determinism = \"layout\" and an MoE model: ", 0), 0u) << moe;
-    EXPECT_NE(moe.find("use determinism = \"run\" or parallel.context = 1"), std::string::npos) << moe;
+    EXPECT_EQ(moe.rfind("config: parallel.context = 2 with " + named, 0), 0u) << moe;
     EXPECT_EQ(moe.find('\n'), std::string::npos) << moe;
   }
   // A layout_segments that is no power of two is named as such, not as CP's divisibility.

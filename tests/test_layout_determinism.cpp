@@ -338,6 +338,44 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
                             {"layout_token_segments=true", "model.seq_length=56"});
 }
 
+// Context parallelism, MoE models (layout_token_segments): the MoE norm, router, shared expert (gate
+// included) and expert weight gradients are computed per token piece of the rank's rows; under tensor
+// parallelism (EP = ETP = 1) each tp rank's share of them, combined over tp x cp (the experts kept by
+// one rank, their expert data-parallel reduction adding the others' -0). Micro-batches per rank a power
+// of two or not (the expert group's kept blocks), DP, TP + SP, TP 4 with micro-batches of 1, CP 4, a
+// capacity (both drop policies, padding), router jitter and expert bias, Llama bf16, PP.
+TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
+  const std::vector<std::string> key = {"layout_token_segments=true", "moe.shared_expert_intermediate_size=64",
+                                        "moe.shared_expert_gate=true"};
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+  }, key);
+  std::vector<std::string> odd = key;
+  odd.push_back("train.global_batch=12");
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+      {4, {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+  }, odd);
+  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4"}}},
+                            {"layout_token_segments=true", "train.micro_batch=1"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=4"}}}, {"layout_token_segments=true", "layout_segments=16"});
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+  }, {"layout_token_segments=true", "moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true",
+      "moe.token_drop_policy=position", "moe.input_jitter_eps=0.01", "moe.router_enable_expert_bias=true",
+      "moe.router_score_function=sigmoid"});
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+      {4, {"parallel.context=2", "parallel.pipeline=2"}},
+  }, {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16", "model.num_layers=4",
+      "moe.expert_capacity_factor=1.0"});
+}
+
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of
 // the micro-batch. The router, MoE norm and shared expert gradients are token-segment sums reduced
 // over tp per micro-batch; each expert's weight gradient is, per micro-batch, the tree over its rows'

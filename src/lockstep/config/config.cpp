@@ -628,10 +628,18 @@ void validate_context_parallel(const Config& c) {
   if (c.determinism == "layout") {
     const int64_t B = c.train.micro_batch, S = c.layout_segments;
     // Refused before the key, with or without it.
-    if (c.moe.num_experts > 0)
-      refuse("determinism = \"layout\" and an MoE model", "the router, shared expert gate and expert gradients are "
-             "not computed per token piece of a cp rank's rows (as layout_token_segments does for dense layers); use "
-             "determinism = \"run\" or parallel.context = 1");
+    const bool moe = c.moe.num_experts > 0;
+    const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
+    if (moe && expert_group > 1)
+      refuse(str("determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = ", expert_group),
+             "an expert's rows would come from several ranks' token pieces of one micro-batch, which its weight "
+             "gradients do not combine yet; use parallel.expert = parallel.expert_tensor = 1, determinism = \"run\" "
+             "or parallel.context = 1");
+    if (moe && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
+      refuse(str("determinism = \"layout\", an MoE model and precision.fp8 = \"", c.precision.fp8,
+                 "\" / precision.fp4 = \"", c.precision.fp4, "\""),
+             "a quantised expert block would be one cp rank's rows of an expert, not its micro-batch's; use bf16 or "
+             "fp32, determinism = \"run\" or parallel.context = 1");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
@@ -646,9 +654,11 @@ void validate_context_parallel(const Config& c) {
       refuse(str("determinism = \"layout\", train.micro_batch = ", B, " and layout_segments = ", S),
              str("each rank's chunks must be whole token segments: 2 x parallel.context x train.micro_batch = ",
                  2 * cp * B, " must divide layout_segments (at most 64)"));
-    // Sequence parallelism: a tp rank holds 1 / tp of the cp rank's rows, whole token segments of them.
-    if (sp && std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (cp * tp))
-      refuse(str("determinism = \"layout\", parallel.sequence_parallel, parallel.tensor = ", tp, " and layout_segments = ", S),
+    // Sequence parallelism (and an MoE layer under tensor parallelism): a tp rank holds 1 / tp of the cp
+    // rank's rows, whole token segments of them.
+    if ((sp || moe) && std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (cp * tp))
+      refuse(str("determinism = \"layout\", ", sp ? "parallel.sequence_parallel" : "an MoE model", ", parallel.tensor = ",
+                 tp, " and layout_segments = ", S),
              str("each tensor-parallel rank's rows must be whole token segments: parallel.context x parallel.tensor = ",
                  cp * tp, " must divide layout_segments (at most 64)"));
   }

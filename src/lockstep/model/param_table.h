@@ -127,12 +127,12 @@ class ParamStore {
   // `pieces` blocks of consecutive rows (its two chunks of every sample), each a subtree of the
   // micro-batch's canonical tree over the token segments. Every token-sum gradient is then computed
   // per piece (token_segments(i) segments each) into grad_piece(i, k), and the group combines the
-  // pieces (parallel/context_parallel.h combine_token_pieces). Under sequence parallelism
-  // (sequence_tp: the tp size splitting a cp rank's rows; 1 without it) a sequence-parallel
-  // parameter's rows are a tp rank's share: the cp rank's rows cut into max(pieces, sequence_tp)
-  // units, a subtree each, of which every tp rank holds its consecutive token_pieces(i) (the tp x cp
-  // group combines them). cp_rank, sample_tokens: the rank and the tokens of a whole sample, for
-  // piece_token. Before allocate().
+  // pieces (parallel/context_parallel.h combine_token_pieces). Under sequence parallelism, and in an
+  // MoE model under tensor parallelism (sequence_tp: the tp size splitting a cp rank's rows; 1
+  // otherwise), a sequence_tp(i) parameter's rows are a tp rank's share: the cp rank's rows cut into
+  // max(pieces, sequence_tp) units, a subtree each, of which every tp rank holds its consecutive
+  // token_pieces(i) (the tp x cp group combines them). cp_rank, sample_tokens: the rank and the
+  // tokens of a whole sample, for piece_token. Before allocate().
   void set_token_pieces(int64_t pieces, int cp, int cp_rank, int64_t sample_tokens, int sequence_tp) {
     pieces_ = pieces;
     cp_size_ = cp;
@@ -156,8 +156,13 @@ class ParamStore {
   int64_t token_pieces(int i) const { return token_units(i) / (sequence_tp(i) ? sequence_tp_ : 1); }
   // Pieced: the units a cp rank's rows are cut into for parameter i's gradient (its tp ranks' pieces).
   int64_t token_units(int i) const { return sequence_tp(i) ? std::max<int64_t>(pieces_, sequence_tp_) : pieces_; }
-  // Pieced: whether parameter i's pieces are a tp rank's share of the cp rank's rows.
-  bool sequence_tp(int i) const { return sequence_tp_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
+  // Pieced: whether parameter i's pieces are a tp rank's share of the cp rank's rows: a sequence-parallel
+  // parameter's, or under tensor parallelism an MoE expert's that every tp rank holds whole and feeds
+  // its own share of the rows (expert and expert tensor parallelism 1, model/moe/experts.h).
+  bool sequence_tp(int i) const {
+    const ParamSpec& p = specs_[static_cast<size_t>(i)];
+    return sequence_tp_ > 1 && (p.sequence_parallel || p.expert);
+  }
   // Piece k's gradient of parameter i (piece 0 is grad(i)).
   float* grad_piece(int i, int64_t k) const {
     return k == 0 ? grad(i) : pieces_grads_[static_cast<size_t>(k - 1)].data() + specs_[i].offset;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <tuple>
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
@@ -209,18 +210,26 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
   if (!cp.on() || !ps.pieced()) return;
   const int64_t P = cp.size, C = ps.chunk_pieces();  // C = 2B: the cp rank's chunks
   const auto& specs = ps.specs();
-  // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows), a call each;
-  // the folded ones are the model's (fold_token_pieces).
+  // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows; experts or
+  // not), a call each; the folded ones are the model's (fold_token_pieces).
+  const auto kind = [&](int i) {
+    const ParamSpec& p = specs[static_cast<size_t>(i)];
+    return std::tuple(ps.sequence_tp(i), p.folded, p.expert);
+  };
   for (int a = first, b = first; a < end; a = b) {
-    const bool shares = ps.sequence_tp(a), folded = specs[static_cast<size_t>(a)].folded;
-    while (b < end && ps.sequence_tp(b) == shares && specs[static_cast<size_t>(b)].folded == folded) ++b;
+    const auto [shares, folded, expert] = kind(a);
+    while (b < end && kind(b) == kind(a)) ++b;
     if (folded) continue;
     // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
     const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
     LOCKSTEP_CHECK(!shares || (cp.sequence_group && U == std::max<int64_t>(C, tp)),
                    "context parallelism: sequence-parallel pieces without their tp x cp group of ", tp, " tp ranks");
     const auto leaf = [P, sub, K, tp](int64_t g) { return unit_holder(P, sub, K, tp, g); };
-    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, static_cast<int>(tp), leaf, scratch);
+    // An expert's tp ranks are replicas in its expert data-parallel group, which adds the kept sum
+    // once: tp rank 0 of cp rank 0 keeps it (one keeper); a sequence-parallel parameter's every tp
+    // rank of cp rank 0, each reducing its replica over dp x cp.
+    const int keepers = shares && !expert ? static_cast<int>(tp) : 1;
+    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, keepers, leaf, scratch);
   }
 }
 

@@ -159,14 +159,17 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
       expert_held_ = static_cast<int64_t>(canonical_pieces(P * micros, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
-  } else if (!subtrees && expert_.size() != P && cp_size_ == 1) {
-    // MoE under tensor parallelism without expert (tensor) parallelism: the expert group is the dense
-    // one with each rank's tensor-parallel replicas; tp rank 0 holds the micro-batches' expert
-    // gradients, the others -0 (model/moe/experts.h reduce_over_tp). As pieces, tp rank 0 gives its
-    // dense rank's block and the others an empty one.
-    const int tp_rank = tp_ ? tp_->rank() : 0;
-    expert_blocks_ = kept_blocks(expert_, dense_.rank(), tp_rank, micros, P * micros, "expert");
-    expert_keeps_ = tp_rank == 0;
+  } else if ((!subtrees || !blocks_.empty()) && expert_.size() != P / cp_size_) {
+    // MoE under tensor or context parallelism without expert (tensor) parallelism: the expert group
+    // is the data-parallel ranks with each one's tp x cp replicas; tp rank 0 of cp rank 0 holds the
+    // micro-batches' expert gradients, the others -0 (model/moe/experts.h reduce_over_tp, parallel/
+    // context_parallel.h combine_token_pieces). As pieces, that rank gives its data-parallel rank's
+    // block and the others an empty one.
+    const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
+    const int replica = tp_rank + tp_size * cp_rank_;
+    const int block = cp_size_ > 1 ? cp_dp_rank_ : dense_.rank();
+    expert_blocks_ = kept_blocks(expert_, block, replica, micros, P / cp_size_ * micros, "expert");
+    expert_keeps_ = replica == 0;
   }
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).

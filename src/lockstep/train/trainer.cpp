@@ -165,10 +165,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // over dp x cp (dense_dp) add up their shares; counts of the micro-batches' tokens are summed over
   // dp only (every cp rank counts the whole micro-batch).
   Communicator cp_group = comm.split_groups(mesh.groups(MeshGroup::cp));
-  // Layout mode under sequence parallelism: the tp x cp group combines the sequence-parallel
-  // parameters' token pieces (combine_token_pieces).
+  // Layout mode under sequence parallelism (or an MoE model under tensor parallelism): the tp x cp
+  // group combines the token pieces of the parameters whose rows are a tp rank's share
+  // (combine_token_pieces).
   Communicator tp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
-  const bool sequence_pieces = config.determinism == "layout" && pc.sequence_parallel && mesh.tp() > 1;
+  const bool sequence_pieces =
+      config.determinism == "layout" && (pc.sequence_parallel || config.moe.num_experts > 0) && mesh.tp() > 1;
   const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr, mesh.cp() > 1 && sequence_pieces ? &tp_cp_group : nullptr);
   Communicator dp_only = comm.split_groups(mesh.groups(MeshGroup::dp));
   if (config.determinism == "layout") {

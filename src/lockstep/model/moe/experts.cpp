@@ -18,7 +18,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
       self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
       has_proj_bias(m.bias), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
-      tp(shard.tp), groups(shard.sources) {
+      cp_size(shard.cp_size), tp(shard.tp), groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
   if (shard.segments) {  // the config names the keys; these are the invariants the segments need
@@ -82,10 +82,11 @@ void GroupedExperts::begin_step() {
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces) {
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
-    token_L = layout_segments / tp_size;
-    LOCKSTEP_CHECK(layout_segments % tp_size == 0 && (sources == 1 || sources % tp_size == 0) &&
-                       (sources > 1 || tp_size == 1 || tp),
-                   "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size);
+    token_L = layout_segments / (tp_size * cp_size);
+    LOCKSTEP_CHECK(layout_segments % (tp_size * cp_size) == 0 && (sources == 1 || sources % tp_size == 0) &&
+                       (sources > 1 || tp_size == 1 || tp) && (cp_size == 1 || sources == 1),
+                   "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
+                   ", context-parallel size ", cp_size);
   }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   groups = token_L ? sources / tp_size : sources;
@@ -184,31 +185,30 @@ void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum
   }
 }
 
-// Leaf g of out (leaves, n) = the canonical tree over the `per` blocks of fine (leaves x per, n)
-// that follow g x per (into fine's first block of each leaf, then copied), a few thousand elements
-// of every block at a time so that the tree's levels run in cache.
-void tree_over_blocks(float* out, float* fine, int64_t leaves, int64_t per, int64_t n) {
+// Leaf g's out[g] (n) = the canonical tree over the `per` blocks of fine (leaves x per, n) that
+// follow g x per (into fine's first block of each leaf, then copied), a few thousand elements of
+// every block at a time so that the tree's levels run in cache.
+void tree_over_blocks(float* const* out, float* fine, int64_t leaves, int64_t per, int64_t n) {
   constexpr int64_t kChunk = 2048;
   parallel_for(leaves * n, [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1;) {
       const int64_t g = i / n, j0 = i % n, j1 = std::min({n, j0 + (i1 - i), j0 + kChunk});
       float* first = fine + g * per * n;
       tree_sum_in_place(first, per, n, j0, j1);
-      std::memcpy(out + g * n + j0, first + j0, static_cast<size_t>(j1 - j0) * sizeof(float));
+      std::memcpy(out[g] + j0, first + j0, static_cast<size_t>(j1 - j0) * sizeof(float));
       i += j1 - j0;
     }
   });
 }
 
-// Layout mode (fp32 / bf16 operands): dw (leaves, nout, nin) assigned, leaf g = the canonical tree
-// over its `per` token segments of dy^T x over each segment's rows, every segment a chain from
-// zero (kernels/cpu/gemm.h); db (leaves, nout) or null likewise with the column sums of dy in row
-// order. rows: (leaves x per + 1) boundaries (leaf g's segments are g x per .. (g + 1) x per - 1).
-// Every leaf is one segmented product (gemm.h k_segments) and all of them one batch: each tile of
-// dw runs its segments' chains and their tree in cache and is written once.
-void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, const int64_t* rows, int64_t leaves,
-                         int64_t per, int64_t nout, int64_t nin) {
-  const int64_t n = nout * nin;
+// Layout mode (fp32 / bf16 operands): leaf g's weight gradient dw[g] (nout, nin) assigned, the
+// canonical tree over its `per` token segments of dy^T x over each segment's rows, every segment a
+// chain from zero (kernels/cpu/gemm.h); db[g] (nout) likewise with the column sums of dy in row
+// order (db null: no bias). rows: (leaves x per + 1) boundaries (leaf g's segments are g x per ..
+// (g + 1) x per - 1). Every leaf is one segmented product (gemm.h k_segments) and all of them one
+// batch: each tile of a dw runs its segments' chains and their tree in cache and is written once.
+void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, const float* x, const int64_t* rows,
+                         int64_t leaves, int64_t per, int64_t nout, int64_t nin) {
   thread_local std::vector<int64_t> bounds;  // leaf g's segments relative to its first row, (per + 1) each
   thread_local std::vector<GemmBatchItem> items;
   bounds.resize(static_cast<size_t>(leaves * (per + 1)));
@@ -218,7 +218,7 @@ void token_segment_wgrad(float* dw, float* db, const float* dy, const float* x, 
     int64_t* b = bounds.data() + g * (per + 1);
     for (int64_t s = 0; s <= per; ++s) b[s] = rows[g * per + s] - r0;
     // K = 0 (no rows) writes the zero.
-    GemmBatchItem it{dw + g * n, nin, dy + r0 * nout, nout, Trans::T, x + r0 * nin, nin, Trans::N, nout, nin, b[per]};
+    GemmBatchItem it{dw[g], nin, dy + r0 * nout, nout, Trans::T, x + r0 * nin, nin, Trans::N, nout, nin, b[per]};
     it.k_segments = std::span<const int64_t>(b, static_cast<size_t>(per + 1));
     items.push_back(it);
   }
@@ -312,17 +312,28 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
     if (token_L && token_segments && p.recipe(w) == Precision::Recipe::none) {
-      // Layout mode: per micro-batch, the tree over its token segments (see the header).
-      const int64_t per = S == 1 ? token_L : tp_size * token_L;
-      float* dwl = S == 1 ? ps.grad(w) : dw.data();
-      float* dbl = b < 0 ? nullptr : S == 1 ? ps.grad(b) : db.data();
-      token_segment_wgrad(dwl, dbl, dy, in, token_segments, E * G, per, nout, nin);
+      // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
+      // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
+      // is expert e's piece k, into the parameter's grad_piece k).
+      const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * token_L;
+      const int64_t leaves = E * G * K;
+      dw_leaves.resize(static_cast<size_t>(leaves));
+      db_leaves.resize(static_cast<size_t>(leaves));
+      for (int64_t g = 0; g < leaves; ++g) {
+        const int64_t e = g / K, k = g % K;
+        dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + e * nout * nin;
+        if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + e * nout;
+      }
+      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves, per,
+                          nout, nin);
       if (S == 1) {
-        if (tp_size > 1) reduce_over_tp(ps, w, b, nout * nin, nout);
+        // Context parallelism's pieces are combined over the group (combine_token_pieces).
+        if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
         return;
       }
     } else if (S == 1) {
-      LOCKSTEP_CHECK(tp_size == 1 || !token_L, "quantised expert gradients under tensor parallelism (refused by the config)");
+      LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
+                     "quantised expert gradients under tensor or context parallelism (refused by the config)");
       return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
     } else if (qb) {
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);

@@ -109,6 +109,7 @@ struct ExpertShard {
                                     // and canonical token segments of a micro-batch
   int64_t tp_size = 1;              // tensor parallelism: each source routes N / tp_size tokens
   Communicator* tp = nullptr;       // the tp group (layout mode with one source: see above)
+  int64_t cp_size = 1;              // context parallelism: a rank's rows are N / cp_size tokens of 2B pieces
 };
 
 struct GroupedExperts {
@@ -162,7 +163,7 @@ struct GroupedExperts {
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
   int64_t etp_size = 1;
   KSegments kseg;                              // this rank's K segments (layout mode)
-  int64_t layout_segments = 0, tp_size = 1;    // ExpertShard's
+  int64_t layout_segments = 0, tp_size = 1, cp_size = 1;  // ExpertShard's
   Communicator* tp = nullptr;
   int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
   // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
@@ -189,6 +190,7 @@ struct GroupedExperts {
   mutable int64_t micro = 0;
   mutable Precision::ExpertBlocks qblocks;
   mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
+  mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 

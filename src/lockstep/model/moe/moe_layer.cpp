@@ -49,7 +49,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
   make_dispatcher();
   const int64_t R = dispatcher_->max_rows();
-  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments, tp_.size, tp_.comm};
+  ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments, tp_.size, tp_.comm, cp_.size};
   if (etp_) {
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
@@ -306,11 +306,15 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   GemmOptions acc;
   acc.accumulate = true;
   {
-    // determinism = "layout": in token segments (ParamStore::token_segments).
-    const std::vector<int64_t> bounds = canonical_segments(N, ps.token_segments(router_w_));
+    // determinism = "layout": in token segments (ParamStore::token_segments), under context
+    // parallelism per token piece of the rank's rows (ParamStore::token_pieces).
+    const int64_t P = ps.token_pieces(router_w_), rows = N / P;
+    const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(router_w_));
     GemmOptions wgrad = acc;
     wgrad.k_segments = bounds;
-    gemm(ps.grad(router_w_), s.dlogits, Trans::T, rx, Trans::N, E_, C_, N, wgrad);
+    for (int64_t k = 0; k < P; ++k)
+      gemm(ps.grad_piece(router_w_, k), s.dlogits + k * rows * E_, Trans::T, rx + k * rows * C_, Trans::N, E_, C_, rows,
+           wgrad);
   }
   if (jittered_) {
     gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);

@@ -77,23 +77,30 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
   else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
   fc.backward(ps, s.dx, s.dfc, x, N);
-  float* dw = w ? ps.grad(gate_w) : nullptr;
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.
-  // determinism = "layout": per token segment from zero, then the canonical tree over them.
+  // determinism = "layout": per token segment from zero, then the canonical tree over them; under
+  // context parallelism per token piece of the rank's rows (ParamStore::token_pieces).
   const int64_t segments = w ? ps.token_segments(gate_w) : 0;
-  if (w && segments == 0)
+  if (w && segments == 0) {
+    float* dw = ps.grad(gate_w);
     parallel_for(C, [&](int64_t c0, int64_t c1) {
       for (int64_t t = 0; t < N; ++t)
         for (int64_t c = c0; c < c1; ++c) dw[c] += dlogit[t] * x[t * C + c];
     });
+  }
   if (w && segments > 0) {
-    const std::vector<int64_t> bounds = canonical_segments(N, segments);
-    parallel_for(C, [&](int64_t c0, int64_t c1) {
-      add_segment_tree(dw + c0, c1 - c0, bounds, [&](float* leaf, int64_t t0, int64_t t1) {
-        for (int64_t t = t0; t < t1; ++t)
-          for (int64_t c = c0; c < c1; ++c) leaf[c - c0] += dlogit[t] * x[t * C + c];
+    const int64_t P = ps.token_pieces(gate_w), rows = N / P;
+    const std::vector<int64_t> bounds = canonical_segments(rows, segments);
+    for (int64_t k = 0; k < P; ++k) {
+      float* dw = ps.grad_piece(gate_w, k);
+      const int64_t r0 = k * rows;
+      parallel_for(C, [&](int64_t c0, int64_t c1) {
+        add_segment_tree(dw + c0, c1 - c0, bounds, [&](float* leaf, int64_t t0, int64_t t1) {
+          for (int64_t t = r0 + t0; t < r0 + t1; ++t)
+            for (int64_t c = c0; c < c1; ++c) leaf[c - c0] += dlogit[t] * x[t * C + c];
+        });
       });
-    });
+    }
   }
   parallel_for(N, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
