@@ -43,9 +43,9 @@ inline int64_t late_chunk(int64_t size, int64_t r) { return 2 * size - 1 - r; }
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
   int rank = 0, size = 1;
-  // Layout mode under sequence parallelism: the tp x cp group (MeshGroup::tp_cp, tp the faster), whose
-  // ranks hold the shares of the sequence-parallel parameters' token pieces (combine_token_pieces);
-  // null otherwise. sequence_tp: its tp size.
+  // Layout mode under sequence parallelism (or an MoE model under tensor parallelism): the tp x cp
+  // group (MeshGroup::tp_cp, tp the faster), whose ranks hold the shares of the sequence_tp
+  // parameters' token pieces (combine_token_pieces); null otherwise. sequence_tp: its tp size.
   Communicator* sequence_group = nullptr;
   int sequence_tp = 1;
 
@@ -102,8 +102,10 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // shares of the cp rank's rows (ParamStore::token_units): every rank of the tp x cp group
 // (sequence_group) sends those to each tp rank of cp rank 0 (keepers = tp: one copy each), which
 // sums the micro-batch's size x units of them along the canonical tree (every tp rank of cp rank 0
-// keeps the sum, the replicas every tp rank holds; the others -0).
-// Parameters the model folds itself (ParamSpec::folded) are left alone.
+// keeps the sum, the replicas every tp rank holds; the others -0). An MoE layer's parameters under
+// tensor parallelism are such shares too (ParamStore::sequence_tp); its experts, which every tp rank
+// holds whole and their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0
+// only. Parameters the model folds itself (ParamSpec::folded) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
 // The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:

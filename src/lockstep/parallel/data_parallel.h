@@ -128,6 +128,7 @@ class DataParallel {
   // the others -0 (combine_token_pieces). When the blocks are subtrees (a power of two of micro-batches
   // per rank) the tree over dp x cp adds the -0 exactly; otherwise the blocks go as pieces of the tree
   // over the step's micro-batches, cp rank 0 giving its dp rank's block and the others an empty one.
+  // Unsplit MoE experts likewise over their expert group (dp x cp x tp): tp rank 0 of cp rank 0.
   void set_context_parallel(int dp_rank, int cp_rank, int cp_size) {
     cp_dp_rank_ = dp_rank, cp_rank_ = cp_rank, cp_size_ = cp_size;
   }

@@ -56,6 +56,11 @@
 // quantised recipes keep one chain per (expert, micro-batch) block: under tensor parallelism the
 // block of a micro-batch group (its tp sources' rows back to back, the micro-batch's rows of the
 // expert in token order; quantised_blocks); with one source under tp they are refused by the config.
+// Context parallelism (one source; ExpertShard::cp_size): the rank's rows are its token pieces
+// (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp) segments in
+// all; each (expert, piece) is a leaf, the tree over the piece's segments written to the parameter's
+// grad_piece, and the model combines the pieces over tp x cp (parallel/context_parallel.h
+// combine_token_pieces: one rank keeps the sum, the others -0) instead of reduce_over_tp.
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
