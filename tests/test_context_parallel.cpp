@@ -77,15 +77,19 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
-  // MoE under layout: the key, then an MoE model's limits: expert (tensor) parallelism, quantised
-  // experts, and under tensor parallelism a tp rank's rows of whole token segments.
+  // MoE under layout: the key, then an MoE model's limits: an expert x expert-tensor group holding
+  // part of a micro-batch's tp x cp ranks, quantised experts, and under tensor parallelism a tp
+  // rank's rows of whole token segments.
   for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"determinism=layout"}, "determinism = \"layout\": the key and value gradients"},
-           {{"layout_token_segments=true", "parallel.expert=2"},
-            "determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = 2: an expert's "
-            "rows would come from several ranks' token pieces"},
-           {{"layout_token_segments=true", "parallel.expert_tensor=2"},
-            "determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = 2: "},
+           {{"layout_token_segments=true", "parallel.tensor=2", "parallel.expert=2"},
+            "determinism = \"layout\", an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor "
+            "= 2: an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
+            "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = 4"},
+           {{"layout_token_segments=true", "parallel.tensor=2", "parallel.sequence_parallel=true",
+             "parallel.expert_tensor=2"},
+            "determinism = \"layout\", an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor "
+            "= 2: "},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise"},
             "determinism = \"layout\", an MoE model and precision.fp8 = \"blockwise\" / precision.fp4 = \"none\": a "
             "quantised expert block would be one cp rank's rows"},

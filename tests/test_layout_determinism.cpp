@@ -372,8 +372,28 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.context=2", "parallel.tensor=2"}},
       {4, {"parallel.context=2", "parallel.pipeline=2"}},
+      {4, {"parallel.context=2", "parallel.expert=2", "parallel.pipeline=2"}},
   }, {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16", "model.num_layers=4",
       "moe.expert_capacity_factor=1.0"});
+  // Split experts: the expert x expert-tensor group holds whole micro-batches' tp x cp ranks, whose
+  // rows of each expert are put back in token order before the token-segment trees (both
+  // dispatchers, EP 2 / 4 over one or two micro-batch groups, ETP, with TP + SP, expert data
+  // parallelism with blocks of 3 micro-batches, CP 4).
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.context=2", "parallel.expert=2"}},
+      {2, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {2, {"parallel.context=2", "parallel.expert_tensor=2"}},
+      {4, {"parallel.context=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
+           "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
+  }, key);
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.context=2", "parallel.expert=2", "optimizer.distributed=true"}},
+      {4, {"parallel.context=2", "parallel.expert=4"}},
+  }, {"layout_token_segments=true", "train.global_batch=12", "moe.expert_capacity_factor=0.5",
+      "moe.pad_expert_input_to_capacity=true"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=4"}}},
+                            {"layout_token_segments=true", "layout_segments=16"});
 }
 
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of

@@ -630,11 +630,13 @@ void validate_context_parallel(const Config& c) {
     // Refused before the key, with or without it.
     const bool moe = c.moe.num_experts > 0;
     const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
-    if (moe && expert_group > 1)
-      refuse(str("determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = ", expert_group),
-             "an expert's rows would come from several ranks' token pieces of one micro-batch, which its weight "
-             "gradients do not combine yet; use parallel.expert = parallel.expert_tensor = 1, determinism = \"run\" "
-             "or parallel.context = 1");
+    // Split experts: the expert x expert-tensor group holds whole micro-batches' tp x cp groups, whose
+    // rows of an expert it puts back in token order (model/moe/experts.h).
+    if (moe && expert_group > 1 && expert_group % (tp * cp))
+      refuse(str("determinism = \"layout\", an MoE model, parallel.tensor = ", tp, " and parallel.expert x "
+                 "parallel.expert_tensor = ", expert_group),
+             str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
+                 "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
     if (moe && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
       refuse(str("determinism = \"layout\", an MoE model and precision.fp8 = \"", c.precision.fp8,
                  "\" / precision.fp4 = \"", c.precision.fp4, "\""),

@@ -66,6 +66,9 @@ struct ParamSpec {
   // trees per micro-batch (the output head's weight and the MTP depths' embedding copies: one tree per
   // head or depth), which the model folds in one by one (parallel/context_parallel.h fold_token_pieces).
   bool folded = false;
+  // Context parallelism's token pieces: the module combines them itself (the MoE experts when several
+  // ranks' rows reach them, model/moe/experts.h), combine_token_pieces leaves the gradient alone.
+  bool module_pieces = false;
   // determinism = "layout": the dimension of a weight that tensor (or expert tensor) parallelism
   // splits (a column-parallel weight's out, dim 0, or an expert fc's, dim 1; a row-parallel one's in,
   // the last dim) and this rank's canonical pieces of it: local boundaries 0 = b0 < ... = width,
@@ -100,6 +103,8 @@ class ParamStore {
   void set_token_sum(int i) { specs_[static_cast<size_t>(i)].token_sum = true; }
   // Marks parameter i's pieces as folded by the model (ParamSpec::folded).
   void set_folded(int i) { specs_[static_cast<size_t>(i)].folded = true; }
+  // Marks parameter i's pieces as combined by its module (ParamSpec::module_pieces).
+  void set_module_pieces(int i) { specs_[static_cast<size_t>(i)].module_pieces = true; }
   // determinism = "layout": S canonical segments (TensorParallel::segments; 0 under "run") over a
   // tensor-parallel group of tp ranks, this rank tp_rank.
   void set_layout_segments(int64_t S, int tp, int tp_rank) {

@@ -193,33 +193,30 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
     });
   }
 }
+}  // namespace
 
-// Unit g of the micro-batch's 2 P B x sub, in token order (sample, chunk c of 2P, sub-unit of sub
-// per chunk): chunk c's holder's (chunk_holder) local unit u (local rows: each sample's early then
-// late chunk), held by its tp rank u / K (of tp ranks sharing the cp rank's rows; 1: every tp rank
-// holds them) as its piece u % K: {the rank in the tp x cp (tp = 1: cp) group, the piece}.
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
   const int64_t s = g / (2 * P * sub);
   const ChunkHolder h = chunk_holder(P, g / sub % (2 * P));
   const int64_t u = (2 * s + h.side) * sub + g % sub;
   return {h.rank * tp + u / K, u % K};
 }
-}  // namespace
 
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch) {
   if (!cp.on() || !ps.pieced()) return;
   const int64_t P = cp.size, C = ps.chunk_pieces();  // C = 2B: the cp rank's chunks
   const auto& specs = ps.specs();
   // Runs of alike parameters (tp ranks' shares of the rows, or the cp rank's whole rows; experts or
-  // not), a call each; the folded ones are the model's (fold_token_pieces).
+  // not), a call each; the folded ones are the model's (fold_token_pieces), the module_pieces ones
+  // their module's.
   const auto kind = [&](int i) {
     const ParamSpec& p = specs[static_cast<size_t>(i)];
-    return std::tuple(ps.sequence_tp(i), p.folded, p.expert);
+    return std::tuple(ps.sequence_tp(i), p.folded || p.module_pieces, p.expert);
   };
   for (int a = first, b = first; a < end; a = b) {
-    const auto [shares, folded, expert] = kind(a);
+    const auto [shares, theirs, expert] = kind(a);
     while (b < end && kind(b) == kind(a)) ++b;
-    if (folded) continue;
+    if (theirs) continue;
     // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
     const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
     LOCKSTEP_CHECK(!shares || (cp.sequence_group && U == std::max<int64_t>(C, tp)),

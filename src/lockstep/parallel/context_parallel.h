@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/model/param_table.h"
@@ -39,6 +40,12 @@ inline ChunkHolder chunk_holder(int64_t size, int64_t c) {
   return c < size ? ChunkHolder{c, 0} : ChunkHolder{2 * size - 1 - c, 1};
 }
 inline int64_t late_chunk(int64_t size, int64_t r) { return 2 * size - 1 - r; }
+
+// Unit g of a micro-batch's 2 P B x sub token units, in token order (sample, chunk c of 2P, sub-unit
+// of sub per chunk): chunk c's holder's (chunk_holder) local unit u (local rows: each sample's early
+// then late chunk), held by its tp rank u / K (of tp ranks sharing the cp rank's rows; 1: every tp
+// rank holds them) as its piece u % K: {the rank in the tp x cp (tp = 1: cp) group, the piece}.
+std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g);
 
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
@@ -105,7 +112,8 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // keeps the sum, the replicas every tp rank holds; the others -0). An MoE layer's parameters under
 // tensor parallelism are such shares too (ParamStore::sequence_tp); its experts, which every tp rank
 // holds whole and their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0
-// only. Parameters the model folds itself (ParamSpec::folded) are left alone.
+// only. Parameters the model folds itself (ParamSpec::folded) or whose module combines the pieces
+// (ParamSpec::module_pieces: experts with several sources) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
 // The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:

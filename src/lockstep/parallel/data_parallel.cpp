@@ -146,17 +146,18 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   expert_first_ = expert_held_ = 0;
   expert_keeps_ = true;
   if (experts_summed) {
+    // The step's micro-batches: P / cp per micro-batch slot (a cp group shares each micro-batch).
     const int D = expert_.size();
-    const int64_t G = P * micros / D;
+    const int64_t total = P / cp_size_ * micros, G = total / D;
     expert_first_ = expert_.rank() * G;
     bool whole = true;
-    for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(P * micros, g * G, (g + 1) * G).size() == 2;
+    for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(total, g * G, (g + 1) * G).size() == 2;
     if (!whole) {
       for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
       // The experts' tables are written at the expert parameters' offsets only, the dense tree's
       // held pieces at the others' (push_grads skips the experts): the first tables are the tree's
       // buffers, only the pieces beyond the tree's get buffers of their own.
-      expert_held_ = static_cast<int64_t>(canonical_pieces(P * micros, expert_first_, expert_first_ + G).size()) - 2;
+      expert_held_ = static_cast<int64_t>(canonical_pieces(total, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
   } else if ((!subtrees || !blocks_.empty()) && expert_.size() != P / cp_size_) {

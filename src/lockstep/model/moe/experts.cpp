@@ -10,6 +10,7 @@
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/precision.h"
+#include "lockstep/parallel/context_parallel.h"
 
 namespace lockstep {
 
@@ -70,6 +71,9 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     dproj_w.resize(sources * E * C * F);
     if (fc_b >= 0) dfc_b.resize(sources * E * Fw);
     if (proj_b >= 0) dproj_b.resize(sources * E * C);
+    // Context parallelism's token pieces of these gradients are summed here (group_token_order).
+    for (int i : {fc_w, fc_b, proj_w, proj_b})
+      if (i >= 0) ps.set_module_pieces(i);
   }
 }
 
@@ -83,13 +87,13 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / (tp_size * cp_size);
-    LOCKSTEP_CHECK(layout_segments % (tp_size * cp_size) == 0 && (sources == 1 || sources % tp_size == 0) &&
-                       (sources > 1 || tp_size == 1 || tp) && (cp_size == 1 || sources == 1),
+    LOCKSTEP_CHECK(layout_segments % (tp_size * cp_size) == 0 && (sources == 1 || sources % (tp_size * cp_size) == 0) &&
+                       (sources > 1 || tp_size == 1 || tp),
                    "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
                    ", context-parallel size ", cp_size);
   }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
-  groups = token_L ? sources / tp_size : sources;
+  groups = token_L ? sources / (tp_size * cp_size) : sources;
   layout_micros = micros;
   // G: the sources, or under tensor parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
@@ -230,7 +234,43 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
   tree_over_blocks(db, bias.data(), leaves, per, nout);
 }
 
+// dst (R, w) = the rows order[0 .. R) of src (., w).
+void gather_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
+  parallel_for(R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(dst + r * w, src + order[r] * w, static_cast<size_t>(w) * sizeof(float));
+  });
+}
+
 }  // namespace
+
+void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* token_segments) const {
+  // A micro-batch group's T = tp x cp sources (world-rank order: tp fastest) hold its cp x U token
+  // units (U = max(2B, tp) per cp rank, K consecutive ones per tp rank, parallel/context_parallel.h
+  // unit_holder), each unit L / K of its source's token segments; in token order they are the
+  // micro-batch's segments.
+  const int64_t T = tp_size * cp_size, G = groups, L = token_L;
+  const int64_t U = std::max<int64_t>(ps.chunk_pieces(), tp_size), K = U / tp_size, per = L / K;
+  LOCKSTEP_CHECK(ps.pieced() && U % ps.chunk_pieces() == 0 && U % tp_size == 0 && L % K == 0 && sources == G * T,
+                 "experts: ", sources, " sources of ", U, " token units per cp rank over ", T, " ranks, ", L,
+                 " token segments each");
+  const int64_t R = token_segments[E * sources * L];
+  cp_order.resize(static_cast<size_t>(R));
+  cp_bounds.resize(static_cast<size_t>(E * G * cp_size * U * per + 1));
+  int64_t at = 0, b = 0;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t j = 0; j < cp_size * U; ++j) {
+        const auto [q, piece] = unit_holder(cp_size, U / ps.chunk_pieces(), K, tp_size, j);
+        const int64_t* t = token_segments + (e * sources + g * T + q) * L + piece * per;
+        for (int64_t i = 0; i < per; ++i) {
+          cp_bounds[static_cast<size_t>(b++)] = at;
+          for (int64_t r = t[i]; r < t[i + 1]; ++r) cp_order[static_cast<size_t>(at++)] = r;
+        }
+      }
+  cp_bounds[static_cast<size_t>(b)] = at;
+  LOCKSTEP_CHECK(at == R, "experts: the token units hold ", at, " of ", R, " rows");
+}
 
 const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
   if (layout_micros == 0 || sources == 1 || p.recipe(fc_w) == Precision::Recipe::none) return nullptr;
@@ -315,7 +355,9 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
       // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
       // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
       // is expert e's piece k, into the parameter's grad_piece k).
-      const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * token_L;
+      // With several sources under context parallelism, each (expert, micro-batch group)'s rows are
+      // taken in token order first (group_token_order).
+      const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * cp_size * token_L;
       const int64_t leaves = E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
       db_leaves.resize(static_cast<size_t>(leaves));
@@ -324,8 +366,17 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
         dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + e * nout * nin;
         if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + e * nout;
       }
-      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves, per,
-                          nout, nin);
+      const int64_t* rows = token_segments;
+      if (S > 1 && cp_size > 1) {
+        cp_dy.resize(R * nout);
+        cp_x.resize(R * nin);
+        gather_rows(cp_dy.data(), dy, cp_order.data(), R, nout);
+        gather_rows(cp_x.data(), in, cp_order.data(), R, nin);
+        dy = cp_dy.data();
+        in = cp_x.data();
+        rows = cp_bounds.data();
+      }
+      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, rows, leaves, per, nout, nin);
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
         if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
@@ -356,6 +407,7 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
     sum_sources(ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
+  if (token_L && token_segments && S > 1 && cp_size > 1) group_token_order(ps, token_segments);
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);

@@ -60,7 +60,11 @@
 // (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp) segments in
 // all; each (expert, piece) is a leaf, the tree over the piece's segments written to the parameter's
 // grad_piece, and the model combines the pieces over tp x cp (parallel/context_parallel.h
-// combine_token_pieces: one rank keeps the sum, the others -0) instead of reduce_over_tp.
+// combine_token_pieces: one rank keeps the sum, the others -0) instead of reduce_over_tp. With
+// several sources a micro-batch group is its tp x cp consecutive sources (groups = sources / (tp cp)),
+// whose rows of an expert are not in token order (each source's are its token units): backward takes
+// them in the micro-batch's token order first (group_token_order), and the leaf is the tree over the
+// micro-batch's S segments as above; the model leaves these pieces alone (ParamSpec::module_pieces).
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
@@ -196,6 +200,12 @@ struct GroupedExperts {
   mutable Precision::ExpertBlocks qblocks;
   mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
   mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
+  // Context parallelism with several sources: the rows of each (expert, micro-batch group) in the
+  // micro-batch's token order (cp_order: the expert rows in that order, cp_bounds: the (E x groups x
+  // S + 1) boundaries of its S token segments there), and the weight gradients' operands gathered so.
+  void group_token_order(const ParamStore& ps, const int64_t* token_segments) const;
+  mutable std::vector<int64_t> cp_order, cp_bounds;
+  mutable FloatBuffer cp_dy, cp_x;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 
