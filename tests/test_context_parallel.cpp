@@ -78,8 +78,9 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
   // MoE under layout: the key, then an MoE model's limits: an expert x expert-tensor group holding
-  // part of a micro-batch's tp x cp ranks, quantised experts, and under tensor parallelism a tp
-  // rank's rows of whole token segments.
+  // part of a micro-batch's tp x cp ranks, quantised experts of one rank or padded, NVFP4 shared
+  // expert units of whole 16-token blocks, and under tensor parallelism a tp rank's rows of whole
+  // token segments.
   for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"determinism=layout"}, "determinism = \"layout\": the key and value gradients"},
            {{"layout_token_segments=true", "parallel.tensor=2", "parallel.expert=2"},
@@ -91,8 +92,18 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
             "determinism = \"layout\", an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor "
             "= 2: "},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise"},
-            "determinism = \"layout\", an MoE model and precision.fp8 = \"blockwise\" / precision.fp4 = \"none\": a "
-            "quantised expert block would be one cp rank's rows"},
+            "determinism = \"layout\", an MoE model, precision.fp8 = \"blockwise\" / precision.fp4 = \"none\" and "
+            "parallel.expert x parallel.expert_tensor = 1: a quantised expert block would be one rank's rows"},
+           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2",
+             "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
+            "determinism = \"layout\", an MoE model, precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
+            "moe.pad_expert_input_to_capacity = true: a micro-batch's quantised expert block would hold each cp "
+            "rank's padding"},
+           {{"layout_token_segments=true", "train.micro_batch=1", "precision.params=bf16", "precision.fp4=nvfp4",
+             "moe.shared_expert_intermediate_size=64", "moe.num_experts=8", "parallel.tensor=4", "parallel.expert=8"},
+            "determinism = \"layout\", precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = 64 and "
+            "parallel.tensor = 4: the shared expert's weight gradients transform each tensor-parallel rank's token "
+            "units of 8 tokens"},
            {{"layout_token_segments=true", "train.micro_batch=1", "layout_segments=4", "parallel.tensor=4"},
             "determinism = \"layout\", an MoE model, parallel.tensor = 4 and layout_segments = 4: each tensor-parallel "
             "rank's rows must be whole token segments: parallel.context x parallel.tensor = 8"}}) {

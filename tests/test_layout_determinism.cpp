@@ -394,6 +394,22 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
       "moe.pad_expert_input_to_capacity=true"});
   rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=4"}}},
                             {"layout_token_segments=true", "layout_segments=16"});
+  // Quantised: each (expert, micro-batch group) block in token order is one process's tensor of the
+  // expert's micro-batch rows (every recipe); the shared expert's pieces as in dense layers, under
+  // tensor parallelism NVFP4 keying a tp rank's units by their micro-batch tokens (ParamStore::unit_token).
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
+                             "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
+    rows_match_single_process("moe-debug", {
+        {2, {"parallel.context=2", "parallel.expert=2"}},
+        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
+             "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
+        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}},
+    }, {"layout_token_segments=true", "precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64",
+        "moe.shared_expert_gate=true"});
+  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
+                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
+                             "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128",
+                             "moe.num_experts=8"});
 }
 
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of

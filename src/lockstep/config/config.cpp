@@ -637,17 +637,35 @@ void validate_context_parallel(const Config& c) {
                  "parallel.expert_tensor = ", expert_group),
              str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
                  "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
-    if (moe && (c.precision.fp8 != "none" || c.precision.fp4 != "none"))
-      refuse(str("determinism = \"layout\", an MoE model and precision.fp8 = \"", c.precision.fp8,
-                 "\" / precision.fp4 = \"", c.precision.fp4, "\""),
-             "a quantised expert block would be one cp rank's rows of an expert, not its micro-batch's; use bf16 or "
-             "fp32, determinism = \"run\" or parallel.context = 1");
+    // Quantised experts: an expert's rows of one micro-batch are one tensor, which the expert group puts
+    // back in token order when it holds them all, without padding between the ranks' rows.
+    const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
+    const std::string recipe =
+        str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\"");
+    if (moe && quantised && expert_group == 1)
+      refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and parallel.expert x parallel.expert_tensor = 1"),
+             str("a quantised expert block would be one rank's rows of an expert, not its micro-batch's; use "
+                 "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor x parallel.context = ",
+                 tp * cp, "), bf16 or fp32"));
+    if (moe && quantised && c.moe.pad_expert_input_to_capacity)
+      refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and moe.pad_expert_input_to_capacity = true"),
+             "a micro-batch's quantised expert block would hold each cp rank's padding between its tokens; use "
+             "moe.pad_expert_input_to_capacity = false");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
       refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4, "\" and model.seq_length = ", m.seq_length),
              str("each rank's chunks of ", m.seq_length / (2 * cp), " tokens must be whole 16-token blocks of the weight "
                  "gradients' Hadamard transform: model.seq_length / (2 x parallel.context) must be a multiple of 16"));
+    // The shared expert under tensor parallelism sees a tp rank's units of the cp rank's rows
+    // (ParamStore::token_units: max(2B, tp) per cp rank), each whole 16-token blocks too.
+    const int64_t unit = B * m.seq_length / (cp * std::max<int64_t>(2 * B, tp));
+    if (c.precision.fp4 != "none" && moe && c.moe.shared_expert_intermediate_size > 0 && tp > 1 && unit % 16)
+      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4, "\", moe.shared_expert_intermediate_size = ",
+                 c.moe.shared_expert_intermediate_size, " and parallel.tensor = ", tp),
+             str("the shared expert's weight gradients transform each tensor-parallel rank's token units of ", unit,
+                 " tokens in 16-token Hadamard blocks: train.micro_batch x model.seq_length / (parallel.context x "
+                 "max(2 x train.micro_batch, parallel.tensor)) must be a multiple of 16"));
     if (!c.layout_token_segments)
       refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");

@@ -153,6 +153,13 @@ class ParamStore {
     const int64_t chunk = k % 2 == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
     return k / 2 * sample_tokens_ + chunk * (sample_tokens_ / (2 * cp_size_));
   }
+  // Pieced: the micro-batch token that parameter i's piece k starts at (piece_token(k), or for a tp
+  // rank's share its unit tp_rank x token_pieces(i) + k of the cp rank's token_units(i)).
+  int64_t unit_token(int i, int64_t k) const {
+    if (!sequence_tp(i)) return piece_token(k);
+    const int64_t U = token_units(i), sub = U / pieces_, u = tp_rank_ * token_pieces(i) + k;
+    return piece_token(u / sub) + u % sub * (sample_tokens_ / (2 * cp_size_) / sub);
+  }
   int64_t micro_batch_tokens() const { return pieces_ / 2 * sample_tokens_; }
   bool pieced() const { return pieces_ > 1; }
   // The pieces of a cp rank's rows (set_token_pieces' pieces: its two chunks of every sample).

@@ -457,13 +457,13 @@ TokenShare Precision::piece_tokens(const ParamStore& ps, int w, int64_t N) {
     piece_first_ = {ps.rows_token(w, N)};
     return {piece_cut_, piece_first_, ps.rows_tokens(w, N)};
   }
-  if (K == 1) return {};
-  LOCKSTEP_CHECK(!ps.sequence_tp(w), "nvfp4: parameter ", ps.specs()[static_cast<size_t>(w)].name,
-                 " is a tp rank's share of the cp rank's rows");
+  // (A tp rank's share of the cp rank's rows, the MoE shared expert's under tensor parallelism: its
+  // units, one piece even when a unit is part of a chunk.)
+  if (K == 1 && !ps.sequence_tp(w)) return {};
   piece_cut_.resize(static_cast<size_t>(K + 1));
   piece_first_.resize(static_cast<size_t>(K));
   for (int64_t k = 0; k <= K; ++k) piece_cut_[static_cast<size_t>(k)] = k * N / K;
-  for (int64_t k = 0; k < K; ++k) piece_first_[static_cast<size_t>(k)] = ps.piece_token(k);
+  for (int64_t k = 0; k < K; ++k) piece_first_[static_cast<size_t>(k)] = ps.unit_token(w, k);
   return {piece_cut_, piece_first_, ps.micro_batch_tokens()};
 }
 

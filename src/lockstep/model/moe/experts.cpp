@@ -234,11 +234,17 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
   tree_over_blocks(db, bias.data(), leaves, per, nout);
 }
 
-// dst (R, w) = the rows order[0 .. R) of src (., w).
+// dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
 void gather_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
   parallel_for(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       std::memcpy(dst + r * w, src + order[r] * w, static_cast<size_t>(w) * sizeof(float));
+  });
+}
+void scatter_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
+  parallel_for(R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      std::memcpy(dst + order[r] * w, src + r * w, static_cast<size_t>(w) * sizeof(float));
   });
 }
 
@@ -290,7 +296,20 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
 }
 
 void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* out, const float* x,
-                             const int64_t* offsets, const int64_t* segments) const {
+                             const int64_t* offsets, const int64_t* segments, const int64_t* token_segments) const {
+  if (!in_token_order(token_segments)) return forward_rows(ps, arena, out, x, offsets, segments);
+  // The rows in the micro-batch groups' token order, and the outputs back (group_token_order).
+  const int64_t R = offsets[E];
+  group_token_order(ps, token_segments);
+  tok_in.resize(R * C);
+  tok_out.resize(R * C);
+  gather_rows(tok_in.data(), x, cp_order.data(), R, C);
+  forward_rows(ps, arena, tok_out.data(), tok_in.data(), offsets, segments);
+  scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
+}
+
+void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x,
+                                  const int64_t* offsets, const int64_t* segments) const {
   Precision& p = ps.precision();
   const int64_t R = offsets[E];
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
@@ -335,6 +354,23 @@ void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                               const float* x, const int64_t* offsets, const int64_t* segments,
                               const ExpertsScratch& s, const int64_t* token_segments) const {
+  if (!in_token_order(token_segments))
+    return backward_rows(ps, arena, dx, dout, x, offsets, segments, s, token_segments);
+  // As forward: in the groups' token order, whose token segments are the groups' S in order.
+  const int64_t R = offsets[E];
+  group_token_order(ps, token_segments);
+  tok_in.resize(R * C);
+  tok_out.resize(R * C);
+  tok_dx.resize(R * C);
+  gather_rows(tok_in.data(), x, cp_order.data(), R, C);
+  gather_rows(tok_out.data(), dout, cp_order.data(), R, C);
+  backward_rows(ps, arena, tok_dx.data(), tok_out.data(), tok_in.data(), offsets, segments, s, cp_bounds.data());
+  scatter_rows(dx, tok_dx.data(), cp_order.data(), R, C);
+}
+
+void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
+                                   const float* x, const int64_t* offsets, const int64_t* segments,
+                                   const ExpertsScratch& s, const int64_t* token_segments) const {
   Precision& p = ps.precision();
   const int64_t R = offsets[E], Fw = fc_width(), S = sources, G = groups;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
@@ -355,8 +391,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
       // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
       // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
       // is expert e's piece k, into the parameter's grad_piece k).
-      // With several sources under context parallelism, each (expert, micro-batch group)'s rows are
-      // taken in token order first (group_token_order).
+      // (With several sources under context parallelism the rows are in the groups' token order here,
+      // token_segments their S segments: group_token_order.)
       const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * cp_size * token_L;
       const int64_t leaves = E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
@@ -366,17 +402,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
         dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + e * nout * nin;
         if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + e * nout;
       }
-      const int64_t* rows = token_segments;
-      if (S > 1 && cp_size > 1) {
-        cp_dy.resize(R * nout);
-        cp_x.resize(R * nin);
-        gather_rows(cp_dy.data(), dy, cp_order.data(), R, nout);
-        gather_rows(cp_x.data(), in, cp_order.data(), R, nin);
-        dy = cp_dy.data();
-        in = cp_x.data();
-        rows = cp_bounds.data();
-      }
-      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, rows, leaves, per, nout, nin);
+      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves, per,
+                          nout, nin);
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
         if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
@@ -407,7 +434,6 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
     sum_sources(ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
-  if (token_L && token_segments && S > 1 && cp_size > 1) group_token_order(ps, token_segments);
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);

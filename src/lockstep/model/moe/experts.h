@@ -74,8 +74,7 @@
 // units) and its outputs are the raw tree over them (partial(): no bias, not rounded); the group
 // sums them with ReduceOp::tree_sum (expert_tensor_parallel.h), then finish_proj adds the proj bias
 // and rounds: bitwise one process. Quantised expert GEMMs (fp8 / fp4) are segmented the same way
-// (gemm.h k_segments per expert or block); the config refuses them with expert tensor parallelism
-// under layout (an expert's rows there come from several ranks' micro-batches at once).
+// (gemm.h k_segments per expert or block), the etp sources' blocks as below.
 //
 // Quantised recipes (fp8 / fp4) in layout mode with several sources (expert parallelism): one
 // process quantises expert e's rows of one micro-batch as one tensor, so every quantised GEMM here
@@ -128,10 +127,10 @@ struct GroupedExperts {
   GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t E,
                  int64_t F_global, int64_t max_rows, const ExpertShard& shard = ExpertShard{});
 
-  // out (R, C) = expert_e(x) on the rows of each expert e. segments: as backward's (null with one
-  // source).
+  // out (R, C) = expert_e(x) on the rows of each expert e. segments, token_segments: as backward's
+  // (null with one source; token_segments: layout mode).
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
-               const int64_t* segments = nullptr) const;
+               const int64_t* segments = nullptr, const int64_t* token_segments = nullptr) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
   // (expert e, source s) at [e * sources + s] (= offsets with one source). token_segments (layout
   // mode): (E x sources x token_segments_per_source() + 1) rows of (expert, source, token segment)
@@ -200,12 +199,21 @@ struct GroupedExperts {
   mutable Precision::ExpertBlocks qblocks;
   mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
   mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
-  // Context parallelism with several sources: the rows of each (expert, micro-batch group) in the
-  // micro-batch's token order (cp_order: the expert rows in that order, cp_bounds: the (E x groups x
-  // S + 1) boundaries of its S token segments there), and the weight gradients' operands gathered so.
+  // Context parallelism with several sources (layout mode): forward and backward run on the rows of
+  // each (expert, micro-batch group) in the micro-batch's token order (cp_order: the expert rows in
+  // that order, cp_bounds: the (E x groups x S + 1) boundaries of its S token segments there), in the
+  // tok_* buffers, and their outputs go back to the dispatcher's order.
+  bool in_token_order(const int64_t* token_segments) const {
+    return token_segments && token_L && sources > 1 && cp_size > 1;
+  }
   void group_token_order(const ParamStore& ps, const int64_t* token_segments) const;
   mutable std::vector<int64_t> cp_order, cp_bounds;
-  mutable FloatBuffer cp_dy, cp_x;
+  mutable FloatBuffer tok_in, tok_out, tok_dx;
+  void forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
+                    const int64_t* segments) const;
+  void backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
+                     const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
+                     const int64_t* token_segments) const;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 

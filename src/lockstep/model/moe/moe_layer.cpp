@@ -233,11 +233,13 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   if (etp_) {
     etp_->plan(dispatcher_->segments(), dispatcher_->token_segments(), dispatcher_->token_segments_per_source());
     etp_->gather(arena(etp_in_), arena(rows_in_));
-    experts_.forward(ps, arena, arena(etp_out_), arena(etp_in_), etp_->offsets(), etp_->segments());
+    experts_.forward(ps, arena, arena(etp_out_), arena(etp_in_), etp_->offsets(), etp_->segments(),
+                     etp_->token_segments());
     etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
     if (experts_.partial()) experts_.finish_proj(ps, *groups_.etp, arena(rows_out_), dispatcher_->offsets());
   } else {
-    experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments());
+    experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
+                     dispatcher_->token_segments());
   }
   trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
   const float* base = in;
