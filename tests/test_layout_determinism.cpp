@@ -375,6 +375,11 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
       {4, {"parallel.context=2", "parallel.expert=2", "parallel.pipeline=2"}},
   }, {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16", "model.num_layers=4",
       "moe.expert_capacity_factor=1.0"});
+  // MTP (its depths dense): the head's and depths' folded pieces beside the MoE layers' tp shares.
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2"}},
+      {2, {"parallel.context=2", "parallel.expert=2"}},
+  }, {"layout_token_segments=true", "model.mtp_num_layers=1"});
   // Split experts: the expert x expert-tensor group holds whole micro-batches' tp x cp ranks, whose
   // rows of each expert are put back in token order before the token-segment trees (both
   // dispatchers, EP 2 / 4 over one or two micro-batch groups, ETP, with TP + SP, expert data

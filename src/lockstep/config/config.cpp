@@ -213,19 +213,18 @@ void validate_pipeline_parallel(const Config& c) {
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data-, tensor-, expert-, expert-tensor- and pipeline-parallel size, (dense, with "
+                          "for any data-, tensor-, expert-, expert-tensor- and pipeline-parallel size, (with "
                           "layout_token_segments) context-parallel size, micro-batch spread, process count and "
                           "backend)",
              {"run", "layout"}),
       LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
                               "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
                               "parallel.expert_tensor must divide it, and 2 x parallel.context x train.micro_batch "
-                              "under context parallelism, with sequence parallelism parallel.context x "
-                              "parallel.tensor too)"),
+                              "under context parallelism, with sequence parallelism or an MoE model "
+                              "parallel.context x parallel.tensor too)"),
       LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
-                                    "gradients in layout_segments token segments of the micro-batch, what parallel.context > 1 "
-                                    "needs (dense models there; train.micro_batch must divide "
-                                    "layout_segments)"),
+                                    "gradients in layout_segments token segments of the micro-batch, what "
+                                    "parallel.context > 1 needs (train.micro_batch must divide layout_segments)"),
       LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
                            "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
@@ -606,7 +605,7 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 }
 
 // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (x tp rows under sequence
-// parallelism); what it does not support yet is refused by name.
+// parallelism or in an MoE layer under tensor parallelism); what it does not support yet is refused by name.
 void validate_context_parallel(const Config& c) {
   const int64_t cp = c.parallel.context;
   if (cp == 1) return;

@@ -170,10 +170,11 @@ class ParamStore {
   int64_t token_units(int i) const { return sequence_tp(i) ? std::max<int64_t>(pieces_, sequence_tp_) : pieces_; }
   // Pieced: whether parameter i's pieces are a tp rank's share of the cp rank's rows: a sequence-parallel
   // parameter's, or under tensor parallelism an MoE expert's that every tp rank holds whole and feeds
-  // its own share of the rows (expert and expert tensor parallelism 1, model/moe/experts.h).
+  // its own share of the rows (expert and expert tensor parallelism 1: split experts combine their
+  // pieces themselves, ParamSpec::module_pieces, model/moe/experts.h).
   bool sequence_tp(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
-    return sequence_tp_ > 1 && (p.sequence_parallel || p.expert);
+    return sequence_tp_ > 1 && (p.sequence_parallel || (p.expert && !p.module_pieces));
   }
   // Piece k's gradient of parameter i (piece 0 is grad(i)).
   float* grad_piece(int i, int64_t k) const {

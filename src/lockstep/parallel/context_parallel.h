@@ -57,7 +57,8 @@ struct ContextParallel {
   int sequence_tp = 1;
 
   ContextParallel() = default;
-  // tp_cp: the tp x cp group, for the sequence-parallel pieces (layout mode, sequence parallelism).
+  // tp_cp: the tp x cp group, for the sequence_tp pieces (layout mode, sequence parallelism or an MoE
+  // model under tensor parallelism).
   explicit ContextParallel(Communicator* group, Communicator* tp_cp = nullptr);
   bool on() const { return size > 1; }
   // Positions per sample a rank holds: T / size.

@@ -160,7 +160,8 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
       expert_held_ = static_cast<int64_t>(canonical_pieces(total, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
-  } else if ((!subtrees || !blocks_.empty()) && expert_.size() != P / cp_size_) {
+  } else if (!blocks_.empty() && expert_.size() != P / cp_size_ &&
+             std::any_of(ps_.specs().begin(), ps_.specs().end(), [](const ParamSpec& p) { return p.expert; })) {
     // MoE under tensor or context parallelism without expert (tensor) parallelism: the expert group
     // is the data-parallel ranks with each one's tp x cp replicas; tp rank 0 of cp rank 0 holds the
     // micro-batches' expert gradients, the others -0 (model/moe/experts.h reduce_over_tp, parallel/

@@ -95,7 +95,7 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   groups = token_L ? sources / (tp_size * cp_size) : sources;
   layout_micros = micros;
-  // G: the sources, or under tensor parallelism the micro-batch groups they make (see the header).
+  // G: the sources, or under tensor or context parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
   // Group g's micro-batches [first + g A, first + (g + 1) A) as pieces of the canonical tree over
   // the step's L (one piece each when A is a power of two and the group's block is a subtree).
@@ -398,9 +398,10 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       dw_leaves.resize(static_cast<size_t>(leaves));
       db_leaves.resize(static_cast<size_t>(leaves));
       for (int64_t g = 0; g < leaves; ++g) {
-        const int64_t e = g / K, k = g % K;
-        dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + e * nout * nin;
-        if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + e * nout;
+        // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
+        const int64_t block = g / K, k = g % K;
+        dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
+        if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
       }
       token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves, per,
                           nout, nin);

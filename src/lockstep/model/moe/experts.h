@@ -46,7 +46,8 @@
 // rows from that segment (and likewise each bias gradient's column sums), so that tensor
 // parallelism, whose ranks route N / tp tokens each (whole segments), can rebuild it. The
 // dispatcher gives the rows per (expert, source, token segment of the source's N / tp tokens)
-// (Dispatcher::token_segments, token_segments_per_source() = S / tp of them). With several sources
+// (Dispatcher::token_segments, token_segments_per_source() = S / tp of them; S / (tp cp) under
+// context parallelism, below). With several sources
 // the tp_size consecutive ones that share a micro-batch (the tp ranks of one dp rank, world-rank
 // order) make one leaf, the tree over their S segments, so the (expert, source) blocks above become
 // (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
@@ -146,8 +147,8 @@ struct GroupedExperts {
   // canonical piece of it but the last, table-shaped like ps.grads(): DataParallel::expert_pieces)
   // receive those pieces' gradients at the expert parameters' offsets, ps.grad the last one's.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {});
-  // Layout mode: the token segments per source the weight gradients need (segments / tp_size), 0
-  // otherwise (run mode).
+  // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
+  // cp_size)), 0 otherwise (run mode).
   int64_t token_segments_per_source() const { return token_L; }
   // Layout mode under expert tensor parallelism: forward's output and backward's dx are this rank's
   // raw partial sums (the tree over its K segments), to be summed over the group with tree_sum.
@@ -175,7 +176,8 @@ struct GroupedExperts {
   Communicator* tp = nullptr;
   int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
   // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
-  // micro-batch groups they make (sources / tp_size, token segments under tensor parallelism).
+  // micro-batch groups they make (sources / (tp_size x cp_size), token segments under tensor or
+  // context parallelism).
   int64_t groups = 1;
   mutable FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each), sources > 1 only.

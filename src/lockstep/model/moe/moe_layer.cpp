@@ -310,11 +310,11 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   {
     // determinism = "layout": in token segments (ParamStore::token_segments), under context
     // parallelism per token piece of the rank's rows (ParamStore::token_pieces).
-    const int64_t P = ps.token_pieces(router_w_), rows = N / P;
+    const int64_t K = ps.token_pieces(router_w_), rows = N / K;
     const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(router_w_));
     GemmOptions wgrad = acc;
     wgrad.k_segments = bounds;
-    for (int64_t k = 0; k < P; ++k)
+    for (int64_t k = 0; k < K; ++k)
       gemm(ps.grad_piece(router_w_, k), s.dlogits + k * rows * E_, Trans::T, rx + k * rows * C_, Trans::N, E_, C_, rows,
            wgrad);
   }

@@ -24,7 +24,8 @@
 //     gradient rows), so no expert work or gradient is duplicated over tp. The norm, router and
 //     shared expert are replicated over tp and see only the rank's rows: their gradients are
 //     partial sums, summed over the group once per step (ParamSpec::sequence_parallel,
-//     reduce_sequence_parallel_grads). The load-balancing losses need the whole micro-batch's
+//     reduce_sequence_parallel_grads; under context parallelism in layout mode their token pieces
+//     are combined over tp x cp instead, combine_token_pieces). The load-balancing losses need the whole micro-batch's
 //     statistics: the router logits (E per token) are all-gathered over the group, so every rank
 //     computes the single-process aux losses and the gradient of its own rows;
 //   context parallelism (cp, parallel/context_parallel.h): the layer holds its rank's T / cp positions

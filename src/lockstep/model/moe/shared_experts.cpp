@@ -89,9 +89,9 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
     });
   }
   if (w && segments > 0) {
-    const int64_t P = ps.token_pieces(gate_w), rows = N / P;
+    const int64_t K = ps.token_pieces(gate_w), rows = N / K;
     const std::vector<int64_t> bounds = canonical_segments(rows, segments);
-    for (int64_t k = 0; k < P; ++k) {
+    for (int64_t k = 0; k < K; ++k) {
       float* dw = ps.grad_piece(gate_w, k);
       const int64_t r0 = k * rows;
       parallel_for(C, [&](int64_t c0, int64_t c1) {
