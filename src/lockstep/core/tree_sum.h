@@ -24,6 +24,7 @@
 // elements are split into ranges.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -81,7 +82,7 @@ class PieceTree {
 };
 
 // out[i] = the canonical tree sum of leaves[0][i] .. leaves[L-1][i]. stack: scratch of
-// tree_sum_stack(L) x n elements. out may alias leaves[L-1] (and no other leaf).
+// tree_sum_stack(L) x n elements. out may alias a leaf: each leaf is read before the root is written.
 template <typename T>
 void tree_sum(T* out, const T* const* leaves, int64_t L, int64_t n, T* stack);
 inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_cast<uint64_t>(L - 1)) : 0; }
@@ -148,22 +149,31 @@ class TreeSum {
 template <typename T>
 void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack) {
   // Leaf c completes the subtrees of its trailing one bits: carry = S_0 + x, S_1 + carry, ...,
-  // stored at the first zero bit; the last leaf folds every held subtree, smallest first.
-  if (!last) {
-    const int t = std::countr_one(static_cast<uint64_t>(c));
-    T* dst = stack + t * n;
-    for (int64_t i = 0; i < n; ++i) {
-      T carry = x[i];
-      for (int j = 0; j < t; ++j) carry = stack[j * n + i] + carry;
-      dst[i] = carry;
+  // stored at the first zero bit; the last leaf folds every held subtree, smallest first. Each
+  // element's additions in that order, a block of elements per subtree at a time (vectorised; the
+  // block stays in cache between the passes).
+  constexpr int64_t kBlock = 1024;
+  const uint64_t held = last ? static_cast<uint64_t>(c) : (uint64_t{1} << std::countr_one(static_cast<uint64_t>(c))) - 1;
+  T* dst = last ? out : stack + std::countr_one(static_cast<uint64_t>(c)) * n;
+  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+    const int64_t m = std::min(n - b0, kBlock);
+    T* d = dst + b0;
+    uint64_t h = held;
+    // The first addition from x (out may alias x: then in place like the others), the carry in d.
+    if (d != x + b0) {
+      const T* src = x + b0;
+      if (!h) {
+        std::memcpy(d, src, static_cast<size_t>(m) * sizeof(T));
+        continue;
+      }
+      const T* s0 = stack + std::countr_zero(h) * n + b0;
+      for (int64_t i = 0; i < m; ++i) d[i] = s0[i] + src[i];
+      h &= h - 1;
     }
-    return;
-  }
-  const uint64_t held = static_cast<uint64_t>(c);
-  for (int64_t i = 0; i < n; ++i) {
-    T carry = x[i];
-    for (uint64_t h = held; h; h &= h - 1) carry = stack[std::countr_zero(h) * n + i] + carry;
-    out[i] = carry;
+    for (; h; h &= h - 1) {
+      const T* sj = stack + std::countr_zero(h) * n + b0;
+      for (int64_t i = 0; i < m; ++i) d[i] = sj[i] + d[i];
+    }
   }
 }
 

@@ -147,36 +147,42 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
   const int64_t depth = tree_sum_stack(L), R = group.size();
-  const bool keep = group.rank() < keepers;
+  const int me = group.rank();
+  const bool keep = me < keepers;
+  // A keeper reads its own pieces in place; the others' come in, in rank order (rank q's at
+  // block q, or q - 1 past this rank), one message per piece sent from the gradient itself.
+  const auto block = [me](int q) { return q > me ? q - 1 : q; };
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
-  // (keepers K + R K + depth) x kCombineChunk floats on a keeper, keepers K x kCombineChunk on the
-  // others, whatever the range (a vocabulary-sized embedding or head).
+  // ((R - 1) K + depth) x kCombineChunk floats on a keeper, none on the others, whatever the range
+  // (a vocabulary-sized embedding or head).
   const int64_t chunk = std::min(hi - lo, kCombineChunk);
-  scratch.resize(static_cast<size_t>((keepers * K + (keep ? R * K + depth : 0)) * chunk));
-  float* send = scratch.data();
-  float* recv = keep ? send + keepers * K * chunk : send;  // a non-keeper receives nothing
-  float* stack = keep ? recv + R * K * chunk : send;
-  std::vector<int64_t> send_counts(static_cast<size_t>(R), 0), recv_counts(static_cast<size_t>(R), 0);
+  scratch.resize(static_cast<size_t>(keep ? ((R - 1) * K + depth) * chunk : 0));
+  float* recv = scratch.data();
+  float* stack = recv + (keep ? (R - 1) * K * chunk : 0);
+  std::vector<Communicator::Message> sends, recvs;
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
-    const int64_t n = std::min(chunk, hi - lo - c0);
-    // One copy of the pieces per keeper (all_to_allv sends each rank its own block).
-    for (int q = 0; q < keepers; ++q)
-      for (int64_t k = 0; k < K; ++k)
-        std::memcpy(send + (q * K + k) * n, ps.grad_piece(first, k) + c0, static_cast<size_t>(n) * sizeof(float));
+    const int64_t n = std::min(chunk, hi - lo - c0), bytes = n * static_cast<int64_t>(sizeof(float));
+    sends.clear();
+    recvs.clear();
     for (int q = 0; q < R; ++q) {
-      send_counts[static_cast<size_t>(q)] = q < keepers ? K * n : 0;
-      recv_counts[static_cast<size_t>(q)] = keep ? K * n : 0;
+      if (q == me) continue;
+      for (int64_t k = 0; k < K; ++k) {
+        if (q < keepers) sends.push_back({q, 0, ps.grad_piece(first, k) + c0, bytes});
+        if (keep) recvs.push_back({q, 0, recv + (block(q) * K + k) * n, bytes});
+      }
     }
-    group.all_to_allv(recv, recv_counts, send, send_counts);
+    group.send_recv_batch_async(sends, recvs).wait();
     float* out = ps.grad(first) + c0;
     parallel_for(n, [&](int64_t i0, int64_t i1) {
       if (keep) {
         const float* leaves[2 * kMaxContext];
         for (int64_t g = 0; g < L; ++g) {
           const auto [q, k] = leaf(g);
-          leaves[g] = recv + (q * K + k) * n + i0;
+          leaves[g] = q == me ? ps.grad_piece(first, k) + c0 + i0
+                              : recv + (block(static_cast<int>(q)) * K + k) * n + i0;
         }
-        // The leaves are the received copies: the gradient may take the root.
+        // The root may go to piece 0 (the gradient), one of the leaves: tree_sum reads each leaf
+        // before it writes the root.
         tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
       }
       if (acc) {
