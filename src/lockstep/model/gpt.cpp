@@ -101,6 +101,16 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
         folded_.emplace_back(i, std::vector<float>(static_cast<size_t>(params_.specs()[i].shape.numel()), 0.0f));
       }
     }
+  // The pieces live from a grads-ready range's first gradient to its combine (complete_micro_batch_grads):
+  // one window of the largest range (the embedding, a layer, the head with MTP) instead of the table.
+  if (params_.pieced()) {
+    std::vector<std::pair<int, int>> runs;
+    if (part_.first) runs.emplace_back(0, embed_end_);
+    for (const auto& [first, end] : part_.chunks)
+      for (int64_t l = first; l < end; ++l) runs.emplace_back(layer_first_[l], layer_end_[l]);
+    if (part_.last) runs.emplace_back(head_first_, static_cast<int>(params_.specs().size()));
+    params_.set_piece_windows(runs);
+  }
   params_.allocate();
   precision_ = Precision(precision, params_, L_);
   params_.set_precision(&precision_);

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/model/precision.h"
@@ -56,7 +57,29 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
 void ParamStore::allocate() {
   values_.resize(total_);
   grads_.resize(total_);
-  for (int64_t k = 1; k < pieces_; ++k) pieces_grads_.emplace_back(total_);
+  if (window_ < 0) {
+    piece_base_.assign(specs_.size(), 0);
+    window_ = total_;
+  }
+  for (int64_t k = 1; k < pieces_; ++k) pieces_grads_.emplace_back(window_);
+}
+
+void ParamStore::set_piece_windows(const std::vector<std::pair<int, int>>& runs) {
+  const int n = static_cast<int>(specs_.size());
+  piece_base_.assign(specs_.size(), 0);
+  window_ = 0;
+  int next = 0;
+  for (const auto& [first, end] : runs) {
+    LOCKSTEP_CHECK(first == next && end >= first && end <= n, "piece windows: run [", first, ", ", end,
+                   ") after parameter ", next, " of ", n);
+    if (first == end) continue;
+    const int64_t lo = specs_[static_cast<size_t>(first)].offset;
+    const int64_t hi = end < n ? specs_[static_cast<size_t>(end)].offset : total_;
+    for (int i = first; i < end; ++i) piece_base_[static_cast<size_t>(i)] = lo;
+    window_ = std::max(window_, hi - lo);
+    next = end;
+  }
+  LOCKSTEP_CHECK(next == n, "piece windows cover ", next, " of ", n, " parameters");
 }
 
 namespace {

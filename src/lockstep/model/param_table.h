@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/state_shard.h"
@@ -176,10 +177,17 @@ class ParamStore {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
     return sequence_tp_ > 1 && (p.sequence_parallel || (p.expert && !p.module_pieces));
   }
-  // Piece k's gradient of parameter i (piece 0 is grad(i)).
+  // Piece k's gradient of parameter i (piece 0 is grad(i)). Pieces 1 .. are live only while the
+  // backward of parameter i's window runs (set_piece_windows): each is a window-sized buffer that
+  // the combine leaves zeroed for the next window.
   float* grad_piece(int i, int64_t k) const {
-    return k == 0 ? grad(i) : pieces_grads_[static_cast<size_t>(k - 1)].data() + specs_[i].offset;
+    return k == 0 ? grad(i) : pieces_grads_[static_cast<size_t>(k - 1)].data() + specs_[i].offset - piece_base_[i];
   }
+  // Pieced: the runs of parameters [first, end), covering the table in order, whose pieces are
+  // combined together before the next run's gradients are computed (the model's grads-ready ranges:
+  // the head, each layer, the embedding), so pieces 1 .. need only the largest run's size. Without
+  // it, one window: the whole table. Before allocate().
+  void set_piece_windows(const std::vector<std::pair<int, int>>& runs);
   // Sets parameter i's canonical pieces (ParamSpec::cut_dim, cut).
   void set_layout_cut(int i, int dim, std::vector<int64_t> bounds) {
     specs_[static_cast<size_t>(i)].cut_dim = dim;
@@ -242,7 +250,9 @@ class ParamStore {
   int64_t pieces_ = 1;
   int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
   int64_t sample_tokens_ = 0;
-  std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1
+  std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1, window_ floats each
+  std::vector<int64_t> piece_base_;         // per parameter: its window's first offset
+  int64_t window_ = -1;                     // -1: one window, the whole table
 };
 
 }  // namespace lockstep
