@@ -97,7 +97,7 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2",
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
             "determinism = \"layout\", an MoE model, precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
-            "moe.pad_expert_input_to_capacity = true: a micro-batch's quantised expert block would hold each cp "
+            "moe.pad_expert_input_to_capacity = true: a micro-batch's quantised expert block would hold each tp x cp "
             "rank's padding"},
            {{"layout_token_segments=true", "train.micro_batch=1", "precision.params=bf16", "precision.fp4=nvfp4",
              "moe.shared_expert_intermediate_size=64", "moe.num_experts=8", "parallel.tensor=4", "parallel.expert=8"},

@@ -645,10 +645,10 @@ void validate_context_parallel(const Config& c) {
       refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and parallel.expert x parallel.expert_tensor = 1"),
              str("a quantised expert block would be one rank's rows of an expert, not its micro-batch's; use "
                  "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor x parallel.context = ",
-                 tp * cp, "), bf16 or fp32"));
+                 tp * cp, ") or precision.fp8 = precision.fp4 = \"none\""));
     if (moe && quantised && c.moe.pad_expert_input_to_capacity)
       refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and moe.pad_expert_input_to_capacity = true"),
-             "a micro-batch's quantised expert block would hold each cp rank's padding between its tokens; use "
+             "a micro-batch's quantised expert block would hold each tp x cp rank's padding between its tokens; use "
              "moe.pad_expert_input_to_capacity = false");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.

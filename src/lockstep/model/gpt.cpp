@@ -104,6 +104,10 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // The pieces live from a grads-ready range's first gradient to its combine (complete_micro_batch_grads):
   // one window of the largest range (the embedding, a layer, the head with MTP) instead of the table.
   if (params_.pieced()) {
+    // (Every piece of a range written in its own backward: the head writes its own copy of a tied
+    // embedding, GptPart::split_embedding; the MTP depths' lookups too, checked above.)
+    LOCKSTEP_CHECK(!part_.last || out_ >= head_first_,
+                   "context parallelism's token pieces: the output head's weight must be the head range's own");
     std::vector<std::pair<int, int>> runs;
     if (part_.first) runs.emplace_back(0, embed_end_);
     for (const auto& [first, end] : part_.chunks)

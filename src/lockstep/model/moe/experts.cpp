@@ -234,6 +234,11 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
   tree_over_blocks(db, bias.data(), leaves, per, nout);
 }
 
+// b holds at least n floats (grown, never shrunk: a scratch reused call by call).
+void grow(FloatBuffer& b, int64_t n) {
+  if (b.size() < n) b.resize(n);
+}
+
 // dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
 void gather_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
   parallel_for(R, [&](int64_t r0, int64_t r1) {
@@ -250,7 +255,7 @@ void scatter_rows(float* dst, const float* src, const int64_t* order, int64_t R,
 
 }  // namespace
 
-void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* token_segments) const {
+void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const {
   // A micro-batch group's T = tp x cp sources (world-rank order: tp fastest) hold its cp x U token
   // units (U = max(2B, tp) per cp rank, K consecutive ones per tp rank, parallel/context_parallel.h
   // unit_holder), each unit L / K of its source's token segments; in token order they are the
@@ -261,6 +266,7 @@ void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* toke
                  "experts: ", sources, " sources of ", U, " token units per cp rank over ", T, " ranks, ", L,
                  " token segments each");
   const int64_t R = token_segments[E * sources * L];
+  LOCKSTEP_CHECK(R == rows, "experts: ", R, " rows in the token segments, ", rows, " in the offsets");
   cp_order.resize(static_cast<size_t>(R));
   cp_bounds.resize(static_cast<size_t>(E * G * cp_size * U * per + 1));
   int64_t at = 0, b = 0;
@@ -300,9 +306,9 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   if (!in_token_order(token_segments)) return forward_rows(ps, arena, out, x, offsets, segments);
   // The rows in the micro-batch groups' token order, and the outputs back (group_token_order).
   const int64_t R = offsets[E];
-  group_token_order(ps, token_segments);
-  tok_in.resize(R * C);
-  tok_out.resize(R * C);
+  group_token_order(ps, token_segments, R);
+  grow(tok_in, R * C);
+  grow(tok_out, R * C);
   gather_rows(tok_in.data(), x, cp_order.data(), R, C);
   forward_rows(ps, arena, tok_out.data(), tok_in.data(), offsets, segments);
   scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
@@ -358,10 +364,10 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
     return backward_rows(ps, arena, dx, dout, x, offsets, segments, s, token_segments);
   // As forward: in the groups' token order, whose token segments are the groups' S in order.
   const int64_t R = offsets[E];
-  group_token_order(ps, token_segments);
-  tok_in.resize(R * C);
-  tok_out.resize(R * C);
-  tok_dx.resize(R * C);
+  group_token_order(ps, token_segments, R);
+  grow(tok_in, R * C);
+  grow(tok_out, R * C);
+  grow(tok_dx, R * C);
   gather_rows(tok_in.data(), x, cp_order.data(), R, C);
   gather_rows(tok_out.data(), dout, cp_order.data(), R, C);
   backward_rows(ps, arena, tok_dx.data(), tok_out.data(), tok_in.data(), offsets, segments, s, cp_bounds.data());

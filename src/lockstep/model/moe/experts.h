@@ -128,17 +128,17 @@ struct GroupedExperts {
   GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t E,
                  int64_t F_global, int64_t max_rows, const ExpertShard& shard = ExpertShard{});
 
-  // out (R, C) = expert_e(x) on the rows of each expert e. segments, token_segments: as backward's
-  // (null with one source; token_segments: layout mode).
+  // out (R, C) = expert_e(x) on the rows of each expert e. segments, token_segments: as backward's,
+  // the same for a micro-batch's forward and backward (which run in the same row order).
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
-               const int64_t* segments = nullptr, const int64_t* token_segments = nullptr) const;
+               const int64_t* segments, const int64_t* token_segments) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
   // (expert e, source s) at [e * sources + s] (= offsets with one source). token_segments (layout
   // mode): (E x sources x token_segments_per_source() + 1) rows of (expert, source, token segment)
   // (Dispatcher::token_segments).
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
                 const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
-                const int64_t* token_segments = nullptr) const;
+                const int64_t* token_segments) const;
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
   // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see
@@ -208,7 +208,7 @@ struct GroupedExperts {
   bool in_token_order(const int64_t* token_segments) const {
     return token_segments && token_L && sources > 1 && cp_size > 1;
   }
-  void group_token_order(const ParamStore& ps, const int64_t* token_segments) const;
+  void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const;
   mutable std::vector<int64_t> cp_order, cp_bounds;
   mutable FloatBuffer tok_in, tok_out, tok_dx;
   void forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
