@@ -226,7 +226,8 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
     // The micro-batch's P U units (U per cp rank, U / C per chunk), K per tp rank of the run's group.
     const int64_t K = ps.token_pieces(a), U = ps.token_units(a), sub = U / C, tp = shares ? cp.sequence_tp : 1;
     LOCKSTEP_CHECK(!shares || (cp.sequence_group && U == std::max<int64_t>(C, tp)),
-                   "context parallelism: tp ranks' shares of the pieces without their tp x cp group of ", tp, " tp ranks");
+                   "context parallelism: tp ranks' shares of the pieces without their tp x cp group of ", tp,
+                   " tp ranks");
     const auto leaf = [P, sub, K, tp](int64_t g) { return unit_holder(P, sub, K, tp, g); };
     // An expert's tp ranks are replicas in its expert data-parallel group, which adds the kept sum
     // once: tp rank 0 of cp rank 0 keeps it (one keeper); a sequence-parallel parameter's every tp

@@ -100,17 +100,18 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // the micro-batch's gradients become its leaf of the tree over micro-batches): parameters [first,
 // end) hold this rank's 2B token pieces (ParamStore::grad_piece: its two chunks of each sample, each
 // the tree over its token segments). Every rank sends them to cp rank 0 (one message per piece, from
-// the gradients themselves: only it uses them; it reads its own in place), which sums the micro-batch's
-// 2 size B pieces along the canonical tree in token order (sample, then chunk): the one-process
+// the gradients themselves: only it uses them; it reads its own in place), which sums the
+// micro-batch's 2 size B pieces along the canonical tree in token order (sample, then chunk): the one-process
 // micro-batch gradient, which cp rank 0 keeps while the others hold -0, so the dp x cp reduction adds
 // it once, exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next range or micro-batch. Wire
 // per call: each rank but cp rank 0 sends 2B x the range's gradients (n floats each), in chunks of at
 // most kCombineChunk elements; scratch holds ((R - 1) x K + depth) x kCombineChunk floats at most on a
-// keeper, none on the others (K pieces per rank, R ranks in the group). Under sequence parallelism the sequence-parallel parameters' pieces are the tp ranks'
-// shares of the cp rank's rows (ParamStore::token_units): every rank of the tp x cp group
-// (sequence_group) sends those to each tp rank of cp rank 0 (keepers = tp: to each its own), which
-// sums the micro-batch's size x units of them along the canonical tree (every tp rank of cp rank 0
-// keeps the sum, the replicas every tp rank holds; the others -0). An MoE layer's parameters under
+// keeper, none on the others (K pieces per rank, R ranks in the group). Under sequence parallelism
+// the sequence-parallel parameters' pieces are the tp ranks' shares of the cp rank's rows
+// (ParamStore::token_units): every rank of the tp x cp group (sequence_group) sends those to each
+// tp rank of cp rank 0 (keepers = tp: to each its own), which sums the micro-batch's size x units
+// of them along the canonical tree (every tp rank of cp rank 0 keeps the sum, the replicas every tp
+// rank holds; the others -0). An MoE layer's parameters under
 // tensor parallelism are such shares too (ParamStore::sequence_tp); its experts, which every tp rank
 // holds whole and their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0
 // only. Parameters the model folds itself (ParamSpec::folded) or whose module combines the pieces

@@ -71,7 +71,8 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     dproj_w.resize(sources * E * C * F);
     if (fc_b >= 0) dfc_b.resize(sources * E * Fw);
     if (proj_b >= 0) dproj_b.resize(sources * E * C);
-    // Context parallelism's token pieces of these gradients are summed here (group_token_order).
+    // Under context parallelism these gradients take no token pieces: the experts run on each micro-batch
+    // group's rows in token order (group_token_order), and combine_token_pieces leaves them alone.
     for (int i : {fc_w, fc_b, proj_w, proj_b})
       if (i >= 0) ps.set_module_pieces(i);
   }
@@ -87,7 +88,8 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / (tp_size * cp_size);
-    LOCKSTEP_CHECK(layout_segments % (tp_size * cp_size) == 0 && (sources == 1 || sources % (tp_size * cp_size) == 0) &&
+    const int64_t T = tp_size * cp_size;
+    LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0) &&
                        (sources > 1 || tp_size == 1 || tp),
                    "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
                    ", context-parallel size ", cp_size);
