@@ -134,10 +134,11 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 
 namespace {
 // combine_token_pieces over the parameters [first, end) alike, whose gradients hold K pieces each:
-// every rank of `group` sends its K pieces to the keepers (group ranks 0 .. keepers - 1: cp rank 0's,
-// which receive the root; the others hold -0), and the L leaves of the micro-batch's tree, in token
-// order, are leaf(g) = {the group rank holding it, its piece there}. acc (fold_token_pieces): the
-// root is added into acc (on the keepers) and the gradient zeroed instead.
+// the ranks of `group` sum a slice of the elements each and send the roots to the keepers (group
+// ranks 0 .. keepers - 1: cp rank 0's, which hold the root; the others -0), and the L leaves of the
+// micro-batch's tree, in token order, are leaf(g) = {the group rank holding it, its piece there}.
+// acc (fold_token_pieces): the root is added into acc (on the keepers) and the gradient zeroed
+// instead.
 template <class Leaf>
 void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, int keepers,
                     const Leaf& leaf, std::vector<float>& scratch, float* acc = nullptr) {
@@ -149,42 +150,60 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   const int64_t depth = tree_sum_stack(L), R = group.size();
   const int me = group.rank();
   const bool keep = me < keepers;
-  // A keeper reads its own pieces in place; the others' come in, in rank order (rank q's at
-  // block q, or q - 1 past this rank), one message per piece sent from the gradient itself.
+  // Each rank sums one slice of the elements (slice q of n: [q n / R, (q + 1) n / R)): every rank
+  // sends each other rank its K pieces' part in that rank's slice, sums its own slice from the R
+  // ranks' pieces (its own read in place, the others' at block q, or q - 1 past this rank), and
+  // sends that root to the keepers, which so hold the whole root. One message per piece and slice,
+  // from the gradients themselves.
   const auto block = [me](int q) { return q > me ? q - 1 : q; };
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
-  // ((R - 1) K + depth) x kCombineChunk floats on a keeper, none on the others, whatever the range
-  // (a vocabulary-sized embedding or head).
-  const int64_t chunk = std::min(hi - lo, kCombineChunk);
-  scratch.resize(static_cast<size_t>(keep ? ((R - 1) * K + depth) * chunk : 0));
+  // ((R - 1) K + depth) x (kCombineChunk / R + 1) floats, whatever the range (a vocabulary-sized
+  // embedding or head).
+  const int64_t chunk = std::min(hi - lo, kCombineChunk), slice_max = chunk / R + 1;
+  scratch.resize(static_cast<size_t>(((R - 1) * K + depth) * slice_max));
   float* recv = scratch.data();
-  float* stack = recv + (keep ? (R - 1) * K * chunk : 0);
+  float* stack = recv + (R - 1) * K * slice_max;
   std::vector<Communicator::Message> sends, recvs;
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
-    const int64_t n = std::min(chunk, hi - lo - c0), bytes = n * static_cast<int64_t>(sizeof(float));
+    const int64_t n = std::min(chunk, hi - lo - c0);
+    const auto slice = [n, R](int64_t q) { return std::pair<int64_t, int64_t>{q * n / R, (q + 1) * n / R}; };
+    const auto [s0, s1] = slice(me);
+    const int64_t m = s1 - s0;
+    constexpr int64_t F = sizeof(float);
     sends.clear();
     recvs.clear();
     for (int q = 0; q < R; ++q) {
       if (q == me) continue;
+      const auto [q0, q1] = slice(q);
       for (int64_t k = 0; k < K; ++k) {
-        if (q < keepers) sends.push_back({q, 0, ps.grad_piece(first, k) + c0, bytes});
-        if (keep) recvs.push_back({q, 0, recv + (block(q) * K + k) * n, bytes});
+        if (q1 > q0) sends.push_back({q, 0, ps.grad_piece(first, k) + c0 + q0, (q1 - q0) * F});
+        if (m > 0) recvs.push_back({q, 0, recv + (block(q) * K + k) * m, m * F});
       }
     }
     group.send_recv_batch_async(sends, recvs).wait();
     float* out = ps.grad(first) + c0;
-    parallel_for(n, [&](int64_t i0, int64_t i1) {
-      if (keep) {
-        const float* leaves[2 * kMaxContext];
-        for (int64_t g = 0; g < L; ++g) {
-          const auto [q, k] = leaf(g);
-          leaves[g] = q == me ? ps.grad_piece(first, k) + c0 + i0
-                              : recv + (block(static_cast<int>(q)) * K + k) * n + i0;
-        }
-        // The root may go to piece 0 (the gradient), one of the leaves: tree_sum reads each leaf
-        // before it writes the root.
-        tree_sum(out + i0, leaves, L, i1 - i0, stack + depth * i0);
+    parallel_for(m, [&](int64_t i0, int64_t i1) {
+      const float* leaves[2 * kMaxContext];
+      for (int64_t g = 0; g < L; ++g) {
+        const auto [q, k] = leaf(g);
+        leaves[g] = q == me ? ps.grad_piece(first, k) + c0 + s0 + i0
+                            : recv + (block(static_cast<int>(q)) * K + k) * m + i0;
       }
+      // The root goes to piece 0 (the gradient), one of the leaves: tree_sum reads each leaf before
+      // it writes the root (and this slice of piece 0 went to no other rank).
+      tree_sum(out + s0 + i0, leaves, L, i1 - i0, stack + depth * i0);
+    });
+    // The keepers gather the slices' roots (the exchange above is complete: piece 0 may take them).
+    sends.clear();
+    recvs.clear();
+    for (int q = 0; q < R; ++q) {
+      if (q == me) continue;
+      const auto [q0, q1] = slice(q);
+      if (q < keepers && m > 0) sends.push_back({q, 1, out + s0, m * F});
+      if (keep && q1 > q0) recvs.push_back({q, 1, out + q0, (q1 - q0) * F});
+    }
+    group.send_recv_batch_async(sends, recvs).wait();
+    parallel_for(n, [&](int64_t i0, int64_t i1) {
       if (acc) {
         if (keep)
           for (int64_t i = i0; i < i1; ++i) acc[c0 + i] += out[i];

@@ -99,22 +99,23 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // determinism = "layout" with layout_token_segments, per micro-batch (the grads-ready hook, before
 // the micro-batch's gradients become its leaf of the tree over micro-batches): parameters [first,
 // end) hold this rank's 2B token pieces (ParamStore::grad_piece: its two chunks of each sample, each
-// the tree over its token segments). Every rank sends them to cp rank 0 (one message per piece, from
-// the gradients themselves: only it uses them; it reads its own in place), which sums the
-// micro-batch's 2 size B pieces along the canonical tree in token order (sample, then chunk): the one-process
-// micro-batch gradient, which cp rank 0 keeps while the others hold -0, so the dp x cp reduction adds
-// it once, exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next range or micro-batch. Wire
-// per call: each rank but cp rank 0 sends 2B x the range's gradients (n floats each), in chunks of at
-// most kCombineChunk elements; scratch holds ((R - 1) x K + depth) x kCombineChunk floats at most on a
-// keeper, none on the others (K pieces per rank, R ranks in the group). Under sequence parallelism
-// the sequence-parallel parameters' pieces are the tp ranks' shares of the cp rank's rows
-// (ParamStore::token_units): every rank of the tp x cp group (sequence_group) sends those to each
-// tp rank of cp rank 0 (keepers = tp: to each its own), which sums the micro-batch's size x units
-// of them along the canonical tree (every tp rank of cp rank 0 keeps the sum, the replicas every tp
-// rank holds; the others -0). An MoE layer's parameters under
-// tensor parallelism are such shares too (ParamStore::sequence_tp); its experts, which every tp rank
-// holds whole and their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0
-// only. Parameters the model folds itself (ParamSpec::folded) or whose module combines the pieces
+// the tree over its token segments). Owner per element: rank r sums slice r of the elements (of
+// each chunk of at most kCombineChunk), receiving every other rank's pieces of it (one message per
+// piece, from the gradients themselves; its own read in place), along the canonical tree over the
+// micro-batch's 2 size B pieces in token order (sample, then chunk), and sends the root to cp rank
+// 0: the one-process micro-batch gradient, which cp rank 0 keeps while the others hold -0, so the
+// dp x cp reduction adds it once, exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next
+// range or micro-batch. Wire per call: each rank sends (R - 1) / R of its K pieces of the range (n
+// floats each), and each rank but the keepers' its slice of the root to every keeper; scratch
+// holds ((R - 1) x K + depth) x (kCombineChunk / R + 1) floats (K pieces per rank, R ranks in the
+// group). Under sequence parallelism the sequence-parallel parameters' pieces are the tp ranks'
+// shares of the cp rank's rows (ParamStore::token_units): the ranks of the tp x cp group
+// (sequence_group) sum their slices of the micro-batch's size x units of them along the canonical
+// tree and send the roots to each tp rank of cp rank 0 (keepers = tp), which keep the sum (the
+// replicas every tp rank holds; the others -0). An MoE layer's parameters under tensor parallelism
+// are such shares too (ParamStore::sequence_tp); its experts, which every tp rank holds whole and
+// their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0 only.
+// Parameters the model folds itself (ParamSpec::folded) or whose module combines the pieces
 // (ParamSpec::module_pieces: experts with several sources) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
