@@ -225,6 +225,30 @@ TEST(TreeSum, PushOneLeafAtATimeInPlaceEqualsTheTree) {
   }
 }
 
+// Past one block of tree_sum_push's passes (1,024 elements, the last block partial) and with the
+// root written over any one leaf (combine_token_pieces writes it over the rank's own piece 0, which
+// can be the first, a middle or the last leaf): still the tree's bits.
+TEST(TreeSum, ManyBlocksAndRootOverAnyLeafEqualTheTree) {
+  const int64_t n = 2 * 1024 + 77;
+  for (int64_t L : {1, 2, 3, 7, 8, 13, 16}) {
+    const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L));
+    std::vector<float> want(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = tree_reference(x, 0, x.size(), static_cast<size_t>(i));
+    std::vector<float> stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
+    for (int64_t over : {int64_t{-1}, int64_t{0}, L / 2, L - 1}) {  // -1: a separate output
+      auto leaves = x;
+      std::vector<const float*> p;
+      for (const auto& v : leaves) p.push_back(v.data());
+      std::vector<float> separate(static_cast<size_t>(n));
+      float* out = over < 0 ? separate.data() : leaves[static_cast<size_t>(over)].data();
+      tree_sum(out, p.data(), L, n, stack.data());
+      for (int64_t i = 0; i < n; ++i)
+        ASSERT_EQ(std::bit_cast<uint32_t>(out[i]), std::bit_cast<uint32_t>(want[static_cast<size_t>(i)]))
+            << "L " << L << " root over leaf " << over << " element " << i;
+    }
+  }
+}
+
 // The in-place form (the segmented GEMMs' combiner): leaves a stride apart, summed over ranges
 // [begin, end) cut anywhere, gives leaf 0 the tree's bits there and leaves other elements alone.
 TEST(TreeSum, InPlaceOverRangesEqualsTheTree) {
