@@ -82,7 +82,12 @@ class FloatBuffer {
  public:
   FloatBuffer() = default;
   explicit FloatBuffer(int64_t n) { resize(n); }
-  void resize(int64_t n);
+  void resize(int64_t n);  // reallocated and zeroed, whatever the size before
+  // At least n floats: reallocated (zeroed) only when smaller, else left as it is (a scratch reused
+  // call by call).
+  void grow(int64_t n) {
+    if (size_ < n) resize(n);
+  }
   float* data() const { return data_.get(); }
   int64_t size() const { return size_; }
   float& operator[](int64_t i) const { return data_.get()[i]; }

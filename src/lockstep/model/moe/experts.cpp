@@ -236,11 +236,6 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
   tree_over_blocks(db, bias.data(), leaves, per, nout);
 }
 
-// b holds at least n floats (grown, never shrunk: a scratch reused call by call).
-void grow(FloatBuffer& b, int64_t n) {
-  if (b.size() < n) b.resize(n);
-}
-
 // dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
 void gather_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
   parallel_for(R, [&](int64_t r0, int64_t r1) {
@@ -309,8 +304,8 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   // The rows in the micro-batch groups' token order, and the outputs back (group_token_order).
   const int64_t R = offsets[E];
   group_token_order(ps, token_segments, R);
-  grow(tok_in, R * C);
-  grow(tok_out, R * C);
+  tok_in.grow(R * C);
+  tok_out.grow(R * C);
   gather_rows(tok_in.data(), x, cp_order.data(), R, C);
   forward_rows(ps, arena, tok_out.data(), tok_in.data(), offsets, segments);
   scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
@@ -332,7 +327,7 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
 void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const {
   const int64_t R = offsets[E];
   if (has_proj_bias) {
-    proj_bias.resize(E * C);
+    proj_bias.grow(E * C);
     if (proj_b >= 0) std::memcpy(proj_bias.data(), ps.weight(proj_b), static_cast<size_t>(E * C) * sizeof(float));
     etp.broadcast(proj_bias.data(), E * C, 0);
     const float* bias = proj_bias.data();
@@ -367,9 +362,9 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   // As forward: in the groups' token order, whose token segments are the groups' S in order.
   const int64_t R = offsets[E];
   group_token_order(ps, token_segments, R);
-  grow(tok_in, R * C);
-  grow(tok_out, R * C);
-  grow(tok_dx, R * C);
+  tok_in.grow(R * C);
+  tok_out.grow(R * C);
+  tok_dx.grow(R * C);
   gather_rows(tok_in.data(), x, cp_order.data(), R, C);
   gather_rows(tok_out.data(), dout, cp_order.data(), R, C);
   backward_rows(ps, arena, tok_dx.data(), tok_out.data(), tok_in.data(), offsets, segments, s, cp_bounds.data());
