@@ -7,7 +7,6 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
@@ -307,17 +306,9 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const float* rx = jittered_ ? arena(router_x_) : x;
   GemmOptions acc;
   acc.accumulate = true;
-  {
-    // determinism = "layout": in token segments (ParamStore::token_segments), under context
-    // parallelism per token piece of the rank's rows (ParamStore::token_pieces).
-    const int64_t K = ps.token_pieces(router_w_), rows = N / K;
-    const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(router_w_));
-    GemmOptions wgrad = acc;
-    wgrad.k_segments = bounds;
-    for (int64_t k = 0; k < K; ++k)
-      gemm(ps.grad_piece(router_w_, k), s.dlogits + k * rows * E_, Trans::T, rx + k * rows * C_, Trans::N, E_, C_, rows,
-           wgrad);
-  }
+  // An fp32 weight gradient like any linear layer's (the router is never quantised): in token
+  // segments under determinism = "layout", per token piece under context parallelism.
+  ps.precision().wgrad(ps, router_w_, s.dlogits, rx, N, E_, C_);
   if (jittered_) {
     gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
     const float* u = arena(jitter_);
