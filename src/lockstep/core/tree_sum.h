@@ -90,6 +90,14 @@ inline int64_t tree_sum_stack(int64_t L) { return L > 1 ? std::bit_width(static_
 // last push writes the tree sum to out (which may alias x). stack as tree_sum's.
 template <typename T>
 void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack);
+// The same push for an aligned block of leaves: x holds the canonical tree over leaves [c, c + 2^level)
+// (c a multiple of 2^level; a complete subtree of the tree over L, as every aligned power-of-two
+// block is), which then stands for those 2^level pushes, bit for bit; last: c + 2^level = L. Only
+// elements [i0, i1) of out, x and every stack buffer (still n apart) are touched, so disjoint ranges
+// may be pushed from different threads.
+template <typename T>
+void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int64_t i0,
+                         int64_t i1);
 
 // In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
 // canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
@@ -147,16 +155,20 @@ class TreeSum {
 };
 
 template <typename T>
-void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack) {
-  // Leaf c completes the subtrees of its trailing one bits: carry = S_0 + x, S_1 + carry, ...,
-  // stored at the first zero bit; the last leaf folds every held subtree, smallest first. Each
-  // element's additions in that order, a block of elements per subtree at a time (vectorised; the
-  // block stays in cache between the passes).
+void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int64_t i0,
+                         int64_t i1) {
+  // Block c completes the subtrees of the trailing one bits of c / 2^level, from its own level up:
+  // carry = S_level + x, S_level+1 + carry, ..., stored at the first zero bit; the last block folds
+  // every held subtree (the one bits of c), smallest first. Each element's additions in that order,
+  // a block of elements per subtree at a time (vectorised; the block stays in cache between the
+  // passes).
   constexpr int64_t kBlock = 1024;
-  const uint64_t held = last ? static_cast<uint64_t>(c) : (uint64_t{1} << std::countr_one(static_cast<uint64_t>(c))) - 1;
-  T* dst = last ? out : stack + std::countr_one(static_cast<uint64_t>(c)) * n;
-  for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
-    const int64_t m = std::min(n - b0, kBlock);
+  const uint64_t u = static_cast<uint64_t>(c);
+  const int ones = std::countr_one(u >> level);
+  const uint64_t held = last ? u : ((uint64_t{1} << ones) - 1) << level;
+  T* dst = last ? out : stack + (level + ones) * n;
+  for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
+    const int64_t m = std::min(i1 - b0, kBlock);
     T* d = dst + b0;
     uint64_t h = held;
     // The first addition from x (out may alias x: then in place like the others), the carry in d.
@@ -175,6 +187,11 @@ void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack
       for (int64_t i = 0; i < m; ++i) d[i] = sj[i] + d[i];
     }
   }
+}
+
+template <typename T>
+void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack) {
+  tree_sum_push_block(out, x, c, 0, last, n, stack, 0, n);
 }
 
 template <typename T>

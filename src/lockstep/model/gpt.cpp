@@ -328,19 +328,28 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   GemmOptions dgrad;
   dgrad.k_segments = head_segments_;
   const bool partial = tp_.on() && tp_.layout();
-  // The weight gradient in token segments (layout_token_segments): chunks stop at the segments'
-  // bounds, each segment's chunks accumulate into its leaf from zero, and the leaves go through the
-  // canonical tree over the segments (tree_sum_push), whose root is added to the gradient.
-  // Context parallelism: per piece of the rank's rows (ParamStore::token_pieces), each its own tree.
+  // The weight gradient in token segments (layout_token_segments): a chunk is an aligned block of
+  // 2^j whole segments of a piece (j as large as head_rows_ allows), whose product with k_segments is
+  // the canonical tree over them (a complete subtree), pushed as one block (tree_sum_push_block); a
+  // segment longer than head_rows_ goes in parts, accumulating into its leaf from zero. The root
+  // over a piece's segments is added to the gradient. Context parallelism: per piece of the rank's
+  // rows (ParamStore::token_pieces), each its own tree.
   const int64_t pieces = params_.token_pieces(out_), per_piece = backward ? params_.token_segments(out_) : 0;
   const std::vector<int64_t> wseg = canonical_segments(N_, pieces * per_piece);
   float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
-  int64_t seg = 0;
+  std::vector<int64_t> block_bounds;
+  int64_t seg = 0, count = 1;
   for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
     rows = std::min(head_rows_, N_ - r0);
     if (leaf) {
-      while (wseg[static_cast<size_t>(seg + 1)] <= r0) ++seg;
-      rows = std::min(rows, wseg[static_cast<size_t>(seg + 1)] - r0);
+      if (r0 == wseg[static_cast<size_t>(seg)]) {
+        const int64_t c = seg % per_piece;
+        count = 1;
+        while (c % (2 * count) == 0 && c + 2 * count <= per_piece &&
+               wseg[static_cast<size_t>(seg + 2 * count)] - r0 <= head_rows_)
+          count *= 2;
+      }
+      rows = std::min(rows, wseg[static_cast<size_t>(seg + count)] - r0);
     }
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
@@ -357,18 +366,27 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
       continue;
     }
     const int64_t n = V * C_;
-    if (r0 == wseg[static_cast<size_t>(seg)]) std::fill(leaf, leaf + n, 0.0f);
-    gemm(leaf, logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
-    if (r0 + rows < wseg[static_cast<size_t>(seg + 1)]) continue;
-    // Segment seg is complete (validation keeps every segment non-empty: S <= N).
-    const bool last = seg % per_piece == per_piece - 1;
-    tree_sum_push(leaf, leaf, seg % per_piece, last, n, leaf + n);
-    if (last) {
-      float* g = params_.grad_piece(out_, seg / per_piece);
-      parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
-        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
-      });
+    GemmOptions leaf_opt;
+    leaf_opt.accumulate = r0 != wseg[static_cast<size_t>(seg)];  // a later part of a long segment
+    if (count > 1) {  // the block's segments, relative to its first row
+      block_bounds.resize(static_cast<size_t>(count + 1));
+      for (int64_t k = 0; k <= count; ++k)
+        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(seg + k)] - r0;
+      leaf_opt.k_segments = block_bounds;
     }
+    gemm(leaf, logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, leaf_opt);
+    if (r0 + rows < wseg[static_cast<size_t>(seg + count)]) continue;
+    // The block is complete (validation keeps every segment non-empty: S <= N).
+    const int64_t c = seg % per_piece;
+    const bool last = c + count == per_piece;
+    const int level = std::countr_zero(static_cast<uint64_t>(count));
+    float* g = last ? params_.grad_piece(out_, seg / per_piece) : nullptr;
+    parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
+      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, i0, i1);
+      if (last)
+        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
+    });
+    seg += count;
   }
   if (backward) {
     float* sum = enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
