@@ -233,6 +233,21 @@ TEST(LayoutDeterminism, TokenSegmentsMatchSingleProcess) {
   EXPECT_NE(global_fields(dir.path("on")), global_fields(dir.path("off")));
 }
 
+// The output head's weight gradient with the key when its row chunks (GPT::head: 2^22 logits, so 32
+// rows at a vocabulary of 131,072) are shorter than a token segment or hold several: one process
+// takes a 64-row segment in two parts (layout_segments 2), TP 2 (32,768-column shards: 64-row
+// chunks) one segment per chunk; one process at 16 segments pushes blocks of 4 segments, CP 2
+// (pieces of 2 segments) adds whole pieces in the product. Each the same tree, bit for bit.
+TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
+  const std::vector<std::string> big = {"layout_token_segments=true", "model.vocab_size=131072",
+                                        "model.hidden_size=16", "train.global_batch=4"};
+  std::vector<std::string> two = big, sixteen = big;
+  two.push_back("layout_segments=2");
+  sixteen.push_back("layout_segments=16");
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2"}}}, two);
+  rows_match_single_process("debug", {{2, {"parallel.context=2"}}}, sixteen);
+}
+
 // Context parallelism (layout_token_segments): each cp rank's chunks are whole token segments, its 2B
 // token pieces of every weight gradient and its two chunks' dK, dV trees are combined exactly over
 // the group (combine_token_pieces, reduce_scatter_dkv_pieces): CP 2, CP 2 x DP 2 (distributed

@@ -328,28 +328,66 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   GemmOptions dgrad;
   dgrad.k_segments = head_segments_;
   const bool partial = tp_.on() && tp_.layout();
-  // The weight gradient in token segments (layout_token_segments): a chunk is an aligned block of
-  // 2^j whole segments of a piece (j as large as head_rows_ allows), whose product with k_segments is
-  // the canonical tree over them (a complete subtree), pushed as one block (tree_sum_push_block); a
-  // segment longer than head_rows_ goes in parts, accumulating into its leaf from zero. The root
-  // over a piece's segments is added to the gradient. Context parallelism: per piece of the rank's
-  // rows (ParamStore::token_pieces), each its own tree.
+  // The weight gradient in token segments (layout_token_segments): a chunk of rows ends on a
+  // segment bound (or inside a segment longer than head_rows_), and its segments go in aligned
+  // blocks of 2^j whole segments of a piece, each block's product with k_segments the canonical tree
+  // over them (a complete subtree). A block that is a whole piece adds its tree to the piece's
+  // gradient in the product itself (C = C + tree); a smaller one is pushed as one block through the
+  // piece's tree (tree_sum_push_block), whose root is then added. A segment longer than head_rows_
+  // goes in parts, accumulating into its leaf from zero. Context parallelism: per piece of the
+  // rank's rows (ParamStore::token_pieces), each its own tree.
   const int64_t pieces = params_.token_pieces(out_), per_piece = backward ? params_.token_segments(out_) : 0;
   const std::vector<int64_t> wseg = canonical_segments(N_, pieces * per_piece);
   float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
   std::vector<int64_t> block_bounds;
-  int64_t seg = 0, count = 1;
+  const int64_t n = V * C_;
+  int64_t seg = 0;  // the segment the next weight-gradient rows start in
+  // The rows [b0, e) of the current chunk (logits row b0 - r0) into the weight gradient.
+  auto weight_gradient = [&](int64_t r0, int64_t b0, int64_t e) {
+    const float* dlogits = logits + (b0 - r0) * V;
+    const float* xb = x + b0 * C_;
+    const int64_t c = seg % per_piece;
+    const bool starts = b0 == wseg[static_cast<size_t>(seg)];
+    int64_t count = 1;  // with whole segments from seg: the largest aligned block of them in the chunk
+    if (starts)
+      while (c % (2 * count) == 0 && c + 2 * count <= per_piece && wseg[static_cast<size_t>(seg + 2 * count)] <= e)
+        count *= 2;
+    const bool block = starts && wseg[static_cast<size_t>(seg + 1)] <= e;
+    const int64_t end = block ? wseg[static_cast<size_t>(seg + count)] : std::min(e, wseg[static_cast<size_t>(seg + 1)]);
+    GemmOptions opt;
+    if (block) {
+      block_bounds.resize(static_cast<size_t>(count + 1));
+      for (int64_t k = 0; k <= count; ++k)
+        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(seg + k)] - b0;
+      if (count == per_piece) {  // a whole piece: C = C + the tree over its segments
+        opt.accumulate = true;
+        opt.k_segments = block_bounds;
+        gemm(params_.grad_piece(out_, seg / per_piece), dlogits, Trans::T, xb, Trans::N, V, C_, end - b0, opt);
+        seg += count;
+        return end;
+      }
+      if (count > 1) opt.k_segments = block_bounds;
+    } else {
+      opt.accumulate = !starts;  // a later part of a segment longer than the chunk
+    }
+    gemm(leaf, dlogits, Trans::T, xb, Trans::N, V, C_, end - b0, opt);
+    if (end < wseg[static_cast<size_t>(seg + count)]) return end;  // the segment goes on in the next chunk
+    const bool last = c + count == per_piece;
+    const int level = std::countr_zero(static_cast<uint64_t>(count));
+    float* g = last ? params_.grad_piece(out_, seg / per_piece) : nullptr;
+    parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
+      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, i0, i1);
+      if (last)
+        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
+    });
+    seg += count;
+    return end;
+  };
   for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
     rows = std::min(head_rows_, N_ - r0);
-    if (leaf) {
-      if (r0 == wseg[static_cast<size_t>(seg)]) {
-        const int64_t c = seg % per_piece;
-        count = 1;
-        while (c % (2 * count) == 0 && c + 2 * count <= per_piece &&
-               wseg[static_cast<size_t>(seg + 2 * count)] - r0 <= head_rows_)
-          count *= 2;
-      }
-      rows = std::min(rows, wseg[static_cast<size_t>(seg + count)] - r0);
+    if (leaf && r0 + rows < N_) {  // end on the last segment bound in the chunk, if there is one
+      const auto bound = std::upper_bound(wseg.begin(), wseg.end(), r0 + rows) - 1;
+      if (*bound > r0) rows = *bound - r0;
     }
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
@@ -365,28 +403,7 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
       gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
       continue;
     }
-    const int64_t n = V * C_;
-    GemmOptions leaf_opt;
-    leaf_opt.accumulate = r0 != wseg[static_cast<size_t>(seg)];  // a later part of a long segment
-    if (count > 1) {  // the block's segments, relative to its first row
-      block_bounds.resize(static_cast<size_t>(count + 1));
-      for (int64_t k = 0; k <= count; ++k)
-        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(seg + k)] - r0;
-      leaf_opt.k_segments = block_bounds;
-    }
-    gemm(leaf, logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, leaf_opt);
-    if (r0 + rows < wseg[static_cast<size_t>(seg + count)]) continue;
-    // The block is complete (validation keeps every segment non-empty: S <= N).
-    const int64_t c = seg % per_piece;
-    const bool last = c + count == per_piece;
-    const int level = std::countr_zero(static_cast<uint64_t>(count));
-    float* g = last ? params_.grad_piece(out_, seg / per_piece) : nullptr;
-    parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
-      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, i0, i1);
-      if (last)
-        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
-    });
-    seg += count;
+    for (int64_t b0 = r0; b0 < r0 + rows;) b0 = weight_gradient(r0, b0, r0 + rows);
   }
   if (backward) {
     float* sum = enter_column_parallel_backward(tp_, dx, dfull, N_, C_);
