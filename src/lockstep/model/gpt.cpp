@@ -85,9 +85,9 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // Context parallelism: the rank's two chunks of each sample are its 2B pieces of those sums.
   // Under sequence parallelism the sequence-parallel parameters' rows are a tp rank's share of them,
   // and so are an MoE layer's under tensor parallelism (its norm, router, shared expert and experts:
-  // each tp rank routes its share of the rows, model/moe/moe_layer.h).
-  if (tp_.token_segments && cp_.on())
-    params_.set_token_pieces(2 * B_, cp_.size, cp_.rank, Tg_, tp_.sequence || moe.num_experts > 0 ? tp_.size : 1);
+  // each tp rank routes its share of the rows, model/moe/moe_layer.h): cp_.sequence_tp, the tp size
+  // when the trainer gave the tp x cp group for them, else 1.
+  if (tp_.token_segments && cp_.on()) params_.set_token_pieces(2 * B_, cp_.size, cp_.rank, Tg_, cp_.sequence_tp);
   // With MTP the output head's weight gets a tree from every head, and the depths' embedding copies
   // one from every depth: folded one by one (fold_token_pieces).
   if (params_.pieced() && !mtp_.empty())
