@@ -61,11 +61,12 @@ TEST(IndexedDataset, WriterMatchesMegatronLayoutByteForByte) {
 TEST(IndexedDataset, ReadsHandBuiltFilesOfEveryIntegerType) {
   TempDir dir;
   for (auto [code, elem] : std::vector<std::pair<uint8_t, int64_t>>{{1, 1}, {2, 1}, {3, 2}, {4, 4}, {5, 8}, {8, 2}}) {
-    const std::string prefix = dir.path("t" + std::to_string(code));
-    dir.write("t" + std::to_string(code) + ".idx", expected_idx(code, elem, {2, 1}));
+    const std::string stem = std::string("t").append(std::to_string(code));  // not "t" + ...: g++ 12's -Wrestrict
+    const std::string prefix = dir.path(stem);
+    dir.write(stem + ".idx", expected_idx(code, elem, {2, 1}));
     std::string bin;
     for (int64_t v : {3, 1, 4}) bin.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(elem));  // little-endian
-    dir.write("t" + std::to_string(code) + ".bin", bin);
+    dir.write(stem + ".bin", bin);
     const IndexedDataset ds(prefix);
     EXPECT_EQ(ds.dtype_code(), code);
     EXPECT_EQ(ds.documents(), 2);

@@ -236,7 +236,9 @@ TEST(Norms, LayoutTokenSegmentsAreSplitInvariant) {
                                           << " S=" << S);
         const Grads one = backward(0, N, S);
         EXPECT_TRUE(all_close(one.dw, ref_dw, 1e-5, 1e-5, "dweight"));
-        if (centered) EXPECT_TRUE(all_close(one.db, ref_db, 1e-5, 1e-5, "dbias"));
+        if (centered) {
+          EXPECT_TRUE(all_close(one.db, ref_db, 1e-5, 1e-5, "dbias"));
+        }
         for (int threads : {2, 3}) {
           Grads t;
           testing::with_threads(threads, [&] { t = backward(0, N, S); });
@@ -257,7 +259,9 @@ TEST(Norms, LayoutTokenSegmentsAreSplitInvariant) {
           tree_sum(dw.data(), lw.data(), P, C, stack.data());
           tree_sum(db.data(), lb.data(), P, C, stack.data());
           EXPECT_TRUE(bitwise_equal(dw, one.dw, "dweight, P = " + std::to_string(P)));
-          if (centered) EXPECT_TRUE(bitwise_equal(db, one.db, "dbias, P = " + std::to_string(P)));
+          if (centered) {
+            EXPECT_TRUE(bitwise_equal(db, one.db, "dbias, P = " + std::to_string(P)));
+          }
           EXPECT_TRUE(bitwise_equal(dinp, one.dinp, "dinp, P = " + std::to_string(P)));
         }
       }

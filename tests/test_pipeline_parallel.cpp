@@ -55,7 +55,9 @@ TEST(PipelineSchedule, EveryChunkRunsEveryMicroBatchOnceInOrder) {
         EXPECT_EQ(a.micro, want) << kind << " p " << p << " v " << v << " stage " << s;
         ++want;
         const int64_t forwards_done = next[std::make_pair(true, a.chunk)];
-        if (!a.forward) EXPECT_GE(forwards_done, a.micro + 1) << "backward before its forward";
+        if (!a.forward) {
+          EXPECT_GE(forwards_done, a.micro + 1) << "backward before its forward";
+        }
       }
       for (const auto& [key, n] : next) EXPECT_EQ(n, m);
       EXPECT_EQ(actions.size(), static_cast<size_t>(2 * m * v));
@@ -229,7 +231,7 @@ TEST(PipelineParallel, ComposesWithTensorSequenceAndDataParallel) {
 TEST(PipelineParallel, StagesHoldTheActivationsTheScheduleKeepsInFlight) {
   TempDir dir;
   std::map<std::string, double> first_stage_mb;
-  for (const std::string& schedule : {"1f1b", "all_forward_all_backward"}) {
+  for (const std::string schedule : {"1f1b", "all_forward_all_backward"}) {
     train_ranks(4, job("debug.toml", dir.path(schedule), {"parallel.pipeline=4", "parallel.pipeline_schedule=" + schedule,
                                                          "train.steps=1"}));
     const nlohmann::json j = nlohmann::json::parse(read_file(dir.path(schedule) + "/metrics.jsonl"));

@@ -51,7 +51,7 @@ TEST(Preprocess, JsonlOutputIsTheSameForAnyWorkerCount) {
   std::string bin, idx;
   for (int workers : {1, 2, 3}) {
     o.workers = workers;
-    o.output_prefix = dir.path("w" + std::to_string(workers) + "/ds");
+    o.output_prefix = dir.path(std::string("w").append(std::to_string(workers)).append("/ds"));  // g++ 12 -Wrestrict
     const PreprocessSummary s = preprocess(o);
     EXPECT_EQ(s.documents, 300);
     if (workers == 1) {

@@ -239,7 +239,9 @@ TEST(Quantize, Nvfp4PieceWithTheTensorsAmaxIsTheWholesSlice) {
       // Without it the piece's own amax sets the scales: other bits (the test can fail).
       QuantizedTensor own;
       quantize_nvfp4(own, piece.data(), pr, pc, br);
-      if (amax(piece.data(), pr * pc) != t) EXPECT_NE(own.tensor_scale, whole.tensor_scale);
+      if (amax(piece.data(), pr * pc) != t) {
+        EXPECT_NE(own.tensor_scale, whole.tensor_scale);
+      }
     }
   }
 }

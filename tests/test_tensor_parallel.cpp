@@ -269,8 +269,12 @@ TEST(TensorParallelLayout, TokenSumGradientsAreTheOneProcessBits) {
         if (P == 1) one = grads;
         const std::string at = std::string(rms ? "rmsnorm" : "layernorm") + ", S " + std::to_string(S) + ", tp " +
                                std::to_string(P);
-        if (S > 0) EXPECT_TRUE(testing::bitwise_equal(grads, one, "gradients, " + at));
-        if (S == 0 && P == 4) EXPECT_FALSE(testing::bitwise_equal(grads, one, "run mode, " + at));
+        if (S > 0) {
+          EXPECT_TRUE(testing::bitwise_equal(grads, one, "gradients, " + at));
+        }
+        if (S == 0 && P == 4) {
+          EXPECT_FALSE(testing::bitwise_equal(grads, one, "run mode, " + at));
+        }
       }
     }
   }
@@ -329,7 +333,7 @@ TEST(TensorParallel, CommunicationPairsAreAdjoint) {
       std::vector<float> s = x;
       reduce_from_tp(tp, s.data(), rows * C);
       float expect = 0;
-      for (int q = 0; q < P; ++q) expect += testing::randn(rows * C, 1, "x" + std::to_string(q))[0];
+      for (int q = 0; q < P; ++q) expect += testing::randn(rows * C, 1, std::string("x").append(std::to_string(q)))[0];
       EXPECT_EQ(s[0], expect);
     });
     for (int r = 0; r < P; ++r) EXPECT_NEAR(lhs[static_cast<size_t>(r)], rhs[static_cast<size_t>(r)], 1e-5 * std::fabs(lhs[0]));
@@ -452,7 +456,9 @@ void add_grads(Tensors& whole, const ParamStore& ps, const std::string& skip) {
     const float* v = ps.grad(static_cast<int>(i));
     for (int64_t k = 0; k < p.shape.numel(); ++k) {
       float& g = t[static_cast<size_t>(global_index(p, k))];
-      if (!std::isnan(g)) EXPECT_EQ(std::bit_cast<uint32_t>(g), std::bit_cast<uint32_t>(v[k])) << p.name << " replicas differ";
+      if (!std::isnan(g)) {
+        EXPECT_EQ(std::bit_cast<uint32_t>(g), std::bit_cast<uint32_t>(v[k])) << p.name << " replicas differ";
+      }
       g = v[k];
     }
   }
