@@ -143,7 +143,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   head_segments_ = tp_.k_segments({V_});
   if (part_.last) {
     logits_ = arena_.reserve_scratch(head_rows_ * Vl_);
-    // The head's weight gradient in token segments: one segment's leaf and the tree's partial sums.
+    // The head's weight gradient in token segments: a leaf (one segment's or a block's tree) and the tree's partial sums.
     if (tp_.token_segments)
       head_leaf_ = arena_.reserve_scratch((1 + tree_sum_stack(tp_.segments)) * Vl_ * C_);
     losses_ = arena_.reserve_scratch(N_);

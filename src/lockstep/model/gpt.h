@@ -238,7 +238,7 @@ class GPT {
   // c's output gradient as received from the next stage.
   std::vector<ArenaSlice> resid_, mid_, grad_in_;
   ArenaSlice final_out_, logits_, losses_;
-  ArenaSlice head_leaf_;  // layout_token_segments: the head weight gradient's segment leaf and tree stack
+  ArenaSlice head_leaf_;  // layout_token_segments: the head weight gradient's leaf (a segment or block of them) and tree stack
   // Tensor parallelism: the embedding's partial lookup and, with sequence parallelism, the gathered
   // final norm output and the head's partial input gradient (each (N, C)); local token ids.
   ArenaSlice emb_partial_, final_full_, head_dfull_;
