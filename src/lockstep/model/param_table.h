@@ -24,6 +24,7 @@
 
 #include "lockstep/core/state_shard.h"
 #include "lockstep/core/tensor.h"
+#include "lockstep/parallel/context_chunks.h"
 
 namespace lockstep {
 
@@ -150,16 +151,15 @@ class ParamStore {
   // starts at (piece 2b: sample b's early chunk, cp_rank; 2b + 1: its late one, 2 cp - 1 - cp_rank),
   // and the micro-batch's tokens.
   int64_t piece_token(int64_t k) const {
-    // (parallel/context_parallel.h's layout: late_chunk; this header cannot include it.)
-    const int64_t chunk = k % 2 == 0 ? cp_rank_ : 2 * cp_size_ - 1 - cp_rank_;
-    return k / 2 * sample_tokens_ + chunk * (sample_tokens_ / (2 * cp_size_));
+    const int64_t chunk = k % 2 == 0 ? cp_rank_ : late_chunk(cp_size_, cp_rank_);
+    return k / 2 * sample_tokens_ + chunk * chunk_tokens(cp_size_, sample_tokens_);
   }
   // Pieced: the micro-batch token that parameter i's piece k starts at (piece_token(k), or for a tp
   // rank's share its unit tp_rank x token_pieces(i) + k of the cp rank's token_units(i)).
   int64_t unit_token(int i, int64_t k) const {
     if (!sequence_tp(i)) return piece_token(k);
     const int64_t U = token_units(i), sub = U / pieces_, u = tp_rank_ * token_pieces(i) + k;
-    return piece_token(u / sub) + u % sub * (sample_tokens_ / (2 * cp_size_) / sub);
+    return piece_token(u / sub) + u % sub * (chunk_tokens(cp_size_, sample_tokens_) / sub);
   }
   int64_t micro_batch_tokens() const { return pieces_ / 2 * sample_tokens_; }
   bool pieced() const { return pieces_ > 1; }

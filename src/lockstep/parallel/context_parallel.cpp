@@ -24,13 +24,13 @@ ContextParallel::ContextParallel(Communicator* group, Communicator* tp_cp)
 QueryChunks ContextParallel::chunks(int64_t T, int r) const {
   if (size == 1) return {{0, T}};
   LOCKSTEP_CHECK(T % (2 * size) == 0, "context parallelism: ", T, " positions do not split into 2 x ", size, " chunks");
-  const int64_t c = T / (2 * size);
+  const int64_t c = chunk_tokens(size, T);
   const int64_t late = late_chunk(size, r);
   return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
 }
 
 int64_t ContextParallel::global_row(int64_t n, int64_t T) const {
-  const int64_t Tl = local(T), c = T / (2 * size), j = n % Tl;
+  const int64_t Tl = local(T), c = chunk_tokens(size, T), j = n % Tl;
   const int64_t chunk = j < c ? rank : late_chunk(size, rank);
   return n / Tl * T + chunk * c + j % c;
 }

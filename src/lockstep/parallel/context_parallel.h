@@ -25,21 +25,14 @@
 #include <utility>
 
 #include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/parallel/context_chunks.h"
 #include "lockstep/model/param_table.h"
 
 namespace lockstep {
 
 class Communicator;
 
-// Chunk c of a sample's 2 size chunks is held by rank c (its early chunk, side 0) or by rank
-// 2 size - 1 - c (its late one, side 1); rank r's late chunk is late_chunk(size, r).
-struct ChunkHolder {
-  int64_t rank, side;
-};
-inline ChunkHolder chunk_holder(int64_t size, int64_t c) {
-  return c < size ? ChunkHolder{c, 0} : ChunkHolder{2 * size - 1 - c, 1};
-}
-inline int64_t late_chunk(int64_t size, int64_t r) { return 2 * size - 1 - r; }
+// Which rank holds which chunk: chunk_holder, late_chunk (parallel/context_chunks.h).
 
 // Unit g of a micro-batch's 2 P B x sub token units, in token order (sample, chunk c of 2P, sub-unit
 // of sub per chunk): chunk c's holder's (chunk_holder) local unit u (local rows: each sample's early
