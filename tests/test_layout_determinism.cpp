@@ -698,6 +698,52 @@ TEST(LayoutDeterminism, DelayedScalingCheckpointReshardsToOneProcess) {
   EXPECT_EQ(checkpoint_difference(dir.path("single"), dir.path("resharded")), "");
 }
 
+// A job that changes its layout mid-run: steps 1-2 under one layout, checkpointed, step 3 resumed
+// under another (resharded on load), is bitwise the uninterrupted single-process job: every step's
+// global fingerprint fields and every tensor of the final checkpoint.
+TEST(LayoutDeterminism, ResumedUnderAnotherLayoutMatchesSingleProcess) {
+  struct Change {
+    std::string preset;
+    std::vector<std::string> common;
+    Row before, after;
+  };
+  const std::string key = "layout_token_segments=true";
+  const std::vector<Change> changes = {
+      {"debug", {key}, {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+       {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
+      {"debug", {key, "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"}, {1, {}},
+       {4, {"parallel.context=2", "optimizer.distributed=true"}}},
+      {"moe-debug", {}, {4, {"parallel.tensor=2", "parallel.expert=2"}}, {2, {"parallel.expert_tensor=2"}}},
+      {"moe-debug", {key}, {4, {"parallel.context=2", "parallel.expert=2"}}, {1, {}}},
+      {"moe-debug", {"precision.params=bf16", "precision.fp8=blockwise"}, {2, {"parallel.expert=2"}},
+       {4, {"parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"}}},
+      {"moe-debug", {key, "moe.token_dispatcher=alltoall"}, {4, {"parallel.expert=4"}},
+       {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}}},
+      {"debug", {key, "model.mtp_num_layers=2"}, {2, {"parallel.context=2"}},
+       {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}}},
+      {"debug", {"model.num_layers=4", "model.tie_embeddings=false"},
+       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}}, {2, {"parallel.tensor=2"}}},
+      {"debug", {key, "precision.params=bf16", "precision.fp4=nvfp4"}, {2, {"parallel.context=2"}},
+       {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+  };
+  for (const Change& c : changes) {
+    TempDir dir;
+    train_ranks(1, job(c.preset, dir.path("single"), c.common));
+    std::vector<std::string> before = c.common, after = c.common;
+    before.insert(before.end(), c.before.keys.begin(), c.before.keys.end());
+    before.insert(before.end(), {"train.save_interval=2", "train.exit_interval=2"});
+    after.insert(after.end(), c.after.keys.begin(), c.after.keys.end());
+    after.push_back("train.resume=auto");
+    train_ranks(c.before.ranks, job(c.preset, dir.path("changed"), before));
+    train_ranks(c.after.ranks, job(c.preset, dir.path("changed"), after));
+    std::string name = c.preset;
+    for (const auto* keys : {&c.common, &c.before.keys, &c.after.keys})
+      for (const std::string& k : *keys) name += " " + k;
+    EXPECT_EQ(global_fields(dir.path("changed"), false), global_fields(dir.path("single"), false)) << name;
+    EXPECT_EQ(checkpoint_difference(dir.path("single"), dir.path("changed")), "") << name;
+  }
+}
+
 // Pipeline parallelism (untied embeddings, 4 layers; tied and MTP below): every stage pushes each micro-batch's
 // gradients as its leaf of the canonical tree whatever the schedule (1F1B, interleaved, all forward
 // all backward); the losses and aux losses are exact sums over the stages.
