@@ -227,24 +227,38 @@ TEST(TreeSum, PushOneLeafAtATimeInPlaceEqualsTheTree) {
 
 // tree_sum_push_block: the leaves cut greedily into aligned power-of-two blocks (at most `cap` leaves
 // each, as the LM head's weight gradient cuts its segments into chunks), each block's tree pushed as
-// one, and over element ranges cut anywhere (the threads' shares): the tree's bits over all L.
+// one, and over element ranges cut anywhere (the threads' shares): the tree's bits over all L. The
+// stack holds only the levels of the smallest block and up (first_level), as the head allocates it.
 TEST(TreeSum, PushAlignedBlocksOverRangesEqualsTheTree) {
   const int64_t n = 1024 + 300;
   for (int64_t L = 1; L <= 19; ++L)
     for (int64_t cap : {1, 2, 4, 8, 16}) {
       const auto x = leaves_of(L, n, 900 + static_cast<uint64_t>(L * 17 + cap));
-      std::vector<float> block(static_cast<size_t>(n));
-      std::vector<float> stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
-      std::vector<float> scratch(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(cap) * n)));
+      std::vector<std::pair<int64_t, int64_t>> blocks;  // (first leaf, leaves)
       for (int64_t c = 0, count = 1; c < L; c += count) {
         count = 1;
         while (c % (2 * count) == 0 && c + 2 * count <= L && 2 * count <= cap) count *= 2;
+        blocks.emplace_back(c, count);
+      }
+      int first_level = 64;
+      for (const auto& [c, count] : blocks) first_level = std::min(first_level, std::countr_zero(static_cast<uint64_t>(count)));
+      const int64_t levels = std::max<int64_t>(0, tree_sum_stack(L) - first_level);
+      std::vector<float> block(static_cast<size_t>(n));
+      // The stack between two guard buffers, which must come out untouched.
+      std::vector<float> guarded(static_cast<size_t>((levels + 2) * n), 12345.0f);
+      float* stack = guarded.data() + n;
+      std::vector<float> scratch(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(cap) * n)));
+      for (const auto& [c, count] : blocks) {
         std::vector<const float*> p;
         for (int64_t k = c; k < c + count; ++k) p.push_back(x[static_cast<size_t>(k)].data());
         tree_sum(block.data(), p.data(), count, n, scratch.data());
         const int level = std::countr_zero(static_cast<uint64_t>(count));
         for (const auto& [b, e] : {std::pair<int64_t, int64_t>{0, 5}, {5, 1030}, {1030, n}})
-          tree_sum_push_block(block.data(), block.data(), c, level, c + count == L, n, stack.data(), b, e);
+          tree_sum_push_block(block.data(), block.data(), c, level, c + count == L, n, stack, first_level, b, e);
+      }
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(guarded[static_cast<size_t>(i)], 12345.0f) << "L " << L << " cap " << cap << ": below the stack";
+        ASSERT_EQ(guarded[static_cast<size_t>((levels + 1) * n + i)], 12345.0f) << "L " << L << " cap " << cap << ": above it";
       }
       for (int64_t i = 0; i < n; ++i)
         ASSERT_EQ(std::bit_cast<uint32_t>(block[i]), std::bit_cast<uint32_t>(tree_reference(x, 0, x.size(), i)))

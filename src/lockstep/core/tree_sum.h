@@ -92,12 +92,13 @@ template <typename T>
 void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack);
 // The same push for an aligned block of leaves: x holds the canonical tree over leaves [c, c + 2^level)
 // (c a multiple of 2^level; a complete subtree of the tree over L, as every aligned power-of-two
-// block is), which then stands for those 2^level pushes, bit for bit; last: c + 2^level = L. Only
-// elements [i0, i1) of out, x and every stack buffer (still n apart) are touched, so disjoint ranges
-// may be pushed from different threads.
+// block is), which then stands for those 2^level pushes, bit for bit; last: c + 2^level = L. stack
+// holds the buffers of levels first_level and up, n apart (pushes whose blocks all have a level of at
+// least first_level never touch a level below it). Only elements [i0, i1) of out, x and every stack
+// buffer are touched, so disjoint ranges may be pushed from different threads.
 template <typename T>
-void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int64_t i0,
-                         int64_t i1);
+void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int first_level,
+                         int64_t i0, int64_t i1);
 
 // In place: L leaves stored `stride` elements apart (leaf s at x + s * stride), summed along the
 // canonical tree over elements [begin, end) of each, into leaf 0 (the other leaves are clobbered).
@@ -155,8 +156,8 @@ class TreeSum {
 };
 
 template <typename T>
-void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int64_t i0,
-                         int64_t i1) {
+void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int first_level,
+                         int64_t i0, int64_t i1) {
   // Block c completes the subtrees of the trailing one bits of c / 2^level, from its own level up:
   // carry = S_level + x, S_level+1 + carry, ..., stored at the first zero bit; the last block folds
   // every held subtree (the one bits of c), smallest first. Each element's additions in that order,
@@ -166,7 +167,7 @@ void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, in
   const uint64_t u = static_cast<uint64_t>(c);
   const int ones = std::countr_one(u >> level);
   const uint64_t held = last ? u : ((uint64_t{1} << ones) - 1) << level;
-  T* dst = last ? out : stack + (level + ones) * n;
+  T* dst = last ? out : stack + (level + ones - first_level) * n;
   for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
     const int64_t m = std::min(i1 - b0, kBlock);
     T* d = dst + b0;
@@ -178,12 +179,12 @@ void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, in
         std::memcpy(d, src, static_cast<size_t>(m) * sizeof(T));
         continue;
       }
-      const T* s0 = stack + std::countr_zero(h) * n + b0;
+      const T* s0 = stack + (std::countr_zero(h) - first_level) * n + b0;
       for (int64_t i = 0; i < m; ++i) d[i] = s0[i] + src[i];
       h &= h - 1;
     }
     for (; h; h &= h - 1) {
-      const T* sj = stack + std::countr_zero(h) * n + b0;
+      const T* sj = stack + (std::countr_zero(h) - first_level) * n + b0;
       for (int64_t i = 0; i < m; ++i) d[i] = sj[i] + d[i];
     }
   }
@@ -191,7 +192,7 @@ void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, in
 
 template <typename T>
 void tree_sum_push(T* out, const T* x, int64_t c, bool last, int64_t n, T* stack) {
-  tree_sum_push_block(out, x, c, 0, last, n, stack, 0, n);
+  tree_sum_push_block(out, x, c, 0, last, n, stack, 0, 0, n);
 }
 
 template <typename T>

@@ -18,6 +18,7 @@ namespace lockstep {
 namespace {
 // Logits held at once by the fused head + loss: about 16 MiB.
 constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
+
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
@@ -143,9 +144,20 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   head_segments_ = tp_.k_segments({V_});
   if (part_.last) {
     logits_ = arena_.reserve_scratch(head_rows_ * Vl_);
-    // The head's weight gradient in token segments: a leaf (one segment's or a block's tree) and the tree's partial sums.
-    if (tp_.token_segments)
-      head_leaf_ = arena_.reserve_scratch((1 + tree_sum_stack(tp_.segments)) * Vl_ * C_);
+    // The head's weight gradient in token segments: its plan, and the leaf and partial sums it needs.
+    const int64_t per_piece = params_.token_segments(out_);
+    if (tp_.token_segments && per_piece > 0) {
+      head_plan_ = plan_head(N_, head_rows_, canonical_segments(N_, params_.token_pieces(out_) * per_piece), per_piece);
+      bool leaf = false;
+      head_first_level_ = 64;
+      for (const HeadChunk& chunk : head_plan_)
+        for (const HeadStep& st : chunk.steps) {
+          leaf = leaf || !st.whole;
+          if (st.push) head_first_level_ = std::min(head_first_level_, std::countr_zero(static_cast<uint64_t>(st.count)));
+        }
+      const int64_t levels = std::max<int64_t>(0, tree_sum_stack(per_piece) - head_first_level_);
+      if (leaf) head_leaf_ = arena_.reserve_scratch((1 + levels) * Vl_ * C_);
+    }
     losses_ = arena_.reserve_scratch(N_);
   }
   int64_t F = 0, fcw = 0, qkvw = 0;
@@ -312,6 +324,41 @@ void GPT::need_params(int first, int end, bool stale) {
   if (stale) params_.sync_weights(first, end);
 }
 
+// The head's weight gradient with the key (GPT::head_plan_): rows [0, N) in chunks of at most
+// head_rows that end on the last segment bound in them (a segment longer than head_rows goes over
+// several chunks), and in each chunk, from segment seg on: the largest aligned block of whole
+// segments of seg's piece that the chunk holds (a whole piece, or one pushed through the piece's
+// tree), or a part of a long segment. wseg: the S + 1 segment bounds, per_piece segments a piece.
+std::vector<GPT::HeadChunk> GPT::plan_head(int64_t N, int64_t head_rows, const std::vector<int64_t>& wseg,
+                                            int64_t per_piece) {
+  std::vector<HeadChunk> plan;
+  const auto at = [&](int64_t k) { return wseg[static_cast<size_t>(k)]; };
+  int64_t seg = 0;
+  for (int64_t r0 = 0, rows = 0; r0 < N; r0 += rows) {
+    rows = std::min(head_rows, N - r0);
+    if (r0 + rows < N) {  // end on the last segment bound in the chunk, if there is one
+      const int64_t bound = *(std::upper_bound(wseg.begin(), wseg.end(), r0 + rows) - 1);
+      if (bound > r0) rows = bound - r0;
+    }
+    HeadChunk chunk{r0, rows, {}};
+    const int64_t e = r0 + rows;
+    for (int64_t b0 = r0; b0 < e;) {
+      const int64_t c = seg % per_piece;
+      const bool starts = b0 == at(seg), block = starts && at(seg + 1) <= e;
+      int64_t count = 1;
+      if (block)
+        while (c % (2 * count) == 0 && c + 2 * count <= per_piece && at(seg + 2 * count) <= e) count *= 2;
+      const int64_t end = block ? at(seg + count) : std::min(e, at(seg + 1));
+      const bool done = end == at(seg + count), whole = block && count == per_piece;
+      chunk.steps.push_back({b0, end, seg, count, whole, !starts, done && !whole});
+      if (done) seg += count;
+      b0 = end;
+    }
+    plan.push_back(std::move(chunk));
+  }
+  return plan;
+}
+
 void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool backward, float grad_scale) {
   const float* w = params_.weight(out_);
   float* logits = arena_(logits_);
@@ -328,82 +375,72 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   GemmOptions dgrad;
   dgrad.k_segments = head_segments_;
   const bool partial = tp_.on() && tp_.layout();
-  // The weight gradient in token segments (layout_token_segments): a chunk of rows ends on a
-  // segment bound (or inside a segment longer than head_rows_), and its segments go in aligned
-  // blocks of 2^j whole segments of a piece, each block's product with k_segments the canonical tree
-  // over them (a complete subtree). A block that is a whole piece adds its tree to the piece's
-  // gradient in the product itself (C = C + tree); a smaller one is pushed as one block through the
-  // piece's tree (tree_sum_push_block), whose root is then added. A segment longer than head_rows_
-  // goes in parts, accumulating into its leaf from zero. Context parallelism: per piece of the
-  // rank's rows (ParamStore::token_pieces), each its own tree.
-  const int64_t pieces = params_.token_pieces(out_), per_piece = backward ? params_.token_segments(out_) : 0;
-  const std::vector<int64_t> wseg = canonical_segments(N_, pieces * per_piece);
-  float* leaf = wseg.empty() ? nullptr : arena_(head_leaf_);
+  // The weight gradient in token segments (layout_token_segments), as planned (plan_head): each
+  // aligned block of 2^j whole segments of a piece is one product with k_segments, the canonical
+  // tree over them (a complete subtree); a block that is a whole piece adds its tree to the piece's
+  // gradient in the product itself (C = C + tree), a smaller one is pushed as one block through the
+  // piece's tree (tree_sum_push_block), whose root is then added; a segment longer than a chunk
+  // accumulates its parts into its leaf from zero. Context parallelism: per piece of the rank's rows
+  // (ParamStore::token_pieces), each its own tree.
+  const bool planned = backward && !head_plan_.empty();
+  const int64_t per_piece = planned ? params_.token_segments(out_) : 0;
+  const std::vector<int64_t> wseg = planned ? canonical_segments(N_, params_.token_pieces(out_) * per_piece)
+                                            : std::vector<int64_t>{};
+  float* leaf = head_leaf_.size ? arena_(head_leaf_) : nullptr;
   std::vector<int64_t> block_bounds;
   const int64_t n = V * C_;
-  int64_t seg = 0;  // the segment the next weight-gradient rows start in
-  // The rows [b0, e) of the current chunk (logits row b0 - r0) into the weight gradient.
-  auto weight_gradient = [&](int64_t r0, int64_t b0, int64_t e) {
-    const float* dlogits = logits + (b0 - r0) * V;
-    const float* xb = x + b0 * C_;
-    const int64_t c = seg % per_piece;
-    const bool starts = b0 == wseg[static_cast<size_t>(seg)];
-    int64_t count = 1;  // with whole segments from seg: the largest aligned block of them in the chunk
-    if (starts)
-      while (c % (2 * count) == 0 && c + 2 * count <= per_piece && wseg[static_cast<size_t>(seg + 2 * count)] <= e)
-        count *= 2;
-    const bool block = starts && wseg[static_cast<size_t>(seg + 1)] <= e;
-    const int64_t end = block ? wseg[static_cast<size_t>(seg + count)] : std::min(e, wseg[static_cast<size_t>(seg + 1)]);
+  auto weight_gradient = [&](int64_t r0, const HeadStep& st) {
+    const float* dlogits = logits + (st.b0 - r0) * V;
+    const float* xb = x + st.b0 * C_;
     GemmOptions opt;
-    if (block) {
-      block_bounds.resize(static_cast<size_t>(count + 1));
-      for (int64_t k = 0; k <= count; ++k)
-        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(seg + k)] - b0;
-      if (count == per_piece) {  // a whole piece: C = C + the tree over its segments
-        opt.accumulate = true;
-        opt.k_segments = block_bounds;
-        gemm(params_.grad_piece(out_, seg / per_piece), dlogits, Trans::T, xb, Trans::N, V, C_, end - b0, opt);
-        seg += count;
-        return end;
-      }
-      if (count > 1) opt.k_segments = block_bounds;
-    } else {
-      opt.accumulate = !starts;  // a later part of a segment longer than the chunk
+    if (st.whole || st.count > 1) {  // the block's segments, relative to its first row
+      block_bounds.resize(static_cast<size_t>(st.count + 1));
+      for (int64_t k = 0; k <= st.count; ++k)
+        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(st.seg + k)] - st.b0;
+      opt.k_segments = block_bounds;
     }
-    gemm(leaf, dlogits, Trans::T, xb, Trans::N, V, C_, end - b0, opt);
-    if (end < wseg[static_cast<size_t>(seg + count)]) return end;  // the segment goes on in the next chunk
-    const bool last = c + count == per_piece;
-    const int level = std::countr_zero(static_cast<uint64_t>(count));
-    float* g = last ? params_.grad_piece(out_, seg / per_piece) : nullptr;
+    if (st.whole) {
+      opt.accumulate = true;
+      gemm(params_.grad_piece(out_, st.seg / per_piece), dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
+      return;
+    }
+    opt.accumulate = st.accumulate;
+    gemm(leaf, dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
+    if (!st.push) return;
+    const int64_t c = st.seg % per_piece;
+    const bool last = c + st.count == per_piece;
+    const int level = std::countr_zero(static_cast<uint64_t>(st.count)), first = head_first_level_;
+    float* g = last ? params_.grad_piece(out_, st.seg / per_piece) : nullptr;
     parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
-      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, i0, i1);
+      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, first, i0, i1);
       if (last)
         for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
     });
-    seg += count;
-    return end;
   };
-  for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
-    rows = std::min(head_rows_, N_ - r0);
-    if (leaf && r0 + rows < N_) {  // end on the last segment bound in the chunk, if there is one
-      const auto bound = std::upper_bound(wseg.begin(), wseg.end(), r0 + rows) - 1;
-      if (*bound > r0) rows = *bound - r0;
-    }
+  // Rows [r0, r0 + rows): the logits, the loss and (backward) the input gradient.
+  auto chunk = [&](int64_t r0, int64_t rows) {
     gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
     if (tp_.on() || tp_.layout()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
                                                loss_scratch_);
     else if (!backward) cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
     else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
-    if (!backward) continue;
+    if (!backward) return;
     precision_.round(logits, rows * V);
     gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
     if (!partial) precision_.round(dfull + r0 * C_, rows * C_);
-    if (!leaf) {
-      gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
-      continue;
+  };
+  if (planned) {
+    for (const HeadChunk& ch : head_plan_) {
+      chunk(ch.r0, ch.rows);
+      for (const HeadStep& st : ch.steps) weight_gradient(ch.r0, st);
     }
-    for (int64_t b0 = r0; b0 < r0 + rows;) b0 = weight_gradient(r0, b0, r0 + rows);
+  } else {
+    for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
+      rows = std::min(head_rows_, N_ - r0);
+      chunk(r0, rows);
+      if (backward) gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
+    }
   }
   if (backward) {
     float* sum = enter_column_parallel_backward(tp_, dx, dfull, N_, C_);

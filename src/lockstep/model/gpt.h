@@ -238,7 +238,26 @@ class GPT {
   // c's output gradient as received from the next stage.
   std::vector<ArenaSlice> resid_, mid_, grad_in_;
   ArenaSlice final_out_, logits_, losses_;
-  ArenaSlice head_leaf_;  // layout_token_segments: the head weight gradient's leaf (a segment or block of them) and tree stack
+  // layout_token_segments: the head's weight gradient, planned once (plan_head in gpt.cpp): row chunks
+  // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
+  // each chunk's products into the gradient. head_leaf_: a leaf (a segment's or a block's tree) and
+  // the tree's partial sums of levels head_first_level_ and up (the smallest block's), none when
+  // every product is a whole piece.
+  struct HeadStep {
+    int64_t b0, end, seg, count;  // rows [b0, end): segments [seg, seg + count) of a piece, or a part of seg
+    bool whole;                   // a whole piece: C = C + the tree over its segments, in the product
+    bool accumulate;              // a later part of a segment longer than a chunk
+    bool push;                    // completes a block (or a long segment): pushed through the piece's tree
+  };
+  struct HeadChunk {
+    int64_t r0, rows;
+    std::vector<HeadStep> steps;
+  };
+  static std::vector<HeadChunk> plan_head(int64_t N, int64_t head_rows, const std::vector<int64_t>& wseg,
+                                          int64_t per_piece);
+  std::vector<HeadChunk> head_plan_;
+  int head_first_level_ = 0;
+  ArenaSlice head_leaf_;
   // Tensor parallelism: the embedding's partial lookup and, with sequence parallelism, the gathered
   // final norm output and the head's partial input gradient (each (N, C)); local token ids.
   ArenaSlice emb_partial_, final_full_, head_dfull_;
