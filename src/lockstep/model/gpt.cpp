@@ -18,7 +18,6 @@ namespace lockstep {
 namespace {
 // Logits held at once by the fused head + loss: about 16 MiB.
 constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
-
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,

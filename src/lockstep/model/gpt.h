@@ -241,7 +241,8 @@ class GPT {
   // layout_token_segments: the head's weight gradient, planned once (plan_head in gpt.cpp): row chunks
   // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
   // each chunk's products into the gradient. head_leaf_: a leaf (a segment's or a block's tree) and
-  // the tree's partial sums of levels head_first_level_ and up (the smallest block's), none when
+  // the tree's partial sums of levels head_first_level_ and up (the lowest a push uses: a long
+  // segment's part pushes at level 0), none when
   // every product is a whole piece.
   struct HeadStep {
     int64_t b0, end, seg, count;  // rows [b0, end): segments [seg, seg + count) of a piece, or a part of seg
