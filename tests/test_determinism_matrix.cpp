@@ -104,6 +104,10 @@ const Row kRows[] = {
     {"layout_token_segments_tp2_sp_llama_gqa", "debug.toml", {"determinism=layout", "layout_token_segments=true",
                                                               "model.preset=llama", "model.num_query_groups=2",
                                                               "parallel.tensor=2", "parallel.sequence_parallel=true"}, 2},
+    // The head's weight gradient in chunks of 64 rows (vocabulary 65,536): blocks of 2 segments pushed
+    // across the pool (GPT::plan_head, tree_sum_push_block), on 1 and 2 threads.
+    {"layout_token_segments_head_blocks_vocab64k", "debug.toml", {"determinism=layout", "layout_token_segments=true",
+                                                                  "model.vocab_size=65536", "model.hidden_size=16"}, 1},
     {"layout_token_segments_cp2_dp2_llama_gqa", "debug.toml", {"determinism=layout", "layout_token_segments=true",
                                                                "train.micro_batch=2", "model.preset=llama",
                                                                "model.num_query_groups=2", "parallel.context=2"}, 4},
