@@ -77,35 +77,12 @@ void TreeSum::push(int64_t leaf, float* x, int64_t begin, int64_t end) {
   const bool last = leaf == bounds_[k + 1] - 1;
   float* done = last && k < held_.size() ? held_[k].data() : nullptr;  // a piece's sum but the final one
   if (last && !done && c == 0) return;  // a one-leaf last piece: x is its sum
-  float* s[64];
-  for (size_t j = 0; j < stack_.size(); ++j) s[j] = stack_[j].data();
-  // The held subtrees folded into the leaf, smallest first: the last leaf's every one (the set bits
-  // of c), another leaf's those it completes (its trailing one bits, t of them) into s[t].
-  int fold[64];
-  int folds = 0;
-  if (last) {
-    for (uint64_t h = c; h; h &= h - 1) fold[folds++] = std::countr_zero(h);
-  } else {
-    for (int j = 0, t = std::countr_one(c); j < t; ++j) fold[folds++] = j;
-  }
-  float* dst = last ? (done ? done : x) : s[std::countr_one(c)];
+  const TreePush p = tree_push(static_cast<int64_t>(c), 0, last);
+  const auto subtree = [this](int j) { return stack_[static_cast<size_t>(j)].data(); };
+  float* dst = p.store >= 0 ? subtree(p.store) : done ? done : x;
   const bool zero = !last || done;  // x starts the next leaf from zero
   parallel_for(end - begin, [&](int64_t i0, int64_t i1) {
-    i0 += begin, i1 += begin;
-    // Block by block, so that the additions vectorise and x's block is zeroed while in cache: per
-    // element carry = x, then carry = held subtree + carry, smallest first (the tree's additions).
-    constexpr int64_t kBlock = 512;
-    float carry[kBlock];
-    for (int64_t b = i0; b < i1; b += kBlock) {
-      const size_t w = static_cast<size_t>(std::min(kBlock, i1 - b));
-      std::memcpy(carry, x + b, w * sizeof(float));
-      for (int f = 0; f < folds; ++f) {
-        const float* h = s[fold[f]] + b;
-        for (size_t e = 0; e < w; ++e) carry[e] = h[e] + carry[e];
-      }
-      std::memcpy(dst + b, carry, w * sizeof(float));
-      if (zero) std::memset(x + b, 0, w * sizeof(float));
-    }
+    tree_push_fold(dst, x, p.held, subtree, begin + i0, begin + i1, zero ? x : nullptr);
   });
 }
 

@@ -155,39 +155,56 @@ class TreeSum {
   std::vector<FloatBuffer> held_;   // the sums of pieces 0 .. K-2
 };
 
-template <typename T>
-void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int first_level,
-                         int64_t i0, int64_t i1) {
-  // Block c completes the subtrees of the trailing one bits of c / 2^level, from its own level up:
-  // carry = S_level + x, S_level+1 + carry, ..., stored at the first zero bit; the last block folds
-  // every held subtree (the one bits of c), smallest first. Each element's additions in that order,
-  // a block of elements per subtree at a time (vectorised; the block stays in cache between the
-  // passes).
-  constexpr int64_t kBlock = 1024;
+// One push of the canonical tree streamed as a binary counter (tree_sum_push, tree_sum_push_block,
+// TreeSum::push): a block of 2^level leaves starting at leaf c (a multiple of 2^level; level 0: one
+// leaf) folds the held subtrees whose levels are the bits of `held`, smallest first, and its carry
+// becomes the subtree of level `store` (-1: the root, for the last block). Before the last, those
+// are the trailing one bits of c / 2^level, from the block's own level up; the last folds every
+// held subtree, the one bits of c.
+struct TreePush {
+  uint64_t held;
+  int store;
+};
+inline TreePush tree_push(int64_t c, int level, bool last) {
   const uint64_t u = static_cast<uint64_t>(c);
+  if (last) return {u, -1};
   const int ones = std::countr_one(u >> level);
-  const uint64_t held = last ? u : ((uint64_t{1} << ones) - 1) << level;
-  T* dst = last ? out : stack + (level + ones - first_level) * n;
+  return {((uint64_t{1} << ones) - 1) << level, level + ones};
+}
+
+// The additions of a push over elements [i0, i1): dst = x, then dst = subtree(j) + dst for each
+// level j of `held`, smallest first, a block of elements at a time (vectorised; the block stays in
+// cache between the passes). dst may alias x (the additions then run in place); neither may be a
+// held subtree. zero: if given (x itself, not aliased by dst), x's block is zeroed once read.
+template <typename T, typename Subtree>
+void tree_push_fold(T* dst, const T* x, uint64_t held, const Subtree& subtree, int64_t i0, int64_t i1,
+                    T* zero = nullptr) {
+  constexpr int64_t kBlock = 1024;
   for (int64_t b0 = i0; b0 < i1; b0 += kBlock) {
     const int64_t m = std::min(i1 - b0, kBlock);
     T* d = dst + b0;
+    const T* src = x + b0;
     uint64_t h = held;
-    // The first addition from x (out may alias x: then in place like the others), the carry in d.
-    if (d != x + b0) {
-      const T* src = x + b0;
-      if (!h) {
-        std::memcpy(d, src, static_cast<size_t>(m) * sizeof(T));
-        continue;
-      }
-      const T* s0 = stack + (std::countr_zero(h) - first_level) * n + b0;
+    if (!h) {
+      if (d != src) std::memcpy(d, src, static_cast<size_t>(m) * sizeof(T));
+    } else {
+      const T* s0 = subtree(std::countr_zero(h)) + b0;
       for (int64_t i = 0; i < m; ++i) d[i] = s0[i] + src[i];
-      h &= h - 1;
+      for (h &= h - 1; h; h &= h - 1) {
+        const T* sj = subtree(std::countr_zero(h)) + b0;
+        for (int64_t i = 0; i < m; ++i) d[i] = sj[i] + d[i];
+      }
     }
-    for (; h; h &= h - 1) {
-      const T* sj = stack + (std::countr_zero(h) - first_level) * n + b0;
-      for (int64_t i = 0; i < m; ++i) d[i] = sj[i] + d[i];
-    }
+    if (zero) std::memset(zero + b0, 0, static_cast<size_t>(m) * sizeof(T));
   }
+}
+
+template <typename T>
+void tree_sum_push_block(T* out, const T* x, int64_t c, int level, bool last, int64_t n, T* stack, int first_level,
+                         int64_t i0, int64_t i1) {
+  const TreePush p = tree_push(c, level, last);
+  const auto subtree = [stack, n, first_level](int j) { return stack + (j - first_level) * n; };
+  tree_push_fold(p.store < 0 ? out : subtree(p.store), x, p.held, subtree, i0, i1);
 }
 
 template <typename T>
