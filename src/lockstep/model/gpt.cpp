@@ -349,7 +349,10 @@ std::vector<GPT::HeadChunk> GPT::plan_head(int64_t N, int64_t head_rows, const s
         while (c % (2 * count) == 0 && c + 2 * count <= per_piece && at(seg + 2 * count) <= e) count *= 2;
       const int64_t end = block ? at(seg + count) : std::min(e, at(seg + 1));
       const bool done = end == at(seg + count), whole = block && count == per_piece;
-      chunk.steps.push_back({b0, end, seg, count, whole, !starts, done && !whole});
+      HeadStep st{b0, end, seg / per_piece, c, count, {}, whole, !starts, done && !whole, c + count == per_piece};
+      if (whole || count > 1)
+        for (int64_t k = 0; k <= count; ++k) st.bounds.push_back(at(seg + k) - b0);
+      chunk.steps.push_back(std::move(st));
       if (done) seg += count;
       b0 = end;
     }
@@ -382,37 +385,26 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   // accumulates its parts into its leaf from zero. Context parallelism: per piece of the rank's rows
   // (ParamStore::token_pieces), each its own tree.
   const bool planned = backward && !head_plan_.empty();
-  const int64_t per_piece = planned ? params_.token_segments(out_) : 0;
-  const std::vector<int64_t> wseg = planned ? canonical_segments(N_, params_.token_pieces(out_) * per_piece)
-                                            : std::vector<int64_t>{};
   float* leaf = head_leaf_.size ? arena_(head_leaf_) : nullptr;
-  std::vector<int64_t> block_bounds;
   const int64_t n = V * C_;
   auto weight_gradient = [&](int64_t r0, const HeadStep& st) {
     const float* dlogits = logits + (st.b0 - r0) * V;
     const float* xb = x + st.b0 * C_;
     GemmOptions opt;
-    if (st.whole || st.count > 1) {  // the block's segments, relative to its first row
-      block_bounds.resize(static_cast<size_t>(st.count + 1));
-      for (int64_t k = 0; k <= st.count; ++k)
-        block_bounds[static_cast<size_t>(k)] = wseg[static_cast<size_t>(st.seg + k)] - st.b0;
-      opt.k_segments = block_bounds;
-    }
+    opt.k_segments = st.bounds;  // the block's segments (empty: one chain)
     if (st.whole) {
       opt.accumulate = true;
-      gemm(params_.grad_piece(out_, st.seg / per_piece), dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
+      gemm(params_.grad_piece(out_, st.piece), dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
       return;
     }
     opt.accumulate = st.accumulate;
     gemm(leaf, dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
     if (!st.push) return;
-    const int64_t c = st.seg % per_piece;
-    const bool last = c + st.count == per_piece;
     const int level = std::countr_zero(static_cast<uint64_t>(st.count)), first = head_first_level_;
-    float* g = last ? params_.grad_piece(out_, st.seg / per_piece) : nullptr;
+    float* g = st.last ? params_.grad_piece(out_, st.piece) : nullptr;
     parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
-      tree_sum_push_block(leaf, leaf, c, level, last, n, leaf + n, first, i0, i1);
-      if (last)
+      tree_sum_push_block(leaf, leaf, st.c, level, st.last, n, leaf + n, first, i0, i1);
+      if (g)
         for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
     });
   };

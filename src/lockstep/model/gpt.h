@@ -245,10 +245,13 @@ class GPT {
   // segment's part pushes at level 0), none when
   // every product is a whole piece.
   struct HeadStep {
-    int64_t b0, end, seg, count;  // rows [b0, end): segments [seg, seg + count) of a piece, or a part of seg
+    int64_t b0, end;  // rows [b0, end): `count` segments of piece `piece` from its segment c, or a part of one
+    int64_t piece, c, count;
+    std::vector<int64_t> bounds;  // the block's segment bounds relative to b0 (k_segments), when whole or count > 1
     bool whole;                   // a whole piece: C = C + the tree over its segments, in the product
     bool accumulate;              // a later part of a segment longer than a chunk
     bool push;                    // completes a block (or a long segment): pushed through the piece's tree
+    bool last;                    // with push: the piece's last block, whose root is added to its gradient
   };
   struct HeadChunk {
     int64_t r0, rows;
