@@ -150,7 +150,7 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   const int64_t depth = tree_sum_stack(L), R = group.size();
   const int me = group.rank();
   const bool keep = me < keepers;
-  // Each rank sums one slice of the elements (slice q of n: [q n / R, (q + 1) n / R)): every rank
+  // Each rank sums one slice of the elements (slice q of n: canonical segment q of R): every rank
   // sends each other rank its K pieces' part in that rank's slice, sums its own slice from the R
   // ranks' pieces (its own read in place, the others' at block q, or q - 1 past this rank), and
   // sends that root to the keepers, which so hold the whole root. One message per piece and slice,
@@ -166,7 +166,11 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   std::vector<Communicator::Message> sends, recvs;
   for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
     const int64_t n = std::min(chunk, hi - lo - c0);
-    const auto slice = [n, R](int64_t q) { return std::pair<int64_t, int64_t>{q * n / R, (q + 1) * n / R}; };
+    // Slice q of the chunk's n elements: canonical segment q of R (tree_sum.h's even cut).
+    const std::vector<int64_t> cut = canonical_segments(n, R);
+    const auto slice = [&cut](int64_t q) {
+      return std::pair<int64_t, int64_t>{cut[static_cast<size_t>(q)], cut[static_cast<size_t>(q + 1)]};
+    };
     const auto [s0, s1] = slice(me);
     const int64_t m = s1 - s0;
     constexpr int64_t F = sizeof(float);
