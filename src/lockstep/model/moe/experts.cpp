@@ -85,17 +85,17 @@ void GroupedExperts::begin_step() {
 }
 
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces) {
+  const int64_t T = tp_size * cp_size;  // the sources that share a micro-batch
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
-    token_L = layout_segments / (tp_size * cp_size);
-    const int64_t T = tp_size * cp_size;
+    token_L = layout_segments / T;
     LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0) &&
                        (sources > 1 || tp_size == 1 || tp),
                    "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
                    ", context-parallel size ", cp_size);
   }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
-  groups = token_L ? sources / (tp_size * cp_size) : sources;
+  groups = token_L ? sources / T : sources;
   layout_micros = micros;
   // G: the sources, or under tensor or context parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
