@@ -91,9 +91,10 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
              "parallel.expert_tensor=2"},
             "determinism = \"layout\", an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor "
             "= 2: "},
-           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise"},
-            "determinism = \"layout\", an MoE model, precision.fp8 = \"blockwise\" / precision.fp4 = \"none\" and "
-            "parallel.expert x parallel.expert_tensor = 1: a quantised expert block would be one rank's rows"},
+           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=64"},
+            "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and parallel.expert x "
+            "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a micro-batch "
+            "in 16-row Hadamard blocks"},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2",
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
             "determinism = \"layout\", an MoE model, precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "

@@ -426,6 +426,15 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
         {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}},
     }, {"layout_token_segments=true", "precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64",
         "moe.shared_expert_gate=true"});
+  // Quantised experts on every rank: each cp (x tp) rank quantises its own rows of an expert (the
+  // per-tensor amax max-reduced over tp x cp), each token piece's weight gradient quantised along the
+  // tokens segment by segment.
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
+                             "precision.fp8=mxfp8"})
+    rows_match_single_process("moe-debug", {
+        {2, {"parallel.context=2"}},
+        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+    }, {"layout_token_segments=true", "precision.params=bf16", recipe});
   rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
                             {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
                              "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128",
@@ -634,6 +643,26 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
   rows_match_single_process("moe-debug", {rows[0]},
                             {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
                              "moe.shared_expert_intermediate_size=64"});
+}
+
+// Low precision with the experts on every rank (expert x expert-tensor = 1) under tensor parallelism:
+// each tp rank quantises its own rows of an expert, with the per-tensor scales' amax max-reduced over
+// the tp group and each weight gradient quantised along the tokens segment by segment (whole segments
+// per rank), reduced over tp per micro-batch. Every FP8 recipe, SP, data parallelism, a shared expert,
+// Llama's SwiGLU.
+TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatchSingleProcess) {
+  const std::string bf16 = "precision.params=bf16";
+  const std::vector<Row> rows = {
+      {2, {"parallel.tensor=2"}},
+      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+  };
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8"})
+    rows_match_single_process("moe-debug", rows, {bf16, recipe});
+  rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("moe-debug", {rows[0], rows[1]},
+                            {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {rows[1]}, {"model.preset=llama", bf16, "precision.fp8=blockwise"});
 }
 
 // Low precision under expert parallelism: an expert's rows come from several ranks' micro-batches,
@@ -850,15 +879,16 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
                       "parallel.expert_tensor must divide layout_segments"),
             std::string::npos);
-  // MoE under tensor parallelism: an expert group covering part of a micro-batch's tp ranks, quantised
-  // expert blocks.
+  // MoE under tensor parallelism: an expert group covering part of a micro-batch's tp ranks, NVFP4
+  // experts of one rank.
   EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2"}, "moe-debug")
                 .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor "
                       "= 4: an expert's rows would come from only part of a micro-batch's tensor-parallel ranks"),
             std::string::npos);
-  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp8=tensorwise", "parallel.tensor=2"}, "moe-debug")
-                .find("an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor = 1: a quantised "
-                      "expert block would span one tensor-parallel rank's tokens"),
+  EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2"}, "moe-debug")
+                .find("precision.fp4 = \"nvfp4\", an MoE model, parallel.tensor = 2 and parallel.expert x "
+                      "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a "
+                      "micro-batch in 16-row Hadamard blocks"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")

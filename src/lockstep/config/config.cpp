@@ -636,16 +636,19 @@ void validate_context_parallel(const Config& c) {
                  "parallel.expert_tensor = ", expert_group),
              str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
                  "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
-    // Quantised experts: an expert's rows of one micro-batch are one tensor, which the expert group puts
-    // back in token order when it holds them all, without padding between the ranks' rows.
+    // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment, so a rank's
+    // whole segments are what one process quantises of them; NVFP4's weight gradients transform an
+    // expert's rows of a micro-batch in 16-row Hadamard blocks, which the expert group puts back in
+    // token order when it holds them all. Neither holds with padding between the ranks' rows.
     const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
     const std::string recipe =
         str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\"");
-    if (moe && quantised && expert_group == 1)
-      refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and parallel.expert x parallel.expert_tensor = 1"),
-             str("a quantised expert block would be one rank's rows of an expert, not its micro-batch's; use "
-                 "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor x parallel.context = ",
-                 tp * cp, ") or precision.fp8 = precision.fp4 = \"none\""));
+    if (moe && c.precision.fp4 != "none" && expert_group == 1)
+      refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
+                 "\" and parallel.expert x parallel.expert_tensor = 1"),
+             str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard "
+                 "blocks, which would straddle the ranks' rows; use parallel.expert or parallel.expert_tensor > 1 (a "
+                 "multiple of parallel.tensor x parallel.context = ", tp * cp, ") or an FP8 recipe"));
     if (moe && quantised && c.moe.pad_expert_input_to_capacity)
       refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and moe.pad_expert_input_to_capacity = true"),
              "a micro-batch's quantised expert block would hold each tp x cp rank's padding between its tokens; use "
@@ -712,16 +715,17 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", c.parallel.tensor),
            "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
            "expert-tensor group must be 1 or a multiple of parallel.tensor");
-  // Quantised experts: an expert's rows of one micro-batch are one tensor (Precision::ExpertBlocks), which
-  // the expert x expert-tensor group holds whole when it holds whole tp groups, without padding between
-  // the tp ranks' rows.
+  // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
+  // whole segments quantise as one process's); NVFP4 transforms an expert's rows of one micro-batch in
+  // 16-row Hadamard blocks (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole
+  // when it holds whole tp groups. Neither holds with padding between the tp ranks' rows.
   const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && expert_group == 1)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\", an MoE model, parallel.tensor = ", c.parallel.tensor, " and parallel.expert x "
-               "parallel.expert_tensor = 1"),
-           "a quantised expert block would span one tensor-parallel rank's tokens, not its micro-batch's; use "
-           "parallel.expert or parallel.expert_tensor > 1 (a multiple of parallel.tensor) or parallel.tensor = 1");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && expert_group == 1)
+    refuse(str("precision.fp4 = \"", c.precision.fp4, "\", an MoE model, parallel.tensor = ", c.parallel.tensor,
+               " and parallel.expert x parallel.expert_tensor = 1"),
+           "NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
+           "which would straddle the tensor-parallel ranks' rows; use parallel.expert or parallel.expert_tensor > 1 "
+           "(a multiple of parallel.tensor), parallel.tensor = 1 or an FP8 recipe");
   // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
   // those tokens (the FP8 block recipes' blocks stop at the token segments; NVFP4 keys its stochastic
   // rounding by their micro-batch tokens, its Hadamard blocks of 16 within the rank's).

@@ -240,7 +240,7 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
                                        const TokenShare& tokens) {
   const Site& s = sites_[static_cast<size_t>(site)];
   // Scratch per (rank) thread, kept across calls: no allocation per quantised operand in steady state.
-  thread_local std::vector<float> tr, piece, values;
+  thread_local std::vector<float> tr;
   if (!k_along_cols && recipe_ != Recipe::blockwise) {  // mxfp8 and nvfp4 block along rows: the transpose
     transpose(tr, x, rows, cols);
     x = tr.data();
@@ -275,9 +275,16 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   float a = 0.0f;
   const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s) : nullptr;
   dst.resize(static_cast<size_t>(rows * cols));
-  QuantizedTensor q;
-  for (size_t i = 0; i + 1 < rb.size(); ++i)
-    for (size_t j = 0; j + 1 < cb.size(); ++j) {
+  // The pieces are independent (each quantised from its own values): many of them are split over the
+  // threads, each piece quantised on one (the quantisers inside run serially there), a few go one at a
+  // time, each quantiser parallel. The same bits either way.
+  const int64_t nj = static_cast<int64_t>(cb.size()) - 1, np = (static_cast<int64_t>(rb.size()) - 1) * nj;
+  const auto pieces = [&](int64_t p0, int64_t p1) {
+    // Scratch per thread, kept across calls.
+    thread_local std::vector<float> piece, values;
+    QuantizedTensor q;
+    for (int64_t p = p0; p < p1; ++p) {
+      const size_t i = static_cast<size_t>(p / nj), j = static_cast<size_t>(p % nj);
       const int64_t r0 = rb[i], c0 = cb[j], pr = rb[i + 1] - r0, pc = cb[j + 1] - c0;
       if (pr == 0 || pc == 0) continue;
       piece.resize(static_cast<size_t>(pr * pc));
@@ -304,6 +311,9 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
       for (int64_t u = 0; u < pr; ++u)
         std::memcpy(dst.data() + (r0 + u) * cols + c0, values.data() + u * pc, static_cast<size_t>(pc) * sizeof(float));
     }
+  };
+  if (np >= 4 * current_threads()) parallel_for(np, pieces);
+  else pieces(0, np);
   return gemm_operand(dst.data(), cols, t);
 }
 
@@ -393,11 +403,13 @@ void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float*
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
-                           int64_t in, std::span<const int64_t> k_segments, int64_t blk, int64_t row0) {
+                           int64_t in, std::span<const int64_t> k_segments, int64_t blk, int64_t row0,
+                           bool accumulate) {
   GemmOptions acc;
-  acc.accumulate = true;
+  acc.accumulate = accumulate;
   acc.k_segments = k_segments;
   if (recipe_ == Recipe::nvfp4) {
+    LOCKSTEP_CHECK(accumulate, "nvfp4 weight gradients accumulate");
     gemm_wgrad_nvfp4(site, std::span<float* const>(&dw, 1), dy, x, N, out, in, k_segments);
     return;
   }
@@ -628,6 +640,31 @@ void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* d
       gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, s);
     if (db) bias_backward(db + k * out, dy + r0 * out, rows, out);
   });
+}
+
+void Precision::grouped_wgrad_segments(int w, float* const* dw, const float* dy, const float* x, const int64_t* rows,
+                                       int64_t leaves, int64_t per, const ExpertBlocks* blocks, const int64_t* offsets,
+                                       int64_t E, int64_t out, int64_t in) {
+  LOCKSTEP_CHECK(recipe(w) != Recipe::none && recipe_ != Recipe::nvfp4 && leaves % E == 0 &&
+                     (!blocks || blocks->sources == leaves / E),
+                 "token-segment expert weight gradients: ", leaves, " leaves of ", E, " experts need an FP8 recipe");
+  const int64_t P = leaves / E;
+  std::vector<int64_t> bounds(static_cast<size_t>(per + 1));
+  for (int64_t g = 0; g < leaves; ++g) {
+    const int64_t e = g / P, r0 = rows[g * per], n = rows[(g + 1) * per] - r0;
+    if (n == 0) {  // what the chains from zero give
+      float* d = dw[g];
+      parallel_for(out * in, [&](int64_t i0, int64_t i1) { std::fill(d + i0, d + i1, 0.0f); });
+      continue;
+    }
+    for (int64_t s = 0; s <= per; ++s) bounds[static_cast<size_t>(s)] = rows[g * per + s] - r0;
+    // The block's kept operands (per-tensor scaling) start at its first row; without blocks the
+    // expert's tensor starts at offsets[e].
+    const int64_t blk = blocks ? g % P : -1, row0 = r0 - (blocks ? blocks->segments[g] : offsets[e]);
+    LOCKSTEP_CHECK(row0 >= 0 && (!blocks || row0 == 0), "token-segment expert weight gradient: leaf ", g, " starts at ",
+                   r0);
+    gemm_wgrad(first_site_[w] + e, dw[g], dy + r0 * out, x + r0 * in, n, out, in, bounds, blk, row0, false);
+  }
 }
 
 }  // namespace lockstep

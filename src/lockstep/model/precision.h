@@ -59,14 +59,17 @@
 //   dense tensors    tp x cp x dp (the dense mesh's tp-dp-cp group; pipeline stages hold other
 //                    layers)
 //   experts          etp x edp (an expert's hidden units are split over etp, its replicas are the
-//                    edp ranks; under expert parallelism its tokens already come from the ep group)
+//                    edp ranks; under expert parallelism its tokens already come from the ep group;
+//                    with ep x etp = 1 the edp ranks include the tp x cp ranks of a micro-batch)
 // Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch (one all-reduce
 // per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
 // layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
 // pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
 // the data-parallel replicas out of the groups there, except from delayed scaling's once-per-step
-// update (AmaxHistory). Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce
-// over the ranks that share a batch only (tp x cp; etp). One process, or groups of one rank:
+// update (AmaxHistory); experts held whole on every rank (ep x etp = 1) keep the tp x cp ranks, which
+// hold parts of one micro-batch's rows. Evaluation's forwards are per rank (ranks may evaluate different
+// batches): they reduce over the ranks that share a batch only (tp x cp; experts etp, or tp x cp when
+// ep x etp = 1). One process, or groups of one rank:
 // nothing is reduced and the bits are those of the unreduced model.
 //
 // determinism = "layout" under tensor / expert tensor parallelism: a weight's dimension that the
@@ -234,6 +237,19 @@ class Precision {
   // sources, out) or null, block (e, s) += dy^T x and the column sums of dy over its rows.
   void grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x, const ExpertBlocks& blocks,
                             int64_t E, int64_t out, int64_t in);
+  // determinism = "layout" (FP8 recipes; model/moe/experts.h): leaf g's weight gradient dw[g] (out,
+  // in) assigned, the canonical tree over its `per` token segments of the quantised dy^T x, each
+  // segment a chain from zero (gemm.h k_segments); rows: (leaves x per + 1) boundaries, leaf g's
+  // segments g x per .. (g + 1) x per - 1, as token_segment_wgrad's. The leaves are the E experts'
+  // in order, leaves / E each: with blocks, expert e's block s is leaf e x sources + s (its rows
+  // quantised as the block, ExpertBlocks); without, leaf g is part g mod (leaves / E) of expert
+  // g / (leaves / E)'s rows [offsets[e], offsets[e + 1]) (context parallelism's token pieces), which
+  // fprop and dgrad quantised as one tensor. Block recipes quantise along the tokens segment by
+  // segment, per-tensor recipes read the kept operands: no quantisation straddles a token segment,
+  // so a tensor-parallel rank's leaf of whole segments is what one process computes of them.
+  void grouped_wgrad_segments(int w, float* const* dw, const float* dy, const float* x, const int64_t* rows,
+                              int64_t leaves, int64_t per, const ExpertBlocks* blocks, const int64_t* offsets,
+                              int64_t E, int64_t out, int64_t in);
 
   // Delayed scaling's state, one entry per quantised tensor, named
   // "<weight name>[.<expert>].{input,weight,grad}" with the expert's index on this rank, and in
@@ -315,8 +331,9 @@ class Precision {
   void gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                   const GemmOptions& opt, int64_t blk = -1, const TokenShare& tokens = {});
   // row0: under per-tensor scaling, the operands are rows [row0, row0 + N) of the kept tensors.
+  // accumulate: dw += the product (else dw = it).
   void gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
-                  std::span<const int64_t> k_segments = {}, int64_t blk = -1, int64_t row0 = 0);
+                  std::span<const int64_t> k_segments = {}, int64_t blk = -1, int64_t row0 = 0, bool accumulate = true);
   // NVFP4's weight gradient: the N rows transformed (random Hadamard along the tokens), quantised
   // (tokens: as the micro-batch's; one tensor amax) and multiplied once per output of dw, each of
   // the next N / dw.size() rows (context parallelism's token pieces), in k_segments.

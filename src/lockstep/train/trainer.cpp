@@ -212,12 +212,15 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
   // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
-  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode.
+  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. Experts held
+  // whole on every rank (expert x expert-tensor = 1) see the tp x cp ranks' rows of a micro-batch:
+  // their group there is tp x cp, as the dense tensors'.
   const bool own_micro_batch = config.determinism == "layout";
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
+  Communicator* expert_batch = mesh.ep() * mesh.etp() == 1 ? &tp_cp_group : &etp_group;
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
-                                    own_micro_batch ? &etp_group : &etp_edp_group, &tp_cp_group, &etp_group};
+                                    own_micro_batch ? expert_batch : &etp_edp_group, &tp_cp_group, expert_batch};
   if (own_micro_batch) {
     amax_groups.layout = true;
     amax_groups.dense_step = &tp_dp_cp_group;

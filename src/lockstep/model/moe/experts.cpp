@@ -207,6 +207,16 @@ void tree_over_blocks(float* const* out, float* fine, int64_t leaves, int64_t pe
   });
 }
 
+// Leaf g's bias gradient db[g] (nout) assigned: the canonical tree over its `per` token segments of the
+// column sums of dy over each segment's rows, in row order (rows as token_segment_wgrad's).
+void token_segment_bias(float* const* db, const float* dy, const int64_t* rows, int64_t leaves, int64_t per,
+                        int64_t nout) {
+  thread_local std::vector<float> bias;
+  bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
+  grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
+  tree_over_blocks(db, bias.data(), leaves, per, nout);
+}
+
 // Layout mode (fp32 / bf16 operands): leaf g's weight gradient dw[g] (nout, nin) assigned, the
 // canonical tree over its `per` token segments of dy^T x over each segment's rows, every segment a
 // chain from zero (kernels/cpu/gemm.h); db[g] (nout) likewise with the column sums of dy in row
@@ -229,11 +239,7 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
     items.push_back(it);
   }
   gemm_batch(items.data(), leaves);
-  if (!db) return;
-  thread_local std::vector<float> bias;
-  bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
-  grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
-  tree_over_blocks(db, bias.data(), leaves, per, nout);
+  if (db) token_segment_bias(db, dy, rows, leaves, per, nout);
 }
 
 // dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
@@ -390,12 +396,14 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
-    if (token_L && token_segments && p.recipe(w) == Precision::Recipe::none) {
+    const Precision::Recipe recipe = p.recipe(w);
+    if (token_L && token_segments && recipe != Precision::Recipe::nvfp4) {
       // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
       // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
       // is expert e's piece k, into the parameter's grad_piece k).
       // (With several sources under context parallelism the rows are in the groups' token order here,
-      // token_segments their S segments: group_token_order.)
+      // token_segments their S segments: group_token_order.) FP8 recipes quantise along the tokens
+      // segment by segment (the blocks qb, or each expert's rows with one source).
       const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * cp_size * token_L;
       const int64_t leaves = E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
@@ -406,8 +414,13 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
         if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
       }
-      token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves, per,
-                          nout, nin);
+      if (recipe == Precision::Recipe::none) {
+        token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves,
+                            per, nout, nin);
+      } else {
+        p.grouped_wgrad_segments(w, dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
+        if (b >= 0) token_segment_bias(db_leaves.data(), dy, token_segments, leaves, per, nout);
+      }
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
         if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
@@ -415,11 +428,11 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       }
     } else if (S == 1) {
       LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
-                     "quantised expert gradients under tensor or context parallelism (refused by the config)");
+                     "nvfp4 expert gradients under tensor or context parallelism (refused by the config)");
       return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
     } else if (qb) {
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
-    } else if (p.recipe(w) != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
+    } else if (recipe != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
       const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, run, E, nout, nin);
     } else {

@@ -53,10 +53,14 @@
 // (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
 // source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
-// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md). The
-// quantised recipes keep one chain per (expert, micro-batch) block: under tensor parallelism the
-// block of a micro-batch group (its tp sources' rows back to back, the micro-batch's rows of the
-// expert in token order; quantised_blocks); with one source under tp they are refused by the config.
+// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md). The FP8
+// recipes take the same token segments (Precision::grouped_wgrad_segments: each segment quantised
+// along the tokens on its own), with several sources per (expert, micro-batch group) block (its tp
+// sources' rows back to back, the micro-batch's rows of the expert in token order;
+// quantised_blocks), with one source per expert of the rank's rows (their per-tensor amax reduced
+// over tp x cp by the trainer's groups). NVFP4 keeps one quantised chain per (expert, micro-batch)
+// block (its Hadamard blocks run along the block's rows); with one source under tp or cp the config
+// refuses it.
 // Context parallelism (one source; ExpertShard::cp_size): the rank's rows are its token pieces
 // (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp) segments in
 // all; each (expert, piece) is a leaf, the tree over the piece's segments written to the parameter's
