@@ -95,11 +95,10 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
             "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and parallel.expert x "
             "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a micro-batch "
             "in 16-row Hadamard blocks"},
-           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=tensorwise", "parallel.expert=2",
+           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4", "parallel.expert=2",
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
-            "determinism = \"layout\", an MoE model, precision.fp8 = \"tensorwise\" / precision.fp4 = \"none\" and "
-            "moe.pad_expert_input_to_capacity = true: a micro-batch's quantised expert block would hold each tp x cp "
-            "rank's padding"},
+            "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and moe.pad_expert_input_to_capacity = "
+            "true: a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding"},
            {{"layout_token_segments=true", "train.micro_batch=1", "precision.params=bf16", "precision.fp4=nvfp4",
              "moe.shared_expert_intermediate_size=64", "moe.num_experts=8", "parallel.tensor=4", "parallel.expert=8"},
             "determinism = \"layout\", precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = 64 and "

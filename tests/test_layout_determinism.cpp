@@ -435,6 +435,11 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
         {2, {"parallel.context=2"}},
         {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
     }, {"layout_token_segments=true", "precision.params=bf16", recipe});
+  rows_match_single_process("moe-debug", {
+      {2, {"parallel.context=2"}},
+      {4, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "moe.expert_capacity_factor=0.5",
+      "moe.pad_expert_input_to_capacity=true"});
   rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
                             {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
                              "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128",
@@ -663,6 +668,12 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
   rows_match_single_process("moe-debug", {rows[0], rows[1]},
                             {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {rows[1]}, {"model.preset=llama", bf16, "precision.fp8=blockwise"});
+  // Padded to capacity: each rank's padding rows are zero rows in its last token segment, with the
+  // experts on every rank and in split groups whose sources' rows hold them between.
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise"})
+    rows_match_single_process("moe-debug", {rows[0], {4, {"parallel.tensor=2", "parallel.expert=2",
+                                                          "moe.token_dispatcher=alltoall"}}},
+                              {bf16, recipe, "moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true"});
 }
 
 // Low precision under expert parallelism: an expert's rows come from several ranks' micro-batches,
@@ -892,9 +903,9 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
-                .find("determinism = \"layout\" with precision.fp8 = \"none\" / precision.fp4 = \"nvfp4\", "
-                      "moe.pad_expert_input_to_capacity = true and parallel.tensor = 2: a micro-batch's quantised expert "
-                      "block would hold each tensor-parallel rank's padding"),
+                .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\", moe.pad_expert_input_to_capacity = "
+                      "true and parallel.tensor = 2: a micro-batch's NVFP4 expert block would hold each tensor-parallel "
+                      "rank's padding"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=24"},

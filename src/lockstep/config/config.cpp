@@ -637,22 +637,21 @@ void validate_context_parallel(const Config& c) {
              str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
                  "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
     // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment, so a rank's
-    // whole segments are what one process quantises of them; NVFP4's weight gradients transform an
-    // expert's rows of a micro-batch in 16-row Hadamard blocks, which the expert group puts back in
-    // token order when it holds them all. Neither holds with padding between the ranks' rows.
-    const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
-    const std::string recipe =
-        str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4, "\"");
+    // whole segments (its padding rows in its last one: zero rows, adding nothing) are what one process
+    // quantises of them; NVFP4's weight gradients transform an expert's rows of a micro-batch in 16-row
+    // Hadamard blocks, which the expert group puts back in token order when it holds them all, without
+    // padding between the ranks' rows.
     if (moe && c.precision.fp4 != "none" && expert_group == 1)
       refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
                  "\" and parallel.expert x parallel.expert_tensor = 1"),
              str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard "
                  "blocks, which would straddle the ranks' rows; use parallel.expert or parallel.expert_tensor > 1 (a "
                  "multiple of parallel.tensor x parallel.context = ", tp * cp, ") or an FP8 recipe"));
-    if (moe && quantised && c.moe.pad_expert_input_to_capacity)
-      refuse(str("determinism = \"layout\", an MoE model, ", recipe, " and moe.pad_expert_input_to_capacity = true"),
-             "a micro-batch's quantised expert block would hold each tp x cp rank's padding between its tokens; use "
-             "moe.pad_expert_input_to_capacity = false");
+    if (moe && c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity)
+      refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
+                 "\" and moe.pad_expert_input_to_capacity = true"),
+             "a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding between its tokens, inside "
+             "its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or an FP8 recipe");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
@@ -716,10 +715,10 @@ void validate_layout_determinism(const Config& c) {
            "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
            "expert-tensor group must be 1 or a multiple of parallel.tensor");
   // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
-  // whole segments quantise as one process's); NVFP4 transforms an expert's rows of one micro-batch in
-  // 16-row Hadamard blocks (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole
-  // when it holds whole tp groups. Neither holds with padding between the tp ranks' rows.
-  const bool quantised = c.precision.fp8 != "none" || c.precision.fp4 != "none";
+  // whole segments quantise as one process's, its padding rows zero rows in its last one); NVFP4
+  // transforms an expert's rows of one micro-batch in 16-row Hadamard blocks (Precision::ExpertBlocks),
+  // which the expert x expert-tensor group holds whole when it holds whole tp groups, without padding
+  // between the tp ranks' rows.
   if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && expert_group == 1)
     refuse(str("precision.fp4 = \"", c.precision.fp4, "\", an MoE model, parallel.tensor = ", c.parallel.tensor,
                " and parallel.expert x parallel.expert_tensor = 1"),
@@ -737,11 +736,12 @@ void validate_layout_determinism(const Config& c) {
            str("the shared expert's weight gradients transform each tensor-parallel rank's ", rank_tokens,
                " tokens in 16-token Hadamard blocks: train.micro_batch x model.seq_length / parallel.tensor must be a "
                "multiple of 16"));
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && quantised && e.pad_expert_input_to_capacity)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ", c.parallel.tensor),
-           "a micro-batch's quantised expert block would hold each tensor-parallel rank's padding between its "
-           "tokens; use moe.pad_expert_input_to_capacity = false or parallel.tensor = 1");
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.pad_expert_input_to_capacity)
+    refuse(str("precision.fp4 = \"", c.precision.fp4, "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ",
+               c.parallel.tensor),
+           "a micro-batch's NVFP4 expert block would hold each tensor-parallel rank's padding between its tokens, "
+           "inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false, parallel.tensor = 1 or "
+           "an FP8 recipe");
   // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
   // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
   if (c.layout_segments % c.parallel.tensor)

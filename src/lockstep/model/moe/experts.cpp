@@ -295,8 +295,9 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
     return &qblocks;
   }
   // Tensor parallelism: the tp_size consecutive sources of a micro-batch group hold its tokens in
-  // order, so their rows of expert e are the micro-batch's rows of e, one block (the config refuses
-  // padding, which would sit between the sources' rows).
+  // order, so their rows of expert e are the micro-batch's rows of e, one block (with padding, each
+  // source's padding sits after its rows: FP8's token segments leave it at the end of the source's
+  // last one, NVFP4's one chain per block would not, and the config refuses that).
   const int64_t T = sources / groups;
   group_segments.resize(static_cast<size_t>(E * groups + 1));
   for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
