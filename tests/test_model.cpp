@@ -1,12 +1,14 @@
 // Whole-model checks on tiny models of each flavour: the backward pass against finite differences
-// of the forward pass (one random direction per parameter tensor), the parameter table, and that
-// init is a pure function of (seed, parameter name).
+// of the forward pass (one random direction per parameter tensor), the parameter table, that
+// init is a pure function of (seed, parameter name), and the head's weight-gradient plan.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/hash.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/model/gpt.h"
 #include "model_testing.h"
@@ -96,6 +98,95 @@ TEST(ParamTable, InitIsAPureFunctionOfSeedAndName) {
   GPT mc(a, 1);
   mc.params().init(43);
   EXPECT_NE(hash_floats(mc.params().value(ia), n), hash_floats(ma.params().value(ia), n));
+}
+
+}  // namespace
+}  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+// The head's weight-gradient plan with layout_token_segments (GPT::plan_head), over every row count,
+// chunk size, segment count and piece size of a small range: the chunks tile the rows, each at most
+// head_rows and ending on the last segment bound it holds; the steps tile each chunk; every segment
+// is covered in order, either inside one block of 2^j whole segments of its piece, aligned (c a
+// multiple of the count) and as large as the chunk allows, or in parts that accumulate from the
+// second on; each piece's completed blocks tile its segments in order, the last one marked, a whole
+// piece added in the product and never pushed; k_segments bounds exactly for the multi-segment and
+// whole blocks.
+TEST(HeadPlan, TilesTheRowsInAlignedBlocksOfEachPiecesSegments) {
+  int64_t plans = 0;
+  for (int64_t S : {1, 2, 4, 8, 16})
+    for (int64_t per_piece = 1; per_piece <= S; per_piece *= 2)
+      for (int64_t N = S; N <= 70; N += 3)
+        for (int64_t head_rows = 1; head_rows <= N + 2; ++head_rows) {
+          const std::vector<int64_t> wseg = canonical_segments(N, S);
+          const auto at = [&](int64_t k) { return wseg[static_cast<size_t>(k)]; };
+          const std::vector<GPT::HeadChunk> plan = GPT::plan_head(N, head_rows, wseg, per_piece);
+          const std::string where = "N " + std::to_string(N) + " rows " + std::to_string(head_rows) + " S " +
+                                    std::to_string(S) + " per piece " + std::to_string(per_piece);
+          ++plans;
+          int64_t r = 0, seg = 0, next_c = 0;  // rows planned, the segment being covered, its piece's next block
+          for (size_t k = 0; k < plan.size(); ++k) {
+            const GPT::HeadChunk& ch = plan[k];
+            ASSERT_EQ(ch.r0, r) << where;
+            ASSERT_GE(ch.rows, 1) << where;
+            ASSERT_LE(ch.rows, head_rows) << where;
+            const int64_t e = ch.r0 + ch.rows;
+            if (k + 1 < plan.size()) {  // ends on the last bound in (r0, r0 + head_rows], if any
+              int64_t last = -1;
+              for (int64_t b : wseg)
+                if (b > ch.r0 && b <= ch.r0 + head_rows) last = b;
+              ASSERT_EQ(e, last > 0 ? last : ch.r0 + head_rows) << where;
+            }
+            int64_t b0 = ch.r0;
+            for (const GPT::HeadStep& st : ch.steps) {
+              ASSERT_EQ(st.b0, b0) << where;
+              ASSERT_GT(st.end, st.b0) << where;
+              ASSERT_LE(st.end, e) << where;
+              ASSERT_LT(seg, S) << where;
+              ASSERT_TRUE(b0 >= at(seg) && b0 < at(seg + 1)) << where << ": inside the segment being covered";
+              ASSERT_EQ(st.piece, seg / per_piece) << where;
+              ASSERT_EQ(st.c, seg % per_piece) << where;
+              ASSERT_EQ(st.c, next_c) << where << ": blocks of a piece in order";
+              const bool starts = b0 == at(seg);
+              ASSERT_EQ(st.accumulate, !starts) << where;
+              ASSERT_TRUE(std::has_single_bit(static_cast<uint64_t>(st.count))) << where;
+              ASSERT_EQ(st.c % st.count, 0) << where << ": aligned";
+              ASSERT_LE(st.c + st.count, per_piece) << where;
+              if (starts && st.end == at(seg + st.count)) {
+                // A block of whole segments, as large as the chunk allows.
+                const int64_t twice = 2 * st.count;
+                EXPECT_FALSE(st.c % twice == 0 && st.c + twice <= per_piece && at(seg + twice) <= e) << where;
+              } else {
+                ASSERT_EQ(st.count, 1) << where << ": a part of a segment";
+                ASSERT_LE(st.end, at(seg + 1)) << where;
+                ASSERT_TRUE(!starts || st.end < at(seg + 1)) << where;
+                ASSERT_TRUE(st.end == at(seg + 1) || st.end == e) << where << ": a part runs to its chunk's end";
+              }
+              const bool done = st.end == at(seg + st.count);
+              ASSERT_EQ(st.whole, starts && done && st.count == per_piece) << where;
+              ASSERT_EQ(st.push, done && !st.whole) << where;
+              ASSERT_EQ(st.last, st.c + st.count == per_piece) << where;
+              if (st.whole || st.count > 1) {
+                ASSERT_EQ(st.bounds.size(), static_cast<size_t>(st.count + 1)) << where;
+                for (int64_t j = 0; j <= st.count; ++j) ASSERT_EQ(st.bounds[static_cast<size_t>(j)], at(seg + j) - st.b0) << where;
+              } else {
+                ASSERT_TRUE(st.bounds.empty()) << where;
+              }
+              if (done) {
+                next_c = (st.c + st.count) % per_piece;
+                seg += st.count;
+              }
+              b0 = st.end;
+            }
+            ASSERT_EQ(b0, e) << where;
+            r = e;
+          }
+          ASSERT_EQ(r, N) << where;
+          ASSERT_EQ(seg, S) << where << ": every segment completed";
+        }
+  EXPECT_GT(plans, 1000);
 }
 
 }  // namespace

@@ -199,6 +199,30 @@ class GPT {
   std::vector<std::string> module_names() const;
   int64_t activation_bytes() const { return arena_.total_floats() * 4 + arena_.scratch_floats() * 4; }
 
+  // layout_token_segments: the head's weight gradient, planned once (plan_head in gpt.cpp): row chunks
+  // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
+  // each chunk's products into the gradient. head_leaf_: a leaf (a segment's or a block's tree) and
+  // the tree's partial sums of levels head_first_level_ and up (the lowest a push uses: a long
+  // segment's part pushes at level 0), none when
+  // every product is a whole piece.
+  struct HeadStep {
+    int64_t b0, end;  // rows [b0, end): `count` segments of piece `piece` from its segment c, or a part of one
+    int64_t piece, c, count;
+    std::vector<int64_t> bounds;  // the block's segment bounds relative to b0 (k_segments), when whole or count > 1
+    bool whole;                   // a whole piece: C = C + the tree over its segments, in the product
+    bool accumulate;              // a later part of a segment longer than a chunk
+    bool push;                    // completes a block (or a long segment): pushed through the piece's tree
+    bool last;                    // with push: the piece's last block, whose root is added to its gradient
+  };
+  struct HeadChunk {
+    int64_t r0, rows;
+    std::vector<HeadStep> steps;
+  };
+  // The plan for N rows of segment bounds wseg (S + 1), per_piece segments a piece (a pure function:
+  // tests check its invariants).
+  static std::vector<HeadChunk> plan_head(int64_t N, int64_t head_rows, const std::vector<int64_t>& wseg,
+                                          int64_t per_piece);
+
  private:
   // Output head + loss over x (N, C) into losses_; with backward, dx (N, C) = d(loss)/dx.
   void head(const float* x, const int32_t* targets, float* dx, bool backward, float grad_scale);
@@ -238,27 +262,7 @@ class GPT {
   // c's output gradient as received from the next stage.
   std::vector<ArenaSlice> resid_, mid_, grad_in_;
   ArenaSlice final_out_, logits_, losses_;
-  // layout_token_segments: the head's weight gradient, planned once (plan_head in gpt.cpp): row chunks
-  // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
-  // each chunk's products into the gradient. head_leaf_: a leaf (a segment's or a block's tree) and
-  // the tree's partial sums of levels head_first_level_ and up (the lowest a push uses: a long
-  // segment's part pushes at level 0), none when
-  // every product is a whole piece.
-  struct HeadStep {
-    int64_t b0, end;  // rows [b0, end): `count` segments of piece `piece` from its segment c, or a part of one
-    int64_t piece, c, count;
-    std::vector<int64_t> bounds;  // the block's segment bounds relative to b0 (k_segments), when whole or count > 1
-    bool whole;                   // a whole piece: C = C + the tree over its segments, in the product
-    bool accumulate;              // a later part of a segment longer than a chunk
-    bool push;                    // completes a block (or a long segment): pushed through the piece's tree
-    bool last;                    // with push: the piece's last block, whose root is added to its gradient
-  };
-  struct HeadChunk {
-    int64_t r0, rows;
-    std::vector<HeadStep> steps;
-  };
-  static std::vector<HeadChunk> plan_head(int64_t N, int64_t head_rows, const std::vector<int64_t>& wseg,
-                                          int64_t per_piece);
+  // layout_token_segments: the head's plan (plan_head), its lowest push level and its leaf (above).
   std::vector<HeadChunk> head_plan_;
   int head_first_level_ = 0;
   ArenaSlice head_leaf_;
