@@ -99,6 +99,10 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
             "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and moe.pad_expert_input_to_capacity = "
             "true: a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding"},
+           {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise",
+             "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
+            "determinism = \"layout\", an MoE model, precision.fp8 = \"blockwise\", moe.pad_expert_input_to_capacity = "
+            "true and model.bias = true: each tp x cp rank's padding rows would carry the fc bias's activation"},
            {{"layout_token_segments=true", "train.micro_batch=1", "precision.params=bf16", "precision.fp4=nvfp4",
              "moe.shared_expert_intermediate_size=64", "moe.num_experts=8", "parallel.tensor=4", "parallel.expert=8"},
             "determinism = \"layout\", precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = 64 and "

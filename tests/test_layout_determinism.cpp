@@ -438,8 +438,8 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   rows_match_single_process("moe-debug", {
       {2, {"parallel.context=2"}},
       {4, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "moe.expert_capacity_factor=0.5",
-      "moe.pad_expert_input_to_capacity=true"});
+  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "model.preset=llama",
+      "moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true"});
   rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
                             {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
                              "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128",
@@ -620,6 +620,27 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
                              "precision.fp8_margin=1"});
 }
 
+// An expert x expert-tensor group smaller than the tp group (G dividing tp): its sources are G
+// consecutive tp ranks of a micro-batch, their token segments an aligned subtree of its tree; the
+// tp / G groups holding the same experts (partners) sum each micro-batch's parts along the canonical
+// tree, the first keeping the leaf and the others -0 (model/moe/experts.h). Both dispatchers, ETP,
+// SP, data parallelism, the distributed optimizer, a capacity with padding, Llama bf16, pipeline
+// parallelism.
+TEST(LayoutDeterminism, ExpertGroupsSmallerThanTensorParallelMatchSingleProcess) {
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.tensor=4", "parallel.expert=2"}},
+      {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+      {8, {"parallel.tensor=4", "parallel.expert=2", "train.threads=2"}},
+  });
+  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
+                            {"moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true"});
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert=2"}},
+      {8, {"parallel.tensor=4", "parallel.expert=2", "parallel.pipeline=2"}},
+  }, {"model.preset=llama", "precision.params=bf16", "model.num_layers=4"});
+}
+
 // Low precision with MoE under tensor parallelism: an expert x expert-tensor group holding whole tp
 // groups has all of a micro-batch's rows of its experts (the tp ranks' tokens in order), quantised as
 // one block, as one process quantises them. Every recipe, both dispatchers, ETP, SP, a capacity.
@@ -668,12 +689,13 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
   rows_match_single_process("moe-debug", {rows[0], rows[1]},
                             {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {rows[1]}, {"model.preset=llama", bf16, "precision.fp8=blockwise"});
-  // Padded to capacity: each rank's padding rows are zero rows in its last token segment, with the
-  // experts on every rank and in split groups whose sources' rows hold them between.
+  // Padded to capacity without biases: each rank's padding rows are zero rows in its last token
+  // segment, with the experts on every rank and in split groups whose sources' rows hold them between.
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise"})
     rows_match_single_process("moe-debug", {rows[0], {4, {"parallel.tensor=2", "parallel.expert=2",
                                                           "moe.token_dispatcher=alltoall"}}},
-                              {bf16, recipe, "moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true"});
+                              {bf16, recipe, "model.bias=false", "moe.expert_capacity_factor=0.5",
+                               "moe.pad_expert_input_to_capacity=true"});
 }
 
 // Low precision under expert parallelism: an expert's rows come from several ranks' micro-batches,
@@ -890,11 +912,28 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                 .find("determinism = \"layout\" with parallel.expert_tensor = 4 and layout_segments = 2: "
                       "parallel.expert_tensor must divide layout_segments"),
             std::string::npos);
-  // MoE under tensor parallelism: an expert group covering part of a micro-batch's tp ranks, NVFP4
-  // experts of one rank.
-  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2"}, "moe-debug")
-                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 and parallel.tensor "
-                      "= 4: an expert's rows would come from only part of a micro-batch's tensor-parallel ranks"),
+  // MoE under tensor parallelism: an expert group neither dividing tp nor a multiple of it; one that
+  // divides it, quantised, or with a rank's micro-batches not a subtree; NVFP4 experts of one rank.
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=3", "parallel.expert_tensor=2", "moe.num_experts=6"},
+                     "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 6 and parallel.tensor "
+                      "= 4: an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not "
+                      "tile it"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "precision.params=bf16", "precision.fp8=blockwise"},
+                     "moe-debug")
+                .find("determinism = \"layout\" with precision.fp8 = \"blockwise\" / precision.fp4 = \"none\" and "
+                      "parallel.expert x parallel.expert_tensor = 2 < parallel.tensor = 4: a quantised expert's scales"),
+            std::string::npos);
+  EXPECT_NE(error_of(2, {"parallel.tensor=2", "precision.params=bf16", "precision.fp8=tensorwise",
+                         "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
+                .find("determinism = \"layout\" with precision.fp8 = \"tensorwise\", moe.pad_expert_input_to_capacity = "
+                      "true, model.bias = true and parallel.tensor = 2: each tensor-parallel rank's padding rows would "
+                      "carry the fc bias's activation"),
+            std::string::npos);
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "train.global_batch=12"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 < parallel.tensor = 4: "
+                      "6 micro-batches per rank and step"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2"}, "moe-debug")
                 .find("precision.fp4 = \"nvfp4\", an MoE model, parallel.tensor = 2 and parallel.expert x "

@@ -637,10 +637,12 @@ void validate_context_parallel(const Config& c) {
              str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
                  "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
     // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment, so a rank's
-    // whole segments (its padding rows in its last one: zero rows, adding nothing) are what one process
-    // quantises of them; NVFP4's weight gradients transform an expert's rows of a micro-batch in 16-row
-    // Hadamard blocks, which the expert group puts back in token order when it holds them all, without
-    // padding between the ranks' rows.
+    // whole segments are what one process quantises of them; its padding rows (in its last one) are
+    // zero rows only without biases (with model.bias the activation of a padding row is the fc bias's,
+    // which would enter the quantisation blocks and scales of the rank's real rows, each tp x cp rank
+    // padding to the micro-batch's capacity). NVFP4's weight gradients transform an expert's rows of a
+    // micro-batch in 16-row Hadamard blocks, which the expert group puts back in token order when it
+    // holds them all, without padding between the ranks' rows.
     if (moe && c.precision.fp4 != "none" && expert_group == 1)
       refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
                  "\" and parallel.expert x parallel.expert_tensor = 1"),
@@ -652,6 +654,11 @@ void validate_context_parallel(const Config& c) {
                  "\" and moe.pad_expert_input_to_capacity = true"),
              "a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding between its tokens, inside "
              "its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or an FP8 recipe");
+    if (moe && c.precision.fp8 != "none" && c.moe.pad_expert_input_to_capacity && m.bias)
+      refuse(str("determinism = \"layout\", an MoE model, precision.fp8 = \"", c.precision.fp8,
+                 "\", moe.pad_expert_input_to_capacity = true and model.bias = true"),
+             "each tp x cp rank's padding rows would carry the fc bias's activation into the quantisation scales "
+             "and blocks of its rows of an expert; use model.bias = false or moe.pad_expert_input_to_capacity = false");
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
@@ -709,13 +716,24 @@ void validate_layout_determinism(const Config& c) {
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).
+  // An expert x expert-tensor group that divides tp holds part of a micro-batch's tp ranks, whose parts
+  // of each expert's gradient the tp / group partners sum per micro-batch (model/moe/experts.h): fp32
+  // and bf16 weights (the quantised recipes' scales and blocks would span the partners' rows).
   const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && expert_group > 1 && expert_group % c.parallel.tensor)
-    refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", c.parallel.tensor),
-           "an expert's rows would come from only part of a micro-batch's tensor-parallel ranks; the expert x "
-           "expert-tensor group must be 1 or a multiple of parallel.tensor");
+  const int64_t tp = c.parallel.tensor;
+  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group % tp && tp % expert_group)
+    refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", tp),
+           "an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not tile it; the "
+           "expert x expert-tensor group must be 1, a multiple of parallel.tensor or a divisor of it");
+  const bool quantised_any = c.precision.fp8 != "none" || c.precision.fp4 != "none";
+  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group < tp && tp % expert_group == 0 && quantised_any)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
+               "\" and parallel.expert x parallel.expert_tensor = ", expert_group, " < parallel.tensor = ", tp),
+           "a quantised expert's scales and blocks would span the rows of several expert groups; use an expert x "
+           "expert-tensor group of 1 or a multiple of parallel.tensor, or precision.fp8 = precision.fp4 = \"none\"");
   // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
-  // whole segments quantise as one process's, its padding rows zero rows in its last one); NVFP4
+  // whole segments quantise as one process's, its padding rows in its last one; zero rows without
+  // biases, below); NVFP4
   // transforms an expert's rows of one micro-batch in 16-row Hadamard blocks (Precision::ExpertBlocks),
   // which the expert x expert-tensor group holds whole when it holds whole tp groups, without padding
   // between the tp ranks' rows.
@@ -742,6 +760,15 @@ void validate_layout_determinism(const Config& c) {
            "a micro-batch's NVFP4 expert block would hold each tensor-parallel rank's padding between its tokens, "
            "inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false, parallel.tensor = 1 or "
            "an FP8 recipe");
+  // FP8 with padding: a padding row's activation is the fc bias's (gelu(b)), not zero, when the layers
+  // have biases, and each tp rank pads to the micro-batch's capacity (see validate_context_parallel).
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp8 != "none" && e.pad_expert_input_to_capacity &&
+      c.model.bias)
+    refuse(str("precision.fp8 = \"", c.precision.fp8, "\", moe.pad_expert_input_to_capacity = true, model.bias = true "
+               "and parallel.tensor = ", c.parallel.tensor),
+           "each tensor-parallel rank's padding rows would carry the fc bias's activation into the quantisation scales "
+           "and blocks of its rows of an expert; use model.bias = false, moe.pad_expert_input_to_capacity = false or "
+           "parallel.tensor = 1");
   // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
   // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
   if (c.layout_segments % c.parallel.tensor)

@@ -109,7 +109,7 @@ std::vector<int64_t> kept_blocks(Communicator& group, int block, int replica, in
 
 }  // namespace
 
-void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_summed) {
+void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_summed, int expert_partners) {
   world_ = world;
   experts_summed_ = experts_summed;
   micro_ = pushed_ = 0;
@@ -146,12 +146,16 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   expert_first_ = expert_held_ = 0;
   expert_keeps_ = true;
   if (experts_summed) {
-    // The step's micro-batches: P / cp per micro-batch slot (a cp group shares each micro-batch).
-    const int D = expert_.size();
+    // The step's micro-batches: P / cp per micro-batch slot (a cp group shares each micro-batch). Runs
+    // of expert_partners ranks share a block (the first holds its sum, the others -0).
+    const int p = expert_partners, D = expert_.size() / p;
     const int64_t total = P / cp_size_ * micros, G = total / D;
-    expert_first_ = expert_.rank() * G;
+    expert_first_ = expert_.rank() / p * G;
     bool whole = true;
     for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(total, g * G, (g + 1) * G).size() == 2;
+    LOCKSTEP_CHECK(p >= 1 && expert_.size() % p == 0 && std::has_single_bit(static_cast<unsigned>(p)) &&
+                       (p == 1 || whole),
+                   "layout: expert groups of ", p, " partners over ", expert_.size(), " ranks need subtree blocks");
     if (!whole) {
       for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
       // The experts' tables are written at the expert parameters' offsets only, the dense tree's

@@ -82,8 +82,11 @@ class DataParallel {
   // Otherwise, when the expert group also holds each dense rank's tensor-parallel replicas (MoE under
   // tensor parallelism, ep = etp = 1: tp rank 0 holds the expert gradients, the others -0) and the
   // dense blocks go as pieces, the expert buckets go as tp rank 0's pieces, the replicas' blocks empty.
+  // expert_partners (experts_summed): consecutive ranks of the expert group that hold parts of the
+  // same micro-batches (an expert x expert-tensor group smaller than tp: GroupedExperts::set_layout's
+  // partners), the first giving their sum and the others -0; the blocks must then be subtrees.
   // Call set_tensor_parallel first.
-  void set_layout(int64_t micros, Communicator* world, bool experts_summed = false);
+  void set_layout(int64_t micros, Communicator* world, bool experts_summed = false, int expert_partners = 1);
   // Layout mode, experts_summed: where this rank's expert group's block starts among the step's
   // micro-batches, and the table-shaped buffers of its canonical pieces but the last (none when the
   // block is a subtree), for the model's experts to fill (GroupedExperts::set_layout).

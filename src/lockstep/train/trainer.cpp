@@ -242,11 +242,34 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   for (const auto& layer : model.moe_layers())
     if (layer) layer->set_data_parallel(&dp_only);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
+  // Layout mode with an expert x expert-tensor group of G ranks smaller than the tp group: the tp / G
+  // groups of a tp group hold the same experts for its other tp ranks, and sum each micro-batch's
+  // parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp group.
+  const int G = mesh.ep() * mesh.etp();
+  std::vector<std::vector<int>> partner_groups;
+  for (const std::vector<int>& t : mesh.groups(MeshGroup::tp))
+    for (int j = 0; j < G && layout && experts_split && G < mesh.tp(); ++j) {
+      partner_groups.emplace_back();
+      for (size_t k = static_cast<size_t>(j); k < t.size(); k += static_cast<size_t>(G)) partner_groups.back().push_back(t[k]);
+    }
+  std::optional<Communicator> partners;
+  if (!partner_groups.empty()) {
+    partners.emplace(comm.split_groups(partner_groups));
+    // The partners' sums are subtrees of the step's tree only when each rank's block of micro-batches is.
+    if (!std::has_single_bit(static_cast<uint64_t>(accum)))
+      user_error("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = ", G, " < parallel.tensor = ",
+                 mesh.tp(), ": ", accum, " micro-batches per rank and step (train.global_batch = ", tc.global_batch,
+                 " / (train.micro_batch = ", tc.micro_batch, " x ", dp_size,
+                 " data-parallel ranks)) must be a power of two, so that each rank's block of the step's tree is a "
+                 "subtree");
+  }
   if (layout) {
     if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
-    dp.set_layout(accum, &comm, experts_split);
+    dp.set_layout(accum, &comm, experts_split, partners ? partners->size() : 1);
     for (const auto& layer : model.moe_layers())
-      if (layer) layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces());
+      if (layer)
+        layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces(),
+                          partners ? &*partners : nullptr);
   }
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   std::unique_ptr<Pipeline> pipeline;

@@ -84,18 +84,24 @@ void GroupedExperts::begin_step() {
   micro = 0;
 }
 
-void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces) {
+void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces,
+                                Communicator* partner_group) {
   const int64_t T = tp_size * cp_size;  // the sources that share a micro-batch
+  partners = nullptr;
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / T;
-    LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0) &&
-                       (sources > 1 || tp_size == 1 || tp),
+    const bool part = sources > 1 && sources < T;  // the group holds part of a micro-batch's tp ranks
+    LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0 || part) &&
+                       (sources > 1 || tp_size == 1 || tp) &&
+                       (!part || (cp_size == 1 && T % sources == 0 && partner_group &&
+                                  partner_group->size() * sources == T)),
                    "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
                    ", context-parallel size ", cp_size);
+    if (part) partners = partner_group;
   }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
-  groups = token_L ? sources / T : sources;
+  groups = token_L ? std::max<int64_t>(sources / T, 1) : sources;
   layout_micros = micros;
   // G: the sources, or under tensor or context parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
@@ -297,7 +303,8 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
   // Tensor parallelism: the tp_size consecutive sources of a micro-batch group hold its tokens in
   // order, so their rows of expert e are the micro-batch's rows of e, one block (with padding, each
   // source's padding sits after its rows: FP8's token segments leave it at the end of the source's
-  // last one, NVFP4's one chain per block would not, and the config refuses that).
+  // last one, zero rows without biases; NVFP4's one chain per block would not, and the config
+  // refuses that and FP8 padding with biases).
   const int64_t T = sources / groups;
   group_segments.resize(static_cast<size_t>(E * groups + 1));
   for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
@@ -349,16 +356,22 @@ void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float*
   ps.precision().round(out, R * C);
 }
 
+namespace {
+
+// This rank's subtree of a micro-batch's token segments (g, n), summed over `group` along the
+// canonical tree: the micro-batch's leaf. Group rank 0 keeps it; the others give -0, which the
+// expert data-parallel reduction (the group's ranks adjacent in it: each run a subtree) adds
+// exactly: v + -0 = v.
+void keep_on_first(Communicator& group, float* g, int64_t n) {
+  group.all_reduce(g, n, ReduceOp::tree_sum);
+  if (group.rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
+}
+
+}  // namespace
+
 void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
-  // This rank's tree over its token segments, summed over the tp group along the canonical tree:
-  // the micro-batch's leaf. tp rank 0 keeps it; the others give -0, which the expert data-parallel
-  // reduction (tp fastest in it: each tp group a subtree) adds exactly: v + -0 = v.
-  for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}}) {
-    if (i < 0) continue;
-    float* g = ps.grad(i);
-    tp->all_reduce(g, n, ReduceOp::tree_sum);
-    if (tp->rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
-  }
+  for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}})
+    if (i >= 0) keep_on_first(*tp, ps.grad(i), n);
 }
 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
@@ -405,7 +418,9 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       // (With several sources under context parallelism the rows are in the groups' token order here,
       // token_segments their S segments: group_token_order.) FP8 recipes quantise along the tokens
       // segment by segment (the blocks qb, or each expert's rows with one source).
-      const int64_t K = S == 1 ? ps.token_pieces(w) : 1, per = S == 1 ? token_L / K : tp_size * cp_size * token_L;
+      // A block's segments: the micro-batch's S, or with partners the group's sources' part of them.
+      const int64_t K = S == 1 ? ps.token_pieces(w) : 1;
+      const int64_t per = S == 1 ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
       const int64_t leaves = E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
       db_leaves.resize(static_cast<size_t>(leaves));
@@ -426,6 +441,10 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
         if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
         return;
+      }
+      if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
+        keep_on_first(*partners, dw.data(), E * G * nout * nin);
+        if (b >= 0) keep_on_first(*partners, db.data(), E * G * nout);
       }
     } else if (S == 1) {
       LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,

@@ -70,6 +70,13 @@
 // whose rows of an expert are not in token order (each source's are its token units): backward takes
 // them in the micro-batch's token order first (group_token_order), and the leaf is the tree over the
 // micro-batch's S segments as above; the model leaves these pieces alone (ParamSpec::module_pieces).
+// An expert x expert-tensor group smaller than the tp group (tensor parallelism only: G = sources
+// dividing tp_size): its sources are G consecutive tp ranks of one micro-batch, whose G x S / tp
+// segments are an aligned subtree of the micro-batch's; the group's leaf per micro-batch is that
+// subtree, summed along the canonical tree over the tp / G groups holding the same experts for the
+// other tp ranks (set_layout's `partners`, ReduceOp::tree_sum), the first keeping the micro-batch's
+// leaf and the others giving -0 (groups = 1), which the expert data-parallel reduction over the
+// partners (adjacent in it, each run of them a subtree) adds exactly, as in the one-source case.
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
@@ -150,7 +157,10 @@ struct GroupedExperts {
   // `leaves` (0: the group holds them all); when that block is not a subtree, `pieces` (one per
   // canonical piece of it but the last, table-shaped like ps.grads(): DataParallel::expert_pieces)
   // receive those pieces' gradients at the expert parameters' offsets, ps.grad the last one's.
-  void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {});
+  // partners: an expert x expert-tensor group smaller than the tp group (G = sources < tp, see the
+  // header), the tp / G ranks holding these experts for the micro-batch's other tp ranks.
+  void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
+                  Communicator* partners = nullptr);
   // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
   // cp_size)), 0 otherwise (run mode).
   int64_t token_segments_per_source() const { return token_L; }
@@ -179,6 +189,7 @@ struct GroupedExperts {
   int64_t layout_segments = 0, tp_size = 1, cp_size = 1;  // ExpertShard's
   Communicator* tp = nullptr;
   int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
+  Communicator* partners = nullptr;            // set_layout's: part of a micro-batch's tp ranks per group
   // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
   // micro-batch groups they make (sources / (tp_size x cp_size), token segments under tensor or
   // context parallelism).
