@@ -625,7 +625,7 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
 // tp / G groups holding the same experts (partners) sum each micro-batch's parts along the canonical
 // tree, the first keeping the leaf and the others -0 (model/moe/experts.h). Both dispatchers, ETP,
 // SP, data parallelism, the distributed optimizer, a capacity with padding, Llama bf16, pipeline
-// parallelism.
+// parallelism, every FP8 recipe.
 TEST(LayoutDeterminism, ExpertGroupsSmallerThanTensorParallelMatchSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=4", "parallel.expert=2"}},
@@ -635,10 +635,20 @@ TEST(LayoutDeterminism, ExpertGroupsSmallerThanTensorParallelMatchSingleProcess)
   });
   rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
                             {"moe.expert_capacity_factor=0.5", "moe.pad_expert_input_to_capacity=true"});
+  // One data-parallel rank: its block is the whole step's tree, whatever the micro-batch count.
+  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.expert=2"}}}, {"train.global_batch=6"});
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert=2"}},
       {8, {"parallel.tensor=4", "parallel.expert=2", "parallel.pipeline=2"}},
   }, {"model.preset=llama", "precision.params=bf16", "model.num_layers=4"});
+  // FP8: each token segment quantised on its own, the per-tensor amax max-reduced over the tp ranks
+  // holding the same experts (the etp ranks and their partners).
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
+                             "precision.fp8=mxfp8"})
+    rows_match_single_process("moe-debug", {
+        {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+        {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+    }, {"precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64"});
 }
 
 // Low precision with MoE under tensor parallelism: an expert x expert-tensor group holding whole tp
@@ -920,10 +930,10 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "= 4: an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not "
                       "tile it"),
             std::string::npos);
-  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "precision.params=bf16", "precision.fp8=blockwise"},
+  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "precision.params=bf16", "precision.fp4=nvfp4"},
                      "moe-debug")
-                .find("determinism = \"layout\" with precision.fp8 = \"blockwise\" / precision.fp4 = \"none\" and "
-                      "parallel.expert x parallel.expert_tensor = 2 < parallel.tensor = 4: a quantised expert's scales"),
+                .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\" and parallel.expert x "
+                      "parallel.expert_tensor = 2 < parallel.tensor = 4: NVFP4's expert weight gradients"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"parallel.tensor=2", "precision.params=bf16", "precision.fp8=tensorwise",
                          "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
@@ -931,9 +941,9 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "true, model.bias = true and parallel.tensor = 2: each tensor-parallel rank's padding rows would "
                       "carry the fc bias's activation"),
             std::string::npos);
-  EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "train.global_batch=12"}, "moe-debug")
-                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 < parallel.tensor = 4: "
-                      "6 micro-batches per rank and step"),
+  EXPECT_NE(error_of(8, {"parallel.tensor=4", "parallel.expert=2", "train.global_batch=12"}, "moe-debug")
+                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 2 < parallel.tensor = 4 "
+                      "and 2 data-parallel ranks: 3 micro-batches per rank and step"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2"}, "moe-debug")
                 .find("precision.fp4 = \"nvfp4\", an MoE model, parallel.tensor = 2 and parallel.expert x "

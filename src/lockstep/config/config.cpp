@@ -717,20 +717,22 @@ void validate_layout_determinism(const Config& c) {
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).
   // An expert x expert-tensor group that divides tp holds part of a micro-batch's tp ranks, whose parts
-  // of each expert's gradient the tp / group partners sum per micro-batch (model/moe/experts.h): fp32
-  // and bf16 weights (the quantised recipes' scales and blocks would span the partners' rows).
+  // of each expert's gradient the tp / group partners sum per micro-batch (model/moe/experts.h): fp32,
+  // bf16 and the FP8 recipes (each token segment quantised on its own, the per-tensor amax reduced
+  // over the ranks holding the same experts); NVFP4's Hadamard blocks would span the partners' rows.
   const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
   const int64_t tp = c.parallel.tensor;
   if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group % tp && tp % expert_group)
     refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", tp),
            "an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not tile it; the "
            "expert x expert-tensor group must be 1, a multiple of parallel.tensor or a divisor of it");
-  const bool quantised_any = c.precision.fp8 != "none" || c.precision.fp4 != "none";
-  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group < tp && tp % expert_group == 0 && quantised_any)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"", c.precision.fp4,
-               "\" and parallel.expert x parallel.expert_tensor = ", expert_group, " < parallel.tensor = ", tp),
-           "a quantised expert's scales and blocks would span the rows of several expert groups; use an expert x "
-           "expert-tensor group of 1 or a multiple of parallel.tensor, or precision.fp8 = precision.fp4 = \"none\"");
+  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group < tp && tp % expert_group == 0 &&
+      c.precision.fp4 != "none")
+    refuse(str("precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert x parallel.expert_tensor = ", expert_group,
+               " < parallel.tensor = ", tp),
+           "NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
+           "which would span the rows of several expert groups; use an expert x expert-tensor group that is a "
+           "multiple of parallel.tensor, or an FP8 recipe");
   // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
   // whole segments quantise as one process's, its padding rows in its last one; zero rows without
   // biases, below); NVFP4

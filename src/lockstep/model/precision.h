@@ -60,16 +60,17 @@
 //                    layers)
 //   experts          etp x edp (an expert's hidden units are split over etp, its replicas are the
 //                    edp ranks; under expert parallelism its tokens already come from the ep group;
-//                    with ep x etp = 1 the edp ranks include the tp x cp ranks of a micro-batch)
+//                    with ep x etp < tp x cp the edp ranks include tp x cp ranks of a micro-batch)
 // Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch (one all-reduce
 // per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
 // layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
 // pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
 // the data-parallel replicas out of the groups there, except from delayed scaling's once-per-step
-// update (AmaxHistory); experts held whole on every rank (ep x etp = 1) keep the tp x cp ranks, which
-// hold parts of one micro-batch's rows. Evaluation's forwards are per rank (ranks may evaluate different
-// batches): they reduce over the ranks that share a batch only (tp x cp; experts etp, or tp x cp when
-// ep x etp = 1). One process, or groups of one rank:
+// update (AmaxHistory); an expert x expert-tensor group smaller than tp x cp (1, or a divisor of tp)
+// keeps the tp x cp ranks holding the same experts, which hold parts of one micro-batch's rows.
+// Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce over the
+// ranks that share a batch only (tp x cp; experts etp, or those tp x cp ranks). One process, or
+// groups of one rank:
 // nothing is reduced and the bits are those of the unreduced model.
 //
 // determinism = "layout" under tensor / expert tensor parallelism: a weight's dimension that the

@@ -137,6 +137,16 @@ Mesh checked_mesh(const Config& config, int world_size) {
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
   // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel).
+  // Except with an expert x expert-tensor group smaller than the tp group: the partners' sums go as
+  // subtrees, so with several data-parallel ranks each one's block must be one (a power of two).
+  const int G = mesh.ep() * mesh.etp();
+  if (config.determinism == "layout" && config.moe.num_experts > 0 && G > 1 && G < mesh.tp() && dp_size > 1 &&
+      !std::has_single_bit(static_cast<uint64_t>(accum)))
+    user_error("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = ", G, " < parallel.tensor = ",
+               mesh.tp(), " and ", dp_size, " data-parallel ranks: ", accum,
+               " micro-batches per rank and step (train.global_batch = ", tc.global_batch, " / (train.micro_batch = ",
+               tc.micro_batch, " x ", dp_size, ")) must be a power of two, so that each rank's block of the step's "
+               "tree is a subtree");
   return mesh;
 }
 
@@ -212,13 +222,25 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
   // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
-  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. Experts held
-  // whole on every rank (expert x expert-tensor = 1) see the tp x cp ranks' rows of a micro-batch:
-  // their group there is tp x cp, as the dense tensors'.
+  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x
+  // expert-tensor group smaller than tp x cp (1, or under layout a divisor of tp) sees part of a
+  // micro-batch's rows: its experts' group there is the tp x cp ranks holding the same experts (the
+  // same ep coordinate: all of tp x cp for a group of 1, the etp ranks and their partners otherwise).
   const bool own_micro_batch = config.determinism == "layout";
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
-  Communicator* expert_batch = mesh.ep() * mesh.etp() == 1 ? &tp_cp_group : &etp_group;
+  std::optional<Communicator> same_experts;
+  if (mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp()) {
+    std::vector<std::vector<int>> groups;
+    for (const std::vector<int>& t : mesh.groups(MeshGroup::tp_cp))
+      for (int v = 0; v < mesh.ep(); ++v) {
+        groups.emplace_back();
+        for (int r : t)
+          if (mesh.coordinates(r).ep == v) groups.back().push_back(r);
+      }
+    same_experts.emplace(comm.split_groups(groups));
+  }
+  Communicator* expert_batch = same_experts ? &*same_experts : &etp_group;
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
                                     own_micro_batch ? expert_batch : &etp_edp_group, &tp_cp_group, expert_batch};
   if (own_micro_batch) {
@@ -253,16 +275,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       for (size_t k = static_cast<size_t>(j); k < t.size(); k += static_cast<size_t>(G)) partner_groups.back().push_back(t[k]);
     }
   std::optional<Communicator> partners;
-  if (!partner_groups.empty()) {
-    partners.emplace(comm.split_groups(partner_groups));
-    // The partners' sums are subtrees of the step's tree only when each rank's block of micro-batches is.
-    if (!std::has_single_bit(static_cast<uint64_t>(accum)))
-      user_error("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = ", G, " < parallel.tensor = ",
-                 mesh.tp(), ": ", accum, " micro-batches per rank and step (train.global_batch = ", tc.global_batch,
-                 " / (train.micro_batch = ", tc.micro_batch, " x ", dp_size,
-                 " data-parallel ranks)) must be a power of two, so that each rank's block of the step's tree is a "
-                 "subtree");
-  }
+  // (checked_mesh refuses the micro-batch counts whose blocks would not be subtrees.)
+  if (!partner_groups.empty()) partners.emplace(comm.split_groups(partner_groups));
   if (layout) {
     if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
     dp.set_layout(accum, &comm, experts_split, partners ? partners->size() : 1);

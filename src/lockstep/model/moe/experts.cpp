@@ -300,7 +300,8 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
     qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
     return &qblocks;
   }
-  // Tensor parallelism: the tp_size consecutive sources of a micro-batch group hold its tokens in
+  // Tensor parallelism: the T consecutive sources of a micro-batch group (tp_size of them, or with
+  // partners the group's G; see the header) hold its tokens in
   // order, so their rows of expert e are the micro-batch's rows of e, one block (with padding, each
   // source's padding sits after its rows: FP8's token segments leave it at the end of the source's
   // last one, zero rows without biases; NVFP4's one chain per block would not, and the config
