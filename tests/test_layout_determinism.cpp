@@ -800,6 +800,9 @@ TEST(LayoutDeterminism, ResumedUnderAnotherLayoutMatchesSingleProcess) {
        {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}}, {2, {"parallel.tensor=2"}}},
       {"debug", {key, "precision.params=bf16", "precision.fp4=nvfp4"}, {2, {"parallel.context=2"}},
        {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+      // FP8 experts: a group of 2 under TP 4 (partners), then the experts on every rank under CP 2.
+      {"moe-debug", {key, "precision.params=bf16", "precision.fp8=tensorwise"},
+       {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}, {2, {"parallel.context=2"}}},
   };
   for (const Change& c : changes) {
     TempDir dir;
