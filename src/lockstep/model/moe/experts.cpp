@@ -103,6 +103,11 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   groups = token_L ? std::max<int64_t>(sources / T, 1) : sources;
   layout_micros = micros;
+  // The per-block buffers hold E x groups blocks (the constructor sized them for E x sources).
+  const int64_t Fw = fc_width(), kept = E * groups;
+  for (const auto& [b, per] : {std::pair<FloatBuffer*, int64_t>{&dfc_w, Fw * C}, {&dproj_w, C * F},
+                               {&dfc_b, Fw}, {&dproj_b, C}})
+    if (b->size() && b->size() != kept * per) b->resize(kept * per);
   // G: the sources, or under tensor or context parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
   // Group g's micro-batches [first + g A, first + (g + 1) A) as pieces of the canonical tree over
@@ -138,7 +143,7 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
     const int64_t blocks = b->size() ? E * G : 0;
     for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / G, micro-batch group k % G)
       trees.emplace_back();
-      trees.back().reset(b->size() / (E * sources), mine[static_cast<size_t>(k % G)]);
+      trees.back().reset(b->size() / (E * G), mine[static_cast<size_t>(k % G)]);
     }
   }
 }
@@ -405,7 +410,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
-    const int64_t n = buf.size() / (E * S);
+    const int64_t n = buf.size() / (E * G);
     for (size_t k = 0; k < blocks; ++k)
       trees[first_tree + k].push(micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
   };

@@ -195,7 +195,7 @@ struct GroupedExperts {
   // context parallelism).
   int64_t groups = 1;
   mutable FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
-  // Per-source weight gradients (E x sources blocks each), sources > 1 only.
+  // Per-source weight gradients (E x sources blocks each; E x groups under layout), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
   // Layout mode: one tree per (expert, source) block of each of the four buffers above, in that
   // order, and the step's micro-batch backward is at (backward is const for the parameters it
