@@ -266,11 +266,11 @@ TEST(TreeSum, PushAlignedBlocksOverRangesEqualsTheTree) {
     }
 }
 
-// Past one block of tree_sum_push's passes (1,024 elements, the last block partial) and with the
+// Past several blocks of tree_sum (16,384 elements) and of its passes (1,024; the last block partial) and with the
 // root written over any one leaf (combine_token_pieces writes it over the rank's own piece 0, which
 // can be the first, a middle or the last leaf): still the tree's bits.
 TEST(TreeSum, ManyBlocksAndRootOverAnyLeafEqualTheTree) {
-  const int64_t n = 2 * 1024 + 77;
+  const int64_t n = 2 * 16384 + 77;  // past tree_sum's element blocks and the fold's
   for (int64_t L : {1, 2, 3, 7, 8, 13, 16}) {
     const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L));
     std::vector<float> want(static_cast<size_t>(n));

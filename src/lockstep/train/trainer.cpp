@@ -223,9 +223,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
   // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x
-  // expert-tensor group smaller than tp x cp (1, or under layout a divisor of tp) sees part of a
-  // micro-batch's rows: its experts' group there is the tp x cp ranks holding the same experts (the
-  // same ep coordinate: all of tp x cp for a group of 1, the etp ranks and their partners otherwise).
+  // expert-tensor group smaller than tp x cp sees part of a micro-batch's rows: its experts' group
+  // there is the tp x cp ranks holding the same experts (the same ep coordinate: all of tp x cp for
+  // a group of 1, the etp ranks and their partners for a divisor of tp).
   const bool own_micro_batch = config.determinism == "layout";
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));

@@ -306,11 +306,11 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
     return &qblocks;
   }
   // Tensor parallelism: the T consecutive sources of a micro-batch group (tp_size of them, or with
-  // partners the group's G; see the header) hold its tokens in
-  // order, so their rows of expert e are the micro-batch's rows of e, one block (with padding, each
-  // source's padding sits after its rows: FP8's token segments leave it at the end of the source's
-  // last one, zero rows without biases; NVFP4's one chain per block would not, and the config
-  // refuses that and FP8 padding with biases).
+  // partners the group's G; see the header) hold its tokens in order, so their rows of expert e are
+  // the micro-batch's rows of e (with partners, the group's part of them), one block. With padding,
+  // each source's padding sits after its rows: FP8's token segments leave it at the end of the
+  // source's last one, zero rows without biases; NVFP4's one chain per block would not, and the
+  // config refuses that and FP8 padding with biases.
   const int64_t T = sources / groups;
   group_segments.resize(static_cast<size_t>(E * groups + 1));
   for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
