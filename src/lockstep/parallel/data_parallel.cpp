@@ -153,11 +153,17 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     expert_first_ = expert_.rank() / p * G;
     bool whole = true;
     for (int g = 0; g < D; ++g) whole = whole && canonical_pieces(total, g * G, (g + 1) * G).size() == 2;
-    LOCKSTEP_CHECK(p >= 1 && expert_.size() % p == 0 && std::has_single_bit(static_cast<unsigned>(p)) &&
-                       (p == 1 || whole),
-                   "layout: expert groups of ", p, " partners over ", expert_.size(), " ranks need subtree blocks");
+    LOCKSTEP_CHECK(p >= 1 && expert_.size() % p == 0 && std::has_single_bit(static_cast<unsigned>(p)),
+                   "layout: expert groups of ", p, " partners over ", expert_.size(), " ranks");
     if (!whole) {
-      for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
+      // As pieces: each rank's block, or with partners the first partner's and the others' empty
+      // (they hold -0; their model still fills tables, which go nowhere).
+      if (p == 1) {
+        for (int g = 0; g <= D; ++g) expert_blocks_.push_back(g * G);
+      } else {
+        expert_blocks_ = kept_blocks(expert_, expert_.rank() / p, expert_.rank() % p, G, total, "expert");
+        expert_keeps_ = expert_.rank() % p == 0;
+      }
       // The experts' tables are written at the expert parameters' offsets only, the dense tree's
       // held pieces at the others' (push_grads skips the experts): the first tables are the tree's
       // buffers, only the pieces beyond the tree's get buffers of their own.
@@ -182,7 +188,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     const bool experts = experts_summed && b.comm == &expert_;
     b.pieced = experts ? !expert_blocks_.empty() : !blocks_.empty();
     b.packed_pieces.clear();
-    const int64_t K = experts                                  ? expert_held_ + 1
+    const int64_t K = experts                                  ? (expert_keeps_ ? expert_held_ + 1 : 0)
                       : b.comm == &expert_ && !expert_keeps_ ? 0
                       : b.comm == &dense_ && !dense_keeps_   ? 0
                                                              : tree_.pieces();
@@ -305,7 +311,7 @@ void DataParallel::post_pieces(Bucket& b) {
   const bool experts = b.comm == &expert_ && !expert_blocks_.empty();
   const bool none = experts ? !expert_keeps_ : b.comm == &dense_ && !dense_keeps_;
   const std::vector<int64_t>& blocks = experts ? expert_blocks_ : blocks_;
-  std::vector<float*> held = experts && experts_summed_ ? expert_pieces() : std::vector<float*>{};
+  std::vector<float*> held = experts && experts_summed_ && !none ? expert_pieces() : std::vector<float*>{};
   if (!(experts && experts_summed_) && !none)
     for (int64_t k = 0; k + 1 < tree_.pieces(); ++k) held.push_back(tree_.piece(k));
   std::vector<const float*> pieces;

@@ -84,7 +84,8 @@ class DataParallel {
   // dense blocks go as pieces, the expert buckets go as tp rank 0's pieces, the replicas' blocks empty.
   // expert_partners (experts_summed): consecutive ranks of the expert group that hold parts of the
   // same micro-batches (an expert x expert-tensor group smaller than tp: GroupedExperts::set_layout's
-  // partners), the first giving their sum and the others -0; the blocks must then be subtrees.
+  // partners), the first giving their sum and the others -0 (as pieces: the first's block, the
+  // others' empty).
   // Call set_tensor_parallel first.
   void set_layout(int64_t micros, Communicator* world, bool experts_summed = false, int expert_partners = 1);
   // Layout mode, experts_summed: where this rank's expert group's block starts among the step's

@@ -137,16 +137,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
   // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel).
-  // Except with an expert x expert-tensor group smaller than the tp group: the partners' sums go as
-  // subtrees, so with several data-parallel ranks each one's block must be one (a power of two).
-  const int G = mesh.ep() * mesh.etp();
-  if (config.determinism == "layout" && config.moe.num_experts > 0 && G > 1 && G < mesh.tp() && dp_size > 1 &&
-      !std::has_single_bit(static_cast<uint64_t>(accum)))
-    user_error("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = ", G, " < parallel.tensor = ",
-               mesh.tp(), " and ", dp_size, " data-parallel ranks: ", accum,
-               " micro-batches per rank and step (train.global_batch = ", tc.global_batch, " / (train.micro_batch = ",
-               tc.micro_batch, " x ", dp_size, ")) must be a power of two, so that each rank's block of the step's "
-               "tree is a subtree");
+  // (With an expert x expert-tensor group smaller than the tp group the first partner gives the pieces
+  // of its block, the others an empty one: DataParallel::set_layout's expert_partners.)
   return mesh;
 }
 
@@ -275,7 +267,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       for (size_t k = static_cast<size_t>(j); k < t.size(); k += static_cast<size_t>(G)) partner_groups.back().push_back(t[k]);
     }
   std::optional<Communicator> partners;
-  // (checked_mesh refuses the micro-batch counts whose blocks would not be subtrees.)
   if (!partner_groups.empty()) partners.emplace(comm.split_groups(partner_groups));
   if (layout) {
     if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
