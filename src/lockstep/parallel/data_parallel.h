@@ -210,8 +210,9 @@ class DataParallel {
   std::vector<int64_t> expert_blocks_;
   std::vector<FloatBuffer> expert_pieces_;  // the tables beyond the dense tree's held pieces
   int64_t expert_first_ = 0, expert_held_ = 0;  // expert_held_: this rank's expert pieces but the last
-  // Not experts_summed, pieced, and the expert group holds tensor-parallel replicas of the dense ranks:
-  // whether this rank's expert gradients count (tp rank 0; the others' blocks are empty).
+  // Pieced, and the expert group holds tensor-parallel replicas of the dense ranks (not experts_summed)
+  // or partners (experts_summed, expert_partners > 1): whether this rank's expert gradients count (tp
+  // rank 0, the first partner; the others' blocks are empty).
   bool expert_keeps_ = true;
   // Context parallelism (set_context_parallel), pieced: whether this rank's dense pieces count (cp rank 0).
   bool dense_keeps_ = true;

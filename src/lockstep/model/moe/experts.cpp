@@ -367,7 +367,7 @@ namespace {
 // This rank's subtree of a micro-batch's token segments (g, n), summed over `group` along the
 // canonical tree: the micro-batch's leaf. Group rank 0 keeps it; the others give -0, which the
 // expert data-parallel reduction (the group's ranks adjacent in it: each run a subtree) adds
-// exactly: v + -0 = v.
+// exactly, v + -0 = v, or as pieces leaves out (their blocks empty: DataParallel::set_layout).
 void keep_on_first(Communicator& group, float* g, int64_t n) {
   group.all_reduce(g, n, ReduceOp::tree_sum);
   if (group.rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });

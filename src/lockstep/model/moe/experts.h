@@ -76,7 +76,8 @@
 // subtree, summed along the canonical tree over the tp / G groups holding the same experts for the
 // other tp ranks (set_layout's `partners`, ReduceOp::tree_sum), the first keeping the micro-batch's
 // leaf and the others giving -0 (groups = 1), which the expert data-parallel reduction over the
-// partners (adjacent in it, each run of them a subtree) adds exactly, as in the one-source case.
+// partners (adjacent in it, each run of them a subtree) adds exactly, or, when the blocks go as
+// pieces, leaves out (the others' blocks empty), as in the one-source case.
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
