@@ -735,10 +735,9 @@ void validate_layout_determinism(const Config& c) {
            "multiple of parallel.tensor, or an FP8 recipe");
   // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
   // whole segments quantise as one process's, its padding rows in its last one; zero rows without
-  // biases, below); NVFP4
-  // transforms an expert's rows of one micro-batch in 16-row Hadamard blocks (Precision::ExpertBlocks),
-  // which the expert x expert-tensor group holds whole when it holds whole tp groups, without padding
-  // between the tp ranks' rows.
+  // biases, below); NVFP4 transforms an expert's rows of one micro-batch in 16-row Hadamard blocks
+  // (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole when it holds whole
+  // tp groups, without padding between the tp ranks' rows.
   if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && expert_group == 1)
     refuse(str("precision.fp4 = \"", c.precision.fp4, "\", an MoE model, parallel.tensor = ", c.parallel.tensor,
                " and parallel.expert x parallel.expert_tensor = 1"),

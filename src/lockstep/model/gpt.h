@@ -203,8 +203,7 @@ class GPT {
   // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
   // each chunk's products into the gradient. head_leaf_: a leaf (a segment's or a block's tree) and
   // the tree's partial sums of levels head_first_level_ and up (the lowest a push uses: a long
-  // segment's part pushes at level 0), none when
-  // every product is a whole piece.
+  // segment's part pushes at level 0), none when every product is a whole piece.
   struct HeadStep {
     int64_t b0, end;  // rows [b0, end): `count` segments of piece `piece` from its segment c, or a part of one
     int64_t piece, c, count;

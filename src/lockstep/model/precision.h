@@ -205,7 +205,8 @@ class Precision {
   // micros (the expert-parallel group's micro-batches are its sources' runs of `micros`, in source
   // order). Each block is quantised as one process quantises expert e's rows of that micro-batch:
   // as its own tensor (its own current scale; blocks along its own tokens; stochastic rounding keyed
-  // by that micro-batch and the expert's index in the layer), and its GEMMs run on it alone.
+  // by that micro-batch and the expert's index in the layer), and its GEMMs run on it alone (its
+  // weight gradient: FP8 per token segment, grouped_wgrad_segments; NVFP4 grouped_wgrad_blocks).
   // Run mode (determinism = "run") uses blocks for the weight gradient only (grouped_wgrad_blocks
   // with `whole`): fprop and dgrad quantised each expert's rows [whole[e], whole[e + 1]), all
   // sources', as one tensor, and block (e, s)'s wgrad reads its rows of that tensor under per-tensor

@@ -136,9 +136,8 @@ Mesh checked_mesh(const Config& config, int world_size) {
   if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
-  // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel).
-  // (With an expert x expert-tensor group smaller than the tp group the first partner gives the pieces
-  // of its block, the others an empty one: DataParallel::set_layout's expert_partners.)
+  // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel;
+  // with an expert group smaller than tp the first partner's, the others' empty: expert_partners).
   return mesh;
 }
 

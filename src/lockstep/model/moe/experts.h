@@ -93,8 +93,8 @@
 // process quantises expert e's rows of one micro-batch as one tensor, so every quantised GEMM here
 // runs per (expert, source) block, each block its own tensor (Precision::ExpertBlocks: its own
 // scale, blocks along its own tokens, stochastic rounding keyed by its source's micro-batch and the
-// expert's index in the layer), and the weight gradient of each block is the quantised wgrad of
-// that block. In run mode the forward and input-gradient GEMMs quantise each expert's rows of all
+// expert's index in the layer), and the weight gradient of each block is that block's: under FP8
+// the tree over its token segments (above), under NVFP4 the quantised wgrad of the whole block. In run mode the forward and input-gradient GEMMs quantise each expert's rows of all
 // sources as one tensor, and the weight gradient of each (expert, source) block is quantised as
 // the data-parallel rank that computes it alone would (Precision::ExpertBlocks::whole): per-tensor
 // scaling reads the block's rows of the expert's tensors (their scale is data parallelism's reduced
