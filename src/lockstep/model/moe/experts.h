@@ -94,8 +94,9 @@
 // runs per (expert, source) block, each block its own tensor (Precision::ExpertBlocks: its own
 // scale, blocks along its own tokens, stochastic rounding keyed by its source's micro-batch and the
 // expert's index in the layer), and the weight gradient of each block is that block's: under FP8
-// the tree over its token segments (above), under NVFP4 the quantised wgrad of the whole block. In run mode the forward and input-gradient GEMMs quantise each expert's rows of all
-// sources as one tensor, and the weight gradient of each (expert, source) block is quantised as
+// the tree over its token segments (above), under NVFP4 the quantised wgrad of the whole block. In
+// run mode the forward and input-gradient GEMMs quantise each expert's rows of all sources as one
+// tensor, and the weight gradient of each (expert, source) block is quantised as
 // the data-parallel rank that computes it alone would (Precision::ExpertBlocks::whole): per-tensor
 // scaling reads the block's rows of the expert's tensors (their scale is data parallelism's reduced
 // amax), block recipes quantise the block on its own; with the rank-order sum above that is
