@@ -117,6 +117,23 @@ void check_injection(const std::vector<std::string>& modules, const DebugConfig&
              "'; its modules are: ", names, " (N: a layer index)");
 }
 
+// The groups of kind g, each split into the ranks with the same experts: the same expert-parallel
+// coordinate, and with `etp` the same expert-tensor one too (the expert amax group and the partners
+// of an expert group smaller than tp, model/moe/experts.h).
+std::vector<std::vector<int>> same_expert_groups(const Mesh& mesh, MeshGroup g, bool etp) {
+  std::vector<std::vector<int>> out;
+  for (const std::vector<int>& group : mesh.groups(g)) {
+    std::vector<std::vector<int>> by(static_cast<size_t>(mesh.ep() * (etp ? mesh.etp() : 1)));
+    for (int r : group) {
+      const MeshCoordinates c = mesh.coordinates(r);
+      by[static_cast<size_t>(etp ? c.ep * mesh.etp() + c.etp : c.ep)].push_back(r);
+    }
+    for (std::vector<int>& ranks : by)
+      if (!ranks.empty()) out.push_back(std::move(ranks));
+  }
+  return out;
+}
+
 }  // namespace
 
 Mesh checked_mesh(const Config& config, int world_size) {
@@ -221,16 +238,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
   std::optional<Communicator> same_experts;
-  if (mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp()) {
-    std::vector<std::vector<int>> groups;
-    for (const std::vector<int>& t : mesh.groups(MeshGroup::tp_cp))
-      for (int v = 0; v < mesh.ep(); ++v) {
-        groups.emplace_back();
-        for (int r : t)
-          if (mesh.coordinates(r).ep == v) groups.back().push_back(r);
-      }
-    same_experts.emplace(comm.split_groups(groups));
-  }
+  if (mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp())
+    same_experts.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, false)));
   Communicator* expert_batch = same_experts ? &*same_experts : &etp_group;
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
                                     own_micro_batch ? expert_batch : &etp_edp_group, &tp_cp_group, expert_batch};
@@ -257,16 +266,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
   // Layout mode with an expert x expert-tensor group of G ranks smaller than the tp group: the tp / G
   // groups of a tp group hold the same experts for its other tp ranks, and sum each micro-batch's
-  // parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp group.
+  // parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp group, the ranks of
+  // the tp group with the same expert and expert-tensor coordinates.
   const int G = mesh.ep() * mesh.etp();
-  std::vector<std::vector<int>> partner_groups;
-  for (const std::vector<int>& t : mesh.groups(MeshGroup::tp))
-    for (int j = 0; j < G && layout && experts_split && G < mesh.tp(); ++j) {
-      partner_groups.emplace_back();
-      for (size_t k = static_cast<size_t>(j); k < t.size(); k += static_cast<size_t>(G)) partner_groups.back().push_back(t[k]);
-    }
   std::optional<Communicator> partners;
-  if (!partner_groups.empty()) partners.emplace(comm.split_groups(partner_groups));
+  if (layout && experts_split && G < mesh.tp())
+    partners.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp, true)));
   if (layout) {
     if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
     dp.set_layout(accum, &comm, experts_split, partners ? partners->size() : 1);
