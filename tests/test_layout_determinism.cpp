@@ -699,6 +699,9 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
       {2, {"parallel.tensor=2"}},
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
       {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+      // 3 threads against the single process's 1: the block recipes' canonical pieces quantised one
+      // per thread (many) or one at a time, each quantiser split over the threads (few): the same bits.
+      {2, {"parallel.tensor=2", "train.threads=3"}},
   };
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8"})
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
