@@ -1,5 +1,5 @@
 // Quantiser throughput (kernels/cpu/quantize.h): elements per second for each recipe on a
-// 1024 x 1024 fp32 matrix, nearest and stochastic rounding, 1 and 2 threads; and dequantize().
+// 1024 x 1024 fp32 matrix, nearest and stochastic rounding, 1 and 2 threads; and dequantize(), amax().
 //
 //   build/bench_quantize
 #include <benchmark/benchmark.h>
@@ -17,7 +17,7 @@ namespace {
 using lockstep::ElemFormat;
 constexpr int64_t kRows = 1024, kCols = 1024;
 
-enum class Recipe { tensorwise, blockwise_1x128, blockwise_128x128, mxfp8, nvfp4, nvfp4_2d, dequantize, hadamard };
+enum class Recipe { tensorwise, blockwise_1x128, blockwise_128x128, mxfp8, nvfp4, nvfp4_2d, dequantize, hadamard, amax };
 
 void run(lockstep::QuantizedTensor& q, const std::vector<float>& x, Recipe r, const lockstep::StochasticRounding& sr) {
   switch (r) {
@@ -29,6 +29,7 @@ void run(lockstep::QuantizedTensor& q, const std::vector<float>& x, Recipe r, co
     case Recipe::nvfp4_2d: lockstep::quantize_nvfp4(q, x.data(), kRows, kCols, 16, sr); break;
     case Recipe::dequantize: break;
     case Recipe::hadamard: break;
+    case Recipe::amax: break;
   }
 }
 
@@ -44,6 +45,8 @@ void bm_quantize(benchmark::State& state, Recipe r, bool stochastic, int threads
   for (auto _ : state) {
     if (r == Recipe::dequantize) {
       lockstep::dequantize(out.data(), q);
+    } else if (r == Recipe::amax) {
+      benchmark::DoNotOptimize(lockstep::amax(x.data(), kRows * kCols));
     } else if (r == Recipe::hadamard) {
       lockstep::hadamard16(out.data(), x.data(), kRows, kCols, lockstep::HadamardAxis::rows);
     } else {
@@ -69,6 +72,8 @@ void register_all() {
       }
     }
     benchmark::RegisterBenchmark(("dequantize/mxfp8" + t).c_str(), bm_quantize, Recipe::dequantize, false, threads)
+        ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+    benchmark::RegisterBenchmark(("amax" + t).c_str(), bm_quantize, Recipe::amax, false, threads)
         ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
     benchmark::RegisterBenchmark(("hadamard16/rows" + t).c_str(), bm_quantize, Recipe::hadamard, false, threads)
         ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);

@@ -114,6 +114,89 @@ TEST(Quantize, TensorwiseIsNearestWithinTheFormatsBound) {
   }
 }
 
+// The encoder's vector lanes and its scalar tail against encode(f, x * scale) (the scalar encoder):
+// every fp32 exponent with both signs, each mantissa's rounding boundaries for the format (half a
+// quantum, one ulp either side, an odd and an even truncated code), the largest mantissas (carry
+// into the exponent, saturation), infinities and NaNs with payloads; rows of 61 values, so that
+// the tail of each row is encoded by the scalar loop.
+TEST(Quantize, NearestEncodingOfEveryExponentMatchesTheScalarEncoder) {
+  for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
+    const int sh = 23 - bits_of(f).M;
+    const uint32_t half = 1u << (sh - 1);
+    const uint32_t mantissas[] = {0, 1, half - 1, half, half + 1, (1u << sh) | half, ((1u << sh) | half) - 1,
+                                  ((1u << sh) | half) + 1, (3u << sh) | half, 0x7fffffu, 0x7fffffu - half, 0x400000u};
+    std::vector<float> x;
+    for (uint32_t sign : {0u, 1u})
+      for (uint32_t e = 0; e < 256; ++e)
+        for (uint32_t m : mantissas) x.push_back(std::bit_cast<float>(sign << 31 | e << 23 | m));
+    const int64_t cols = 61, rows = (static_cast<int64_t>(x.size()) + cols - 1) / cols;
+    x.resize(static_cast<size_t>(rows * cols), 0.0f);
+    for (float scale : {1.0f, 0.3f, 1.0f / 3.0f * 0x1p-20f, 0x1p30f}) {
+      QuantizedTensor q;
+      quantize_tensorwise(q, x.data(), rows, cols, f, scale);
+      for (size_t i = 0; i < x.size(); ++i)
+        ASSERT_EQ(q.codes[i], encode(f, x[i] * scale))
+            << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
+    }
+  }
+}
+
+// The same for E2M1 (NVFP4's elements, two per byte): codes against encode(e2m1, x * m), m = S / d
+// the block's multiplier from quantize.h's two-level scales (S = 6 * 448 / amax, d the decoded
+// E4M3 block scale), on values spread over 2^-11 .. 2^3 in every block with the rounding boundaries
+// of one mantissa bit; 84 columns, so that each row ends in a 4-column block the scalar loop encodes.
+TEST(Quantize, NearestE2m1EncodingMatchesTheScalarEncoder) {
+  const uint32_t mantissas[] = {0, 1, 0x200000u - 1, 0x200000u, 0x200001u, 0x600000u, 0x5fffffu, 0x600001u, 0x7fffffu};
+  std::vector<float> x;
+  for (uint32_t sign : {0u, 1u})  // exponent-minor: each block of 16 spans the range (subnormal codes too)
+    for (uint32_t m : mantissas)
+      for (uint32_t e = 127 - 11; e <= 127 + 3; ++e) x.push_back(std::bit_cast<float>(sign << 31 | e << 23 | m));
+  const int64_t cols = 84, rows = (static_cast<int64_t>(x.size()) + cols - 1) / cols;
+  x.resize(static_cast<size_t>(rows * cols), 0.25f);
+  float t = 0.0f;
+  for (float v : x) t = std::max(t, std::abs(v));
+  const float S = 6.0f * 448.0f / t;
+  QuantizedTensor q;
+  quantize_nvfp4(q, x.data(), rows, cols, 1);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      float amax_b = 0.0f;
+      for (int64_t c = c0; c < std::min(cols, c0 + 16); ++c) amax_b = std::max(amax_b, std::abs(x[r * cols + c]));
+      const float d = decode_e4m3(encode_e4m3((amax_b / 6.0f) * S));
+      const float m = d == 0.0f ? 0.0f : S / d;
+      for (int64_t c = c0; c < std::min(cols, c0 + 16); ++c) {
+        const uint8_t code = (q.codes[static_cast<size_t>(r * q.row_bytes() + c / 2)] >> (c % 2 ? 4 : 0)) & 0xF;
+        ASSERT_EQ(code, encode(ElemFormat::e2m1, x[r * cols + c] * m))
+            << "x bits " << std::hex << std::bit_cast<uint32_t>(x[r * cols + c]) << " row " << std::dec << r << " col " << c;
+      }
+    }
+}
+
+// amax against the scalar fold m = (|v| > m or isnan(|v|)) ? |v| : m from 0, bitwise: without a
+// NaN the max; with NaNs (each with its own payload) at the start, in the middle of a vector stretch
+// and in the tail, the last one. Lengths around the vector widths.
+TEST(Quantize, AmaxIsTheScalarFoldBitwiseWhereverTheNaNs) {
+  const auto fold = [](const std::vector<float>& v, int64_t n) {
+    float m = 0.0f;
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = std::abs(v[static_cast<size_t>(i)]);
+      m = (a > m || std::isnan(a)) ? a : m;
+    }
+    return m;
+  };
+  for (int64_t n : {1, 7, 8, 9, 31, 32, 33, 100, 5000, 300001}) {
+    std::vector<float> x = test_matrix(1, n, 3);
+    x[static_cast<size_t>(n / 2)] = -7500.0f;  // the max, negative
+    EXPECT_EQ(std::bit_cast<uint32_t>(amax(x.data(), n)), std::bit_cast<uint32_t>(7500.0f)) << n;
+    EXPECT_EQ(std::bit_cast<uint32_t>(amax(x.data(), n)), std::bit_cast<uint32_t>(fold(x, n))) << n;
+    uint32_t payload = 0x7fc00001u;
+    for (int64_t at : {int64_t{0}, n / 3, n - 1}) {
+      x[static_cast<size_t>(at)] = std::bit_cast<float>(payload++ | 0x80000000u);
+      ASSERT_EQ(std::bit_cast<uint32_t>(amax(x.data(), n)), std::bit_cast<uint32_t>(fold(x, n))) << n << " " << at;
+    }
+  }
+}
+
 TEST(Quantize, BlockwiseUsesPowerOfTwoScalesPerBlock) {
   const int64_t rows = 130, cols = 300;  // partial edge blocks both ways
   const std::vector<float> x = test_matrix(rows, cols, 2);

@@ -3,11 +3,13 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/cpu/vecmath.h"
 
 namespace lockstep {
 
@@ -21,12 +23,46 @@ inline float max_abs(float m, float v) {
   return (a > m || std::isnan(a)) ? a : m;
 }
 
+// max_abs folded over x[0, n) from 0: the max |x|, or the last NaN's |NaN| when x holds one.
+// Vector lanes take the max of a NaN-free stretch (exact, so any order gives these bits); a stretch
+// that holds a NaN is redone by the scalar loop, so that the same NaN comes out.
+float run_amax(const float* x, int64_t n) {
+  float m = 0.0f;
+  int64_t i = 0;
+#if LOCKSTEP_AVX2
+  if (n >= 8) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m0 = _mm256_setzero_ps(), m1 = m0, m2 = m0, m3 = m0, nan = m0;
+    for (; i + 32 <= n; i += 32) {
+      const __m256 a0 = _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude);
+      const __m256 a1 = _mm256_and_ps(_mm256_loadu_ps(x + i + 8), magnitude);
+      const __m256 a2 = _mm256_and_ps(_mm256_loadu_ps(x + i + 16), magnitude);
+      const __m256 a3 = _mm256_and_ps(_mm256_loadu_ps(x + i + 24), magnitude);
+      nan = _mm256_or_ps(nan, _mm256_or_ps(_mm256_cmp_ps(a0, a1, _CMP_UNORD_Q), _mm256_cmp_ps(a2, a3, _CMP_UNORD_Q)));
+      m0 = _mm256_max_ps(m0, a0);
+      m1 = _mm256_max_ps(m1, a1);
+      m2 = _mm256_max_ps(m2, a2);
+      m3 = _mm256_max_ps(m3, a3);
+    }
+    for (; i + 8 <= n; i += 8) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + i), magnitude);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      m0 = _mm256_max_ps(m0, a);
+    }
+    if (_mm256_movemask_ps(nan) != 0) {
+      i = 0;
+    } else {
+      m = vm::hmax(_mm256_max_ps(_mm256_max_ps(m0, m1), _mm256_max_ps(m2, m3)));
+    }
+  }
+#endif
+  for (; i < n; ++i) m = max_abs(m, x[i]);
+  return m;
+}
+
 float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
   float m = 0.0f;
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* row = x + r * cols;
-    for (int64_t c = c0; c < c1; ++c) m = max_abs(m, row[c]);
-  }
+  for (int64_t r = r0; r < r1; ++r) m = max_abs(m, run_amax(x + r * cols + c0, c1 - c0));
   return m;
 }
 
@@ -68,6 +104,60 @@ void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, Scale
   q.scale_codes.resize(sf == ScaleFormat::f32 ? 0 : grid);
 }
 
+#if LOCKSTEP_AVX2
+// encode_saturating<F>(x[i] * mult) for eight values, one code per 32-bit lane: the scalar encoder's
+// integer steps in lanes. The product is the same IEEE multiply; the normal range rounds the dropped
+// mantissa bits to nearest even as integers; the subnormal range rounds |y| * 2^(M - emin) (exact,
+// below 2^M) to the nearest even integer; magnitudes above the largest finite saturate (infinity
+// included); NaN gives the format's NaN (E2M1: its largest magnitude). The same codes as the scalar
+// loop, bit for bit.
+template <ElemFormat F>
+inline __m256i encode8_nearest(const float* x, __m256 mult) {
+  constexpr float_formats_detail::Layout L = float_formats_detail::layout(F);
+  constexpr int sh = 23 - L.M;
+  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), mult));
+  const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), L.sign_shift());
+  // Normal: the top M mantissa bits with the rebiased exponent, plus one when the dropped bits are
+  // above half, or at half with an odd result.
+  __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(a, sh), _mm256_set1_epi32((127 - L.bias) << L.M));
+  const __m256i dropped = _mm256_and_si256(a, _mm256_set1_epi32((1 << sh) - 1));
+  const __m256i half = _mm256_set1_epi32(1 << (sh - 1));
+  const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(normal, 31), 31);  // all ones where odd
+  const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half),
+                                     _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
+  normal = _mm256_sub_epi32(normal, up);  // up is all ones (-1) where it rounds up
+  const __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
+  const __m256i subnormal = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  const __m256i is_normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(((L.emin() + 127) << 23) - 1));
+  __m256i mag = _mm256_blendv_epi8(subnormal, normal, is_normal);
+  mag = _mm256_min_epi32(mag, _mm256_set1_epi32(static_cast<int>(L.max_mag)));
+  const __m256i is_nan = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(0x7f800000));
+  mag = _mm256_blendv_epi8(mag, _mm256_set1_epi32(L.nan_mag), is_nan);
+  return _mm256_or_si256(sign, mag);
+}
+
+// The low byte of each of the eight lanes, in order (FP8: eight codes).
+inline void store8_bytes(uint8_t* out, __m256i codes) {
+  const __m256i bytes = _mm256_shuffle_epi8(codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+
+// Eight E2M1 codes (one per lane, below 16) as four bytes, the even element in the low nibble.
+inline void store8_nibbles(uint8_t* out, __m256i codes) {
+  const __m256i pairs = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));  // lane 2i: lo | hi << 4
+  const __m256i bytes = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, -1, -1, -1));
+  const __m128i packed = _mm_unpacklo_epi16(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
+  const auto four = static_cast<uint32_t>(_mm_cvtsi128_si32(packed));
+  std::memcpy(out, &four, 4);
+}
+#endif
+
 // Writes the codes of row r, columns [c0, c1) of x times `mult`. E2M1: c0 is even (blocks span
 // whole bytes), so each byte is written by one call. The format and the rounding are template
 // parameters so that the per-element encoding inlines.
@@ -93,10 +183,20 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
   };
   if constexpr (F != ElemFormat::e2m1) {
     uint8_t* out = q.codes.data() + r * q.cols;
-    for (int64_t c = c0; c < c1; ++c) out[c] = code(c);
+    int64_t c = c0;
+#if LOCKSTEP_AVX2
+    if constexpr (!kStochastic)
+      for (; c + 8 <= c1; c += 8) store8_bytes(out + c, encode8_nearest<F>(row + c, _mm256_set1_ps(mult)));
+#endif
+    for (; c < c1; ++c) out[c] = code(c);
   } else {
     uint8_t* out = q.codes.data() + r * q.row_bytes();
-    for (int64_t c = c0; c < c1; c += 2) {
+    int64_t c = c0;
+#if LOCKSTEP_AVX2
+    if constexpr (!kStochastic)
+      for (; c + 8 <= c1; c += 8) store8_nibbles(out + c / 2, encode8_nearest<F>(row + c, _mm256_set1_ps(mult)));
+#endif
+    for (; c < c1; c += 2) {
       const uint8_t lo = code(c);
       const uint8_t hi = c + 1 < c1 ? code(c + 1) : 0;
       out[c / 2] = static_cast<uint8_t>(lo | (hi << 4));
@@ -197,9 +297,8 @@ float amax(const float* x, int64_t n) {
   float partial[kParts];
   parallel_for(parts, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      float m = 0.0f;
-      for (int64_t i = n * p / parts; i < n * (p + 1) / parts; ++i) m = max_abs(m, x[i]);
-      partial[p] = m;
+      const int64_t i0 = n * p / parts;
+      partial[p] = run_amax(x + i0, n * (p + 1) / parts - i0);
     }
   });
   float m = 0.0f;
