@@ -46,6 +46,17 @@ TEST(RandomStream, BitsAreThePhiloxBlock) {
   for (uint64_t lane = 0; lane < 4; ++lane) EXPECT_EQ(rng.bits(block * 4 + lane), w[lane]);
 }
 
+// blocks8 (vector lanes) against block() one by one, across a carry of the block index's low word.
+TEST(RandomStream, EightBlocksAtOnceAreTheBlocks) {
+  const RandomStream rng(0x123456789abcdefULL, purpose_id("test/blocks8"));
+  for (uint64_t first : {uint64_t{0}, uint64_t{5}, uint64_t{0xfffffffcULL}, uint64_t{0x1234567890ULL}}) {
+    uint32_t out[32];
+    rng.blocks8(first, out);
+    for (uint64_t i = 0; i < 8; ++i)
+      for (int j = 0; j < 4; ++j) ASSERT_EQ(out[4 * i + j], rng.block(first + i)[j]) << first << " " << i << " " << j;
+  }
+}
+
 TEST(RandomStream, UniformInUnitInterval) {
   const RandomStream rng(1, purpose_id("uniform"));
   double sum = 0.0;

@@ -408,9 +408,9 @@ TEST(Gemm, ContiguousOverload) {
 // ---- Operands in low precision (bf16, FP8, MXFP8, NVFP4): decoded while packing, the result must
 // equal the fp32 GEMM on the dequantised matrices bit for bit.
 
-enum class Storage { f32, bf16, e4m3_tensor, e5m2_block, mxfp8, nvfp4, nvfp4_2d };
-const Storage kStorages[] = {Storage::f32, Storage::bf16, Storage::e4m3_tensor, Storage::e5m2_block,
-                             Storage::mxfp8, Storage::nvfp4, Storage::nvfp4_2d};
+enum class Storage { f32, bf16, e4m3_tensor, e5m2_block, mxfp8, nvfp4, nvfp4_2d, e4m3_column_block };
+const Storage kStorages[] = {Storage::f32,  Storage::bf16,  Storage::e4m3_tensor, Storage::e5m2_block,
+                             Storage::mxfp8, Storage::nvfp4, Storage::nvfp4_2d,   Storage::e4m3_column_block};
 
 // A stored rows x cols matrix in one storage, and the fp32 matrix it stands for.
 struct StoredOperand {
@@ -432,6 +432,10 @@ struct StoredOperand {
         quantize_tensorwise(q, x.data(), rows, cols, ElemFormat::e4m3, fp8_scale_from_amax(amax(x.data(), rows * cols), ElemFormat::e4m3));
         break;
       case Storage::e5m2_block: quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e5m2, 1, 128); break;
+      case Storage::e4m3_column_block:  // 128 x 1 blocks: a scale per column, columns of 5 magnitudes
+        for (int64_t i = 0; i < rows * cols; ++i) x[i] = std::ldexp(x[i], static_cast<int>(i % cols % 5) * 3);
+        quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e4m3, 128, 1);
+        break;
       case Storage::mxfp8: quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3); break;
       case Storage::nvfp4: quantize_nvfp4(q, x.data(), rows, cols, 1); break;
       case Storage::nvfp4_2d: quantize_nvfp4(q, x.data(), rows, cols, 16); break;

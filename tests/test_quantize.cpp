@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "lockstep/core/float_formats.h"
+#include "lockstep/core/philox.h"
 #include "lockstep/kernels/cpu/quantize.h"
 #include "testing.h"
 
@@ -118,8 +119,8 @@ TEST(Quantize, TensorwiseIsNearestWithinTheFormatsBound) {
 // every fp32 exponent with both signs, each mantissa's rounding boundaries for the format (half a
 // quantum, one ulp either side, an odd and an even truncated code), the largest mantissas (carry
 // into the exponent, saturation), infinities and NaNs with payloads; rows of 61 values, so that
-// the tail of each row is encoded by the scalar loop.
-TEST(Quantize, NearestEncodingOfEveryExponentMatchesTheScalarEncoder) {
+// the tail of each row is encoded by the scalar loop. Round to nearest and stochastic.
+TEST(Quantize, EncodingOfEveryExponentMatchesTheScalarEncoders) {
   for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
     const int sh = 23 - bits_of(f).M;
     const uint32_t half = 1u << (sh - 1);
@@ -137,6 +138,18 @@ TEST(Quantize, NearestEncodingOfEveryExponentMatchesTheScalarEncoder) {
       for (size_t i = 0; i < x.size(); ++i)
         ASSERT_EQ(q.codes[i], encode(f, x[i] * scale))
             << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
+      // Stochastic: encode_stochastic with the element's draw, the runs starting anywhere in a block.
+      for (int64_t base : {0, 1, 2, 3}) {
+        StochasticRounding sr;
+        sr.enabled = true;
+        sr.seed = 5;
+        sr.index_base = base;
+        quantize_tensorwise(q, x.data(), rows, cols, f, scale, sr);
+        const RandomStream rng(sr.seed, sr_purpose(sr.tensor_id, sr.step));
+        for (size_t i = 0; i < x.size(); ++i)
+          ASSERT_EQ(q.codes[i], encode_stochastic(f, x[i] * scale, rng.bits(static_cast<uint64_t>(base) + i)))
+              << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
+      }
     }
   }
 }
@@ -170,6 +183,55 @@ TEST(Quantize, NearestE2m1EncodingMatchesTheScalarEncoder) {
             << "x bits " << std::hex << std::bit_cast<uint32_t>(x[r * cols + c]) << " row " << std::dec << r << " col " << c;
       }
     }
+}
+
+// Every block recipe, round to nearest and stochastic, against the scalar encoders element by
+// element: code(r, c) == encode(f, x * m) or encode_stochastic(f, x * m, bits(index)), m the
+// element's multiplier (1 / the block's power-of-two scale; NVFP4: S / d as above), the index
+// index_base + r * row stride + c with the bases 0..3 (so that a run's first draw sits anywhere in
+// its Philox block) and a wider global row. Column blocks of 1 (128 x 1), 128 (1 x 128), 32 (MXFP8)
+// and 16 (NVFP4, a row's 64-block chunks), 75 columns, so that rows end in scalar tails.
+TEST(Quantize, EveryRecipesCodesMatchTheScalarEncoders) {
+  const int64_t rows = 256, cols = 75;
+  std::vector<float> x = test_matrix(rows, cols, 9);
+  for (int64_t i = 0; i < rows * cols; i += 7) x[i] = std::bit_cast<float>(std::bit_cast<uint32_t>(x[i]) & 0xfff00000u | 0x80000u);
+  enum Kind { blockwise_cols, blockwise_rows, mxfp8, nvfp4 };
+  for (Kind kind : {blockwise_cols, blockwise_rows, mxfp8, nvfp4})
+    for (bool stochastic : {false, true})
+      for (int64_t base : {0, 1, 2, 3})
+        for (int64_t global_cols : {int64_t{0}, int64_t{83}}) {
+          StochasticRounding sr;
+          sr.enabled = stochastic;
+          sr.seed = 7;
+          sr.step = 3;
+          sr.tensor_id = 11;
+          sr.index_base = base;
+          sr.global_cols = global_cols;
+          QuantizedTensor q;
+          const ElemFormat f = kind == nvfp4 ? ElemFormat::e2m1 : ElemFormat::e4m3;
+          switch (kind) {
+            case blockwise_cols: quantize_blockwise(q, x.data(), rows, cols, f, 128, 1, sr); break;
+            case blockwise_rows: quantize_blockwise(q, x.data(), rows, cols, f, 1, 128, sr); break;
+            case mxfp8: quantize_mxfp8(q, x.data(), rows, cols, f, ScaleRounding::up, 32, sr); break;
+            case nvfp4: quantize_nvfp4(q, x.data(), rows, cols, 1, sr); break;
+          }
+          float t = 0.0f;
+          for (float v : x) t = std::max(t, std::abs(v));
+          const float S = 6.0f * 448.0f / t;
+          const RandomStream rng(sr.seed, sr_purpose(sr.tensor_id, sr.step));
+          for (int64_t r = 0; r < rows; ++r)
+            for (int64_t c = 0; c < cols; ++c) {
+              const float d = q.block_scale(r / q.block_rows, c / q.block_cols);
+              const float m = kind != nvfp4 ? 1.0f / d : d == 0.0f ? 0.0f : S / d;
+              const float y = x[r * cols + c] * m;
+              const auto index = static_cast<uint64_t>(base + r * (global_cols ? global_cols : cols) + c);
+              const uint8_t want = stochastic ? encode_stochastic(f, y, rng.bits(index)) : encode(f, y);
+              const uint8_t got = kind == nvfp4 ? (q.codes[static_cast<size_t>(r * q.row_bytes() + c / 2)] >> (c % 2 ? 4 : 0)) & 0xF
+                                                : q.codes[static_cast<size_t>(r * cols + c)];
+              ASSERT_EQ(got, want) << "kind " << kind << " stochastic " << stochastic << " base " << base << " global_cols "
+                                   << global_cols << " at " << r << "," << c;
+            }
+        }
 }
 
 // amax against the scalar fold m = (|v| > m or isnan(|v|)) ? |v| : m from 0, bitwise: without a
@@ -341,6 +403,8 @@ TEST(Quantize, NaNPoisonsItsBlock) {
   }
   quantize_blockwise(q, x.data(), 2, 64, ElemFormat::e4m3, 1, 32);
   EXPECT_TRUE(std::isnan(q.value(0, 33)) && !std::isnan(q.value(0, 3)));
+  quantize_blockwise(q, x.data(), 2, 64, ElemFormat::e4m3, 128, 1);  // a block per column
+  for (int64_t c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(q.value(1, c)), c == 40) << c;
   quantize_nvfp4(q, x.data(), 2, 64);
   EXPECT_TRUE(std::isnan(q.value(1, 0)));  // the tensor scale
 }

@@ -28,6 +28,10 @@ class RandomStream {
   uint32_t bits(uint64_t index) const;
   // bits(4 * b + j) for j = 0..3: one Philox call, for kernels that draw for consecutive indices.
   std::array<uint32_t, 4> block(uint64_t block_index) const;
+  // The blocks first_block .. first_block + 7 one after the other: out[4 i + j] =
+  // block(first_block + i)[j], i.e. bits(4 first_block + k) for k = 0..31. Eight Philox calls in
+  // vector lanes (AVX2), the same bits.
+  void blocks8(uint64_t first_block, uint32_t* out) const;
   // Uniform in [0, 1) with 24 random bits (exactly representable in fp32).
   float uniform(uint64_t index) const;
   // Standard normal by Box-Muller on block index/2: even indices take the cosine branch, odd the

@@ -375,6 +375,20 @@ void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float
   for (int64_t b = next; b < std::min(row_end, next + (next - (q.elem == ElemFormat::e2m1 ? c / 2 : c))); b += 64) {
     __builtin_prefetch(codes + b);
   }
+  if (q.block_cols == 1 && q.scale_format == ScaleFormat::f32 && q.elem != ElemFormat::e2m1) {
+    // One scale per column (blockwise 128 x 1): the scales of the row's columns are consecutive.
+    const float* sc = q.scales.data() + br * q.grid_cols();
+#ifdef LOCKSTEP_AVX2
+    const __m256 tv = _mm256_set1_ps(ts);
+    for (; c + 8 <= end; c += 8, out += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+      const __m256 v = _mm256_mul_ps(decode8_fp8(q.elem, idx), _mm256_loadu_ps(sc + c));
+      _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
+    }
+#endif
+    for (; c < end; ++c) *out++ = (table[codes[c]] * sc[c]) * ts;
+    return;
+  }
   while (c < end) {
     const int64_t bc = c / q.block_cols, stop = std::min(end, (bc + 1) * q.block_cols);
     const float s = q.block_scale(br, bc);

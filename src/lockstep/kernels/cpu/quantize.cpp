@@ -66,6 +66,28 @@ float block_amax(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c
   return m;
 }
 
+// block_amax of the 1-column blocks c0 .. c0 + n - 1 over rows [r0, r1): out[j] for column c0 + j.
+// Vector lanes are columns (the max down each is exact in any order); a group of 8 columns holding
+// a NaN is redone by block_amax, so that the same NaN comes out.
+void column_amaxes(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t n, float* out) {
+  int64_t j = 0;
+#if LOCKSTEP_AVX2
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (; j + 8 <= n; j += 8) {
+    __m256 m = _mm256_setzero_ps(), nan = m;
+    for (int64_t r = r0; r < r1; ++r) {
+      const __m256 a = _mm256_and_ps(_mm256_loadu_ps(x + r * cols + c0 + j), magnitude);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+      m = _mm256_max_ps(m, a);
+    }
+    _mm256_storeu_ps(out + j, m);
+    if (_mm256_movemask_ps(nan) != 0)
+      for (int64_t k = j; k < j + 8; ++k) out[k] = block_amax(x, cols, r0, r1, c0 + k, c0 + k + 1);
+  }
+#endif
+  for (; j < n; ++j) out[j] = block_amax(x, cols, r0, r1, c0 + j, c0 + j + 1);
+}
+
 // The rounding of each element: nearest-even, or stochastic with Philox bits keyed by the
 // element's global index.
 class Encoder {
@@ -105,30 +127,41 @@ void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, Scale
 }
 
 #if LOCKSTEP_AVX2
-// encode_saturating<F>(x[i] * mult) for eight values, one code per 32-bit lane: the scalar encoder's
-// integer steps in lanes. The product is the same IEEE multiply; the normal range rounds the dropped
-// mantissa bits to nearest even as integers; the subnormal range rounds |y| * 2^(M - emin) (exact,
-// below 2^M) to the nearest even integer; magnitudes above the largest finite saturate (infinity
-// included); NaN gives the format's NaN (E2M1: its largest magnitude). The same codes as the scalar
-// loop, bit for bit.
-template <ElemFormat F>
-inline __m256i encode8_nearest(const float* x, __m256 mult) {
+// encode_saturating<F>(x[i] * mult) (kStochastic: encode_stochastic_as<F>(x[i] * mult, draws[i]))
+// for eight values, one code per 32-bit lane: the scalar encoder's steps in lanes. The product is
+// the same IEEE multiply. The normal range truncates to M mantissa bits and rounds up by the
+// dropped bits: to nearest even as integers, or when the draw is below their fraction (the scalar's
+// exact float compare). The subnormal range scales |y| by 2^(M - emin) (exact, below 2^M) and rounds
+// that to the nearest even integer, or truncates it and rounds up when the draw is below the
+// remainder. Magnitudes above the largest finite saturate (infinity included); NaN gives the
+// format's NaN (E2M1: its largest magnitude). The same codes as the scalar loop, bit for bit.
+template <ElemFormat F, bool kStochastic>
+inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
   constexpr float_formats_detail::Layout L = float_formats_detail::layout(F);
   constexpr int sh = 23 - L.M;
   const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), mult));
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), L.sign_shift());
-  // Normal: the top M mantissa bits with the rebiased exponent, plus one when the dropped bits are
-  // above half, or at half with an odd result.
+  // Normal: the top M mantissa bits with the rebiased exponent, plus one when rounding up.
   __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(a, sh), _mm256_set1_epi32((127 - L.bias) << L.M));
   const __m256i dropped = _mm256_and_si256(a, _mm256_set1_epi32((1 << sh) - 1));
-  const __m256i half = _mm256_set1_epi32(1 << (sh - 1));
-  const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(normal, 31), 31);  // all ones where odd
-  const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half),
-                                     _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
-  normal = _mm256_sub_epi32(normal, up);  // up is all ones (-1) where it rounds up
   const __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
-  const __m256i subnormal = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  __m256i subnormal;
+  if constexpr (kStochastic) {
+    const __m256 draw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(draws, 8)), _mm256_set1_ps(0x1p-24f));
+    const __m256 frac = _mm256_mul_ps(_mm256_cvtepi32_ps(dropped), _mm256_set1_ps(float_formats_detail::pow2(-sh)));
+    normal = _mm256_sub_epi32(normal, _mm256_castps_si256(_mm256_cmp_ps(draw, frac, _CMP_LT_OQ)));
+    const __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 rest = _mm256_sub_ps(scaled, whole);
+    subnormal = _mm256_sub_epi32(_mm256_cvttps_epi32(whole), _mm256_castps_si256(_mm256_cmp_ps(draw, rest, _CMP_LT_OQ)));
+  } else {
+    const __m256i half = _mm256_set1_epi32(1 << (sh - 1));
+    const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(normal, 31), 31);  // all ones where odd
+    const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half),
+                                       _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
+    normal = _mm256_sub_epi32(normal, up);  // up is all ones (-1) where it rounds up
+    subnormal = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
   const __m256i is_normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(((L.emin() + 127) << 23) - 1));
   __m256i mag = _mm256_blendv_epi8(subnormal, normal, is_normal);
   mag = _mm256_min_epi32(mag, _mm256_set1_epi32(static_cast<int>(L.max_mag)));
@@ -158,18 +191,63 @@ inline void store8_nibbles(uint8_t* out, __m256i codes) {
 }
 #endif
 
-// Writes the codes of row r, columns [c0, c1) of x times `mult`. E2M1: c0 is even (blocks span
-// whole bytes), so each byte is written by one call. The format and the rounding are template
+// The multiplier of each column of a run: one for all its columns (tensorwise), or one per column
+// block (per_block[b - b0] for block b of block_cols columns).
+struct Mults {
+  float all = 0.0f;
+  const float* per_block = nullptr;
+  int64_t b0 = 0, block_cols = 1;
+  float at(int64_t c) const { return per_block ? per_block[c / block_cols - b0] : all; }
+#if LOCKSTEP_AVX2
+  // Columns c .. c + 7 (c a multiple of 8 from the block grid's start when block_cols is).
+  __m256 at8(int64_t c) const {
+    if (!per_block) return _mm256_set1_ps(all);
+    if (block_cols == 1) return _mm256_loadu_ps(per_block + (c - b0));
+    if (block_cols % 8 == 0) return _mm256_set1_ps(at(c));
+    return _mm256_setr_ps(at(c), at(c + 1), at(c + 2), at(c + 3), at(c + 4), at(c + 5), at(c + 6), at(c + 7));
+  }
+#endif
+};
+
+#if LOCKSTEP_AVX2
+// The vector part of a run: columns [c, c1) of row r in groups of 32 (nearest: of 8), each group's
+// codes handed to store(column, codes) eight at a time; c is left at the first column not done.
+// Stochastic: the group's 32 draws are bits(i .. i + 31) of its first element's index i, eight
+// Philox blocks from i / 4 (and a ninth when i is not a multiple of 4).
+template <ElemFormat F, bool kStochastic, typename Store>
+inline void lanes32(const Encoder& enc, const float* row, int64_t r, int64_t& c, int64_t c1, const Mults& mult,
+                    Store store) {
+  if constexpr (kStochastic) {
+    alignas(32) uint32_t draws[36];
+    for (; c + 32 <= c1; c += 32) {
+      const uint64_t i = enc.index(r, c), off = i & 3;
+      enc.rng().blocks8(i >> 2, draws);
+      if (off) {
+        const std::array<uint32_t, 4> w = enc.rng().block((i >> 2) + 8);
+        std::copy(w.begin(), w.end(), draws + 32);
+      }
+      for (int g = 0; g < 4; ++g)
+        store(c + 8 * g, encode8<F, true>(row + c + 8 * g, mult.at8(c + 8 * g),
+                                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(draws + off + 8 * g))));
+    }
+  } else {
+    for (; c + 8 <= c1; c += 8) store(c, encode8<F, false>(row + c, mult.at8(c), _mm256_setzero_si256()));
+  }
+}
+#endif
+
+// Writes the codes of row r, columns [c0, c1) of x times each column's multiplier. E2M1: c0 is even
+// (blocks span whole bytes), so each byte is written by one call. The format and the rounding are template
 // parameters so that the per-element encoding inlines.
 template <ElemFormat F, bool kStochastic>
 void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                   int64_t c1, float mult) {
+                   int64_t c1, const Mults& mult) {
   const float* row = x + r * q.cols;
   // The row's draws are consecutive indices: one Philox block serves four of them.
   uint64_t block_index = ~uint64_t{0};
   std::array<uint32_t, 4> draws{};
   const auto code = [&](int64_t c) -> uint8_t {
-    const float y = row[c] * mult;
+    const float y = row[c] * mult.at(c);
     if constexpr (kStochastic) {
       const uint64_t i = enc.index(r, c);
       if (i >> 2 != block_index) {
@@ -185,16 +263,14 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
     uint8_t* out = q.codes.data() + r * q.cols;
     int64_t c = c0;
 #if LOCKSTEP_AVX2
-    if constexpr (!kStochastic)
-      for (; c + 8 <= c1; c += 8) store8_bytes(out + c, encode8_nearest<F>(row + c, _mm256_set1_ps(mult)));
+    lanes32<F, kStochastic>(enc, row, r, c, c1, mult, [&](int64_t at, __m256i codes) { store8_bytes(out + at, codes); });
 #endif
     for (; c < c1; ++c) out[c] = code(c);
   } else {
     uint8_t* out = q.codes.data() + r * q.row_bytes();
     int64_t c = c0;
 #if LOCKSTEP_AVX2
-    if constexpr (!kStochastic)
-      for (; c + 8 <= c1; c += 8) store8_nibbles(out + c / 2, encode8_nearest<F>(row + c, _mm256_set1_ps(mult)));
+    lanes32<F, kStochastic>(enc, row, r, c, c1, mult, [&](int64_t at, __m256i codes) { store8_nibbles(out + at / 2, codes); });
 #endif
     for (; c < c1; c += 2) {
       const uint8_t lo = code(c);
@@ -206,7 +282,7 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
 
 template <bool kStochastic>
 void encode_run_sr(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                   int64_t c1, float mult) {
+                   int64_t c1, const Mults& mult) {
   switch (enc.format()) {
     case ElemFormat::e4m3: return encode_run_as<ElemFormat::e4m3, kStochastic>(q, enc, x, r, c0, c1, mult);
     case ElemFormat::e5m2: return encode_run_as<ElemFormat::e5m2, kStochastic>(q, enc, x, r, c0, c1, mult);
@@ -216,7 +292,7 @@ void encode_run_sr(QuantizedTensor& q, const Encoder& enc, const float* x, int64
 }
 
 void encode_run(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                int64_t c1, float mult) {
+                int64_t c1, const Mults& mult) {
   if (enc.stochastic()) {
     encode_run_sr<true>(q, enc, x, r, c0, c1, mult);
   } else {
@@ -231,23 +307,34 @@ struct BlockScale {
   float mult = 0.0f;
 };
 
-// For every block (in parallel over rows of blocks): amax_b, then scale_of(amax_b), then the codes.
+// For every block (in parallel over rows of blocks): amax_b, then scale_of(amax_b), then the codes,
+// row by row over up to 64 blocks at a time (so that a row's run spans many blocks: 1-column blocks
+// go through the vector lanes too).
 template <typename ScaleOf>
 void quantize_blocks(QuantizedTensor& q, const float* x, const Encoder& enc, ScaleOf scale_of) {
+  constexpr int64_t kChunk = 64;
   const int64_t gr = q.grid_rows(), gc = q.grid_cols();
   parallel_for(gr, [&](int64_t b0, int64_t b1) {
+    float mults[kChunk], amaxes[kChunk];
     for (int64_t br = b0; br < b1; ++br) {
       const int64_t r0 = br * q.block_rows, r1 = std::min(q.rows, r0 + q.block_rows);
-      for (int64_t bc = 0; bc < gc; ++bc) {
-        const int64_t c0 = bc * q.block_cols, c1 = std::min(q.cols, c0 + q.block_cols);
-        const BlockScale s = scale_of(block_amax(x, q.cols, r0, r1, c0, c1));
-        const auto b = static_cast<size_t>(br * gc + bc);
-        if (q.scale_format == ScaleFormat::f32) {
-          q.scales[b] = s.stored_f32;
-        } else {
-          q.scale_codes[b] = s.stored_code;
+      for (int64_t bc0 = 0; bc0 < gc; bc0 += kChunk) {
+        const int64_t bc1 = std::min(gc, bc0 + kChunk);
+        if (q.block_cols == 1) column_amaxes(x, q.cols, r0, r1, bc0, bc1 - bc0, amaxes);
+        for (int64_t bc = bc0; bc < bc1; ++bc) {
+          const int64_t c0 = bc * q.block_cols, c1 = std::min(q.cols, c0 + q.block_cols);
+          const BlockScale s = scale_of(q.block_cols == 1 ? amaxes[bc - bc0] : block_amax(x, q.cols, r0, r1, c0, c1));
+          const auto b = static_cast<size_t>(br * gc + bc);
+          if (q.scale_format == ScaleFormat::f32) {
+            q.scales[b] = s.stored_f32;
+          } else {
+            q.scale_codes[b] = s.stored_code;
+          }
+          mults[bc - bc0] = s.mult;
         }
-        for (int64_t r = r0; r < r1; ++r) encode_run(q, enc, x, r, c0, c1, s.mult);
+        const Mults m{0.0f, mults, bc0, q.block_cols};
+        const int64_t c0 = bc0 * q.block_cols, c1 = std::min(q.cols, bc1 * q.block_cols);
+        for (int64_t r = r0; r < r1; ++r) encode_run(q, enc, x, r, c0, c1, m);
       }
     }
   });
@@ -322,7 +409,7 @@ void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int
   out.scales[0] = 1.0f / scale;
   const Encoder enc(f, sr, cols);
   parallel_for(rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) encode_run(out, enc, x, r, 0, cols, scale);
+    for (int64_t r = r0; r < r1; ++r) encode_run(out, enc, x, r, 0, cols, Mults{scale});
   });
 }
 
