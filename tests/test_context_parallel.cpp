@@ -98,11 +98,13 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4", "parallel.expert=2",
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
             "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and moe.pad_expert_input_to_capacity = "
-            "true: a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding"},
+            "true: a micro-batch's NVFP4 expert block would hold the padding of each of its ranks of parallel.tensor x "
+            "parallel.context = 2"},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise",
              "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
             "determinism = \"layout\", an MoE model, precision.fp8 = \"blockwise\", moe.pad_expert_input_to_capacity = "
-            "true and model.bias = true: each tp x cp rank's padding rows would carry the fc bias's activation"},
+            "true and model.bias = true: the padding rows of each of a micro-batch's ranks of parallel.tensor x "
+            "parallel.context = 2 would carry the fc bias's activation"},
            {{"layout_token_segments=true", "train.micro_batch=1", "precision.params=bf16", "precision.fp4=nvfp4",
              "moe.shared_expert_intermediate_size=64", "moe.num_experts=8", "parallel.tensor=4", "parallel.expert=8"},
             "determinism = \"layout\", precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = 64 and "

@@ -945,25 +945,25 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
             std::string::npos);
   EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "precision.params=bf16", "precision.fp4=nvfp4"},
                      "moe-debug")
-                .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\" and parallel.expert x "
-                      "parallel.expert_tensor = 2 < parallel.tensor = 4: NVFP4's expert weight gradients"),
+                .find("determinism = \"layout\" with parallel.tensor = 4, an MoE model, precision.fp4 = \"nvfp4\" and "
+                      "parallel.expert x parallel.expert_tensor = 2: NVFP4's expert weight gradients"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"parallel.tensor=2", "precision.params=bf16", "precision.fp8=tensorwise",
                          "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
-                .find("determinism = \"layout\" with precision.fp8 = \"tensorwise\", moe.pad_expert_input_to_capacity = "
-                      "true, model.bias = true and parallel.tensor = 2: each tensor-parallel rank's padding rows would "
-                      "carry the fc bias's activation"),
+                .find("determinism = \"layout\" with parallel.tensor = 2, an MoE model, precision.fp8 = \"tensorwise\", "
+                      "moe.pad_expert_input_to_capacity = true and model.bias = true: the padding rows of each of a "
+                      "micro-batch's ranks of parallel.tensor = 2 would carry the fc bias's activation"),
             std::string::npos);
   EXPECT_NE(error_of(2, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2"}, "moe-debug")
-                .find("precision.fp4 = \"nvfp4\", an MoE model, parallel.tensor = 2 and parallel.expert x "
-                      "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a "
-                      "micro-batch in 16-row Hadamard blocks"),
+                .find("determinism = \"layout\" with parallel.tensor = 2, an MoE model, precision.fp4 = \"nvfp4\" and "
+                      "parallel.expert x parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an "
+                      "expert's rows of a micro-batch in 16-row Hadamard blocks"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
-                .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\", moe.pad_expert_input_to_capacity = "
-                      "true and parallel.tensor = 2: a micro-batch's NVFP4 expert block would hold each tensor-parallel "
-                      "rank's padding"),
+                .find("determinism = \"layout\" with parallel.tensor = 2, an MoE model, precision.fp4 = \"nvfp4\" and "
+                      "moe.pad_expert_input_to_capacity = true: a micro-batch's NVFP4 expert block would hold the "
+                      "padding of each of its ranks of parallel.tensor = 2"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
                          "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=24"},

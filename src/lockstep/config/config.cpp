@@ -604,6 +604,40 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                L, " layers in BF16: nothing would run in NVFP4");
 }
 
+// determinism = "layout" with an MoE model whose micro-batch tokens are split over `ranks` ranks (tensor x context
+// parallelism; each routes its own tokens): what the quantised experts cannot take. FP8 quantises an expert's rows
+// along the tokens segment by segment, so a rank's whole segments quantise as one process's, its padding rows (in
+// its last one) zero rows only without biases: with model.bias a padding row's activation is the fc bias's, and
+// each rank pads to the micro-batch's capacity. NVFP4's weight gradients transform an expert's rows of a
+// micro-batch in 16-row Hadamard blocks (Precision::ExpertBlocks), which the expert x expert-tensor group holds
+// whole only when it holds whole groups of those ranks, and without padding between their rows.
+// what_prefix starts the refused combination; ranks_name names `ranks` (a key, or a product of keys).
+void refuse_split_quantised_experts(const Config& c, int64_t ranks, const std::string& ranks_name,
+                                    const std::string& what_prefix,
+                                    const std::function<void(const std::string&, const std::string&)>& refuse) {
+  if (c.moe.num_experts == 0 || ranks == 1) return;
+  const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
+  const std::string who = "ranks of " + ranks_name + " = " + std::to_string(ranks);
+  if (c.precision.fp4 != "none" && expert_group % ranks)
+    refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
+               "\" and parallel.expert x parallel.expert_tensor = ", expert_group),
+           str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
+               "which would straddle the rows of its ", who, "; use an expert x expert-tensor group that is a multiple "
+               "of ", ranks, ", or an FP8 recipe"));
+  if (c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity)
+    refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
+               "\" and moe.pad_expert_input_to_capacity = true"),
+           str("a micro-batch's NVFP4 expert block would hold the padding of each of its ", who,
+               " between its tokens, inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or "
+               "an FP8 recipe"));
+  if (c.precision.fp8 != "none" && c.moe.pad_expert_input_to_capacity && c.model.bias)
+    refuse(str(what_prefix, "an MoE model, precision.fp8 = \"", c.precision.fp8,
+               "\", moe.pad_expert_input_to_capacity = true and model.bias = true"),
+           str("the padding rows of each of a micro-batch's ", who, " would carry the fc bias's activation into the "
+               "quantisation scales and blocks of its rows of an expert; use model.bias = false or "
+               "moe.pad_expert_input_to_capacity = false"));
+}
+
 // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (x tp rows under sequence
 // parallelism or in an MoE layer under tensor parallelism); what it does not support yet is refused by name.
 void validate_context_parallel(const Config& c) {
@@ -636,29 +670,8 @@ void validate_context_parallel(const Config& c) {
                  "parallel.expert_tensor = ", expert_group),
              str("an expert's rows would come from only part of a micro-batch's tensor x context ranks: the expert x "
                  "expert-tensor group must be 1 or a multiple of parallel.tensor x parallel.context = ", tp * cp));
-    // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment, so a rank's
-    // whole segments are what one process quantises of them; its padding rows (in its last one) are
-    // zero rows only without biases (with model.bias the activation of a padding row is the fc bias's,
-    // which would enter the quantisation blocks and scales of the rank's real rows, each tp x cp rank
-    // padding to the micro-batch's capacity). NVFP4's weight gradients transform an expert's rows of a
-    // micro-batch in 16-row Hadamard blocks, which the expert group puts back in token order when it
-    // holds them all, without padding between the ranks' rows.
-    if (moe && c.precision.fp4 != "none" && expert_group == 1)
-      refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
-                 "\" and parallel.expert x parallel.expert_tensor = 1"),
-             str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard "
-                 "blocks, which would straddle the ranks' rows; use parallel.expert or parallel.expert_tensor > 1 (a "
-                 "multiple of parallel.tensor x parallel.context = ", tp * cp, ") or an FP8 recipe"));
-    if (moe && c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity)
-      refuse(str("determinism = \"layout\", an MoE model, precision.fp4 = \"", c.precision.fp4,
-                 "\" and moe.pad_expert_input_to_capacity = true"),
-             "a micro-batch's NVFP4 expert block would hold each tp x cp rank's padding between its tokens, inside "
-             "its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or an FP8 recipe");
-    if (moe && c.precision.fp8 != "none" && c.moe.pad_expert_input_to_capacity && m.bias)
-      refuse(str("determinism = \"layout\", an MoE model, precision.fp8 = \"", c.precision.fp8,
-                 "\", moe.pad_expert_input_to_capacity = true and model.bias = true"),
-             "each tp x cp rank's padding rows would carry the fc bias's activation into the quantisation scales "
-             "and blocks of its rows of an expert; use model.bias = false or moe.pad_expert_input_to_capacity = false");
+    refuse_split_quantised_experts(c, tp * cp, "parallel.tensor x parallel.context", "determinism = \"layout\", ",
+                                   refuse);
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
@@ -726,24 +739,7 @@ void validate_layout_determinism(const Config& c) {
     refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", tp),
            "an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not tile it; the "
            "expert x expert-tensor group must be 1, a multiple of parallel.tensor or a divisor of it");
-  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group < tp && tp % expert_group == 0 &&
-      c.precision.fp4 != "none")
-    refuse(str("precision.fp4 = \"", c.precision.fp4, "\" and parallel.expert x parallel.expert_tensor = ", expert_group,
-               " < parallel.tensor = ", tp),
-           "NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
-           "which would span the rows of several expert groups; use an expert x expert-tensor group that is a "
-           "multiple of parallel.tensor, or an FP8 recipe");
-  // Quantised experts: FP8 quantises an expert's rows along the tokens segment by segment (a tp rank's
-  // whole segments quantise as one process's, its padding rows in its last one; zero rows without
-  // biases, below); NVFP4 transforms an expert's rows of one micro-batch in 16-row Hadamard blocks
-  // (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole when it holds whole
-  // tp groups, without padding between the tp ranks' rows.
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && expert_group == 1)
-    refuse(str("precision.fp4 = \"", c.precision.fp4, "\", an MoE model, parallel.tensor = ", c.parallel.tensor,
-               " and parallel.expert x parallel.expert_tensor = 1"),
-           "NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
-           "which would straddle the tensor-parallel ranks' rows; use parallel.expert or parallel.expert_tensor > 1 "
-           "(a multiple of parallel.tensor), parallel.tensor = 1 or an FP8 recipe");
+  refuse_split_quantised_experts(c, tp, "parallel.tensor", str("parallel.tensor = ", tp, ", "), refuse);
   // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
   // those tokens (the FP8 block recipes' blocks stop at the token segments; NVFP4 keys its stochastic
   // rounding by their micro-batch tokens, its Hadamard blocks of 16 within the rank's).
@@ -755,21 +751,6 @@ void validate_layout_determinism(const Config& c) {
            str("the shared expert's weight gradients transform each tensor-parallel rank's ", rank_tokens,
                " tokens in 16-token Hadamard blocks: train.micro_batch x model.seq_length / parallel.tensor must be a "
                "multiple of 16"));
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.pad_expert_input_to_capacity)
-    refuse(str("precision.fp4 = \"", c.precision.fp4, "\", moe.pad_expert_input_to_capacity = true and parallel.tensor = ",
-               c.parallel.tensor),
-           "a micro-batch's NVFP4 expert block would hold each tensor-parallel rank's padding between its tokens, "
-           "inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false, parallel.tensor = 1 or "
-           "an FP8 recipe");
-  // FP8 with padding: a padding row's activation is the fc bias's (gelu(b)), not zero, when the layers
-  // have biases, and each tp rank pads to the micro-batch's capacity (see validate_context_parallel).
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp8 != "none" && e.pad_expert_input_to_capacity &&
-      c.model.bias)
-    refuse(str("precision.fp8 = \"", c.precision.fp8, "\", moe.pad_expert_input_to_capacity = true, model.bias = true "
-               "and parallel.tensor = ", c.parallel.tensor),
-           "each tensor-parallel rank's padding rows would carry the fc bias's activation into the quantisation scales "
-           "and blocks of its rows of an expert; use model.bias = false, moe.pad_expert_input_to_capacity = false or "
-           "parallel.tensor = 1");
   // Tensor parallelism's reductions are cut into layout_segments canonical segments (segment s of n items:
   // [s n / S, (s + 1) n / S), so no size needs to be a multiple of S), S / tp per rank.
   if (c.layout_segments % c.parallel.tensor)
