@@ -607,10 +607,10 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 // determinism = "layout" with an MoE model whose micro-batch tokens are split over `ranks` ranks (tensor x context
 // parallelism; each routes its own tokens): what the quantised experts cannot take. FP8 quantises an expert's rows
 // along the tokens segment by segment, so a rank's whole segments quantise as one process's, its padding rows (in
-// its last one) zero rows only without biases: with model.bias a padding row's activation is the fc bias's, and
-// each rank pads to the micro-batch's capacity. NVFP4's weight gradients transform an expert's rows of a
-// micro-batch in 16-row Hadamard blocks (Precision::ExpertBlocks), which the expert x expert-tensor group holds
-// whole only when it holds whole groups of those ranks, and without padding between their rows.
+// its last one) zero rows (with model.bias their activations are zeroed: GroupedExperts' inert_padding). NVFP4's
+// weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks
+// (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole only when it holds whole groups of
+// those ranks, and without padding between their rows.
 // what_prefix starts the refused combination; ranks_name names `ranks` (a key, or a product of keys).
 void refuse_split_quantised_experts(const Config& c, int64_t ranks, const std::string& ranks_name,
                                     const std::string& what_prefix,
@@ -630,12 +630,6 @@ void refuse_split_quantised_experts(const Config& c, int64_t ranks, const std::s
            str("a micro-batch's NVFP4 expert block would hold the padding of each of its ", who,
                " between its tokens, inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or "
                "an FP8 recipe"));
-  if (c.precision.fp8 != "none" && c.moe.pad_expert_input_to_capacity && c.model.bias)
-    refuse(str(what_prefix, "an MoE model, precision.fp8 = \"", c.precision.fp8,
-               "\", moe.pad_expert_input_to_capacity = true and model.bias = true"),
-           str("the padding rows of each of a micro-batch's ", who, " would carry the fc bias's activation into the "
-               "quantisation scales and blocks of its rows of an expert; use model.bias = false or "
-               "moe.pad_expert_input_to_capacity = false"));
 }
 
 // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (x tp rows under sequence

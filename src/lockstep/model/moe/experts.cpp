@@ -1,6 +1,7 @@
 #include "lockstep/model/moe/experts.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -18,7 +19,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
       self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
-      has_proj_bias(m.bias), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
+      has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
       cp_size(shard.cp_size), tp(shard.tp), groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
@@ -149,6 +150,18 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
 }
 
 namespace {
+
+// act (R, F): the rows r whose x row (R, C) is all zeros (+0 or -0) set to +0.
+void zero_rows_of_zeros(float* act, const float* x, int64_t R, int64_t F, int64_t C) {
+  parallel_for(R, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* xr = x + r * C;
+      uint32_t bits = 0;
+      for (int64_t j = 0; j < C; ++j) bits |= std::bit_cast<uint32_t>(xr[j]) & 0x7fffffffu;
+      if (bits == 0) std::fill(act + r * F, act + (r + 1) * F, 0.0f);
+    }
+  });
+}
 
 // grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...), or with
 // `tree` the canonical tree over s (core/tree_sum.h).
@@ -340,6 +353,7 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
+  if (inert_padding) zero_rows_of_zeros(arena(act), x, R, F, C);
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
   p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb, KSegments{kseg.segments, 1}, partial());
 }

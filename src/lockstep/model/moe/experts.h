@@ -132,6 +132,7 @@ struct ExpertShard {
   int64_t tp_size = 1;              // tensor parallelism: each source routes N / tp_size tokens
   Communicator* tp = nullptr;       // the tp group (layout mode with one source: see above)
   int64_t cp_size = 1;              // context parallelism: a rank's rows are N / cp_size tokens of 2B pieces
+  bool inert_padding = false;       // determinism = "layout", padding to capacity and biases: see forward
 };
 
 struct GroupedExperts {
@@ -143,6 +144,11 @@ struct GroupedExperts {
 
   // out (R, C) = expert_e(x) on the rows of each expert e. segments, token_segments: as backward's,
   // the same for a micro-batch's forward and backward (which run in the same row order).
+  // inert_padding (layout mode, moe.pad_expert_input_to_capacity with model.bias): a row of x that
+  // is all zeros (every padding row) gets a zero activation instead of the fc bias's, so that the
+  // padding rows, which each tp x cp rank places after its own rows of an expert, are zero rows
+  // wherever they fall (for the quantised recipes' scales and blocks, as without biases). A real
+  // token's row is all zeros only if its normalised hidden state is: then it gets the same.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
                const int64_t* segments, const int64_t* token_segments) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
@@ -186,6 +192,7 @@ struct GroupedExperts {
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
   int64_t self = 0;                          // this rank's index among the sources: ep index x etp + etp rank
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
+  bool inert_padding = false;                  // ExpertShard::inert_padding
   int64_t etp_size = 1;
   KSegments kseg;                              // this rank's K segments (layout mode)
   int64_t layout_segments = 0, tp_size = 1, cp_size = 1;  // ExpertShard's

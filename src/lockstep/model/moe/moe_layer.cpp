@@ -49,6 +49,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   make_dispatcher();
   const int64_t R = dispatcher_->max_rows();
   ExpertShard shard{first, E_, dispatcher_->sources(), 0, 1, groups.tp.segments, tp_.size, tp_.comm, cp_.size};
+  shard.inert_padding = groups.tp.layout() && pad_ && m.bias;
   if (etp_) {
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
