@@ -520,6 +520,29 @@ TEST(GemmOperands, EveryCodeDecodesAsDequantizeDoes) {
   }
 }
 
+// A NaN block scale (a block that held a NaN) decodes to the scale's NaN in every column, in the
+// vector lanes and the scalar tails alike, whatever the codes (a NaN code times a NaN scale would be
+// either NaN as the operands fall): bitwise dequantize()'s, for one scale per row block and per column.
+TEST(GemmOperands, NaNBlocksDecodeAsDequantizeDoes) {
+  for (int64_t block_rows : {1, 128}) {
+    const int64_t block_cols = block_rows == 1 ? 128 : 1, cols = 45;  // 40 columns in lanes, 5 in the tail
+    std::vector<float> x(cols, 1.0f);
+    for (int64_t c : {1, 4, 7, 10, 33, 38, 41, 43}) x[static_cast<size_t>(c)] = std::bit_cast<float>(0xffc00000u);
+    QuantizedTensor q;
+    quantize_blockwise(q, x.data(), 1, cols, ElemFormat::e4m3, block_rows, block_cols);
+    // Give every code a NaN (0x7f / 0xff) or not, so the decoded values and the scales mix.
+    for (int64_t c = 0; c < cols; ++c) q.codes[static_cast<size_t>(c)] = c % 3 == 0 ? 0xff : c % 3 == 1 ? 0x7f : 0x38;
+    std::vector<float> C(static_cast<size_t>(cols), -0.0f), want(static_cast<size_t>(cols));
+    const float one = 1.0f;
+    GemmOptions acc;
+    acc.accumulate = true;
+    gemm(C.data(), 1, gemm_operand(q, Trans::T), gemm_operand(&one, 1, Trans::N), cols, 1, 1, acc);
+    dequantize(want.data(), q);
+    for (int64_t c = 0; c < cols; ++c) want[static_cast<size_t>(c)] = std::fma(want[static_cast<size_t>(c)], 1.0f, -0.0f);
+    ASSERT_TRUE(bitwise_equal(C, want, "block rows " + std::to_string(block_rows)));
+  }
+}
+
 TEST(GemmOperands, GroupedExpertsEqualTheFp32GroupedGemm) {
   // 4 experts (one without rows), stacked weights in one quantised tensor, expert e reading its rows.
   const int64_t E = 4, Nout = 32, K = 48, R = 40;

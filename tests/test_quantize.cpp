@@ -405,6 +405,20 @@ TEST(Quantize, NaNPoisonsItsBlock) {
   EXPECT_TRUE(std::isnan(q.value(0, 33)) && !std::isnan(q.value(0, 3)));
   quantize_blockwise(q, x.data(), 2, 64, ElemFormat::e4m3, 128, 1);  // a block per column
   for (int64_t c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(q.value(1, c)), c == 40) << c;
+  // A NaN block's codes are its multiplier's (NaN) code, in the vector lanes and the scalar tail
+  // alike, whatever NaNs (negative: x86's default NaN) the block holds: x * NaN would be either NaN.
+  std::vector<float> y(45, 1.0f);  // 40 columns in lanes, 5 in the tail
+  for (int64_t c : {1, 4, 7, 10, 33, 38, 41, 43}) y[static_cast<size_t>(c)] = std::bit_cast<float>(0xffc00000u);
+  quantize_blockwise(q, y.data(), 1, 45, ElemFormat::e4m3, 1, 128);
+  for (int64_t c = 0; c < 45; ++c)
+    EXPECT_EQ(q.codes[static_cast<size_t>(c)], encode(ElemFormat::e4m3, std::numeric_limits<float>::quiet_NaN())) << c;
+  // And a NaN block scale decodes to itself (value() and dequantize()), whatever the code.
+  std::vector<float> values(45);
+  dequantize(values.data(), q);
+  for (int64_t c = 0; c < 45; ++c) {
+    EXPECT_EQ(std::bit_cast<uint32_t>(values[static_cast<size_t>(c)]), std::bit_cast<uint32_t>(q.block_scale(0, 0))) << c;
+    EXPECT_EQ(std::bit_cast<uint32_t>(q.value(0, c)), std::bit_cast<uint32_t>(q.block_scale(0, 0))) << c;
+  }
   quantize_nvfp4(q, x.data(), 2, 64);
   EXPECT_TRUE(std::isnan(q.value(1, 0)));  // the tensor scale
 }

@@ -139,7 +139,9 @@ template <ElemFormat F, bool kStochastic>
 inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
   constexpr float_formats_detail::Layout L = float_formats_detail::layout(F);
   constexpr int sh = 23 - L.M;
-  const __m256i u = _mm256_castps_si256(_mm256_mul_ps(_mm256_loadu_ps(x), mult));
+  // A NaN multiplier (a NaN block) gives itself, as the scalar path's scaled() does.
+  const __m256 y = _mm256_blendv_ps(_mm256_mul_ps(_mm256_loadu_ps(x), mult), mult, _mm256_cmp_ps(mult, mult, _CMP_UNORD_Q));
+  const __m256i u = _mm256_castps_si256(y);
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), L.sign_shift());
   // Normal: the top M mantissa bits with the rebiased exponent, plus one when rounding up.
@@ -247,7 +249,7 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
   uint64_t block_index = ~uint64_t{0};
   std::array<uint32_t, 4> draws{};
   const auto code = [&](int64_t c) -> uint8_t {
-    const float y = row[c] * mult.at(c);
+    const float y = scaled(row[c], mult.at(c));
     if constexpr (kStochastic) {
       const uint64_t i = enc.index(r, c);
       if (i >> 2 != block_index) {
@@ -353,7 +355,7 @@ float QuantizedTensor::block_scale(int64_t br, int64_t bc) const {
 }
 
 float QuantizedTensor::value(int64_t r, int64_t c) const {
-  return (decode(elem, code(r, c)) * block_scale(r / block_rows, c / block_cols)) * tensor_scale;
+  return scaled(decode(elem, code(r, c)), block_scale(r / block_rows, c / block_cols)) * tensor_scale;
 }
 
 int64_t QuantizedTensor::storage_bytes() const {
@@ -370,7 +372,7 @@ void dequantize(float* out, const QuantizedTensor& q) {
       for (int64_t bc = 0; bc < gc; ++bc) {
         const float s = q.block_scale(r / q.block_rows, bc);
         const int64_t c1 = std::min(q.cols, (bc + 1) * q.block_cols);
-        for (int64_t c = bc * q.block_cols; c < c1; ++c) o[c] = (table[q.code(r, c)] * s) * q.tensor_scale;
+        for (int64_t c = bc * q.block_cols; c < c1; ++c) o[c] = scaled(table[q.code(r, c)], s) * q.tensor_scale;
       }
     }
   });

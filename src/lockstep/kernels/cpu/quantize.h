@@ -8,7 +8,9 @@
 //     value(r, c) = (decode(elem, code(r, c)) * block_scale(r / block_rows, c / block_cols)) * tensor_scale
 //
 // with each product rounded to fp32 (for E8M0 scales and for E2M1 x E4M3 the first product is exact;
-// tensor_scale is 1 except for NVFP4). dequantize() and the GEMM's operand decoding (gemm.h) compute
+// tensor_scale is 1 except for NVFP4), and a NaN block scale giving its own NaN (scaled(): the
+// product of two NaNs is either one, as the compiler orders the operands; the encoders likewise
+// encode a NaN multiplier's block as encode(multiplier)). dequantize() and the GEMM's operand decoding (gemm.h) compute
 // exactly this, so a GEMM on quantised operands equals the fp32 GEMM on dequantize()'s output, bit
 // for bit.
 //
@@ -84,6 +86,10 @@ struct QuantizedTensor {
   // Bytes of codes and scales: what the tensor costs in memory.
   int64_t storage_bytes() const;
 };
+
+// d x s, or s when s is a NaN (whatever d is): the first product of value(), independent of operand
+// order.
+inline float scaled(float d, float s) { return s != s ? s : d * s; }
 
 // out (rows x cols) = the dequantised values of q. Parallel over rows; bitwise any thread count.
 void dequantize(float* out, const QuantizedTensor& q);

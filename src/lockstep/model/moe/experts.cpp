@@ -322,8 +322,8 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
   // partners the group's G; see the header) hold its tokens in order, so their rows of expert e are
   // the micro-batch's rows of e (with partners, the group's part of them), one block. With padding,
   // each source's padding sits after its rows: FP8's token segments leave it at the end of the
-  // source's last one, zero rows without biases; NVFP4's one chain per block would not, and the
-  // config refuses that and FP8 padding with biases.
+  // source's last one, zero rows (with biases their activations zeroed: inert_padding); NVFP4's one
+  // chain per block would not, and the config refuses that.
   const int64_t T = sources / groups;
   group_segments.resize(static_cast<size_t>(E * groups + 1));
   for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
@@ -492,6 +492,8 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
+  // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
+  if (inert_padding) zero_rows_of_zeros(s.dact, x, R, F, C);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);

@@ -147,8 +147,9 @@ struct GroupedExperts {
   // inert_padding (layout mode, moe.pad_expert_input_to_capacity with model.bias): a row of x that
   // is all zeros (every padding row) gets a zero activation instead of the fc bias's, so that the
   // padding rows, which each tp x cp rank places after its own rows of an expert, are zero rows
-  // wherever they fall (for the quantised recipes' scales and blocks, as without biases). A real
-  // token's row is all zeros only if its normalised hidden state is: then it gets the same.
+  // wherever they fall (for the quantised recipes' scales and blocks, as without biases); backward
+  // zeroes the same rows' activation gradient. A real token's row is all zeros only if its
+  // normalised hidden state is: then it gets the same, a constant zero activation.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
                const int64_t* segments, const int64_t* token_segments) const;
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
