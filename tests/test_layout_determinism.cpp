@@ -440,6 +440,33 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
       {4, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
   }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "model.preset=llama",
       "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"});
+  // Expert groups smaller than the tp x cp group (a divisor of it): each micro-batch's expert
+  // gradients as leaves per (expert, source, token unit), combined over the partners (the ranks of
+  // the tp x cp group with the same expert coordinates) along the canonical tree over the units in
+  // token order (model/moe/experts.h). CP 2 x TP 2 x EP 2 with both dispatchers, CP 4 x EP 2 (a
+  // group's units {0, 1, 6, 7} of each sample), CP 2 x TP 2 + SP x ETP 2, CP 2 x TP 4 x EP 2 with
+  // micro-batches of 1 (a unit is half a chunk), DP 2 with 3 micro-batches per rank (blocks as pieces)
+  // and the distributed optimizer, padded with biases, Llama bf16. Combining the units in another
+  // order (rotated by one) fails these rows.
+  rows_match_single_process("moe-debug", {
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+  }, {"layout_token_segments=true"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=2"}}},
+                            {"layout_token_segments=true", "layout_segments=16"});
+  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=2"}}},
+                            {"layout_token_segments=true", "train.micro_batch=1"});
+  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
+                                               "optimizer.distributed=true"}}},
+                            {"layout_token_segments=true", "train.global_batch=12"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
+                                               "moe.token_dispatcher=alltoall"}}},
+                            {"layout_token_segments=true", "moe.expert_capacity_factor=1.5",
+                             "moe.pad_expert_input_to_capacity=true", "train.lr=1.0", "train.warmup_steps=0"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                               "parallel.expert=2"}}},
+                            {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16"});
   // With biases: the padding rows' activations zeroed (GroupedExperts' inert_padding); a learning rate
   // of 1 grows the fc biases in one step (without the zeroing these rows differ at step 2).
   rows_match_single_process("moe-debug", {
@@ -820,6 +847,8 @@ TEST(LayoutDeterminism, ResumedUnderAnotherLayoutMatchesSingleProcess) {
        {4, {"parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"}}},
       {"moe-debug", {key, "moe.token_dispatcher=alltoall"}, {4, {"parallel.expert=4"}},
        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}}},
+      {"moe-debug", {key}, {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
+       {2, {"parallel.tensor=2"}}},
       {"debug", {key, "model.mtp_num_layers=2"}, {2, {"parallel.context=2"}},
        {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}}},
       {"debug", {"model.num_layers=4", "model.tie_embeddings=false"},

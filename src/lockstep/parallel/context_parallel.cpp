@@ -1,5 +1,7 @@
 #include "lockstep/parallel/context_parallel.h"
 
+#include <functional>
+
 #include <algorithm>
 #include <bit>
 #include <cstring>
@@ -133,20 +135,18 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 }
 
 namespace {
-// combine_token_pieces over the parameters [first, end) alike, whose gradients hold K pieces each:
-// the ranks of `group` sum a slice of the elements each and send the roots to the keepers (group
-// ranks 0 .. keepers - 1: cp rank 0's, which hold the root; the others -0), and the L leaves of the
-// micro-batch's tree, in token order, are leaf(g) = {the group rank holding it, its piece there}.
-// acc (fold_token_pieces): the root is added into acc (on the keepers) and the gradient zeroed
-// instead.
-template <class Leaf>
-void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, int keepers,
-                    const Leaf& leaf, std::vector<float>& scratch, float* acc = nullptr) {
+// The canonical tree over L leaves held as pieces by the ranks of `group`: each rank's K pieces of
+// `total` floats at piece(k), leaf(g) = {the group rank holding leaf g (token order), its piece
+// there}. The ranks sum a slice of the elements each and send the roots to the keepers (group ranks
+// 0 .. keepers - 1), which write the root to out (out may be piece 0: tree_sum reads each leaf before
+// it writes the root); the others write -0. acc (fold_token_pieces): the root is added into acc (on
+// the keepers) and out zeroed instead. clear: pieces 1 .. K - 1 zeroed after (the gradient's pieces,
+// for the next micro-batch).
+template <class PieceAt, class Leaf>
+void combine_pieces(Communicator& group, const PieceAt& piece, float* out_all, int64_t total, int64_t K, int64_t L,
+                    int keepers, const Leaf& leaf, std::vector<float>& scratch, float* acc, bool clear) {
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
-  const auto& specs = ps.specs();
-  const int64_t lo = specs[first].offset;
-  const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
   const int64_t depth = tree_sum_stack(L), R = group.size();
   const int me = group.rank();
   const bool keep = me < keepers;
@@ -154,18 +154,18 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
   // sends each other rank its K pieces' part in that rank's slice, sums its own slice from the R
   // ranks' pieces (its own read in place, the others' at block q, or q - 1 past this rank), and
   // sends that root to the keepers, which so hold the whole root. One message per piece and slice,
-  // from the gradients themselves.
+  // from the pieces themselves.
   const auto block = [me](int q) { return q > me ? q - 1 : q; };
   // Element-wise, so the range goes in chunks of at most kCombineChunk elements: the scratch stays
   // ((R - 1) K + depth) x (kCombineChunk / R + 1) floats, whatever the range (a vocabulary-sized
   // embedding or head).
-  const int64_t chunk = std::min(hi - lo, kCombineChunk), slice_max = chunk / R + 1;
+  const int64_t chunk = std::min(total, kCombineChunk), slice_max = chunk / R + 1;
   scratch.resize(static_cast<size_t>(((R - 1) * K + depth) * slice_max));
   float* recv = scratch.data();
   float* stack = recv + (R - 1) * K * slice_max;
   std::vector<Communicator::Message> sends, recvs;
-  for (int64_t c0 = 0; c0 < hi - lo; c0 += chunk) {
-    const int64_t n = std::min(chunk, hi - lo - c0);
+  for (int64_t c0 = 0; c0 < total; c0 += chunk) {
+    const int64_t n = std::min(chunk, total - c0);
     // Slice q of the chunk's n elements: canonical segment q of R (tree_sum.h's even cut).
     const std::vector<int64_t> cut = canonical_segments(n, R);
     const auto slice = [&cut](int64_t q) {
@@ -180,24 +180,21 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
       if (q == me) continue;
       const auto [q0, q1] = slice(q);
       for (int64_t k = 0; k < K; ++k) {
-        if (q1 > q0) sends.push_back({q, 0, ps.grad_piece(first, k) + c0 + q0, (q1 - q0) * F});
+        if (q1 > q0) sends.push_back({q, 0, piece(k) + c0 + q0, (q1 - q0) * F});
         if (m > 0) recvs.push_back({q, 0, recv + (block(q) * K + k) * m, m * F});
       }
     }
     group.send_recv_batch_async(sends, recvs).wait();
-    float* out = ps.grad(first) + c0;
+    float* out = out_all + c0;
     parallel_for(m, [&](int64_t i0, int64_t i1) {
       const float* leaves[2 * kMaxContext];
       for (int64_t g = 0; g < L; ++g) {
         const auto [q, k] = leaf(g);
-        leaves[g] = q == me ? ps.grad_piece(first, k) + c0 + s0 + i0
-                            : recv + (block(static_cast<int>(q)) * K + k) * m + i0;
+        leaves[g] = q == me ? piece(k) + c0 + s0 + i0 : recv + (block(static_cast<int>(q)) * K + k) * m + i0;
       }
-      // The root goes to piece 0 (the gradient), one of the leaves: tree_sum reads each leaf before
-      // it writes the root (and this slice of piece 0 went to no other rank).
       tree_sum(out + s0 + i0, leaves, L, i1 - i0, stack + depth * i0);
     });
-    // The keepers gather the slices' roots (the exchange above is complete: piece 0 may take them).
+    // The keepers gather the slices' roots (the exchange above is complete: out may take them).
     sends.clear();
     recvs.clear();
     for (int q = 0; q < R; ++q) {
@@ -215,14 +212,29 @@ void combine_pieces(Communicator& group, ParamStore& ps, int first, int end, int
       } else if (!keep) {
         std::fill(out + i0, out + i1, -0.0f);
       }
-      for (int64_t k = 1; k < K; ++k) {
-        float* piece = ps.grad_piece(first, k) + c0;
-        std::fill(piece + i0, piece + i1, 0.0f);
-      }
+      if (clear)
+        for (int64_t k = 1; k < K; ++k) std::fill(piece(k) + c0 + i0, piece(k) + c0 + i1, 0.0f);
     });
   }
 }
+
+// combine_pieces over the parameters [first, end) alike, whose gradients hold K pieces each (the
+// root into the gradient, piece 0).
+template <class Leaf>
+void combine_param_pieces(Communicator& group, ParamStore& ps, int first, int end, int64_t K, int64_t L, int keepers,
+                          const Leaf& leaf, std::vector<float>& scratch, float* acc = nullptr) {
+  const auto& specs = ps.specs();
+  const int64_t lo = specs[first].offset;
+  const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
+  combine_pieces(group, [&](int64_t k) { return ps.grad_piece(first, k); }, ps.grad(first), hi - lo, K, L, keepers,
+                 leaf, scratch, acc, true);
+}
 }  // namespace
+
+void combine_held_pieces(Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
+                         const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch) {
+  combine_pieces(group, [pieces](int64_t k) { return pieces[k]; }, out, n, K, L, 1, leaf, scratch, nullptr, false);
+}
 
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
   const int64_t s = g / (2 * P * sub);
@@ -256,7 +268,7 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
     // once: tp rank 0 of cp rank 0 keeps it (one keeper); a sequence-parallel parameter's every tp
     // rank of cp rank 0, each reducing its replica over dp x cp.
     const int keepers = shares && !expert ? static_cast<int>(tp) : 1;
-    combine_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, keepers, leaf, scratch);
+    combine_param_pieces(shares ? *cp.sequence_group : *cp.comm, ps, a, b, K, P * U, keepers, leaf, scratch);
   }
 }
 
@@ -264,8 +276,8 @@ void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* 
   LOCKSTEP_CHECK(!ps.sequence_tp(i) && ps.token_pieces(i) == ps.chunk_pieces(), "context parallelism: parameter ",
                  ps.specs()[static_cast<size_t>(i)].name, " folds the cp rank's whole rows");
   const int64_t P = cp.size, C = ps.chunk_pieces();
-  combine_pieces(*cp.comm, ps, i, i + 1, C, P * C, 1, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); }, scratch,
-                 acc);
+  combine_param_pieces(*cp.comm, ps, i, i + 1, C, P * C, 1, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); },
+                       scratch, acc);
 }
 
 void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc) {

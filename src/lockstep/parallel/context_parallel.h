@@ -22,6 +22,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <utility>
 
 #include "lockstep/kernels/cpu/attention.h"
@@ -112,6 +113,13 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // (ParamSpec::module_pieces: experts with several sources) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
+// combine_token_pieces' combine on plain buffers: the canonical tree over the L leaves (token order)
+// that the ranks of `group` hold as pieces, K per rank of n floats each (pieces[k]), leaf(g) = {the
+// group rank holding leaf g, its piece there}; group rank 0 writes the root to out (not a piece), the
+// others -0. The pieces are left as they are. (The MoE experts' partners under context parallelism,
+// model/moe/experts.h.)
+void combine_held_pieces(Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
+                         const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch);
 // The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:
 // one process adds them into the gradient one after another, each the tree over its segments), called
 // after each tree: its pieces are combined as above and the sum added into acc (the parameter's

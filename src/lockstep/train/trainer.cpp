@@ -264,14 +264,14 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   for (const auto& layer : model.moe_layers())
     if (layer) layer->set_data_parallel(&dp_only);
   if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
-  // Layout mode with an expert x expert-tensor group of G ranks smaller than the tp group: the tp / G
-  // groups of a tp group hold the same experts for its other tp ranks, and sum each micro-batch's
-  // parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp group, the ranks of
-  // the tp group with the same expert and expert-tensor coordinates.
+  // Layout mode with an expert x expert-tensor group of G ranks smaller than the tp x cp group: the
+  // tp cp / G groups of a tp x cp group hold the same experts for its other ranks, and sum each
+  // micro-batch's parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp x cp
+  // group, the ranks of the tp x cp group with the same expert and expert-tensor coordinates.
   const int G = mesh.ep() * mesh.etp();
   std::optional<Communicator> partners;
-  if (layout && experts_split && G < mesh.tp())
-    partners.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp, true)));
+  if (layout && experts_split && G < mesh.tp() * mesh.cp())
+    partners.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, true)));
   if (layout) {
     if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
     dp.set_layout(accum, &comm, experts_split, partners ? partners->size() : 1);

@@ -92,14 +92,14 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / T;
-    const bool part = sources > 1 && sources < T;  // the group holds part of a micro-batch's tp ranks
+    const bool part = sources > 1 && sources < T;  // the group holds part of a micro-batch's tp x cp ranks
     LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0 || part) &&
                        (sources > 1 || tp_size == 1 || tp) &&
-                       (!part || (cp_size == 1 && T % sources == 0 && partner_group &&
-                                  partner_group->size() * sources == T)),
+                       (!part || (T % sources == 0 && partner_group && partner_group->size() * sources == T)),
                    "expert token segments: ", sources, " sources, tensor-parallel size ", tp_size,
                    ", context-parallel size ", cp_size);
     if (part) partners = partner_group;
+    cp_partners = part && cp_size > 1;
   }
   if (sources == 1) return;  // data parallelism sums these gradients with the others
   groups = token_L ? std::max<int64_t>(sources / T, 1) : sources;
@@ -439,16 +439,31 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       // token_segments their S segments: group_token_order.) FP8 recipes quantise along the tokens
       // segment by segment (the blocks qb, or each expert's rows with one source).
       // A block's segments: the micro-batch's S, or with partners the group's sources' part of them.
-      const int64_t K = S == 1 ? ps.token_pieces(w) : 1;
-      const int64_t per = S == 1 ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
-      const int64_t leaves = E * G * K;
+      // With partners under context parallelism: a leaf per (expert, source, token unit) (see the header).
+      const int64_t units = cp_partners ? std::max<int64_t>(ps.chunk_pieces(), tp_size) / tp_size : 1;
+      const int64_t K = S == 1 ? ps.token_pieces(w) : units;
+      const int64_t per = S == 1 || cp_partners ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
+      const int64_t leaves = cp_partners ? E * S * units : E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
       db_leaves.resize(static_cast<size_t>(leaves));
-      for (int64_t g = 0; g < leaves; ++g) {
-        // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
-        const int64_t block = g / K, k = g % K;
-        dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
-        if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
+      if (cp_partners) {
+        // Piece j = s units + k of every expert: unit_leaves + (j E + e) n (piece-major, E experts each).
+        const int64_t j_count = S * units;
+        unit_leaves.grow(j_count * E * (nout * nin + nout));
+        float* dwp = unit_leaves.data();
+        float* dbp = dwp + j_count * E * nout * nin;
+        for (int64_t g = 0; g < leaves; ++g) {
+          const int64_t e = g / j_count, j = g % j_count;
+          dw_leaves[static_cast<size_t>(g)] = dwp + (j * E + e) * nout * nin;
+          db_leaves[static_cast<size_t>(g)] = dbp + (j * E + e) * nout;
+        }
+      } else {
+        for (int64_t g = 0; g < leaves; ++g) {
+          // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
+          const int64_t block = g / K, k = g % K;
+          dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
+          if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
+        }
       }
       if (recipe == Precision::Recipe::none) {
         token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves,
@@ -462,7 +477,23 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
         return;
       }
-      if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
+      if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners
+        const int64_t j_count = S * units, U = units * tp_size, sub = U / ps.chunk_pieces();
+        const auto leaf = [&](int64_t g) {
+          const auto [q, k] = unit_holder(cp_size, sub, units, tp_size, g);
+          return std::pair<int64_t, int64_t>{q / S, (q % S) * units + k};
+        };
+        unit_pieces.resize(static_cast<size_t>(j_count));
+        for (int64_t j = 0; j < j_count; ++j) unit_pieces[static_cast<size_t>(j)] = unit_leaves.data() + j * E * nout * nin;
+        combine_held_pieces(*partners, dw.data(), unit_pieces.data(), E * nout * nin, j_count, cp_size * U, leaf,
+                            combine_scratch);
+        if (b >= 0) {
+          float* dbp = unit_leaves.data() + j_count * E * nout * nin;
+          for (int64_t j = 0; j < j_count; ++j) unit_pieces[static_cast<size_t>(j)] = dbp + j * E * nout;
+          combine_held_pieces(*partners, db.data(), unit_pieces.data(), E * nout, j_count, cp_size * U, leaf,
+                              combine_scratch);
+        }
+      } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
         keep_on_first(*partners, dw.data(), E * G * nout * nin);
         if (b >= 0) keep_on_first(*partners, db.data(), E * G * nout);
       }

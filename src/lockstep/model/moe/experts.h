@@ -70,14 +70,20 @@
 // whose rows of an expert are not in token order (each source's are its token units): backward takes
 // them in the micro-batch's token order first (group_token_order), and the leaf is the tree over the
 // micro-batch's S segments as above; the model leaves these pieces alone (ParamSpec::module_pieces).
-// An expert x expert-tensor group smaller than the tp group (tensor parallelism only: G = sources
-// dividing tp_size): its sources are G consecutive tp ranks of one micro-batch, whose G x S / tp
-// segments are an aligned subtree of the micro-batch's; the group's leaf per micro-batch is that
+// An expert x expert-tensor group smaller than the tp group (G = sources dividing tp_size): its
+// sources are G consecutive tp ranks of one micro-batch, whose G x S / tp segments are an aligned
+// subtree of the micro-batch's; the group's leaf per micro-batch is that
 // subtree, summed along the canonical tree over the tp / G groups holding the same experts for the
 // other tp ranks (set_layout's `partners`, ReduceOp::tree_sum), the first keeping the micro-batch's
 // leaf and the others giving -0 (groups = 1), which the expert data-parallel reduction over the
 // partners (adjacent in it, each run of them a subtree) adds exactly, or, when the blocks go as
-// pieces, leaves out (the others' blocks empty), as in the one-source case.
+// pieces, leaves out (the others' blocks empty), as in the one-source case. Under context
+// parallelism (G dividing tp x cp; the partners are the tp x cp group's ranks with the same expert
+// coordinates) a group's sources hold scattered token units, no subtree: each rank's leaves are one
+// per (expert, source, token unit), the tree over the unit's token segments (an aligned subtree of
+// the micro-batch's), combined over the partners along the canonical tree over the micro-batch's
+// units in token order (parallel/context_parallel.h combine_held_pieces, unit_holder), the first
+// partner keeping the leaf and the others -0 as above (cp_partners).
 //
 // The two GEMMs whose K is the hidden units (proj forward, fc input gradient) are cut into canonical
 // K segments in layout mode (ExpertShard::segments = S, config layout_segments; kernels/cpu/
@@ -231,8 +237,14 @@ struct GroupedExperts {
   // that order, cp_bounds: the (E x groups x S + 1) boundaries of its S token segments there), in the
   // tok_* buffers, and their outputs go back to the dispatcher's order.
   bool in_token_order(const int64_t* token_segments) const {
-    return token_segments && token_L && sources > 1 && cp_size > 1;
+    return token_segments && token_L && sources > 1 && cp_size > 1 && !cp_partners;
   }
+  // Partners under context parallelism (set_layout): each micro-batch's leaves per (expert, source,
+  // token unit), combined over the partners (combine_held_pieces).
+  bool cp_partners = false;
+  mutable FloatBuffer unit_leaves;
+  mutable std::vector<float*> unit_pieces;
+  mutable std::vector<float> combine_scratch;
   void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const;
   mutable std::vector<int64_t> cp_order, cp_bounds;
   mutable FloatBuffer tok_in, tok_out, tok_dx;
