@@ -78,8 +78,7 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
   // MoE under layout: the key, then an MoE model's limits: an expert x expert-tensor group that does
-  // not tile a micro-batch's tp x cp ranks, FP8 experts in a group smaller than them, NVFP4 experts
-  // of one rank or padded, NVFP4 shared
+  // not tile a micro-batch's tp x cp ranks, NVFP4 experts of one rank or padded, NVFP4 shared
   // expert units of whole 16-token blocks, and under tensor parallelism a tp rank's rows of whole
   // token segments.
   for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
@@ -89,10 +88,6 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
             "= 3: an expert's rows would come from parts of a micro-batch's tensor x context ranks that do not tile it: "
             "the expert x expert-tensor group must be 1, a multiple of parallel.tensor x parallel.context = 4 or a "
             "divisor of it"},
-           {{"layout_token_segments=true", "parallel.tensor=2", "parallel.expert=2", "precision.params=bf16",
-             "precision.fp8=tensorwise"},
-            "determinism = \"layout\", an MoE model, precision.fp8 = \"tensorwise\" and parallel.expert x "
-            "parallel.expert_tensor = 2 < parallel.tensor x parallel.context = 4: FP8 experts in a group smaller"},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=64"},
             "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and parallel.expert x "
             "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a micro-batch "

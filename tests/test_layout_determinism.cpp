@@ -467,6 +467,23 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
                                                "parallel.expert=2"}}},
                             {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16"});
+  // FP8: a kept block (all of a group's sources' rows of an expert) holds several unit leaves, each
+  // read from its first row (Precision::grouped_wgrad_segments); reading every leaf from the block's
+  // first row fails the tensorwise rows.
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise"}) {
+    rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
+                                                 "moe.token_dispatcher=alltoall"}}},
+                              {"layout_token_segments=true", "precision.params=bf16", recipe});
+    rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=2"}}},
+                              {"layout_token_segments=true", "layout_segments=16", "precision.params=bf16", recipe});
+  }
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                               "parallel.expert_tensor=2"}}},
+                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=mxfp8",
+                             "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}}},
+                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=delayed",
+                             "precision.fp8_amax_history_len=2"});
   // With biases: the padding rows' activations zeroed (GroupedExperts' inert_padding); a learning rate
   // of 1 grows the fc biases in one step (without the zeroing these rows differ at step 2).
   rows_match_single_process("moe-debug", {

@@ -666,14 +666,6 @@ void validate_context_parallel(const Config& c) {
              str("an expert's rows would come from parts of a micro-batch's tensor x context ranks that do not tile it: "
                  "the expert x expert-tensor group must be 1, a multiple of parallel.tensor x parallel.context = ",
                  tp * cp, " or a divisor of it"));
-    // FP8 with such a divisor: its token units' weight gradients would need several leaves per kept
-    // quantised block (Precision::grouped_wgrad_segments takes one per block); not built.
-    if (moe && c.precision.fp8 != "none" && expert_group > 1 && expert_group < tp * cp)
-      refuse(str("determinism = \"layout\", an MoE model, precision.fp8 = \"", c.precision.fp8,
-                 "\" and parallel.expert x parallel.expert_tensor = ", expert_group, " < parallel.tensor x "
-                 "parallel.context = ", tp * cp),
-             "FP8 experts in a group smaller than the tensor x context ranks are not built; use fp32 / bf16 or a "
-             "group that is a multiple of parallel.tensor x parallel.context");
     refuse_split_quantised_experts(c, tp * cp, "parallel.tensor x parallel.context", "determinism = \"layout\", ",
                                    refuse);
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and

@@ -646,9 +646,9 @@ void Precision::grouped_wgrad_segments(int w, float* const* dw, const float* dy,
                                        int64_t leaves, int64_t per, const ExpertBlocks* blocks, const int64_t* offsets,
                                        int64_t E, int64_t out, int64_t in) {
   LOCKSTEP_CHECK(recipe(w) != Recipe::none && recipe_ != Recipe::nvfp4 && leaves % E == 0 &&
-                     (!blocks || blocks->sources == leaves / E),
+                     (!blocks || (leaves / E) % blocks->sources == 0),
                  "token-segment expert weight gradients: ", leaves, " leaves of ", E, " experts need an FP8 recipe");
-  const int64_t P = leaves / E;
+  const int64_t P = leaves / E, per_block = blocks ? P / blocks->sources : 1;
   std::vector<int64_t> bounds(static_cast<size_t>(per + 1));
   for (int64_t g = 0; g < leaves; ++g) {
     const int64_t e = g / P, r0 = rows[g * per], n = rows[(g + 1) * per] - r0;
@@ -659,10 +659,13 @@ void Precision::grouped_wgrad_segments(int w, float* const* dw, const float* dy,
     }
     for (int64_t s = 0; s <= per; ++s) bounds[static_cast<size_t>(s)] = rows[g * per + s] - r0;
     // The block's kept operands (per-tensor scaling) start at its first row; without blocks the
-    // expert's tensor starts at offsets[e].
-    const int64_t blk = blocks ? g % P : -1, row0 = r0 - (blocks ? blocks->segments[g] : offsets[e]);
-    LOCKSTEP_CHECK(row0 >= 0 && (!blocks || row0 == 0), "token-segment expert weight gradient: leaf ", g, " starts at ",
-                   r0);
+    // expert's tensor starts at offsets[e]. A block may hold several leaves (the partners' token
+    // units under context parallelism, model/moe/experts.h), each from its first row on.
+    const int64_t blk = blocks ? g % P / per_block : -1;
+    const int64_t row0 = r0 - (blocks ? blocks->segments[e * blocks->sources + blk] : offsets[e]);
+    const int64_t block_end = blocks ? blocks->segments[e * blocks->sources + blk + 1] : offsets[e + 1];
+    LOCKSTEP_CHECK(row0 >= 0 && r0 + n <= block_end && (!blocks || per_block > 1 || row0 == 0),
+                   "token-segment expert weight gradient: leaf ", g, " starts at ", r0);
     gemm_wgrad(first_site_[w] + e, dw[g], dy + r0 * out, x + r0 * in, n, out, in, bounds, blk, row0, false);
   }
 }

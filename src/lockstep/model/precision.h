@@ -243,8 +243,9 @@ class Precision {
   // in) assigned, the canonical tree over its `per` token segments of the quantised dy^T x, each
   // segment a chain from zero (gemm.h k_segments); rows: (leaves x per + 1) boundaries, leaf g's
   // segments g x per .. (g + 1) x per - 1, as token_segment_wgrad's. The leaves are the E experts'
-  // in order, leaves / E each: with blocks, expert e's block s is leaf e x sources + s (its rows
-  // quantised as the block, ExpertBlocks); without, leaf g is part g mod (leaves / E) of expert
+  // in order, leaves / E each: with blocks, expert e's block s holds leaves / (E sources) of them in
+  // order (usually one: leaf e x sources + s; the partners' token units under context parallelism
+  // several, each from its first row of the block; its rows quantised as the block, ExpertBlocks); without, leaf g is part g mod (leaves / E) of expert
   // g / (leaves / E)'s rows [offsets[e], offsets[e + 1]) (context parallelism's token pieces), which
   // fprop and dgrad quantised as one tensor. Block recipes quantise along the tokens segment by
   // segment, per-tensor recipes read the kept operands: no quantisation straddles a token segment,
