@@ -664,7 +664,7 @@ void Precision::grouped_wgrad_segments(int w, float* const* dw, const float* dy,
     const int64_t blk = blocks ? g % P / per_block : -1;
     const int64_t row0 = r0 - (blocks ? blocks->segments[e * blocks->sources + blk] : offsets[e]);
     const int64_t block_end = blocks ? blocks->segments[e * blocks->sources + blk + 1] : offsets[e + 1];
-    LOCKSTEP_CHECK(row0 >= 0 && r0 + n <= block_end && (!blocks || per_block > 1 || row0 == 0),
+    LOCKSTEP_CHECK(row0 >= 0 && r0 + n <= block_end && (!blocks || g % per_block != 0 || row0 == 0),
                    "token-segment expert weight gradient: leaf ", g, " starts at ", r0);
     gemm_wgrad(first_site_[w] + e, dw[g], dy + r0 * out, x + r0 * in, n, out, in, bounds, blk, row0, false);
   }

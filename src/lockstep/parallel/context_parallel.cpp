@@ -1,10 +1,9 @@
 #include "lockstep/parallel/context_parallel.h"
 
-#include <functional>
-
 #include <algorithm>
 #include <bit>
 #include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "lockstep/comm/communicator.h"

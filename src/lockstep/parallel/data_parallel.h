@@ -83,7 +83,7 @@ class DataParallel {
   // tensor parallelism, ep = etp = 1: tp rank 0 holds the expert gradients, the others -0) and the
   // dense blocks go as pieces, the expert buckets go as tp rank 0's pieces, the replicas' blocks empty.
   // expert_partners (experts_summed): consecutive ranks of the expert group that hold parts of the
-  // same micro-batches (an expert x expert-tensor group smaller than tp: GroupedExperts::set_layout's
+  // same micro-batches (an expert x expert-tensor group smaller than tp x cp: GroupedExperts::set_layout's
   // partners), the first giving their sum and the others -0 (as pieces: the first's block, the
   // others' empty).
   // Call set_tensor_parallel first.

@@ -119,7 +119,7 @@ void check_injection(const std::vector<std::string>& modules, const DebugConfig&
 
 // The groups of kind g, each split into the ranks with the same experts: the same expert-parallel
 // coordinate, and with `etp` the same expert-tensor one too (the expert amax group and the partners
-// of an expert group smaller than tp, model/moe/experts.h).
+// of an expert group smaller than tp x cp, model/moe/experts.h).
 std::vector<std::vector<int>> same_expert_groups(const Mesh& mesh, MeshGroup g, bool etp) {
   std::vector<std::vector<int>> out;
   for (const std::vector<int>& group : mesh.groups(g)) {
@@ -154,7 +154,7 @@ Mesh checked_mesh(const Config& config, int world_size) {
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
   // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel;
-  // with an expert group smaller than tp the first partner's, the others' empty: expert_partners).
+  // with an expert group smaller than tp x cp the first partner's, the others' empty: expert_partners).
   return mesh;
 }
 

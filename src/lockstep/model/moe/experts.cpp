@@ -15,6 +15,10 @@
 
 namespace lockstep {
 
+thread_local FloatBuffer GroupedExperts::unit_leaves;
+thread_local std::vector<float*> GroupedExperts::unit_pieces;
+thread_local std::vector<float> GroupedExperts::combine_scratch;
+
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
@@ -449,7 +453,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       if (cp_partners) {
         // Piece j = s units + k of every expert: unit_leaves + (j E + e) n (piece-major, E experts each).
         const int64_t j_count = S * units;
-        unit_leaves.grow(j_count * E * (nout * nin + nout));
+        unit_leaves.grow(j_count * E * (nout * nin + (b >= 0 ? nout : 0)));
         float* dwp = unit_leaves.data();
         float* dbp = dwp + j_count * E * nout * nin;
         for (int64_t g = 0; g < leaves; ++g) {

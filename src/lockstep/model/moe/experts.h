@@ -172,8 +172,9 @@ struct GroupedExperts {
   // `leaves` (0: the group holds them all); when that block is not a subtree, `pieces` (one per
   // canonical piece of it but the last, table-shaped like ps.grads(): DataParallel::expert_pieces)
   // receive those pieces' gradients at the expert parameters' offsets, ps.grad the last one's.
-  // partners: an expert x expert-tensor group smaller than the tp group (G = sources < tp, see the
-  // header), the tp / G ranks holding these experts for the micro-batch's other tp ranks.
+  // partners: an expert x expert-tensor group smaller than the tp x cp group (G = sources dividing
+  // tp x cp, see the header), the tp cp / G ranks holding these experts for the micro-batch's other
+  // tp x cp ranks.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
                   Communicator* partners = nullptr);
   // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
@@ -240,11 +241,13 @@ struct GroupedExperts {
     return token_segments && token_L && sources > 1 && cp_size > 1 && !cp_partners;
   }
   // Partners under context parallelism (set_layout): each micro-batch's leaves per (expert, source,
-  // token unit), combined over the partners (combine_held_pieces).
+  // token unit), combined over the partners (combine_held_pieces). The leaves' buffer (units x the
+  // local experts' gradient) and the combine's scratch are the rank's, shared by its MoE layers
+  // (a rank's thread runs their weight gradients one at a time).
   bool cp_partners = false;
-  mutable FloatBuffer unit_leaves;
-  mutable std::vector<float*> unit_pieces;
-  mutable std::vector<float> combine_scratch;
+  static thread_local FloatBuffer unit_leaves;
+  static thread_local std::vector<float*> unit_pieces;
+  static thread_local std::vector<float> combine_scratch;
   void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const;
   mutable std::vector<int64_t> cp_order, cp_bounds;
   mutable FloatBuffer tok_in, tok_out, tok_dx;
