@@ -189,14 +189,15 @@ TEST(Quantize, NearestE2m1EncodingMatchesTheScalarEncoder) {
 // element: code(r, c) == encode(f, x * m) or encode_stochastic(f, x * m, bits(index)), m the
 // element's multiplier (1 / the block's power-of-two scale; NVFP4: S / d as above), the index
 // index_base + r * row stride + c with the bases 0..3 (so that a run's first draw sits anywhere in
-// its Philox block) and a wider global row. Column blocks of 1 (128 x 1), 128 (1 x 128), 32 (MXFP8)
-// and 16 (NVFP4, a row's 64-block chunks), 75 columns, so that rows end in scalar tails.
+// its Philox block) and a wider global row. Column blocks of 1 (128 x 1), 128 (1 x 128), 32 (MXFP8),
+// 16 (NVFP4, a row's 64-block chunks) and 12 (2 x 12), 75 columns, so that rows end in scalar tails.
 TEST(Quantize, EveryRecipesCodesMatchTheScalarEncoders) {
   const int64_t rows = 256, cols = 75;
   std::vector<float> x = test_matrix(rows, cols, 9);
   for (int64_t i = 0; i < rows * cols; i += 7) x[i] = std::bit_cast<float>(std::bit_cast<uint32_t>(x[i]) & 0xfff00000u | 0x80000u);
-  enum Kind { blockwise_cols, blockwise_rows, mxfp8, nvfp4 };
-  for (Kind kind : {blockwise_cols, blockwise_rows, mxfp8, nvfp4})
+  // (blockwise_odd: 2 x 12 blocks, whose 8-column groups straddle blocks: a multiplier per lane.)
+  enum Kind { blockwise_cols, blockwise_rows, mxfp8, nvfp4, blockwise_odd };
+  for (Kind kind : {blockwise_cols, blockwise_rows, mxfp8, nvfp4, blockwise_odd})
     for (bool stochastic : {false, true})
       for (int64_t base : {0, 1, 2, 3})
         for (int64_t global_cols : {int64_t{0}, int64_t{83}}) {
@@ -214,6 +215,7 @@ TEST(Quantize, EveryRecipesCodesMatchTheScalarEncoders) {
             case blockwise_rows: quantize_blockwise(q, x.data(), rows, cols, f, 1, 128, sr); break;
             case mxfp8: quantize_mxfp8(q, x.data(), rows, cols, f, ScaleRounding::up, 32, sr); break;
             case nvfp4: quantize_nvfp4(q, x.data(), rows, cols, 1, sr); break;
+            case blockwise_odd: quantize_blockwise(q, x.data(), rows, cols, f, 2, 12, sr); break;
           }
           float t = 0.0f;
           for (float v : x) t = std::max(t, std::abs(v));
