@@ -1,5 +1,6 @@
 // Context parallelism (parallel/context_parallel.h) end to end: the communication volume against
-// the formula of docs/parallelism.md, and the configurations it refuses. That CP 2 (alone, with DP
+// the formula of docs/parallelism.md, the held-pieces combine bit for bit, and the configurations it
+// refuses. That CP 2 (alone, with DP
 // and with TP + SP) reproduces one process is in test_parallel_layouts.cpp (rows gpt2_cp2...), its
 // determinism run to run, across threads and resumed in test_determinism_matrix.cpp (rows cp2_...),
 // its attention against the whole-sequence kernel in test_attention.cpp (AttentionChunks), packed
@@ -13,7 +14,10 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
+#include "lockstep/core/tree_sum.h"
+#include "lockstep/parallel/context_parallel.h"
 #include "model_testing.h"
 #include "testing.h"
 
@@ -51,6 +55,39 @@ TEST(ContextParallel, CommunicationVolumeMatchesTheFormula) {
     std::printf("[ debug ] cp %d x tp %d x dp %d: %lld bytes per step per rank in the cp group\n", c.cp, c.tp, c.dp,
                 static_cast<long long>(expected));
   }
+}
+
+// combine_held_pieces (the MoE partners' combine under CP, and combine_token_pieces' core): 4 ranks
+// holding 2 pieces each of the 8 leaves of a tree, in a scrambled order; rank 0 gets the canonical
+// tree over the leaves in token order bit for bit (the serial tree_sum), the others -0 in every
+// element, and the pieces are left as they were. Leaves of mixed magnitudes, so that another order
+// or grouping would give other bits; 1,001 elements, so that the ranks' slices are uneven.
+TEST(ContextParallel, HeldPiecesCombineAlongTheCanonicalTreeInTokenOrder) {
+  constexpr int R = 4;
+  constexpr int64_t K = 2, L = 8, n = 1001;
+  const int64_t order[L] = {5, 2, 7, 0, 3, 6, 1, 4};  // leaf g is rank order[g] / K's piece order[g] % K
+  std::vector<std::vector<float>> held(R * K);
+  for (int64_t j = 0; j < R * K; ++j) {
+    held[static_cast<size_t>(j)] = testing::randn(n, 40 + static_cast<uint64_t>(j), "held");
+    for (float& v : held[static_cast<size_t>(j)]) v = std::ldexp(v, static_cast<int>(j % 3) * 12 - 12);
+  }
+  std::vector<const float*> leaves(L);
+  for (int64_t g = 0; g < L; ++g) leaves[static_cast<size_t>(g)] = held[static_cast<size_t>(order[g])].data();
+  std::vector<float> want(n), stack(static_cast<size_t>(tree_sum_stack(L) * n));
+  tree_sum(want.data(), leaves.data(), L, n, stack.data());
+  std::vector<std::vector<float>> out(R, std::vector<float>(n, 1.0f));
+  std::vector<std::vector<float>> pieces = held;
+  run_threads(R, 30, [&](Communicator& comm) {
+    const int me = comm.rank();
+    float* mine[K] = {pieces[static_cast<size_t>(me * K)].data(), pieces[static_cast<size_t>(me * K + 1)].data()};
+    std::vector<float> scratch;
+    combine_held_pieces(comm, out[static_cast<size_t>(me)].data(), mine, n, K, L,
+                        [&](int64_t g) { return std::pair<int64_t, int64_t>{order[g] / K, order[g] % K}; }, scratch);
+  });
+  EXPECT_TRUE(testing::bitwise_equal(out[0], want, "root on rank 0"));
+  const std::vector<float> minus_zero(n, -0.0f);
+  for (int r = 1; r < R; ++r) EXPECT_TRUE(testing::bitwise_equal(out[static_cast<size_t>(r)], minus_zero, "rank " + std::to_string(r)));
+  for (int64_t j = 0; j < R * K; ++j) EXPECT_TRUE(testing::bitwise_equal(pieces[static_cast<size_t>(j)], held[static_cast<size_t>(j)], "piece"));
 }
 
 TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {

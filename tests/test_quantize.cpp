@@ -497,13 +497,15 @@ TEST(Quantize, BitwiseIndependentOfThreads) {
   const std::vector<float> x = test_matrix(rows, cols, 7);
   const StochasticRounding sr{true, 5, 2, 1};
   auto run_all = [&] {
-    std::vector<QuantizedTensor> out(6);
+    std::vector<QuantizedTensor> out(7);
     quantize_tensorwise(out[0], x.data(), rows, cols, ElemFormat::e4m3, 10.0f, sr);
     quantize_blockwise(out[1], x.data(), rows, cols, ElemFormat::e4m3, 1, 128, sr);
     quantize_blockwise(out[2], x.data(), rows, cols, ElemFormat::e5m2, 32, 32);
     quantize_mxfp8(out[3], x.data(), rows, cols, ElemFormat::e4m3, ScaleRounding::down, 32, sr);
     quantize_nvfp4(out[4], x.data(), rows, cols, 1, sr);
     quantize_nvfp4(out[5], x.data(), rows, cols, 16);
+    quantize_blockwise(out[6], x.data(), rows, cols, ElemFormat::e4m3, 16, 1, sr);  // a scale per column
+    out[6].tensor_scale = amax(x.data(), rows * cols);  // amax's parts, over the threads
     return out;
   };
   std::vector<QuantizedTensor> one, two, three;
