@@ -355,13 +355,6 @@ inline __m256 decode8_e2m1(__m256i code) {
 }
 #endif
 
-#ifdef LOCKSTEP_AVX2
-// scaled() in lanes: d x s, or s where s is a NaN.
-inline __m256 scaled8(__m256 d, __m256 s) {
-  return _mm256_blendv_ps(_mm256_mul_ps(d, s), s, _mm256_cmp_ps(s, s, _CMP_UNORD_Q));
-}
-#endif
-
 // Stored row r, columns [c, c + len) of the operand's storage (its view origin applied), as fp32.
 void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float* out) {
   if (src.kind == GemmOperand::Kind::bf16) {
@@ -389,7 +382,7 @@ void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float
     const __m256 tv = _mm256_set1_ps(ts);
     for (; c + 8 <= end; c += 8, out += 8) {
       const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
-      const __m256 v = scaled8(decode8_fp8(q.elem, idx), _mm256_loadu_ps(sc + c));
+      const __m256 v = vm::scaled(decode8_fp8(q.elem, idx), _mm256_loadu_ps(sc + c));
       _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
     }
 #endif
@@ -405,7 +398,7 @@ void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float
       const __m256 sv = _mm256_set1_ps(s), tv = _mm256_set1_ps(ts);
       for (; c + 8 <= stop; c += 8, out += 8) {
         const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
-        const __m256 v = scaled8(decode8_fp8(q.elem, idx), sv);
+        const __m256 v = vm::scaled(decode8_fp8(q.elem, idx), sv);
         _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
       }
 #endif
@@ -425,7 +418,7 @@ void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float
         const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
         const __m128i lo = _mm_and_si128(b, nibble), hi = _mm_srli_epi32(b, 4);
         const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
-        const __m256 v = scaled8(decode8_e2m1(idx), sv);
+        const __m256 v = vm::scaled(decode8_e2m1(idx), sv);
         _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
       }
 #endif

@@ -140,8 +140,7 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
   constexpr float_formats_detail::Layout L = float_formats_detail::layout(F);
   constexpr int sh = 23 - L.M;
   // A NaN multiplier (a NaN block) gives itself, as the scalar path's scaled() does.
-  const __m256 y = _mm256_blendv_ps(_mm256_mul_ps(_mm256_loadu_ps(x), mult), mult, _mm256_cmp_ps(mult, mult, _CMP_UNORD_Q));
-  const __m256i u = _mm256_castps_si256(y);
+  const __m256i u = _mm256_castps_si256(vm::scaled(_mm256_loadu_ps(x), mult));
   const __m256i a = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
   const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(u, 31), L.sign_shift());
   // Normal: the top M mantissa bits with the rebiased exponent, plus one when rounding up.

@@ -92,6 +92,11 @@ inline float hmax(__m256 v) {
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+// kernels/cpu/quantize.h scaled() in lanes: d x s, or s where s is a NaN (a quantised block's
+// multiplier or scale), whatever the operand order of the product.
+inline __m256 scaled(__m256 d, __m256 s) {
+  return _mm256_blendv_ps(_mm256_mul_ps(d, s), s, _mm256_cmp_ps(s, s, _CMP_UNORD_Q));
+}
 #endif
 
 // The same horizontal-sum order for 8 scalar partial sums, for portable paths that mirror an
