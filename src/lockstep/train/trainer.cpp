@@ -233,12 +233,13 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x
   // expert-tensor group smaller than tp x cp sees part of a micro-batch's rows: its experts' group
   // there is the tp x cp ranks holding the same experts (the same ep coordinate: all of tp x cp for
-  // a group of 1, the etp ranks and their partners for a divisor of tp).
+  // a group of 1, the etp ranks and their partners for a divisor of tp x cp).
+  const int G = mesh.ep() * mesh.etp();  // the expert x expert-tensor group
   const bool own_micro_batch = config.determinism == "layout";
   Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
   Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
   std::optional<Communicator> same_experts;
-  if (mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp())
+  if (G < mesh.tp() * mesh.cp())
     same_experts.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, false)));
   Communicator* expert_batch = same_experts ? &*same_experts : &etp_group;
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
@@ -268,7 +269,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // tp cp / G groups of a tp x cp group hold the same experts for its other ranks, and sum each
   // micro-batch's parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp x cp
   // group, the ranks of the tp x cp group with the same expert and expert-tensor coordinates.
-  const int G = mesh.ep() * mesh.etp();
   std::optional<Communicator> partners;
   if (layout && experts_split && G < mesh.tp() * mesh.cp())
     partners.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, true)));

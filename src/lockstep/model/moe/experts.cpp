@@ -450,16 +450,17 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       const int64_t leaves = cp_partners ? E * S * units : E * G * K;
       dw_leaves.resize(static_cast<size_t>(leaves));
       db_leaves.resize(static_cast<size_t>(leaves));
+      // With partners under CP, piece j = s units + k of all E experts (piece-major): the weights'
+      // pieces, then the biases'; unit_dw / unit_db: where piece j starts.
+      const int64_t pieces_per_rank = S * units;
+      const auto unit_dw = [&](int64_t j) { return unit_leaves.data() + j * E * nout * nin; };
+      const auto unit_db = [&](int64_t j) { return unit_dw(pieces_per_rank) + j * E * nout; };
       if (cp_partners) {
-        // Piece j = s units + k of every expert: unit_leaves + (j E + e) n (piece-major, E experts each).
-        const int64_t j_count = S * units;
-        unit_leaves.grow(j_count * E * (nout * nin + (b >= 0 ? nout : 0)));
-        float* dwp = unit_leaves.data();
-        float* dbp = dwp + j_count * E * nout * nin;
+        unit_leaves.grow(pieces_per_rank * E * (nout * nin + (b >= 0 ? nout : 0)));
         for (int64_t g = 0; g < leaves; ++g) {
-          const int64_t e = g / j_count, j = g % j_count;
-          dw_leaves[static_cast<size_t>(g)] = dwp + (j * E + e) * nout * nin;
-          db_leaves[static_cast<size_t>(g)] = dbp + (j * E + e) * nout;
+          const int64_t e = g / pieces_per_rank, j = g % pieces_per_rank;
+          dw_leaves[static_cast<size_t>(g)] = unit_dw(j) + e * nout * nin;
+          if (b >= 0) db_leaves[static_cast<size_t>(g)] = unit_db(j) + e * nout;
         }
       } else {
         for (int64_t g = 0; g < leaves; ++g) {
@@ -482,19 +483,18 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         return;
       }
       if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners
-        const int64_t j_count = S * units, U = units * tp_size, sub = U / ps.chunk_pieces();
+        const int64_t U = units * tp_size, sub = U / ps.chunk_pieces();
         const auto leaf = [&](int64_t g) {
           const auto [q, k] = unit_holder(cp_size, sub, units, tp_size, g);
           return std::pair<int64_t, int64_t>{q / S, (q % S) * units + k};
         };
-        unit_pieces.resize(static_cast<size_t>(j_count));
-        for (int64_t j = 0; j < j_count; ++j) unit_pieces[static_cast<size_t>(j)] = unit_leaves.data() + j * E * nout * nin;
-        combine_held_pieces(*partners, dw.data(), unit_pieces.data(), E * nout * nin, j_count, cp_size * U, leaf,
-                            combine_scratch);
+        unit_pieces.resize(static_cast<size_t>(pieces_per_rank));
+        for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_dw(j);
+        combine_held_pieces(*partners, dw.data(), unit_pieces.data(), E * nout * nin, pieces_per_rank, cp_size * U,
+                            leaf, combine_scratch);
         if (b >= 0) {
-          float* dbp = unit_leaves.data() + j_count * E * nout * nin;
-          for (int64_t j = 0; j < j_count; ++j) unit_pieces[static_cast<size_t>(j)] = dbp + j * E * nout;
-          combine_held_pieces(*partners, db.data(), unit_pieces.data(), E * nout, j_count, cp_size * U, leaf,
+          for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_db(j);
+          combine_held_pieces(*partners, db.data(), unit_pieces.data(), E * nout, pieces_per_rank, cp_size * U, leaf,
                               combine_scratch);
         }
       } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
