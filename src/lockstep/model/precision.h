@@ -245,7 +245,8 @@ class Precision {
   // segments g x per .. (g + 1) x per - 1, as token_segment_wgrad's. The leaves are the E experts'
   // in order, leaves / E each: with blocks, expert e's block s holds leaves / (E sources) of them in
   // order (usually one: leaf e x sources + s; the partners' token units under context parallelism
-  // several, each from its first row of the block; its rows quantised as the block, ExpertBlocks); without, leaf g is part g mod (leaves / E) of expert
+  // several, each from its first row of the block; its rows quantised as the block, ExpertBlocks);
+  // without, leaf g is part g mod (leaves / E) of expert
   // g / (leaves / E)'s rows [offsets[e], offsets[e + 1]) (context parallelism's token pieces), which
   // fprop and dgrad quantised as one tensor. Block recipes quantise along the tokens segment by
   // segment, per-tensor recipes read the kept operands: no quantisation straddles a token segment,

@@ -146,14 +146,15 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
   // Normal: the top M mantissa bits with the rebiased exponent, plus one when rounding up.
   __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(a, sh), _mm256_set1_epi32((127 - L.bias) << L.M));
   const __m256i dropped = _mm256_and_si256(a, _mm256_set1_epi32((1 << sh) - 1));
-  const __m256 scaled = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
+  // |y| in units of the smallest subnormal (below 2^M in the subnormal range).
+  const __m256 units = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
   __m256i subnormal;
   if constexpr (kStochastic) {
     const __m256 draw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(draws, 8)), _mm256_set1_ps(0x1p-24f));
     const __m256 frac = _mm256_mul_ps(_mm256_cvtepi32_ps(dropped), _mm256_set1_ps(float_formats_detail::pow2(-sh)));
     normal = _mm256_sub_epi32(normal, _mm256_castps_si256(_mm256_cmp_ps(draw, frac, _CMP_LT_OQ)));
-    const __m256 whole = _mm256_round_ps(scaled, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-    const __m256 rest = _mm256_sub_ps(scaled, whole);
+    const __m256 whole = _mm256_round_ps(units, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 rest = _mm256_sub_ps(units, whole);
     subnormal = _mm256_sub_epi32(_mm256_cvttps_epi32(whole), _mm256_castps_si256(_mm256_cmp_ps(draw, rest, _CMP_LT_OQ)));
   } else {
     const __m256i half = _mm256_set1_epi32(1 << (sh - 1));
@@ -161,7 +162,7 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
     const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half),
                                        _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
     normal = _mm256_sub_epi32(normal, up);  // up is all ones (-1) where it rounds up
-    subnormal = _mm256_cvttps_epi32(_mm256_round_ps(scaled, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    subnormal = _mm256_cvttps_epi32(_mm256_round_ps(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
   const __m256i is_normal = _mm256_cmpgt_epi32(a, _mm256_set1_epi32(((L.emin() + 127) << 23) - 1));
   __m256i mag = _mm256_blendv_epi8(subnormal, normal, is_normal);
@@ -271,7 +272,8 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
     uint8_t* out = q.codes.data() + r * q.row_bytes();
     int64_t c = c0;
 #if LOCKSTEP_AVX2
-    lanes32<F, kStochastic>(enc, row, r, c, c1, mult, [&](int64_t at, __m256i codes) { store8_nibbles(out + at / 2, codes); });
+    lanes32<F, kStochastic>(enc, row, r, c, c1, mult,
+                            [&](int64_t at, __m256i codes) { store8_nibbles(out + at / 2, codes); });
 #endif
     for (; c < c1; c += 2) {
       const uint8_t lo = code(c);

@@ -23,8 +23,9 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
       self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
-      has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size), layout_segments(shard.segments), tp_size(shard.tp_size),
-      cp_size(shard.cp_size), tp(shard.tp), groups(shard.sources) {
+      has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size),
+      layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp),
+      groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
   if (shard.segments) {  // the config names the keys; these are the invariants the segments need
