@@ -1,7 +1,7 @@
 // Module tracing (debug.trace = "modules") and one-ulp injection (debug.inject_ulp): tracing
 // changes no bit of the run, traces are themselves deterministic (twice; 1 vs 2 threads), and
 // `lockstep diff` on an injected run names the step, the rank and the module injected into, on
-// dense, MoE and MTP models and with two ranks.
+// dense, MoE and MTP models, with two ranks and with pipeline stages.
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -136,6 +136,55 @@ TEST(Trace, TwoRanksReportRankCoordinatesAndEveryRankThatDiffers) {
   }
 }
 
+// Pipeline parallelism, 1F1B and interleaved: tracing changes no bit and is deterministic on every
+// stage, each record names its model chunk and pass, and an ulp injected into the first module of a
+// stage's chunk is found there, with the previous chunk's last output (on the other stage) as the
+// record before it, although the stages' files interleave micro-batches by the schedule.
+TEST(Trace, PipelineStagesAreReadInTheOrderOfTheData) {
+  struct Case {
+    std::vector<std::string> keys;
+    const char *module, *found, *before;
+  };
+  const std::vector<Case> cases = {
+      {{"parallel.pipeline=2", "train.global_batch=16"},
+       "layers.1.attn_norm",
+       "module trace, rank 1: first difference at step 2, micro-batch 0: layers.1.attn_norm (out), in the forward of "
+       "model chunk 1\n",
+       "  every record before it matches; the last one is layers.0.mlp.proj out (step 2, micro-batch 0, forward of model "
+       "chunk 0) on rank 0\n"},
+      {{"parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4", "moe.layer_freq=[0,1,0,1]"},
+       "layers.2.attn_norm",
+       "module trace, rank 0: first difference at step 2, micro-batch 0: layers.2.attn_norm (out), in the forward of "
+       "model chunk 2\n",
+       "  every record before it matches; the last one is layers.1.moe out (step 2, micro-batch 0, forward of model "
+       "chunk 1) on rank 1\n"}};
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.module);
+    TempDir dir;
+    auto run = [&](const char* name, std::vector<std::string> keys) {
+      keys.insert(keys.end(), c.keys.begin(), c.keys.end());
+      testing::train_ranks(2, job(dir, name, keys));
+    };
+    run("plain", {"train.threads=1"});
+    run("t1", {"train.threads=1", "debug.trace=modules"});
+    run("t2", {"train.threads=2", "debug.trace=modules"});
+    run("b", {"train.threads=1", "debug.trace=modules", std::string("debug.inject_ulp=2:") + c.module});
+    for (int rank : {0, 1}) {
+      SCOPED_TRACE(rank);
+      EXPECT_EQ(read_file(fingerprint_path(dir.path("plain"), rank)), read_file(fingerprint_path(dir.path("t1"), rank)));
+      const std::string trace = read_file(trace_path(dir.path("t1"), rank));
+      EXPECT_EQ(trace, read_file(trace_path(dir.path("t2"), rank)));
+      EXPECT_EQ(trace.rfind(str("{\"step\":1,\"micro\":0,\"chunk\":", rank, ",\"pass\":\"forward\",\"module\":\""), 0), 0u)
+          << trace;
+      EXPECT_TRUE(contains(trace, "\"pass\":\"backward\"")) << trace;
+    }
+    EXPECT_TRUE(diff_runs(dir.path("t1"), dir.path("t2")).identical);
+    const RunDiff d = diff_runs(dir.path("t1"), dir.path("b"));
+    EXPECT_FALSE(d.identical);
+    EXPECT_TRUE(contains(d.report, str(c.found, c.before))) << d.report;
+  }
+}
+
 TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
   TempDir dir;
   for (const char* bad : {"layers.0.mlp.fc", "0:layers.0.mlp.fc", "x:layers.0.mlp.fc", "2:"})
@@ -152,6 +201,16 @@ TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
   EXPECT_TRUE(contains(unknown, ", output, mtp.layers.N.enorm, ")) << unknown;
   // Checked before the run starts: no run directory is left behind.
   EXPECT_FALSE(std::filesystem::exists(dir.path("a")));
+  // Under pipeline parallelism against every stage's modules: the last stage's are named, and no
+  // stage starts the run.
+  const std::string piped = testing::user_error_of([&] {
+    testing::train_ranks(2, job(dir, "p", {"parallel.pipeline=2", "train.threads=1", "debug.inject_ulp=2:layers.2.mlp.fc"}));
+  });
+  EXPECT_TRUE(contains(piped, "debug.inject_ulp = \"2:layers.2.mlp.fc\": the model has no module 'layers.2.mlp.fc'; "
+                              "its modules are: embedding, layers.N.attn_norm,"))
+      << piped;
+  EXPECT_TRUE(contains(piped, ", output, mtp.layers.N.enorm, ")) << piped;
+  EXPECT_FALSE(std::filesystem::exists(dir.path("p")));
 }
 
 }  // namespace

@@ -6,7 +6,10 @@
 // thread (ModuleTrace::Bind, one per rank like the thread pool), each call records the XXH3 of the
 // buffer's exact bits with the step, the micro-batch and the module's name ("layers.3.attn.qkv"),
 // in execution order; the trainer writes the records to RUN/trace/rank-NNNNN.jsonl
-// (train/fingerprint.h) and `lockstep diff` reads them back. With none bound (the default) a hook is
+// (train/fingerprint.h) and `lockstep diff` reads them back. Under pipeline parallelism each record
+// also carries its model chunk (the pipeline sets it per action, set_action), so that diff can put
+// the stages' records in the order of the data: a micro-batch's forward chunk by chunk, then its
+// backward in reverse. With none bound (the default) a hook is
 // one thread-local load and a branch: no hashing, no allocation.
 //
 // Injection flips the lowest mantissa bit of the first element of one module's output (a change of
@@ -29,6 +32,8 @@ class ModuleTrace {
     std::string module;
     bool grad_in = false;  // the gradient of the module's input, else its output
     uint64_t hash = 0;
+    int64_t chunk = -1;  // the model chunk (0 .. pipeline x virtual_pipeline - 1); -1 without a pipeline
+    bool backward = false;  // recorded in a pipeline's backward action (the head's loss output is)
   };
 
   // record: keep a Record per hook. inject_step > 0: flip one ulp of inject_module's output there.
@@ -36,6 +41,8 @@ class ModuleTrace {
 
   // The micro-batch the next hooks belong to.
   void set_position(int64_t step, int64_t micro);
+  // Within the step: the micro-batch, model chunk and pass of the pipeline action about to run.
+  void set_action(int64_t micro, int64_t chunk, bool backward);
   void out(std::string_view module, float* y, int64_t n);
   void grad_in(std::string_view module, const float* dx, int64_t n);
 
@@ -67,7 +74,8 @@ class ModuleTrace {
   int64_t inject_step_;
   std::string inject_module_;
   bool injected_ = false;
-  int64_t step_ = 0, micro_ = 0, first_step_ = -1;
+  int64_t step_ = 0, micro_ = 0, chunk_ = -1, first_step_ = -1;
+  bool backward_ = false;
   std::vector<Record> records_;
   std::vector<std::string> modules_;
 };

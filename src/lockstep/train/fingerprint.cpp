@@ -48,14 +48,12 @@ std::string trace_path(const std::string& run_dir, int rank) { return run_dir + 
 
 std::string trace_lines(const std::vector<ModuleTrace::Record>& records) {
   std::string s;
-  for (const ModuleTrace::Record& r : records)
-    s += JsonLine()
-             .add("step", r.step)
-             .add("micro", r.micro)
-             .add("module", r.module)
-             .add("kind", r.grad_in ? "grad_in" : "out")
-             .add("hash", hex64(r.hash))
-             .str();
+  for (const ModuleTrace::Record& r : records) {
+    JsonLine line;
+    line.add("step", r.step).add("micro", r.micro);
+    if (r.chunk >= 0) line.add("chunk", r.chunk).add("pass", r.backward ? "backward" : "forward");
+    s += line.add("module", r.module).add("kind", r.grad_in ? "grad_in" : "out").add("hash", hex64(r.hash)).str();
+  }
   return s;
 }
 

@@ -34,6 +34,8 @@ std::string fingerprint_path(const std::string& run_dir, int rank);
 // RUN/trace/rank-NNNNN.jsonl: the module trace (debug.trace = "modules", model/trace.h), one line
 // per traced module output or input gradient, in execution order:
 //   {"step":3,"micro":0,"module":"layers.1.attn.qkv","kind":"out","hash":"<xxh3 of the exact bits>"}
+// with "chunk":C (the model chunk) and "pass":"forward" or "backward" (the pipeline action that
+// recorded it) after "micro" under pipeline parallelism.
 std::string trace_path(const std::string& run_dir, int rank);
 // Those lines for a micro-batch's records, each ending in '\n'.
 std::string trace_lines(const std::vector<ModuleTrace::Record>& records);

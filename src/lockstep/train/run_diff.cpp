@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <toml++/toml.h>
 #include <vector>
@@ -174,21 +175,39 @@ std::string join(const std::vector<std::string>& v) {
   return s;
 }
 
-// The module traces of one rank: the first record (up to and including step last_step; all
-// steps when last_step < 0) that differs; no text when they agree.
+// A trace record's place in the order of the data: by step, then micro-batch (a step's
+// micro-batches do not read each other's values: the parameters change between steps), then, under
+// pipeline parallelism, the forward actions model chunk by model chunk and the backward actions in
+// reverse, and within an action (or a run without a pipeline) the order the rank executed it in.
+struct TracePlace {
+  int64_t step = 0, micro = 0, pass = 0, chunk = 0;  // pass 0: forward; chunk: negated for the backward
+  size_t index = 0;                                  // in the rank's file
+  auto operator<=>(const TracePlace&) const = default;
+};
+
+int64_t integer_field(const FingerprintLine& l, const char* key, int64_t absent) {
+  const std::string* v = l.find(key);
+  if (!v) return absent;
+  int64_t x = absent;
+  std::from_chars(v->data(), v->data() + v->size(), x);
+  return x;
+}
+
+TracePlace place_of(const FingerprintLine& l, size_t index) {
+  const std::string* pass = l.find("pass");
+  const int64_t backward = pass && *pass == "backward" ? 1 : 0, chunk = integer_field(l, "chunk", 0);
+  return {l.step, integer_field(l, "micro", 0), backward, backward ? -chunk : chunk, index};
+}
+
 struct TraceDiff {
   bool differs = false;
   std::string text;
 };
 
-TraceDiff trace_report(const Run& a, const Run& b, int rank, int64_t last_step) {
-  const std::string pa = trace_path(a.dir, rank), pb = trace_path(b.dir, rank);
-  std::error_code ec;
-  const bool has_a = fs::exists(pa, ec), has_b = fs::exists(pb, ec);
-  if (!has_a && !has_b) return {};
-  if (!has_a || !has_b)
-    return {false, str("module trace: only ", has_a ? a.dir : b.dir, " has one (", has_a ? pa : pb,
-               "); trace both runs with debug.trace = \"modules\" to find the module\n")};
+// The module traces of every rank: the first record in the order of the data (up to and
+// including step last_step; all steps when last_step < 0) that differs, with the record before it,
+// which matches; no text when they agree.
+TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step) {
   auto upto = [&](const std::string& path) {
     std::vector<FingerprintLine> lines = read_fingerprint_lines(path);
     if (last_step >= 0)
@@ -196,37 +215,90 @@ TraceDiff trace_report(const Run& a, const Run& b, int rank, int64_t last_step) 
                   lines.end());
     return lines;
   };
-  const std::vector<FingerprintLine> ta = upto(pa), tb = upto(pb);
-  auto name = [](const FingerprintLine& l) {
-    const std::string *m = l.find("module"), *k = l.find("kind"), *mb = l.find("micro");
-    return str(m ? *m : "?", " ", k ? *k : "?", " (step ", l.step, ", micro-batch ", mb ? *mb : "?", ")");
+  auto field = [](const FingerprintLine& l, const char* key) {
+    const std::string* v = l.find(key);
+    return v ? *v : std::string("?");
   };
-  const size_t n = std::min(ta.size(), tb.size());
-  for (size_t i = 0; i < n; ++i) {
-    const FingerprintLine &x = ta[i], &y = tb[i];
-    const std::string *hx = x.find("hash"), *hy = y.find("hash");
-    if (name(x) != name(y))
-      return {true, str("module trace, rank ", rank, ": the traces differ in structure at record ", i + 1, ": ", name(x),
-                 " in ", a.dir, ", ", name(y), " in ", b.dir, " (different models or configs)\n")};
-    if (hx && hy && *hx == *hy) continue;
-    const std::string* module = x.find("module");
-    const std::string* kind = x.find("kind");
-    const std::string* micro = x.find("micro");
-    std::string s = str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ",
-                        micro ? *micro : "?", ": ", module ? *module : "?", " (", kind ? *kind : "?", ")\n");
-    // Forward records follow the data: the record before an output is the module's input. In
-    // backward, the record before a grad_in is the gradient the module received.
-    if (i > 0 && ta[i - 1].step == x.step)
-      s += str("  every record before it matches; the last one is ", name(ta[i - 1]), "\n");
-    else
-      s += str("  it is the step's first record: its input is the step's data\n");
-    s += str("  ", a.dir, ": ", hx ? *hx : "(no hash)", "\n  ", b.dir, ": ", hy ? *hy : "(no hash)", "\n");
-    return {true, s};
+  auto name = [&](const FingerprintLine& l) {
+    return str(field(l, "module"), " ", field(l, "kind"), " (step ", l.step, ", micro-batch ", field(l, "micro"),
+               l.find("chunk") ? str(", ", field(l, "pass"), " of model chunk ", field(l, "chunk")) : std::string(), ")");
+  };
+  std::vector<std::vector<FingerprintLine>> ta(static_cast<size_t>(ranks)), tb(static_cast<size_t>(ranks));
+  std::optional<std::pair<TracePlace, int>> first;  // the first differing record and its rank
+  size_t longer = 0;                                 // rank + 1 of a rank whose traces agree but one is longer
+  for (int r = 0; r < ranks; ++r) {
+    const std::string pa = trace_path(a.dir, r), pb = trace_path(b.dir, r);
+    std::error_code ec;
+    const bool has_a = fs::exists(pa, ec), has_b = fs::exists(pb, ec);
+    if (!has_a && !has_b) continue;
+    if (!has_a || !has_b)
+      return {false, str("module trace: only ", has_a ? a.dir : b.dir, " has one (", has_a ? pa : pb,
+                         "); trace both runs with debug.trace = \"modules\" to find the module\n")};
+    const std::vector<FingerprintLine>& x = ta[static_cast<size_t>(r)] = upto(pa);
+    const std::vector<FingerprintLine>& y = tb[static_cast<size_t>(r)] = upto(pb);
+    const size_t n = std::min(x.size(), y.size());
+    for (size_t i = 0; i < n; ++i) {
+      if (name(x[i]) != name(y[i]))
+        return {true, str("module trace, rank ", r, ": the traces differ in structure at record ", i + 1, ": ", name(x[i]),
+                          " in ", a.dir, ", ", name(y[i]), " in ", b.dir, " (different models or configs)\n")};
+      const std::string *hx = x[i].find("hash"), *hy = y[i].find("hash");
+      if (hx && hy && *hx == *hy) continue;
+      const std::pair<TracePlace, int> here{place_of(x[i], i), r};
+      if (!first || here < *first) first = here;
+    }
+    if (x.size() != y.size() && last_step < 0 && !longer) longer = static_cast<size_t>(r) + 1;
   }
-  if (ta.size() != tb.size() && last_step < 0)
-    return {true, str("module trace, rank ", rank, ": the traces agree over their first ", n, " records; ",
-               ta.size() > tb.size() ? a.dir : b.dir, " has more\n")};
-  return {};
+  if (!first) {
+    if (!longer) return {};
+    const int r = static_cast<int>(longer) - 1;
+    const auto& x = ta[longer - 1];
+    const auto& y = tb[longer - 1];
+    return {true, str("module trace, rank ", r, ": the traces agree over their first ", std::min(x.size(), y.size()),
+                      " records; ", x.size() > y.size() ? a.dir : b.dir, " has more\n")};
+  }
+  const auto [at, rank] = *first;
+  const FingerprintLine& x = ta[static_cast<size_t>(rank)][at.index];
+  const FingerprintLine& y = tb[static_cast<size_t>(rank)][at.index];
+  const std::string *hx = x.find("hash"), *hy = y.find("hash");
+  std::string s = str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ",
+                      field(x, "micro"), ": ", field(x, "module"), " (", field(x, "kind"), ")",
+                      x.find("chunk") ? str(", in the ", field(x, "pass"), " of model chunk ", field(x, "chunk")) : std::string(),
+                      "\n");
+  // The record just before it in the order of the data, within the step: forward records follow
+  // the data (the record before an output is the module's input, under a pipeline the previous
+  // chunk's output on its stage); in backward, the record before a grad_in is the gradient the
+  // module received. On this rank where it has one at the same place.
+  // An action's records are contiguous in its rank's file: the one before, if it is the same
+  // action's; else the last record of the latest earlier action of the step, on this rank where it
+  // ran there (replicas: tp, dp, ...), else on the lowest rank.
+  auto action = [](TracePlace p) { return p.index = 0, p; };
+  auto last_of = [&](int r, const TracePlace& act) -> std::optional<std::pair<TracePlace, int>> {
+    const auto& lines = ta[static_cast<size_t>(r)];
+    for (size_t i = lines.size(); i-- > 0;)
+      if (action(place_of(lines[i], i)) == act) return std::pair{place_of(lines[i], i), r};
+    return std::nullopt;
+  };
+  std::optional<std::pair<TracePlace, int>> before;  // (place, rank)
+  const auto& mine = ta[static_cast<size_t>(rank)];
+  if (at.index > 0 && action(place_of(mine[at.index - 1], at.index - 1)) == action(at))
+    before = {place_of(mine[at.index - 1], at.index - 1), rank};
+  std::optional<TracePlace> latest;  // else the latest earlier action of the step
+  for (int r = 0; r < ranks && !before; ++r)
+    for (size_t i = 0; i < ta[static_cast<size_t>(r)].size(); ++i) {
+      const TracePlace p = action(place_of(ta[static_cast<size_t>(r)][i], i));
+      if (p.step == at.step && p < action(at) && (!latest || *latest < p)) latest = p;
+    }
+  if (latest) before = last_of(rank, *latest);
+  for (int r = 0; latest && !before && r < ranks; ++r) before = last_of(r, *latest);
+  if (before) {
+    const FingerprintLine& prev = ta[static_cast<size_t>(before->second)][before->first.index];
+    s += str("  every record before it matches; the last one is ", name(prev),
+             before->second == rank ? std::string() : str(" on rank ", before->second), "\n");
+  } else {
+    s += str("  it is the step's first record: its input is the step's data\n");
+  }
+  s += str("  ", a.dir, ": ", hx ? *hx : "(no hash)", "\n  ", b.dir, ": ", hy ? *hy : "(no hash)", "\n");
+  return {true, s};
 }
 
 }  // namespace
@@ -292,11 +364,11 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
       say(str("  ranks differing at step ", step, ": ", join(rs)));
     }
     if (per_rank) {
-      const TraceDiff trace = trace_report(a, b, first_rank, step);
+      const TraceDiff trace = trace_report(a, b, ranks, step);
       if (!trace.text.empty()) out.report += trace.text;
       else if (fs::exists(trace_path(a.dir, first_rank)))
-        say(str("module trace, rank ", first_rank, ": every module output and input gradient up to step ", step,
-                " matches: the difference arises after the backward pass (gradient reduction, clipping or "
+        say(str("module traces: every rank's module outputs and input gradients up to step ", step,
+                " match: the difference arises after the backward pass (gradient reduction, clipping or "
                 "the optimizer)"));
     }
     return out;
@@ -306,13 +378,13 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
   // absorbed (or that reaches the fingerprints only after the common steps).
   std::string traces;
   out.identical = true;
-  if (per_rank)
-    for (int r = 0; r < ranks; ++r) {
-      const TraceDiff trace = trace_report(a, b, r, same_steps ? -1 : *steps.rbegin());
-      if (!trace.differs) continue;  // a run without a trace is worth a note only where runs differ
-      traces += trace.text;
+  if (per_rank) {
+    const TraceDiff trace = trace_report(a, b, ranks, same_steps ? -1 : *steps.rbegin());
+    if (trace.differs) {  // a run without a trace is worth a note only where runs differ
+      traces = trace.text;
       out.identical = false;
     }
+  }
   say(str(out.identical ? "identical over " : "fingerprints identical over ", same_steps ? "" : "the ", steps.size(),
           same_steps ? "" : " common", steps.size() == 1 ? " step" : " steps", " (", *steps.begin(), "..",
           *steps.rbegin(), ")", same_steps ? "" : "; the runs have different lengths",

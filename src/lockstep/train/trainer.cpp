@@ -100,6 +100,24 @@ std::string duration_text(double s) {
   return buf;
 }
 
+// Under pipeline parallelism: every stage's module names, in stage order (the same on each stage).
+std::vector<std::string> stages_module_names(Communicator& pp, const std::vector<std::string>& mine) {
+  std::string joined;
+  for (const std::string& m : mine) joined += m + '\n';
+  int64_t longest = static_cast<int64_t>(joined.size());
+  pp.all_reduce(&longest, 1, ReduceOp::max);
+  joined.resize(static_cast<size_t>(longest), '\0');
+  std::string all(static_cast<size_t>(longest * pp.size()), '\0');
+  pp.all_gather(all.data(), joined.data(), longest);
+  std::vector<std::string> names;
+  std::string name;
+  for (char c : all) {
+    if (c == '\n') names.push_back(std::exchange(name, {}));
+    else if (c != '\0') name += c;
+  }
+  return names;
+}
+
 // debug.inject_ulp names a module the forward traces (checked before the run directory exists): a
 // misspelt name is an error, not a run without the injection.
 void check_injection(const std::vector<std::string>& modules, const DebugConfig& dbg) {
@@ -341,7 +359,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     return static_cast<uint64_t>(resumed.samples_consumed + (step - start_step) * tc.global_batch);
   };
 
-  if (config.debug.inject_step() > 0) check_injection(model.module_names(), config.debug);
+  if (config.debug.inject_step() > 0)
+    check_injection(pipelined ? stages_module_names(pp_group, model.module_names()) : model.module_names(), config.debug);
   create_run_dir(tc.out_dir);
   std::unique_ptr<LineLog> metrics;
   const bool resuming = !resume_dir.empty();
@@ -365,6 +384,18 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (resuming) cut_jsonl_after_step(trace_path(tc.out_dir, comm.rank()), resumed.step);
     trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()), resuming);
   }
+  // After a step's first traced micro-batch (or a pipeline's whole step): the rank whose part holds
+  // the injected module has traced it, and the records are written.
+  const std::vector<std::string> my_modules = model.module_names();
+  const bool injects_here = dbg.inject_step() > 0 &&
+                            std::find(my_modules.begin(), my_modules.end(), dbg.inject_module()) != my_modules.end();
+  auto after_traced = [&](int64_t step) {
+    if (trace && step == start_step && injects_here)
+      LOCKSTEP_CHECK(std::find(trace->modules().begin(), trace->modules().end(), dbg.inject_module()) !=
+                         trace->modules().end(),
+                     "GPT::module_names() lists '", dbg.inject_module(), "', which the forward did not trace");
+    if (trace_log) trace_log->write(trace_lines(trace->take_records()));
+  };
 
   const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak();
@@ -497,7 +528,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const bool aux_here = coords.cp == 0;
     Pipeline::StepResult piped;
     if (pipelined) {
-      piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
+      if (trace) trace->set_position(step, 0);
+      {
+        ModuleTrace::Bind bind_trace(trace.get());
+        piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
+      }
+      after_traced(step);
       for (int64_t micro = 0; micro < accum; ++micro) {
         const double lm = piped.lm_loss[static_cast<size_t>(micro)];
         const double term = dc.eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
@@ -527,11 +563,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         ModuleTrace::Bind bind_trace(trace.get());
         micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
       }
-      if (trace && step == start_step && micro == 0 && dbg.inject_step() > 0)
-        LOCKSTEP_CHECK(std::find(trace->modules().begin(), trace->modules().end(), dbg.inject_module()) !=
-                           trace->modules().end(),
-                       "GPT::module_names() lists '", dbg.inject_module(), "', which the forward did not trace");
-      if (trace_log) trace_log->write(trace_lines(trace->take_records()));
+      if (micro == 0) after_traced(step);
+      else if (trace_log) trace_log->write(trace_lines(trace->take_records()));
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();

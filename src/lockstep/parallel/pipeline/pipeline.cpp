@@ -4,6 +4,7 @@
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
+#include "lockstep/model/trace.h"
 
 namespace lockstep {
 
@@ -93,6 +94,7 @@ Pipeline::StepResult Pipeline::run_step(GPT& model, float grad_scale, const Fetc
         targets.resize(static_cast<size_t>(tokens_per_micro_));
         counted = fetch(x.micro, tokens.data(), targets.data());
       }
+      if (ModuleTrace* trace = ModuleTrace::current()) trace->set_action(x.micro, mc, !x.forward);
       if (x.forward) {
         model.forward_chunk(x.chunk, tokens.data(), x.micro);
         res.aux_loss += model.aux_loss();
