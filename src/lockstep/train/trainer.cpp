@@ -359,8 +359,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     return static_cast<uint64_t>(resumed.samples_consumed + (step - start_step) * tc.global_batch);
   };
 
+  const std::vector<std::string> my_modules = model.module_names();  // this rank's part's
   if (config.debug.inject_step() > 0)
-    check_injection(pipelined ? stages_module_names(pp_group, model.module_names()) : model.module_names(), config.debug);
+    check_injection(pipelined ? stages_module_names(pp_group, my_modules) : my_modules, config.debug);
   create_run_dir(tc.out_dir);
   std::unique_ptr<LineLog> metrics;
   const bool resuming = !resume_dir.empty();
@@ -384,9 +385,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (resuming) cut_jsonl_after_step(trace_path(tc.out_dir, comm.rank()), resumed.step);
     trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()), resuming);
   }
-  // After a step's first traced micro-batch (or a pipeline's whole step): the rank whose part holds
-  // the injected module has traced it, and the records are written.
-  const std::vector<std::string> my_modules = model.module_names();
+  // After each traced micro-batch (or a pipeline's whole step): the records are written, and in the
+  // first step the rank whose part holds the injected module has traced it.
   const bool injects_here = dbg.inject_step() > 0 &&
                             std::find(my_modules.begin(), my_modules.end(), dbg.inject_module()) != my_modules.end();
   auto after_traced = [&](int64_t step) {
@@ -563,8 +563,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         ModuleTrace::Bind bind_trace(trace.get());
         micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
       }
-      if (micro == 0) after_traced(step);
-      else if (trace_log) trace_log->write(trace_lines(trace->take_records()));
+      after_traced(step);
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint);
         pending_fingerprint.reset();
