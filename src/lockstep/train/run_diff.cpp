@@ -225,7 +225,7 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
   };
   std::vector<std::vector<FingerprintLine>> ta(static_cast<size_t>(ranks)), tb(static_cast<size_t>(ranks));
   std::optional<std::pair<TracePlace, int>> first;  // the first differing record and its rank
-  size_t longer = 0;                                 // rank + 1 of a rank whose traces agree but one is longer
+  std::optional<int> longer;                         // a rank whose traces agree but one is longer
   for (int r = 0; r < ranks; ++r) {
     const std::string pa = trace_path(a.dir, r), pb = trace_path(b.dir, r);
     std::error_code ec;
@@ -246,14 +246,13 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
       const std::pair<TracePlace, int> here{place_of(x[i], i), r};
       if (!first || here < *first) first = here;
     }
-    if (x.size() != y.size() && last_step < 0 && !longer) longer = static_cast<size_t>(r) + 1;
+    if (x.size() != y.size() && last_step < 0 && !longer) longer = r;
   }
   if (!first) {
     if (!longer) return {};
-    const int r = static_cast<int>(longer) - 1;
-    const auto& x = ta[longer - 1];
-    const auto& y = tb[longer - 1];
-    return {true, str("module trace, rank ", r, ": the traces agree over their first ", std::min(x.size(), y.size()),
+    const auto& x = ta[static_cast<size_t>(*longer)];
+    const auto& y = tb[static_cast<size_t>(*longer)];
+    return {true, str("module trace, rank ", *longer, ": the traces agree over their first ", std::min(x.size(), y.size()),
                       " records; ", x.size() > y.size() ? a.dir : b.dir, " has more\n")};
   }
   const auto [at, rank] = *first;
@@ -264,34 +263,32 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
                       field(x, "micro"), ": ", field(x, "module"), " (", field(x, "kind"), ")",
                       x.find("chunk") ? str(", in the ", field(x, "pass"), " of model chunk ", field(x, "chunk")) : std::string(),
                       "\n");
-  // The record just before it in the order of the data, within the step: forward records follow
-  // the data (the record before an output is the module's input, under a pipeline the previous
-  // chunk's output on its stage); in backward, the record before a grad_in is the gradient the
-  // module received. On this rank where it has one at the same place.
-  // An action's records are contiguous in its rank's file: the one before, if it is the same
-  // action's; else the last record of the latest earlier action of the step, on this rank where it
-  // ran there (replicas: tp, dp, ...), else on the lowest rank.
-  auto action = [](TracePlace p) { return p.index = 0, p; };
-  auto last_of = [&](int r, const TracePlace& act) -> std::optional<std::pair<TracePlace, int>> {
-    const auto& lines = ta[static_cast<size_t>(r)];
-    for (size_t i = lines.size(); i-- > 0;)
-      if (action(place_of(lines[i], i)) == act) return std::pair{place_of(lines[i], i), r};
+  // The record just before it in the order of the data, within the step. Forward records follow
+  // the data (the record before an output is the module's input; under a pipeline, for a chunk's
+  // first module, the previous chunk's last output on its stage); in backward, the record before a
+  // grad_in is the gradient the module received. An action's records are contiguous in its rank's
+  // file: the one before, if it is the same action's; else the last record of the latest earlier
+  // action of the step, on this rank where it ran there (replicas: tp, dp, ...), else on the lowest.
+  std::vector<std::vector<TracePlace>> actions(static_cast<size_t>(ranks));  // each record's, index 0
+  for (int r = 0; r < ranks; ++r)
+    for (const FingerprintLine& l : ta[static_cast<size_t>(r)]) actions[static_cast<size_t>(r)].push_back(place_of(l, 0));
+  const TracePlace here = place_of(x, 0);
+  std::optional<std::pair<size_t, int>> before;  // (index, rank)
+  if (at.index > 0 && actions[static_cast<size_t>(rank)][at.index - 1] == here) before = {at.index - 1, rank};
+  std::optional<TracePlace> latest;
+  for (int r = 0; r < ranks && !before; ++r)
+    for (const TracePlace& p : actions[static_cast<size_t>(r)])
+      if (p.step == at.step && p < here && (!latest || *latest < p)) latest = p;
+  auto last_of = [&](int r) -> std::optional<std::pair<size_t, int>> {
+    const std::vector<TracePlace>& ps = actions[static_cast<size_t>(r)];
+    for (size_t i = ps.size(); i-- > 0;)
+      if (ps[i] == *latest) return std::pair{i, r};
     return std::nullopt;
   };
-  std::optional<std::pair<TracePlace, int>> before;  // (place, rank)
-  const auto& mine = ta[static_cast<size_t>(rank)];
-  if (at.index > 0 && action(place_of(mine[at.index - 1], at.index - 1)) == action(at))
-    before = {place_of(mine[at.index - 1], at.index - 1), rank};
-  std::optional<TracePlace> latest;  // else the latest earlier action of the step
-  for (int r = 0; r < ranks && !before; ++r)
-    for (size_t i = 0; i < ta[static_cast<size_t>(r)].size(); ++i) {
-      const TracePlace p = action(place_of(ta[static_cast<size_t>(r)][i], i));
-      if (p.step == at.step && p < action(at) && (!latest || *latest < p)) latest = p;
-    }
-  if (latest) before = last_of(rank, *latest);
-  for (int r = 0; latest && !before && r < ranks; ++r) before = last_of(r, *latest);
+  if (latest) before = last_of(rank);
+  for (int r = 0; latest && !before && r < ranks; ++r) before = last_of(r);
   if (before) {
-    const FingerprintLine& prev = ta[static_cast<size_t>(before->second)][before->first.index];
+    const FingerprintLine& prev = ta[static_cast<size_t>(before->second)][before->first];
     s += str("  every record before it matches; the last one is ", name(prev),
              before->second == rank ? std::string() : str(" on rank ", before->second), "\n");
   } else {
