@@ -220,6 +220,25 @@ const Row kRows[] = {
                                             "parallel.sequence_parallel=true"}, 2},
     {"nvfp4_etp2_ep2_allgather", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.expert_tensor=2",
                                                     "parallel.expert=2", "moe.token_dispatcher=allgather", "train.micro_batch=2"}, 4},
+    // Low precision under pipeline parallelism: each micro-batch in flight keeps its own quantised
+    // inputs; delayed scaling updates once per step (its per-rank histories in the checkpoint).
+    {"fp8_delayed_pp2_dp2_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=delayed",
+                                                   "precision.fp8_amax_history_len=4", "parallel.pipeline=2",
+                                                   "train.micro_batch=2"}, 4},
+    {"fp8_tensorwise_pp2_interleaved_tp2_sp", "debug.toml", {"precision.params=bf16", "precision.fp8=tensorwise",
+                                                              "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                                              "model.num_layers=4", "parallel.tensor=2",
+                                                              "parallel.sequence_parallel=true"}, 4},
+    {"fp8_blockwise_pp2_afab_ep2_alltoall", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=blockwise",
+                                                               "parallel.pipeline=2", "parallel.expert=2",
+                                                               "parallel.pipeline_schedule=all_forward_all_backward",
+                                                               "moe.token_dispatcher=alltoall", "train.micro_batch=2"}, 4},
+    {"mxfp8_pp2_llama_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=mxfp8", "model.preset=llama",
+                                               "parallel.pipeline=2"}, 2},
+    {"nvfp4_pp2_interleaved_moe_shared", "moe-debug.toml", {"precision.params=bf16", "precision.fp4=nvfp4",
+                                                            "parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                                                            "model.num_layers=4", "train.micro_batch=2",
+                                                            "moe.shared_expert_intermediate_size=32"}, 2},
 };
 
 constexpr int kSteps = 3;

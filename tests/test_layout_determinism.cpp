@@ -671,6 +671,26 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
                              "precision.fp8_margin=1"});
 }
 
+// Every low-precision recipe under pipeline parallelism: 1F1B with two micro-batches in flight on
+// the first stage (each keeps its own quantised inputs for its weight gradient), interleaved, with
+// data, tensor and expert parallelism; delayed scaling's once-per-step update over the stage's
+// tensors, its histories in the checkpoint; NVFP4's stochastic rounding keyed by the tensor's name,
+// the same on every stage.
+TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess) {
+  const std::string bf16 = "precision.params=bf16";
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
+                             "precision.fp8=mxfp8", "precision.fp4=nvfp4"}) {
+    rows_match_single_process("moe-debug", {
+        {2, {"parallel.pipeline=2"}},
+        {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
+             "moe.token_dispatcher=alltoall"}},
+    }, {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2"});
+    rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                                        {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
+                              {bf16, recipe, "model.mtp_num_layers=1"});
+  }
+}
+
 // An expert x expert-tensor group smaller than the tp group (G dividing tp): its sources are G
 // consecutive tp ranks of a micro-batch, their token segments an aligned subtree of its tree; the
 // tp / G groups holding the same experts (partners) sum each micro-batch's parts along the canonical

@@ -399,7 +399,7 @@ TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
   QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
                      "precision.fp8_margin=1"});
   Precision::AmaxGroups groups;
-  groups.layout = true;
+  groups.per_step = true;
   t.precision.set_amax_groups(groups);
   const int64_t N = t.N, in = t.in, out = t.out;
   const float amaxes[3][2] = {{2, 4}, {1, 1}, {1, 0.5f}};
@@ -435,6 +435,58 @@ TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
     t.precision.end_step();
     EXPECT_EQ(state("input")->amax, history[step]) << "step " << step;
     EXPECT_EQ(state("input")->scale, scale[step + 1]) << "step " << step;
+  }
+}
+
+// Pipeline parallelism: two micro-batches' forwards, then their backwards, each under its own slot,
+// give what the two one after the other give: each slot keeps its micro-batch's quantised input for
+// the weight gradient, and the delayed scales (once per step) and NVFP4's draws (keyed by the
+// micro-batch begun) are those of the serial order.
+TEST(PrecisionLowp, EachPipelineSlotKeepsItsMicroBatchesOperands) {
+  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp4=nvfp4"}) {
+    const std::vector<std::string> keys = {"precision.params=bf16", recipe};
+    QuantisedLinear serial(keys), piped(keys);
+    Precision::AmaxGroups groups;
+    groups.per_step = true;
+    for (QuantisedLinear* t : {&serial, &piped}) t->precision.set_amax_groups(groups);
+    const int64_t N = serial.N, in = serial.in, out = serial.out;
+    std::vector<std::vector<float>> x, dy, y(4, std::vector<float>(static_cast<size_t>(N * out))),
+        dx(4, std::vector<float>(static_cast<size_t>(N * in)));
+    for (int m = 0; m < 2; ++m) {
+      x.push_back(bf16_randn(N * in, 20 + m, m ? 3.0f : 0.1f));  // far apart: different scales
+      dy.push_back(bf16_randn(N * out, 30 + m, 1e-3f));
+    }
+    Precision& p = piped.precision;
+    for (int step = 1; step <= 2; ++step) {
+      for (int m = 0; m < 2; ++m) {
+        serial.precision.begin_micro_batch(1, step, m);
+        serial.lin.forward(serial.ps, y[m].data(), x[m].data(), N);
+        serial.lin.backward(serial.ps, dx[m].data(), dy[m].data(), x[m].data(), N);
+        serial.precision.end_micro_batch();
+      }
+      for (int m = 0; m < 2; ++m) {
+        p.select_slot(m);
+        p.begin_micro_batch(1, step, m);
+        piped.lin.forward(piped.ps, y[2 + m].data(), x[m].data(), N);
+      }
+      for (int m = 0; m < 2; ++m) {
+        p.select_slot(m);
+        p.begin_micro_batch(1, step, m);
+        piped.lin.backward(piped.ps, dx[2 + m].data(), dy[m].data(), x[m].data(), N);
+        p.end_micro_batch();
+      }
+      serial.precision.end_step();
+      p.end_step();
+      for (int m = 0; m < 2; ++m) {
+        EXPECT_TRUE(testing::bitwise_equal(y[m], y[2 + m])) << recipe << " step " << step << " micro-batch " << m;
+        EXPECT_TRUE(testing::bitwise_equal(dx[m], dx[2 + m])) << recipe << " step " << step << " micro-batch " << m;
+      }
+      EXPECT_TRUE(testing::bitwise_equal(std::vector<float>(serial.ps.grads(), serial.ps.grads() + serial.ps.total()),
+                                         std::vector<float>(piped.ps.grads(), piped.ps.grads() + piped.ps.total())))
+          << recipe << " step " << step << ": the weight gradients";
+    }
+    for (size_t i = 0; i < serial.precision.amax_histories().size(); ++i)
+      EXPECT_EQ(serial.precision.amax_histories()[i].history->amax, p.amax_histories()[i].history->amax) << recipe;
   }
 }
 

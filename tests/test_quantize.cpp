@@ -194,7 +194,7 @@ TEST(Quantize, NearestE2m1EncodingMatchesTheScalarEncoder) {
 TEST(Quantize, EveryRecipesCodesMatchTheScalarEncoders) {
   const int64_t rows = 256, cols = 75;
   std::vector<float> x = test_matrix(rows, cols, 9);
-  for (int64_t i = 0; i < rows * cols; i += 7) x[i] = std::bit_cast<float>(std::bit_cast<uint32_t>(x[i]) & 0xfff00000u | 0x80000u);
+  for (int64_t i = 0; i < rows * cols; i += 7) x[i] = std::bit_cast<float>((std::bit_cast<uint32_t>(x[i]) & 0xfff00000u) | 0x80000u);
   // (blockwise_odd: 2 x 12 blocks, whose 8-column groups straddle blocks: a multiplier per lane.)
   enum Kind { blockwise_cols, blockwise_rows, mxfp8, nvfp4, blockwise_odd };
   for (Kind kind : {blockwise_cols, blockwise_rows, mxfp8, nvfp4, blockwise_odd})

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The same 2-step data- (and tensor-) parallel job as N thread ranks and as N mpirun processes: identical
-# fingerprint files, rank by rank (and a non-zero exit of either run fails the test).
+# fingerprint files (and module traces, with debug.trace = "modules"), rank by rank (and a non-zero
+# exit of either run fails the test).
 #   train_matches_threads.sh LOCKSTEP MPIRUN CONFIG NPROC [KEY=VALUE ...]
 set -euo pipefail
 lockstep=$1 mpirun=$2 config=$3 n=$4
@@ -21,6 +22,12 @@ for ((r = 0; r < n; r++)); do
   f=$(printf 'fingerprints/rank-%05d.jsonl' "$r")
   [ "$(wc -l <"$dir/threads/$f")" = 2 ] || { echo "threads run: $f does not have 2 lines"; exit 1; }
   cmp "$dir/threads/$f" "$dir/mpi/$f" || { echo "rank $r: fingerprints differ"; diff "$dir/threads/$f" "$dir/mpi/$f"; exit 1; }
+  # Module traces (debug.trace = "modules"), when the job writes them: identical too.
+  t=$(printf 'trace/rank-%05d.jsonl' "$r")
+  if [ -f "$dir/threads/$t" ]; then
+    [ -s "$dir/threads/$t" ] || { echo "threads run: $t is empty"; exit 1; }
+    cmp "$dir/threads/$t" "$dir/mpi/$t" || { echo "rank $r: module traces differ"; exit 1; }
+  fi
   grep -q "\"rank\":$r,\"dp\":$((r / (tp * cp) % dp)),\"tp\":$((r % tp)),\"pp\":$((r / (tp * cp * dp))),\"ep\":[0-9]*,\"cp\":$((r / tp % cp))," "$dir/mpi/$f" ||
     { echo "rank $r: wrong coordinates"; head -1 "$dir/mpi/$f"; exit 1; }
 done

@@ -202,10 +202,6 @@ void validate_pipeline_parallel(const Config& c) {
     user_error("parallel.pipeline_layers = \"", p.pipeline_layers, "\" needs parallel.pipeline > 1");
   if (p.pipeline == 1) return;
   p.chunk_layers(c.model.num_layers);
-  if (c.precision.fp8 != "none" || c.precision.fp4 != "none")
-    user_error("parallel.pipeline = ", p.pipeline, " with precision.fp8 = \"", c.precision.fp8, "\" / precision.fp4 = \"",
-               c.precision.fp4, "\": pipeline parallelism runs fp32 or bf16 GEMMs only (the low-precision recipes keep "
-               "one micro-batch's scaling state at a time)");
 }
 
 const std::vector<Key>& keys() {

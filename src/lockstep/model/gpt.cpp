@@ -235,6 +235,7 @@ void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attenti
 
 void GPT::select_slot(int k) {
   arena_.select(k);
+  precision_.select_slot(k);
   for (auto& layer : moe_)
     if (layer) layer->select(k);
 }
@@ -538,6 +539,8 @@ double GPT::lm_loss(const int32_t* targets) const { return micro_batch_mean(coun
 
 double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) {
   micro_ = first_micro_ + micro;
+  // Pipeline parallelism: the forwards since this micro-batch's keyed other micro-batches' draws.
+  precision_.begin_micro_batch(seed_, step_, micro_);
   const float aux_scale = grad_scale * static_cast<float>(B_ * Tg_);  // the micro-batch's tokens
   const auto [l0, l1] = part_.chunks[static_cast<size_t>(c)];
   float* dresid = arena_(dresid_);

@@ -141,7 +141,8 @@ class GPT {
   // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)
   // and the MoE expert biases (replicated: written by the first replica). Delayed scaling's amax
   // histories and scales (reduced over each tensor's group, but experts named by their index on the
-  // rank) are row `rank` of a (world, ...) tensor, written by every rank:
+  // rank) are row `rank` of a (world, ...) tensor, written by every rank (under pipeline
+  // parallelism: rank and world of the stage's ranks, which hold the tensors):
   // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
   // Under determinism = "layout" they are the same on every rank of the step's reduction group, so
   // they are whole tensors named with the expert's index in the layer, (history) and (1), written by

@@ -7,6 +7,7 @@
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/dtype.h"
+#include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/embedding.h"
@@ -78,7 +79,6 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
   static const std::regex quantised(
       R"(layers\.(\d+)\.(attn\.qkv|attn\.proj|mlp\.fc|mlp\.proj|moe\.shared\.fc|moe\.shared\.proj|moe\.experts\.fc|moe\.experts\.proj)\.weight)");
   const int64_t keep = recipe_ == Recipe::nvfp4 ? pc.fp4_high_precision_layers : 0;
-  int64_t global_sites = 0;  // the sites before this parameter's, every expert counted
   for (size_t i = 0; i < ps.specs().size(); ++i) {
     const ParamSpec& p = ps.specs()[i];
     std::smatch m;
@@ -97,7 +97,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
       Site s;
       s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
       s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(first + e) : p.name;
-      s.global_index = global_sites + first + e;
+      s.global_key = purpose_id(s.global_name);
       s.expert = p.expert;
       s.unused = e >= experts;
       const int out_dim = p.shape.rank() - 2, in_dim = p.shape.rank() - 1;
@@ -116,7 +116,6 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
         for (AmaxHistory& h : s.state) h.amax.assign(static_cast<size_t>(history_len_), 0.0f);
       sites_.push_back(std::move(s));
     }
-    global_sites += p.shape.rank() == 3 ? p.global_shape[0] : 1;
   }
 }
 
@@ -158,19 +157,22 @@ std::vector<float> Precision::current_amaxes(const std::vector<AmaxOf>& of) {
 }
 
 QuantizedTensor& Precision::kept(Site& s, Role r, int64_t blk) {
-  if (blk < 0) return r == input ? s.x : s.dy;
-  std::vector<QuantizedTensor>& v = r == input ? s.block_x : s.block_dy;
-  if (static_cast<int64_t>(v.size()) <= blk) v.resize(static_cast<size_t>(blk + 1));
-  return v[static_cast<size_t>(blk)];
+  auto at = [](auto& v, size_t i) -> auto& {
+    if (v.size() <= i) v.resize(i + 1);
+    return v[i];
+  };
+  const auto k = static_cast<size_t>(slot_);
+  if (blk < 0) return r == input ? at(s.x, k) : s.dy;
+  return at(r == input ? at(s.block_x, k) : s.block_dy, static_cast<size_t>(blk));
 }
 
 void Precision::end_micro_batch() {
-  if (recipe_ == Recipe::delayed && recording_ && !groups_.layout) update_histories(groups_.dense, groups_.expert);
+  if (recipe_ == Recipe::delayed && recording_ && !groups_.per_step) update_histories(groups_.dense, groups_.expert);
   recording_ = false;
 }
 
 void Precision::end_step() {
-  if (recipe_ == Recipe::delayed && groups_.layout) update_histories(groups_.dense_step, groups_.expert_step);
+  if (recipe_ == Recipe::delayed && groups_.per_step) update_histories(groups_.dense_step, groups_.expert_step);
 }
 
 void Precision::update_histories(Communicator* dense, Communicator* expert_group) {
@@ -226,10 +228,10 @@ StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64
   sr.enabled = true;
   sr.seed = seed_;
   sr.step = static_cast<uint64_t>(step_);
-  // The site's index in the whole model under layout (an expert's index in its layer: the same
-  // on any expert-parallel layout); run mode keeps the index on this rank.
-  const int64_t id = groups_.layout ? sites_[static_cast<size_t>(site)].global_index : site;
-  sr.tensor_id = static_cast<uint64_t>(id) * 4 + usage;
+  // Under layout the site's key from its name in the whole model (an expert's index in its layer):
+  // the same on any expert-parallel or pipeline layout; run mode keeps the index on this rank.
+  const Site& s = sites_[static_cast<size_t>(site)];
+  sr.tensor_id = (groups_.layout ? s.global_key : static_cast<uint64_t>(site)) * 4 + usage;
   sr.index_base = micro_ * grows * gcols + grow * gcols + gcol;
   sr.global_cols = gcols;
   return sr;

@@ -61,10 +61,10 @@
 //   experts          etp x edp (an expert's hidden units are split over etp, its replicas are the
 //                    edp ranks; under expert parallelism its tokens already come from the ep group;
 //                    with ep x etp < tp x cp the edp ranks include tp x cp ranks of a micro-batch)
-// Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch (one all-reduce
-// per group for all tensors); tensorwise reduces before each quantisation (one all-reduce per linear
-// layer or grouped expert GEMM, every expert's value even when it got no tokens, so the ranks' calls
-// pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
+// Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch, or the step's at
+// end_step (AmaxGroups::per_step), one all-reduce per group for all tensors; tensorwise reduces
+// before each quantisation (one all-reduce per linear layer or grouped expert GEMM, every expert's
+// value even when it got no tokens, so the ranks' calls pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
 // the data-parallel replicas out of the groups there, except from delayed scaling's once-per-step
 // update (AmaxHistory); an expert x expert-tensor group smaller than tp x cp (1, or a divisor of tp)
 // keeps the tp x cp ranks holding the same experts, which hold parts of one micro-batch's rows.
@@ -131,12 +131,12 @@ std::vector<int64_t> layout_cut(std::span<const int64_t> segments, std::span<con
 // (end_micro_batch), the scale becomes (format max / a) / 2^margin with a = max(amax) (algo max)
 // or amax[0] (most_recent), kept when a is 0 or not finite; then the history rotates:
 // [a0, a1, ..., a(H-1)] -> [0, a2, ..., a(H-1), a0] (the oldest, a1, drops out).
-// determinism = "layout" (AmaxGroups::layout) makes the pass a whole step: every micro-batch of
-// the step quantises with the scale the step began with, slot 0 collects the max over all of the
-// step's micro-batches, and end_step reduces it over every rank of the step (data-parallel replicas
-// included) and updates once, as Megatron / TE do when the amax reduction runs once per step over
-// the data-parallel group. Max is exact, so the step's amax, and with it the history, is the same
-// whatever the layout.
+// determinism = "layout" and pipeline parallelism (AmaxGroups::per_step) make the pass a whole
+// step: every micro-batch of the step quantises with the scale the step began with, slot 0
+// collects the max over all of the step's micro-batches, and end_step reduces it over every rank of
+// the step (data-parallel replicas included) and updates once, as Megatron / TE do when the amax
+// reduction runs once per step over the data-parallel group. Max is exact, so the step's amax, and
+// with it the history, is the same whatever the layout (and the pipeline schedule's order).
 struct AmaxHistory {
   std::vector<float> amax;  // (fp8_amax_history_len)
   float scale = 1.0f;
@@ -154,15 +154,20 @@ class Precision {
 
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
-  // etp). layout (determinism = "layout"): delayed scaling updates once per step (AmaxHistory),
-  // reducing the step's amax over dense_step / expert_step (tp-dp-cp, etp x edp), and stochastic
-  // rounding keys an expert's draws by its index in the layer (Site::global_index).
+  // etp). layout (determinism = "layout"): stochastic rounding keys an expert's draws by its index
+  // in the layer (Site::global_key), and per_step is set too. per_step: delayed scaling updates
+  // once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp,
+  // etp x edp).
   struct AmaxGroups {
     Communicator* dense = nullptr;
     Communicator* expert = nullptr;
     Communicator* dense_eval = nullptr;
     Communicator* expert_eval = nullptr;
     bool layout = false;
+    // Delayed scaling's update once per step (end_step), the staged amax over every micro-batch of
+    // the step reduced over these groups: under layout, and under pipeline parallelism, whose
+    // schedules run other micro-batches' forwards between a micro-batch's forward and its backward.
+    bool per_step = false;
     Communicator* dense_step = nullptr;
     Communicator* expert_step = nullptr;
   };
@@ -176,9 +181,13 @@ class Precision {
   Recipe recipe(int w) const;
 
   // Training micro-batches: begin keys stochastic rounding (global micro-batch index `micro` of
-  // step `step`) and turns amax recording on; end applies delayed scaling's update, or under
-  // layout leaves it to end_step, which every rank calls after the step's last micro-batch.
+  // step `step`) and turns amax recording on; end applies delayed scaling's update, or with
+  // AmaxGroups::per_step leaves it to end_step, which every rank calls after the step's last
+  // micro-batch.
+  // Under pipeline parallelism every forward and backward of a micro-batch begins it again, after
+  // select_slot(k): the slot of the micro-batch in flight whose kept operands the GEMMs use.
   void begin_micro_batch(uint64_t seed, int64_t step, int64_t micro);
+  void select_slot(int k) { slot_ = k; }
   void end_micro_batch();
   void end_step();
   // Evaluation: quantisation with the current scales, nothing recorded.
@@ -265,14 +274,15 @@ class Precision {
     AmaxHistory* history;
   };
   std::vector<NamedHistory> amax_histories();
-  // Whether delayed scaling updates once per step (AmaxGroups::layout).
+  // Whether the amax histories are the same on every rank of the step's reduction group
+  // (AmaxGroups::layout).
   bool layout() const { return groups_.layout; }
 
  private:
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string name, global_name;  // the expert's index on this rank / in the layer
-    int64_t global_index = 0;       // the site's index with every expert of every layer counted (layout's SR key)
+    uint64_t global_key = 0;        // layout's SR key: purpose_id(global_name), the same on every layout
     bool expert = false;  // reduced over the expert group
     bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
     AmaxHistory state[3];
@@ -284,9 +294,16 @@ class Precision {
     float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
-    // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad).
-    QuantizedTensor x, w, dy;
-    std::vector<QuantizedTensor> block_x, block_dy;  // the same per source block (ExpertBlocks)
+    // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad). The
+    // input is kept per pipeline slot (select_slot): a micro-batch's backward may come after other
+    // micro-batches' forwards. The weight and the gradient need no slots: the gradient's dgrad and
+    // wgrad run in one backward, and every fprop of a step quantises the weight to the same codes
+    // (its values change between steps only, and so do its scales where the forwards of several
+    // micro-batches come between a fprop and its dgrad: AmaxGroups::per_step).
+    QuantizedTensor w, dy;
+    std::vector<QuantizedTensor> block_dy;           // the same per source block (ExpertBlocks)
+    std::vector<QuantizedTensor> x;                  // per slot
+    std::vector<std::vector<QuantizedTensor>> block_x;  // per slot, per source block
   };
   // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with
   // its K along x's columns (k_along_cols) or rows; a recipe that blocks only along rows quantises
@@ -366,6 +383,7 @@ class Precision {
   AmaxGroups groups_;
   uint64_t seed_ = 0;
   int64_t step_ = 0, micro_ = 0;
+  int slot_ = 0;
   // Scratch reused across calls: quantised operands, transposed and Hadamard-transformed copies.
   QuantizedTensor qa_, qb_;
   std::vector<float> ta_, tb_, ha_, hb_;

@@ -262,8 +262,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator* expert_batch = same_experts ? &*same_experts : &etp_group;
   Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
                                     own_micro_batch ? expert_batch : &etp_edp_group, &tp_cp_group, expert_batch};
-  if (own_micro_batch) {
-    amax_groups.layout = true;
+  amax_groups.layout = own_micro_batch;
+  // Pipeline schedules run other micro-batches' forwards between a micro-batch's forward and its
+  // backward: delayed scaling updates once per step there too (in either mode).
+  if (own_micro_batch || pipelined) {
+    amax_groups.per_step = true;
     amax_groups.dense_step = &tp_dp_cp_group;
     amax_groups.expert_step = &etp_edp_group;
   }
@@ -336,7 +339,9 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   std::vector<StateShard> state;
   const bool dp_first = coords.dp == 0 && coords.cp == 0, tp_first = coords.tp == 0;
   const bool edp_first = coords.edp == 0;
-  model.state_shards(state, dp_first, tp_first, edp_first, comm.rank(), comm.size(), coords.etp == 0);
+  // Run mode's amax histories are per rank: a row for each rank of the stage that holds the tensors.
+  const Communicator& stage = pipelined ? tp_dp_cp_group : comm;
+  model.state_shards(state, dp_first, tp_first, edp_first, stage.rank(), stage.size(), coords.etp == 0);
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
   optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first,
                          edp_first || config.optimizer.distributed);
