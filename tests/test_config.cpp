@@ -143,9 +143,10 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
        "divide layout_segments (each tensor-parallel rank holds a block of whole canonical segments of every "
        "reduction it splits)"},
       {{"determinism=layout", "moe.num_experts=6", "parallel.tensor=4", "parallel.expert=6"},
-       "config: determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 6 and parallel.tensor = 4: "
-       "an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not tile it; the "
-       "expert x expert-tensor group must be 1, a multiple of parallel.tensor or a divisor of it"},
+       "config: determinism = \"layout\" with parallel.tensor = 4, an MoE model and parallel.expert x "
+       "parallel.expert_tensor = 6: an expert's rows would come from parts of a micro-batch's ranks of "
+       "parallel.tensor = 4 that do not tile it: the expert x expert-tensor group must be 1, a multiple of 4 or a "
+       "divisor of it"},
       {{"determinism=layout", "moe.num_experts=4", "moe.ffn_hidden_size=100"},
        "config: determinism = \"layout\" with moe.ffn_hidden_size = 100 and layout_segments = 8: the expert hidden "
        "size must be divisible by layout_segments (each canonical segment of the expert GEMMs over the hidden units is "

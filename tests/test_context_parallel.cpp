@@ -121,10 +121,9 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
   for (const auto& [keys, named] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"determinism=layout"}, "determinism = \"layout\": the key and value gradients"},
            {{"layout_token_segments=true", "parallel.tensor=2", "parallel.expert=3", "moe.num_experts=6"},
-            "determinism = \"layout\", an MoE model, parallel.tensor = 2 and parallel.expert x parallel.expert_tensor "
-            "= 3: an expert's rows would come from parts of a micro-batch's tensor x context ranks that do not tile it: "
-            "the expert x expert-tensor group must be 1, a multiple of parallel.tensor x parallel.context = 4 or a "
-            "divisor of it"},
+            "determinism = \"layout\", an MoE model and parallel.expert x parallel.expert_tensor = 3: an expert's "
+            "rows would come from parts of a micro-batch's ranks of parallel.tensor x parallel.context = 4 that do not "
+            "tile it: the expert x expert-tensor group must be 1, a multiple of 4 or a divisor of it"},
            {{"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=64"},
             "determinism = \"layout\", an MoE model, precision.fp4 = \"nvfp4\" and parallel.expert x "
             "parallel.expert_tensor = 1: NVFP4's expert weight gradients transform an expert's rows of a micro-batch "

@@ -599,19 +599,24 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 }
 
 // determinism = "layout" with an MoE model whose micro-batch tokens are split over `ranks` ranks (tensor x context
-// parallelism; each routes its own tokens): what the quantised experts cannot take. FP8 quantises an expert's rows
-// along the tokens segment by segment, so a rank's whole segments quantise as one process's, its padding rows (in
-// its last one) zero rows (with model.bias their activations are zeroed: GroupedExperts' inert_padding). NVFP4's
-// weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks
-// (Precision::ExpertBlocks), which the expert x expert-tensor group holds whole only when it holds whole groups of
+// parallelism; each routes its own tokens): what the experts cannot take. The expert x expert-tensor group holds
+// whole groups of those ranks, whose rows of an expert it puts back in token order, or a divisor of them, whose
+// partners combine each micro-batch's parts (model/moe/experts.h); any other group would see parts that do not tile
+// the micro-batch. FP8 quantises an expert's rows along the tokens segment by segment, so a rank's whole segments
+// quantise as one process's, its padding rows (in its last one) zero rows (with model.bias their activations are
+// zeroed: GroupedExperts' inert_padding). NVFP4's weight gradients transform an expert's rows of a micro-batch in
+// 16-row Hadamard blocks (Precision::ExpertBlocks), which the group holds whole only when it holds whole groups of
 // those ranks, and without padding between their rows.
 // what_prefix starts the refused combination; ranks_name names `ranks` (a key, or a product of keys).
-void refuse_split_quantised_experts(const Config& c, int64_t ranks, const std::string& ranks_name,
-                                    const std::string& what_prefix,
-                                    const std::function<void(const std::string&, const std::string&)>& refuse) {
+void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ranks_name, const std::string& what_prefix,
+                          const std::function<void(const std::string&, const std::string&)>& refuse) {
   if (c.moe.num_experts == 0 || ranks == 1) return;
   const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
   const std::string who = "ranks of " + ranks_name + " = " + std::to_string(ranks);
+  if (expert_group > 1 && expert_group % ranks && ranks % expert_group)
+    refuse(str(what_prefix, "an MoE model and parallel.expert x parallel.expert_tensor = ", expert_group),
+           str("an expert's rows would come from parts of a micro-batch's ", who, " that do not tile it: the expert "
+               "x expert-tensor group must be 1, a multiple of ", ranks, " or a divisor of it"));
   if (c.precision.fp4 != "none" && expert_group % ranks)
     refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert x parallel.expert_tensor = ", expert_group),
@@ -650,18 +655,7 @@ void validate_context_parallel(const Config& c) {
     const int64_t B = c.train.micro_batch, S = c.layout_segments;
     // Refused before the key, with or without it.
     const bool moe = c.moe.num_experts > 0;
-    const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
-    // Split experts: the expert x expert-tensor group holds whole micro-batches' tp x cp groups, whose
-    // rows of an expert it puts back in token order, or a divisor of them, whose partners combine each
-    // micro-batch's token units (model/moe/experts.h).
-    if (moe && expert_group > 1 && expert_group % (tp * cp) && (tp * cp) % expert_group)
-      refuse(str("determinism = \"layout\", an MoE model, parallel.tensor = ", tp, " and parallel.expert x "
-                 "parallel.expert_tensor = ", expert_group),
-             str("an expert's rows would come from parts of a micro-batch's tensor x context ranks that do not tile it: "
-                 "the expert x expert-tensor group must be 1, a multiple of parallel.tensor x parallel.context = ",
-                 tp * cp, " or a divisor of it"));
-    refuse_split_quantised_experts(c, tp * cp, "parallel.tensor x parallel.context", "determinism = \"layout\", ",
-                                   refuse);
+    refuse_split_experts(c, tp * cp, "parallel.tensor x parallel.context", "determinism = \"layout\", ", refuse);
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
@@ -719,17 +713,8 @@ void validate_layout_determinism(const Config& c) {
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).
-  // An expert x expert-tensor group that divides tp holds part of a micro-batch's tp ranks, whose parts
-  // of each expert's gradient the tp / group partners sum per micro-batch (model/moe/experts.h): fp32,
-  // bf16 and the FP8 recipes (each token segment quantised on its own, the per-tensor amax reduced
-  // over the ranks holding the same experts); NVFP4's Hadamard blocks would span the partners' rows.
-  const int64_t expert_group = static_cast<int64_t>(c.parallel.expert) * c.parallel.expert_tensor;
   const int64_t tp = c.parallel.tensor;
-  if (e.num_experts > 0 && tp > 1 && expert_group > 1 && expert_group % tp && tp % expert_group)
-    refuse(str("parallel.expert x parallel.expert_tensor = ", expert_group, " and parallel.tensor = ", tp),
-           "an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not tile it; the "
-           "expert x expert-tensor group must be 1, a multiple of parallel.tensor or a divisor of it");
-  refuse_split_quantised_experts(c, tp, "parallel.tensor", str("parallel.tensor = ", tp, ", "), refuse);
+  refuse_split_experts(c, tp, "parallel.tensor", str("parallel.tensor = ", tp, ", "), refuse);
   // The shared expert sees a tp rank's N / tp tokens: its weight gradients' operands are quantised along
   // those tokens (the FP8 block recipes' blocks stop at the token segments; NVFP4 keys its stochastic
   // rounding by their micro-batch tokens, its Hadamard blocks of 16 within the rank's).
