@@ -239,6 +239,10 @@ const Row kRows[] = {
                                                             "parallel.pipeline=2", "parallel.virtual_pipeline=2",
                                                             "model.num_layers=4", "train.micro_batch=2",
                                                             "moe.shared_expert_intermediate_size=32"}, 2},
+    {"fp8_tensorwise_cp2_pp2_interleaved_moe", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=tensorwise",
+                                                                   "parallel.context=2", "parallel.pipeline=2",
+                                                                   "parallel.virtual_pipeline=2", "model.num_layers=4",
+                                                                   "train.micro_batch=2"}, 4},
 };
 
 constexpr int kSteps = 3;

@@ -673,7 +673,7 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
 
 // Every low-precision recipe under pipeline parallelism: 1F1B with two micro-batches in flight on
 // the first stage (each keeps its own quantised inputs for its weight gradient), interleaved, with
-// data, tensor and expert parallelism; delayed scaling's once-per-step update over the stage's
+// data, tensor, expert and context parallelism; delayed scaling's once-per-step update over the stage's
 // tensors, its histories in the checkpoint; NVFP4's stochastic rounding keyed by the tensor's name,
 // the same on every stage.
 TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess) {
@@ -688,6 +688,8 @@ TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess
     rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
                                         {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
                               {bf16, recipe, "model.mtp_num_layers=1"});
+    rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.context=2"}}},
+                              {bf16, recipe, "layout_token_segments=true", "train.micro_batch=2"});
   }
 }
 
