@@ -101,16 +101,27 @@ int64_t choose_grid_rows(int64_t units_m, int64_t units_n, int64_t parts, int64_
 
 // ---------------------------------------------------------------- micro-kernels
 //
-// kernel(kc, a, b, c, ldc, init, bias): the MR x NR tile c (row stride ldc) continues its chains
-// over kc steps of the packed panels a (kc x MR) and b (kc x NR, 64-byte aligned). Init kBias
-// starts every row from bias[0 .. NR).
+// kernel(kc, a, b, c, ldc, init, bias, ep): the MR x NR tile c (row stride ldc) continues its
+// chains over kc steps of the packed panels a (kc x MR) and b (kc x NR, 64-byte aligned). Init
+// kBias starts every row from bias[0 .. NR). With an epilogue (a segmented product's fold, see
+// compute_region_segmented), the finished chains then take its additions in order, each one
+// tile = add + tile elementwise, and the tile is stored to ep->dst instead of c.
 // Kept out of line: inlined into the driver, their accumulators compete with its registers.
+struct Epilogue {
+  static constexpr int kMaxAdds = 8;
+  const float* add[kMaxAdds];  // MR x NR tiles, row stride NR (64-byte aligned)
+  int adds = 0;
+  const float* init = nullptr;  // last, when set: rows init + i * ld_init (C's rows, or the bias row with 0)
+  int64_t ld_init = 0;
+  float* dst = nullptr;
+  int64_t ldd = 0;
+};
 using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                             Init init, const float* bias);
+                             Init init, const float* bias, const Epilogue* ep);
 
 template <int MR, int NR>
 [[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c,
-                                       int64_t ldc, Init init, const float* bias) {
+                                       int64_t ldc, Init init, const float* bias, const Epilogue* ep) {
   float acc[MR][NR];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) {
@@ -124,6 +135,20 @@ template <int MR, int NR>
     a += MR;
     b += NR;
   }
+  if (ep) {
+    for (int f = 0; f < ep->adds; ++f) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = ep->add[f][i * NR + j] + acc[i][j];
+      }
+    }
+    if (ep->init) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = ep->init[i * ep->ld_init + j] + acc[i][j];
+      }
+    }
+    c = ep->dst;
+    ldc = ep->ldd;
+  }
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) c[i * ldc + j] = acc[i][j];
   }
@@ -133,7 +158,7 @@ template <int MR, int NR>
 // MR rows of NV vectors of 8: MR * NV accumulators, NV for B and one broadcast of A in 16 ymm.
 template <int MR, int NV>
 [[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c,
-                                   int64_t ldc, Init init, const float* bias) {
+                                   int64_t ldc, Init init, const float* bias, const Epilogue* ep) {
   __m256 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -158,6 +183,24 @@ template <int MR, int NV>
     a += MR;
     b += 8 * NV;
   }
+  if (ep) {
+    for (int f = 0; f < ep->adds; ++f) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+          acc[i][v] = _mm256_add_ps(_mm256_load_ps(ep->add[f] + i * 8 * NV + 8 * v), acc[i][v]);
+        }
+      }
+    }
+    if (ep->init) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+          acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(ep->init + i * ep->ld_init + 8 * v), acc[i][v]);
+        }
+      }
+    }
+    c = ep->dst;
+    ldc = ep->ldd;
+  }
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) _mm256_storeu_ps(c + i * ldc + 8 * v, acc[i][v]);
   }
@@ -169,7 +212,7 @@ template <int MR, int NV>
 template <int MR, int NV>
 [[gnu::noinline]] __attribute__((target("avx512f")))
 void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                   const float* bias) {
+                   const float* bias, const Epilogue* ep) {
   __m512 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -193,6 +236,24 @@ void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t
     }
     a += MR;
     b += 16 * NV;
+  }
+  if (ep) {
+    for (int f = 0; f < ep->adds; ++f) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+          acc[i][v] = _mm512_add_ps(_mm512_load_ps(ep->add[f] + i * 16 * NV + 16 * v), acc[i][v]);
+        }
+      }
+    }
+    if (ep->init) {
+      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
+        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
+          acc[i][v] = _mm512_add_ps(_mm512_loadu_ps(ep->init + i * ep->ld_init + 16 * v), acc[i][v]);
+        }
+      }
+    }
+    c = ep->dst;
+    ldc = ep->ldd;
   }
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) _mm512_storeu_ps(c + i * ldc + 16 * v, acc[i][v]);
@@ -508,11 +569,13 @@ struct Blocks {
 // The segmented product in one pass (k_segments, up to kMaxFusedSegments segments and K up to
 // kMaxFusedK x the kernel's kc): K is not blocked, so a tile's packed A and B panels hold every
 // segment, and each tile runs one micro-kernel call per (segment, section) piece into an
-// L1-resident tile of its own, then folds the canonical tree over the segments as they come (the
+// L1-resident tile of its own, folding the canonical tree over the segments as they come (the
 // binary counter of core/tree_sum.h: segment s goes to slot popcount(s) and completes the subtrees
 // of its trailing one bits, smallest first; the last one folds every held subtree), and writes C =
-// init + the tree once. The same chains and additions as gemm_with's segment-by-segment path, with
-// the operands packed once and no product-sized scratch.
+// init + the tree once. The fold runs in the epilogue of the segment's last kernel call (Epilogue:
+// its chains still in registers, the held subtrees added, the result stored once), and a whole
+// tile's last segment adds the init and stores to C there too. The same chains and additions as
+// gemm_with's segment-by-segment path, with the operands packed once and no product-sized scratch.
 constexpr int64_t kMaxFusedSegments = 128;  // slots = bit_width(S - 1) + 1 <= 8 tiles
 constexpr int64_t kMaxFusedK = 4;           // in kernel kc's
 
@@ -575,28 +638,40 @@ void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, in
         for (int64_t ir = 0; ir < mc; ir += MR) {
           const int64_t rows = std::min<int64_t>(MR, mc - ir);
           const float* ap = apack + ir * K;
+          // A whole tile takes the init and goes to C in the last segment's kernel call.
+          const bool whole = rows == MR && cols == NR;
+          float* c = p.C + (ic + ir) * p.ldc + jc + jr;
           float* cur = nullptr;
           for (int64_t s = 0; s < S; ++s) {
             const int held = std::popcount(static_cast<uint64_t>(s));
             float* P = slot[held];
+            const bool last = s == S - 1;
+            const int fold = last ? held : std::countr_one(static_cast<uint64_t>(s));
+            // The fold in the chain's last call: held subtree + carry, smallest first, into the
+            // slot of the subtree it completes (or C).
+            Epilogue ep;
+            for (int f = 1; f <= fold; ++f) ep.add[ep.adds++] = slot[held - f];
+            cur = slot[held - fold];
+            ep.dst = cur;
+            ep.ldd = NR;
+            if (last && whole) {
+              if (p.init == Init::kC) ep.init = c, ep.ld_init = p.ldc;
+              if (p.init == Init::kBias) ep.init = bias, ep.ld_init = 0;
+              ep.dst = c;
+              ep.ldd = p.ldc;
+            }
             // The segment's chain from 0 over its part of each section in turn (K = 0: the 0).
             for (int64_t j = 0; j < J; ++j) {
               const int64_t k0 = pieces[2 * (s * J + j)], k1 = pieces[2 * (s * J + j) + 1];
               // (bias unread: given as is rather than null, which would have GCC clone the kernel
               // for a null bias and warn about the kBias load it keeps in the clone.)
-              Micro(k1 - k0, ap + k0 * MR, bp + k0 * NR, P, NR, j == 0 ? Init::kZero : Init::kC, bias);
-            }
-            const bool last = s == S - 1;
-            const int fold = last ? held : std::countr_one(static_cast<uint64_t>(s));
-            cur = P;
-            for (int f = 1; f <= fold; ++f) {  // held subtree + carry, smallest first
-              float* h = slot[held - f];
-              for (int e = 0; e < MR * NR; ++e) h[e] = h[e] + cur[e];
-              cur = h;
+              Micro(k1 - k0, ap + k0 * MR, bp + k0 * NR, P, NR, j == 0 ? Init::kZero : Init::kC, bias,
+                    j == J - 1 ? &ep : nullptr);
             }
           }
-          for (int64_t i = 0; i < rows; ++i)
-            add_to_init(p.init, p.C + (ic + ir + i) * p.ldc + jc + jr, bias, cur + i * NR, cols);
+          if (!whole)
+            for (int64_t i = 0; i < rows; ++i)
+              add_to_init(p.init, c + i * p.ldc, bias, cur + i * NR, cols);
         }
       }
     }
@@ -643,7 +718,7 @@ void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, 
               for (int64_t j = 0; j < cols; j += 16) __builtin_prefetch(c + i * p.ldc + j, 1, 3);
             }
             if (rows == MR && cols == NR) {
-              Micro(kc, ap, bp, c, p.ldc, init, bias);
+              Micro(kc, ap, bp, c, p.ldc, init, bias, nullptr);
               continue;
             }
             // Edge tile: run the full kernel on a copy holding the chains' current values.
@@ -656,7 +731,7 @@ void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, 
                 tile[i * NR + j] = v;
               }
             }
-            Micro(kc, ap, bp, tile, NR, Init::kC, nullptr);
+            Micro(kc, ap, bp, tile, NR, Init::kC, nullptr, nullptr);
             for (int64_t i = 0; i < rows; ++i) {
               std::memcpy(c + i * p.ldc, tile + i * NR, cols * sizeof(float));
             }
