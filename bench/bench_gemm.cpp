@@ -12,6 +12,7 @@
 // Then lowp/: the same GEMM with both operands stored in bf16, FP8 (E4M3 per tensor, MXFP8) or
 // NVFP4, decoded while packing (gemm.h GemmOperand), against fp32 operands through the same call:
 //   build/bench_gemm --benchmark_filter=lowp/
+// And segmented/: layout mode's products in canonical K segments against one chain.
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
@@ -198,7 +199,9 @@ std::string shape_name(const Shape& s) {
 }
 
 void register_pair(const std::string& group, const Shape& s, int threads) {
-  const std::string suffix = "/" + shape_name(s) + "/threads:" + std::to_string(threads);
+  // (Built by appending: "/" + a temporary string trips GCC 12's -Wrestrict false positive.)
+  std::string suffix = "/";
+  suffix += shape_name(s) + "/threads:" + std::to_string(threads);
   for (const bool lockstep : {true, false}) {
     const std::string name = group + (lockstep ? "/lockstep" : "/openblas") + suffix;
     auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, "")
@@ -219,6 +222,43 @@ void register_other_kernels(const Shape& s, int threads) {
         ->Unit(benchmark::kMillisecond)
         ->MinTime(0.3);
   }
+}
+
+// determinism = "layout"'s segmented products (GemmOptions::k_segments, docs/determinism.md): the
+// same shape as one chain over K (segments 0), as one segment (C = init + the chain), and in 8
+// canonical segments summed along the tree (the fold in the kernel's epilogue). The shapes of
+// moe-peer's layout-mode GEMMs: the attention proj forward (K = 256: segments of 32), an expert's
+// proj forward (256 rows, K = 512: 64), an expert's weight gradient (K = its 256 rows: 32).
+void bm_segmented(benchmark::State& state, Shape s, int threads, int64_t segments) {
+  Operands op(s);
+  lockstep::ThreadPool pool(threads);
+  lockstep::ThreadPool::Bind bind(&pool);
+  std::vector<int64_t> bounds;
+  for (int64_t k = 0; segments > 0 && k <= segments; ++k) bounds.push_back(k * s.K / segments);
+  lockstep::GemmOptions opt;
+  opt.accumulate = s.accumulate;
+  opt.k_segments = bounds;
+  for (auto _ : state) {
+    lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
+    benchmark::ClobberMemory();
+  }
+  set_flops(state, s);
+}
+
+void register_segmented() {
+  const Shape shapes[] = {{1024, 256, 256, Trans::N, Trans::T, false},
+                          {256, 256, 512, Trans::N, Trans::T, false},
+                          {512, 256, 256, Trans::T, Trans::N, true}};
+  for (const Shape& s : shapes)
+    for (int threads : {1, 2})
+      for (int64_t segments : {0, 1, 8}) {
+        std::string name = "segmented/";
+        name += shape_name(s);
+        name += "/segments:" + std::to_string(segments);
+        name += "/threads:" + std::to_string(threads);
+        benchmark::RegisterBenchmark(name.c_str(), bm_segmented, s, threads, segments)
+            ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+      }
 }
 
 void register_lowp() {
@@ -267,6 +307,7 @@ int main(int argc, char** argv) {
   register_all();
   register_grouped();
   register_lowp();
+  register_segmented();
   benchmark::RunSpecifiedBenchmarks();
   benchmark::Shutdown();
   return 0;
