@@ -1023,9 +1023,9 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
   // divides it with NVFP4; NVFP4 experts of one rank.
   EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=3", "parallel.expert_tensor=2", "moe.num_experts=6"},
                      "moe-debug")
-                .find("determinism = \"layout\" with parallel.expert x parallel.expert_tensor = 6 and parallel.tensor "
-                      "= 4: an expert's rows would come from parts of a micro-batch's tensor-parallel ranks that do not "
-                      "tile it"),
+                .find("determinism = \"layout\" with parallel.tensor = 4, an MoE model and parallel.expert x "
+                      "parallel.expert_tensor = 6: an expert's rows would come from parts of a micro-batch's ranks of "
+                      "parallel.tensor = 4 that do not tile it"),
             std::string::npos);
   EXPECT_NE(error_of(4, {"parallel.tensor=4", "parallel.expert=2", "precision.params=bf16", "precision.fp4=nvfp4"},
                      "moe-debug")

@@ -189,6 +189,15 @@ const Row kRows[] = {
                                                                    "parallel.expert=2", A2A, "train.micro_batch=2"}, WHOLE, BF16_NOISE},
     {"fp8_delayed_llama_moe_tp2_sp_ep2_edp2_alltoall", "moe-debug.toml", 4, {DELAYED, LLAMA_MOE, "parallel.tensor=2", SP,
                                                                             "parallel.expert=2", A2A, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    // Under pipeline parallelism (each micro-batch in flight keeping its own quantised inputs): the
+    // current-scaling recipes per micro-batch as one process; delayed scaling updates once per step
+    // there, as one process does with the step's batch in one micro-batch (WHOLE).
+    {"fp8_tensorwise_gpt2_pp2", "debug.toml", 2, {TENSORWISE, "parallel.pipeline=2"}, {}, BF16_NOISE},
+    {"fp8_blockwise_moe_pp2_interleaved_ep2", "moe-debug.toml", 4, {"precision.params=bf16", "precision.fp8=blockwise",
+                                                                    "model.num_layers=4", "parallel.pipeline=2",
+                                                                    "parallel.virtual_pipeline=2", "parallel.expert=2", A2A},
+     {}, BF16_NOISE},
+    {"fp8_delayed_moe_pp2", "moe-debug.toml", 2, {DELAYED, "parallel.pipeline=2"}, WHOLE, BF16_NOISE},
 };
 
 constexpr int kSteps = 3;
