@@ -672,7 +672,8 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
 }
 
 // Every low-precision recipe under pipeline parallelism: 1F1B with two micro-batches in flight on
-// the first stage (each keeps its own quantised inputs for its weight gradient), interleaved, with
+// the first stage (each keeps its own quantised inputs for its weight gradient), all forwards then
+// all backwards (every micro-batch in flight), interleaved, with
 // data, tensor, expert and context parallelism; delayed scaling's once-per-step update over the stage's
 // tensors, its histories in the checkpoint; NVFP4's stochastic rounding keyed by the tensor's name,
 // the same on every stage.
@@ -682,6 +683,7 @@ TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess
                              "precision.fp8=mxfp8", "precision.fp4=nvfp4"}) {
     rows_match_single_process("moe-debug", {
         {2, {"parallel.pipeline=2"}},
+        {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
         {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
              "moe.token_dispatcher=alltoall"}},
     }, {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2"});

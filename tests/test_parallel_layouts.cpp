@@ -198,6 +198,9 @@ const Row kRows[] = {
                                                                     "parallel.virtual_pipeline=2", "parallel.expert=2", A2A},
      {}, BF16_NOISE},
     {"fp8_delayed_moe_pp2", "moe-debug.toml", 2, {DELAYED, "parallel.pipeline=2"}, WHOLE, BF16_NOISE},
+    {"fp8_tensorwise_moe_pp2_afab_ep2_alltoall", "moe-debug.toml", 4, {TENSORWISE, "parallel.pipeline=2",
+                                                                      "parallel.pipeline_schedule=all_forward_all_backward",
+                                                                      "parallel.expert=2", A2A}, {}, BF16_NOISE},
 };
 
 constexpr int kSteps = 3;

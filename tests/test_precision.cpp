@@ -14,6 +14,7 @@
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/dtype.h"
+#include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/quantize.h"
@@ -300,7 +301,9 @@ struct RecipeRef {
       quantize_mxfp8(q, src.data(), r, c, f);
     } else {
       StochasticRounding sr;
-      if (grad) sr = {true, seed, static_cast<uint64_t>(step), sr_usage, micro * rows * cols, 0};  // site 0
+      // The site's key: its weight's name (Precision::Site::global_key).
+      if (grad) sr = {true, seed, static_cast<uint64_t>(step), purpose_id("layers.0.mlp.fc.weight") * 4 + sr_usage,
+                      micro * rows * cols, 0};
       quantize_nvfp4(q, src.data(), r, c, 1, sr);
     }
     const std::vector<float> v = dequantized(q);

@@ -228,10 +228,10 @@ StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64
   sr.enabled = true;
   sr.seed = seed_;
   sr.step = static_cast<uint64_t>(step_);
-  // Under layout the site's key from its name in the whole model (an expert's index in its layer):
-  // the same on any expert-parallel or pipeline layout; run mode keeps the index on this rank.
-  const Site& s = sites_[static_cast<size_t>(site)];
-  sr.tensor_id = (groups_.layout ? s.global_key : static_cast<uint64_t>(site)) * 4 + usage;
+  // The site's key from its name in the whole model (an expert's index in its layer): the same on
+  // any expert-parallel or pipeline layout, and no two tensors of a run share one (pipeline stages
+  // or expert-parallel ranks counting their own sites would).
+  sr.tensor_id = sites_[static_cast<size_t>(site)].global_key * 4 + usage;
   sr.index_base = micro_ * grows * gcols + grow * gcols + gcol;
   sr.global_cols = gcols;
   return sr;

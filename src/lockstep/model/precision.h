@@ -154,8 +154,8 @@ class Precision {
 
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
-  // etp). layout (determinism = "layout"): stochastic rounding keys an expert's draws by its index
-  // in the layer (Site::global_key), and per_step is set too. per_step: delayed scaling updates
+  // etp). layout (determinism = "layout"): the data-parallel replicas left out of the training
+  // groups (the header comment), and per_step is set too. per_step: delayed scaling updates
   // once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp,
   // etp x edp).
   struct AmaxGroups {
@@ -282,7 +282,7 @@ class Precision {
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string name, global_name;  // the expert's index on this rank / in the layer
-    uint64_t global_key = 0;        // layout's SR key: purpose_id(global_name), the same on every layout
+    uint64_t global_key = 0;        // the SR key: purpose_id(global_name), the same on every layout
     bool expert = false;  // reduced over the expert group
     bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
     AmaxHistory state[3];
