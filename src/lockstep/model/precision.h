@@ -64,10 +64,11 @@
 // Delayed scaling reduces the micro-batch's staged amax values at end_micro_batch, or the step's at
 // end_step (AmaxGroups::per_step), one all-reduce per group for all tensors; tensorwise reduces
 // before each quantisation (one all-reduce per linear layer or grouped expert GEMM, every expert's
-// value even when it got no tokens, so the ranks' calls pair up). determinism = "layout" scales each micro-batch by its own tensors: the trainer leaves
-// the data-parallel replicas out of the groups there, except from delayed scaling's once-per-step
-// update (AmaxHistory); an expert x expert-tensor group smaller than tp x cp (1, or a divisor of tp)
-// keeps the tp x cp ranks holding the same experts, which hold parts of one micro-batch's rows.
+// value even when it got no tokens, so the ranks' calls pair up). determinism = "layout" scales
+// each micro-batch by its own tensors: the trainer leaves the data-parallel replicas out of the
+// groups there, except from delayed scaling's once-per-step update (AmaxHistory); an expert x
+// expert-tensor group smaller than tp x cp (1, or a divisor of tp) keeps the tp x cp ranks holding
+// the same experts, which hold parts of one micro-batch's rows.
 // Evaluation's forwards are per rank (ranks may evaluate different batches): they reduce over the
 // ranks that share a batch only (tp x cp; experts etp, or those tp x cp ranks). One process, or
 // groups of one rank:
@@ -154,8 +155,9 @@ class Precision {
 
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
-  // etp). layout (determinism = "layout"): the data-parallel replicas left out of the training
-  // groups (the header comment), and per_step is set too. per_step: delayed scaling updates
+  // etp). layout (determinism = "layout"): the block recipes quantise in canonical pieces, NVFP4's
+  // tensor amax is the whole tensor's (in_pieces, nvfp4_tensor_amax), and the histories are the same
+  // on every rank of the step's group (layout()); the trainer sets per_step with it. per_step: delayed scaling updates
   // once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp,
   // etp x edp).
   struct AmaxGroups {
