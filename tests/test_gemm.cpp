@@ -208,15 +208,21 @@ TEST(Gemm, EmptyKWritesInit) {
 // included; segment counts that are not powers of two (the streamed tree holds several subtrees at
 // the last one); output rows wider than the combiner's block; 1 and 3 threads.
 // Without an init the segmented product is the tree itself: a -0 (an underflowing negative
-// product) stays -0, as the sum over ranks of -0 parts keeps it.
+// product) stays -0, as the sum over ranks of -0 parts keeps it. Edge tiles (4 x 3) and whole
+// ones (12 x 128: the tiles of every kernel, whose last segment stores to C from its epilogue), on
+// every kernel.
 TEST(Gemm, KSegmentsKeepNegativeZero) {
-  const std::vector<float> A(4 * 8, 1e-30f), B(8 * 3, -1e-30f);
   const std::vector<int64_t> segments = {0, 2, 4, 6, 8};
   GemmOptions opt;
   opt.k_segments = segments;
-  std::vector<float> C(4 * 3, 1.0f);
-  gemm(C.data(), A.data(), Trans::N, B.data(), Trans::N, 4, 3, 8, opt);
-  for (float v : C) EXPECT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f));
+  for (const auto& [M, N] : {std::pair<int64_t, int64_t>{4, 3}, {12, 128}})
+    for (const std::string& kernel : detail::gemm_kernels()) {
+      const std::vector<float> A(static_cast<size_t>(M * 8), 1e-30f), B(static_cast<size_t>(8 * N), -1e-30f);
+      std::vector<float> C(static_cast<size_t>(M * N), 1.0f);
+      detail::gemm_with_kernel(kernel, C.data(), N, A.data(), 8, Trans::N, B.data(), N, Trans::N, M, N, 8, opt);
+      for (float v : C)
+        ASSERT_EQ(std::bit_cast<uint32_t>(v), std::bit_cast<uint32_t>(-0.0f)) << kernel << " " << M << " x " << N;
+    }
 }
 
 // k_segments (and k_sections): the canonical tree over the segments' chains plus the init, as the
