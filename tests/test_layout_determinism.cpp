@@ -10,6 +10,7 @@
 #include <bit>
 #include <cmath>
 #include <filesystem>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -53,6 +54,15 @@ std::vector<std::string> global_fields(const std::string& run_dir, bool params =
   return out;
 }
 
+// The evaluation lines of metrics.jsonl (with train.eval_interval > 0): the eval losses as written.
+std::vector<std::string> eval_lines(const std::string& run_dir) {
+  std::vector<std::string> out;
+  std::istringstream in(testing::read_file(run_dir + "/metrics.jsonl"));
+  for (std::string line; std::getline(in, line);)
+    if (line.find("\"eval_loss\"") != std::string::npos) out.push_back(line);
+  return out;
+}
+
 // Empty when every tensor of the two runs' last checkpoints has the same bits; else the first that
 // differs.
 std::string checkpoint_difference(const std::string& a, const std::string& b) {
@@ -80,6 +90,11 @@ void rows_match_single_process(const std::string& preset, const std::vector<Row>
   train_ranks(1, job(preset, ref, common));
   const std::vector<std::string> expected = global_fields(ref);
   ASSERT_EQ(expected.size(), static_cast<size_t>(kSteps));
+  for (const std::string& key : common) {
+    if (key.rfind("train.eval_interval=", 0) == 0 && key != "train.eval_interval=0") {
+      ASSERT_FALSE(eval_lines(ref).empty()) << "no evaluation to compare";
+    }
+  }
   int k = 0;
   for (const Row& row : rows) {
     std::string name = std::to_string(row.ranks) + " ranks";
@@ -93,6 +108,7 @@ void rows_match_single_process(const std::string& preset, const std::vector<Row>
                        name.find("parallel.tensor") == std::string::npos;
     EXPECT_EQ(global_fields(out, whole), whole ? expected : global_fields(ref, false)) << preset << ": " << name;
     EXPECT_EQ(checkpoint_difference(ref, out), "") << preset << ": " << name << ": checkpoint tensor differs";
+    EXPECT_EQ(eval_lines(out), eval_lines(ref)) << preset << ": " << name << ": evaluation differs";
   }
 }
 
@@ -676,7 +692,7 @@ TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
 // all backwards (every micro-batch in flight), interleaved, with
 // data, tensor, expert and context parallelism; delayed scaling's once-per-step update over the stage's
 // tensors, its histories in the checkpoint; NVFP4's stochastic rounding keyed by the tensor's name,
-// the same on every stage.
+// the same on every stage; evaluation between steps (the MoE rows), with the scales as they are.
 TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess) {
   const std::string bf16 = "precision.params=bf16";
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
@@ -686,7 +702,8 @@ TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess
         {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
         {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
              "moe.token_dispatcher=alltoall"}},
-    }, {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2"});
+    }, {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2", "train.eval_interval=2",
+        "train.eval_batches=2"});
     rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
                                         {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
                               {bf16, recipe, "model.mtp_num_layers=1"});
