@@ -187,6 +187,19 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     h.update(all.data(), all.size() * sizeof(float));
   }
 
+  // Strings: ranks' strings of different lengths (rank 0's empty, one with a NUL inside) on every
+  // rank in rank order, and a broadcast from the last rank.
+  {
+    auto text = [](int r) { return r == 0 ? std::string() : std::string(static_cast<size_t>(3 * r), 'a' + r) + '\0' + "x"; };
+    const std::vector<std::string> all = all_gather_strings(comm, text(me));
+    if (static_cast<int>(all.size()) != P) fail(str("all_gather_strings: ", all.size(), " strings of ", P));
+    for (int r = 0; r < P && r < static_cast<int>(all.size()); ++r)
+      if (all[static_cast<size_t>(r)] != text(r)) fail(str("all_gather_strings: rank ", r, "'s string differs"));
+    const std::string b = broadcast_string(comm, me == P - 1 ? text(me) : "?", P - 1);
+    if (b != text(P - 1)) fail("broadcast_string from the last rank differs");
+    for (const std::string& x : all) h.update(x.data(), x.size());
+  }
+
   // Other element types of the reductions.
   {
     std::vector<double> d(5);

@@ -340,6 +340,29 @@ void all_reduce_exact(Communicator& comm, ExactSum* sums, int n) {
   }
 }
 
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& s) {
+  const int P = comm.size();
+  std::vector<int64_t> lengths(static_cast<size_t>(P));
+  const int64_t mine = static_cast<int64_t>(s.size());
+  comm.all_gather(lengths.data(), &mine, 1);
+  // Each rank's string padded to the longest: one all-gather of equal parts.
+  const int64_t longest = *std::max_element(lengths.begin(), lengths.end());
+  std::string padded = s, all(static_cast<size_t>(longest * P), '\0');
+  padded.resize(static_cast<size_t>(longest), '\0');
+  if (longest > 0) comm.all_gather(all.data(), padded.data(), longest);
+  std::vector<std::string> out(static_cast<size_t>(P));
+  for (int r = 0; r < P; ++r) out[static_cast<size_t>(r)] = all.substr(static_cast<size_t>(r * longest), static_cast<size_t>(lengths[r]));
+  return out;
+}
+
+std::string broadcast_string(Communicator& comm, std::string s, int root) {
+  int64_t n = static_cast<int64_t>(s.size());
+  comm.broadcast(&n, 1, root);
+  s.resize(static_cast<size_t>(n));
+  if (n) comm.broadcast(s.data(), n, root);
+  return s;
+}
+
 #define LOCKSTEP_INSTANTIATE(T)                                                           \
   template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                 \
   template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);                       \

@@ -200,6 +200,11 @@ class ExactSum;
 // size or order (determinism = "layout"'s scalar sums).
 void all_reduce_exact(Communicator& comm, ExactSum* sums, int n);
 
+// Strings (metadata, reports; never tensor data): every rank's s, in rank order, on every rank;
+// and root's s on every rank.
+std::vector<std::string> all_gather_strings(Communicator& comm, const std::string& s);
+std::string broadcast_string(Communicator& comm, std::string s, int root = 0);
+
 // Reductions are defined for these element types (explicit instantiations in communicator.cpp).
 #define LOCKSTEP_COMM_REDUCE_TYPES(X) X(float) X(double) X(int32_t) X(int64_t) X(uint64_t)
 

@@ -346,35 +346,6 @@ int64_t copy_overlap(const StateShard& dst, const StateShard& src) {
 
 namespace {
 
-// ---- collectives on strings (metadata only; tensor data never moves between ranks) ----
-
-std::vector<std::string> gather_strings(Communicator& comm, const std::string& s) {
-  const int P = comm.size();
-  std::vector<int64_t> lengths(static_cast<size_t>(P));
-  const int64_t mine = static_cast<int64_t>(s.size());
-  comm.all_gather(lengths.data(), &mine, 1);
-  std::vector<std::string> all;
-  if (comm.rank() != 0) {
-    if (mine) comm.send(s.data(), mine, 0, 7001);
-    return all;
-  }
-  all.resize(static_cast<size_t>(P));
-  all[0] = s;
-  for (int r = 1; r < P; ++r) {
-    all[r].resize(static_cast<size_t>(lengths[r]));
-    if (lengths[r]) comm.recv(all[r].data(), lengths[r], r, 7001);
-  }
-  return all;
-}
-
-std::string broadcast_string(Communicator& comm, std::string s) {
-  int64_t n = static_cast<int64_t>(s.size());
-  comm.broadcast(&n, 1, 0);
-  s.resize(static_cast<size_t>(n));
-  if (n) comm.broadcast(s.data(), n, 0);
-  return s;
-}
-
 const std::regex& step_dir_pattern() {
   static const std::regex re("step-([0-9]{8})");
   return re;
@@ -789,7 +760,7 @@ struct CheckpointSaver::Impl {
 
   void commit() {
     const std::string error = write.get();
-    const std::vector<std::string> reports = gather_strings(comm, rank_report(error));
+    const std::vector<std::string> reports = all_gather_strings(comm, rank_report(error));
     std::string message;
     if (comm.rank() == 0) {
       for (const std::string& r : reports) {

@@ -104,17 +104,10 @@ std::string duration_text(double s) {
 std::vector<std::string> stages_module_names(Communicator& pp, const std::vector<std::string>& mine) {
   std::string joined;
   for (const std::string& m : mine) joined += m + '\n';
-  int64_t longest = static_cast<int64_t>(joined.size());
-  pp.all_reduce(&longest, 1, ReduceOp::max);
-  joined.resize(static_cast<size_t>(longest), '\0');
-  std::string all(static_cast<size_t>(longest * pp.size()), '\0');
-  pp.all_gather(all.data(), joined.data(), longest);
   std::vector<std::string> names;
-  std::string name;
-  for (char c : all) {
-    if (c == '\n') names.push_back(std::exchange(name, {}));
-    else if (c != '\0') name += c;
-  }
+  for (const std::string& stage : all_gather_strings(pp, joined))
+    for (size_t at = 0, end; (end = stage.find('\n', at)) != std::string::npos; at = end + 1)
+      names.push_back(stage.substr(at, end - at));
   return names;
 }
 
