@@ -105,16 +105,20 @@ int64_t choose_grid_rows(int64_t units_m, int64_t units_n, int64_t parts, int64_
 // chains over kc steps of the packed panels a (kc x MR) and b (kc x NR, 64-byte aligned). Init
 // kBias starts every row from bias[0 .. NR). With an epilogue (a segmented product's fold, see
 // compute_region_segmented), the finished chains then take its additions in order, each one
-// tile = add + tile elementwise, and the tile is stored to ep->dst instead of c.
+// tile = add + tile elementwise (row i of add f at add[f] + i * ld[f]), and the tile is stored to
+// ep->dst instead of c.
 // Kept out of line: inlined into the driver, their accumulators compete with its registers.
 struct Epilogue {
-  static constexpr int kMaxAdds = 8;
-  const float* add[kMaxAdds];  // MR x NR tiles, row stride NR (64-byte aligned)
+  static constexpr int kMaxAdds = 8;  // the held subtrees (up to 7: kMaxFusedSegments = 128) and the init
+  const float* add[kMaxAdds];
+  int64_t ld[kMaxAdds];  // an L1 tile's NR, C's ldc, or 0 for the bias row
   int adds = 0;
-  const float* init = nullptr;  // last, when set: rows init + i * ld_init (C's rows, or the bias row with 0)
-  int64_t ld_init = 0;
   float* dst = nullptr;
   int64_t ldd = 0;
+  void push(const float* a, int64_t l) {
+    add[adds] = a;
+    ld[adds++] = l;
+  }
 };
 using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
                              Init init, const float* bias, const Epilogue* ep);
@@ -138,12 +142,7 @@ template <int MR, int NR>
   if (ep) {
     for (int f = 0; f < ep->adds; ++f) {
       LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
-        LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = ep->add[f][i * NR + j] + acc[i][j];
-      }
-    }
-    if (ep->init) {
-      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
-        LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = ep->init[i * ep->ld_init + j] + acc[i][j];
+        LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) acc[i][j] = ep->add[f][i * ep->ld[f] + j] + acc[i][j];
       }
     }
     c = ep->dst;
@@ -187,14 +186,7 @@ template <int MR, int NV>
     for (int f = 0; f < ep->adds; ++f) {
       LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
         LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-          acc[i][v] = _mm256_add_ps(_mm256_load_ps(ep->add[f] + i * 8 * NV + 8 * v), acc[i][v]);
-        }
-      }
-    }
-    if (ep->init) {
-      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
-        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-          acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(ep->init + i * ep->ld_init + 8 * v), acc[i][v]);
+          acc[i][v] = _mm256_add_ps(_mm256_loadu_ps(ep->add[f] + i * ep->ld[f] + 8 * v), acc[i][v]);
         }
       }
     }
@@ -241,14 +233,7 @@ void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t
     for (int f = 0; f < ep->adds; ++f) {
       LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
         LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-          acc[i][v] = _mm512_add_ps(_mm512_load_ps(ep->add[f] + i * 16 * NV + 16 * v), acc[i][v]);
-        }
-      }
-    }
-    if (ep->init) {
-      LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
-        LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-          acc[i][v] = _mm512_add_ps(_mm512_loadu_ps(ep->init + i * ep->ld_init + 16 * v), acc[i][v]);
+          acc[i][v] = _mm512_add_ps(_mm512_loadu_ps(ep->add[f] + i * ep->ld[f] + 16 * v), acc[i][v]);
         }
       }
     }
@@ -650,13 +635,13 @@ void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, in
             // The fold in the chain's last call: held subtree + carry, smallest first, into the
             // slot of the subtree it completes (or C).
             Epilogue ep;
-            for (int f = 1; f <= fold; ++f) ep.add[ep.adds++] = slot[held - f];
+            for (int f = 1; f <= fold; ++f) ep.push(slot[held - f], NR);
             cur = slot[held - fold];
             ep.dst = cur;
             ep.ldd = NR;
             if (last && whole) {
-              if (p.init == Init::kC) ep.init = c, ep.ld_init = p.ldc;
-              if (p.init == Init::kBias) ep.init = bias, ep.ld_init = 0;
+              if (p.init == Init::kC) ep.push(c, p.ldc);
+              if (p.init == Init::kBias) ep.push(bias, 0);
               ep.dst = c;
               ep.ldd = p.ldc;
             }
