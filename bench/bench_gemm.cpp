@@ -60,13 +60,17 @@ void set_flops(benchmark::State& state, const Shape& s) {
                          benchmark::Counter::OneK::kIs1000);
 }
 
-// kernel: one of detail::gemm_kernels(), the one gemm() picks when empty.
-void bm_lockstep(benchmark::State& state, Shape s, int threads, const std::string& kernel) {
+// kernel: one of detail::gemm_kernels(), the one gemm() picks when empty. segments > 0: K in that
+// many canonical segments (GemmOptions::k_segments), else one chain.
+void bm_lockstep(benchmark::State& state, Shape s, int threads, const std::string& kernel, int64_t segments = 0) {
   Operands op(s);
   lockstep::ThreadPool pool(threads);
   lockstep::ThreadPool::Bind bind(&pool);
+  std::vector<int64_t> bounds;
+  for (int64_t k = 0; segments > 0 && k <= segments; ++k) bounds.push_back(k * s.K / segments);
   lockstep::GemmOptions opt;
   opt.accumulate = s.accumulate;
+  opt.k_segments = bounds;
   const int64_t lda = s.ta == Trans::N ? s.K : s.M, ldb = s.tb == Trans::N ? s.N : s.K;
   for (auto _ : state) {
     if (kernel.empty()) {
@@ -204,7 +208,7 @@ void register_pair(const std::string& group, const Shape& s, int threads) {
   suffix += shape_name(s) + "/threads:" + std::to_string(threads);
   for (const bool lockstep : {true, false}) {
     const std::string name = group + (lockstep ? "/lockstep" : "/openblas") + suffix;
-    auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, "")
+    auto* b = lockstep ? benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, "", 0)
                        : benchmark::RegisterBenchmark(name.c_str(), bm_openblas, s, threads);
     b->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
   }
@@ -217,7 +221,7 @@ void register_other_kernels(const Shape& s, int threads) {
   for (size_t k = 1; k < kernels.size(); ++k) {
     const std::string name =
         "kernel/" + kernels[k] + "/" + shape_name(s) + "/threads:" + std::to_string(threads);
-    benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, kernels[k])
+    benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, kernels[k], 0)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond)
         ->MinTime(0.3);
@@ -229,22 +233,6 @@ void register_other_kernels(const Shape& s, int threads) {
 // canonical segments summed along the tree (the fold in the kernel's epilogue). The shapes of
 // moe-peer's layout-mode GEMMs: the attention proj forward (K = 256: segments of 32), an expert's
 // proj forward (256 rows, K = 512: 64), an expert's weight gradient (K = its 256 rows: 32).
-void bm_segmented(benchmark::State& state, Shape s, int threads, int64_t segments) {
-  Operands op(s);
-  lockstep::ThreadPool pool(threads);
-  lockstep::ThreadPool::Bind bind(&pool);
-  std::vector<int64_t> bounds;
-  for (int64_t k = 0; segments > 0 && k <= segments; ++k) bounds.push_back(k * s.K / segments);
-  lockstep::GemmOptions opt;
-  opt.accumulate = s.accumulate;
-  opt.k_segments = bounds;
-  for (auto _ : state) {
-    lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
-    benchmark::ClobberMemory();
-  }
-  set_flops(state, s);
-}
-
 void register_segmented() {
   const Shape shapes[] = {{1024, 256, 256, Trans::N, Trans::T, false},
                           {256, 256, 512, Trans::N, Trans::T, false},
@@ -256,7 +244,7 @@ void register_segmented() {
         name += shape_name(s);
         name += "/segments:" + std::to_string(segments);
         name += "/threads:" + std::to_string(threads);
-        benchmark::RegisterBenchmark(name.c_str(), bm_segmented, s, threads, segments)
+        benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, std::string(), segments)
             ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
       }
 }
