@@ -605,8 +605,9 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 // the micro-batch. FP8 quantises an expert's rows along the tokens segment by segment, so a rank's whole segments
 // quantise as one process's, its padding rows (in its last one) zero rows (with model.bias their activations are
 // zeroed: GroupedExperts' inert_padding). NVFP4's weight gradients transform an expert's rows of a micro-batch in
-// 16-row Hadamard blocks (Precision::ExpertBlocks), which the group holds whole only when it holds whole groups of
-// those ranks, and without padding between their rows.
+// 16-row Hadamard blocks (Precision::ExpertBlocks), which the group holds whole when it holds whole groups of
+// those ranks, or, when it divides them under tensor parallelism alone (1: the experts on every rank), gathers from
+// the partners holding the rest (GroupedExperts::gathered_wgrad); and without padding between their rows.
 // what_prefix starts the refused combination; ranks_name names `ranks` (a key, or a product of keys).
 void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ranks_name, const std::string& what_prefix,
                           const std::function<void(const std::string&, const std::string&)>& refuse) {
@@ -617,7 +618,8 @@ void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ran
     refuse(str(what_prefix, "an MoE model and parallel.expert x parallel.expert_tensor = ", expert_group),
            str("an expert's rows would come from parts of a micro-batch's ", who, " that do not tile it: the expert "
                "x expert-tensor group must be 1, a multiple of ", ranks, " or a divisor of it"));
-  if (c.precision.fp4 != "none" && expert_group % ranks)
+  const bool gathers = ranks % expert_group == 0 && c.parallel.context == 1;  // ranks = tp
+  if (c.precision.fp4 != "none" && expert_group % ranks && !gathers)
     refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert x parallel.expert_tensor = ", expert_group),
            str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "

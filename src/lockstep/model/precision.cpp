@@ -215,10 +215,12 @@ bool Precision::in_pieces(const Site& s) const {
          (!s.cut_out.empty() || !s.cut_in.empty());
 }
 
-const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s) {
+const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r) {
   if (!groups_.layout) return nullptr;
+  if (nvfp4_amax_ == Nvfp4Amax::staged) return &s.now[r];
   a = amax(x, n);
-  reduce_amax(&a, 1, s.expert);
+  if (nvfp4_amax_ == Nvfp4Amax::reduce) reduce_amax(&a, 1, s.expert);
+  else max_reduce(gathered_group_, &a, 1);
   return &a;
 }
 
@@ -275,7 +277,7 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   };
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   float a = 0.0f;
-  const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s) : nullptr;
+  const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s, r) : nullptr;
   dst.resize(static_cast<size_t>(rows * cols));
   // The pieces are independent (each quantised from its own values): many of them are split over the
   // threads, each piece quantised on one (the quantisers inside run serially there), a few go one at a
@@ -356,11 +358,11 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
     case Recipe::nvfp4: {
       if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
         float a = 0.0f;
-        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]));
+        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
         return gemm_operand(q, t);
       }
       float a = 0.0f;
-      const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)]);
+      const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r);
       // 1x16 blocks along K: K along the rows is quantised transposed.
       const float* src = x;
       int64_t qr = rows, qc = cols;
@@ -531,6 +533,19 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   }
 }
 
+template <typename Add>
+bool Precision::share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w, int64_t E, Add add) {
+  if (!share || recipe(w) != Recipe::nvfp4) return false;
+  // (With G > 1, one block per expert: its rows are the expert's, offsets'.)
+  LOCKSTEP_CHECK((!blocks || blocks->sources == 1) && groups_.layout,
+                 "a share of the experts' rows needs nvfp4 under layout, one block per expert");
+  std::vector<AmaxOf> of;
+  for (int64_t e = 0; e < E; ++e) add(of, e);
+  current_amaxes(of);
+  nvfp4_amax_ = Nvfp4Amax::staged;
+  return true;
+}
+
 template <typename F>
 void Precision::for_each_block(const int64_t* offsets, const ExpertBlocks* blocks, int64_t E, F f) {
   const int64_t S = blocks ? blocks->sources : 1;
@@ -548,8 +563,12 @@ void Precision::for_each_block(const int64_t* offsets, const ExpertBlocks* block
 
 void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets,
                               int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
-                              bool partial) {
+                              bool partial, const RowShare* share) {
   const float* bias = b >= 0 && !partial ? ps.weight(b) : nullptr;
+  const bool shared = share_amaxes(share, blocks, w, E, [&](std::vector<AmaxOf>& of, int64_t e) {
+    of.push_back({first_site_[w] + e, input, x + offsets[e] * in, (offsets[e + 1] - offsets[e]) * in});
+    of.push_back({first_site_[w] + e, weight, ps.weight(w) + e * out * in, out * in});
+  });
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
@@ -581,12 +600,16 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
       gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt, s);
     });
   }
+  if (shared) nvfp4_amax_ = Nvfp4Amax::reduce;
   if (!partial) round(y, offsets[E] * out);
 }
 
 void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets,
                               int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
-                              bool partial) {
+                              bool partial, const RowShare* share) {
+  const bool shared = share_amaxes(share, blocks, w, E, [&](std::vector<AmaxOf>& of, int64_t e) {
+    of.push_back({first_site_[w] + e, grad, dy + offsets[e] * out, (offsets[e + 1] - offsets[e]) * out});
+  });
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
@@ -608,9 +631,14 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
     }
     for_each_block(offsets, blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
       if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[grad] = now[e * S + s];
-      gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, opt, s);
+      // Under a RowShare the gradient's rows are the micro-batch's rows [first, first + rows) of e's.
+      const int64_t cut[2] = {0, rows}, first = shared ? share->first[e] : 0;
+      const TokenShare tokens = shared ? TokenShare{cut, std::span<const int64_t>(&first, 1), share->total[e]} : TokenShare{};
+      gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, opt, s,
+                 tokens);
     });
   }
+  if (shared) nvfp4_amax_ = Nvfp4Amax::reduce;
   if (!partial) round(dx, offsets[E] * in);
 }
 
@@ -627,6 +655,26 @@ void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* d
     gemm_wgrad(first_site_[w] + e, ps.grad(w) + e * out * in, dy + r0 * out, x + r0 * in, rows, out, in);
     if (dbias) bias_backward(dbias + e * out, dy + r0 * out, rows, out);
   }
+}
+
+void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float* dy, const float* x,
+                                       const int64_t* offsets, int64_t e0, int64_t e1, int64_t out, int64_t in,
+                                       Communicator* etp) {
+  LOCKSTEP_CHECK(recipe(w) == Recipe::nvfp4 && groups_.layout, "gathered expert weight gradients need nvfp4 under layout");
+  nvfp4_amax_ = Nvfp4Amax::gathered;
+  gathered_group_ = etp;
+  for (int64_t e = e0; e < e1; ++e) {
+    const int64_t r0 = offsets[e - e0], rows = offsets[e - e0 + 1] - r0;
+    float* g = dw + e * out * in;
+    // What one process accumulates into: the micro-batch's gradient starts from zero.
+    parallel_for(out * in, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, 0.0f); });
+    if (db) std::fill(db + e * out, db + (e + 1) * out, 0.0f);
+    if (rows == 0) continue;
+    gemm_wgrad(first_site_[w] + e, g, dy + r0 * out, x + r0 * in, rows, out, in);
+    if (db) bias_backward(db + e * out, dy + r0 * out, rows, out);
+  }
+  nvfp4_amax_ = Nvfp4Amax::reduce;
+  gathered_group_ = nullptr;
 }
 
 void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x,

@@ -231,6 +231,20 @@ class Precision {
     const int64_t* whole = nullptr;     // run mode: the experts' offsets (E + 1); else null
   };
 
+  // determinism = "layout", NVFP4, an expert x expert-tensor group of G dividing tp (1: the experts
+  // on every tp rank; model/moe/experts.h): the group holds the rows of G of a micro-batch's tp ranks,
+  // the partner groups the others', so expert e's rows here (with G > 1 the group's one block per
+  // expert) are rows [first[e], first[e] + n_e) of the micro-batch's total[e] rows of e (the tp
+  // ranks' rows in rank order: token order, as one process orders them). Their NVFP4 operands are
+  // quantised as those parts of the one-process tensors: every expert's amax max-reduced over the
+  // group in one all-reduce per grouped GEMM (each rank gives every expert's, rows or none, so the
+  // calls pair up), the gradient's stochastic rounding drawn at its rows' indices in the whole. The
+  // weight gradients need the whole tensors: grouped_wgrad_gathered.
+  struct RowShare {
+    const int64_t* first = nullptr;  // (E)
+    const int64_t* total = nullptr;  // (E)
+  };
+
   // The same per expert e over its rows [offsets[e], offsets[e+1]) (kernels/cpu/grouped_gemm.h):
   // weight w (E, out, in), bias b (E, out) or -1; y (R, out), x (R, in). With blocks (quantised
   // recipes only), per (expert, source) block. seg (determinism = "layout"): K (fprop's in, dgrad's
@@ -238,14 +252,23 @@ class Precision {
   // grouped_gemm_segmented; quantised: the same cut as gemm's k_segments per expert or block);
   // partial: an expert-tensor-parallel rank's part of the sum, without the bias and not rounded (the
   // caller adds and rounds after the group's sum).
+  // share: the rows are parts of the micro-batch's (RowShare; NVFP4 only).
   void grouped_fprop(const ParamStore& ps, int w, int b, float* y, const float* x, const int64_t* offsets, int64_t E,
                      int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr, const KSegments& seg = {},
-                     bool partial = false);
+                     bool partial = false, const RowShare* share = nullptr);
   void grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets, int64_t E,
                      int64_t out, int64_t in, const ExpertBlocks* blocks = nullptr, const KSegments& seg = {},
-                     bool partial = false);
+                     bool partial = false, const RowShare* share = nullptr);
   void grouped_wgrad(const ParamStore& ps, int w, int b, const float* dy, const float* x, const int64_t* offsets,
                      int64_t E, int64_t out, int64_t in);
+  // NVFP4 under a RowShare: the weight gradients of weight w's experts [e0, e1) from all of the
+  // micro-batch's rows of each, gathered here (expert e0 + i's rows [offsets[i], offsets[i + 1]) of dy
+  // and x, in the one-process order), each the whole tensor one process transforms and quantises,
+  // assigned to expert e's dw (E, out, in) and db (E, out) or null. The amax of each operand is its
+  // own rows', max-reduced over etp only (the expert-tensor ranks' slices of the hidden units, which
+  // gather the same experts' rows; null: none).
+  void grouped_wgrad_gathered(int w, float* dw, float* db, const float* dy, const float* x, const int64_t* offsets,
+                              int64_t e0, int64_t e1, int64_t out, int64_t in, Communicator* etp);
   // The weight gradient per block (quantised recipes): dw (E x sources, out, in) and db (E x
   // sources, out) or null, block (e, s) += dy^T x and the column sums of dy over its rows.
   void grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x, const ExpertBlocks& blocks,
@@ -322,9 +345,14 @@ class Precision {
                               bool k_along_cols, Role r, int64_t site, uint64_t usage, Dim rd, Dim cd,
                               const TokenShare& tokens = {});
   bool in_pieces(const Site& s) const;
-  // NVFP4 under layout: the amax of x (n values), max-reduced over the site's group (the whole
-  // tensor's); null otherwise (the quantiser takes x's own).
-  const float* nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s);
+  // NVFP4 under layout: the amax of x (n values, role r's operand), max-reduced over the site's group
+  // (the whole tensor's); null otherwise (the quantiser takes x's own). nvfp4_amax_ says where it
+  // comes from instead: already reduced into Site::now (a RowShare's grouped GEMM), or x's own rows
+  // as the whole tensor's, reduced over gathered_group_ only (grouped_wgrad_gathered).
+  const float* nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r);
+  enum class Nvfp4Amax : uint8_t { reduce, staged, gathered };
+  Nvfp4Amax nvfp4_amax_ = Nvfp4Amax::reduce;
+  Communicator* gathered_group_ = nullptr;
   // NVFP4's stochastic rounding of a gradient (usage tells apart its quantisations); element (r, c)
   // of a piece at global (grow, gcol) of a (grows, gcols) tensor draws index micro x grows x gcols +
   // (grow + r) x gcols + gcol + c.
@@ -341,6 +369,11 @@ class Precision {
   };
   // Returns the reduced values too (in the order of `of`).
   std::vector<float> current_amaxes(const std::vector<AmaxOf>& of);
+  // NVFP4 under a RowShare (else false, nothing done): add(of, e) lists expert e's operands of the
+  // grouped GEMM on weight w, whose amaxes are reduced at once into Site::now; nvfp4_amax_ reads
+  // them there until the caller sets it back.
+  template <typename Add>
+  bool share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w, int64_t E, Add add);
   // The operand of role r (input or grad) kept for wgrad: the site's, or source block blk's.
   QuantizedTensor& kept(Site& s, Role r, int64_t blk);
   void reduce_amax(float* a, int64_t n, bool expert);

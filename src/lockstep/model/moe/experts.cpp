@@ -24,7 +24,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
       self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
       has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size),
-      layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp),
+      layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp), etp_group(shard.etp),
       groups(shard.sources) {
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
@@ -354,13 +354,15 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
   Precision& p = ps.precision();
   const int64_t R = offsets[E];
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
-  p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C, qb);
+  const Precision::RowShare* rows_share = row_share(p, offsets);
+  p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C, qb, {}, false, rows_share);
   if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
   else gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
   if (inert_padding) zero_rows_of_zeros(arena(act), x, R, F, C);
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
-  p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb, KSegments{kseg.segments, 1}, partial());
+  p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb, KSegments{kseg.segments, 1}, partial(),
+                  rows_share);
 }
 
 void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const {
@@ -399,6 +401,83 @@ void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t 
     if (i >= 0) keep_on_first(*tp, ps.grad(i), n);
 }
 
+Communicator* GroupedExperts::share_group(const Precision& p) const {
+  if (!token_L || p.recipe(fc_w) != Precision::Recipe::nvfp4 || (sources == 1 ? tp_size == 1 : !partners)) return nullptr;
+  LOCKSTEP_CHECK(cp_size == 1 && (sources > 1 || tp),
+                 "nvfp4 experts split over a micro-batch's ranks under context parallelism (refused by the config)");
+  return sources == 1 ? tp : partners;
+}
+
+const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const int64_t* offsets) const {
+  Communicator* group = share_group(p);
+  if (!group) return nullptr;
+  const int64_t P = group->size(), q = group->rank();
+  std::vector<int64_t> mine(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
+  share_counts.resize(static_cast<size_t>(P * E));
+  group->all_gather(share_counts.data(), mine.data(), E);
+  share_first.assign(static_cast<size_t>(E), 0);
+  share_total.assign(static_cast<size_t>(E), 0);
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t n = share_counts[static_cast<size_t>(r * E + e)];
+      if (r < q) share_first[static_cast<size_t>(e)] += n;
+      share_total[static_cast<size_t>(e)] += n;
+    }
+  share = Precision::RowShare{share_first.data(), share_total.data()};
+  return &share;
+}
+
+void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in,
+                                    const int64_t* offsets, int64_t nout, int64_t nin) const {
+  Communicator& group = *share_group(p);
+  const int64_t P = group.size(), q = group.rank();
+  const auto lo = [&](int64_t r) { return r * E / P; };  // tp rank r's experts [lo(r), lo(r + 1))
+  const int64_t e0 = lo(q), e1 = lo(q + 1);
+  const auto count = [&](int64_t r, int64_t e) { return share_counts[static_cast<size_t>(r * E + e)]; };
+  // Rows sent to each rank (its experts' rows here, contiguous) and received from each (this rank's
+  // experts' rows there); where expert e's rows start once in expert order (source r's after r - 1's).
+  std::vector<int64_t> send(static_cast<size_t>(P)), recv(static_cast<size_t>(P), 0);
+  std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0);
+  for (int64_t r = 0; r < P; ++r) {
+    send[static_cast<size_t>(r)] = offsets[lo(r + 1)] - offsets[lo(r)];
+    for (int64_t e = e0; e < e1; ++e) {
+      recv[static_cast<size_t>(r)] += count(r, e);
+      goff[static_cast<size_t>(e - e0 + 1)] += count(r, e);
+    }
+  }
+  for (int64_t e = e0; e < e1; ++e) goff[static_cast<size_t>(e - e0 + 1)] += goff[static_cast<size_t>(e - e0)];
+  const int64_t rows = goff.back();
+  const auto gather = [&](FloatBuffer& dst, const float* src, int64_t n) {
+    std::vector<int64_t> s(send), r(recv);
+    for (int64_t& k : s) k *= n;
+    for (int64_t& k : r) k *= n;
+    gathered_recv.grow(rows * n);
+    group.all_to_allv(gathered_recv.data(), r, src, s);
+    dst.grow(rows * n);
+    int64_t at = 0;  // the next received row
+    for (int64_t src_rank = 0; src_rank < P; ++src_rank)
+      for (int64_t e = e0; e < e1; ++e) {
+        int64_t to = goff[static_cast<size_t>(e - e0)];
+        for (int64_t k = 0; k < src_rank; ++k) to += count(k, e);
+        const int64_t m = count(src_rank, e);
+        std::memcpy(dst.data() + to * n, gathered_recv.data() + at * n, static_cast<size_t>(m * n) * sizeof(float));
+        at += m;
+      }
+  };
+  gather(gathered_dy, dy, nout);
+  gather(gathered_x, in, nin);
+  p.grouped_wgrad_gathered(w, dw, db, gathered_dy.data(), gathered_x.data(), goff.data(), e0, e1, nout, nin,
+                           etp_size > 1 ? etp_group : nullptr);
+  // The other ranks' experts: -0, which their gradients' sum over the group adds exactly.
+  for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
+    if (!g) continue;
+    for (const auto& [a, z] : {std::pair<int64_t, int64_t>{0, e0}, std::pair<int64_t, int64_t>{e1, E}})
+      parallel_for((z - a) * n, [&](int64_t i0, int64_t i1) { std::fill(g + a * n + i0, g + a * n + i1, -0.0f); });
+    keep_on_first(group, g, E * n);
+  }
+}
+
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                               const float* x, const int64_t* offsets, const int64_t* segments,
                               const ExpertsScratch& s, const int64_t* token_segments) const {
@@ -427,6 +506,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   // parameter gradients are written after the last one. first_tree: the buffer's first tree.
   const bool last = layout_micros == 0 || micro == layout_micros - 1;
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
+  const Precision::RowShare* rows_share = row_share(p, offsets);
   const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * G);
@@ -503,9 +583,13 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         if (b >= 0) keep_on_first(*partners, db.data(), E * G * nout);
       }
     } else if (S == 1) {
+      if (rows_share) return gathered_wgrad(p, w, ps.grad(w), b >= 0 ? ps.grad(b) : nullptr, dy, in, offsets, nout, nin);
       LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
                      "nvfp4 expert gradients under tensor or context parallelism (refused by the config)");
       return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
+    } else if (qb && rows_share) {  // partners: one block per expert (G = 1), of the group's rows
+      LOCKSTEP_CHECK(G == 1, "gathered nvfp4 expert gradients with ", G, " blocks per expert");
+      gathered_wgrad(p, w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, offsets, nout, nin);
     } else if (qb) {
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
     } else if (recipe != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
@@ -527,7 +611,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
     sum_sources(ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
     if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
-  p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb);
+  p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb, {}, false, rows_share);
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
   if (inert_padding) zero_rows_of_zeros(s.dact, x, R, F, C);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
@@ -535,7 +619,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
-  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial());
+  p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);
   wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
   ++micro;
 }

@@ -139,6 +139,7 @@ struct ExpertShard {
   Communicator* tp = nullptr;       // the tp group (layout mode with one source: see above)
   int64_t cp_size = 1;              // context parallelism: a rank's rows are N / cp_size tokens of 2B pieces
   bool inert_padding = false;       // determinism = "layout", padding to capacity and biases: see forward
+  Communicator* etp = nullptr;      // the expert-tensor group (etp_size > 1)
 };
 
 struct GroupedExperts {
@@ -195,6 +196,21 @@ struct GroupedExperts {
   // Layout mode, one source under tensor parallelism: the micro-batch's weight gradients of w and
   // b (nw, nb elements per expert) from this rank's token segments (see the header).
   void reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const;
+  // NVFP4 in layout mode with an expert x expert-tensor group smaller than tp (one source under
+  // tensor parallelism: the experts on every tp rank; or partners, without context parallelism): the
+  // ranks that hold parts of a micro-batch's rows of these experts, in token order (tp, or the
+  // partners); else null.
+  Communicator* share_group(const Precision& p) const;
+  // Their shares of each expert's rows of the micro-batch (Precision::RowShare, from the counts
+  // gathered over share_group); else null. A collective over the group.
+  const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets) const;
+  // Then the weight gradients of w into dw (E, nout, nin) and db (E, nout) or null (dy (R, nout), in
+  // (R, nin)): group rank q gathers the rows of its experts [q E / P, (q + 1) E / P) from all P ranks
+  // of the group (all-to-all, in rank order: the micro-batch's order), computes their whole NVFP4
+  // gradients as one process does (Precision::grouped_wgrad_gathered), gives -0 for the others'
+  // experts, and keep_on_first leaves the micro-batch's gradients on group rank 0.
+  void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
+                      int64_t nout, int64_t nin) const;
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
@@ -205,6 +221,7 @@ struct GroupedExperts {
   KSegments kseg;                              // this rank's K segments (layout mode)
   int64_t layout_segments = 0, tp_size = 1, cp_size = 1;  // ExpertShard's
   Communicator* tp = nullptr;
+  Communicator* etp_group = nullptr;           // ExpertShard::etp
   int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
   Communicator* partners = nullptr;            // set_layout's: part of a micro-batch's tp ranks per group
   // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
@@ -233,6 +250,11 @@ struct GroupedExperts {
   mutable Precision::ExpertBlocks qblocks;
   mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
   mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
+  // row_share's: every group rank's rows of each expert (P x E), this rank's first row and the total
+  // per expert; gathered_wgrad's rows (received, then in expert order).
+  mutable std::vector<int64_t> share_counts, share_first, share_total;
+  mutable Precision::RowShare share;
+  mutable FloatBuffer gathered_recv, gathered_dy, gathered_x;
   // Context parallelism with several sources (layout mode): forward and backward run on the rows of
   // each (expert, micro-batch group) in the micro-batch's token order (cp_order: the expert rows in
   // that order, cp_bounds: the (E x groups x S + 1) boundaries of its S token segments there), in the

@@ -54,6 +54,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
     shard.sources = etp_->sources();
     shard.etp_rank = groups.etp->rank();
     shard.etp_size = groups.etp->size();
+    shard.etp = groups.etp;
   }
   const int64_t expert_rows = etp_ ? etp_->max_rows() : R;
   experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, El, F_, expert_rows, shard);
