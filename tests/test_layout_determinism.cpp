@@ -835,6 +835,15 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
     rows_match_single_process("moe-debug", padded,
                               {bf16, recipe, "moe.expert_capacity_factor=1.5", "moe.pad_expert_input_to_capacity=true",
                                "train.lr=1.0", "train.warmup_steps=0"});
+  // NVFP4 padded (experts on every rank): an expert's gathered weight-gradient rows are the tp ranks'
+  // tokens, then padding to the capacity, as one process's; the forward and input-gradient rows keep
+  // each rank's padding (zero rows: no amax, no draw).
+  rows_match_single_process("moe-debug", {padded[0], {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}}},
+                            {bf16, "precision.fp4=nvfp4", "moe.expert_capacity_factor=1.5",
+                             "moe.pad_expert_input_to_capacity=true", "train.lr=1.0", "train.warmup_steps=0"});
+  rows_match_single_process("moe-debug", {padded[0]},
+                            {bf16, "precision.fp4=nvfp4", "model.bias=false", "moe.expert_capacity_factor=1.0",
+                             "moe.pad_expert_input_to_capacity=true"});
 }
 
 // Low precision under expert parallelism: an expert's rows come from several ranks' micro-batches,

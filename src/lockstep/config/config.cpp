@@ -607,7 +607,8 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
 // zeroed: GroupedExperts' inert_padding). NVFP4's weight gradients transform an expert's rows of a micro-batch in
 // 16-row Hadamard blocks (Precision::ExpertBlocks), which the group holds whole when it holds whole groups of
 // those ranks, or, when it divides them under tensor parallelism alone (1: the experts on every rank), gathers from
-// the partners holding the rest (GroupedExperts::gathered_wgrad); and without padding between their rows.
+// the partners holding the rest (GroupedExperts::gathered_wgrad); and without padding between their rows (but for
+// a group of 1 there, whose gathered rows put the tp ranks' padding after all of their tokens).
 // what_prefix starts the refused combination; ranks_name names `ranks` (a key, or a product of keys).
 void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ranks_name, const std::string& what_prefix,
                           const std::function<void(const std::string&, const std::string&)>& refuse) {
@@ -625,7 +626,8 @@ void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ran
            str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
                "which would straddle the rows of its ", who, "; use an expert x expert-tensor group that is a multiple "
                "of ", ranks, ", or an FP8 recipe"));
-  if (c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity)
+  // (With the experts on every rank under tensor parallelism alone the gathered rows leave the padding out.)
+  if (c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity && !(gathers && expert_group == 1))
     refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
                "\" and moe.pad_expert_input_to_capacity = true"),
            str("a micro-batch's NVFP4 expert block would hold the padding of each of its ", who,

@@ -413,7 +413,7 @@ const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const i
   if (!group) return nullptr;
   const int64_t P = group->size(), q = group->rank();
   std::vector<int64_t> mine(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
+  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = token_rows ? token_rows[e] : offsets[e + 1] - offsets[e];
   share_counts.resize(static_cast<size_t>(P * E));
   group->all_gather(share_counts.data(), mine.data(), E);
   share_first.assign(static_cast<size_t>(E), 0);
@@ -423,6 +423,13 @@ const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const i
       const int64_t n = share_counts[static_cast<size_t>(r * E + e)];
       if (r < q) share_first[static_cast<size_t>(e)] += n;
       share_total[static_cast<size_t>(e)] += n;
+    }
+  // Padded: every rank's rows of e, and the micro-batch's, are the capacity.
+  if (token_rows)
+    for (int64_t e = 0; e < E; ++e) {
+      LOCKSTEP_CHECK(share_total[static_cast<size_t>(e)] <= offsets[e + 1] - offsets[e], "expert ", e, ": ",
+                     share_total[static_cast<size_t>(e)], " tokens over a capacity of ", offsets[e + 1] - offsets[e]);
+      share_total[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
     }
   share = Precision::RowShare{share_first.data(), share_total.data()};
   return &share;
@@ -437,23 +444,34 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   const auto count = [&](int64_t r, int64_t e) { return share_counts[static_cast<size_t>(r * E + e)]; };
   // Rows sent to each rank (its experts' rows here, contiguous) and received from each (this rank's
   // experts' rows there); where expert e's rows start once in expert order (source r's after r - 1's).
-  std::vector<int64_t> send(static_cast<size_t>(P)), recv(static_cast<size_t>(P), 0);
+  // With padding the token rows only, then own padding rows up to the capacity (the header).
+  std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0);
   std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0);
   for (int64_t r = 0; r < P; ++r) {
-    send[static_cast<size_t>(r)] = offsets[lo(r + 1)] - offsets[lo(r)];
-    for (int64_t e = e0; e < e1; ++e) {
-      recv[static_cast<size_t>(r)] += count(r, e);
-      goff[static_cast<size_t>(e - e0 + 1)] += count(r, e);
-    }
+    for (int64_t e = lo(r); e < lo(r + 1); ++e) send[static_cast<size_t>(r)] += count(q, e);
+    for (int64_t e = e0; e < e1; ++e) recv[static_cast<size_t>(r)] += count(r, e);
   }
-  for (int64_t e = e0; e < e1; ++e) goff[static_cast<size_t>(e - e0 + 1)] += goff[static_cast<size_t>(e - e0)];
-  const int64_t rows = goff.back();
+  for (int64_t e = e0; e < e1; ++e)
+    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + share.total[e];
+  const int64_t rows = goff.back(), sent = offsets[E];
   const auto gather = [&](FloatBuffer& dst, const float* src, int64_t n) {
     std::vector<int64_t> s(send), r(recv);
     for (int64_t& k : s) k *= n;
     for (int64_t& k : r) k *= n;
-    gathered_recv.grow(rows * n);
-    group.all_to_allv(gathered_recv.data(), r, src, s);
+    const float* out = src;
+    if (token_rows) {  // each expert's token rows, back to back
+      gathered_send.resize(static_cast<size_t>(sent * n));
+      int64_t at = 0;
+      for (int64_t e = 0; e < E; ++e) {
+        std::memcpy(gathered_send.data() + at * n, src + offsets[e] * n, static_cast<size_t>(count(q, e) * n) * sizeof(float));
+        at += count(q, e);
+      }
+      out = gathered_send.data();
+    }
+    int64_t received = 0;
+    for (int64_t k : recv) received += k;
+    gathered_recv.grow(received * n);
+    group.all_to_allv(gathered_recv.data(), r, out, s);
     dst.grow(rows * n);
     int64_t at = 0;  // the next received row
     for (int64_t src_rank = 0; src_rank < P; ++src_rank)
@@ -463,6 +481,14 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
         const int64_t m = count(src_rank, e);
         std::memcpy(dst.data() + to * n, gathered_recv.data() + at * n, static_cast<size_t>(m * n) * sizeof(float));
         at += m;
+      }
+    if (token_rows)
+      for (int64_t e = e0; e < e1; ++e) {
+        int64_t tokens = 0;
+        for (int64_t k = 0; k < P; ++k) tokens += count(k, e);
+        const int64_t pad = share.total[e] - tokens;  // <= this rank's padding rows of e
+        std::memcpy(dst.data() + (goff[static_cast<size_t>(e - e0)] + tokens) * n, src + (offsets[e] + count(q, e)) * n,
+                    static_cast<size_t>(pad * n) * sizeof(float));
       }
   };
   gather(gathered_dy, dy, nout);

@@ -201,12 +201,19 @@ struct GroupedExperts {
   // ranks that hold parts of a micro-batch's rows of these experts, in token order (tp, or the
   // partners); else null.
   Communicator* share_group(const Precision& p) const;
+  // Padding to capacity with one source: the rows of each expert that hold tokens (the first of its
+  // rows; the dispatcher's tokens_per_expert), for the next forward or backward; null: all of them.
+  void set_token_rows(const int64_t* rows) const { token_rows = sources == 1 ? rows : nullptr; }
   // Their shares of each expert's rows of the micro-batch (Precision::RowShare, from the counts
-  // gathered over share_group); else null. A collective over the group.
+  // gathered over share_group); else null. A collective over the group. With padding (token_rows)
+  // the shares count the token rows, and the micro-batch's rows of an expert are the tp ranks'
+  // token rows in rank order, then padding to the capacity, which each rank's rows are too.
   const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets) const;
   // Then the weight gradients of w into dw (E, nout, nin) and db (E, nout) or null (dy (R, nout), in
   // (R, nin)): group rank q gathers the rows of its experts [q E / P, (q + 1) E / P) from all P ranks
-  // of the group (all-to-all, in rank order: the micro-batch's order), computes their whole NVFP4
+  // of the group (all-to-all, in rank order: the micro-batch's order; with padding their token rows,
+  // then as many of its own padding rows as fill the capacity: every padding row is the same
+  // computation on a zero row, the one-process padding rows' bits), computes their whole NVFP4
   // gradients as one process does (Precision::grouped_wgrad_gathered), gives -0 for the others'
   // experts, and keep_on_first leaves the micro-batch's gradients on group rank 0.
   void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
@@ -254,6 +261,8 @@ struct GroupedExperts {
   // per expert; gathered_wgrad's rows (received, then in expert order).
   mutable std::vector<int64_t> share_counts, share_first, share_total;
   mutable Precision::RowShare share;
+  mutable const int64_t* token_rows = nullptr;  // set_token_rows'
+  mutable std::vector<float> gathered_send;
   mutable FloatBuffer gathered_recv, gathered_dy, gathered_x;
   // Context parallelism with several sources (layout mode): forward and backward run on the rows of
   // each (expert, micro-batch group) in the micro-batch's token order (cp_order: the expert rows in

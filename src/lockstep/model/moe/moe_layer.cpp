@@ -239,6 +239,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     etp_->reduce_scatter(arena(rows_out_), arena(etp_out_));
     if (experts_.partial()) experts_.finish_proj(ps, *groups_.etp, arena(rows_out_), dispatcher_->offsets());
   } else {
+    experts_.set_token_rows(pad_ ? dispatcher_->tokens_per_expert().data() : nullptr);
     experts_.forward(ps, arena, arena(rows_out_), arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
                      dispatcher_->token_segments());
   }
@@ -284,6 +285,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
     dispatcher_->dispatch_backward(s.dnorm, s.drows);
   } else {
+    experts_.set_token_rows(pad_ ? dispatcher_->tokens_per_expert().data() : nullptr);
     experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
                       s.experts, dispatcher_->token_segments());
     trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
