@@ -533,16 +533,11 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   }
 }
 
-template <typename Add>
-bool Precision::share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w, int64_t E, Add add) {
+bool Precision::row_share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w) const {
   if (!share || recipe(w) != Recipe::nvfp4) return false;
-  // (With G > 1, one block per expert: its rows are the expert's, offsets'.)
+  // (With a group of G > 1 ranks, one block per expert: its rows are the expert's.)
   LOCKSTEP_CHECK((!blocks || blocks->sources == 1) && groups_.layout,
                  "a share of the experts' rows needs nvfp4 under layout, one block per expert");
-  std::vector<AmaxOf> of;
-  for (int64_t e = 0; e < E; ++e) add(of, e);
-  current_amaxes(of);
-  nvfp4_amax_ = Nvfp4Amax::staged;
   return true;
 }
 
@@ -565,10 +560,6 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
                               int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
                               bool partial, const RowShare* share) {
   const float* bias = b >= 0 && !partial ? ps.weight(b) : nullptr;
-  const bool shared = share_amaxes(share, blocks, w, E, [&](std::vector<AmaxOf>& of, int64_t e) {
-    of.push_back({first_site_[w] + e, input, x + offsets[e] * in, (offsets[e + 1] - offsets[e]) * in});
-    of.push_back({first_site_[w] + e, weight, ps.weight(w) + e * out * in, out * in});
-  });
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
@@ -580,8 +571,12 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
     const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, in) : KSegmentBounds{};
     const int64_t S = blocks ? blocks->sources : 1;
     const int64_t* seg = blocks ? blocks->segments : offsets;
-    std::vector<float> now;  // tensorwise, per expert: each block's input amax, then the weight's
-    if (recipe(w) == Recipe::tensorwise) {
+    // Tensorwise, and NVFP4 under a RowShare (its tensor amax): per expert each block's input amax,
+    // then the weight's, reduced at once into Site::now.
+    const bool shared = row_share_amaxes(share, blocks, w);
+    const Nvfp4AmaxScope scope(*this, shared ? Nvfp4Amax::staged : Nvfp4Amax::reduce);
+    std::vector<float> now;
+    if (recipe(w) == Recipe::tensorwise || shared) {
       std::vector<AmaxOf> of;
       for (int64_t e = 0; e < E; ++e) {
         for (int64_t s = 0; s < S; ++s) {
@@ -600,16 +595,12 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
       gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt, s);
     });
   }
-  if (shared) nvfp4_amax_ = Nvfp4Amax::reduce;
   if (!partial) round(y, offsets[E] * out);
 }
 
 void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const float* dy, const int64_t* offsets,
                               int64_t E, int64_t out, int64_t in, const ExpertBlocks* blocks, const KSegments& seg,
                               bool partial, const RowShare* share) {
-  const bool shared = share_amaxes(share, blocks, w, E, [&](std::vector<AmaxOf>& of, int64_t e) {
-    of.push_back({first_site_[w] + e, grad, dy + offsets[e] * out, (offsets[e + 1] - offsets[e]) * out});
-  });
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
@@ -623,8 +614,11 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
     bounds.apply(opt);
     const int64_t S = blocks ? blocks->sources : 1;
     const int64_t* seg = blocks ? blocks->segments : offsets;
-    std::vector<float> now;  // tensorwise: each block's gradient amax
-    if (recipe(w) == Recipe::tensorwise) {
+    // Tensorwise, and NVFP4 under a RowShare: each block's gradient amax, reduced at once.
+    const bool shared = row_share_amaxes(share, blocks, w);
+    const Nvfp4AmaxScope scope(*this, shared ? Nvfp4Amax::staged : Nvfp4Amax::reduce);
+    std::vector<float> now;
+    if (recipe(w) == Recipe::tensorwise || shared) {
       std::vector<AmaxOf> of;
       for (int64_t k = 0; k < E * S; ++k) of.push_back({first_site_[w] + k / S, grad, dy + seg[k] * out, (seg[k + 1] - seg[k]) * out});
       now = current_amaxes(of);
@@ -638,7 +632,6 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
                  tokens);
     });
   }
-  if (shared) nvfp4_amax_ = Nvfp4Amax::reduce;
   if (!partial) round(dx, offsets[E] * in);
 }
 
@@ -661,8 +654,7 @@ void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float*
                                        const int64_t* offsets, int64_t e0, int64_t e1, int64_t out, int64_t in,
                                        Communicator* etp) {
   LOCKSTEP_CHECK(recipe(w) == Recipe::nvfp4 && groups_.layout, "gathered expert weight gradients need nvfp4 under layout");
-  nvfp4_amax_ = Nvfp4Amax::gathered;
-  gathered_group_ = etp;
+  const Nvfp4AmaxScope scope(*this, Nvfp4Amax::gathered, etp);
   for (int64_t e = e0; e < e1; ++e) {
     const int64_t r0 = offsets[e - e0], rows = offsets[e - e0 + 1] - r0;
     float* g = dw + e * out * in;
@@ -673,8 +665,6 @@ void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float*
     gemm_wgrad(first_site_[w] + e, g, dy + r0 * out, x + r0 * in, rows, out, in);
     if (db) bias_backward(db + e * out, dy + r0 * out, rows, out);
   }
-  nvfp4_amax_ = Nvfp4Amax::reduce;
-  gathered_group_ = nullptr;
 }
 
 void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* dy, const float* x,

@@ -316,7 +316,7 @@ class Precision {
     std::vector<int64_t> cut_out, cut_in, out_global;
     int64_t out_len = 0;
     std::vector<float> wf;  // the weight's values quantised in pieces, kept for dgrad (as w)
-    float now[3] = {};  // tensorwise: the reduced amax of each role's latest operand
+    float now[3] = {};  // tensorwise, NVFP4 under a RowShare: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
     // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad). The
@@ -353,6 +353,20 @@ class Precision {
   enum class Nvfp4Amax : uint8_t { reduce, staged, gathered };
   Nvfp4Amax nvfp4_amax_ = Nvfp4Amax::reduce;
   Communicator* gathered_group_ = nullptr;
+  // nvfp4_amax_ (and gathered_group_) for a scope; back to reduce at its end.
+  struct Nvfp4AmaxScope {
+    Nvfp4AmaxScope(Precision& p, Nvfp4Amax mode, Communicator* group = nullptr) : p(p) {
+      p.nvfp4_amax_ = mode;
+      p.gathered_group_ = group;
+    }
+    ~Nvfp4AmaxScope() {
+      p.nvfp4_amax_ = Nvfp4Amax::reduce;
+      p.gathered_group_ = nullptr;
+    }
+    Nvfp4AmaxScope(const Nvfp4AmaxScope&) = delete;
+    Nvfp4AmaxScope& operator=(const Nvfp4AmaxScope&) = delete;
+    Precision& p;
+  };
   // NVFP4's stochastic rounding of a gradient (usage tells apart its quantisations); element (r, c)
   // of a piece at global (grow, gcol) of a (grows, gcols) tensor draws index micro x grows x gcols +
   // (grow + r) x gcols + gcol + c.
@@ -369,11 +383,9 @@ class Precision {
   };
   // Returns the reduced values too (in the order of `of`).
   std::vector<float> current_amaxes(const std::vector<AmaxOf>& of);
-  // NVFP4 under a RowShare (else false, nothing done): add(of, e) lists expert e's operands of the
-  // grouped GEMM on weight w, whose amaxes are reduced at once into Site::now; nvfp4_amax_ reads
-  // them there until the caller sets it back.
-  template <typename Add>
-  bool share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w, int64_t E, Add add);
+  // Whether a grouped GEMM on weight w takes its NVFP4 amaxes as tensorwise does (current_amaxes,
+  // every expert's at once; RowShare), read from Site::now under Nvfp4Amax::staged.
+  bool row_share_amaxes(const RowShare* share, const ExpertBlocks* blocks, int w) const;
   // The operand of role r (input or grad) kept for wgrad: the site's, or source block blk's.
   QuantizedTensor& kept(Site& s, Role r, int64_t blk);
   void reduce_amax(float* a, int64_t n, bool expert);
