@@ -81,8 +81,8 @@
 // along such a dimension piece by piece: no scaling block straddles a piece, so none straddles a
 // tensor-parallel shard, and each piece is quantised from its own values (into the fp32 values it
 // stands for, which the GEMM reads: bitwise what the codes give, gemm.h). NVFP4's tensor scale there
-// comes from the amax of the whole tensor (max-reduced over the group: dense tp-cp, experts etp, per
-// (expert, source) block), and its stochastic rounding keys each element by its index in the whole
+// comes from the amax of the whole tensor (max-reduced over the group: dense tp-cp, experts the
+// expert amax group above, per (expert, source) block), and its stochastic rounding keys each element by its index in the whole
 // tensor (the global row of a column-parallel shard's out, through its boxes), so a rank's piece
 // draws what one process draws. Per-tensor recipes need no pieces: their amax is reduced over the
 // group already. Pieces that are multiples of the block leave the recipe's blocks as they were.
@@ -237,9 +237,11 @@ class Precision {
   // expert) are rows [first[e], first[e] + n_e) of the micro-batch's total[e] rows of e (the tp
   // ranks' rows in rank order: token order, as one process orders them). Their NVFP4 operands are
   // quantised as those parts of the one-process tensors: every expert's amax max-reduced over the
-  // group in one all-reduce per grouped GEMM (each rank gives every expert's, rows or none, so the
-  // calls pair up), the gradient's stochastic rounding drawn at its rows' indices in the whole. The
-  // weight gradients need the whole tensors: grouped_wgrad_gathered.
+  // expert amax group (the tp ranks holding the same experts: this group, with its etp ranks) in one
+  // all-reduce per grouped GEMM (each rank gives every expert's, rows or none, so the calls pair
+  // up), the gradient's stochastic rounding keyed at its rows' indices in the whole (a padding row,
+  // zero, rounds to zero at whatever index). The weight gradients need the whole tensors:
+  // grouped_wgrad_gathered.
   struct RowShare {
     const int64_t* first = nullptr;  // (E)
     const int64_t* total = nullptr;  // (E)

@@ -431,7 +431,7 @@ const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const i
                      share_total[static_cast<size_t>(e)], " tokens over a capacity of ", offsets[e + 1] - offsets[e]);
       share_total[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
     }
-  share = Precision::RowShare{share_first.data(), share_total.data()};
+  share = Precision::RowShare{share_first.data(), share_total.data()};  // what the GEMMs read
   return &share;
 }
 
@@ -439,62 +439,58 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
                                     const int64_t* offsets, int64_t nout, int64_t nin) const {
   Communicator& group = *share_group(p);
   const int64_t P = group.size(), q = group.rank();
-  const auto lo = [&](int64_t r) { return r * E / P; };  // tp rank r's experts [lo(r), lo(r + 1))
+  const auto lo = [&](int64_t r) { return r * E / P; };  // group rank r's experts [lo(r), lo(r + 1))
   const int64_t e0 = lo(q), e1 = lo(q + 1);
   const auto count = [&](int64_t r, int64_t e) { return share_counts[static_cast<size_t>(r * E + e)]; };
-  // Rows sent to each rank (its experts' rows here, contiguous) and received from each (this rank's
-  // experts' rows there); where expert e's rows start once in expert order (source r's after r - 1's).
-  // With padding the token rows only, then own padding rows up to the capacity (the header).
-  std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0);
-  std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0);
+  // Token rows sent to each rank (its experts' rows here) and received from each (this rank's
+  // experts' rows there, source-major); with padding the sent rows are packed (send_order).
+  std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0), send_order;
   for (int64_t r = 0; r < P; ++r) {
     for (int64_t e = lo(r); e < lo(r + 1); ++e) send[static_cast<size_t>(r)] += count(q, e);
     for (int64_t e = e0; e < e1; ++e) recv[static_cast<size_t>(r)] += count(r, e);
   }
+  if (token_rows)
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t i = 0; i < count(q, e); ++i) send_order.push_back(offsets[e] + i);
+  // The gathered rows, expert-major (goff: where each owned expert's start): each expert's token
+  // rows from rank 0, 1, ..., then its padding up to share_total (the header). from[i]: the
+  // received row of gathered row i, or -1 - j for this rank's own row j (padding).
+  std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0), from;
   for (int64_t e = e0; e < e1; ++e)
-    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + share.total[e];
-  const int64_t rows = goff.back(), sent = offsets[E];
+    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + share_total[static_cast<size_t>(e)];
+  from.resize(static_cast<size_t>(goff.back()));
+  int64_t at = 0;  // the next received row
+  std::vector<int64_t> fill(goff.begin(), goff.end() - 1);  // each owned expert's next gathered row
+  for (int64_t r = 0; r < P; ++r)
+    for (int64_t e = e0; e < e1; ++e)
+      for (int64_t i = 0; i < count(r, e); ++i) from[static_cast<size_t>(fill[static_cast<size_t>(e - e0)]++)] = at++;
+  for (int64_t e = e0; e < e1; ++e)  // padding: this rank's own padding rows of e (at least as many)
+    for (int64_t j = offsets[e] + count(q, e); fill[static_cast<size_t>(e - e0)] < goff[static_cast<size_t>(e - e0 + 1)]; ++j)
+      from[static_cast<size_t>(fill[static_cast<size_t>(e - e0)]++)] = -1 - j;
   const auto gather = [&](FloatBuffer& dst, const float* src, int64_t n) {
     std::vector<int64_t> s(send), r(recv);
     for (int64_t& k : s) k *= n;
     for (int64_t& k : r) k *= n;
-    const float* out = src;
-    if (token_rows) {  // each expert's token rows, back to back
-      gathered_send.resize(static_cast<size_t>(sent * n));
-      int64_t at = 0;
-      for (int64_t e = 0; e < E; ++e) {
-        std::memcpy(gathered_send.data() + at * n, src + offsets[e] * n, static_cast<size_t>(count(q, e) * n) * sizeof(float));
-        at += count(q, e);
-      }
-      out = gathered_send.data();
+    const float* sent = src;
+    if (token_rows) {
+      gathered_send.resize(send_order.size() * static_cast<size_t>(n));
+      gather_rows(gathered_send.data(), src, send_order.data(), static_cast<int64_t>(send_order.size()), n);
+      sent = gathered_send.data();
     }
-    int64_t received = 0;
-    for (int64_t k : recv) received += k;
-    gathered_recv.grow(received * n);
-    group.all_to_allv(gathered_recv.data(), r, out, s);
-    dst.grow(rows * n);
-    int64_t at = 0;  // the next received row
-    for (int64_t src_rank = 0; src_rank < P; ++src_rank)
-      for (int64_t e = e0; e < e1; ++e) {
-        int64_t to = goff[static_cast<size_t>(e - e0)];
-        for (int64_t k = 0; k < src_rank; ++k) to += count(k, e);
-        const int64_t m = count(src_rank, e);
-        std::memcpy(dst.data() + to * n, gathered_recv.data() + at * n, static_cast<size_t>(m * n) * sizeof(float));
-        at += m;
+    gathered_recv.grow(at * n);
+    group.all_to_allv(gathered_recv.data(), r, sent, s);
+    dst.grow(goff.back() * n);
+    parallel_for(goff.back(), [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t f = from[static_cast<size_t>(i)];
+        std::memcpy(dst.data() + i * n, f >= 0 ? gathered_recv.data() + f * n : src + (-1 - f) * n,
+                    static_cast<size_t>(n) * sizeof(float));
       }
-    if (token_rows)
-      for (int64_t e = e0; e < e1; ++e) {
-        int64_t tokens = 0;
-        for (int64_t k = 0; k < P; ++k) tokens += count(k, e);
-        const int64_t pad = share.total[e] - tokens;  // <= this rank's padding rows of e
-        std::memcpy(dst.data() + (goff[static_cast<size_t>(e - e0)] + tokens) * n, src + (offsets[e] + count(q, e)) * n,
-                    static_cast<size_t>(pad * n) * sizeof(float));
-      }
+    });
   };
   gather(gathered_dy, dy, nout);
   gather(gathered_x, in, nin);
-  p.grouped_wgrad_gathered(w, dw, db, gathered_dy.data(), gathered_x.data(), goff.data(), e0, e1, nout, nin,
-                           etp_size > 1 ? etp_group : nullptr);
+  p.grouped_wgrad_gathered(w, dw, db, gathered_dy.data(), gathered_x.data(), goff.data(), e0, e1, nout, nin, etp_group);
   // The other ranks' experts: -0, which their gradients' sum over the group adds exactly.
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
@@ -611,7 +607,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
     } else if (S == 1) {
       if (rows_share) return gathered_wgrad(p, w, ps.grad(w), b >= 0 ? ps.grad(b) : nullptr, dy, in, offsets, nout, nin);
       LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
-                     "nvfp4 expert gradients under tensor or context parallelism (refused by the config)");
+                     "nvfp4 expert gradients under context parallelism (refused by the config)");
       return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
     } else if (qb && rows_share) {  // partners: one block per expert (G = 1), of the group's rows
       LOCKSTEP_CHECK(G == 1, "gathered nvfp4 expert gradients with ", G, " blocks per expert");

@@ -59,7 +59,9 @@
 // sources' rows back to back, the micro-batch's rows of the expert in token order;
 // quantised_blocks), with one source per expert of the rank's rows (their per-tensor amax reduced
 // over tp x cp by the trainer's groups). NVFP4 keeps one quantised chain per (expert, micro-batch)
-// block (its Hadamard blocks run along the block's rows); with one source under tp or cp the config
+// block (its Hadamard blocks run along the block's rows): with one source under tp each rank
+// quantises its rows as their part of the micro-batch's (row_share, Precision::RowShare) and the
+// weight gradients gather each expert's rows on one tp rank (gathered_wgrad); under cp the config
 // refuses it.
 // Context parallelism (one source; ExpertShard::cp_size): the rank's rows are its token pieces
 // (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp) segments in
@@ -77,7 +79,9 @@
 // other tp ranks (set_layout's `partners`, ReduceOp::tree_sum), the first keeping the micro-batch's
 // leaf and the others giving -0 (groups = 1), which the expert data-parallel reduction over the
 // partners (adjacent in it, each run of them a subtree) adds exactly, or, when the blocks go as
-// pieces, leaves out (the others' blocks empty), as in the one-source case. Under context
+// pieces, leaves out (the others' blocks empty), as in the one-source case. NVFP4 quantises the
+// group's rows as their part of the micro-batch's and gathers each expert's rows from the partners
+// for its weight gradients, as with one source (row_share, gathered_wgrad). Under context
 // parallelism (G dividing tp x cp; the partners are the tp x cp group's ranks with the same expert
 // coordinates) a group's sources hold scattered token units, no subtree: each rank's leaves are one
 // per (expert, source, token unit), the tree over the unit's token segments (an aligned subtree of
@@ -257,8 +261,9 @@ struct GroupedExperts {
   mutable Precision::ExpertBlocks qblocks;
   mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
   mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
-  // row_share's: every group rank's rows of each expert (P x E), this rank's first row and the total
-  // per expert; gathered_wgrad's rows (received, then in expert order).
+  // row_share's: every group rank's token rows of each expert (P x E), this rank's first row and the
+  // micro-batch's rows per expert (share points at the last two); gathered_wgrad's rows (packed to
+  // send with padding, received, then in expert order).
   mutable std::vector<int64_t> share_counts, share_first, share_total;
   mutable Precision::RowShare share;
   mutable const int64_t* token_rows = nullptr;  // set_token_rows'
