@@ -285,35 +285,42 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   const int64_t nj = static_cast<int64_t>(cb.size()) - 1, np = (static_cast<int64_t>(rb.size()) - 1) * nj;
   const auto pieces = [&](int64_t p0, int64_t p1) {
     // Scratch per thread, kept across calls.
-    thread_local std::vector<float> piece, values;
+    thread_local std::vector<float> copy;
     QuantizedTensor q;
     for (int64_t p = p0; p < p1; ++p) {
       const size_t i = static_cast<size_t>(p / nj), j = static_cast<size_t>(p % nj);
       const int64_t r0 = rb[i], c0 = cb[j], pr = rb[i + 1] - r0, pc = cb[j + 1] - c0;
       if (pr == 0 || pc == 0) continue;
-      piece.resize(static_cast<size_t>(pr * pc));
-      for (int64_t u = 0; u < pr; ++u)
-        std::memcpy(piece.data() + u * pc, x + (r0 + u) * cols + c0, static_cast<size_t>(pc) * sizeof(float));
+      // The piece, contiguous: whole rows are already; a column range is copied out.
+      const float* piece = x + r0 * cols;
+      if (pc != cols) {
+        copy.resize(static_cast<size_t>(pr * pc));
+        for (int64_t u = 0; u < pr; ++u)
+          std::memcpy(copy.data() + u * pc, x + (r0 + u) * cols + c0, static_cast<size_t>(pc) * sizeof(float));
+        piece = copy.data();
+      }
       switch (recipe_) {
         case Recipe::blockwise: {
           const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
-          quantize_blockwise(q, piece.data(), pr, pc, f, br, bc);
+          quantize_blockwise(q, piece, pr, pc, f, br, bc);
           break;
         }
-        case Recipe::mxfp8: quantize_mxfp8(q, piece.data(), pr, pc, f); break;
+        case Recipe::mxfp8: quantize_mxfp8(q, piece, pr, pc, f); break;
         case Recipe::nvfp4: {
           StochasticRounding sr;
           if (r == grad)
             sr = nvfp4_rounding(site, usage, length(rd, rows), length(cd, cols), global(rd, r0), global(cd, c0));
-          quantize_nvfp4(q, piece.data(), pr, pc, r == weight ? 16 : 1, sr, whole);
+          quantize_nvfp4(q, piece, pr, pc, r == weight ? 16 : 1, sr, whole);
           break;
         }
         default: LOCKSTEP_CHECK(false, "pieces need a block recipe");
       }
-      values.resize(piece.size());
-      dequantize(values.data(), q);
-      for (int64_t u = 0; u < pr; ++u)
-        std::memcpy(dst.data() + (r0 + u) * cols + c0, values.data() + u * pc, static_cast<size_t>(pc) * sizeof(float));
+      // Decoded straight into place (row by row over the threads when the pieces go one at a time;
+      // serial inside a worker).
+      float* out = dst.data() + r0 * cols + c0;
+      parallel_for(pr, [&](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) dequantize_row(q, u, 0, pc, out + u * cols);
+      });
     }
   };
   if (np >= 4 * current_threads()) parallel_for(np, pieces);

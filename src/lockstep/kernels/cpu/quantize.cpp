@@ -364,18 +364,100 @@ int64_t QuantizedTensor::storage_bytes() const {
          (scale_format == ScaleFormat::e4m3 ? static_cast<int64_t>(sizeof(float)) : 0);
 }
 
-void dequantize(float* out, const QuantizedTensor& q) {
+namespace {
+
+#ifdef LOCKSTEP_AVX2
+// decode() of 8 FP8 codes (int32 lanes 0..255) without a table (gathers are slow): the magnitude
+// bits shifted into an fp32's exponent and mantissa, times 2^(127 - bias), is the value exactly
+// (subnormal codes become fp32 subnormals first, then normal); NaN / inf codes are blended in with
+// the bits decode() has, and the sign bit is ORed in (so -0 stays -0).
+inline __m256 decode8_fp8(ElemFormat f, __m256i code) {
+  const __m256i mag = _mm256_and_si256(code, _mm256_set1_epi32(0x7F));
+  const __m256i sign_bits = _mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(0x80)), 24);
+  const __m256 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000));
+  __m256 v;
+  if (f == ElemFormat::e4m3) {
+    v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 20)), _mm256_set1_ps(0x1p120f));
+    v = _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(mag, _mm256_set1_epi32(0x7F))));
+  } else {
+    v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 21)), _mm256_set1_ps(0x1p112f));
+    const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000));
+    const __m256 special = _mm256_blendv_ps(inf, nan, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7C))));
+    v = _mm256_blendv_ps(v, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B))));
+  }
+  return _mm256_or_ps(v, _mm256_castsi256_ps(sign_bits));
+}
+
+// decode() of 8 E2M1 codes (int32 lanes 0..15): the 8 magnitudes fit one register.
+inline __m256 decode8_e2m1(__m256i code) {
+  const __m256 mags = _mm256_setr_ps(0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f);
+  const __m256 v = _mm256_permutevar8x32_ps(mags, _mm256_and_si256(code, _mm256_set1_epi32(7)));
+  return _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(code, _mm256_set1_epi32(8)), 28)));
+}
+#endif
+
+}  // namespace
+
+void dequantize_row(const QuantizedTensor& q, int64_t r, int64_t c, int64_t len, float* out) {
   const std::array<float, 256>& table = decode_table(q.elem);
-  const int64_t gc = q.grid_cols();
-  parallel_for(q.rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      float* o = out + r * q.cols;
-      for (int64_t bc = 0; bc < gc; ++bc) {
-        const float s = q.block_scale(r / q.block_rows, bc);
-        const int64_t c1 = std::min(q.cols, (bc + 1) * q.block_cols);
-        for (int64_t c = bc * q.block_cols; c < c1; ++c) o[c] = scaled(table[q.code(r, c)], s) * q.tensor_scale;
-      }
+  const float ts = q.tensor_scale;
+  const int64_t br = r / q.block_rows, end = c + len;
+  const uint8_t* codes = q.codes.data() + r * q.row_bytes();
+  if (q.block_cols == 1 && q.scale_format == ScaleFormat::f32 && q.elem != ElemFormat::e2m1) {
+    // One scale per column (blockwise 128 x 1): the scales of the row's columns are consecutive.
+    const float* sc = q.scales.data() + br * q.grid_cols();
+#ifdef LOCKSTEP_AVX2
+    const __m256 tv = _mm256_set1_ps(ts);
+    for (; c + 8 <= end; c += 8, out += 8) {
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+      const __m256 v = vm::scaled(decode8_fp8(q.elem, idx), _mm256_loadu_ps(sc + c));
+      _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
     }
+#endif
+    for (; c < end; ++c) *out++ = scaled(table[codes[c]], sc[c]) * ts;
+    return;
+  }
+  while (c < end) {
+    const int64_t bc = c / q.block_cols, stop = std::min(end, (bc + 1) * q.block_cols);
+    const float s = q.block_scale(br, bc);
+    if (q.elem != ElemFormat::e2m1) {
+#ifdef LOCKSTEP_AVX2
+      // The same values and products, 8 at a time.
+      const __m256 sv = _mm256_set1_ps(s), tv = _mm256_set1_ps(ts);
+      for (; c + 8 <= stop; c += 8, out += 8) {
+        const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c)));
+        const __m256 v = vm::scaled(decode8_fp8(q.elem, idx), sv);
+        _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
+      }
+#endif
+      for (; c < stop; ++c) *out++ = scaled(table[codes[c]], s) * ts;
+    } else {
+      if (c < stop && (c & 1)) {
+        *out++ = scaled(table[codes[c >> 1] >> 4], s) * ts;
+        ++c;
+      }
+#ifdef LOCKSTEP_AVX2
+      // 4 bytes hold 8 codes, low nibble first.
+      const __m256 sv = _mm256_set1_ps(s), tv = _mm256_set1_ps(ts);
+      const __m128i nibble = _mm_set1_epi32(0xF);
+      for (; c + 8 <= stop; c += 8, out += 8) {
+        int32_t four;
+        std::memcpy(&four, codes + (c >> 1), 4);
+        const __m128i b = _mm_cvtepu8_epi32(_mm_cvtsi32_si128(four));
+        const __m128i lo = _mm_and_si128(b, nibble), hi = _mm_srli_epi32(b, 4);
+        const __m256i idx = _mm256_set_m128i(_mm_unpackhi_epi32(lo, hi), _mm_unpacklo_epi32(lo, hi));
+        const __m256 v = vm::scaled(decode8_e2m1(idx), sv);
+        _mm256_storeu_ps(out, _mm256_mul_ps(v, tv));
+      }
+#endif
+      for (; c < stop; ++c) *out++ = scaled(table[(codes[c >> 1] >> (4 * (c & 1))) & 0xF], s) * ts;
+    }
+  }
+}
+
+void dequantize(float* out, const QuantizedTensor& q) {
+  parallel_for(q.rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) dequantize_row(q, r, 0, q.cols, out + r * q.cols);
   });
 }
 

@@ -93,6 +93,10 @@ inline float scaled(float d, float s) { return s != s ? s : d * s; }
 
 // out (rows x cols) = the dequantised values of q. Parallel over rows; bitwise any thread count.
 void dequantize(float* out, const QuantizedTensor& q);
+// out[0, len) = the dequantised values of row r, columns [c, c + len), of q (vector lanes where
+// there are 8 alike; the same bits as value()). Serial: what dequantize() and the GEMM's operand
+// decoding run row by row.
+void dequantize_row(const QuantizedTensor& q, int64_t r, int64_t c, int64_t len, float* out);
 
 // max |x[i]| over n values; NaN when any is NaN. Parallel; the same bits for any thread count.
 float amax(const float* x, int64_t n);
