@@ -394,6 +394,25 @@ void keep_on_first(Communicator& group, float* g, int64_t n) {
   if (group.rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
 }
 
+// P + 1 boundaries 0 = b_0 <= ... <= b_P = E cutting the experts into consecutive ranges of about
+// equal cost rows[e] + kExpertCost: b_r is the boundary nearest r / P of the total cost.
+std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P) {
+  constexpr int64_t kExpertCost = 16;  // an expert's passes that do not scale with its rows, in rows
+  const int64_t E = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> prefix(static_cast<size_t>(E + 1), 0), b(static_cast<size_t>(P + 1), E);
+  for (int64_t e = 0; e < E; ++e) prefix[static_cast<size_t>(e + 1)] = prefix[static_cast<size_t>(e)] + rows[static_cast<size_t>(e)] + kExpertCost;
+  b[0] = 0;
+  for (int64_t r = 1; r < P; ++r) {
+    int64_t e = b[static_cast<size_t>(r - 1)];
+    // Past every boundary no farther from r / P of the total (P x prefix against r x total: exact).
+    while (e < E && std::llabs(P * prefix[static_cast<size_t>(e + 1)] - r * prefix.back()) <=
+                        std::llabs(P * prefix[static_cast<size_t>(e)] - r * prefix.back()))
+      ++e;
+    b[static_cast<size_t>(r)] = e;
+  }
+  return b;
+}
+
 }  // namespace
 
 void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
@@ -439,7 +458,12 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
                                     const int64_t* offsets, int64_t nout, int64_t nin) const {
   Communicator& group = *share_group(p);
   const int64_t P = group.size(), q = group.rank();
-  const auto lo = [&](int64_t r) { return r * E / P; };  // group rank r's experts [lo(r), lo(r + 1))
+  // Group rank r computes experts [owned[r], owned[r + 1]): consecutive ranges of about equal work
+  // (rows, plus a few for each expert's own passes), from the gathered counts, the same on every
+  // rank. Which rank computes an expert does not change its bits (its whole gradient, as one
+  // process computes it); the balance keeps the ranks from waiting on each other at keep_on_first.
+  const std::vector<int64_t> owned = balanced_ranges(share_total, P);
+  const auto lo = [&](int64_t r) { return owned[static_cast<size_t>(r)]; };
   const int64_t e0 = lo(q), e1 = lo(q + 1);
   const auto count = [&](int64_t r, int64_t e) { return share_counts[static_cast<size_t>(r * E + e)]; };
   // Token rows sent to each rank (its experts' rows here) and received from each (this rank's
@@ -491,12 +515,18 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   gather(gathered_dy, dy, nout);
   gather(gathered_x, in, nin);
   p.grouped_wgrad_gathered(w, dw, db, gathered_dy.data(), gathered_x.data(), goff.data(), e0, e1, nout, nin, etp_group);
-  // The other ranks' experts: -0, which their gradients' sum over the group adds exactly.
+  // The micro-batch's gradients on group rank 0, the others -0 (what keep_on_first leaves, the sum
+  // over the group of each owner's experts and -0 elsewhere, exactly): rank 0 receives each owner's
+  // experts in place (back to back in rank order: the experts' order after its own), the owners
+  // then give -0.
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
-    for (const auto& [a, z] : {std::pair<int64_t, int64_t>{0, e0}, std::pair<int64_t, int64_t>{e1, E}})
-      parallel_for((z - a) * n, [&](int64_t i0, int64_t i1) { std::fill(g + a * n + i0, g + a * n + i1, -0.0f); });
-    keep_on_first(group, g, E * n);
+    std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
+    if (q != 0) sent[0] = (e1 - e0) * n;
+    else
+      for (int64_t r = 1; r < P; ++r) received[static_cast<size_t>(r)] = (lo(r + 1) - lo(r)) * n;
+    group.all_to_allv(g + (q == 0 ? lo(1) : 0) * n, received, g + e0 * n, sent);
+    if (q != 0) parallel_for(E * n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
   }
 }
 
