@@ -214,12 +214,13 @@ struct GroupedExperts {
   // token rows in rank order, then padding to the capacity, which each rank's rows are too.
   const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets) const;
   // Then the weight gradients of w into dw (E, nout, nin) and db (E, nout) or null (dy (R, nout), in
-  // (R, nin)): group rank q gathers the rows of its experts [q E / P, (q + 1) E / P) from all P ranks
-  // of the group (all-to-all, in rank order: the micro-batch's order; with padding their token rows,
-  // then as many of its own padding rows as fill the capacity: every padding row is the same
-  // computation on a zero row, the one-process padding rows' bits), computes their whole NVFP4
-  // gradients as one process does (Precision::grouped_wgrad_gathered), gives -0 for the others'
-  // experts, and keep_on_first leaves the micro-batch's gradients on group rank 0.
+  // (R, nin)): group rank q gathers the rows of its experts (a consecutive range; the ranges hold
+  // about equal numbers of the micro-batch's rows) from all P ranks of the group (all-to-all, in rank
+  // order: the micro-batch's order; with padding their token rows, then as many of its own padding
+  // rows as fill the capacity: every padding row is the same computation on a zero row, the
+  // one-process padding rows' bits), computes their whole NVFP4 gradients as one process does
+  // (Precision::grouped_wgrad_gathered), and group rank 0 receives every rank's experts (the others
+  // then hold -0: what keep_on_first leaves).
   void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
                       int64_t nout, int64_t nin) const;
 
