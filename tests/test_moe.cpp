@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <numeric>
+#include <random>
 #include <sstream>
 
 #include "lockstep/comm/communicator.h"
@@ -22,6 +23,7 @@
 #include "lockstep/kernels/cpu/permute.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/moe/dispatcher.h"
+#include "lockstep/model/moe/experts.h"
 #include "lockstep/model/moe/router.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
@@ -763,4 +765,42 @@ TEST(MoeTraining, DebugModelLearns) {
 }
 
 }  // namespace
+TEST(GatheredWgrad, BalancedRangesCutTheRowsEvenlyAndCoverTheExperts) {
+  using R = std::vector<int64_t>;
+  EXPECT_EQ(balanced_ranges(R(8, 10), 2), (R{0, 4, 8}));
+  EXPECT_EQ(balanced_ranges(R(8, 10), 4), (R{0, 2, 4, 6, 8}));
+  EXPECT_EQ(balanced_ranges(R(8, 10), 1), (R{0, 8}));
+  // One heavy expert gets a rank of its own; the rest share the other.
+  EXPECT_EQ(balanced_ranges(R{1000, 0, 0, 0, 0, 0, 0, 0}, 2), (R{0, 1, 8}));
+  EXPECT_EQ(balanced_ranges(R{0, 0, 0, 0, 0, 0, 0, 1000}, 2), (R{0, 7, 8}));
+  // Skewed counts as moe-peer's early steps have (two heavy experts), both in the first half: E / 2
+  // each would give 1,936 rows against 152; the cut gives 1,024 against 1,064.
+  EXPECT_EQ(balanced_ranges(R{1024, 800, 64, 48, 128, 0, 8, 16}, 2), (R{0, 1, 8}));
+  // More ranks than experts: some ranges are empty, all in order.
+  const R few = balanced_ranges(R{5, 7}, 4);
+  ASSERT_EQ(few.size(), 5u);
+  EXPECT_EQ(few.front(), 0);
+  EXPECT_EQ(few.back(), 2);
+  // Any counts: P + 1 boundaries from 0 to E, in order, and no rank's cost more than the even share
+  // plus the largest expert's.
+  std::mt19937_64 rng(7);
+  for (int trial = 0; trial < 200; ++trial) {
+    const int64_t E = 1 + static_cast<int64_t>(rng() % 16), P = 1 + static_cast<int64_t>(rng() % 8);
+    R rows(static_cast<size_t>(E));
+    for (int64_t& r : rows) r = static_cast<int64_t>(rng() % (rng() % 2 ? 2000 : 20));
+    const R b = balanced_ranges(rows, P);
+    ASSERT_EQ(b.size(), static_cast<size_t>(P + 1));
+    EXPECT_EQ(b.front(), 0);
+    EXPECT_EQ(b.back(), E);
+    int64_t total = 0, largest = 0;
+    for (const int64_t r : rows) total += r + 16, largest = std::max(largest, r + 16);
+    for (int64_t q = 0; q < P; ++q) {
+      ASSERT_LE(b[static_cast<size_t>(q)], b[static_cast<size_t>(q + 1)]);
+      int64_t cost = 0;
+      for (int64_t e = b[static_cast<size_t>(q)]; e < b[static_cast<size_t>(q + 1)]; ++e) cost += rows[static_cast<size_t>(e)] + 16;
+      EXPECT_LE(cost, total / P + 2 * largest) << "trial " << trial << " rank " << q;
+    }
+  }
+}
+
 }  // namespace lockstep

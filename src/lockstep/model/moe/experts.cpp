@@ -394,8 +394,8 @@ void keep_on_first(Communicator& group, float* g, int64_t n) {
   if (group.rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
 }
 
-// P + 1 boundaries 0 = b_0 <= ... <= b_P = E cutting the experts into consecutive ranges of about
-// equal cost rows[e] + kExpertCost: b_r is the boundary nearest r / P of the total cost.
+}  // namespace
+
 std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P) {
   constexpr int64_t kExpertCost = 16;  // an expert's passes that do not scale with its rows, in rows
   const int64_t E = static_cast<int64_t>(rows.size());
@@ -412,8 +412,6 @@ std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P
   }
   return b;
 }
-
-}  // namespace
 
 void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
   for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}})
@@ -461,7 +459,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   // Group rank r computes experts [owned[r], owned[r + 1]): consecutive ranges of about equal work
   // (rows, plus a few for each expert's own passes), from the gathered counts, the same on every
   // rank. Which rank computes an expert does not change its bits (its whole gradient, as one
-  // process computes it); the balance keeps the ranks from waiting on each other at keep_on_first.
+  // process computes it); the balance keeps the ranks from waiting on each other at the gather.
   const std::vector<int64_t> owned = balanced_ranges(share_total, P);
   const auto lo = [&](int64_t r) { return owned[static_cast<size_t>(r)]; };
   const int64_t e0 = lo(q), e1 = lo(q + 1);

@@ -296,4 +296,10 @@ struct GroupedExperts {
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
 };
 
+// P + 1 boundaries 0 = b_0 <= ... <= b_P = E cutting E experts with rows[e] rows each into
+// consecutive ranges of about equal cost rows[e] + 16 (an expert's passes that do not scale with
+// its rows): b_r is the boundary nearest r / P of the total cost (ties to the later one). A pure
+// function of rows, so every rank that has the counts cuts the same ranges (gathered_wgrad).
+std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P);
+
 }  // namespace lockstep
