@@ -498,6 +498,50 @@ TEST(CheckpointExpertParallel, ResumesBitwiseAndReshardsFromEpTwoToOne) {
   for (size_t s = 2; s < 4; ++s) EXPECT_NEAR(resumed[s - 2], whole[s], 1e-6 * whole[s]) << "EP 2 -> 1, step " << s + 1;
 }
 
+// Run mode's delayed-scaling histories are the same on every rank holding a tensor, so they are
+// saved as whole tensors by global name (an expert by its index in the layer): an EP 2 run resumes
+// bitwise on EP 2 and continues on one process (before, (world, history) rows named by the rank's
+// expert index, which only the same world size could read).
+TEST(CheckpointExpertParallel, DelayedScalingHistoriesReshardFromEpTwoToOne) {
+  TempDir dir;
+  const std::vector<std::string> delayed = {"precision.params=bf16", "precision.fp8=delayed",
+                                            "precision.fp8_amax_history_len=4"};
+  const std::vector<std::string> one = plus(dp_keys(1, false), delayed);
+  const std::vector<std::string> ep2 = plus(plus(dp_keys(2, false), delayed), {"parallel.expert=2"});
+  expect_two_ranks_resume_bitwise("moe-debug.toml", ep2, dir, "ep2");
+
+  const CheckpointMetadata m2 = read_checkpoint_metadata(checkpoint_dir(dir.path("ep2/checkpoints"), 2));
+  // moe-debug's 4 experts: 2 and 3 live on rank 1.
+  for (const char* name : {"buffer/fp8.layers.0.attn.qkv.weight.grad.amax_history",
+                           "buffer/fp8.layers.1.moe.experts.fc.weight.3.input.amax_history"}) {
+    const CheckpointTensor* h = m2.find(name);
+    ASSERT_NE(h, nullptr) << name;
+    EXPECT_EQ(h->global_shape, Shape{4}) << name;
+  }
+  // One process reads every history back (each expert's from the rank that held it) ...
+  const std::string at2 = checkpoint_dir(dir.path("ep2/checkpoints"), 2);
+  const Config c = load_config(dir.path("ep2/config.toml"), {});
+  GPT model(c.model, c.train.micro_batch, c.moe, c.precision);
+  std::vector<StateShard> state;
+  model.state_shards(state, true, true);
+  load_checkpoint(at2, state);
+  int compared = 0;
+  for (const Precision::NamedHistory& h : model.params().precision().amax_histories()) {
+    const CheckpointTensor* saved = m2.find("buffer/fp8." + h.global_name + ".amax_history");
+    ASSERT_NE(saved, nullptr) << h.global_name;
+    const std::vector<char> bytes = read_checkpoint_tensor(m2, *saved);
+    ASSERT_EQ(bytes.size(), 4 * sizeof(float)) << h.global_name;
+    std::vector<float> v(4);
+    std::memcpy(v.data(), bytes.data(), bytes.size());
+    EXPECT_TRUE(testing::bitwise_equal(v.data(), h.history->amax.data(), 4)) << h.global_name;
+    compared += std::any_of(v.begin(), v.end(), [](float a) { return a != 0; });
+  }
+  EXPECT_GT(compared, 0);
+  // ... and the job continues there.
+  train_ranks(1, job("moe-debug.toml", dir.path("ep2to1"), plus(one, {"train.resume=" + at2})));
+  EXPECT_EQ(losses_of(dir.path("ep2to1")).size(), 2u);  // steps 3 and 4
+}
+
 // ---- atomic commits ----
 
 TEST(CheckpointAtomic, KeepLastPrunesOlderAndKeepsTheNewest) {

@@ -666,28 +666,15 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   return stats;
 }
 
-void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first, int rank,
-                       int world, bool etp_first) {
+void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first, bool etp_first) {
   params_.state_shards(out, dp_first, tp_first, edp_first);
   for (auto& layer : moe_)
     if (layer) layer->state_shards(out, dp_first && tp_first);
-  auto row = [&](std::string name, float* data, int64_t n) {
-    StateShard s = whole_tensor(std::move(name), Shape{world, n}, data, true);
-    s.box_offset = {rank, 0};
-    s.box_shape = Shape{1, n};
-    s.flat_end = n;
-    out.push_back(std::move(s));
-  };
   for (const Precision::NamedHistory& h : precision_.amax_histories()) {
     const int64_t H = static_cast<int64_t>(h.history->amax.size());
-    if (precision_.layout()) {
-      const bool writer = h.expert ? edp_first && etp_first : dp_first && tp_first;
-      out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
-      out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".scale", Shape{1}, &h.history->scale, writer));
-      continue;
-    }
-    row("buffer/fp8." + h.name + ".amax_history", h.history->amax.data(), H);
-    row("buffer/fp8." + h.name + ".scale", &h.history->scale, 1);
+    const bool writer = h.expert ? edp_first && etp_first : dp_first && tp_first;
+    out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
+    out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".scale", Shape{1}, &h.history->scale, writer));
   }
 }
 

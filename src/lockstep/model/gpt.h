@@ -140,15 +140,13 @@ class GPT {
   // The model's state for checkpoints (core/state_shard.h): the parameters (ParamStore::
   // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)
   // and the MoE expert biases (replicated: written by the first replica). Delayed scaling's amax
-  // histories and scales (reduced over each tensor's group, but experts named by their index on the
-  // rank) are row `rank` of a (world, ...) tensor, written by every rank (under pipeline
-  // parallelism: rank and world of the stage's ranks, which hold the tensors):
-  // "buffer/fp8.<tensor>.amax_history" (world, history) and "buffer/fp8.<tensor>.scale" (world, 1).
-  // Under determinism = "layout" they are the same on every rank of the step's reduction group, so
-  // they are whole tensors named with the expert's index in the layer, (history) and (1), written by
-  // the first replica (etp_first: the first expert-tensor-parallel rank), as in the single process.
-  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true, int rank = 0,
-                    int world = 1, bool etp_first = true);
+  // histories and scales are reduced over each tensor's group (in either mode: tp x dp x cp for a
+  // dense tensor, etp x edp for an expert), so every rank holding a tensor holds the same history:
+  // whole tensors "buffer/fp8.<tensor>.amax_history" (history) and "buffer/fp8.<tensor>.scale" (1),
+  // an expert named by its index in the layer, written by the first replica (etp_first: the first
+  // expert-tensor-parallel rank), as in the single process; any layout reads them back.
+  void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first = true,
+                    bool etp_first = true);
 
   // Pipeline parallelism. Chunk c of this rank, one micro-batch (micro: its index among this
   // rank's micro-batches of the step), under the selected slot. forward_chunk: input from

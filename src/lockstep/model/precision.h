@@ -156,8 +156,8 @@ class Precision {
   // Where amax values are max-reduced (header comment); null or one rank: not reduced. train:
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
   // etp). layout (determinism = "layout"): the block recipes quantise in canonical pieces, NVFP4's
-  // tensor amax is the whole tensor's (in_pieces, nvfp4_tensor_amax), and the histories are the same
-  // on every rank of the step's group (layout()); the trainer sets per_step with it. per_step: delayed scaling updates
+  // tensor amax is the whole tensor's (in_pieces, nvfp4_tensor_amax); the trainer sets per_step with
+  // it. (In either mode the histories are the same on every rank of a tensor's group.) per_step: delayed scaling updates
   // once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp,
   // etp x edp).
   struct AmaxGroups {
@@ -301,9 +301,6 @@ class Precision {
     AmaxHistory* history;
   };
   std::vector<NamedHistory> amax_histories();
-  // Whether the amax histories are the same on every rank of the step's reduction group
-  // (AmaxGroups::layout).
-  bool layout() const { return groups_.layout; }
 
  private:
   enum Role : int { input = 0, weight = 1, grad = 2 };

@@ -332,9 +332,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   std::vector<StateShard> state;
   const bool dp_first = coords.dp == 0 && coords.cp == 0, tp_first = coords.tp == 0;
   const bool edp_first = coords.edp == 0;
-  // Run mode's amax histories are per rank: a row for each rank of the stage that holds the tensors.
-  const Communicator& stage = pipelined ? tp_dp_cp_group : comm;
-  model.state_shards(state, dp_first, tp_first, edp_first, stage.rank(), stage.size(), coords.etp == 0);
+  model.state_shards(state, dp_first, tp_first, edp_first, coords.etp == 0);
   // A distributed optimizer's ranks own disjoint ranges: each writes its own.
   optimizer.state_shards(model.params(), state, dp_first || config.optimizer.distributed, tp_first,
                          edp_first || config.optimizer.distributed);
