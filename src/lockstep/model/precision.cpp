@@ -221,10 +221,13 @@ const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, c
   if (!groups_.layout) return nullptr;
   if (nvfp4_amax_ == Nvfp4Amax::staged) return &s.now[r];
   a = amax(x, n);
+  if (nvfp4_amax_ == Nvfp4Amax::gathered) {
+    max_reduce(gathered_group_, &a, 1);
+    return &a;
+  }
   const auto split = [&](Dim d) { return d == Dim::tokens ? !tokens_whole_ : d == Dim::out ? s.out_split : s.in_split; };
   const bool whole_everywhere = !s.expert && !split(rd) && !split(cd);
-  if (nvfp4_amax_ == Nvfp4Amax::reduce && !whole_everywhere) reduce_amax(&a, 1, s.expert);
-  else max_reduce(gathered_group_, &a, 1);
+  if (!whole_everywhere) reduce_amax(&a, 1, s.expert);
   return &a;
 }
 
