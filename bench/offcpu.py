@@ -5,6 +5,8 @@
         build/lockstep train --nproc 2 ... train.threads=1
     perf script -i sw.data -F tid,time,event,trace,ip,sym | bench/offcpu.py [N]
 
+(perf is Debian's linux-perf package; the sched tracepoint needs root or perf_event_paranoid <= 1.)
+
 Each time a thread leaves the CPU sleeping (state S or D) the interval until it next runs is
 charged to its first three lockstep frames (the transport's and the thread pool's own frames
 skipped), so a rank waiting for its peer at a collective shows as `Work::wait < <the caller>`.
