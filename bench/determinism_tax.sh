@@ -4,7 +4,7 @@
 # guarantee (build-blas: -DLOCKSTEP_GEMM_BLAS=ON, the fp32 GEMMs on OpenBLAS's sgemm, and no
 # fingerprint), on the dense and the MoE peer models, alternating the two builds round by round.
 #
-#   scripts/setup.sh --bench && bench/determinism_tax.sh [rounds] [run|layout|both]   (default 3 both)
+#   scripts/setup.sh --bench && bench/determinism_tax.sh [rounds] [run|layout|both|tp]   (default 3 both)
 #
 # Both run the step on 2 threads (OpenBLAS with OPENBLAS_NUM_THREADS=2). Per model: the median step
 # of each build over the rounds (each round is bench_fingerprint's median of 5 steps), the
@@ -18,13 +18,22 @@
 # the median over rounds; tax = layout / run - 1. Also the CPU time (user + system) of each whole
 # run (6 steps and the start-up, which is the same for both): on a loaded machine the wall time of a
 # step swings by tens of percent with the other processes, the CPU time much less.
+#
+# Part three (`tp`, on its own): the same layout tax on moe-peer at TP 2 + SP on 2 thread ranks
+# (one thread each; every rank holds all experts, docs/determinism.md) in bf16 and with the block
+# recipes (blockwise FP8, NVFP4), the low-precision MoE rows of docs/performance.md. Parts two and
+# three time $LOCKSTEP instead of build/lockstep when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
 parts=${2:-both}
+case "$parts" in
+  run | layout | both | tp) ;;
+  *) echo "determinism_tax.sh: unknown part '$parts' (expected run, layout, both or tp)" >&2; exit 2 ;;
+esac
 median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 echo "load: $(uptime | sed 's/.*load average: //')"
-if [ "$parts" != layout ]; then
+if [ "$parts" = run ] || [ "$parts" = both ]; then
   cmake -S . -B build-blas -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_GEMM_BLAS=ON -DLOCKSTEP_TESTS=OFF -DLOCKSTEP_BENCH=ON \
     >/dev/null 2>&1
   cmake --build build-blas --target bench_fingerprint -j2 >/dev/null
@@ -46,17 +55,29 @@ if [ "$parts" != layout ]; then
   rm -f /tmp/tax_run.$$ /tmp/tax_fp.$$ /tmp/tax_blas.$$
 fi
 if [ "$parts" != run ]; then
-  cmake --build build --target lockstep -j2 >/dev/null
+  # LOCKSTEP=path: time that binary instead of building build/lockstep (e.g. an older commit's).
+  if [ -z "${LOCKSTEP:-}" ]; then
+    cmake --build build --target lockstep -j2 >/dev/null
+  fi
+  bin=${LOCKSTEP:-build/lockstep}
   dir=$(mktemp -d)
   trap 'rm -rf "$dir"' EXIT
   TIMEFORMAT='%U %S'
   one_run() {  # appends the median step_ms of steps 2.. to $dir/$2.ms and the run's CPU seconds to $dir/$2.cpu
     local t
-    t=$( { time build/lockstep train -c "$1" train.steps=6 train.threads=2 train.out_dir="$dir/run" "${@:3}" >/dev/null; } 2>&1 )
+    t=$( { time "$bin" train -c "$1" train.steps=6 train.threads=2 train.out_dir="$dir/run" "${@:3}" >/dev/null; } 2>&1 )
     echo "$t" | awk '{print $1 + $2}' >>"$dir/$2.cpu"
     grep -o '"step_ms":[0-9.]*' "$dir/run/metrics.jsonl" | tail -n +2 | cut -d: -f2 | median >>"$dir/$2.ms"
     rm -rf "$dir/run"
   }
+  report() {  # $1: the row's label; the medians of $dir/{run,layout}.{ms,cpu}
+    awk -v c="$1" -v run="$(median <"$dir/run.ms")" -v lay="$(median <"$dir/layout.ms")" \
+        -v runc="$(median <"$dir/run.cpu")" -v layc="$(median <"$dir/layout.cpu")" 'BEGIN {
+      printf "%s: step %.1f ms (layout) vs %.1f ms (run): %+.1f%%; CPU per run %.2f s vs %.2f s: %+.1f%%\n",
+             c, lay, run, 100 * (lay / run - 1), layc, runc, 100 * (layc / runc - 1) }'
+  }
+fi
+if [ "$parts" = layout ] || [ "$parts" = both ]; then
   for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
     for batch in 4 16; do
       rm -f "$dir"/*.ms "$dir"/*.cpu
@@ -64,11 +85,19 @@ if [ "$parts" != run ]; then
         one_run "$config" run train.global_batch=$batch determinism=run
         one_run "$config" layout train.global_batch=$batch determinism=layout
       done
-      awk -v c="$config" -v m=$((batch / 4)) -v run="$(median <"$dir/run.ms")" -v lay="$(median <"$dir/layout.ms")" \
-          -v runc="$(median <"$dir/run.cpu")" -v layc="$(median <"$dir/layout.cpu")" 'BEGIN {
-        printf "%s, %d micro-batch(es) per step: step %.1f ms (layout) vs %.1f ms (run): %+.1f%%; CPU per run %.2f s vs %.2f s: %+.1f%%\n",
-               c, m, lay, run, 100 * (lay / run - 1), layc, runc, 100 * (layc / runc - 1) }'
+      report "$config, $((batch / 4)) micro-batch(es) per step"
     done
+  done
+fi
+if [ "$parts" = tp ]; then
+  tp=(--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16)
+  for recipe in "" precision.fp8=blockwise precision.fp4=nvfp4; do
+    rm -f "$dir"/*.ms "$dir"/*.cpu
+    for ((r = 0; r < rounds; ++r)); do
+      one_run configs/moe-peer.toml run "${tp[@]}" $recipe determinism=run
+      one_run configs/moe-peer.toml layout "${tp[@]}" $recipe determinism=layout
+    done
+    report "configs/moe-peer.toml, TP 2 + SP, bf16 ${recipe:-(no FP8 / FP4)}"
   done
 fi
 echo "load: $(uptime | sed 's/.*load average: //')"
