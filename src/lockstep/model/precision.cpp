@@ -101,8 +101,13 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
       s.expert = p.expert;
       s.unused = e >= experts;
       const int out_dim = p.shape.rank() - 2, in_dim = p.shape.rank() - 1;
-      s.out_split = p.shape[out_dim] < p.global_shape[out_dim];
-      s.in_split = p.shape[in_dim] < p.global_shape[in_dim];
+      if (!p.expert) {
+        const bool tokens_split = ps.pieced() || ps.rows_tokens(static_cast<int>(i), 1) != 1;
+        const bool out_split = p.shape[out_dim] < p.global_shape[out_dim], in_split = p.shape[in_dim] < p.global_shape[in_dim];
+        s.whole[input] = !tokens_split && !in_split;
+        s.whole[weight] = !out_split && !in_split;
+        s.whole[grad] = !tokens_split && !out_split;
+      }
       if (p.cut_dim == in_dim) s.cut_in = p.cut;
       if (p.cut_dim == out_dim) {
         s.cut_out = p.cut;
@@ -217,7 +222,7 @@ bool Precision::in_pieces(const Site& s) const {
          (!s.cut_out.empty() || !s.cut_in.empty());
 }
 
-const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r, Dim rd, Dim cd) {
+const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r) {
   if (!groups_.layout) return nullptr;
   if (nvfp4_amax_ == Nvfp4Amax::staged) return &s.now[r];
   a = amax(x, n);
@@ -225,9 +230,7 @@ const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, c
     max_reduce(gathered_group_, &a, 1);
     return &a;
   }
-  const auto split = [&](Dim d) { return d == Dim::tokens ? !tokens_whole_ : d == Dim::out ? s.out_split : s.in_split; };
-  const bool whole_everywhere = !s.expert && !split(rd) && !split(cd);
-  if (!whole_everywhere) reduce_amax(&a, 1, s.expert);
+  if (!s.whole[r]) reduce_amax(&a, 1, s.expert);
   return &a;
 }
 
@@ -284,7 +287,7 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   };
   const ElemFormat f = r == grad ? bwd_ : fwd_;
   float a = 0.0f;
-  const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s, r, rd, cd) : nullptr;
+  const float* whole = recipe_ == Recipe::nvfp4 ? nvfp4_tensor_amax(a, x, rows * cols, s, r) : nullptr;
   dst.resize(static_cast<size_t>(rows * cols));
   // The pieces are independent (each quantised from its own values): many of them are split over the
   // threads, each piece quantised on one (the quantisers inside run serially there), a few go one at a
@@ -372,11 +375,11 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
     case Recipe::nvfp4: {
       if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
         float a = 0.0f;
-        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r, rd, cd));
+        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
         return gemm_operand(q, t);
       }
       float a = 0.0f;
-      const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r, rd, cd);
+      const float* whole = nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r);
       // 1x16 blocks along K: K along the rows is quantised transposed.
       const float* src = x;
       int64_t qr = rows, qc = cols;
@@ -478,10 +481,6 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
   }
 }
 
-bool Precision::tokens_whole(const ParamStore& ps, int w, int64_t N) {
-  return !ps.pieced() && ps.rows_tokens(w, N) == N;
-}
-
 TokenShare Precision::piece_tokens(const ParamStore& ps, int w, int64_t N) {
   const int64_t K = ps.token_pieces(w);
   if (recipe_ != Recipe::nvfp4 || !groups_.layout) return {};
@@ -505,7 +504,6 @@ void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise)
     current_amaxes({{first_site_[w], input, x, N * in}, {first_site_[w], weight, ps.weight(w), out * in}});
-  const TokensWholeScope whole(*this, tokens_whole(ps, w, N));
   if (recipe(w) == Recipe::none) gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
   else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
   if (!partial) round(y, N * out);
@@ -514,7 +512,6 @@ void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int
 void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
-  const TokensWholeScope whole(*this, tokens_whole(ps, w, N));
   if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
   else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt, -1, piece_tokens(ps, w, N));
   if (!partial) round(dx, N * in);
@@ -529,7 +526,6 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
   LOCKSTEP_CHECK(K * rows == N, "wgrad: ", K, " token pieces of ", rows, " rows for ", N, " rows");
   const std::vector<int64_t> bounds = canonical_segments(rows, ps.token_segments(w));
   const TokenShare share = piece_tokens(ps, w, N);
-  const TokensWholeScope whole(*this, tokens_whole(ps, w, N));
   if (recipe(w) == Recipe::nvfp4 && !share.first.empty()) {
     // NVFP4 on a share of the micro-batch's tokens (context parallelism's pieces, a tp rank's rows of
     // the shared expert): the rank's rows transformed and quantised at once (one tensor amax, each

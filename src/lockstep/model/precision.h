@@ -314,7 +314,12 @@ class Precision {
     // empty: one piece), the global index of each local out row (empty: its own), global out.
     std::vector<int64_t> cut_out, cut_in, out_global;
     int64_t out_len = 0;
-    bool out_split = false, in_split = false;  // this rank holds part of the weight's out / in
+    // determinism = "layout", a dense weight: whether every rank of the dense group (tp x cp) holds
+    // role r's operands whole (input: tokens x in, weight: out x in, grad: tokens x out), so that
+    // NVFP4's tensor amax needs no reduction. The tokens are split by context parallelism's pieces
+    // (which layout mode requires under cp > 1) and for a tp rank's share of the rows (a
+    // sequence-parallel parameter); out and in by the weight's shard.
+    bool whole[3] = {};
     std::vector<float> wf;  // the weight's values quantised in pieces, kept for dgrad (as w)
     float now[3] = {};  // tensorwise, NVFP4 under a RowShare: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
@@ -349,21 +354,8 @@ class Precision {
   // (the whole tensor's); null otherwise (the quantiser takes x's own). nvfp4_amax_ says where it
   // comes from instead: already reduced into Site::now (a RowShare's grouped GEMM), or x's own rows
   // as the whole tensor's, reduced over gathered_group_ only (grouped_wgrad_gathered).
-  // A dense operand that every rank of the group holds whole (its dimensions rd, cd none that the
-  // group splits: the tokens whole, tokens_whole_, and the weight's out / in not sharded) is its own
-  // reduced amax: no reduction.
-  const float* nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r, Dim rd, Dim cd);
-  // Within a dense layer's GEMMs (fprop, dgrad, wgrad): whether their rows are all of the
-  // micro-batch's tokens on every rank of the dense group (no context-parallel pieces, not a tp
-  // rank's share), so that a token dimension is not split over the group.
-  bool tokens_whole_ = false;
-  struct TokensWholeScope {
-    TokensWholeScope(Precision& p, bool whole) : p(p) { p.tokens_whole_ = whole; }
-    ~TokensWholeScope() { p.tokens_whole_ = false; }
-    TokensWholeScope(const TokensWholeScope&) = delete;
-    TokensWholeScope& operator=(const TokensWholeScope&) = delete;
-    Precision& p;
-  };
+  // A dense operand that every rank of the group holds whole (Site::whole) is its own reduced amax.
+  const float* nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r);
   enum class Nvfp4Amax : uint8_t { reduce, staged, gathered };
   Nvfp4Amax nvfp4_amax_ = Nvfp4Amax::reduce;
   Communicator* gathered_group_ = nullptr;
@@ -425,8 +417,6 @@ class Precision {
   // token pieces (context parallelism) or as a tp rank's rows of a sequence-parallel parameter (the
   // MoE shared expert), into piece_cut_ / piece_first_; an empty share otherwise.
   TokenShare piece_tokens(const ParamStore& ps, int w, int64_t N);
-  // Parameter w's N rows are the micro-batch's tokens, all of them (tokens_whole_).
-  static bool tokens_whole(const ParamStore& ps, int w, int64_t N);
   std::vector<int64_t> piece_cut_, piece_first_;
   std::vector<float*> piece_grads_;  // the pieces' gradients of the NVFP4 weight gradient (scratch)
   // Runs f(e, s, r0, rows) for every non-empty block (e, s) of `blocks` (or every expert of offsets
