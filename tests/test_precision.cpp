@@ -385,7 +385,7 @@ TEST(PrecisionLowp, DelayedScalingFollowsItsHistory) {
       t.precision.end_micro_batch();
       const AmaxHistory* x_state = nullptr;
       for (const Precision::NamedHistory& h : t.precision.amax_histories())
-        if (h.name == "layers.0.mlp.fc.weight.input") x_state = h.history;
+        if (h.global_name == "layers.0.mlp.fc.weight.input") x_state = h.history;
       ASSERT_TRUE(x_state);
       EXPECT_EQ(x_state->amax, history[m]) << "micro-batch " << m;
       EXPECT_EQ(x_state->scale, max ? scale_max[m] : scale_recent[m]) << "micro-batch " << m;
@@ -412,7 +412,7 @@ TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
       y_ref(dy.size());
   auto state = [&](const char* role) {
     for (const Precision::NamedHistory& h : t.precision.amax_histories())
-      if (h.name == std::string("layers.0.mlp.fc.weight.") + role) return h.history;
+      if (h.global_name == std::string("layers.0.mlp.fc.weight.") + role) return h.history;
     return static_cast<AmaxHistory*>(nullptr);
   };
   ASSERT_TRUE(state("input") && state("weight"));
@@ -501,8 +501,8 @@ TEST(PrecisionLowp, DelayedScalingScaleIsTheOneQuantisationUses) {
   for (int m = 0; m < 2; ++m) {
     float sx = 0, sw = 0;
     for (const Precision::NamedHistory& h : t.precision.amax_histories()) {
-      if (h.name == "layers.0.mlp.fc.weight.input") sx = h.history->scale;
-      if (h.name == "layers.0.mlp.fc.weight.weight") sw = h.history->scale;
+      if (h.global_name == "layers.0.mlp.fc.weight.input") sx = h.history->scale;
+      if (h.global_name == "layers.0.mlp.fc.weight.weight") sw = h.history->scale;
     }
     t.precision.begin_micro_batch(1, 1, m);
     t.lin.forward(t.ps, y.data(), x.data(), N);

@@ -95,7 +95,6 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
         p.shape.rank() == 3 ? p.boxes.back().offset[0] + p.boxes.back().shape[0] - p.boxes[0].offset[0] : 1;
     for (int64_t e = 0; e < E; ++e) {
       Site s;
-      s.name = p.shape.rank() == 3 ? p.name + "." + std::to_string(e) : p.name;
       s.global_name = p.shape.rank() == 3 ? p.name + "." + std::to_string(first + e) : p.name;
       s.global_key = purpose_id(s.global_name);
       s.expert = p.expert;
@@ -213,7 +212,7 @@ std::vector<Precision::NamedHistory> Precision::amax_histories() {
   static const char* const kRole[3] = {"input", "weight", "grad"};
   for (Site& s : sites_)
     for (int r = 0; r < 3 && !s.unused; ++r)
-      out.push_back({s.name + "." + kRole[r], s.global_name + "." + kRole[r], s.expert, &s.state[r]});
+      out.push_back({s.global_name + "." + kRole[r], s.expert, &s.state[r]});
   return out;
 }
 

@@ -292,11 +292,11 @@ class Precision {
                               int64_t E, int64_t out, int64_t in);
 
   // Delayed scaling's state, one entry per quantised tensor, named
-  // "<weight name>[.<expert>].{input,weight,grad}" with the expert's index on this rank, and in
-  // global_name with its index in the layer (checkpoints, tests). Empty unless delayed. expert:
-  // the tensor is an expert's (replicated over etp x edp, not tp x dp x cp).
+  // "<weight name>[.<expert>].{input,weight,grad}" with the expert's index in the layer
+  // (checkpoints, tests). Empty unless delayed. expert: the tensor is an expert's (replicated over
+  // etp x edp, not tp x dp x cp).
   struct NamedHistory {
-    std::string name, global_name;
+    std::string global_name;
     bool expert;
     AmaxHistory* history;
   };
@@ -305,7 +305,7 @@ class Precision {
  private:
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
-    std::string name, global_name;  // the expert's index on this rank / in the layer
+    std::string global_name;  // the weight's name, with the expert's index in the layer
     uint64_t global_key = 0;        // the SR key: purpose_id(global_name), the same on every layout
     bool expert = false;  // reduced over the expert group
     bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
