@@ -156,7 +156,7 @@ void add_squares(ExactSum& s, const float* x, int64_t n) {
       for (int k = 0; k < kSets; ++k) bin(k, x[i + k]);
     for (; i < i1; ++i) bin(0, x[i]);
     for (int e = 1; e < 255; ++e) {
-      uint64_t total = 0;  // each set's bin holds at most 2^15 terms below 2^48: their sum fits
+      uint64_t total = 0;  // the sets together hold a flush's 2^15 terms below 2^48: < 2^63, exact
       for (int k = 0; k < kSets; ++k) total += bins[k][e];
       if (total) s.add_scaled(total, 2 * e + 774);
     }
