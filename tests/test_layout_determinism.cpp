@@ -794,8 +794,9 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
 // the tp group and each weight gradient quantised along the tokens segment by segment (whole segments
 // per rank), reduced over tp per micro-batch. NVFP4 quantises a rank's rows as its part of the
 // micro-batch's (Precision::RowShare) and each expert's weight gradient on its rows gathered from
-// every tp rank, one expert per rank (GroupedExperts::gathered_wgrad). Every recipe, SP, data
-// parallelism, a shared expert, Llama's SwiGLU, a capacity.
+// every tp rank, a range of experts per rank cut by their rows (GroupedExperts::gathered_wgrad;
+// in these runs 4 of every 32 cuts differ from E / tp ranks each, so both kinds are compared).
+// Every recipe, SP, data parallelism, a shared expert, Llama's SwiGLU, a capacity.
 TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatchSingleProcess) {
   const std::string bf16 = "precision.params=bf16";
   const std::vector<Row> rows = {
