@@ -552,6 +552,12 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
   }, {"train.global_batch=20"});
+  // One micro-batch per rank (DP 3 x TP 2, global batch 12 of 4): the tp ranks keep their parts of
+  // the experts' gradients and the expert reduction over the six ranks adds them
+  // (DataParallel::sums_expert_tp_parts); the 4-rank rows above with the default batch do the same at DP 2.
+  rows_match_single_process("moe-debug", {
+      {6, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+  }, {"train.global_batch=12"});
   // A capacity: the micro-batch's, each tp rank keeping its tokens' part of the micro-batch's drop mask
   // (both drop policies, padding to capacity; both dispatchers under EP, ETP, DP).
   const std::vector<Row> capacity_rows = {

@@ -183,6 +183,10 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     expert_blocks_ = kept_blocks(expert_, block, replica, micros, P / cp_size_ * micros, "expert");
     expert_keeps_ = replica == 0;
   }
+  const int tp_size = tp_ ? tp_->size() : 1;
+  expert_tp_parts_ = !experts_summed && micros == 1 && cp_size_ == 1 && tp_size > 1 && blocks_.empty() &&
+                     expert_.size() == P * tp_size &&
+                     std::any_of(ps_.specs().begin(), ps_.specs().end(), [](const ParamSpec& p) { return p.expert; });
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;

@@ -94,6 +94,13 @@ class DataParallel {
   // The tables share the dense tree's buffers of its pieces where it has them (the experts' are
   // other elements of the same table shape).
   int64_t expert_block_first() const { return expert_first_; }
+  // Layout mode, MoE under tensor parallelism without expert (tensor) or context parallelism, one
+  // micro-batch per rank and step: the expert buckets go whole, along the canonical tree over the
+  // expert group's tp x dp ranks in rank order, tp fastest; so the tp ranks' parts of each
+  // micro-batch's expert gradients (each an aligned subtree of its token segments) may come in as
+  // they are, and the reduction adds them as one process would (GroupedExperts::set_layout's
+  // tp_parts), in place of the model summing them over tp first.
+  bool sums_expert_tp_parts() const { return expert_tp_parts_; }
   std::vector<float*> expert_pieces();
   // Layout mode: the gradient-sized buffers held for pieces (the dense tree's and the experts'
   // tables beyond them): max(K - 1, K_expert - 1) for a rank with K dense and K_expert expert pieces.
@@ -218,6 +225,7 @@ class DataParallel {
   bool dense_keeps_ = true;
   int cp_dp_rank_ = 0, cp_rank_ = 0, cp_size_ = 1;
   bool experts_summed_ = false;
+  bool expert_tp_parts_ = false;  // sums_expert_tp_parts()
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;

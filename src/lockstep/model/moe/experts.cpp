@@ -91,9 +91,13 @@ void GroupedExperts::begin_step() {
 }
 
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces,
-                                Communicator* partner_group) {
+                                Communicator* partner_group, bool tp_parts) {
   const int64_t T = tp_size * cp_size;  // the sources that share a micro-batch
   partners = nullptr;
+  LOCKSTEP_CHECK(!tp_parts || (sources == 1 && tp_size > 1 && cp_size == 1 && micros == 1),
+                 "experts: the data-parallel reduction sums the tp ranks' parts only of one micro-batch (", micros,
+                 " per rank) with one source (", sources, ") under tensor parallelism without context parallelism");
+  tp_parts_to_dp = tp_parts;
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / T;
@@ -519,6 +523,13 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   // then give -0.
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
+    if (tp_parts_to_dp) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
+      parallel_for(E * n, [&](int64_t i0, int64_t i1) {
+        std::fill(g + i0, g + std::clamp(i1, i0, e0 * n), -0.0f);
+        std::fill(g + std::clamp(i0, e1 * n, i1), g + i1, -0.0f);
+      });
+      continue;
+    }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
     if (q != 0) sent[0] = (e1 - e0) * n;
     else
@@ -610,7 +621,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       }
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
-        if (tp_size > 1 && !ps.pieced()) reduce_over_tp(ps, w, b, nout * nin, nout);
+        if (tp_size > 1 && !ps.pieced() && !tp_parts_to_dp) reduce_over_tp(ps, w, b, nout * nin, nout);
         return;
       }
       if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners

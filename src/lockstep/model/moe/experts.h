@@ -180,8 +180,13 @@ struct GroupedExperts {
   // partners: an expert x expert-tensor group smaller than the tp x cp group (G = sources dividing
   // tp x cp, see the header), the tp cp / G ranks holding these experts for the micro-batch's other
   // tp x cp ranks.
+  // tp_parts (DataParallel::sums_expert_tp_parts: one source under tensor parallelism, one
+  // micro-batch per rank and step): the data-parallel reduction over the tp x dp ranks adds the tp
+  // ranks' parts of the micro-batch along the canonical tree, so each rank keeps its own part (the
+  // tree over its token segments; NVFP4: its owned experts' whole gradients, -0 elsewhere) and
+  // reduce_over_tp / gathered_wgrad's gather onto tp rank 0 are skipped.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
-                  Communicator* partners = nullptr);
+                  Communicator* partners = nullptr, bool tp_parts = false);
   // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
   // cp_size)), 0 otherwise (run mode).
   int64_t token_segments_per_source() const { return token_L; }
@@ -282,6 +287,7 @@ struct GroupedExperts {
   // local experts' gradient) and the combine's scratch are the rank's, shared by its MoE layers
   // (a rank's thread runs their weight gradients one at a time).
   bool cp_partners = false;
+  bool tp_parts_to_dp = false;                 // set_layout's tp_parts
   static thread_local FloatBuffer unit_leaves;
   static thread_local std::vector<float*> unit_pieces;
   static thread_local std::vector<float> combine_scratch;
