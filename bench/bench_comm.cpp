@@ -4,7 +4,7 @@
 //   mpirun -n N build/bench_comm                      mpi backend, and raw MPI_Allreduce /
 //                                                     MPI_Alltoall on the same sizes
 //
-// For each message size (bytes of fp32 per rank): the median time of lockstep's all_reduce and
+// For each message size (bytes of fp32 per rank; the first one float per rank): the median time of lockstep's all_reduce and
 // all_to_all, their algorithm bandwidth (size / time, as nccl-tests report it), the ratio to raw
 // MPI, and the cost of the deterministic reduction: all_reduce against the data movement it is made
 // of (an all-to-all of the same bytes + an all-gather of 1/N of them), the difference being the
@@ -53,7 +53,9 @@ void bench(Communicator& comm, bool raw_mpi) {
     std::printf("%10s | %12s %9s %9s %11s | %12s %9s %9s\n", "bytes", "all_reduce", "GB/s", raw_mpi ? "vs MPI" : "",
                 "movement", "all_to_all", "GB/s", raw_mpi ? "vs MPI" : "");
   }
-  for (int64_t bytes = 4096; bytes <= (64 << 20); bytes *= 8) {
+  // One float per rank first (the latency of a small blocking collective: an amax, a count), then
+  // 4 KB .. 64 MB.
+  for (int64_t bytes = 4 * P; bytes <= (64 << 20); bytes = bytes < 4096 ? 4096 : bytes * 8) {
     const int64_t n = bytes / 4 / P * P;  // divisible by P for all_to_all
     const int reps = static_cast<int>(std::clamp<int64_t>((256 << 20) / bytes, 5, 200));
     std::vector<float> a(n, 1.0f), b(n, 0.0f);

@@ -9,7 +9,9 @@
 
 Each time a thread leaves the CPU sleeping (state S or D) the interval until it next runs is
 charged to its first three lockstep frames (the transport's and the thread pool's own frames
-skipped), so a rank waiting for its peer at a collective shows as `Work::wait < <the caller>`.
+skipped), so a rank waiting for its peer at a collective shows as `Work::wait < <the caller>`,
+or, for a blocking one it runs itself (ProgressThread::run_here), as the collective's step (e.g.
+`all_gather_step < Work::wait < <the caller>`).
 Prints the N (default 25) largest totals over all threads, in milliseconds. Under the thread
 backend the per-rank progress threads' idle time shows as `ProgressThread::loop`, and start-up
 allocations as the constructors'; compare two binaries or two modes on the same command.
@@ -20,7 +22,7 @@ import sys
 
 SWITCH = re.compile(r"\s*(\d+)\s+([\d.]+): sched:sched_switch: prev_comm=\S+ prev_pid=(\d+) prev_prio=\d+ "
                     r"prev_state=(\S+) ==> next_comm=\S+ next_pid=(\d+)")
-SKIP = ("ThreadTransport", "parallel_for", "_M_invoke")
+SKIP = ("ThreadTransport", "parallel_for", "_M_invoke", "ProgressThread::execute", "ProgressThread::run_here")
 
 
 def main():

@@ -29,6 +29,7 @@ ProgressThread::~ProgressThread() {
 
 std::shared_ptr<OpState> ProgressThread::post(std::function<void()> run) {
   auto op = std::make_shared<OpState>();
+  op->owner = this;
   op->run = std::move(run);
   {
     std::lock_guard lock(m_);
@@ -38,30 +39,51 @@ std::shared_ptr<OpState> ProgressThread::post(std::function<void()> run) {
   return op;
 }
 
-void ProgressThread::loop() {
-  for (;;) {
-    std::shared_ptr<OpState> op;
-    {
-      std::unique_lock lock(m_);
-      cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      op = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    std::exception_ptr error;
-    try {
-      op->run();
-    } catch (...) {
-      error = std::current_exception();
-    }
-    op->run = nullptr;  // drop captured buffers before waking the waiter
-    {
-      std::lock_guard lock(op->m);
-      op->done = true;
-      op->error = error;
-    }
-    op->cv.notify_all();
+void ProgressThread::execute(OpState& op) {
+  std::exception_ptr error;
+  try {
+    op.run();
+  } catch (...) {
+    error = std::current_exception();
   }
+  op.run = nullptr;  // drop captured buffers before waking the waiter
+  {
+    std::lock_guard lock(op.m);
+    op.done = true;
+    op.error = error;
+  }
+  op.cv.notify_all();
+}
+
+void ProgressThread::loop() {
+  std::unique_lock lock(m_);
+  for (;;) {
+    cv_.wait(lock, [&] { return (stop_ && !running_) || (!queue_.empty() && !running_); });
+    if (queue_.empty()) return;
+    std::shared_ptr<OpState> op = std::move(queue_.front());
+    queue_.pop_front();
+    running_ = true;
+    lock.unlock();
+    execute(*op);
+    lock.lock();
+    running_ = false;
+  }
+}
+
+bool ProgressThread::run_here(const std::shared_ptr<OpState>& op) {
+  {
+    std::lock_guard lock(m_);
+    if (running_ || queue_.empty() || queue_.front() != op) return false;
+    queue_.pop_front();
+    running_ = true;
+  }
+  execute(*op);
+  {
+    std::lock_guard lock(m_);
+    running_ = false;
+  }
+  cv_.notify_one();  // operations posted meanwhile (another thread of the rank), or the destructor
+  return true;
 }
 
 Work& Work::operator=(Work&& other) noexcept {
@@ -85,6 +107,13 @@ Work::~Work() {
 void Work::wait() {
   if (!op_) return;
   std::shared_ptr<OpState> op = std::move(op_);
+  {
+    std::unique_lock lock(op->m);
+    if (!op->done) {
+      lock.unlock();
+      op->owner->run_here(op);
+    }
+  }
   std::unique_lock lock(op->m);
   op->cv.wait(lock, [&] { return op->done; });
   if (op->error) std::rethrow_exception(op->error);

@@ -1,9 +1,12 @@
 #include "lockstep/comm/threads/thread_transport.h"
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -31,6 +34,12 @@ struct Posted {
   int state = 0;  // 0 posted, 1 being copied by the receiver, 2 consumed
 };
 
+constexpr std::chrono::microseconds kSpin{50};  // exchange's spin before it sleeps
+
+// The spin yields: with more runnable threads than cores (more ranks than cores, or the ranks'
+// thread pools) the rank being waited for gets the core.
+inline void cpu_relax() { std::this_thread::yield(); }
+
 uint64_t mix(uint64_t x) {  // splitmix64 finaliser: group ids from (parent, split number, color)
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -52,20 +61,31 @@ std::string what_of(const std::exception_ptr& e) {
 
 class ThreadWorld {
  public:
-  ThreadWorld(int n, double timeout) : size(n), timeout_s(timeout), cvs(n), exited(n, 0) {}
+  ThreadWorld(int n, double timeout)
+      : size(n), timeout_s(timeout), cvs(n), events(std::make_unique<std::atomic<uint64_t>[]>(n)), exited(n, 0) {}
 
   const int size;
   const double timeout_s;
   std::mutex m;
   std::vector<std::condition_variable> cvs;  // one per world rank: its progress thread sleeps here
+  // Per world rank, bumped (under m) with every notification of its cv: what a rank spinning
+  // before it sleeps watches (ThreadTransport::exchange).
+  std::unique_ptr<std::atomic<uint64_t>[]> events;
   std::map<MsgKey, Posted*> mailbox;
   std::string failure;  // the first failure; empty while all is well
   int failure_rank = -1;
   std::vector<char> exited;
 
+  void wake_locked(int rank) {
+    events[rank].fetch_add(1, std::memory_order_release);
+    cvs[rank].notify_all();
+  }
+  void wake_all_locked() {
+    for (int r = 0; r < size; ++r) wake_locked(r);
+  }
   void fail_locked(int rank, const std::string& msg) {
     if (failure.empty()) failure = msg, failure_rank = rank;
-    for (auto& cv : cvs) cv.notify_all();
+    wake_all_locked();
   }
   void fail(int rank, const std::string& msg) {
     std::lock_guard lock(m);
@@ -74,7 +94,7 @@ class ThreadWorld {
   void mark_exited(int rank) {
     std::lock_guard lock(m);
     exited[rank] = 1;
-    for (auto& cv : cvs) cv.notify_all();
+    wake_all_locked();
   }
 };
 
@@ -131,7 +151,7 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
     post_keys[i] = {ctx_, self, dst, op.p2p, tag, op.p2p ? sent_[{sends[i].peer, tag}]++ : step};
     posts[i] = {sends[i].data, sends[i].bytes, 0};
     W.mailbox[post_keys[i]] = &posts[i];
-    W.cvs[dst].notify_all();
+    W.wake_locked(dst);
   }
   for (size_t j = 0; j < recvs.size(); ++j) {
     const int tag = op.tag + recvs[j].tag;
@@ -173,7 +193,7 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
         lock.lock();
         p->state = 2;
         received[j] = 1;
-        W.cvs[recv_keys[j].src].notify_all();
+        W.wake_locked(recv_keys[j].src);
       }
     }
     std::set<int> waiting_for;
@@ -195,7 +215,15 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
       fail(str(where(op), ": timed out after ", W.timeout_s, " s waiting for rank", waiting_for.size() > 1 ? "s " : " ",
                who, " (dist.timeout_s)"));
     }
-    W.cvs[self].wait_until(lock, op.deadline);
+    // A short spin before sleeping: once the peers are in the same operation their posts and takes
+    // follow within microseconds, and a sleep and wake-up costs about a hundred on a busy machine.
+    const uint64_t seen = W.events[self].load(std::memory_order_relaxed);
+    lock.unlock();
+    const auto spin_until = std::chrono::steady_clock::now() + kSpin;
+    while (W.events[self].load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < spin_until)
+      cpu_relax();
+    lock.lock();
+    if (W.events[self].load(std::memory_order_relaxed) == seen) W.cvs[self].wait_until(lock, op.deadline);
   }
 }
 
