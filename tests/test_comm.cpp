@@ -5,12 +5,14 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <future>
 #include <mutex>
 #include <thread>
 
 #include "comm_suite.h"
 #include "testing.h"
 #include "lockstep/comm/launch.h"
+#include "lockstep/comm/progress.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/core/error.h"
 
@@ -152,6 +154,53 @@ TEST(CommAsync, PostingReturnsAtOnceAndWaitCompletesWhenThePeerArrives) {
   EXPECT_LT(posted_after[0], 0.05);
   EXPECT_FALSE(done_at_post[0]);
   EXPECT_GT(waited_after[0], 0.1);
+}
+
+// The progress thread's order holds whoever runs an operation: a waiter may run the operation it
+// waits for only when it is next and nothing runs (ProgressThread::run_here).
+TEST(CommProgress, OperationsRunOneAtATimeInPostOrderWhoeverRunsThem) {
+  ProgressThread pt;
+  std::mutex m;
+  std::vector<int> log;
+  auto note = [&](int x) {
+    std::lock_guard lock(m);
+    log.push_back(x);
+  };
+  std::promise<void> gate;
+  std::shared_future<void> open = gate.get_future().share();
+  auto first = pt.post([&] {
+    open.wait();
+    note(1);
+  });
+  auto second = pt.post([&] { note(2); });
+  std::thread waiter([&] {
+    Work(second).wait();  // not next (first is queued or running): waits its turn
+    note(3);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  {
+    std::lock_guard lock(m);
+    EXPECT_TRUE(log.empty());
+  }
+  gate.set_value();
+  waiter.join();
+  Work(first).wait();
+  EXPECT_EQ(log, (std::vector<int>{1, 2, 3}));
+}
+
+TEST(CommProgress, AWaitedOperationNobodyStartedRunsOnTheWaitingThread) {
+  ProgressThread pt;
+  int here = 0;
+  for (int i = 0; i < 100; ++i) {
+    std::thread::id ran;
+    Work(pt.post([&] { ran = std::this_thread::get_id(); })).wait();  // a blocking call
+    here += ran == std::this_thread::get_id();
+  }
+  // The progress thread is woken by each post and may take one first; the waiter, already running,
+  // takes almost all.
+  EXPECT_GT(here, 50);
+  // An error thrown there reaches the waiter as from the progress thread.
+  EXPECT_THROW(Work(pt.post([] { throw CommError("from the operation"); })).wait(), CommError);
 }
 
 TEST(CommLaunch, BackendChoice) {
