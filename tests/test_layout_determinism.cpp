@@ -552,12 +552,13 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
   }, {"train.global_batch=20"});
-  // One micro-batch per rank (DP 3 x TP 2, global batch 12 of 4): the tp ranks keep their parts of
-  // the experts' gradients and the expert reduction over the six ranks adds them
-  // (DataParallel::sums_expert_tp_parts); the 4-rank rows above with the default batch do the same at DP 2.
-  rows_match_single_process("moe-debug", {
-      {6, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"train.global_batch=12"});
+  // One micro-batch per rank (global batch = micro-batch 2 x dp): the tp ranks keep their parts of
+  // the experts' gradients and the expert reduction over the tp x dp ranks adds them
+  // (DataParallel::sums_expert_tp_parts); DP 3 x TP 2 + SP and DP 2 x TP 2 with the distributed optimizer.
+  rows_match_single_process("moe-debug", {{6, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"train.global_batch=6"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "optimizer.distributed=true"}}},
+                            {"train.global_batch=4"});
   // A capacity: the micro-batch's, each tp rank keeping its tokens' part of the micro-batch's drop mask
   // (both drop policies, padding to capacity; both dispatchers under EP, ETP, DP).
   const std::vector<Row> capacity_rows = {
@@ -817,6 +818,11 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
                              "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  // One micro-batch per rank: each tp rank keeps its own experts' gathered gradients and -0
+  // elsewhere (DataParallel::sums_expert_tp_parts), the fill split over 3 threads.
+  rows_match_single_process("moe-debug", {rows[3], {4, {"parallel.tensor=4", "train.threads=2"}}},
+                            {bf16, "precision.fp4=nvfp4", "train.global_batch=2"});
+  rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=blockwise", "train.global_batch=4"});
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
   for (const char* recipe : {"precision.fp8=blockwise", "precision.fp4=nvfp4"})

@@ -525,8 +525,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     if (!g) continue;
     if (tp_parts_to_dp) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
       parallel_for(E * n, [&](int64_t i0, int64_t i1) {
-        std::fill(g + i0, g + std::clamp(i1, i0, e0 * n), -0.0f);
-        std::fill(g + std::clamp(i0, e1 * n, i1), g + i1, -0.0f);
+        std::fill(g + i0, g + std::max(i0, std::min(i1, e0 * n)), -0.0f);  // [i0, i1) before e0
+        std::fill(g + std::min(i1, std::max(i0, e1 * n)), g + i1, -0.0f);  // and from e1
       });
       continue;
     }
