@@ -15,7 +15,8 @@
 # threads) with determinism = "layout" against "run", alternating round by round, on the same two
 # models as they are (one micro-batch per step) and with four micro-batches accumulated
 # (train.global_batch=16: the canonical tree's pushes); median step_ms of steps 2..6 per round, then
-# the median over rounds; tax = layout / run - 1. Also the CPU time (user + system) of each whole
+# the median over rounds; tax = layout / run - 1 (and the same of the 25th percentile of all those
+# steps, which a few slow steps from other processes move less). Also the CPU time (user + system) of each whole
 # run (6 steps and the start-up, which is the same for both): on a loaded machine the wall time of a
 # step swings by tens of percent with the other processes, the CPU time much less.
 #
@@ -63,24 +64,27 @@ if [ "$parts" != run ]; then
   dir=$(mktemp -d)
   trap 'rm -rf "$dir"' EXIT
   TIMEFORMAT='%U %S'
-  one_run() {  # appends the median step_ms of steps 2.. to $dir/$2.ms and the run's CPU seconds to $dir/$2.cpu
+  one_run() {  # appends the median step_ms of steps 2.. to $dir/$2.ms, every one of them to $dir/$2.steps,
+               # and the run's CPU seconds to $dir/$2.cpu
     local t
     t=$( { time "$bin" train -c "$1" train.steps=6 train.threads=2 train.out_dir="$dir/run" "${@:3}" >/dev/null; } 2>&1 )
     echo "$t" | awk '{print $1 + $2}' >>"$dir/$2.cpu"
-    grep -o '"step_ms":[0-9.]*' "$dir/run/metrics.jsonl" | tail -n +2 | cut -d: -f2 | median >>"$dir/$2.ms"
+    grep -o '"step_ms":[0-9.]*' "$dir/run/metrics.jsonl" | tail -n +2 | cut -d: -f2 | tee -a "$dir/$2.steps" | median >>"$dir/$2.ms"
     rm -rf "$dir/run"
   }
-  report() {  # $1: the row's label; the medians of $dir/{run,layout}.{ms,cpu}
+  p25() { sort -g | awk '{v[NR] = $1} END {print v[int((NR - 1) / 4) + 1]}'; }
+  report() {  # $1: the row's label; the medians of $dir/{run,layout}.{ms,cpu}, the 25th percentile of the steps
     awk -v c="$1" -v run="$(median <"$dir/run.ms")" -v lay="$(median <"$dir/layout.ms")" \
+        -v runq="$(p25 <"$dir/run.steps")" -v layq="$(p25 <"$dir/layout.steps")" \
         -v runc="$(median <"$dir/run.cpu")" -v layc="$(median <"$dir/layout.cpu")" 'BEGIN {
-      printf "%s: step %.1f ms (layout) vs %.1f ms (run): %+.1f%%; CPU per run %.2f s vs %.2f s: %+.1f%%\n",
-             c, lay, run, 100 * (lay / run - 1), layc, runc, 100 * (layc / runc - 1) }'
+      printf "%s: step %.1f ms (layout) vs %.1f ms (run): %+.1f%% (25th percentile of all steps: %+.1f%%); CPU per run %.2f s vs %.2f s: %+.1f%%\n",
+             c, lay, run, 100 * (lay / run - 1), 100 * (layq / runq - 1), layc, runc, 100 * (layc / runc - 1) }'
   }
 fi
 if [ "$parts" = layout ] || [ "$parts" = both ]; then
   for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
     for batch in 4 16; do
-      rm -f "$dir"/*.ms "$dir"/*.cpu
+      rm -f "$dir"/*.ms "$dir"/*.cpu "$dir"/*.steps
       for ((r = 0; r < rounds; ++r)); do
         one_run "$config" run train.global_batch=$batch determinism=run
         one_run "$config" layout train.global_batch=$batch determinism=layout
@@ -92,7 +96,7 @@ fi
 if [ "$parts" = tp ]; then
   tp=(--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16)
   for recipe in "" precision.fp8=blockwise precision.fp4=nvfp4; do
-    rm -f "$dir"/*.ms "$dir"/*.cpu
+    rm -f "$dir"/*.ms "$dir"/*.cpu "$dir"/*.steps
     for ((r = 0; r < rounds; ++r)); do
       one_run configs/moe-peer.toml run "${tp[@]}" $recipe determinism=run
       one_run configs/moe-peer.toml layout "${tp[@]}" $recipe determinism=layout
