@@ -389,13 +389,18 @@ void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float*
 
 namespace {
 
+// g[0, n) = -0: what a rank that does not hold a gradient gives a reduction (v + -0 = v exactly).
+void give_minus_zero(float* g, int64_t n) {
+  parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
+}
+
 // This rank's subtree of a micro-batch's token segments (g, n), summed over `group` along the
 // canonical tree: the micro-batch's leaf. Group rank 0 keeps it; the others give -0, which the
 // expert data-parallel reduction (the group's ranks adjacent in it: each run a subtree) adds
 // exactly, v + -0 = v, or as pieces leaves out (their blocks empty: DataParallel::set_layout).
 void keep_on_first(Communicator& group, float* g, int64_t n) {
   group.all_reduce(g, n, ReduceOp::tree_sum);
-  if (group.rank() != 0) parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
+  if (group.rank() != 0) give_minus_zero(g, n);
 }
 
 }  // namespace
@@ -524,10 +529,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
     if (tp_parts_to_dp) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
-      parallel_for(E * n, [&](int64_t i0, int64_t i1) {
-        std::fill(g + i0, g + std::max(i0, std::min(i1, e0 * n)), -0.0f);  // [i0, i1) before e0
-        std::fill(g + std::min(i1, std::max(i0, e1 * n)), g + i1, -0.0f);  // and from e1
-      });
+      give_minus_zero(g, e0 * n);
+      give_minus_zero(g + e1 * n, (E - e1) * n);
       continue;
     }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
@@ -535,7 +538,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     else
       for (int64_t r = 1; r < P; ++r) received[static_cast<size_t>(r)] = (lo(r + 1) - lo(r)) * n;
     group.all_to_allv(g + (q == 0 ? lo(1) : 0) * n, received, g + e0 * n, sent);
-    if (q != 0) parallel_for(E * n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
+    if (q != 0) give_minus_zero(g, E * n);
   }
 }
 
