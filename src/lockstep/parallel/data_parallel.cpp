@@ -145,6 +145,9 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   expert_pieces_.clear();
   expert_first_ = expert_held_ = 0;
   expert_keeps_ = true;
+  const int tp_size = tp_ ? tp_->size() : 1;
+  const bool has_experts =
+      std::any_of(ps_.specs().begin(), ps_.specs().end(), [](const ParamSpec& p) { return p.expert; });
   if (experts_summed) {
     // The step's micro-batches: P / cp per micro-batch slot (a cp group shares each micro-batch). Runs
     // of expert_partners ranks share a block (the first holds its sum, the others -0).
@@ -170,23 +173,20 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
       expert_held_ = static_cast<int64_t>(canonical_pieces(total, expert_first_, expert_first_ + G).size()) - 2;
       for (int64_t k = tree_.pieces() - 1; k < expert_held_; ++k) expert_pieces_.emplace_back(ps_.total());
     }
-  } else if (!blocks_.empty() && expert_.size() != P / cp_size_ &&
-             std::any_of(ps_.specs().begin(), ps_.specs().end(), [](const ParamSpec& p) { return p.expert; })) {
+  } else if (!blocks_.empty() && expert_.size() != P / cp_size_ && has_experts) {
     // MoE under tensor or context parallelism without expert (tensor) parallelism: the expert group
     // is the data-parallel ranks with each one's tp x cp replicas; tp rank 0 of cp rank 0 holds the
     // micro-batches' expert gradients, the others -0 (model/moe/experts.h reduce_over_tp, parallel/
     // context_parallel.h combine_token_pieces). As pieces, that rank gives its data-parallel rank's
     // block and the others an empty one.
-    const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
+    const int tp_rank = tp_ ? tp_->rank() : 0;
     const int replica = tp_rank + tp_size * cp_rank_;
     const int block = cp_size_ > 1 ? cp_dp_rank_ : dense_.rank();
     expert_blocks_ = kept_blocks(expert_, block, replica, micros, P / cp_size_ * micros, "expert");
     expert_keeps_ = replica == 0;
   }
-  const int tp_size = tp_ ? tp_->size() : 1;
   expert_tp_parts_ = !experts_summed && micros == 1 && cp_size_ == 1 && tp_size > 1 && blocks_.empty() &&
-                     expert_.size() == P * tp_size &&
-                     std::any_of(ps_.specs().begin(), ps_.specs().end(), [](const ParamSpec& p) { return p.expert; });
+                     expert_.size() == P * tp_size && has_experts;
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;
