@@ -58,7 +58,7 @@ void ProgressThread::execute(OpState& op) {
 void ProgressThread::loop() {
   std::unique_lock lock(m_);
   for (;;) {
-    cv_.wait(lock, [&] { return (stop_ && !running_) || (!queue_.empty() && !running_); });
+    cv_.wait(lock, [&] { return !running_ && (stop_ || !queue_.empty()); });
     if (queue_.empty()) return;
     std::shared_ptr<OpState> op = std::move(queue_.front());
     queue_.pop_front();
@@ -108,6 +108,8 @@ void Work::wait() {
   if (!op_) return;
   std::shared_ptr<OpState> op = std::move(op_);
   {
+    // A finished operation's progress thread may be gone (a handle can outlive its communicator):
+    // only an unfinished one, whose thread is alive, is offered to run here.
     std::unique_lock lock(op->m);
     if (!op->done) {
       lock.unlock();

@@ -6,7 +6,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <map>
-#include <memory>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -62,7 +61,7 @@ std::string what_of(const std::exception_ptr& e) {
 class ThreadWorld {
  public:
   ThreadWorld(int n, double timeout)
-      : size(n), timeout_s(timeout), cvs(n), events(std::make_unique<std::atomic<uint64_t>[]>(n)), exited(n, 0) {}
+      : size(n), timeout_s(timeout), cvs(n), events(n), exited(n, 0) {}
 
   const int size;
   const double timeout_s;
@@ -70,7 +69,7 @@ class ThreadWorld {
   std::vector<std::condition_variable> cvs;  // one per world rank: its progress thread sleeps here
   // Per world rank, bumped (under m) with every notification of its cv: what a rank spinning
   // before it sleeps watches (ThreadTransport::exchange).
-  std::unique_ptr<std::atomic<uint64_t>[]> events;
+  std::vector<std::atomic<uint64_t>> events;
   std::map<MsgKey, Posted*> mailbox;
   std::string failure;  // the first failure; empty while all is well
   int failure_rank = -1;
