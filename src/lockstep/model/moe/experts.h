@@ -53,7 +53,9 @@
 // (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
 // source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
-// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md). The FP8
+// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md); with one
+// micro-batch per rank and step that reduction sums the ranks' subtrees itself (set_layout's
+// tp_parts) and reduce_over_tp is skipped. The FP8
 // recipes take the same token segments (Precision::grouped_wgrad_segments: each segment quantised
 // along the tokens on its own), with several sources per (expert, micro-batch group) block (its tp
 // sources' rows back to back, the micro-batch's rows of the expert in token order;
@@ -225,7 +227,8 @@ struct GroupedExperts {
   // rows as fill the capacity: every padding row is the same computation on a zero row, the
   // one-process padding rows' bits), computes their whole NVFP4 gradients as one process does
   // (Precision::grouped_wgrad_gathered), and group rank 0 receives every rank's experts (the others
-  // then hold -0: what keep_on_first leaves).
+  // then hold -0: what keep_on_first leaves); with set_layout's tp_parts each rank keeps its own
+  // experts instead, -0 elsewhere.
   void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
                       int64_t nout, int64_t nin) const;
 
