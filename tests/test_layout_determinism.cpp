@@ -554,11 +554,14 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   }, {"train.global_batch=20"});
   // One micro-batch per rank (global batch = micro-batch 2 x dp): the tp ranks keep their parts of
   // the experts' gradients and the expert reduction over the tp x dp ranks adds them
-  // (DataParallel::sums_expert_tp_parts); DP 3 x TP 2 + SP and DP 2 x TP 2 with the distributed optimizer.
+  // (DataParallel::sums_expert_tp_parts); DP 3 x TP 2 + SP, DP 2 x TP 2 with the distributed optimizer,
+  // PP 2 x TP 2 + SP (the pipelined grads-ready hook).
   rows_match_single_process("moe-debug", {{6, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"train.global_batch=6"});
   rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "optimizer.distributed=true"}}},
                             {"train.global_batch=4"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"model.num_layers=4", "model.tie_embeddings=false", "train.global_batch=2"});
   // A capacity: the micro-batch's, each tp rank keeping its tokens' part of the micro-batch's drop mask
   // (both drop policies, padding to capacity; both dispatchers under EP, ETP, DP).
   const std::vector<Row> capacity_rows = {
