@@ -16,6 +16,7 @@
 #include "lockstep/core/hash.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/exact_sum.h"
+#include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 
 namespace lockstep::testing {
@@ -113,6 +114,15 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       comm.reduce_scatter(chunk.data(), xs[me].data(), c, ReduceOp::tree_sum);
       same_bits(chunk.data(), tree.data() + me * c, c, str("reduce_scatter tree_sum n=", c));
       h.update(chunk.data(), chunk.size() * sizeof(float));
+      // In place over n elements (chunks of unequal sizes when P does not divide n): this rank's
+      // chunk is the tree, the other chunks are left as they were.
+      std::vector<float> in_place = xs[me];
+      comm.reduce_scatter_in_place(in_place.data(), n, ReduceOp::tree_sum);
+      const int64_t c0 = chunk_begin(n, me, P), c1 = chunk_begin(n, me + 1, P);
+      same_bits(in_place.data(), xs[me].data(), c0, str("reduce_scatter_in_place n=", n, ": before the chunk"));
+      same_bits(in_place.data() + c0, tree.data() + c0, c1 - c0, str("reduce_scatter_in_place tree_sum n=", n));
+      same_bits(in_place.data() + c1, xs[me].data() + c1, total - c1, str("reduce_scatter_in_place n=", n, ": after the chunk"));
+      h.update(in_place.data() + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
     }
 
     // The *_pieces forms: leaves in blocks that are not subtrees (3 per rank; 1, 2, 3, 1, 2, 3, ...;

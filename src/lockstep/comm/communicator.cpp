@@ -9,6 +9,7 @@
 #include "lockstep/comm/transport.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
+#include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
@@ -202,9 +203,6 @@ void exchange(Transport& t, const std::vector<SendSpec>& sends, const std::vecto
   t.exchange(sends, recvs, op);
 }
 
-// Chunk r of n over P ranks.
-inline int64_t chunk_begin(int64_t n, int r, int P) { return n * r / P; }
-
 // One reduce-scatter step: block `me` (block r = [off[r], off[r+1])) of every rank's `in`, reduced
 // in rank order into out (off[me+1] - off[me] elements; out may be that block of our own in).
 template <typename T>
@@ -322,6 +320,18 @@ Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
 }
 
 template <typename T>
+Work Communicator::reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op) {
+  if (size() == 1) return Work();
+  Transport* t = transport_.get();
+  return Work(progress_->post([t, data, n, op] {
+    const int P = t->size(), me = t->rank();
+    std::vector<int64_t> off(P + 1);
+    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
+    reduce_scatter_step(*t, data + off[me], data, off, op, op_info(*t, "reduce_scatter_in_place"));
+  }));
+}
+
+template <typename T>
 Work Communicator::all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n, std::vector<int64_t> blocks) {
   Transport* t = transport_.get();
   return Work(progress_->post([t, out, pieces = std::move(pieces), n, blocks = std::move(blocks)] {
@@ -396,6 +406,7 @@ std::string broadcast_string(Communicator& comm, std::string s, int root) {
 
 #define LOCKSTEP_INSTANTIATE(T)                                                           \
   template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                 \
+  template Work Communicator::reduce_scatter_in_place_async<T>(T*, int64_t, ReduceOp);     \
   template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);                       \
   template Work Communicator::all_reduce_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>); \
   template Work Communicator::reduce_scatter_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>);

@@ -99,6 +99,12 @@ class Communicator {
   // data (n) <- reduction over ranks of data (n).
   template <typename T> void all_reduce(T* data, int64_t n, ReduceOp op = ReduceOp::sum) { all_reduce_async(data, n, op).wait(); }
   template <typename T> Work all_reduce_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
+  // all_reduce without its all-gather: on rank r, chunk r of data ([chunk_begin(n, r, P), chunk_begin(n, r + 1, P)),
+  // core/thread_pool.h) <- the reduction over ranks of chunk r of data; the other chunks are left as they were.
+  template <typename T> void reduce_scatter_in_place(T* data, int64_t n, ReduceOp op = ReduceOp::sum) {
+    reduce_scatter_in_place_async(data, n, op).wait();
+  }
+  template <typename T> Work reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
   // out (count) <- reduction over ranks of block `rank` of in (size * count).
   template <typename T> void reduce_scatter(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum) { reduce_scatter_async(out, in, count, op).wait(); }
   template <typename T> Work reduce_scatter_async(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum);

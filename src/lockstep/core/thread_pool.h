@@ -91,7 +91,7 @@ class ThreadPool {
   std::exception_ptr worker_error_;
 };
 
-// The split used by parallel_for: chunk t of T over [0, n).
+// Chunk t of T over [0, n): the split of parallel_for and of the communicator's chunked collectives.
 inline int64_t chunk_begin(int64_t n, int t, int T) { return n * t / T; }
 
 // Uses the current thread's pool, or runs fn(0, n) inline when there is none or it is busy.

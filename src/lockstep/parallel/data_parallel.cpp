@@ -7,6 +7,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
+#include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/train/optimizer.h"
 
@@ -185,8 +186,10 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     expert_blocks_ = kept_blocks(expert_, block, replica, micros, P / cp_size_ * micros, "expert");
     expert_keeps_ = replica == 0;
   }
-  expert_tp_parts_ = !experts_summed && micros == 1 && cp_size_ == 1 && tp_size > 1 && blocks_.empty() &&
-                     expert_.size() == P * tp_size && has_experts;
+  const bool tp_replicas = !experts_summed && cp_size_ == 1 && tp_size > 1 && blocks_.empty() &&
+                           expert_.size() == P * tp_size && has_experts;
+  expert_tp_sum_ = !tp_replicas ? ExpertTpSum::on_first : micros == 1 ? ExpertTpSum::parts : ExpertTpSum::slices;
+  tp_rank_ = tp_ ? tp_->rank() : 0;
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;
@@ -239,8 +242,15 @@ void DataParallel::push_grads(int first, int end, int64_t micro) {
       ++p;
       continue;
     }
+    if (expert_tp_sum_ == ExpertTpSum::slices && specs[p].expert) {  // this rank's chunk; -0 elsewhere
+      const int64_t n = specs[p].shape.numel(), P = tp_->size();
+      tree_.push(micro, ps_.grads(), specs[p].offset + chunk_begin(n, tp_rank_, P),
+                 specs[p].offset + chunk_begin(n, tp_rank_ + 1, P));
+      ++p;
+      continue;
+    }
     int q = p;
-    while (q < end && ours(q)) ++q;
+    while (q < end && ours(q) && !(expert_tp_sum_ == ExpertTpSum::slices && specs[q].expert)) ++q;
     tree_.push(micro, ps_.grads(), specs[p].offset, specs[q - 1].offset + specs[q - 1].shape.numel());
     p = q;
   }

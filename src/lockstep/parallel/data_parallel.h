@@ -59,6 +59,18 @@ namespace lockstep {
 class Optimizer;
 class ShardHashes;
 
+// Layout mode, MoE under tensor parallelism without expert (tensor) or context parallelism (every tp
+// rank holds all experts and routes its own tokens): how the tp ranks' parts of each micro-batch's
+// expert gradients (each the tree over its token segments, an aligned subtree of the micro-batch's)
+// reach the expert data-parallel reduction over the tp x dp ranks, which adds -0 exactly.
+enum class ExpertTpSum {
+  on_first,  // each micro-batch's parts summed over tp onto tp rank 0, the others -0
+  parts,     // one micro-batch per rank: each rank keeps its part, the reduction's tree over tp x dp adds them
+  slices,    // the rank's micro-batches a subtree of the step's: each micro-batch's parts summed over tp as a
+             // reduce-scatter, tp rank r keeping chunk r (chunk_begin over the parameter) of every expert
+             // parameter and -0 elsewhere; the micro-batches' tree is pushed on the rank's chunks only
+};
+
 class DataParallel {
  public:
   // dense: the dp x cp group; expert: the edp group. distributed: optimizer.distributed.
@@ -94,13 +106,13 @@ class DataParallel {
   // The tables share the dense tree's buffers of its pieces where it has them (the experts' are
   // other elements of the same table shape).
   int64_t expert_block_first() const { return expert_first_; }
-  // Layout mode, MoE under tensor parallelism without expert (tensor) or context parallelism, one
-  // micro-batch per rank and step: the expert buckets go whole, along the canonical tree over the
-  // expert group's tp x dp ranks in rank order, tp fastest; so the tp ranks' parts of each
-  // micro-batch's expert gradients (each an aligned subtree of its token segments) may come in as
-  // they are, and the reduction adds them as one process would (GroupedExperts::set_layout's
-  // tp_parts), in place of the model summing them over tp first.
-  bool sums_expert_tp_parts() const { return expert_tp_parts_; }
+  // Layout mode, MoE under tensor parallelism without expert (tensor) or context parallelism: how the
+  // model gives this rank's expert gradients (GroupedExperts::set_layout). The expert buckets go whole,
+  // along the canonical tree over the expert group's tp x dp ranks in rank order, tp fastest; with one
+  // micro-batch per rank (parts) the tp ranks' parts come in as they are and the reduction adds them as
+  // one process would, with a subtree of micro-batches per rank (slices) each micro-batch's tp sum is
+  // spread over the tp ranks, which push only their chunks, and otherwise tp rank 0 holds it (on_first).
+  ExpertTpSum expert_tp_sum() const { return expert_tp_sum_; }
   std::vector<float*> expert_pieces();
   // Layout mode: the gradient-sized buffers held for pieces (the dense tree's and the experts'
   // tables beyond them): max(K - 1, K_expert - 1) for a rank with K dense and K_expert expert pieces.
@@ -225,7 +237,8 @@ class DataParallel {
   bool dense_keeps_ = true;
   int cp_dp_rank_ = 0, cp_rank_ = 0, cp_size_ = 1;
   bool experts_summed_ = false;
-  bool expert_tp_parts_ = false;  // sums_expert_tp_parts()
+  ExpertTpSum expert_tp_sum_ = ExpertTpSum::on_first;  // expert_tp_sum()
+  int tp_rank_ = 0;                                     // slices: this rank's chunk of each expert parameter
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;

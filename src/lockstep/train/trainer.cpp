@@ -292,7 +292,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     for (const auto& layer : model.moe_layers())
       if (layer)
         layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces(),
-                          partners ? &*partners : nullptr, dp.sums_expert_tp_parts());
+                          partners ? &*partners : nullptr, dp.expert_tp_sum());
   }
   if (experts_split) dp.set_expert_parallel(&tp_ep_group);
   std::unique_ptr<Pipeline> pipeline;

@@ -91,13 +91,15 @@ void GroupedExperts::begin_step() {
 }
 
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces,
-                                Communicator* partner_group, bool tp_parts) {
+                                Communicator* partner_group, ExpertTpSum tp_sum_) {
   const int64_t T = tp_size * cp_size;  // the sources that share a micro-batch
   partners = nullptr;
-  LOCKSTEP_CHECK(!tp_parts || (sources == 1 && tp_size > 1 && cp_size == 1 && micros == 1),
-                 "experts: the data-parallel reduction sums the tp ranks' parts only of one micro-batch (", micros,
-                 " per rank) with one source (", sources, ") under tensor parallelism without context parallelism");
-  tp_parts_to_dp = tp_parts;
+  LOCKSTEP_CHECK(tp_sum_ == ExpertTpSum::on_first ||
+                     (sources == 1 && tp_size > 1 && cp_size == 1 && (tp_sum_ == ExpertTpSum::parts) == (micros == 1)),
+                 "experts: the tp ranks' parts go to the data-parallel reduction as they are only with one micro-batch"
+                 " per rank (", micros, "), or as chunks with several, with one source (", sources,
+                 ") under tensor parallelism without context parallelism");
+  tp_sum = tp_sum_;
   if (layout_segments) {
     // The config refuses the layouts these do not hold for (docs/determinism.md).
     token_L = layout_segments / T;
@@ -403,6 +405,19 @@ void keep_on_first(Communicator& group, float* g, int64_t n) {
   if (group.rank() != 0) give_minus_zero(g, n);
 }
 
+// g[0, n) = -0 but for this rank's chunk of it (chunk_begin over the group).
+void give_minus_zero_but_chunk(const Communicator& group, float* g, int64_t n) {
+  const int64_t c0 = chunk_begin(n, group.rank(), group.size()), c1 = chunk_begin(n, group.rank() + 1, group.size());
+  give_minus_zero(g, c0);
+  give_minus_zero(g + c1, n - c1);
+}
+
+// As keep_on_first, but each group rank keeps its chunk of the leaf (ExpertTpSum::slices).
+void keep_chunk(Communicator& group, float* g, int64_t n) {
+  group.reduce_scatter_in_place(g, n, ReduceOp::tree_sum);
+  give_minus_zero_but_chunk(group, g, n);
+}
+
 }  // namespace
 
 std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P) {
@@ -424,7 +439,16 @@ std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P
 
 void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
   for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}})
-    if (i >= 0) keep_on_first(*tp, ps.grad(i), n);
+    if (i >= 0) {
+      if (tp_sum != ExpertTpSum::slices) {
+        keep_on_first(*tp, ps.grad(i), n);
+        continue;
+      }
+      // DataParallel pushes this chunk of the parameter (push_grads): the same bounds.
+      LOCKSTEP_CHECK(ps.specs()[static_cast<size_t>(i)].shape.numel() == n, "experts: ", ps.specs()[static_cast<size_t>(i)].name,
+                     " has ", ps.specs()[static_cast<size_t>(i)].shape.numel(), " elements, its gradient ", n);
+      keep_chunk(*tp, ps.grad(i), n);
+    }
 }
 
 Communicator* GroupedExperts::share_group(const Precision& p) const {
@@ -528,9 +552,26 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   // then give -0.
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
-    if (tp_parts_to_dp) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
+    if (tp_sum == ExpertTpSum::parts) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
       give_minus_zero(g, e0 * n);
       give_minus_zero(g + e1 * n, (E - e1) * n);
+      continue;
+    }
+    if (tp_sum == ExpertTpSum::slices) {  // each rank's chunk from the owners of its elements, -0 elsewhere
+      const int64_t N = E * n;
+      const auto overlap = [](int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
+        return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+      };
+      const auto chunk = [&](int64_t r) { return chunk_begin(N, static_cast<int>(r), static_cast<int>(P)); };
+      std::vector<int64_t> sent(static_cast<size_t>(P)), received(static_cast<size_t>(P));
+      for (int64_t r = 0; r < P; ++r) {  // the owned experts and the chunks both tile [0, N) in rank order
+        sent[static_cast<size_t>(r)] = overlap(e0 * n, e1 * n, chunk(r), chunk(r + 1));
+        received[static_cast<size_t>(r)] = overlap(lo(r) * n, lo(r + 1) * n, chunk(q), chunk(q + 1));
+      }
+      gathered_recv.grow(chunk(q + 1) - chunk(q));  // the gathered rows are no longer needed
+      group.all_to_allv(gathered_recv.data(), received, g + e0 * n, sent);
+      std::memcpy(g + chunk(q), gathered_recv.data(), static_cast<size_t>(chunk(q + 1) - chunk(q)) * sizeof(float));
+      give_minus_zero_but_chunk(group, g, N);
       continue;
     }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
@@ -624,7 +665,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       }
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
-        if (tp_size > 1 && !ps.pieced() && !tp_parts_to_dp) reduce_over_tp(ps, w, b, nout * nin, nout);
+        if (tp_size > 1 && !ps.pieced() && tp_sum != ExpertTpSum::parts) reduce_over_tp(ps, w, b, nout * nin, nout);
         return;
       }
       if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners

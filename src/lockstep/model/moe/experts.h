@@ -55,7 +55,9 @@
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
 // expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md); with one
 // micro-batch per rank and step that reduction sums the ranks' subtrees itself (set_layout's
-// tp_parts) and reduce_over_tp is skipped. The FP8
+// tp_sum = parts) and reduce_over_tp is skipped, and with a subtree of micro-batches per rank each
+// micro-batch's sum is spread over the tp ranks, rank r keeping chunk r of each parameter (tp_sum =
+// slices: a reduce-scatter, -0 elsewhere, the data-parallel tree pushed on the chunk only). The FP8
 // recipes take the same token segments (Precision::grouped_wgrad_segments: each segment quantised
 // along the tokens on its own), with several sources per (expert, micro-batch group) block (its tp
 // sources' rows back to back, the micro-batch's rows of the expert in token order;
@@ -124,6 +126,7 @@
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
 #include "lockstep/model/precision.h"
+#include "lockstep/parallel/data_parallel.h"
 
 namespace lockstep {
 
@@ -182,13 +185,16 @@ struct GroupedExperts {
   // partners: an expert x expert-tensor group smaller than the tp x cp group (G = sources dividing
   // tp x cp, see the header), the tp cp / G ranks holding these experts for the micro-batch's other
   // tp x cp ranks.
-  // tp_parts (DataParallel::sums_expert_tp_parts: one source under tensor parallelism, one
-  // micro-batch per rank and step): the data-parallel reduction over the tp x dp ranks adds the tp
-  // ranks' parts of the micro-batch along the canonical tree, so each rank keeps its own part (the
-  // tree over its token segments; NVFP4: its owned experts' whole gradients, -0 elsewhere) and
-  // reduce_over_tp / gathered_wgrad's gather onto tp rank 0 are skipped.
+  // tp_sum (DataParallel::expert_tp_sum; one source under tensor parallelism): how each micro-batch's
+  // gradients are summed over the tp ranks. on_first: onto tp rank 0, the others -0 (reduce_over_tp;
+  // NVFP4: gathered_wgrad's owners send their experts to rank 0). parts (one micro-batch per rank and
+  // step): the data-parallel reduction over the tp x dp ranks adds the tp ranks' parts along the
+  // canonical tree, so each rank keeps its own part (the tree over its token segments; NVFP4: its
+  // owned experts' whole gradients, -0 elsewhere) and neither runs. slices: tp rank r keeps chunk r
+  // of each expert parameter (chunk_begin), the others' parts of it summed in (a reduce-scatter;
+  // NVFP4: the owners send each rank the experts' rows of its chunk), -0 elsewhere.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
-                  Communicator* partners = nullptr, bool tp_parts = false);
+                  Communicator* partners = nullptr, ExpertTpSum tp_sum = ExpertTpSum::on_first);
   // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
   // cp_size)), 0 otherwise (run mode).
   int64_t token_segments_per_source() const { return token_L; }
@@ -227,8 +233,9 @@ struct GroupedExperts {
   // rows as fill the capacity: every padding row is the same computation on a zero row, the
   // one-process padding rows' bits), computes their whole NVFP4 gradients as one process does
   // (Precision::grouped_wgrad_gathered), and group rank 0 receives every rank's experts (the others
-  // then hold -0: what keep_on_first leaves); with set_layout's tp_parts each rank keeps its own
-  // experts instead, -0 elsewhere.
+  // then hold -0: what keep_on_first leaves); with set_layout's tp_sum = parts each rank keeps its own
+  // experts instead, -0 elsewhere, and with slices each rank receives its chunk of every expert's
+  // gradient from the ranks that computed it, -0 elsewhere.
   void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
                       int64_t nout, int64_t nin) const;
 
@@ -290,7 +297,7 @@ struct GroupedExperts {
   // local experts' gradient) and the combine's scratch are the rank's, shared by its MoE layers
   // (a rank's thread runs their weight gradients one at a time).
   bool cp_partners = false;
-  bool tp_parts_to_dp = false;                 // set_layout's tp_parts
+  ExpertTpSum tp_sum = ExpertTpSum::on_first;  // set_layout's
   static thread_local FloatBuffer unit_leaves;
   static thread_local std::vector<float*> unit_pieces;
   static thread_local std::vector<float> combine_scratch;

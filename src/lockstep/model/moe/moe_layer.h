@@ -111,10 +111,10 @@ class MoeLayer {
   const std::vector<float>& global_counts() const { return global_counts_; }
   // determinism = "layout", `micros` micro-batches per rank and step: under expert parallelism the
   // experts sum their gradients over micro-batches and sources themselves (experts.h; the group's
-  // block of the step's `leaves` starts at `first`, `pieces`, `partners` and `tp_parts` as GroupedExperts::set_layout's).
+  // block of the step's `leaves` starts at `first`, `pieces`, `partners` and `tp_sum` as GroupedExperts::set_layout's).
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
-                  Communicator* partners = nullptr, bool tp_parts = false) {
-    experts_.set_layout(micros, leaves, first, pieces, partners, tp_parts);
+                  Communicator* partners = nullptr, ExpertTpSum tp_sum = ExpertTpSum::on_first) {
+    experts_.set_layout(micros, leaves, first, pieces, partners, tp_sum);
     layout_invariant_ = true;
     make_layout_invariant(*dispatcher_);
     for (Micro& slot : slots_)  // under pipelining, the other in-flight micro-batches' dispatchers
