@@ -520,6 +520,9 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
 // dispatchers), or reduced over tp per micro-batch (EP = ETP = 1). GPT-2 and Llama (SwiGLU) bf16,
 // MTP, data and pipeline parallelism.
 TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
+  // The first four: 2 or 4 micro-batches per rank (the global batch of 8, micro-batches of 2), each
+  // micro-batch's expert gradients reduce-scattered over tp, every tp rank pushing its chunk
+  // (ExpertTpSum::slices); they fail when a rank pushes another rank's chunk.
   rows_match_single_process("moe-debug", {
       {2, {"parallel.tensor=2"}},
       {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
@@ -554,7 +557,7 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   }, {"train.global_batch=20"});
   // One micro-batch per rank (global batch = micro-batch 2 x dp): the tp ranks keep their parts of
   // the experts' gradients and the expert reduction over the tp x dp ranks adds them
-  // (DataParallel::sums_expert_tp_parts); DP 3 x TP 2 + SP, DP 2 x TP 2 with the distributed optimizer,
+  // (ExpertTpSum::parts); DP 3 x TP 2 + SP, DP 2 x TP 2 with the distributed optimizer,
   // PP 2 x TP 2 + SP (the pipelined grads-ready hook).
   rows_match_single_process("moe-debug", {{6, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"train.global_batch=6"});
@@ -822,7 +825,7 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
   // One micro-batch per rank: each tp rank keeps its own experts' gathered gradients and -0
-  // elsewhere (DataParallel::sums_expert_tp_parts), the fill split over 3 threads.
+  // elsewhere (ExpertTpSum::parts), the fill split over 3 threads.
   rows_match_single_process("moe-debug", {rows[3], {4, {"parallel.tensor=4", "train.threads=2"}}},
                             {bf16, "precision.fp4=nvfp4", "train.global_batch=2"});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=blockwise", "train.global_batch=4"});
