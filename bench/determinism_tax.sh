@@ -22,7 +22,8 @@
 #
 # Part three (`tp`, on its own): the same layout tax on moe-peer at TP 2 + SP on 2 thread ranks
 # (one thread each; every rank holds all experts, docs/determinism.md) in bf16 and with the block
-# recipes (blockwise FP8, NVFP4), the low-precision MoE rows of docs/performance.md. Parts two and
+# recipes (blockwise FP8, NVFP4), the low-precision MoE rows of docs/performance.md, with one
+# micro-batch per rank, and in bf16 with four. Parts two and
 # three time $LOCKSTEP instead of build/lockstep when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -95,13 +96,16 @@ if [ "$parts" = layout ] || [ "$parts" = both ]; then
 fi
 if [ "$parts" = tp ]; then
   tp=(--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16)
-  for recipe in "" precision.fp8=blockwise precision.fp4=nvfp4; do
+  # One micro-batch per rank (the global batch of 4), then four (16): each micro-batch's expert
+  # gradients reduce-scattered over tp (docs/determinism.md, ExpertTpSum).
+  for row in ":4" "precision.fp8=blockwise:4" "precision.fp4=nvfp4:4" ":16"; do
+    recipe=${row%:*} batch=${row#*:}
     rm -f "$dir"/*.ms "$dir"/*.cpu "$dir"/*.steps
     for ((r = 0; r < rounds; ++r)); do
-      one_run configs/moe-peer.toml run "${tp[@]}" $recipe determinism=run
-      one_run configs/moe-peer.toml layout "${tp[@]}" $recipe determinism=layout
+      one_run configs/moe-peer.toml run "${tp[@]}" $recipe train.global_batch=$batch determinism=run
+      one_run configs/moe-peer.toml layout "${tp[@]}" $recipe train.global_batch=$batch determinism=layout
     done
-    report "configs/moe-peer.toml, TP 2 + SP, bf16 ${recipe:-(no FP8 / FP4)}"
+    report "configs/moe-peer.toml, TP 2 + SP, bf16 ${recipe:-(no FP8 / FP4)}, $((batch / 4)) micro-batch(es) per rank"
   done
 fi
 echo "load: $(uptime | sed 's/.*load average: //')"
