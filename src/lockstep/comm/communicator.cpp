@@ -305,30 +305,38 @@ std::string Communicator::backend() const { return transport_->backend(); }
 double Communicator::timeout_s() const { return transport_->timeout_s(); }
 int64_t Communicator::bytes_sent() const { return transport_->bytes_sent; }
 
+namespace {
+
+// The P ranks' chunks of n elements (chunk_begin): rank r's is [off[r], off[r + 1]).
+std::vector<int64_t> chunk_offsets(int64_t n, int P) {
+  std::vector<int64_t> off(static_cast<size_t>(P + 1));
+  for (int r = 0; r <= P; ++r) off[static_cast<size_t>(r)] = chunk_begin(n, r, P);
+  return off;
+}
+
+// all_reduce: each rank's chunk reduced, then (gather) the reduced chunks all-gathered.
+template <typename T>
+void reduce_chunks(Transport& t, T* data, int64_t n, ReduceOp op, const OpInfo& info, bool gather) {
+  const std::vector<int64_t> off = chunk_offsets(n, t.size());
+  reduce_scatter_step(t, data + off[static_cast<size_t>(t.rank())], data, off, op, info);
+  if (gather) all_gather_step(t, data, off, info);
+}
+
+}  // namespace
+
 template <typename T>
 Work Communicator::all_reduce_async(T* data, int64_t n, ReduceOp op) {
   if (size() == 1) return Work();
   Transport* t = transport_.get();
-  return Work(progress_->post([t, data, n, op] {
-    const int P = t->size(), me = t->rank();
-    std::vector<int64_t> off(P + 1);
-    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
-    const OpInfo info = op_info(*t, "all_reduce");
-    reduce_scatter_step(*t, data + off[me], data, off, op, info);
-    all_gather_step(*t, data, off, info);  // of the reduced chunks
-  }));
+  return Work(progress_->post([t, data, n, op] { reduce_chunks(*t, data, n, op, op_info(*t, "all_reduce"), true); }));
 }
 
 template <typename T>
 Work Communicator::reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op) {
   if (size() == 1) return Work();
   Transport* t = transport_.get();
-  return Work(progress_->post([t, data, n, op] {
-    const int P = t->size(), me = t->rank();
-    std::vector<int64_t> off(P + 1);
-    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
-    reduce_scatter_step(*t, data + off[me], data, off, op, op_info(*t, "reduce_scatter_in_place"));
-  }));
+  return Work(progress_->post(
+      [t, data, n, op] { reduce_chunks(*t, data, n, op, op_info(*t, "reduce_scatter_in_place"), false); }));
 }
 
 template <typename T>
@@ -336,8 +344,7 @@ Work Communicator::all_reduce_pieces_async(T* out, std::vector<const T*> pieces,
   Transport* t = transport_.get();
   return Work(progress_->post([t, out, pieces = std::move(pieces), n, blocks = std::move(blocks)] {
     const int P = t->size(), me = t->rank();
-    std::vector<int64_t> off(P + 1);
-    for (int r = 0; r <= P; ++r) off[r] = chunk_begin(n, r, P);
+    const std::vector<int64_t> off = chunk_offsets(n, P);
     const OpInfo info = op_info(*t, "all_reduce_pieces");
     reduce_scatter_pieces_step(*t, out + off[me], pieces, off, blocks, info);
     if (P > 1) all_gather_step(*t, out, off, info);
