@@ -153,6 +153,11 @@ const Row kRows[] = {
     {"layout_tp2_sp_fp8_blockwise_moe_experts_on_every_rank", "moe-debug.toml",
      {"determinism=layout", "parallel.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch=2",
       "precision.params=bf16", "precision.fp8=blockwise"}, 2},
+    // NVFP4 with the experts on every rank, 4 micro-batches per rank: each expert's gradient computed
+    // whole on its owner, every rank receiving its chunk of them (ExpertTpSum::slices).
+    {"layout_tp2_sp_nvfp4_moe_experts_on_every_rank", "moe-debug.toml",
+     {"determinism=layout", "parallel.tensor=2", "parallel.sequence_parallel=true", "train.micro_batch=2",
+      "precision.params=bf16", "precision.fp4=nvfp4"}, 2},
     {"layout_tp2_fp8_blockwise_moe_padded_with_biases", "moe-debug.toml",
      {"determinism=layout", "parallel.tensor=2", "train.micro_batch=2", "precision.params=bf16", "precision.fp8=blockwise",
       "moe.expert_capacity_factor=1.5", "moe.pad_expert_input_to_capacity=true"}, 2},
