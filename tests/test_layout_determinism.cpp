@@ -555,6 +555,11 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   rows_match_single_process("moe-debug", {
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
   }, {"train.global_batch=20"});
+  // ExpertTpSum::slices beyond powers of two: one data-parallel rank with 3 micro-batches (its block
+  // is the whole step), and 3 data-parallel ranks with 2 each.
+  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+                            {"train.global_batch=6"});
+  rows_match_single_process("moe-debug", {{6, {"parallel.tensor=2"}}}, {"train.global_batch=12"});
   // One micro-batch per rank (global batch = micro-batch 2 x dp): the tp ranks keep their parts of
   // the experts' gradients and the expert reduction over the tp x dp ranks adds them
   // (ExpertTpSum::parts); DP 3 x TP 2 + SP, DP 2 x TP 2 with the distributed optimizer,
@@ -833,6 +838,10 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
     rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
   for (const char* recipe : {"precision.fp8=blockwise", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", {rows[1]}, {"model.preset=llama", bf16, recipe});
+  // NVFP4 in the middle layers only (the first and last in bf16: both kinds of expert gradient under
+  // ExpertTpSum::slices in one model), with 2 threads.
+  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "train.threads=2"}}},
+                            {bf16, "precision.fp4=nvfp4", "precision.fp4_high_precision_layers=1", "model.num_layers=4"});
   // NVFP4 with more tp ranks than experts (two hold none of the gathered gradients), dropped tokens,
   // pipeline stages and evaluation between steps.
   rows_match_single_process("moe-debug", {{8, {"parallel.tensor=4", "parallel.pipeline=2"}}},

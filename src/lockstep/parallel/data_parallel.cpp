@@ -186,8 +186,13 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     expert_blocks_ = kept_blocks(expert_, block, replica, micros, P / cp_size_ * micros, "expert");
     expert_keeps_ = replica == 0;
   }
+  // (slices: every chunk's holders are one per tp group, each tp group an aligned subtree of the
+  // expert reduction's tree over tp x dp, which needs tp a power of two: the config's layout_segments,
+  // a power of two, is a multiple of tp.)
   const bool tp_replicas = !experts_summed && cp_size_ == 1 && tp_size > 1 && blocks_.empty() &&
                            expert_.size() == P * tp_size && has_experts;
+  LOCKSTEP_CHECK(!tp_replicas || std::has_single_bit(static_cast<unsigned>(tp_size)), "layout: tensor-parallel size ",
+                 tp_size, " is no power of two");
   expert_tp_sum_ = !tp_replicas ? ExpertTpSum::on_first : micros == 1 ? ExpertTpSum::parts : ExpertTpSum::slices;
   tp_rank_ = tp_ ? tp_->rank() : 0;
   for (Bucket& b : buckets_) {

@@ -53,23 +53,13 @@
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/model/param_table.h"
+#include "lockstep/parallel/expert_tp_sum.h"
 
 namespace lockstep {
 
 class Optimizer;
 class ShardHashes;
 
-// Layout mode, MoE under tensor parallelism without expert (tensor) or context parallelism (every tp
-// rank holds all experts and routes its own tokens): how the tp ranks' parts of each micro-batch's
-// expert gradients (each the tree over its token segments, an aligned subtree of the micro-batch's)
-// reach the expert data-parallel reduction over the tp x dp ranks, which adds -0 exactly.
-enum class ExpertTpSum {
-  on_first,  // each micro-batch's parts summed over tp onto tp rank 0, the others -0
-  parts,     // one micro-batch per rank: each rank keeps its part, the reduction's tree over tp x dp adds them
-  slices,    // the rank's micro-batches a subtree of the step's: each micro-batch's parts summed over tp as a
-             // reduce-scatter, tp rank r keeping chunk r (chunk_begin over the parameter) of every expert
-             // parameter and -0 elsewhere; the micro-batches' tree is pushed on the rank's chunks only
-};
 
 class DataParallel {
  public:

@@ -18,6 +18,7 @@ namespace lockstep {
 thread_local FloatBuffer GroupedExperts::unit_leaves;
 thread_local std::vector<float*> GroupedExperts::unit_pieces;
 thread_local std::vector<float> GroupedExperts::combine_scratch;
+thread_local FloatBuffer GroupedExperts::chunk_recv;
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
@@ -568,9 +569,9 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
         sent[static_cast<size_t>(r)] = overlap(e0 * n, e1 * n, chunk(r), chunk(r + 1));
         received[static_cast<size_t>(r)] = overlap(lo(r) * n, lo(r + 1) * n, chunk(q), chunk(q + 1));
       }
-      gathered_recv.grow(chunk(q + 1) - chunk(q));  // the gathered rows are no longer needed
-      group.all_to_allv(gathered_recv.data(), received, g + e0 * n, sent);
-      std::memcpy(g + chunk(q), gathered_recv.data(), static_cast<size_t>(chunk(q + 1) - chunk(q)) * sizeof(float));
+      chunk_recv.grow(chunk(q + 1) - chunk(q));
+      group.all_to_allv(chunk_recv.data(), received, g + e0 * n, sent);
+      std::memcpy(g + chunk(q), chunk_recv.data(), static_cast<size_t>(chunk(q + 1) - chunk(q)) * sizeof(float));
       give_minus_zero_but_chunk(group, g, N);
       continue;
     }

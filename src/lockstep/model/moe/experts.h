@@ -126,7 +126,7 @@
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/param_table.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/parallel/data_parallel.h"
+#include "lockstep/parallel/expert_tp_sum.h"
 
 namespace lockstep {
 
@@ -301,6 +301,7 @@ struct GroupedExperts {
   static thread_local FloatBuffer unit_leaves;
   static thread_local std::vector<float*> unit_pieces;
   static thread_local std::vector<float> combine_scratch;
+  static thread_local FloatBuffer chunk_recv;  // gathered_wgrad's chunk under ExpertTpSum::slices (likewise the rank's)
   void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const;
   mutable std::vector<int64_t> cp_order, cp_bounds;
   mutable FloatBuffer tok_in, tok_out, tok_dx;
