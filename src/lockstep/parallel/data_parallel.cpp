@@ -7,7 +7,6 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
-#include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/train/optimizer.h"
 
@@ -194,7 +193,6 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   LOCKSTEP_CHECK(!tp_replicas || std::has_single_bit(static_cast<unsigned>(tp_size)), "layout: tensor-parallel size ",
                  tp_size, " is no power of two");
   expert_tp_sum_ = !tp_replicas ? ExpertTpSum::on_first : micros == 1 ? ExpertTpSum::parts : ExpertTpSum::slices;
-  tp_rank_ = tp_ ? tp_->rank() : 0;
   for (Bucket& b : buckets_) {
     // The expert group is the dense one unless the model sums the experts (expert parallelism).
     const bool experts = experts_summed && b.comm == &expert_;
@@ -242,20 +240,20 @@ void DataParallel::push_grads(int first, int end, int64_t micro) {
   // Runs of consecutive parameters this tree sums, each pushed as one range.
   const std::vector<ParamSpec>& specs = ps_.specs();
   auto ours = [&](int p) { return !(experts_summed_ && specs[p].expert); };
+  auto chunked = [&](int p) { return expert_tp_sum_ == ExpertTpSum::slices && specs[p].expert; };
   for (int p = first; p < end;) {
     if (!ours(p)) {
       ++p;
       continue;
     }
-    if (expert_tp_sum_ == ExpertTpSum::slices && specs[p].expert) {  // this rank's chunk; -0 elsewhere
-      const int64_t n = specs[p].shape.numel(), P = tp_->size();
-      tree_.push(micro, ps_.grads(), specs[p].offset + chunk_begin(n, tp_rank_, P),
-                 specs[p].offset + chunk_begin(n, tp_rank_ + 1, P));
+    if (chunked(p)) {  // this rank's chunk; the model gave -0 elsewhere
+      const auto [c0, c1] = tp_chunk(specs[p].shape.numel(), tp_->rank(), tp_->size());
+      tree_.push(micro, ps_.grads(), specs[p].offset + c0, specs[p].offset + c1);
       ++p;
       continue;
     }
     int q = p;
-    while (q < end && ours(q) && !(expert_tp_sum_ == ExpertTpSum::slices && specs[q].expert)) ++q;
+    while (q < end && ours(q) && !chunked(q)) ++q;
     tree_.push(micro, ps_.grads(), specs[p].offset, specs[q - 1].offset + specs[q - 1].shape.numel());
     p = q;
   }

@@ -60,7 +60,6 @@ namespace lockstep {
 class Optimizer;
 class ShardHashes;
 
-
 class DataParallel {
  public:
   // dense: the dp x cp group; expert: the edp group. distributed: optimizer.distributed.
@@ -228,7 +227,6 @@ class DataParallel {
   int cp_dp_rank_ = 0, cp_rank_ = 0, cp_size_ = 1;
   bool experts_summed_ = false;
   ExpertTpSum expert_tp_sum_ = ExpertTpSum::on_first;  // expert_tp_sum()
-  int tp_rank_ = 0;                                     // slices: this rank's chunk of each expert parameter
   int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;

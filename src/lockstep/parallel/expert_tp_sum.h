@@ -4,6 +4,11 @@
 // DataParallel::expert_tp_sum chooses; GroupedExperts::set_layout follows.
 #pragma once
 
+#include <cstdint>
+#include <utility>
+
+#include "lockstep/core/thread_pool.h"
+
 namespace lockstep {
 
 // Each micro-batch's parts are the tree over each rank's token segments, an aligned subtree of the
@@ -15,5 +20,11 @@ enum class ExpertTpSum {
              // reduce-scatter, tp rank r keeping chunk r (chunk_begin over the parameter) of every expert
              // parameter and -0 elsewhere; the micro-batches' tree is pushed on the rank's chunks only
 };
+
+// ExpertTpSum::slices: the elements [begin, end) of an expert parameter of n elements that tp rank
+// `rank` of `size` keeps (and pushes), the chunk Communicator::reduce_scatter_in_place leaves it.
+inline std::pair<int64_t, int64_t> tp_chunk(int64_t n, int rank, int size) {
+  return {chunk_begin(n, rank, size), chunk_begin(n, rank + 1, size)};
+}
 
 }  // namespace lockstep

@@ -406,17 +406,17 @@ void keep_on_first(Communicator& group, float* g, int64_t n) {
   if (group.rank() != 0) give_minus_zero(g, n);
 }
 
-// g[0, n) = -0 but for this rank's chunk of it (chunk_begin over the group).
-void give_minus_zero_but_chunk(const Communicator& group, float* g, int64_t n) {
-  const int64_t c0 = chunk_begin(n, group.rank(), group.size()), c1 = chunk_begin(n, group.rank() + 1, group.size());
-  give_minus_zero(g, c0);
-  give_minus_zero(g + c1, n - c1);
+// g[0, n) = -0 but for the elements [begin, end) this rank keeps.
+void give_minus_zero_outside(float* g, int64_t n, int64_t begin, int64_t end) {
+  give_minus_zero(g, begin);
+  give_minus_zero(g + end, n - end);
 }
 
-// As keep_on_first, but each group rank keeps its chunk of the leaf (ExpertTpSum::slices).
+// As keep_on_first, but each group rank keeps its chunk of the leaf (ExpertTpSum::slices, tp_chunk).
 void keep_chunk(Communicator& group, float* g, int64_t n) {
   group.reduce_scatter_in_place(g, n, ReduceOp::tree_sum);
-  give_minus_zero_but_chunk(group, g, n);
+  const auto [c0, c1] = tp_chunk(n, group.rank(), group.size());
+  give_minus_zero_outside(g, n, c0, c1);
 }
 
 }  // namespace
@@ -445,9 +445,10 @@ void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t 
         keep_on_first(*tp, ps.grad(i), n);
         continue;
       }
-      // DataParallel pushes this chunk of the parameter (push_grads): the same bounds.
-      LOCKSTEP_CHECK(ps.specs()[static_cast<size_t>(i)].shape.numel() == n, "experts: ", ps.specs()[static_cast<size_t>(i)].name,
-                     " has ", ps.specs()[static_cast<size_t>(i)].shape.numel(), " elements, its gradient ", n);
+      // DataParallel pushes the parameter's tp_chunk (push_grads): the same bounds.
+      const ParamSpec& spec = ps.specs()[static_cast<size_t>(i)];
+      LOCKSTEP_CHECK(spec.shape.numel() == n, "experts: ", spec.name, " has ", spec.shape.numel(),
+                     " elements, its gradient ", n);
       keep_chunk(*tp, ps.grad(i), n);
     }
 }
@@ -554,25 +555,25 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
     if (tp_sum == ExpertTpSum::parts) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
-      give_minus_zero(g, e0 * n);
-      give_minus_zero(g + e1 * n, (E - e1) * n);
+      give_minus_zero_outside(g, E * n, e0 * n, e1 * n);
       continue;
     }
-    if (tp_sum == ExpertTpSum::slices) {  // each rank's chunk from the owners of its elements, -0 elsewhere
+    if (tp_sum == ExpertTpSum::slices) {  // each rank's tp_chunk from the owners of its elements, -0 elsewhere
       const int64_t N = E * n;
-      const auto overlap = [](int64_t a0, int64_t a1, int64_t b0, int64_t b1) {
-        return std::max<int64_t>(0, std::min(a1, b1) - std::max(a0, b0));
+      const auto overlap = [](int64_t a0, int64_t a1, std::pair<int64_t, int64_t> b) {
+        return std::max<int64_t>(0, std::min(a1, b.second) - std::max(a0, b.first));
       };
-      const auto chunk = [&](int64_t r) { return chunk_begin(N, static_cast<int>(r), static_cast<int>(P)); };
+      const auto chunk = [&](int64_t r) { return tp_chunk(N, static_cast<int>(r), static_cast<int>(P)); };
+      const auto [c0, c1] = chunk(q);
       std::vector<int64_t> sent(static_cast<size_t>(P)), received(static_cast<size_t>(P));
       for (int64_t r = 0; r < P; ++r) {  // the owned experts and the chunks both tile [0, N) in rank order
-        sent[static_cast<size_t>(r)] = overlap(e0 * n, e1 * n, chunk(r), chunk(r + 1));
-        received[static_cast<size_t>(r)] = overlap(lo(r) * n, lo(r + 1) * n, chunk(q), chunk(q + 1));
+        sent[static_cast<size_t>(r)] = overlap(e0 * n, e1 * n, chunk(r));
+        received[static_cast<size_t>(r)] = overlap(lo(r) * n, lo(r + 1) * n, {c0, c1});
       }
-      chunk_recv.grow(chunk(q + 1) - chunk(q));
+      chunk_recv.grow(c1 - c0);
       group.all_to_allv(chunk_recv.data(), received, g + e0 * n, sent);
-      std::memcpy(g + chunk(q), chunk_recv.data(), static_cast<size_t>(chunk(q + 1) - chunk(q)) * sizeof(float));
-      give_minus_zero_but_chunk(group, g, N);
+      std::memcpy(g + c0, chunk_recv.data(), static_cast<size_t>(c1 - c0) * sizeof(float));
+      give_minus_zero_outside(g, N, c0, c1);
       continue;
     }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);

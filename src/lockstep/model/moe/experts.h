@@ -191,8 +191,9 @@ struct GroupedExperts {
   // step): the data-parallel reduction over the tp x dp ranks adds the tp ranks' parts along the
   // canonical tree, so each rank keeps its own part (the tree over its token segments; NVFP4: its
   // owned experts' whole gradients, -0 elsewhere) and neither runs. slices: tp rank r keeps chunk r
-  // of each expert parameter (chunk_begin), the others' parts of it summed in (a reduce-scatter;
-  // NVFP4: the owners send each rank the experts' rows of its chunk), -0 elsewhere.
+  // of each expert parameter (tp_chunk), the others' parts of it summed in (a reduce-scatter;
+  // NVFP4: the ranks that computed whole experts send each rank the elements of its chunk), -0
+  // elsewhere.
   void set_layout(int64_t micros, int64_t leaves = 0, int64_t first = 0, const std::vector<float*>& pieces = {},
                   Communicator* partners = nullptr, ExpertTpSum tp_sum = ExpertTpSum::on_first);
   // Layout mode: the token segments per source the weight gradients need (segments / (tp_size x
