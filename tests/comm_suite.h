@@ -60,6 +60,17 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       for (int64_t i = 0; i < n; ++i) fold[i] = fold[i] + x[i], exact[i] += x[i];
     }
     same_bits(data.data(), fold.data(), n, str("all_reduce sum n=", n));
+    // reduce_scatter_in_place sum: this rank's chunk is the rank-order fold, the rest as it was.
+    {
+      const std::vector<float> mine = rank_values(me, n, "sum");
+      std::vector<float> in_place = mine;
+      comm.reduce_scatter_in_place(in_place.data(), n);
+      const int64_t c0 = chunk_begin(n, me, P), c1 = chunk_begin(n, me + 1, P);
+      same_bits(in_place.data(), mine.data(), c0, str("reduce_scatter_in_place sum n=", n, ": before the chunk"));
+      same_bits(in_place.data() + c0, fold.data() + c0, c1 - c0, str("reduce_scatter_in_place sum n=", n));
+      same_bits(in_place.data() + c1, mine.data() + c1, n - c1, str("reduce_scatter_in_place sum n=", n, ": after the chunk"));
+      h.update(in_place.data() + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
+    }
     for (int64_t i = 0; i < n; ++i)
       if (std::abs(data[i] - exact[i]) > 1e-5 * P * (1 + std::abs(exact[i]))) {
         fail(str("all_reduce sum n=", n, ": element ", i, " is ", data[i], ", exact sum ", exact[i]));
