@@ -23,8 +23,8 @@
 # Part three (`tp`, on its own): the same layout tax on moe-peer at TP 2 + SP on 2 thread ranks
 # (one thread each; every rank holds all experts, docs/determinism.md) in bf16 and with the block
 # recipes (blockwise FP8, NVFP4), the low-precision MoE rows of docs/performance.md, with one
-# micro-batch per rank, and in bf16 with four. Parts two and
-# three time $LOCKSTEP instead of build/lockstep when it is set.
+# micro-batch per rank, and in bf16 with four. Parts two and three run their pairs through
+# bench/interleave.sh, and time $LOCKSTEP instead of build/lockstep when it is set.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rounds=${1:-3}
@@ -62,50 +62,37 @@ if [ "$parts" != run ]; then
     cmake --build build --target lockstep -j2 >/dev/null
   fi
   bin=${LOCKSTEP:-build/lockstep}
-  dir=$(mktemp -d)
-  trap 'rm -rf "$dir"' EXIT
-  TIMEFORMAT='%U %S'
-  one_run() {  # appends the median step_ms of steps 2.. to $dir/$2.ms, every one of them to $dir/$2.steps,
-               # and the run's CPU seconds to $dir/$2.cpu
-    local t
-    t=$( { time "$bin" train -c "$1" train.steps=6 train.threads=2 train.out_dir="$dir/run" "${@:3}" >/dev/null; } 2>&1 )
-    echo "$t" | awk '{print $1 + $2}' >>"$dir/$2.cpu"
-    grep -o '"step_ms":[0-9.]*' "$dir/run/metrics.jsonl" | tail -n +2 | cut -d: -f2 | tee -a "$dir/$2.steps" | median >>"$dir/$2.ms"
-    rm -rf "$dir/run"
-  }
-  p25() { sort -g | awk '{v[NR] = $1} END {print v[int((NR - 1) / 4) + 1]}'; }
-  report() {  # $1: the row's label; the medians of $dir/{run,layout}.{ms,cpu}, the 25th percentile of the steps
-    awk -v c="$1" -v run="$(median <"$dir/run.ms")" -v lay="$(median <"$dir/layout.ms")" \
-        -v runq="$(p25 <"$dir/run.steps")" -v layq="$(p25 <"$dir/layout.steps")" \
-        -v runc="$(median <"$dir/run.cpu")" -v layc="$(median <"$dir/layout.cpu")" 'BEGIN {
-      printf "%s: step %.1f ms (layout) vs %.1f ms (run): %+.1f%% (25th percentile of all steps: %+.1f%%); CPU per run %.2f s vs %.2f s: %+.1f%%\n",
-             c, lay, run, 100 * (lay / run - 1), 100 * (layq / runq - 1), layc, runc, 100 * (layc / runc - 1) }'
+  # One row: the job under `run` against `layout`, interleaved round by round (bench/interleave.sh:
+  # 6 steps, the median over rounds of each run's median step of steps 2..6, the 25th percentile of
+  # all those steps, the median CPU time per run).
+  tax_row() {  # $1: the row's label; the rest: the job's arguments
+    local label=$1 out
+    shift
+    out=$(bench/interleave.sh "$rounds" 6 "run::$bin::$* determinism=run" "layout::$bin::$* determinism=layout")
+    echo "$out" | awk -v c="$label" '
+      $1 == "run:" { run = $3; runq = $6; runc = $11 }
+      $1 == "layout:" { lay = $3; layq = $6; layc = $11 }
+      END {
+        printf "%s: step %.1f ms (layout) vs %.1f ms (run): %+.1f%% (25th percentile of all steps: %+.1f%%); CPU per run %.2f s vs %.2f s: %+.1f%%\n",
+               c, lay, run, 100 * (lay / run - 1), 100 * (layq / runq - 1), layc, runc, 100 * (layc / runc - 1) }'
   }
 fi
 if [ "$parts" = layout ] || [ "$parts" = both ]; then
   for config in configs/gpt2-peer.toml configs/moe-peer.toml; do
     for batch in 4 16; do
-      rm -f "$dir"/*.ms "$dir"/*.cpu "$dir"/*.steps
-      for ((r = 0; r < rounds; ++r)); do
-        one_run "$config" run train.global_batch=$batch determinism=run
-        one_run "$config" layout train.global_batch=$batch determinism=layout
-      done
-      report "$config, $((batch / 4)) micro-batch(es) per step"
+      tax_row "$config, $((batch / 4)) micro-batch(es) per step" -c "$config" train.threads=2 train.global_batch=$batch
     done
   done
 fi
 if [ "$parts" = tp ]; then
-  tp=(--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16)
+  tp="--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16"
   # One micro-batch per rank (the global batch of 4), then four (16): each micro-batch's expert
   # gradients reduce-scattered over tp (docs/determinism.md, ExpertTpSum).
   for row in ":4" "precision.fp8=blockwise:4" "precision.fp4=nvfp4:4" ":16"; do
     recipe=${row%:*} batch=${row#*:}
-    rm -f "$dir"/*.ms "$dir"/*.cpu "$dir"/*.steps
-    for ((r = 0; r < rounds; ++r)); do
-      one_run configs/moe-peer.toml run "${tp[@]}" $recipe train.global_batch=$batch determinism=run
-      one_run configs/moe-peer.toml layout "${tp[@]}" $recipe train.global_batch=$batch determinism=layout
-    done
-    report "configs/moe-peer.toml, TP 2 + SP, bf16 ${recipe:-(no FP8 / FP4)}, $((batch / 4)) micro-batch(es) per rank"
+    # shellcheck disable=SC2086  # $tp is a list of words
+    tax_row "configs/moe-peer.toml, TP 2 + SP, bf16 ${recipe:-(no FP8 / FP4)}, $((batch / 4)) micro-batch(es) per rank" \
+      -c configs/moe-peer.toml $tp $recipe train.global_batch=$batch
   done
 fi
 echo "load: $(uptime | sed 's/.*load average: //')"
