@@ -9,9 +9,10 @@
 //     (core/hash.h) over the gradients, the parameters + expert biases and both Adam moments, with
 //     libxxhash's XXH3 (Debian's build: baseline x86-64, SSE2; what the trainer called first), and
 //     with XXH3 compiled inline for AVX2 (core/hash.cpp) on 1 and 2 threads;
-//   - what the trainer does: AdamW with ShardHashes (train/optimizer.h: gradients and moments hashed
-//     inside the update, block by block while in cache) minus the plain AdamW, plus the parameters'
-//     BlockHasher pass.
+//   - what the trainer does: AdamW with ShardHashes (train/optimizer.h: gradients, moments and,
+//     with the replicated optimizer, the parameters hashed inside the update, block by block while
+//     in cache) minus the plain AdamW; with the distributed optimizer (gradients and moments in the
+//     update) plus the parameters' BlockHasher pass after the all-gather.
 // Reports the median of each, its share of the step, and the fastest time seen (on a shared
 // machine the least disturbed sample).
 #include <algorithm>
@@ -104,13 +105,18 @@ int main(int argc, char** argv) {
   // The update alone and with the shard hashes (the same step number each time: only the time
   // matters here).
   auto plain_update = [&] { opt.update(ps, step, tc.lr, 1.0f); };
-  auto hashed_update = [&] {
+  auto hashed_update = [&] {  // the distributed optimizer's (on one rank: the whole table)
     ShardHashes h(opt.owned());
     opt.update(ps, step, tc.lr, 1.0f, opt.owned(), &h);
     sink ^= h.grads() ^ h.moments();
   };
+  auto hashed_update_params = [&] {  // the replicated optimizer's
+    ShardHashes h(opt.owned(), &ps);
+    opt.update(ps, step, tc.lr, 1.0f, opt.owned(), &h);
+    sink ^= h.grads() ^ h.moments() ^ model.state_hash(h.params());
+  };
   auto params_pass = [&] { sink ^= model.state_hash(); };
-  std::vector<double> t_step, t_library, t_separate1, t_separate2, t_plain, t_hashed, t_params;
+  std::vector<double> t_step, t_library, t_separate1, t_separate2, t_plain, t_hashed, t_hashed_params, t_params;
   auto on = [](ThreadPool& pool, std::vector<double>& t, const std::function<void()>& fn) {
     ThreadPool::Bind bind(&pool);
     t.push_back(seconds(fn));
@@ -124,6 +130,7 @@ int main(int argc, char** argv) {
       on(two, t_separate2, separate_passes);
       on(two, t_plain, plain_update);
       on(two, t_hashed, hashed_update);
+      on(two, t_hashed_params, hashed_update_params);
       on(two, t_params, params_pass);
     }
   }
@@ -140,8 +147,11 @@ int main(int argc, char** argv) {
   row("separate passes, inline XXH3", median(t_separate2), fastest(t_separate2));
   row("AdamW (for reference)", median(t_plain), fastest(t_plain));
   row("AdamW with the shard hashes", median(t_hashed), fastest(t_hashed));
+  row("AdamW with the shard and parameter hashes", median(t_hashed_params), fastest(t_hashed_params));
   row("parameters pass", median(t_params), fastest(t_params));
-  row("in the update + parameters pass (the trainer)", median(t_hashed) - median(t_plain) + median(t_params),
+  row("the trainer, replicated optimizer (in the update)", median(t_hashed_params) - median(t_plain),
+      fastest(t_hashed_params) - fastest(t_plain));
+  row("the trainer, distributed (update + parameters pass)", median(t_hashed) - median(t_plain) + median(t_params),
       fastest(t_hashed) - fastest(t_plain) + fastest(t_params));
   return 0;
 }

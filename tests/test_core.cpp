@@ -231,6 +231,35 @@ TEST(Hash, BlockHasherIsIndependentOfThreadsAndMatchesItsDefinition) {
   EXPECT_NE(hash_blocks(data.data(), data.size()), want);
 }
 
+// A part of a float array hashed on the array's own grid: elements [begin, end) cut at multiples
+// of kHashBlockFloats from element 0, whatever begin is; block_hashes() are the (hash, length)
+// pairs digest() combines.
+TEST(Hash, BlockHasherCutsAPartOfAnArrayOnTheArraysOwnGrid) {
+  constexpr int64_t kB = BlockHasher::kHashBlockFloats;
+  std::vector<float> x(static_cast<size_t>(3 * kB + 100));
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i % 977) * 0.5f;
+  const int64_t begin = kB - 3, end = 3 * kB + 50;
+  std::vector<uint64_t> want;
+  for (const auto& [b, e] : {std::pair{begin, kB}, {kB, 2 * kB}, {2 * kB, 3 * kB}, {3 * kB, end}})
+    want.insert(want.end(), {hash_floats(x.data() + b, e - b), static_cast<uint64_t>(e - b) * sizeof(float)});
+  for (int threads : {1, 2})
+    testing::with_threads(threads, [&] {
+      BlockHasher h;
+      h.update_elements(x.data() + begin, begin, end);
+      EXPECT_EQ(h.block_hashes(), want) << threads << " threads";
+      EXPECT_EQ(h.digest(), combine_block_hashes(want));
+      BlockHasher whole, from_zero;  // from element 0 the grid is update()'s
+      whole.update(x.data(), x.size() * sizeof(float));
+      from_zero.update_elements(x.data(), 0, static_cast<int64_t>(x.size()));
+      EXPECT_EQ(whole.digest(), from_zero.digest());
+    });
+  BlockHasher within;  // inside one block: one block
+  within.update_elements(x.data() + 10, 10, 20);
+  EXPECT_EQ(within.block_hashes().size(), 2u);
+  EXPECT_EQ(hash_block_count(0), 0u);
+  EXPECT_EQ(hash_block_count(BlockHasher::kHashBlockBytes + 1), 2u);
+}
+
 // For each thread count and n, parallel_for calls fn on the documented static split: chunk t is
 // [n*t/T, n*(t+1)/T), empty chunks skipped, every index covered exactly once.
 TEST(ThreadPool, ParallelForCoversEachIndexOnceOnTheStaticSplit) {

@@ -111,6 +111,33 @@ TEST(Diff, FilesWithoutEtpStillCompare) {
   EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0")) << d.report;
 }
 
+// Files of fingerprint format 1 (no "format" field: parameters hashed as one buffer, so other
+// "params" values for the same bits) against format 2: the scalars and the RNG state compare, the
+// state hashes do not, and the report says so. The same format compares everything.
+TEST(Diff, OtherFingerprintFormatsCompareAllButTheStateHashes) {
+  TempDir dir;
+  const std::string now = write_run(dir, "now", 2, 3), old = dir.path("old");
+  std::filesystem::create_directories(old + "/fingerprints");
+  for (const char* file : {"/fingerprints/rank-00000.jsonl", "/fingerprints/rank-00001.jsonl"}) {
+    std::string text = testing::read_file(now + file);
+    ASSERT_NE(text.find(",\"format\":2"), std::string::npos);
+    for (size_t at; (at = text.find(",\"format\":2")) != std::string::npos;) text.erase(at, 11);
+    for (size_t at = 0; (at = text.find("\"params\":\"", at)) != std::string::npos; at += 10) text[at + 10] = 'f';
+    dir.write(std::string("old") + file, text);
+  }
+  const RunDiff d = diff_runs(old, now);
+  EXPECT_TRUE(d.identical) << d.report;
+  EXPECT_TRUE(contains(d.report, "has fingerprint format 1 and " + now + " format 2: params, grads, optimizer")) << d.report;
+  const RunDiff same = diff_runs(old, old);
+  EXPECT_FALSE(contains(same.report, "fingerprint format")) << same.report;
+  const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.grad_norm += f.step == 3; });
+  const RunDiff g = diff_runs(old, drifted);
+  EXPECT_FALSE(g.identical);
+  EXPECT_TRUE(contains(g.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), grad_norm")) << g.report;
+  const std::string hashes = write_run(dir, "hashes", 2, 3, [](Fingerprint& f) { f.params += f.step == 2; });
+  EXPECT_FALSE(diff_runs(now, hashes).identical) << "same format: the state hashes compare";
+}
+
 TEST(Diff, RunsOfDifferentLengthsCompareTheirCommonSteps) {
   TempDir dir;
   const RunDiff d = diff_runs(write_run(dir, "a", 1, 6), write_run(dir, "b", 1, 4));

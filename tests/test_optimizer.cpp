@@ -126,23 +126,28 @@ TEST(AdamW, BitwiseAcrossThreadCounts) {
   }
 }
 
-// The fused form: the same bits as adamw_update, and XXH3 of the gradient as read and of the
-// moments as written, over several 16384-element pieces and a tail.
-TEST(AdamW, HashedUpdateGivesTheSameBitsAndHashesTheGradientAndMoments) {
+// The fused form: the same bits as adamw_update, XXH3 of the gradient as read and of the moments
+// as written over the state range, and of the parameters as written over all n; over several
+// 16384-element pieces and a tail, with state ranges that cut pieces, are empty or are everything.
+TEST(AdamW, HashedUpdateGivesTheSameBitsAndHashesTheGradientMomentsAndParameters) {
   const int64_t n = 3 * 16384 + 777;
   const auto grad = randn(n, 29, "grad");
-  std::vector<float> p = randn(n, 29, "param"), m(n, 0.0f), v(n, 0.0f);
-  std::vector<float> p2 = p, m2 = m, v2 = v;
-  for (int64_t step = 1; step <= 2; ++step) {
-    uint64_t h[3];
-    adamw_update_hashed(p.data(), m.data(), v.data(), grad.data(), n, kHp, step, 0.7f, h);
-    adamw_update(p2.data(), m2.data(), v2.data(), grad.data(), n, kHp, step, 0.7f);
-    EXPECT_TRUE(bitwise_equal(p, p2, "param"));
-    EXPECT_TRUE(bitwise_equal(m, m2, "m"));
-    EXPECT_TRUE(bitwise_equal(v, v2, "v"));
-    EXPECT_EQ(h[0], hash_floats(grad.data(), n));
-    EXPECT_EQ(h[1], hash_floats(m.data(), n));
-    EXPECT_EQ(h[2], hash_floats(v.data(), n));
+  for (const auto& [sb, se] : {std::pair<int64_t, int64_t>{0, n}, {100, 2 * 16384 + 5}, {16384, 16384}, {n - 1, n}}) {
+    SCOPED_TRACE(::testing::Message() << "state [" << sb << ", " << se << ")");
+    std::vector<float> p = randn(n, 29, "param"), m(n, 0.0f), v(n, 0.0f);
+    std::vector<float> p2 = p, m2 = m, v2 = v;
+    for (int64_t step = 1; step <= 2; ++step) {
+      uint64_t h[4];
+      adamw_update_hashed(p.data(), m.data(), v.data(), grad.data(), n, kHp, step, 0.7f, sb, se, h);
+      adamw_update(p2.data(), m2.data(), v2.data(), grad.data(), n, kHp, step, 0.7f);
+      EXPECT_TRUE(bitwise_equal(p, p2, "param"));
+      EXPECT_TRUE(bitwise_equal(m, m2, "m"));
+      EXPECT_TRUE(bitwise_equal(v, v2, "v"));
+      EXPECT_EQ(h[0], hash_floats(grad.data() + sb, se - sb));
+      EXPECT_EQ(h[1], hash_floats(m.data() + sb, se - sb));
+      EXPECT_EQ(h[2], hash_floats(v.data() + sb, se - sb));
+      EXPECT_EQ(h[3], hash_floats(p.data(), n));
+    }
   }
 }
 
@@ -161,26 +166,29 @@ ParamStore hash_table() {
 }
 
 // The fingerprint's shard hashes taken inside the update equal BlockHasher over the shard's
-// gradients and (Optimizer::hash) moments after a plain update, which they leave bitwise alone;
-// with 1, 2 and 3 threads; whether one update call covers the shard (replicated optimizer, shard
-// ranges inside whole parameters) or two calls do (the distributed optimizer's buckets).
+// gradients and (Optimizer::hash) moments after a plain update, each range on its parameter's own
+// grid, which they leave bitwise alone; with 1, 2 and 3 threads; whether one update call covers
+// the shard (replicated optimizer, shard ranges inside whole parameters, the parameters' values
+// hashed too) or two calls do (the distributed optimizer's buckets).
 TEST(ShardHashes, EqualBlockHashesAfterAPlainUpdateForAnyThreadsAndCalls) {
   const std::vector<ParamRange> shard = {{0, 1000, 2 * 262144 + 900}, {2, 100, 4000}, {1, 0, 10}};
   ParamStore plain = hash_table();
   Optimizer reference(plain, OptimizerConfig{});
   reference.update(plain, 1, 1e-2, 0.5f);
-  BlockHasher grads;
-  for (const ParamRange& r : shard) grads.update(plain.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+  BlockHasher grads, values;
+  for (const ParamRange& r : shard) grads.update_elements(plain.grad(r.param) + r.begin, r.begin, r.end);
+  for (int p = 0; p < 3; ++p) values.update(plain.value(p), static_cast<size_t>(plain.specs()[p].shape.numel()) * sizeof(float));
   const std::vector<float> params(plain.values(), plain.values() + plain.total());
   for (int threads = 1; threads <= 3; ++threads)
     with_threads(threads, [&] {
       ParamStore ps = hash_table();
       Optimizer opt(ps, OptimizerConfig{});
-      ShardHashes h(shard);
+      ShardHashes h(shard, &ps);
       opt.update(ps, 1, 1e-2, 0.5f, opt.owned(), &h);
       EXPECT_TRUE(bitwise_equal(params, std::vector<float>(ps.values(), ps.values() + ps.total()), "params"));
       EXPECT_EQ(h.grads(), grads.digest()) << threads << " threads";
       EXPECT_EQ(h.moments(), reference.hash(shard)) << threads << " threads";
+      EXPECT_EQ(h.params(), values.block_hashes()) << threads << " threads";
       // Owning the shard only, updated in two calls in another order.
       ParamStore ps2 = hash_table();
       Optimizer own(ps2, OptimizerConfig{}, shard);
@@ -190,12 +198,23 @@ TEST(ShardHashes, EqualBlockHashesAfterAPlainUpdateForAnyThreadsAndCalls) {
       own.update(ps2, 1, 1e-2, 0.5f, {shard[0]}, &h2);
       EXPECT_EQ(h2.grads(), grads.digest());
       EXPECT_EQ(h2.moments(), reference.hash(shard));
+      EXPECT_THROW(h2.params(), InternalError) << "made without the parameters";
     });
-  // A shard range split over two update calls cannot be hashed in one pass.
+  // The grid is the parameter's: a range starting inside a block hashes that block's rest as one.
+  EXPECT_NE(grads.digest(), [&] {
+    BlockHasher from_range_start;
+    for (const ParamRange& r : shard)
+      from_range_start.update(plain.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+    return from_range_start.digest();
+  }());
+  // A covered part split over two update calls cannot be hashed in one pass; with the parameters
+  // covered, a parameter updated in part cannot either.
   ParamStore ps = hash_table();
   Optimizer opt(ps, OptimizerConfig{});
   ShardHashes h(shard);
   EXPECT_THROW(opt.update(ps, 1, 1e-2, 0.5f, {{0, 0, 5000}}, &h), InternalError);
+  ShardHashes with_params(shard, &ps);
+  EXPECT_THROW(opt.update(ps, 1, 1e-2, 0.5f, {{2, 0, 4500}}, &with_params), InternalError);
 }
 
 TEST(SumOfSquares, MatchesReference) {

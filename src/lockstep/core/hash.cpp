@@ -47,7 +47,15 @@ void BlockHasher::update(const void* data, size_t n) {
   for (size_t begin = 0; begin < n; begin += kHashBlockBytes) blocks_.push_back({bytes + begin, std::min(kHashBlockBytes, n - begin)});
 }
 
-uint64_t BlockHasher::digest() const {
+void BlockHasher::update_elements(const float* at_begin, int64_t begin, int64_t end) {
+  for (int64_t b = begin; b < end;) {
+    const int64_t next = std::min(end, (b / kHashBlockFloats + 1) * kHashBlockFloats);
+    blocks_.push_back({reinterpret_cast<const unsigned char*>(at_begin + (b - begin)), static_cast<size_t>(next - b) * sizeof(float)});
+    b = next;
+  }
+}
+
+std::vector<uint64_t> BlockHasher::block_hashes() const {
   std::vector<uint64_t> hashes(2 * blocks_.size());  // per block: hash, length
   parallel_for(static_cast<int64_t>(blocks_.size()), [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -55,8 +63,10 @@ uint64_t BlockHasher::digest() const {
       hashes[2 * b + 1] = blocks_[b].n;
     }
   });
-  return combine_block_hashes(hashes);
+  return hashes;
 }
+
+uint64_t BlockHasher::digest() const { return combine_block_hashes(block_hashes()); }
 
 uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length) {
   return hash_bytes(hash_and_length.data(), hash_and_length.size() * sizeof(uint64_t));

@@ -45,8 +45,17 @@ class Hasher {
 class BlockHasher {
  public:
   static constexpr size_t kHashBlockBytes = size_t{1} << 20;
+  static constexpr int64_t kHashBlockFloats = static_cast<int64_t>(kHashBlockBytes / sizeof(float));
   void update(const void* data, size_t n);
+  // Elements [begin, end) of a float array, `at_begin` pointing at element begin, cut where the
+  // array's own grid of kHashBlockFloats elements from element 0 cuts (so the first and the last
+  // block may be shorter): the blocks a part of a parameter has in the fingerprint's hashes,
+  // whichever part of it a rank holds. update_elements(x, 0, n) is update(x, n * 4).
+  void update_elements(const float* at_begin, int64_t begin, int64_t end);
   uint64_t digest() const;
+  // Each block's (XXH3, length in bytes) in update order, hashed in one parallel loop: digest() is
+  // combine_block_hashes of these.
+  std::vector<uint64_t> block_hashes() const;
 
  private:
   struct Block {
@@ -60,6 +69,8 @@ class BlockHasher {
 // hashes the same blocks elsewhere (the fingerprint's gradients and Adam moments are hashed inside
 // the AdamW pass, train/optimizer.h).
 uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length);
+// How many blocks BlockHasher::update cuts a buffer of n bytes into.
+inline size_t hash_block_count(size_t n) { return (n + BlockHasher::kHashBlockBytes - 1) / BlockHasher::kHashBlockBytes; }
 
 // BlockHasher over one buffer.
 uint64_t hash_blocks(const void* data, size_t n);

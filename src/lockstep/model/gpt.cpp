@@ -678,24 +678,46 @@ void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_firs
   }
 }
 
-uint64_t GPT::state_hash() const {
+std::vector<uint64_t> GPT::param_block_hashes() const {
   BlockHasher h;
-  h.update(params_.values(), static_cast<size_t>(params_.total()) * sizeof(float));
-  for (const auto& layer : moe_)
-    if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
-  return h.digest();
+  for (size_t i = 0; i < params_.specs().size(); ++i)
+    h.update(params_.value(static_cast<int>(i)), static_cast<size_t>(params_.specs()[i].shape.numel()) * sizeof(float));
+  return h.block_hashes();
 }
 
-uint64_t GPT::state_hash(bool experts) const {
-  BlockHasher h;
-  for (size_t i = 0; i < params_.specs().size(); ++i) {
-    const ParamSpec& p = params_.specs()[i];
-    if (p.expert == experts) h.update(params_.value(static_cast<int>(i)), static_cast<size_t>(p.shape.numel()) * sizeof(float));
+namespace {
+// The state hash from the parameters' block pairs, those of parameter i kept when keep(i), then
+// the expert biases' when `biases`.
+template <typename Keep>
+uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_blocks, Keep keep,
+                       const std::vector<std::unique_ptr<MoeLayer>>& moe, bool biases) {
+  std::vector<uint64_t> pairs;
+  size_t at = 0;
+  for (size_t i = 0; i < ps.specs().size(); ++i) {
+    const size_t n = 2 * hash_block_count(static_cast<size_t>(ps.specs()[i].shape.numel()) * sizeof(float));
+    LOCKSTEP_CHECK(at + n <= param_blocks.size(), "parameter block hashes for another table");
+    if (keep(i)) pairs.insert(pairs.end(), param_blocks.begin() + static_cast<std::ptrdiff_t>(at),
+                              param_blocks.begin() + static_cast<std::ptrdiff_t>(at + n));
+    at += n;
   }
-  if (!experts)
-    for (const auto& layer : moe_)
+  LOCKSTEP_CHECK(at == param_blocks.size(), "parameter block hashes for another table");
+  if (biases) {
+    BlockHasher h;
+    for (const auto& layer : moe)
       if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
-  return h.digest();
+    const std::vector<uint64_t> b = h.block_hashes();
+    pairs.insert(pairs.end(), b.begin(), b.end());
+  }
+  return combine_block_hashes(pairs);
+}
+}  // namespace
+
+uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks) const {
+  return combine_state(params_, param_blocks, [](size_t) { return true; }, moe_, true);
+}
+
+uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks, bool experts) const {
+  return combine_state(params_, param_blocks, [&](size_t i) { return params_.specs()[i].expert == experts; }, moe_, !experts);
 }
 
 }  // namespace lockstep

@@ -131,11 +131,17 @@ class GPT {
   // Called by forward before it reads parameters [first, end) of the table (in increasing ranges
   // covering the table): data parallelism waits there for parameters still being all-gathered.
   void set_params_needed_hook(std::function<void(int first, int end)> hook) { params_needed_ = std::move(hook); }
-  // Parameters and, for MoE models, the expert biases (state the optimizer does not own).
-  uint64_t state_hash() const;
+  // The fingerprint's hash of the parameters and, for MoE models, the expert biases (state the
+  // optimizer does not own): BlockHasher over each parameter's values in table order, then each
+  // layer's expert biases. From `param_blocks`, the parameters' (hash, length) block pairs in that
+  // order (ShardHashes::params(), taken in the update), or with none from param_block_hashes().
+  uint64_t state_hash() const { return state_hash(param_block_hashes()); }
+  uint64_t state_hash(const std::vector<uint64_t>& param_blocks) const;
   // The same over the dense parameters and expert biases only (experts = false) or the experts'
   // parameters only (true): the state the dense / expert data-parallel replicas share.
-  uint64_t state_hash(bool experts) const;
+  uint64_t state_hash(const std::vector<uint64_t>& param_blocks, bool experts) const;
+  // The parameters' block pairs in one pass of their own.
+  std::vector<uint64_t> param_block_hashes() const;
   const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
   // The model's state for checkpoints (core/state_shard.h): the parameters (ParamStore::
   // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)

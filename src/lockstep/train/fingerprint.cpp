@@ -32,6 +32,7 @@ std::string Fingerprint::json() const {
       .add("grads", hex64(grads))
       .add("optimizer", hex64(optimizer))
       .add("rng", hex64(rng))
+      .add("format", kFingerprintFormat)
       .str();
 }
 
@@ -63,6 +64,8 @@ bool is_fingerprint_scalar(const std::string& key) {
   return false;
 }
 
+bool is_state_hash_field(const std::string& key) { return key == "params" || key == "grads" || key == "optimizer"; }
+
 const std::string* FingerprintLine::find(const std::string& key) const {
   for (const auto& [k, v] : fields)
     if (k == key) return &v;
@@ -78,7 +81,7 @@ bool is_hex64_field(const std::string& key) {
   return false;
 }
 bool is_coordinate_field(const std::string& key) {
-  for (const char* k : {"rank", "dp", "tp", "pp", "ep", "cp", "etp", "micro"})
+  for (const char* k : {"rank", "dp", "tp", "pp", "ep", "cp", "etp", "micro", "format"})
     if (key == k) return true;
   return false;
 }

@@ -6,7 +6,16 @@
 //   {"step":1,"rank":0,"dp":0,"tp":0,"pp":0,"ep":0,"cp":0,"etp":0,
 //    "loss":"<hex of the fp64 bits>","lm_loss":"...","aux_loss":"...","mtp_loss":"...",
 //    "grad_norm":"...","lr":"...",
-//    "params":"<xxh3>","grads":"<xxh3>","optimizer":"<xxh3 of Adam m then v>","rng":"<xxh3>"}
+//    "params":"<xxh3>","grads":"<xxh3>","optimizer":"<xxh3 of Adam m then v>","rng":"<xxh3>",
+//    "format":2}
+//
+// "format" says how the state hashes cut their buffers into BlockHasher blocks (core/hash.h):
+//   2  every parameter's values, gradient and moments on the parameter's own grid of 1 MiB blocks
+//      from its element 0 (BlockHasher::update_elements), whichever part of it a rank holds;
+//   1  (files without "format", written before 2026-12-04) the parameters as one buffer, the whole
+//      table on one grid, and the gradients and moments on a grid from each shard range's first
+//      element.
+// Hashes of different formats do not compare; lockstep diff leaves them out and says so.
 #pragma once
 
 #include <cstdint>
@@ -17,6 +26,8 @@
 #include "lockstep/model/trace.h"
 
 namespace lockstep {
+
+inline constexpr int kFingerprintFormat = 2;
 
 struct Fingerprint {
   int64_t step = 0;
@@ -39,6 +50,9 @@ std::string fingerprint_path(const std::string& run_dir, int rank);
 std::string trace_path(const std::string& run_dir, int rank);
 // Those lines for a micro-batch's records, each ending in '\n'.
 std::string trace_lines(const std::vector<ModuleTrace::Record>& records);
+
+// The state hashes whose values depend on the file's "format".
+bool is_state_hash_field(const std::string& key);
 
 // The fields holding the exact bits of an fp64 value (hex), as opposed to hashes: the quantities
 // every rank records with the same value (global ones), which runs of different layouts share.

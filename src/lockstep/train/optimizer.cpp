@@ -79,18 +79,18 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   };
   std::vector<ShardHashes::Block*> blocks;  // to update and hash
   for (const ParamRange& r : ranges) {
-    const int h = hashes ? hashes->range_of(r.param) : -1;
-    const ParamRange* in = h >= 0 ? &hashes->ranges_[static_cast<size_t>(h)] : nullptr;
-    if (!in || in->end <= r.begin || in->begin >= r.end) {
+    const size_t p = static_cast<size_t>(r.param);
+    const bool covered = hashes && p + 1 < hashes->first_block_.size() && hashes->first_block_[p] < hashes->first_block_[p + 1];
+    const int64_t lo = covered ? hashes->blocks_[hashes->first_block_[p]].begin : 0;
+    const int64_t hi = covered ? hashes->blocks_[hashes->first_block_[p + 1] - 1].end : 0;
+    if (!covered || hi <= r.begin || lo >= r.end) {
       plain(r.param, r.begin, r.end);
       continue;
     }
-    LOCKSTEP_CHECK(in->begin >= r.begin && in->end <= r.end, "the fingerprinted shard of ", ps.specs()[r.param].name,
-                   " is split over two updates");
-    plain(r.param, r.begin, in->begin);
-    plain(r.param, in->end, r.end);
-    for (size_t b = hashes->first_block_[static_cast<size_t>(h)]; b < hashes->first_block_[static_cast<size_t>(h) + 1]; ++b)
-      blocks.push_back(&hashes->blocks_[b]);
+    LOCKSTEP_CHECK(lo >= r.begin && hi <= r.end, "the fingerprinted part of ", ps.specs()[p].name, " is split over two updates");
+    plain(r.param, r.begin, lo);
+    plain(r.param, hi, r.end);
+    for (size_t b = hashes->first_block_[p]; b < hashes->first_block_[p + 1]; ++b) blocks.push_back(&hashes->blocks_[b]);
   }
   // Whole blocks to whichever thread claims them, largest first: each block's hashes are the same
   // whichever thread computes them.
@@ -98,12 +98,11 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
                    [](const ShardHashes::Block* a, const ShardHashes::Block* b) { return a->end - a->begin > b->end - b->begin; });
   auto run = [&](int64_t i) {
     ShardHashes::Block& b = *blocks[static_cast<size_t>(i)];
-    const int p = hashes->ranges_[static_cast<size_t>(b.range)].param;
-    const int64_t s = state_index(p, b.begin);
-    uint64_t out[3];
-    adamw_update_hashed(ps.value(p) + b.begin, m_.data() + s, v_.data() + s, ps.grad(p) + b.begin, b.end - b.begin,
-                        hyperparameters(p, lr), step, grad_scale, out);
-    b.grad = out[0], b.m = out[1], b.v = out[2], b.done = true;
+    const int64_t s = state_index(b.param, b.begin);
+    uint64_t out[4];
+    adamw_update_hashed(ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin, b.end - b.begin,
+                        hyperparameters(b.param, lr), step, grad_scale, b.state_begin - b.begin, b.state_end - b.begin, out);
+    b.grad = out[0], b.m = out[1], b.v = out[2], b.value = out[3], b.done = true;
   };
   const auto n = static_cast<int64_t>(blocks.size());
   ThreadPool* pool = ThreadPool::current();
@@ -114,43 +113,67 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   }
 }
 
-ShardHashes::ShardHashes(std::vector<ParamRange> ranges) : ranges_(std::move(ranges)) {
-  constexpr int64_t kBlock = static_cast<int64_t>(BlockHasher::kHashBlockBytes / sizeof(float));
-  for (size_t i = 0; i < ranges_.size(); ++i) {
-    const ParamRange& r = ranges_[i];
-    if (static_cast<size_t>(r.param) >= range_of_param_.size()) range_of_param_.resize(static_cast<size_t>(r.param) + 1, -1);
-    LOCKSTEP_CHECK(range_of_param_[static_cast<size_t>(r.param)] < 0, "parameter ", r.param, " twice in a shard");
-    range_of_param_[static_cast<size_t>(r.param)] = static_cast<int>(i);
+ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params)
+    : shard_(std::move(shard)), params_(params != nullptr) {
+  size_t nparams = params ? params->specs().size() : 0;
+  for (const ParamRange& r : shard_) nparams = std::max(nparams, static_cast<size_t>(r.param) + 1);
+  LOCKSTEP_CHECK(!params || nparams == params->specs().size(), "a shard range names a parameter the table does not have");
+  std::vector<const ParamRange*> range_of(nparams, nullptr);
+  for (const ParamRange& r : shard_) {
+    LOCKSTEP_CHECK(!range_of[static_cast<size_t>(r.param)], "parameter ", r.param, " twice in a shard");
+    range_of[static_cast<size_t>(r.param)] = &r;
+  }
+  constexpr int64_t kBlock = BlockHasher::kHashBlockFloats;
+  for (size_t p = 0; p < nparams; ++p) {
     first_block_.push_back(blocks_.size());
-    for (int64_t b = r.begin; b < r.end; b += kBlock) blocks_.push_back({static_cast<int>(i), b, std::min(r.end, b + kBlock)});
+    const ParamRange* r = range_of[p];
+    if (params && r) LOCKSTEP_CHECK(r->begin >= 0 && r->end <= params->specs()[p].shape.numel());
+    const int64_t lo = params ? 0 : r ? r->begin : 0;
+    const int64_t hi = params ? params->specs()[p].shape.numel() : r ? r->end : 0;
+    for (int64_t b = lo; b < hi;) {
+      const int64_t next = std::min(hi, (b / kBlock + 1) * kBlock);
+      const int64_t sb = r ? std::clamp(r->begin, b, next) : b, se = r ? std::clamp(r->end, sb, next) : b;
+      blocks_.push_back({static_cast<int>(p), b, next, sb, se});
+      b = next;
+    }
   }
   first_block_.push_back(blocks_.size());
 }
 
-int ShardHashes::range_of(int param) const {
-  return static_cast<size_t>(param) < range_of_param_.size() ? range_of_param_[static_cast<size_t>(param)] : -1;
-}
-
 void ShardHashes::check_done() const {
   for (const Block& b : blocks_)
-    LOCKSTEP_CHECK(b.done, "parameter ", ranges_[static_cast<size_t>(b.range)].param, " elements [", b.begin, ", ", b.end,
-                   ") of the shard were not updated, so not hashed");
+    LOCKSTEP_CHECK(b.done, "parameter ", b.param, " elements [", b.begin, ", ", b.end, ") were not updated, so not hashed");
 }
 
-uint64_t ShardHashes::grads() const {
+// (hash, length) of the shard's part of each block, in shard range order.
+std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash) const {
   check_done();
   std::vector<uint64_t> pairs;
-  for (const Block& b : blocks_) pairs.insert(pairs.end(), {b.grad, static_cast<uint64_t>(b.end - b.begin) * sizeof(float)});
-  return combine_block_hashes(pairs);
+  for (const ParamRange& r : shard_) {
+    const auto p = static_cast<size_t>(r.param);
+    for (size_t i = first_block_[p]; i < first_block_[p + 1]; ++i) {
+      const Block& b = blocks_[i];
+      if (b.state_end > b.state_begin) pairs.insert(pairs.end(), {b.*hash, static_cast<uint64_t>(b.state_end - b.state_begin) * sizeof(float)});
+    }
+  }
+  return pairs;
 }
+
+uint64_t ShardHashes::grads() const { return combine_block_hashes(state_pairs(&Block::grad)); }
 
 uint64_t ShardHashes::moments() const {
+  std::vector<uint64_t> pairs = state_pairs(&Block::m);
+  const std::vector<uint64_t> v = state_pairs(&Block::v);
+  pairs.insert(pairs.end(), v.begin(), v.end());
+  return combine_block_hashes(pairs);
+}
+
+std::vector<uint64_t> ShardHashes::params() const {
+  LOCKSTEP_CHECK(params_, "these shard hashes do not cover the parameters");
   check_done();
   std::vector<uint64_t> pairs;
-  for (const bool second : {false, true})
-    for (const Block& b : blocks_)
-      pairs.insert(pairs.end(), {second ? b.v : b.m, static_cast<uint64_t>(b.end - b.begin) * sizeof(float)});
-  return combine_block_hashes(pairs);
+  for (const Block& b : blocks_) pairs.insert(pairs.end(), {b.value, static_cast<uint64_t>(b.end - b.begin) * sizeof(float)});
+  return pairs;
 }
 
 void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first,
@@ -167,8 +190,7 @@ uint64_t Optimizer::hash(const std::vector<ParamRange>& ranges) const {
   BlockHasher h;
   for (const FloatBuffer* state : {&m_, &v_})
     for (const ParamRange& r : ranges)
-      if (r.end > r.begin)
-        h.update(state->data() + state_index(r.param, r.begin), static_cast<size_t>(r.end - r.begin) * sizeof(float));
+      if (r.end > r.begin) h.update_elements(state->data() + state_index(r.param, r.begin), r.begin, r.end);
   return h.digest();
 }
 

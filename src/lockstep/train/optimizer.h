@@ -23,34 +23,45 @@
 
 namespace lockstep {
 
-// The fingerprint's hashes of a rank's shard (parallel/data_parallel.h: shard()) of the gradients,
-// as AdamW reads them (before clipping), and of both Adam moments after the update: computed
-// inside the update (Optimizer::update with a ShardHashes), each block hashed while it is in
-// cache, instead of in three more passes over memory. The values are those of BlockHasher
-// (core/hash.h) over the same buffers: grads() = BlockHasher over each range's gradients in range
-// order; moments() = over each range's first moments, then each range's second moments. So they do
-// not depend on the thread count, nor on which update call (bucket) covered which range.
+// The fingerprint's hashes of the state AdamW touches, computed inside the update
+// (Optimizer::update with a ShardHashes), each block hashed while it is in cache instead of in
+// more passes over memory:
+//   - of a rank's shard (parallel/data_parallel.h: shard()) of the gradients, as AdamW reads them
+//     (before clipping), and of both Adam moments after the update;
+//   - with `params` (the replicated optimizer, which updates every parameter of the table whole),
+//     of every parameter's values after the update: GPT::state_hash combines them with the expert
+//     biases, and no pass over the parameters of its own is left.
+// The blocks are each parameter's own grid (BlockHasher::update_elements), and the values those of
+// BlockHasher over the same elements: grads() = each shard range's gradients in range order;
+// moments() = each range's first moments, then each range's second moments; params() the (hash,
+// length) pairs of every parameter's values in table order. So they do not depend on the thread
+// count, nor on which update call (bucket) covered which range.
 class ShardHashes {
  public:
-  explicit ShardHashes(std::vector<ParamRange> ranges);
-  // Both need every block hashed (each range updated once since construction).
+  explicit ShardHashes(std::vector<ParamRange> shard, const ParamStore* params = nullptr);
+  // Each needs every block hashed (each range, with `params` each parameter, updated once since
+  // construction); params() needs `params`.
   uint64_t grads() const;
   uint64_t moments() const;
+  std::vector<uint64_t> params() const;
+  bool has_params() const { return params_; }
 
  private:
   friend class Optimizer;
+  // One work item of the update: elements [begin, end) of a parameter, inside one block of its
+  // grid; [state_begin, state_end) the part of them in the shard (possibly none).
   struct Block {
-    int range;
-    int64_t begin, end;                    // elements of the range's parameter
-    uint64_t grad = 0, m = 0, v = 0;
+    int param;
+    int64_t begin, end, state_begin, state_end;
+    uint64_t grad = 0, m = 0, v = 0, value = 0;
     bool done = false;
   };
-  std::vector<ParamRange> ranges_;
-  std::vector<Block> blocks_;              // range order, then element order
-  std::vector<int> range_of_param_;        // -1: not in the shard
-  std::vector<size_t> first_block_;        // per range, and one past the last
-  int range_of(int param) const;
+  std::vector<ParamRange> shard_;
+  bool params_ = false;
+  std::vector<Block> blocks_;        // parameter order, then element order
+  std::vector<size_t> first_block_;  // per parameter, and one past the last
   void check_done() const;
+  std::vector<uint64_t> state_pairs(uint64_t Block::*hash) const;
 };
 
 class Optimizer {
@@ -68,7 +79,8 @@ class Optimizer {
   // AdamW on the owned elements, reading their gradients from ps.grads().
   void update(ParamStore& ps, int64_t step, double lr, float grad_scale) { update(ps, step, lr, grad_scale, owned_); }
   // The same on `ranges`, which must be owned. With `hashes`: also hashes those of their elements
-  // that lie in hashes' shard (each shard range must lie inside one of `ranges` or outside all).
+  // that hashes covers (each parameter's covered part must lie inside one of `ranges` or outside
+  // all).
   void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
               ShardHashes* hashes = nullptr);
 
@@ -76,7 +88,7 @@ class Optimizer {
   int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
 
   // BlockHasher of the first moments then the second moments of `ranges` (owned elements), in
-  // list order: ShardHashes::moments() in one pass of its own.
+  // list order, each on its parameter's grid: ShardHashes::moments() in one pass of its own.
   uint64_t hash(const std::vector<ParamRange>& ranges) const;
   // The same over everything owned.
   uint64_t hash() const { return hash(owned_); }

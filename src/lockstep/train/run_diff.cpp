@@ -4,6 +4,7 @@
 #include <bit>
 #include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <map>
 #include <optional>
@@ -141,15 +142,24 @@ std::vector<std::string> fields_of(const FingerprintLine& a, const FingerprintLi
     if (!a.find(k)) keys.push_back(k);
   std::vector<std::string> out;
   for (const std::string& k : keys)
-    if (!is_coordinate(k) && compared(k)) out.push_back(k);
+    if (!is_coordinate(k) && k != "format" && compared(k)) out.push_back(k);
   return out;
 }
 
-// Those of the compared fields that differ.
+// A line's fingerprint format (train/fingerprint.h): 1 where the file predates the field.
+int format_of(const FingerprintLine& line) {
+  const std::string* f = line.find("format");
+  return f ? std::atoi(f->c_str()) : 1;
+}
+
+// Those of the compared fields that differ; the state hashes only where both lines have the same
+// format.
 template <typename Compared>
 std::vector<std::string> differing_fields(const FingerprintLine& a, const FingerprintLine& b, Compared compared) {
   std::vector<std::string> diff;
+  const bool same_format = format_of(a) == format_of(b);
   for (const std::string& k : fields_of(a, b, compared)) {
+    if (!same_format && is_state_hash_field(k)) continue;
     const std::string *va = a.find(k), *vb = b.find(k);
     if (!va || !vb || *va != *vb) diff.push_back(k);
   }
@@ -331,6 +341,18 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     if (!skipped.empty()) say(str("  not compared: ", join(skipped), " (", why, ")"));
   }
   const bool same_steps = a.steps_text() == b.steps_text();
+  // Files of different formats (e.g. a run of an older binary) share the scalars, not the hashes.
+  std::set<std::pair<int, int>> formats;
+  for (const int64_t step : steps)
+    for (int r = 0; r < ranks; ++r) {
+      const auto ia = a.by_step[r].find(step), ib = b.by_step[r].find(step);
+      if (ia == a.by_step[r].end() || ib == b.by_step[r].end()) continue;
+      const int fa = format_of(*ia->second), fb = format_of(*ib->second);
+      if (fa != fb) formats.insert({fa, fb});
+    }
+  for (const auto& [fa, fb] : formats)
+    say(str("  not compared where ", a.dir, " has fingerprint format ", fa, " and ", b.dir, " format ", fb,
+            ": params, grads, optimizer (the formats cut the state into hash blocks differently)"));
 
   for (const int64_t step : steps) {
     std::vector<int> ranks_differing;

@@ -454,12 +454,15 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // the same parameters, expert biases and loss, bit for bit: they agree exactly when max(h) and
   // max(~h) over the group are h and ~h (one tiny all-reduce). Under expert parallelism the dense
   // replicas (dp) hold different experts: the dense part is compared over dp, the experts over edp.
+  // param_blocks: the parameters' block hashes taken in the update (the replicated optimizer), or
+  // empty for a pass over them here (the distributed one: complete only after the all-gather).
   const bool gather_in_background = config.optimizer.distributed && config.ddp.overlap_param_gather;
   if (gather_in_background) model.set_params_needed_hook([&dp](int first, int end) { dp.params_needed(first, end); });
   std::optional<Fingerprint> pending_fingerprint;
-  auto write_fingerprint = [&](Fingerprint fp) {
+  auto write_fingerprint = [&](Fingerprint fp, std::vector<uint64_t> param_blocks) {
     dp.wait_params();
-    fp.params = model.state_hash();
+    if (param_blocks.empty()) param_blocks = model.param_block_hashes();
+    fp.params = model.state_hash(param_blocks);
     fingerprints.write(fp.json());
     auto check_replicas = [&](Communicator& group, uint64_t params) {
       if (group.size() == 1) return;
@@ -473,8 +476,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (!experts_split) {
       check_replicas(dense_dp, fp.params);
     } else {
-      check_replicas(dense_dp, model.state_hash(/*experts=*/false));
-      check_replicas(expert_dp, model.state_hash(/*experts=*/true));
+      check_replicas(dense_dp, model.state_hash(param_blocks, /*experts=*/false));
+      check_replicas(expert_dp, model.state_hash(param_blocks, /*experts=*/true));
     }
   };
 
@@ -545,7 +548,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
         for (int i : model.shared_params()) dp.post_ready(i, i + 1);
       }
       if (pending_fingerprint) {
-        write_fingerprint(*pending_fingerprint);
+        write_fingerprint(*pending_fingerprint, {});
         pending_fingerprint.reset();
       }
     }
@@ -561,7 +564,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       }
       after_traced(step);
       if (pending_fingerprint) {
-        write_fingerprint(*pending_fingerprint);
+        write_fingerprint(*pending_fingerprint, {});
         pending_fingerprint.reset();
       }
       const double micro_sums[3] = {dc.eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
@@ -594,8 +597,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const double lr = learning_rate(tc, step);
     const double grad_norm = dp.grad_norm();
     // The summed gradients and the moments of this rank's shard (the same elements with either
-    // optimizer), hashed in the update's pass.
-    ShardHashes shard_hashes(dp.shard());
+    // optimizer), and with the replicated optimizer every parameter, hashed in the update's pass.
+    ShardHashes shard_hashes(dp.shard(), config.optimizer.distributed ? nullptr : &ps);
     dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm), &shard_hashes);
     const std::vector<MoeTokenStats> moe_stats =
         model.finish_step(config.moe.router_bias_update_rate, dense_dp.size() > 1 ? &dense_dp : nullptr);
@@ -622,7 +625,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     // With the parameter gather overlapped, the parameters are complete once the next step's
     // first forward has run: the line waits until then.
     if (gather_in_background && step < tc.steps) pending_fingerprint = fp;
-    else write_fingerprint(fp);
+    else write_fingerprint(fp, shard_hashes.has_params() ? shard_hashes.params() : std::vector<uint64_t>{});
 
     const double tok_s = static_cast<double>(tokens_per_step) / secs;
     const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
@@ -709,7 +712,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       saver.save(info, state);
     }
     if (exit_now) {
-      if (pending_fingerprint) write_fingerprint(*pending_fingerprint);
+      if (pending_fingerprint) write_fingerprint(*pending_fingerprint, {});
       if (live) std::fprintf(out, "\n");
       std::fprintf(out, "lockstep: stopping after step %lld (train.exit_interval = %lld)\n", (long long)step,
                    (long long)tc.exit_interval);

@@ -63,22 +63,32 @@ void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
 }
 
 void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp,
-                         int64_t step, float grad_scale, uint64_t hashes[3]) {
+                         int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]) {
+  LOCKSTEP_CHECK(0 <= state_begin && state_begin <= state_end && state_end <= n);
   const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
-  // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed.
+  // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed. The
+  // pieces also end where the hashed state range does.
   constexpr int64_t kPiece = 16384;
-  Hasher g, mh, vh;
-  for (int64_t i = 0; i < n; i += kPiece) {
-    const int64_t len = std::min(kPiece, n - i);
+  Hasher g, mh, vh, ph;
+  for (int64_t i = 0; i < n;) {
+    int64_t next = std::min(i + kPiece, n);
+    for (const int64_t cut : {state_begin, state_end})
+      if (cut > i && cut < next) next = cut;
+    const int64_t len = next - i;
     adamw_range(param + i, m + i, v + i, grad + i, len, s);
     const size_t bytes = static_cast<size_t>(len) * sizeof(float);
-    g.update(grad + i, bytes);
-    mh.update(m + i, bytes);
-    vh.update(v + i, bytes);
+    ph.update(param + i, bytes);
+    if (i >= state_begin && next <= state_end) {
+      g.update(grad + i, bytes);
+      mh.update(m + i, bytes);
+      vh.update(v + i, bytes);
+    }
+    i = next;
   }
   hashes[0] = g.digest();
   hashes[1] = mh.digest();
   hashes[2] = vh.digest();
+  hashes[3] = ph.digest();
 }
 
 namespace {

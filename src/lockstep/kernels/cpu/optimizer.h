@@ -30,11 +30,12 @@ void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
                   const AdamW& hp, int64_t step, float grad_scale);
 
 // The same update of n elements on the calling thread, and XXH3-64 of the gradient (as read) and
-// of m and v (as written) over those n elements into hashes[0], [1], [2]: the update runs 16384
-// elements at a time and each piece is hashed right after it, while it is in cache, instead of in
-// another pass over memory. The parameters, m and v get the same bits as from adamw_update.
+// of m and v (as written) over elements [state_begin, state_end) into hashes[0], [1], [2], and of
+// the parameters (as written) over all n into hashes[3]: the update runs at most 16384 elements
+// at a time and each piece is hashed right after it, while it is in cache, instead of in another
+// pass over memory. The parameters, m and v get the same bits as from adamw_update.
 void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp,
-                         int64_t step, float grad_scale, uint64_t hashes[3]);
+                         int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
 
 inline constexpr int64_t kNormBlock = 16384;
 double sum_of_squares(const float* x, int64_t n);
