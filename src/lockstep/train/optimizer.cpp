@@ -153,7 +153,8 @@ std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash) const {
     const auto p = static_cast<size_t>(r.param);
     for (size_t i = first_block_[p]; i < first_block_[p + 1]; ++i) {
       const Block& b = blocks_[i];
-      if (b.state_end > b.state_begin) pairs.insert(pairs.end(), {b.*hash, static_cast<uint64_t>(b.state_end - b.state_begin) * sizeof(float)});
+      if (b.state_end > b.state_begin)
+        pairs.insert(pairs.end(), {b.*hash, static_cast<uint64_t>(b.state_end - b.state_begin) * sizeof(float)});
     }
   }
   return pairs;
