@@ -8,8 +8,8 @@
 #
 # Both run the step on 2 threads (OpenBLAS with OPENBLAS_NUM_THREADS=2). Per model: the median step
 # of each build over the rounds (each round is bench_fingerprint's median of 5 steps), the
-# fingerprint's hashing as the trainer does it (2 threads), and the tax = (step + fingerprint) /
-# BLAS step - 1.
+# fingerprint's hashing as the trainer does it with its default (replicated) optimizer (2
+# threads), and the tax = (step + fingerprint) / BLAS step - 1.
 #
 # Part two, the layout tax: `lockstep train` (the whole trainer step, fingerprint included, 2
 # threads) with determinism = "layout" against "run", alternating round by round, on the same two
@@ -46,7 +46,7 @@ if [ "$parts" = run ] || [ "$parts" = both ]; then
     for ((r = 0; r < rounds; ++r)); do
       out=$(build/bench_fingerprint "$config" 5)
       echo "$out" | awk "$ms" pattern='^training step' >>/tmp/tax_run.$$
-      echo "$out" | awk "$ms" pattern='the trainer' >>/tmp/tax_fp.$$
+      echo "$out" | awk "$ms" pattern='^trainer, replicated' >>/tmp/tax_fp.$$
       OPENBLAS_NUM_THREADS=2 build-blas/bench_fingerprint "$config" 5 | awk "$ms" pattern='^training step' >>/tmp/tax_blas.$$
     done
     run=$(median </tmp/tax_run.$$); fp=$(median </tmp/tax_fp.$$); blas=$(median </tmp/tax_blas.$$)
