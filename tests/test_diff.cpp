@@ -56,6 +56,22 @@ std::string write_run(const TempDir& dir, const std::string& name, int ranks, in
 
 bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// A copy of a two-rank run as an older writer would have written it: every `field` text (which
+// each file must hold) removed, then edit(text) on each file.
+template <typename Edit>
+std::string older_copy(const TempDir& dir, const std::string& run, const std::string& name, const std::string& field,
+                       Edit edit) {
+  std::filesystem::create_directories(dir.path(name + "/fingerprints"));
+  for (const char* file : {"/fingerprints/rank-00000.jsonl", "/fingerprints/rank-00001.jsonl"}) {
+    std::string text = testing::read_file(run + file);
+    EXPECT_NE(text.find(field), std::string::npos) << field;
+    for (size_t at; (at = text.find(field)) != std::string::npos;) text.erase(at, field.size());
+    edit(text);
+    dir.write(name + file, text);
+  }
+  return dir.path(name);
+}
+
 TEST(Diff, IdenticalRunsSayOverHowManySteps) {
   TempDir dir;
   const RunDiff d = diff_runs(write_run(dir, "a", 2, 5), write_run(dir, "b", 2, 5));
@@ -96,14 +112,8 @@ TEST(Diff, ReportsEveryRankDifferingAtTheFirstStep) {
 // (coordinates are labels), and reported with the coordinates they have.
 TEST(Diff, FilesWithoutEtpStillCompare) {
   TempDir dir;
-  const std::string now = write_run(dir, "now", 2, 3), old = dir.path("old");
-  std::filesystem::create_directories(old + "/fingerprints");
-  for (const char* file : {"/fingerprints/rank-00000.jsonl", "/fingerprints/rank-00001.jsonl"}) {
-    std::string text = testing::read_file(now + file);
-    ASSERT_NE(text.find(",\"etp\":0"), std::string::npos);
-    for (size_t at; (at = text.find(",\"etp\":0")) != std::string::npos;) text.erase(at, 8);
-    dir.write(std::string("old") + file, text);
-  }
+  const std::string now = write_run(dir, "now", 2, 3);
+  const std::string old = older_copy(dir, now, "old", ",\"etp\":0", [](std::string&) {});
   EXPECT_TRUE(diff_runs(old, now).identical);
   const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.loss += f.step == 2 && f.rank == 1; });
   const RunDiff d = diff_runs(old, drifted);
@@ -116,15 +126,10 @@ TEST(Diff, FilesWithoutEtpStillCompare) {
 // state hashes do not, and the report says so. The same format compares everything.
 TEST(Diff, OtherFingerprintFormatsCompareAllButTheStateHashes) {
   TempDir dir;
-  const std::string now = write_run(dir, "now", 2, 3), old = dir.path("old");
-  std::filesystem::create_directories(old + "/fingerprints");
-  for (const char* file : {"/fingerprints/rank-00000.jsonl", "/fingerprints/rank-00001.jsonl"}) {
-    std::string text = testing::read_file(now + file);
-    ASSERT_NE(text.find(",\"format\":2"), std::string::npos);
-    for (size_t at; (at = text.find(",\"format\":2")) != std::string::npos;) text.erase(at, 11);
+  const std::string now = write_run(dir, "now", 2, 3);
+  const std::string old = older_copy(dir, now, "old", ",\"format\":2", [](std::string& text) {
     for (size_t at = 0; (at = text.find("\"params\":\"", at)) != std::string::npos; at += 10) text[at + 10] = 'f';
-    dir.write(std::string("old") + file, text);
-  }
+  });
   const RunDiff d = diff_runs(old, now);
   EXPECT_TRUE(d.identical) << d.report;
   EXPECT_TRUE(contains(d.report, "has fingerprint format 1 and " + now + " format 2: params, grads, optimizer")) << d.report;
