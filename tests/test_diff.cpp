@@ -133,6 +133,17 @@ TEST(Diff, OtherFingerprintFormatsCompareAllButTheStateHashes) {
   const RunDiff d = diff_runs(old, now);
   EXPECT_TRUE(d.identical) << d.report;
   EXPECT_TRUE(contains(d.report, "has fingerprint format 1 and " + now + " format 2: params, grads, optimizer")) << d.report;
+  EXPECT_TRUE(contains(d.report, "identical over 3 steps (1..3), the state hashes aside (other fingerprint formats)"))
+      << d.report;
+  // Across layouts too (neither splits the parameters, so params would compare): the header does
+  // not list the hashes it then leaves out.
+  const std::string one = write_run(dir, "one", 1, 3);
+  dir.write("one/config.toml", "[parallel]\n");
+  dir.write("old/config.toml", "[parallel]\n");
+  const RunDiff layouts = diff_runs(old, one);
+  EXPECT_TRUE(layouts.identical) << layouts.report;
+  EXPECT_TRUE(contains(layouts.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n"))
+      << layouts.report;
   const RunDiff same = diff_runs(old, old);
   EXPECT_FALSE(contains(same.report, "fingerprint format")) << same.report;
   const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.grad_norm += f.step == 3; });

@@ -39,8 +39,8 @@ class Hasher {
 // Each buffer given to update() is cut into canonical blocks of kHashBlockBytes (its last one
 // shorter); digest() hashes every block of every buffer with XXH3 in one parallel loop, each on
 // whichever thread owns it, then returns XXH3 of the sequence of (block hash, block length) in
-// update order. The blocks depend on the buffer sizes only, never on the thread count, so neither
-// does the digest (tested 1 vs 2 vs 3 threads). It is not hash_bytes of the concatenation: buffer
+// update order. The blocks depend on the buffer sizes (and update_elements' bounds) only, never on
+// the thread count, so neither does the digest (tested 1 vs 2 vs 3 threads). It is not hash_bytes of the concatenation: buffer
 // boundaries are part of what is hashed. The buffers must stay alive until digest().
 class BlockHasher {
  public:
@@ -66,8 +66,8 @@ class BlockHasher {
 };
 
 // BlockHasher's last step: XXH3 of the sequence (block hash, block length in bytes), for code that
-// hashes the same blocks elsewhere (the fingerprint's gradients and Adam moments are hashed inside
-// the AdamW pass, train/optimizer.h).
+// hashes the same blocks elsewhere (the fingerprint's gradients, Adam moments and, with the
+// replicated optimizer, parameters are hashed inside the AdamW pass, train/optimizer.h).
 uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length);
 // How many blocks BlockHasher::update cuts a buffer of n bytes into.
 inline size_t hash_block_count(size_t n) { return (n + BlockHasher::kHashBlockBytes - 1) / BlockHasher::kHashBlockBytes; }

@@ -161,7 +161,8 @@ class DataParallel {
   // bucket's updated chunks are all-gathered. Afterwards every rank holds every updated parameter,
   // except with ddp.overlap_param_gather: then the gathers run in the background and
   // params_needed() (GPT's forward hook) or wait_params() completes them. With `hashes` (made from
-  // shard()): the fingerprint's hashes of the shard's gradients and moments, taken in the update.
+  // shard()): the fingerprint's hashes of the shard's gradients and moments, and (replicated
+  // optimizer, hashes made with the table) of every parameter's values, taken in the update.
   void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes = nullptr);
   // Parameters [first, end) are about to be read: completes their buckets' gathers.
   void params_needed(int first, int end);
