@@ -460,14 +460,22 @@ Communicator* GroupedExperts::share_group(const Precision& p) const {
   return sources == 1 ? tp : partners;
 }
 
-const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const int64_t* offsets) const {
+const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const int64_t* offsets, bool from_forward) const {
   Communicator* group = share_group(p);
   if (!group) return nullptr;
   const int64_t P = group->size(), q = group->rank();
   std::vector<int64_t> mine(static_cast<size_t>(E));
   for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = token_rows ? token_rows[e] : offsets[e + 1] - offsets[e];
-  share_counts.resize(static_cast<size_t>(P * E));
-  group->all_gather(share_counts.data(), mine.data(), E);
+  if (from_forward) {
+    LOCKSTEP_CHECK(share_counts_valid && static_cast<int64_t>(share_counts.size()) == P * E &&
+                       std::equal(mine.begin(), mine.end(), share_counts.begin() + q * E),
+                   "experts: backward's row counts are not those its forward gathered");
+    share_counts_valid = false;
+  } else {
+    share_counts.resize(static_cast<size_t>(P * E));
+    group->all_gather(share_counts.data(), mine.data(), E);
+    share_counts_valid = true;
+  }
   share_first.assign(static_cast<size_t>(E), 0);
   share_total.assign(static_cast<size_t>(E), 0);
   for (int64_t r = 0; r < P; ++r)
@@ -613,7 +621,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   // parameter gradients are written after the last one. first_tree: the buffer's first tree.
   const bool last = layout_micros == 0 || micro == layout_micros - 1;
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
-  const Precision::RowShare* rows_share = row_share(p, offsets);
+  const Precision::RowShare* rows_share = row_share(p, offsets, /*from_forward=*/true);
   const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * G);

@@ -223,10 +223,22 @@ struct GroupedExperts {
   // rows; the dispatcher's tokens_per_expert), for the next forward or backward; null: all of them.
   void set_token_rows(const int64_t* rows) const { token_rows = sources == 1 ? rows : nullptr; }
   // Their shares of each expert's rows of the micro-batch (Precision::RowShare, from the counts
-  // gathered over share_group); else null. A collective over the group. With padding (token_rows)
-  // the shares count the token rows, and the micro-batch's rows of an expert are the tp ranks'
-  // token rows in rank order, then padding to the capacity, which each rank's rows are too.
-  const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets) const;
+  // gathered over share_group); else null. A collective over the group in forward; backward reuses
+  // the counts its micro-batch's forward gathered (from_forward; checked against this rank's own).
+  // With padding (token_rows) the shares count the token rows, and the micro-batch's rows of an
+  // expert are the tp ranks' token rows in rank order, then padding to the capacity, which each
+  // rank's rows are too.
+  const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets, bool from_forward = false) const;
+  // The forward's gathered counts, kept for its micro-batch's backward: a pipeline schedule's
+  // micro-batches in flight each keep their own (MoeLayer::select swaps them in and out).
+  struct SharedCounts {
+    std::vector<int64_t> counts;
+    bool valid = false;
+  };
+  void swap_shared_counts(SharedCounts& other) const {
+    std::swap(other.counts, share_counts);
+    std::swap(other.valid, share_counts_valid);
+  }
   // Then the weight gradients of w into dw (E, nout, nin) and db (E, nout) or null (dy (R, nout), in
   // (R, nin)): group rank q gathers the rows of its experts (a consecutive range; the ranges hold
   // about equal numbers of the micro-batch's rows) from all P ranks of the group (all-to-all, in rank
@@ -282,6 +294,7 @@ struct GroupedExperts {
   // micro-batch's rows per expert (share points at the last two); gathered_wgrad's rows (packed to
   // send with padding, received, then in expert order).
   mutable std::vector<int64_t> share_counts, share_first, share_total;
+  mutable bool share_counts_valid = false;  // share_counts are this micro-batch's forward's
   mutable Precision::RowShare share;
   mutable const int64_t* token_rows = nullptr;  // set_token_rows'
   mutable std::vector<float> gathered_send;

@@ -134,6 +134,7 @@ void MoeLayer::swap_micro(Micro& other) {
   std::swap(other.global_counts, global_counts_);
   std::swap(other.jittered, jittered_);
   std::swap(other.aux, aux_);
+  experts_.swap_shared_counts(other.shared_counts);
 }
 
 void MoeLayer::select(int k) {

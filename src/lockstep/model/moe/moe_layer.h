@@ -208,6 +208,7 @@ class MoeLayer {
     std::vector<float> global_counts;
     bool jittered = false;
     AuxLosses aux;
+    GroupedExperts::SharedCounts shared_counts;  // the experts' forward row counts (NVFP4 under TP)
   };
   std::vector<Micro> slots_;
   int slot_ = 0;
