@@ -119,13 +119,13 @@ TEST(DataParallel, MoeBitwiseRunToRunAndAcrossOptimizerAndOverlap) {
 }
 
 // The state hashes cut every parameter on its own 1 MiB grid (train/fingerprint.h, format 2): with
-// a word embedding of 8000 x 64 floats (two blocks), whose shard on dp rank 1 starts inside its
-// first block, the replicated optimizer (parameters hashed in the update) and the distributed one
-// (parameters hashed after the all-gather, gradients and moments from the shard's first element)
-// give the same fingerprints.
+// a word embedding of 16000 x 64 floats (four blocks), whose shard on dp rank 1 starts inside one
+// block and crosses the next bound (its gradient and moment hashes differ from format 1's: checked
+// against a format 1 binary), the replicated optimizer (parameters hashed in the update) and the
+// distributed one (parameters hashed after the all-gather) give the same fingerprints.
 TEST(DataParallel, StateHashesOfAMultiBlockParameterAgreeAcrossOptimizers) {
   TempDir dir;
-  const std::vector<std::string> base = {"model.vocab_size=8000", "train.micro_batch=2", "train.steps=2"};
+  const std::vector<std::string> base = {"model.vocab_size=16000", "train.micro_batch=2", "train.steps=2"};
   auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), base.begin(), base.end());
     return more;
