@@ -159,6 +159,12 @@ TEST(ExactSum, SumOfSquaresIsExactAndThreadIndependent) {
   EXPECT_EQ(exact_sum_of_squares(y.data(), 3).value(), std::numeric_limits<double>::infinity());
   y[1] = std::numeric_limits<float>::quiet_NaN();
   EXPECT_TRUE(std::isnan(exact_sum_of_squares(y.data(), 3).value()));
+  // A non-finite element in every bin set's turn, not only the first's.
+  for (int64_t at = 0; at < 16; ++at) {
+    std::vector<float> z(40, 0.5f);
+    z[static_cast<size_t>(at)] = -inf;
+    EXPECT_EQ(exact_sum_of_squares(z.data(), 40).value(), std::numeric_limits<double>::infinity()) << at;
+  }
 }
 
 // The canonical tree by its definition, recursively.
