@@ -49,7 +49,7 @@ void BlockHasher::update(const void* data, size_t n) {
 
 void BlockHasher::update_elements(const float* at_begin, int64_t begin, int64_t end) {
   for (int64_t b = begin; b < end;) {
-    const int64_t next = std::min(end, (b / kHashBlockFloats + 1) * kHashBlockFloats);
+    const int64_t next = block_end(b, end);
     const auto* data = reinterpret_cast<const unsigned char*>(at_begin + (b - begin));
     blocks_.push_back({data, static_cast<size_t>(next - b) * sizeof(float)});
     b = next;

@@ -2,6 +2,7 @@
 // RNG state and module outputs. A hash covers the exact bytes, so it changes with any bit.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <string>
@@ -40,8 +41,9 @@ class Hasher {
 // shorter); digest() hashes every block of every buffer with XXH3 in one parallel loop, each on
 // whichever thread owns it, then returns XXH3 of the sequence of (block hash, block length) in
 // update order. The blocks depend on the buffer sizes (and update_elements' bounds) only, never on
-// the thread count, so neither does the digest (tested 1 vs 2 vs 3 threads). It is not hash_bytes of the concatenation: buffer
-// boundaries are part of what is hashed. The buffers must stay alive until digest().
+// the thread count, so neither does the digest (tested 1 vs 2 vs 3 threads). It is not hash_bytes
+// of the concatenation: buffer boundaries are part of what is hashed. The buffers must stay alive
+// until digest().
 class BlockHasher {
  public:
   static constexpr size_t kHashBlockBytes = size_t{1} << 20;
@@ -52,6 +54,8 @@ class BlockHasher {
   // block may be shorter): the blocks a part of a parameter has in the fingerprint's hashes,
   // whichever part of it a rank holds. update_elements(x, 0, n) is update(x, n * 4).
   void update_elements(const float* at_begin, int64_t begin, int64_t end);
+  // Where the block of that grid holding element e ends, capped at end.
+  static int64_t block_end(int64_t e, int64_t end) { return std::min(end, (e / kHashBlockFloats + 1) * kHashBlockFloats); }
   uint64_t digest() const;
   // Each block's (XXH3, length in bytes) in update order, hashed in one parallel loop: digest() is
   // combine_block_hashes of these.

@@ -428,6 +428,8 @@ double DataParallel::grad_norm() {
   return std::sqrt(total);
 }
 
+ShardHashes DataParallel::step_hashes() const { return ShardHashes(shard_, distributed_ ? nullptr : &ps_); }
+
 void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes) {
   if (!distributed_) {
     optimizer.update(ps_, step, lr, grad_scale, optimizer.owned(), hashes);

@@ -161,9 +161,12 @@ class DataParallel {
   // bucket's updated chunks are all-gathered. Afterwards every rank holds every updated parameter,
   // except with ddp.overlap_param_gather: then the gathers run in the background and
   // params_needed() (GPT's forward hook) or wait_params() completes them. With `hashes` (made from
-  // shard()): the fingerprint's hashes of the shard's gradients and moments, and (replicated
-  // optimizer, hashes made with the table) of every parameter's values, taken in the update.
+  // step_hashes()): the fingerprint's hashes of the shard's gradients and moments, and of every
+  // parameter's values where the update covers them all, taken in the update.
   void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes = nullptr);
+  // The hashes step() fills: shard()'s, and the parameters' when step() updates every parameter
+  // whole (not distributed: the distributed optimizer's are complete only after its all-gather).
+  ShardHashes step_hashes() const;
   // Parameters [first, end) are about to be read: completes their buckets' gathers.
   void params_needed(int first, int end);
   // Completes every gather still running (before anything but forward reads the parameters).

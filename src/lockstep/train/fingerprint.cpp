@@ -80,7 +80,8 @@ bool is_hex64_field(const std::string& key) {
     if (key == k) return true;
   return false;
 }
-bool is_coordinate_field(const std::string& key) {
+// The fields written as integers: the coordinates, a trace's micro-batch, the format.
+bool is_integer_field(const std::string& key) {
   for (const char* k : {"rank", "dp", "tp", "pp", "ep", "cp", "etp", "micro", "format"})
     if (key == k) return true;
   return false;
@@ -112,7 +113,7 @@ std::vector<FingerprintLine> read_fingerprint_lines(const std::string& path) {
       // difference between two runs.
       if (is_hex64_field(key) && !is_hex64(value))
         bad(str("\"", key, "\" = ", value.dump(), " is not 16 hex digits (the file is corrupt)"));
-      if (is_coordinate_field(key) && !value.is_number_integer())
+      if (is_integer_field(key) && !value.is_number_integer())
         bad(str("\"", key, "\" = ", value.dump(), " is not an integer (the file is corrupt)"));
       line.fields.emplace_back(key, value.is_string() ? value.get<std::string>() : value.dump());
     }

@@ -123,7 +123,6 @@ ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params
     LOCKSTEP_CHECK(!range_of[static_cast<size_t>(r.param)], "parameter ", r.param, " twice in a shard");
     range_of[static_cast<size_t>(r.param)] = &r;
   }
-  constexpr int64_t kBlock = BlockHasher::kHashBlockFloats;
   for (size_t p = 0; p < nparams; ++p) {
     first_block_.push_back(blocks_.size());
     const ParamRange* r = range_of[p];
@@ -131,7 +130,7 @@ ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params
     const int64_t lo = params ? 0 : r ? r->begin : 0;
     const int64_t hi = params ? params->specs()[p].shape.numel() : r ? r->end : 0;
     for (int64_t b = lo; b < hi;) {
-      const int64_t next = std::min(hi, (b / kBlock + 1) * kBlock);
+      const int64_t next = BlockHasher::block_end(b, hi);
       const int64_t sb = r ? std::clamp(r->begin, b, next) : b, se = r ? std::clamp(r->end, sb, next) : b;
       blocks_.push_back({static_cast<int>(p), b, next, sb, se});
       b = next;

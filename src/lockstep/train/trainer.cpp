@@ -598,7 +598,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const double grad_norm = dp.grad_norm();
     // The summed gradients and the moments of this rank's shard (the same elements with either
     // optimizer), and with the replicated optimizer every parameter, hashed in the update's pass.
-    ShardHashes shard_hashes(dp.shard(), config.optimizer.distributed ? nullptr : &ps);
+    ShardHashes shard_hashes = dp.step_hashes();
     dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm), &shard_hashes);
     const std::vector<MoeTokenStats> moe_stats =
         model.finish_step(config.moe.router_bias_update_rate, dense_dp.size() > 1 ? &dense_dp : nullptr);
