@@ -24,6 +24,7 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/moe/dispatcher.h"
 #include "lockstep/model/moe/experts.h"
+#include "lockstep/train/optimizer.h"
 #include "lockstep/model/moe/router.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
@@ -593,6 +594,46 @@ TEST(MoeModel, ExpertBiasMovesTowardsTheMeanLoad) {
   }
   EXPECT_EQ(hash_floats(model.params().values(), model.params().total()), params);  // weights untouched
   EXPECT_NE(model.state_hash(), state);  // the bias is part of the fingerprinted state
+}
+
+// The fingerprint's state hashes by their definition (model/gpt.h): BlockHasher over each
+// parameter in table order then the expert biases; the dense part (dense parameters, then the
+// biases) and the expert part (expert parameters) that the replica checks compare; the same from
+// the block hashes AdamW takes in the update (ShardHashes with the table) as from a pass of their own.
+TEST(MoeModel, StateHashesFollowTheirDefinition) {
+  const TinyMoe t = tiny_moe("llama", {"moe.num_experts=4", "moe.router_topk=2", "moe.router_score_function=sigmoid",
+                                       "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.25"});
+  const int64_t B = 2, N = B * t.m.seq_length;
+  GPT model(t.m, B, t.moe);
+  ParamStore& ps = model.params();
+  ps.init(5);
+  const std::vector<int32_t> tokens = testing::random_ints(N, t.m.vocab_size, 3, "tokens");
+  model.begin_step(1, 1);
+  model.forward_backward(tokens.data(), tokens.data(), 1.0f / N);
+  Optimizer opt(ps, OptimizerConfig{});
+  std::vector<ParamRange> all;
+  for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) all.push_back({i, 0, ps.specs()[i].shape.numel()});
+  ShardHashes in_update(all, &ps);
+  opt.update(ps, 1, 1e-2, 1.0f, opt.owned(), &in_update);
+  model.finish_step(0.25);  // expert biases off zero
+  auto reference = [&](int experts) {  // -1: everything; 0 / 1: the dense / expert part
+    BlockHasher h;
+    for (size_t i = 0; i < ps.specs().size(); ++i)
+      if (experts < 0 || ps.specs()[i].expert == (experts == 1))
+        h.update(ps.value(static_cast<int>(i)), static_cast<size_t>(ps.specs()[i].shape.numel()) * sizeof(float));
+    if (experts != 1)
+      for (const auto& layer : model.moe_layers())
+        if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
+    return h.digest();
+  };
+  ASSERT_NE(reference(0), reference(1));
+  const std::vector<uint64_t> pass = model.param_block_hashes();
+  EXPECT_EQ(in_update.params(), pass);
+  EXPECT_EQ(model.state_hash(), reference(-1));
+  EXPECT_EQ(model.state_hash(in_update.params()), reference(-1));
+  EXPECT_EQ(model.state_hash(pass, /*experts=*/false), reference(0));
+  EXPECT_EQ(model.state_hash(pass, /*experts=*/true), reference(1));
+  EXPECT_THROW(model.state_hash(std::vector<uint64_t>(pass.begin(), pass.end() - 2)), InternalError);
 }
 
 TEST(MoeConfig, LayerFreqAndValidation) {
