@@ -1,7 +1,8 @@
 // The gradient norm's sum of squares in each determinism mode: `run`'s fixed-lane double sum
 // (kernels/cpu/optimizer.h: sum_of_squares) against `layout`'s exact one (core/exact_sum.h:
 // exact_sum_of_squares, the same value for any split of the gradient over ranks), on a
-// gradient-like buffer of 7M floats (about moe-peer's per rank at TP 2), 1 and 2 threads.
+// gradient-like buffer of 10M floats (what one moe-peer rank holds at TP 2 + SP: 10.07M, its 76.80
+// MiB of Adam state in the run's header), 1 and 2 threads.
 //
 //   build/bench_grad_norm
 #include <benchmark/benchmark.h>
@@ -16,7 +17,7 @@
 
 namespace {
 
-constexpr int64_t kN = 7000000;
+constexpr int64_t kN = 10000000;
 
 const std::vector<float>& gradient() {
   static const std::vector<float> g = [] {

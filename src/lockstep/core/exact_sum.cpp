@@ -134,13 +134,12 @@ namespace {
 // Squares of x[0, n) into s. A float is m x 2^(e - 150) (m the 24-bit significand, e >= 1 its
 // biased exponent, 1 for subnormals), so x^2 = m^2 x 2^(2e - 300): m^2 < 2^48 is summed per
 // exponent in a 64-bit bin, exact for up to 2^15 terms, then each bin is placed at bit
-// 2e - 300 + 1074 of the accumulator. Eight bin sets take every eighth element each (eight
-// independent chains of additions where neighbours share an exponent, as a gradient's mostly do:
-// 0.93 ns per element on one core of the AVX-512 EPYC VM against 1.13 ns with four sets; sixteen
-// were slower again, their bins filling the L1).
+// 2e - 300 + 1074 of the accumulator. Four bin sets take every fourth element each (four
+// independent chains of additions where neighbours share an exponent, as a gradient's mostly do;
+// eight were no faster in bench/bench_grad_norm).
 void add_squares(ExactSum& s, const float* x, int64_t n) {
   constexpr int64_t kFlush = int64_t{1} << 15;
-  constexpr int kSets = 8;
+  constexpr int kSets = 4;
   uint64_t bins[kSets][256];
   const auto bin = [&](int set, float v) {
     const uint32_t b = std::bit_cast<uint32_t>(v);
