@@ -3,6 +3,7 @@
 // threads; with 1 thread; and with 2 threads stopped after step 2 (train.exit_interval, saving a
 // checkpoint) and resumed from that checkpoint with 1 thread. All three must give byte-identical
 // fingerprint files on every rank: the same job twice, 1 vs 2 threads, and resumed vs uninterrupted.
+// The first run's fingerprints must also match the row's golden file (tests/golden.h).
 // Adding a row is one line: name, config file, overrides, ranks ({docs} in an override is a small
 // indexed dataset of byte documents ended by EOD 256).
 #include <gtest/gtest.h>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "golden.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/data/indexed_dataset.h"
@@ -289,9 +291,7 @@ std::string train_row(const Row& row, const testing::TempDir& dir, const std::st
   std::FILE* sink = std::fopen("/dev/null", "w");
   run_threads(row.ranks, c.dist.timeout_s, [&](Communicator& comm) { train(c, sink, comm); });
   std::fclose(sink);
-  std::string all;
-  for (int r = 0; r < row.ranks; ++r) all += testing::read_file(fingerprint_path(dir.path(run), r));
-  return all;
+  return testing::read_fingerprints(dir.path(run), row.ranks);
 }
 
 class DeterminismMatrix : public ::testing::TestWithParam<Row> {};
@@ -302,6 +302,7 @@ TEST_P(DeterminismMatrix, TwoThreadsOneThreadAndResumedGiveIdenticalFingerprints
   write_documents(dir);
   const std::string first = train_row(row, dir, "first", 2);
   EXPECT_EQ(std::count(first.begin(), first.end(), '\n'), kSteps * row.ranks);
+  EXPECT_TRUE(testing::matches_golden("matrix", row.name, first));
   EXPECT_EQ(first, train_row(row, dir, "one_thread", 1)) << "1 thread vs 2";
   const std::string save = str("train.save_interval=", kStopAfter);
   const std::string stopped = train_row(row, dir, "resumed", 2, {save, str("train.exit_interval=", kStopAfter)});
