@@ -221,7 +221,8 @@ TEST(DataParallel, BackwardPostsEveryBucketAndForwardCompletesEveryGather) {
     model.forward_backward(tokens.data(), targets.data(), 1.0f / static_cast<float>(N));
     EXPECT_EQ(dp.buckets_posted_in_backward(), dp.num_buckets());
     dp.finish_grad_sync();
-    dp.step(opt, 1, 1e-3, opt.clip_scale(dp.grad_norm()));
+    const float clip = opt.clip_scale(dp.grad_norm());
+    dp.step([&](const std::vector<ParamRange>& ranges) { opt.update(model.params(), 1, 1e-3, clip, ranges); });
     EXPECT_EQ(dp.gathers_completed_in_forward(), 0);
     model.evaluate(tokens.data(), targets.data());
     EXPECT_EQ(dp.gathers_completed_in_forward(), dp.num_buckets());

@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "lockstep/config/config.h"
+#include "lockstep/model/gpt.h"
 #include "lockstep/parallel/pipeline/pipeline.h"
 #include "lockstep/parallel/pipeline/schedule.h"
 #include "model_testing.h"
@@ -98,7 +99,7 @@ TEST(PipelineSchedule, SimulatedBubbleIsTheAnalyticOne) {
 
 TEST(PipelineLayout, StagesSplitTheLayersAndNameTheKeysWhenTheyDoNotAddUp) {
   Config c = job("debug.toml", "unused", {"parallel.pipeline=3", "parallel.pipeline_layers=[1, 2,1]"});
-  const GptPart first = pipeline_part(c.parallel, 4, 0), middle = pipeline_part(c.parallel, 4, 1),
+  const StagePart first = pipeline_part(c.parallel, 4, 0), middle = pipeline_part(c.parallel, 4, 1),
                 last = pipeline_part(c.parallel, 4, 2);
   EXPECT_TRUE(first.first && !first.last && first.chunks == (std::vector<std::pair<int64_t, int64_t>>{{0, 1}}));
   EXPECT_TRUE(!middle.first && !middle.last && middle.chunks == (std::vector<std::pair<int64_t, int64_t>>{{1, 3}}));

@@ -21,7 +21,7 @@
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/linear.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/trainer.h"

@@ -145,7 +145,7 @@ struct MoeConfig {
   bool is_moe_layer(int64_t l, int64_t L) const;
 };
 
-// Tools for finding where two runs part (docs/determinism.md, model/trace.h).
+// Tools for finding where two runs part (docs/determinism.md, core/trace.h).
 struct DebugConfig {
   std::string trace = "off";             // off | modules: RUN/trace/rank-NNNNN.jsonl
   std::string inject_ulp;                // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off

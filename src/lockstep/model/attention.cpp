@@ -5,7 +5,7 @@
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/kernels/cpu/rope.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 

@@ -47,8 +47,8 @@ struct AttentionLayer {
 
   Norm norm;
   Linear qkv, proj;
-  std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (model/trace.h)
-  // The names forward traces, in order (model/trace.h).
+  std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (core/trace.h)
+  // The names forward traces, in order (core/trace.h).
   void trace_names(std::vector<std::string>& out) const { out.insert(out.end(), {norm.name, qkv.name, core_name, proj.name}); }
   int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;  // NH, NKV: this rank's heads and KV groups
   int64_t Tg = 0;  // positions per sample of the whole sequence (T x cp)

@@ -11,7 +11,7 @@
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/rope.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 
@@ -21,7 +21,7 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 }  // namespace
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
-         const TensorParallel& tp, Communicator* ep, Communicator* etp, const GptPart& part,
+         const TensorParallel& tp, Communicator* ep, Communicator* etp, const StagePart& part,
          const ContextParallel& cp)
     : m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
@@ -94,7 +94,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     for (int i : {out_, head_wte_, head_wpe_}) {
       // The lookups of the first stage's embedding are combined by the hook (layout keeps copies).
       LOCKSTEP_CHECK(i < 0 || (i != wte_ && i != wpe_), "MTP under context parallelism folds the head's embedding "
-                     "copies, not the embedding (GptPart::split_embedding)");
+                     "copies, not the embedding (StagePart::split_embedding)");
       if (i >= 0 && std::find_if(folded_.begin(), folded_.end(), [i](const auto& f) { return f.first == i; }) ==
                         folded_.end()) {
         params_.set_folded(i);
@@ -105,7 +105,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // one window of the largest range (the embedding, a layer, the head with MTP) instead of the table.
   if (params_.pieced()) {
     // (Every piece of a range written in its own backward: the head writes its own copy of a tied
-    // embedding, GptPart::split_embedding; the MTP depths' lookups too, checked above.)
+    // embedding, StagePart::split_embedding; the MTP depths' lookups too, checked above.)
     LOCKSTEP_CHECK(!part_.last || out_ >= head_first_,
                    "context parallelism's token pieces: the output head's weight must be the head range's own");
     std::vector<std::pair<int, int>> runs;

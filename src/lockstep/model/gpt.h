@@ -27,10 +27,10 @@
 // micro-batch's token count, to be summed over the cp group.
 //
 // Pipeline parallelism (parallel/pipeline/pipeline.h): a rank builds only its part of the model
-// (GptPart): its model chunks' layers (parameter names keep the global layer index), the embedding
+// (StagePart): its model chunks' layers (parameter names keep the global layer index), the embedding
 // on the first stage, the final norm, head, loss and MTP depths on the last. A last stage that
 // needs the word embedding (tied head, MTP) holds a copy (ParamSpec::stage_copy); under
-// determinism = "layout" one stage holds it too (GptPart::split_embedding). The chunk
+// determinism = "layout" one stage holds it too (StagePart::split_embedding). The chunk
 // functions run one chunk of one micro-batch; select_slot picks the in-flight micro-batch whose
 // activations they use (model/arena.h). forward_backward is chunk 0's forward then its backward.
 #pragma once
@@ -51,25 +51,14 @@
 #include "lockstep/model/param_table.h"
 #include "lockstep/model/precision.h"
 #include "lockstep/parallel/context_parallel.h"
+#include "lockstep/parallel/pipeline/stage.h"
 #include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {
 
 class Communicator;
 
-// The part of the model a rank builds. Default: the whole model.
-struct GptPart {
-  std::vector<std::pair<int64_t, int64_t>> chunks;  // [first, end) global layers of each local chunk; {} = all
-  bool first = true;  // the embedding (before chunk 0)
-  bool last = true;   // the final norm, head, loss and MTP depths (after the last chunk)
-  // determinism = "layout", a part that is first and last (one stage): the head and the MTP depths
-  // use their own copy of the word (and position) embedding, as a pipeline's last stage does, so
-  // that the lookups' gradient and theirs are summed over micro-batches apart and added after the
-  // data-parallel reduction (sum_split_grads), as the stages of a pipeline add theirs.
-  bool split_embedding = false;
-};
-
-class GPT {
+class GPT final : public PipelineStage {
  public:
   // B: sequences per micro-batch; T = m.seq_length. Declares and allocates every parameter (not
   // yet initialised: call params().init(seed)) and the activation arena. With moe.num_experts > 0
@@ -81,7 +70,7 @@ class GPT {
   // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
-      Communicator* ep = nullptr, Communicator* etp = nullptr, const GptPart& part = GptPart{},
+      Communicator* ep = nullptr, Communicator* etp = nullptr, const StagePart& part = StagePart{},
       const ContextParallel& cp = ContextParallel{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
@@ -99,16 +88,16 @@ class GPT {
   // token from the tokens and the end-of-document id eod.
   void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
   // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
-  double aux_loss() const { return aux_loss_; }
+  double aux_loss() const override { return aux_loss_; }
   // The same, each layer's term added exactly (determinism = "layout"): pipeline stages that each
   // hold some of the layers merge to the bits of one process.
-  const ExactSum& aux_loss_exact() const { return aux_exact_; }
+  const ExactSum& aux_loss_exact() const override { return aux_exact_; }
   // The multi-token prediction loss of the last forward_backward or evaluate (model/mtp.h):
   // (mtp_loss_scaling_factor / D) * sum over depths of each depth's mean loss; 0 without MTP. It is
   // part of the training loss like aux_loss(): its gradients are scaled by grad_scale * B * T.
   // Context parallelism: this rank's share (its positions' losses over the micro-batch's count of
   // each depth's targets), summed over the cp group like lm_loss.
-  double mtp_loss() const { return mtp_loss_; }
+  double mtp_loss() const override { return mtp_loss_; }
 
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
   // draws from (seed, layer, step, global element index); clears the step's counters; with bf16
@@ -161,20 +150,20 @@ class GPT {
   // on the last chunk of the last stage, whose mean LM loss it returns; 0 elsewhere), the input
   // gradient in chunk_input_grad() (valid until the next backward_chunk). Each buffer is
   // activation_floats() floats: this rank's rows of the (B x T, C) residual stream.
-  int num_chunks() const { return static_cast<int>(part_.chunks.size()); }
-  void select_slot(int k);
-  float* chunk_input(int c) { return arena_(resid_[static_cast<size_t>(part_.chunks[c].first)]); }
-  const float* chunk_output(int c) const { return arena_(resid_[static_cast<size_t>(part_.chunks[c].second)]); }
-  float* chunk_output_grad(int c) { return arena_(grad_in_[static_cast<size_t>(c)]); }
-  const float* chunk_input_grad() const { return arena_(dresid_); }
-  int64_t activation_floats() const { return Nl_ * C_; }
-  void forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training = true);
-  double backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro);
+  int num_chunks() const override { return static_cast<int>(part_.chunks.size()); }
+  void select_slot(int k) override;
+  float* chunk_input(int c) override { return arena_(resid_[static_cast<size_t>(part_.chunks[c].first)]); }
+  const float* chunk_output(int c) const override { return arena_(resid_[static_cast<size_t>(part_.chunks[c].second)]); }
+  float* chunk_output_grad(int c) override { return arena_(grad_in_[static_cast<size_t>(c)]); }
+  const float* chunk_input_grad() const override { return arena_(dresid_); }
+  int64_t activation_floats() const override { return Nl_ * C_; }
+  void forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training = true) override;
+  double backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale, int64_t micro) override;
   // Forward only, on the last stage after its last chunk's forward_chunk(training = false): the
   // mean LM loss (mtp_loss() too).
-  double evaluate_head(const int32_t* tokens, const int32_t* targets);
+  double evaluate_head(const int32_t* tokens, const int32_t* targets) override;
   // Before an evaluation's forwards: the bf16 weights are refreshed, no step statistics.
-  void begin_evaluation();
+  void begin_evaluation() override;
   // Bytes of activation memory held now: the slots the schedule used (one micro-batch's saved
   // activations each) and the backward scratch.
   int64_t activation_bytes_held() const { return arena_.allocated_floats() * 4; }
@@ -182,13 +171,13 @@ class GPT {
   int activation_slots() const { return arena_.slots(); }
   // The table index range of the parameters shared with another stage (the embedding on the first
   // stage, its copies on the last): their gradients are summed over the pair before the update.
-  std::vector<int> shared_params() const;
-  // GptPart::split_embedding: the (owner, copy) pairs this rank holds both of; sum_split_grads makes
+  std::vector<int> shared_params() const override;
+  // StagePart::split_embedding: the (owner, copy) pairs this rank holds both of; sum_split_grads makes
   // both gradients owner's + copy's, as Pipeline::sum_shared_grads does across stages.
   std::vector<std::pair<int, int>> split_params() const;
   void sum_split_grads();
 
-  ParamStore& params() { return params_; }
+  ParamStore& params() override { return params_; }
   const ParamStore& params() const { return params_; }
   // determinism = "layout", from the grads-ready hook: parameters [first, end) of the micro-batch
   // whose backward just reported them become its whole gradient, before it is the micro-batch's
@@ -199,7 +188,7 @@ class GPT {
   // Model FLOPs per token for forward + backward: 6 x (matmul parameters) + 6 x L x T x C for
   // causal attention (QK^T and PV over T/2 keys on average).
   double flops_per_token() const;
-  // The module names a training micro-batch's forward traces on this rank (model/trace.h), in
+  // The module names a training micro-batch's forward traces on this rank (core/trace.h), in
   // execution order: what debug.inject_ulp may name, known before anything runs.
   std::vector<std::string> module_names() const;
   int64_t activation_bytes() const { return arena_.total_floats() * 4 + arena_.scratch_floats() * 4; }
@@ -237,7 +226,7 @@ class GPT {
   void mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale);
 
   ModelConfig m_;
-  GptPart part_;
+  StagePart part_;
   Precision precision_;
   TensorParallel tp_;
   ContextParallel cp_;

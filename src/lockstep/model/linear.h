@@ -51,7 +51,7 @@ struct Linear {
   float* backward(const ParamStore& ps, const TensorParallel& tp, float* drows, float* dfull, const float* dy,
                   const float* x, int64_t N) const;
 
-  std::string name;  // "layers.0.attn.qkv": parameter prefix and trace name (model/trace.h)
+  std::string name;  // "layers.0.attn.qkv": parameter prefix and trace name (core/trace.h)
   int w = -1, b = -1;
   int64_t in = 0, out = 0;
   // determinism = "layout": the boundaries of this rank's canonical segments of the reduction that

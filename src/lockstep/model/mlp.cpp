@@ -4,7 +4,7 @@
 
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 

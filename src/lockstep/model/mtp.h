@@ -72,8 +72,8 @@ struct MtpLayer {
   int64_t Tg = 0;  // positions per sample of the whole sequence (the position embedding's rows)
   Norm enorm, hnorm, final_norm;
   int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
-  std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (model/trace.h)
-  // The names forward traces, in order (model/trace.h).
+  std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (core/trace.h)
+  // The names forward traces, in order (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {
     out.insert(out.end(), {enorm.name, hnorm.name, proj_name});
     attn.trace_names(out);

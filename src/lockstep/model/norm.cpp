@@ -2,7 +2,7 @@
 
 #include "lockstep/kernels/cpu/norms.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 

@@ -24,7 +24,7 @@ struct Norm {
   void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                 const float* inp, int64_t N) const;
 
-  std::string name;  // parameter prefix and trace name (model/trace.h)
+  std::string name;  // parameter prefix and trace name (core/trace.h)
   bool rms = false;
   int w = -1, b = -1;
   int64_t C = 0;

@@ -8,7 +8,6 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/kernels/cpu/optimizer.h"
-#include "lockstep/train/optimizer.h"
 
 namespace lockstep {
 
@@ -428,18 +427,16 @@ double DataParallel::grad_norm() {
   return std::sqrt(total);
 }
 
-ShardHashes DataParallel::step_hashes() const { return ShardHashes(shard_, distributed_ ? nullptr : &ps_); }
-
-void DataParallel::step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes) {
+void DataParallel::step(const Update& update) {
   if (!distributed_) {
-    optimizer.update(ps_, step, lr, grad_scale, optimizer.owned(), hashes);
+    update(optimizer_ranges());
     return;
   }
   gathered_in_forward_ = 0;
   // Forward order (the reverse of backward's), so that the gather forward needs first runs first.
   for (auto it = buckets_.rbegin(); it != buckets_.rend(); ++it) {
     Bucket& b = *it;
-    optimizer.update(ps_, step, lr, grad_scale, b.mine, hashes);
+    update(b.mine);
     if (b.comm->size() == 1) continue;
     copy_chunk(b, ps_.values(), Into::packed);
     b.work = b.comm->all_gather_async(b.packed.data(), b.chunk_buf.data(), b.chunk);

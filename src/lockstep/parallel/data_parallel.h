@@ -46,6 +46,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "lockstep/comm/communicator.h"
@@ -57,8 +58,6 @@
 
 namespace lockstep {
 
-class Optimizer;
-class ShardHashes;
 
 class DataParallel {
  public:
@@ -157,16 +156,18 @@ class DataParallel {
   // the expert part is summed over the tp-ep group in rank order.
   double grad_norm();
 
+  // The optimizer's update of `ranges` (a list of at most one range per parameter, every one
+  // owned by this rank): step() calls it on the owned elements and the trainer supplies it.
+  using Update = std::function<void(const std::vector<ParamRange>& ranges)>;
   // The optimizer step on the owned elements, bucket by bucket in forward order; distributed: each
   // bucket's updated chunks are all-gathered. Afterwards every rank holds every updated parameter,
   // except with ddp.overlap_param_gather: then the gathers run in the background and
-  // params_needed() (GPT's forward hook) or wait_params() completes them. With `hashes` (made from
-  // step_hashes()): the fingerprint's hashes of the shard's gradients and moments, and of every
-  // parameter's values where the update covers them all, taken in the update.
-  void step(Optimizer& optimizer, int64_t step, double lr, float grad_scale, ShardHashes* hashes = nullptr);
-  // The hashes step() fills: shard()'s, and the parameters' when step() updates every parameter
-  // whole (not distributed: the distributed optimizer's are complete only after its all-gather).
-  ShardHashes step_hashes() const;
+  // params_needed() (GPT's forward hook) or wait_params() completes them.
+  void step(const Update& update);
+  // Whether step() updates every parameter whole in one call (not distributed): the fingerprint's
+  // parameter hashes can then be taken in the update (the distributed optimizer's parameters are
+  // complete only after its all-gather).
+  bool updates_whole() const { return !distributed_; }
   // Parameters [first, end) are about to be read: completes their buckets' gathers.
   void params_needed(int first, int end);
   // Completes every gather still running (before anything but forward reads the parameters).

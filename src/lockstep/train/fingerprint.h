@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 
@@ -42,7 +42,7 @@ struct Fingerprint {
 };
 
 std::string fingerprint_path(const std::string& run_dir, int rank);
-// RUN/trace/rank-NNNNN.jsonl: the module trace (debug.trace = "modules", model/trace.h), one line
+// RUN/trace/rank-NNNNN.jsonl: the module trace (debug.trace = "modules", core/trace.h), one line
 // per traced module output or input gradient, in execution order:
 //   {"step":3,"micro":0,"module":"layers.1.attn.qkv","kind":"out","hash":"<xxh3 of the exact bits>"}
 // with "chunk":C (the model chunk) and "pass":"forward" or "backward" (the pipeline action that

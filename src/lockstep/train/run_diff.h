@@ -11,7 +11,7 @@
 // parallelism; data and context parallel ranks hold every parameter). The report lists the fields
 // it did not compare and why (each rank hashes its own shard of the gradients and optimizer state).
 //
-// When both runs were traced (debug.trace = "modules": RUN/trace/rank-NNNNN.jsonl, model/trace.h),
+// When both runs were traced (debug.trace = "modules": RUN/trace/rank-NNNNN.jsonl, core/trace.h),
 // the report also names the first module record (step, micro-batch, module, out / grad_in) whose
 // hash differs while every record before it, its inputs included, matched.
 #pragma once

@@ -27,7 +27,7 @@
 #include "lockstep/data/documents.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/gpt.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/parallel/pipeline/pipeline.h"
 #include "lockstep/parallel/pipeline/schedule.h"
@@ -232,8 +232,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
   // determinism = "layout": a tied head's or the MTP depths' word embedding keeps its last-stage
-  // copy on one stage too (GptPart::split_embedding).
-  GptPart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : GptPart{};
+  // copy on one stage too (StagePart::split_embedding).
+  StagePart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : StagePart{};
   part.split_embedding = config.determinism == "layout";
   GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp);
   model.params().init(tc.seed);
@@ -369,7 +369,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (resuming) cut_jsonl_after_step(fingerprint_path(tc.out_dir, comm.rank()), resumed.step);
   LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()), resuming);
   CheckpointSaver saver(checkpoints_root, tc.keep_last, tc.async_save, comm);
-  // Module tracing and ulp injection (debug.*, model/trace.h): bound around each training micro-batch.
+  // Module tracing and ulp injection (debug.*, core/trace.h): bound around each training micro-batch.
   const DebugConfig& dbg = config.debug;
   const bool tracing = dbg.trace == "modules";
   std::unique_ptr<ModuleTrace> trace;
@@ -598,8 +598,11 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const double grad_norm = dp.grad_norm();
     // The summed gradients and the moments of this rank's shard (the same elements with either
     // optimizer), and with the replicated optimizer every parameter, hashed in the update's pass.
-    ShardHashes shard_hashes = dp.step_hashes();
-    dp.step(optimizer, step, lr, optimizer.clip_scale(grad_norm), &shard_hashes);
+    ShardHashes shard_hashes(dp.shard(), dp.updates_whole() ? &model.params() : nullptr);
+    const float clip = optimizer.clip_scale(grad_norm);
+    dp.step([&](const std::vector<ParamRange>& ranges) {
+      optimizer.update(model.params(), step, lr, clip, ranges, &shard_hashes);
+    });
     const std::vector<MoeTokenStats> moe_stats =
         model.finish_step(config.moe.router_bias_update_rate, dense_dp.size() > 1 ? &dense_dp : nullptr);
     const double secs = seconds_since(t0);

@@ -12,7 +12,7 @@
 #include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/model/moe/expert_tensor_parallel.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 

@@ -148,7 +148,7 @@ class MoeLayer {
   int64_t shared_fc_width() const { return shared_ ? shared_->fc_width() : 0; }
   int64_t shared_ffn() const { return shared_ ? shared_->F : 0; }
   double matmul_params_per_token() const;  // for the FLOP count: router, K experts, shared
-  // The names forward traces (model/trace.h).
+  // The names forward traces (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {
     out.insert(out.end(), {norm_.name, router_name_, experts_name_});
     if (shared_) out.insert(out.end(), {shared_->fc.name, shared_->proj.name});
@@ -157,7 +157,7 @@ class MoeLayer {
 
  private:
   RouterSpec spec_;
-  // Trace names (model/trace.h): "<prefix>moe" (the sublayer's output, the gradient of its normed
+  // Trace names (core/trace.h): "<prefix>moe" (the sublayer's output, the gradient of its normed
   // input), "<prefix>moe.router" (logits), "<prefix>moe.experts" (expert output rows).
   std::string name_, router_name_, experts_name_;
   int64_t layer_, B_, T_, N_, C_, E_, K_;

@@ -7,7 +7,7 @@
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/model/precision.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 namespace lockstep {
 

@@ -4,7 +4,8 @@
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
+#include "lockstep/model/param_table.h"
 
 namespace lockstep {
 
@@ -18,12 +19,12 @@ int gradient_tag(int64_t c) { return static_cast<int>(2 * c + 1); }
 constexpr int kSharedGradTag = 1 << 20;
 }  // namespace
 
-GptPart pipeline_part(const ParallelConfig& pc, int64_t num_layers, int stage) {
+StagePart pipeline_part(const ParallelConfig& pc, int64_t num_layers, int stage) {
   const std::vector<int64_t> n = pc.chunk_layers(num_layers);
   std::vector<int64_t> start(n.size() + 1, 0);
   for (size_t i = 0; i < n.size(); ++i) start[i + 1] = start[i] + n[i];
   const int p = static_cast<int>(pc.pipeline);
-  GptPart part;
+  StagePart part;
   part.first = stage == 0;
   part.last = stage == p - 1;
   for (int64_t c = 0; c < pc.virtual_pipeline; ++c) {
@@ -43,7 +44,7 @@ Pipeline::Pipeline(Communicator& pp, const ParallelConfig& pc, int64_t micro_bat
   targets_.resize(static_cast<size_t>(in_flight_));
 }
 
-Pipeline::StepResult Pipeline::run_step(GPT& model, float grad_scale, const Fetch& fetch,
+Pipeline::StepResult Pipeline::run_step(PipelineStage& model, float grad_scale, const Fetch& fetch,
                                         const std::function<void()>& before_last_backward) {
   const auto t0 = Clock::now();
   StepResult res;
@@ -128,7 +129,7 @@ Pipeline::StepResult Pipeline::run_step(GPT& model, float grad_scale, const Fetc
   return res;
 }
 
-double Pipeline::evaluate(GPT& model, const int32_t* tokens, const int32_t* targets) {
+double Pipeline::evaluate(PipelineStage& model, const int32_t* tokens, const int32_t* targets) {
   model.begin_evaluation();
   model.select_slot(0);
   const int64_t n = model.activation_floats();
@@ -146,7 +147,7 @@ double Pipeline::evaluate(GPT& model, const int32_t* tokens, const int32_t* targ
   return loss;
 }
 
-void Pipeline::sum_shared_grads(GPT& model) {
+void Pipeline::sum_shared_grads(PipelineStage& model) {
   ParamStore& ps = model.params();
   const int peer = stage_ == 0 ? p_ - 1 : 0;
   for (int i : model.shared_params()) {

@@ -35,7 +35,7 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
-#include "lockstep/model/gpt.h"
+#include "lockstep/parallel/pipeline/stage.h"
 #include "lockstep/parallel/pipeline/schedule.h"
 
 namespace lockstep {
@@ -43,7 +43,7 @@ namespace lockstep {
 class Communicator;
 
 // The part of the model pipeline rank `stage` builds.
-GptPart pipeline_part(const ParallelConfig& pc, int64_t num_layers, int stage);
+StagePart pipeline_part(const ParallelConfig& pc, int64_t num_layers, int stage);
 
 class Pipeline {
  public:
@@ -62,16 +62,16 @@ class Pipeline {
   // One step's forwards and backwards. before_last_backward runs before the first backward of the
   // rank's last micro-batch (data parallelism arms its bucket reduction there); in_final_backward()
   // tells a grads-ready hook whether the backward running now is a chunk's last of the step.
-  StepResult run_step(GPT& model, float grad_scale, const Fetch& fetch, const std::function<void()>& before_last_backward);
+  StepResult run_step(PipelineStage& model, float grad_scale, const Fetch& fetch, const std::function<void()>& before_last_backward);
   bool in_final_backward() const { return final_backward_; }
   // The micro-batch (0 .. micro_batches - 1) whose backward is running now.
   int64_t backward_micro() const { return backward_micro_; }
   // Forward only, one micro-batch through every stage: the mean LM loss on the last stage, 0 elsewhere.
-  double evaluate(GPT& model, const int32_t* tokens, const int32_t* targets);
+  double evaluate(PipelineStage& model, const int32_t* tokens, const int32_t* targets);
   // The embedding group: the shared parameters' gradients (GPT::shared_params) become the first
   // stage's plus the last stage's, on both (each needs them whole: under the distributed optimizer
   // in layout mode, after the reduction, DataParallel::set_full_grads).
-  void sum_shared_grads(GPT& model);
+  void sum_shared_grads(PipelineStage& model);
 
   const std::vector<PipelineAction>& actions() const { return actions_; }
   int64_t max_in_flight() const { return in_flight_; }

@@ -1,4 +1,4 @@
-#include "lockstep/model/trace.h"
+#include "lockstep/core/trace.h"
 
 #include <bit>
 #include <cstring>
