@@ -16,7 +16,7 @@
 
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
 #include "testing.h"

@@ -221,7 +221,7 @@ const Row kRows[] = {
     {"cp2_pp2_interleaved_moe_every_aux_loss", "moe-debug.toml", {"parallel.context=2", "parallel.pipeline=2",
                                                                   "parallel.virtual_pipeline=2", "model.num_layers=4",
                                                                   "train.micro_batch=2", kMoeBalance}, 4},
-    // Low precision split over ranks: amax reduced over the tensor's group (model/precision.h).
+    // Low precision split over ranks: amax reduced over the tensor's group (tensor/precision.h).
     {"fp8_delayed_tp2_sp_dp2_llama", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "model.preset=llama",
                                                     "parallel.tensor=2", "parallel.sequence_parallel=true"}, 4},
     {"fp8_tensorwise_ep2_alltoall", "moe-debug.toml", {"precision.params=bf16", "precision.fp8=tensorwise",

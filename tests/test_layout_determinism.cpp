@@ -901,7 +901,7 @@ TEST(LayoutDeterminism, LowPrecisionUnderExpertParallelismMatchesSingleProcess) 
 // is max-reduced over the ranks holding pieces of the tensor; the block recipes quantise every
 // operand along a dimension the layout may split in its canonical pieces (no block straddles a
 // shard); NVFP4's tensor scale is the whole tensor's and its stochastic rounding keys are global
-// element indices (model/precision.h).
+// element indices (tensor/precision.h).
 TEST(LayoutDeterminism, LowPrecisionUnderTensorParallelismMatchesSingleProcess) {
   const std::string bf16 = "precision.params=bf16", sp = "parallel.sequence_parallel=true";
   rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=2"}}}, {bf16, "precision.fp8=tensorwise"});

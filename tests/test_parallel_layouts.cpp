@@ -11,7 +11,7 @@
 // backend in tests/mpi; bitwise special cases (all-to-all EP = DP) are in test_expert_parallel.cpp.
 //
 // FP8 rows (per-tensor scaling): the amax behind each scale is reduced over the ranks holding the
-// tensor (model/precision.h), so each rank quantises with the scale one process computes. Scales
+// tensor (tensor/precision.h), so each rank quantises with the scale one process computes. Scales
 // are per micro-batch, so a row with data parallelism gives each rank one micro-batch and the one
 // process one micro-batch of the whole global batch (the row's `single` keys). Under bf16 a layout's
 // last-bit differences (a split sum) flip bf16 roundings of activations and weight copies, so BF16

@@ -1,4 +1,4 @@
-// Reduced precision (model/precision.h, docs/precision.md): BF16 mixed precision against a
+// Reduced precision (tensor/precision.h, docs/precision.md): BF16 mixed precision against a
 // double-precision reference that rounds the same tensors; the master/compute weight copies; each
 // FP8 / NVFP4 recipe's linear layer against the fp32 GEMM on operands quantised as the recipe says,
 // bit for bit; delayed scaling's history on a hand-checked case; selective high precision; training
@@ -20,7 +20,7 @@
 #include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/linear.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
@@ -45,7 +45,7 @@ double bf16_of(double x) {
 
 // The GPT-2 flavour (LayerNorm, learned positions, GELU, biases, tied head) in double, reading the
 // model's parameters by name. With bf16 on, the weights are rounded to bf16 and so is every tensor
-// model/precision.h lists as rounded in the forward: embedding output, norm outputs, linear outputs
+// tensor/precision.h lists as rounded in the forward: embedding output, norm outputs, linear outputs
 // (the residual add fused into the projections), attention output, GELU output, logits.
 struct Gpt2Reference {
   const ParamStore& ps;
@@ -269,7 +269,7 @@ std::vector<float> transposed(const std::vector<float>& x, int64_t rows, int64_t
 }
 
 // The dequantised operand a recipe gives x (rows, cols) when the GEMM's K runs along its columns
-// (k_along_cols) or rows, written from the recipe's definition (model/precision.h).
+// (k_along_cols) or rows, written from the recipe's definition (tensor/precision.h).
 struct RecipeRef {
   std::string recipe;
   uint64_t seed = 0;

@@ -27,7 +27,7 @@
 #include "lockstep/model/mlp.h"
 #include "lockstep/model/moe/shared_experts.h"
 #include "lockstep/model/norm.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"

@@ -155,7 +155,7 @@ struct DebugConfig {
   std::string inject_module() const;
 };
 
-// Reduced precision (model/precision.h, docs/precision.md). FP8 keys take Transformer Engine's
+// Reduced precision (tensor/precision.h, docs/precision.md). FP8 keys take Transformer Engine's
 // names and defaults (DelayedScaling: hybrid, history 1024, max, margin 0).
 struct PrecisionConfig {
   std::string params = "fp32";           // fp32 | bf16 (fp32 master weights)

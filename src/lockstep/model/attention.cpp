@@ -4,7 +4,7 @@
 
 #include "lockstep/kernels/cpu/attention.h"
 #include "lockstep/kernels/cpu/rope.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

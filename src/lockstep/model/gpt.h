@@ -48,8 +48,8 @@
 #include "lockstep/model/moe/moe_layer.h"
 #include "lockstep/model/mtp.h"
 #include "lockstep/model/norm.h"
-#include "lockstep/model/param_table.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/param_table.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/context_parallel.h"
 #include "lockstep/parallel/pipeline/stage.h"
 #include "lockstep/parallel/tensor_parallel.h"
@@ -64,7 +64,7 @@ class GPT final : public PipelineStage {
   // yet initialised: call params().init(seed)) and the activation arena. With moe.num_experts > 0
   // the layers moe.layer_freq selects have an MoE sublayer (model/moe/moe_layer.h) instead of the
   // MLP; with 0 the model is the dense one, bit for bit. precision: the numerics of forward and
-  // backward (model/precision.h); the default is fp32.
+  // backward (tensor/precision.h); the default is fp32.
   // tp: the tensor-parallel group (none by default). ep: the expert-parallel group (null = every
   // expert on this rank; moe_layer.h): the table then holds only this rank's experts. etp: the
   // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
@@ -104,7 +104,7 @@ class GPT final : public PipelineStage {
   // weights, the step's first forward refreshes their copy from the master values, range by range
   // as the params-needed hook delivers them), finish_step
   // after the optimizer (expert-bias update; returns each MoE layer's tokens-per-expert statistics;
-  // under determinism = "layout", delayed scaling's once-per-step update, model/precision.h).
+  // under determinism = "layout", delayed scaling's once-per-step update, tensor/precision.h).
   // first_micro: the global index of this rank's first micro-batch in the step (data parallelism:
   // rank r's micro-batch m is the step's micro-batch r x micro-batches per rank + m), so that the
   // router jitter is the same whatever the layout. dp: where the step's expert token counts are

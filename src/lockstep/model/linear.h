@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 #include "lockstep/parallel/tensor_parallel.h"
 
 namespace lockstep {

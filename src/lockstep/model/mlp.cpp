@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "lockstep/kernels/cpu/activations.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

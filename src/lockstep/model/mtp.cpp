@@ -5,7 +5,7 @@
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

@@ -35,7 +35,7 @@
 #include "lockstep/model/attention.h"
 #include "lockstep/model/mlp.h"
 #include "lockstep/model/norm.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

@@ -1,7 +1,7 @@
 #include "lockstep/model/norm.h"
 
 #include "lockstep/kernels/cpu/norms.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

@@ -4,7 +4,7 @@
 #include <string>
 
 #include "lockstep/model/arena.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

@@ -26,14 +26,14 @@
 #include <utility>
 
 #include "lockstep/kernels/cpu/attention.h"
-#include "lockstep/parallel/context_chunks.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/context_chunks.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 
 class Communicator;
 
-// Which rank holds which chunk: chunk_holder, late_chunk (parallel/context_chunks.h).
+// Which rank holds which chunk: chunk_holder, late_chunk (tensor/context_chunks.h).
 
 // Unit g of a micro-batch's 2 P B x sub token units, in token order (sample, chunk c of 2P, sub-unit
 // of sub per chunk): chunk c's holder's (chunk_holder) local unit u (local rows: each sample's early

@@ -53,7 +53,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 #include "lockstep/parallel/expert_tp_sum.h"
 
 namespace lockstep {

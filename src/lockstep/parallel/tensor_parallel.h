@@ -35,7 +35,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

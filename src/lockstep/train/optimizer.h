@@ -19,7 +19,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/kernels/cpu/optimizer.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "lockstep/core/error.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/run_dir.h"
 

@@ -4,7 +4,7 @@
 // relative to the end of the header), row-major, little-endian.
 //
 // lockstep writes full, unsharded FP32 model weights under the parameter table's names
-// (model/param_table.h, listed in docs/checkpoints.md): `lockstep ckpt export` writes them and
+// (tensor/param_table.h, listed in docs/checkpoints.md): `lockstep ckpt export` writes them and
 // train.init_from reads them.
 #pragma once
 

@@ -238,7 +238,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp);
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
-  // of the tensor (model/precision.h). determinism = "layout" scales each micro-batch by its own
+  // of the tensor (tensor/precision.h). determinism = "layout" scales each micro-batch by its own
   // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
   // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x

@@ -10,7 +10,7 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/context_parallel.h"
 
 namespace lockstep {
@@ -66,7 +66,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
                out_std, true);
   // The row-parallel proj's bias is added once, by etp rank 0, to its partial sum.
   if (m.bias && r == 0) proj_b = add("proj.bias", {E_global, C}, {ParamBox{{first, 0}, Shape{E, C}}}, Init::zeros, 0.0f, false);
-  if (kseg.on()) {  // low precision's canonical pieces of the hidden units (model/precision.h)
+  if (kseg.on()) {  // low precision's canonical pieces of the hidden units (tensor/precision.h)
     const KSegmentBounds fc = k_segment_bounds(kseg, Fw);
     ps.set_layout_cut(fc_w, 1, layout_cut(fc.segments, fc.sections));
     ps.set_layout_cut(proj_w, 2, k_segment_bounds(KSegments{kseg.segments, 1}, F).segments);

@@ -124,8 +124,8 @@
 #include "lockstep/model/arena.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
-#include "lockstep/model/param_table.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/param_table.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/expert_tp_sum.h"
 
 namespace lockstep {

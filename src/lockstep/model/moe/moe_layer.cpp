@@ -11,7 +11,7 @@
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/model/moe/expert_tensor_parallel.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

@@ -18,7 +18,7 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

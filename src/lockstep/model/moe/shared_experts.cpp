@@ -6,7 +6,7 @@
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/embedding.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
 namespace lockstep {

@@ -5,7 +5,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/trace.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

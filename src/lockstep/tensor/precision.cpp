@@ -1,4 +1,4 @@
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +12,7 @@
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 

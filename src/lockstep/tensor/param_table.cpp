@@ -1,4 +1,4 @@
-#include "lockstep/model/param_table.h"
+#include "lockstep/tensor/param_table.h"
 
 #include <algorithm>
 #include <cstring>
@@ -6,7 +6,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/model/precision.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 

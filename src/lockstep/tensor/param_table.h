@@ -24,7 +24,7 @@
 
 #include "lockstep/core/state_shard.h"
 #include "lockstep/core/tensor.h"
-#include "lockstep/parallel/context_chunks.h"
+#include "lockstep/tensor/context_chunks.h"
 
 namespace lockstep {
 
@@ -75,7 +75,7 @@ struct ParamSpec {
   // splits (a column-parallel weight's out, dim 0, or an expert fc's, dim 1; a row-parallel one's in,
   // the last dim) and this rank's canonical pieces of it: local boundaries 0 = b0 < ... = width,
   // each section's slice cut into its canonical segments (TensorParallel::k_segments). Low-precision
-  // scaling blocks stay inside a piece (model/precision.h). -1 / empty: none.
+  // scaling blocks stay inside a piece (tensor/precision.h). -1 / empty: none.
   int cut_dim = -1;
   std::vector<int64_t> cut = {};
   bool partial() const { return !(shape == global_shape); }
@@ -222,7 +222,7 @@ class ParamStore {
   // Every parameter, whole, as "param/<name>" (shards_of).
   void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first) const;
 
-  // Mixed precision (model/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
+  // Mixed precision (tensor/precision.h). With bf16 weights on, weight(i) is the bf16 rounding of
   // value(i), the copy forward and backward read, refreshed from the fp32 master values by
   // sync_weights() (parameters [first, end) of the table); otherwise weight(i) is value(i).
   void use_bf16_weights();
