@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
@@ -336,7 +337,8 @@ TEST(MoeCapacity, DroppingKeepsExactlyWhatThePolicySays) {
 TEST(MoeDispatch, RowsAreGroupedByExpertInTokenOrderWithPadding) {
   const Routing r;
   const std::vector<uint8_t> kept = {1, 1, 0, 1, 1, 1, 1, 0};
-  LocalDispatcher d(r.E, r.K, /*C=*/2, r.N, /*capacity=*/3, /*pad=*/true);
+  const std::unique_ptr<Device> cpu = Device::cpu();
+  LocalDispatcher d(cpu->ops, r.E, r.K, /*C=*/2, r.N, /*capacity=*/3, /*pad=*/true);
   d.plan(r.idx.data(), kept.data(), r.N);
   EXPECT_EQ(d.rows(), 9);
   EXPECT_EQ(d.tokens_per_expert(), (std::vector<int64_t>{2, 2, 2}));
@@ -352,7 +354,8 @@ TEST(MoeDispatch, PermuteAndCombineMatchReferencesAndFiniteDifferences) {
   const Routing r;
   const int64_t C = 5;
   const std::vector<uint8_t> kept = {1, 1, 0, 1, 1, 1, 1, 0};
-  LocalDispatcher d(r.E, r.K, C, r.N, 0, false);
+  const std::unique_ptr<Device> cpu = Device::cpu();
+  LocalDispatcher d(cpu->ops, r.E, r.K, C, r.N, 0, false);
   d.plan(r.idx.data(), kept.data(), r.N);
   const int64_t R = d.rows();
   ASSERT_EQ(R, 6);

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/mesh.h"
 #include "lockstep/comm/threads/thread_transport.h"
@@ -201,11 +202,12 @@ TEST(TensorParallelLayout, VocabParallelCrossEntropyIsTheOneProcessBits) {
           for (int64_t n = 0; n < N; ++n)
             for (int64_t v = 0; v < Vl; ++v) mine[n * Vl + v] = x[n * V + r * Vl + v];
           std::vector<float> copy = mine;
+          const std::unique_ptr<Device> cpu = Device::cpu();
           fwd[r].assign(N, 0.0f);
           losses[r].assign(N, 0.0f);
-          vocab_parallel_cross_entropy(tp, fwd[r].data(), copy.data(), targets.data(), N, V, Vl, false, 0.0f,
+          vocab_parallel_cross_entropy(cpu->ops, tp, fwd[r].data(), copy.data(), targets.data(), N, V, Vl, false, 0.0f,
                                        loss_scratch);
-          vocab_parallel_cross_entropy(tp, losses[r].data(), mine.data(), targets.data(), N, V, Vl, true, 0.125f,
+          vocab_parallel_cross_entropy(cpu->ops, tp, losses[r].data(), mine.data(), targets.data(), N, V, Vl, true, 0.125f,
                                        loss_scratch);
           grads[r] = mine;
         });

@@ -1,21 +1,6 @@
 #include "lockstep/core/tensor.h"
 
-#include <cstdlib>
-#include <cstring>
-#include <new>
-
 namespace lockstep {
-
-namespace {
-void* aligned_zeroed(size_t bytes) {
-  const size_t rounded = (bytes + 63) / 64 * 64;
-  if (rounded == 0) return nullptr;
-  void* p = std::aligned_alloc(64, rounded);
-  if (!p) throw std::bad_alloc();
-  std::memset(p, 0, rounded);
-  return p;
-}
-}  // namespace
 
 std::string Shape::to_string() const {
   std::string s = "(";
@@ -24,17 +9,23 @@ std::string Shape::to_string() const {
 }
 
 Tensor::Tensor(Shape shape, DType dtype)
-    : data_(aligned_zeroed(static_cast<size_t>(shape.numel()) * dtype_size(dtype))),
+    : data_(host_allocate(static_cast<size_t>(shape.numel()) * dtype_size(dtype))),
       shape_(std::move(shape)),
       dtype_(dtype) {}
 
-void Tensor::Free::operator()(void* p) const { std::free(p); }
+void Tensor::Free::operator()(void* p) const { host_release(p); }
 
 void FloatBuffer::resize(int64_t n) {
-  data_.reset(static_cast<float*>(aligned_zeroed(static_cast<size_t>(n) * sizeof(float))));
+  const size_t bytes = static_cast<size_t>(n) * sizeof(float);
+  data_.reset();
+  void* p = allocator_ ? allocator_->allocate(bytes) : host_allocate(bytes);
+  data_ = std::unique_ptr<float, Free>(static_cast<float*>(p), Free{allocator_, bytes});
   size_ = n;
 }
 
-void FloatBuffer::Free::operator()(float* p) const { std::free(p); }
+void FloatBuffer::Free::operator()(float* p) const {
+  if (allocator) allocator->release(p, bytes);
+  else host_release(p);
+}
 
 }  // namespace lockstep

@@ -14,6 +14,7 @@
 
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/error.h"
+#include "lockstep/core/memory.h"
 
 namespace lockstep {
 
@@ -78,10 +79,13 @@ class Tensor {
 };
 
 // 64-byte aligned array of floats, zero-initialised; the building block of flat buffers and arenas.
+// Its memory comes from an allocator (a device's, which counts it) or, with none, from the host.
 class FloatBuffer {
  public:
   FloatBuffer() = default;
-  explicit FloatBuffer(int64_t n) { resize(n); }
+  explicit FloatBuffer(int64_t n, Allocator* allocator = nullptr) : allocator_(allocator) { resize(n); }
+  // The allocator of every later resize (null: plain host memory).
+  void set_allocator(Allocator* allocator) { allocator_ = allocator; }
   void resize(int64_t n);  // reallocated and zeroed, whatever the size before
   // At least n floats: reallocated (zeroed) only when smaller, else left as it is (a scratch reused
   // call by call).
@@ -94,10 +98,13 @@ class FloatBuffer {
 
  private:
   struct Free {
+    Allocator* allocator;
+    size_t bytes;
     void operator()(float* p) const;
   };
-  std::unique_ptr<float, Free> data_;
+  std::unique_ptr<float, Free> data_{nullptr, Free{nullptr, 0}};
   int64_t size_ = 0;
+  Allocator* allocator_ = nullptr;
 };
 
 }  // namespace lockstep

@@ -28,6 +28,11 @@ class Arena {
  public:
   ArenaSlice reserve(int64_t floats) { return reserve_in(total_, floats, false); }
   ArenaSlice reserve_scratch(int64_t floats) { return reserve_in(scratch_total_, floats, true); }
+  // The memory of the blocks allocated from here on (null: plain host memory).
+  void set_allocator(Allocator* allocator) {
+    allocator_ = allocator;
+    scratch_.set_allocator(allocator);
+  }
   void allocate() {
     scratch_.resize(scratch_total_);
     select(0);
@@ -35,7 +40,7 @@ class Arena {
   // Slot k's block holds the saved activations from here on (allocated on first use).
   void select(int k) {
     LOCKSTEP_CHECK(k >= 0, "arena slot ", k);
-    while (static_cast<int>(slots_.size()) <= k) slots_.push_back(std::make_unique<FloatBuffer>(total_));
+    while (static_cast<int>(slots_.size()) <= k) slots_.push_back(std::make_unique<FloatBuffer>(total_, allocator_));
     current_ = slots_[static_cast<size_t>(k)]->data();
   }
   float* operator()(ArenaSlice s) const {
@@ -57,6 +62,7 @@ class Arena {
     return s;
   }
   int64_t total_ = 0, scratch_total_ = 0;
+  Allocator* allocator_ = nullptr;
   std::vector<std::unique_ptr<FloatBuffer>> slots_;
   FloatBuffer scratch_;
   float* current_ = nullptr;

@@ -2,8 +2,7 @@
 
 #include <cmath>
 
-#include "lockstep/kernels/cpu/attention.h"
-#include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
@@ -56,15 +55,15 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   qkv.forward(ps, arena(qkv_out), x, N);
   const Precision& p = ps.precision();
   if (rope) {
-    rope_forward(arena(qkv_out), rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
+    ps.device().ops.rope_forward(arena(qkv_out), rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
     p.round(arena(qkv_out), N * qkv_width());
   }
   if (cp.on()) {
     gather_kv(cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
-    attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, chunks, NH, NKV, HS,
-                             doc_start);
+    ps.device().ops.attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, chunks, NH, NKV,
+                                             HS, doc_start);
   } else {
-    attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
+    ps.device().ops.attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
   }
   p.round(arena(att), N * NH * HS);
   trace_out(core_name, arena(att), N * NH * HS);
@@ -82,16 +81,16 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   if (cp.on()) {
     // layout_token_segments: each chunk's tree over its query segments, combined exactly over the group.
     const int64_t segments = tp.token_segments ? tp.segments / B : 0;
-    attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att), arena(lse), B, Tg,
-                              chunks, NH, NKV, HS, doc_start, segments);
+    ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att),
+                                              arena(lse), B, Tg, chunks, NH, NKV, HS, doc_start, segments);
     if (segments) reduce_scatter_dkv_pieces(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
     else reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
-    attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS, doc_start,
-                       tp.token_segments ? tp.segments / B : 0);
+    ps.device().ops.attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,
+                                       doc_start, tp.token_segments ? tp.segments / B : 0);
   }
-  if (rope) rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
+  if (rope) ps.device().ops.rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
   const float* dnorm = qkv.backward(ps, tp, s.datt, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);

@@ -7,11 +7,9 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/data/documents.h"
-#include "lockstep/kernels/cpu/cross_entropy.h"
-#include "lockstep/kernels/cpu/embedding.h"
-#include "lockstep/kernels/cpu/gemm.h"
-#include "lockstep/kernels/cpu/rope.h"
 #include "lockstep/core/trace.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/kernels/rope.h"
 
 namespace lockstep {
 
@@ -22,9 +20,11 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
          const TensorParallel& tp, Communicator* ep, Communicator* etp, const StagePart& part,
-         const ContextParallel& cp)
-    : m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
+         const ContextParallel& cp, Device* device)
+    : own_device_(device ? nullptr : Device::cpu()), device_(device ? device : own_device_.get()), m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
       L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
+  params_.set_device(device_);
+  arena_.set_allocator(&device_->memory());
   LOCKSTEP_CHECK(!cp_.on() || Tg_ % (2 * cp_.size) == 0, "context parallelism: seq_length ", Tg_,
                  " must split into 2 x ", cp_.size, " chunks");
   // config validate() names the keys; these guard other callers.
@@ -286,8 +286,8 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     if (tp_.on())
       vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
                                params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
-    else embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr,
-                           B_, T_, C_, V_, positions(), Tg_);
+    else device_->ops.embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_),
+                                        wpe_ >= 0 ? params_.weight(wpe_) : nullptr, B_, T_, C_, V_, positions(), Tg_);
     precision_.round(arena_(resid_[0]), Nl_ * C_);
     trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
   }
@@ -378,6 +378,7 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   GemmOptions dgrad;
   dgrad.k_segments = head_segments_;
   const bool partial = tp_.on() && tp_.layout();
+  const Ops& ops = device_->ops;
   // The weight gradient in token segments (layout_token_segments), as planned (plan_head): each
   // aligned block of 2^j whole segments of a piece is one product with k_segments, the canonical
   // tree over them (a complete subtree); a block that is a whole piece adds its tree to the piece's
@@ -395,11 +396,11 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     opt.k_segments = st.bounds;  // the block's segments (empty: one chain)
     if (st.whole) {
       opt.accumulate = true;
-      gemm(params_.grad_piece(out_, st.piece), dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
+      gemm_f32(ops, params_.grad_piece(out_, st.piece), dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
       return;
     }
     opt.accumulate = st.accumulate;
-    gemm(leaf, dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
+    gemm_f32(ops, leaf, dlogits, Trans::T, xb, Trans::N, V, C_, st.end - st.b0, opt);
     if (!st.push) return;
     const int level = std::countr_zero(static_cast<uint64_t>(st.count)), first = head_first_level_;
     float* g = st.last ? params_.grad_piece(out_, st.piece) : nullptr;
@@ -411,15 +412,16 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
   };
   // Rows [r0, r0 + rows): the logits, the loss and (backward) the input gradient.
   auto chunk = [&](int64_t r0, int64_t rows) {
-    gemm(logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
+    gemm_f32(ops, logits, x + r0 * C_, Trans::N, w, Trans::T, rows, V, C_);
     precision_.round(logits, rows * V);
-    if (tp_.on() || tp_.layout()) vocab_parallel_cross_entropy(tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
-                                               loss_scratch_);
-    else if (!backward) cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
-    else cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
+    if (tp_.on() || tp_.layout())
+      vocab_parallel_cross_entropy(ops, tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
+                                   loss_scratch_);
+    else if (!backward) ops.cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
+    else ops.cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
     if (!backward) return;
     precision_.round(logits, rows * V);
-    gemm(dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
+    gemm_f32(ops, dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
     if (!partial) precision_.round(dfull + r0 * C_, rows * C_);
   };
   if (planned) {
@@ -431,7 +433,7 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     for (int64_t r0 = 0, rows = 0; r0 < N_; r0 += rows) {
       rows = std::min(head_rows_, N_ - r0);
       chunk(r0, rows);
-      if (backward) gemm(params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
+      if (backward) gemm_f32(ops, params_.grad(out_), logits, Trans::T, x + r0 * C_, Trans::N, V, C_, rows, acc);
     }
   }
   if (backward) {

@@ -42,6 +42,7 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/exact_sum.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/model/attention.h"
 #include "lockstep/model/mlp.h"
@@ -67,11 +68,12 @@ class GPT final : public PipelineStage {
   // backward (tensor/precision.h); the default is fp32.
   // tp: the tensor-parallel group (none by default). ep: the expert-parallel group (null = every
   // expert on this rank; moe_layer.h): the table then holds only this rank's experts. etp: the
-  // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h).
+  // expert-tensor-parallel group (null = whole experts; moe/expert_tensor_parallel.h). device: where
+  // the parameters, activations and ops live (kernels/device.h; null: a CPU device of the model's own).
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
       Communicator* ep = nullptr, Communicator* etp = nullptr, const StagePart& part = StagePart{},
-      const ContextParallel& cp = ContextParallel{});
+      const ContextParallel& cp = ContextParallel{}, Device* device = nullptr);
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -178,6 +180,7 @@ class GPT final : public PipelineStage {
   void sum_split_grads();
 
   ParamStore& params() override { return params_; }
+  Device& device() const { return *device_; }
   const ParamStore& params() const { return params_; }
   // determinism = "layout", from the grads-ready hook: parameters [first, end) of the micro-batch
   // whose backward just reported them become its whole gradient, before it is the micro-batch's
@@ -225,6 +228,8 @@ class GPT final : public PipelineStage {
   // shifted over the whole sequence and this rank's positions taken.
   void mtp(const int32_t* tokens, const int32_t* targets, bool backward, float aux_scale);
 
+  std::unique_ptr<Device> own_device_;
+  Device* device_;
   ModelConfig m_;
   StagePart part_;
   Precision precision_;

@@ -2,9 +2,8 @@
 
 #include <cstring>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/kernels/cpu/embedding.h"
-#include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
@@ -102,7 +101,7 @@ void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const fl
   if (b >= 0) {
     const int64_t K = ps.token_pieces(b), rows = N / K;
     for (int64_t k = 0; k < K; ++k)
-      bias_backward(ps.grad_piece(b, k), dy + k * rows * out, rows, out, ps.token_segments(b));
+      ps.device().ops.bias_backward(ps.grad_piece(b, k), dy + k * rows * out, rows, out, ps.token_segments(b));
   }
   trace_grad_in(name, dx, N * in);
 }

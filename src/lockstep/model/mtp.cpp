@@ -2,9 +2,8 @@
 
 #include <cstring>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/embedding.h"
-#include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
@@ -39,13 +38,14 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
                        int wte, int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
                        const float* rope_sin, int32_t* local_tokens) const {
   const Precision& p = ps.precision();
+  const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream from here on
   if (tp.on())
     vocab_parallel_embedding(tp, arena(emb), arena(emb_partial), local_tokens, tokens_k, ps.weight(wte),
                              wpe >= 0 ? ps.weight(wpe) : nullptr, positions, this->N, T, C, V);
   else
-    embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V, positions,
-                      Tg);
+    ops.embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V,
+                          positions, Tg);
   p.round(arena(emb), N * C);
   enorm.forward(ps, arena, arena(e), arena(emb), N);
   hnorm.forward(ps, arena, arena(hn), h_prev, N);
@@ -54,8 +54,8 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
   const float* w = ps.weight(proj_w);
   GemmOptions acc;
   acc.accumulate = true;
-  gemm(arena(x), C, arena(e), C, Trans::N, w, 2 * C, Trans::T, N, C, C);
-  gemm(arena(x), C, arena(hn), C, Trans::N, w + C, 2 * C, Trans::T, N, C, C, acc);
+  gemm_f32(ops, arena(x), C, arena(e), C, Trans::N, w, 2 * C, Trans::T, N, C, C);
+  gemm_f32(ops, arena(x), C, arena(hn), C, Trans::N, w + C, 2 * C, Trans::T, N, C, C, acc);
   p.round(arena(x), N * C);
   trace_out(proj_name, arena(x), N * C);
   attn.forward(ps, arena, arena(mid), arena(x), rope_cos, rope_sin, positions, doc_start);
@@ -67,6 +67,7 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
                         const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
                         const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order,
                         int32_t* local_tokens) const {
+  const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream
   const size_t bytes = static_cast<size_t>(N * C) * sizeof(float);
   std::memset(s.dx, 0, bytes);
@@ -77,8 +78,8 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   const float* w = ps.weight(proj_w);
   GemmOptions acc;
   acc.accumulate = true;
-  gemm(s.de, C, s.dx, C, Trans::N, w, 2 * C, Trans::N, N, C, C);
-  gemm(s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
+  gemm_f32(ops, s.de, C, s.dx, C, Trans::N, w, 2 * C, Trans::N, N, C, C);
+  gemm_f32(ops, s.dhn, C, s.dx, C, Trans::N, w + C, 2 * C, Trans::N, N, C, C);
   ps.precision().round(s.de, N * C);
   ps.precision().round(s.dhn, N * C);
   // determinism = "layout": the weight gradient in token segments (ParamStore::token_segments), per
@@ -89,8 +90,8 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   for (int64_t k = 0; k < K; ++k) {
     float* dw = ps.grad_piece(proj_w, k);
     const float* dxk = s.dx + k * n * C;
-    gemm(dw, 2 * C, dxk, C, Trans::T, arena(e) + k * n * C, C, Trans::N, C, C, n, acc);
-    gemm(dw + C, 2 * C, dxk, C, Trans::T, arena(hn) + k * n * C, C, Trans::N, C, C, n, acc);
+    gemm_f32(ops, dw, 2 * C, dxk, C, Trans::T, arena(e) + k * n * C, C, Trans::N, C, C, n, acc);
+    gemm_f32(ops, dw + C, 2 * C, dxk, C, Trans::T, arena(hn) + k * n * C, C, Trans::N, C, C, n, acc);
   }
   trace_grad_in(proj_name, s.dhn, N * C);
   hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);

@@ -25,7 +25,7 @@
 #include <functional>
 #include <utility>
 
-#include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/kernels/attention.h"
 #include "lockstep/tensor/context_chunks.h"
 #include "lockstep/tensor/param_table.h"
 

@@ -7,7 +7,7 @@
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
-#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/kernels/device.h"
 
 namespace lockstep {
 
@@ -372,7 +372,7 @@ double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
     if ((b.comm == &expert_) != expert) continue;
     for (const ParamRange& x : chunk_ranges(b, r))
       if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
-        s += sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
+        s += ps_.device().ops.sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
   }
   return s;
 }
@@ -386,7 +386,7 @@ double DataParallel::grad_norm() {
     for (const Bucket& b : buckets_)
       for (const ParamRange& x : b.mine)
         if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
-          sum.merge(exact_sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin));
+          sum.merge(ps_.device().ops.exact_sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin));
     all_reduce_exact(*world_, &sum, 1);
     return std::sqrt(sum.value());
   }

@@ -7,8 +7,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/cross_entropy.h"
-#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/device.h"
 
 namespace lockstep {
 
@@ -160,12 +159,12 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStor
   }
   const int64_t K = ps.token_pieces(wte), rows = N / K;
   for (int64_t k = 0; k < K; ++k)
-    embedding_backward(ps.grad_piece(wte, k), wpe >= 0 ? ps.grad_piece(wpe, k) : nullptr, order, d + k * rows * C,
+    ps.device().ops.embedding_backward(ps.grad_piece(wte, k), wpe >= 0 ? ps.grad_piece(wpe, k) : nullptr, order, d + k * rows * C,
                        ids + k * rows, K > 1 ? 1 : B, K > 1 ? rows : T, C, positions ? positions + k * rows : nullptr, P,
                        ps.token_segments(wte), wpe >= 0 ? ps.token_segments(wpe) : 0);
 }
 
-void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
+void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
                                   std::vector<float>& scratch) {
   const int64_t Vl = V / tp.size;
@@ -175,12 +174,12 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
     if (static_cast<int64_t>(scratch.size()) < 3 * N) scratch.resize(static_cast<size_t>(3 * N));
     float* rowmax = scratch.data();
     float* stats = rowmax + N;
-    cross_entropy_segments_max(rowmax, logits, targets, N, Vl, ld, V);
+    ops.cross_entropy_segments_max(rowmax, logits, targets, N, Vl, ld, V);
     if (tp.on()) tp.comm->all_reduce(rowmax, N, ReduceOp::max);
-    cross_entropy_segments_sum(stats, logits, rowmax, targets, N, Vl, ld, tp.vocab_begin(V), V, tp.segments, backward);
+    ops.cross_entropy_segments_sum(stats, logits, rowmax, targets, N, Vl, ld, tp.vocab_begin(V), V, tp.segments, backward);
     if (tp.on()) tp.comm->all_reduce(stats, 2 * N, ReduceOp::tree_sum);
-    cross_entropy_segments_loss(losses, rowmax, stats, targets, N);
-    if (backward) cross_entropy_segments_backward(logits, stats, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
+    ops.cross_entropy_segments_loss(losses, rowmax, stats, targets, N);
+    if (backward) ops.cross_entropy_segments_backward(logits, stats, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
     return;
   }
   const int64_t chunks = (Vl + kXentChunk - 1) / kXentChunk;
@@ -190,10 +189,10 @@ void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float
   float* all = mine + 3 * N;
   float* cmax = all + 3 * N * tp.size;
   float* lse = cmax + N * chunks;
-  cross_entropy_shard_lse(mine, cmax, logits, targets, N, Vl, ld, tp.vocab_begin(V), V, backward);
+  ops.cross_entropy_shard_lse(mine, cmax, logits, targets, N, Vl, ld, tp.vocab_begin(V), V, backward);
   tp.comm->all_gather(all, mine, 3 * N);
-  cross_entropy_combine(losses, lse, all, targets, N, tp.size);
-  if (backward) cross_entropy_shard_backward(logits, cmax, lse, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
+  ops.cross_entropy_combine(losses, lse, all, targets, N, tp.size);
+  if (backward) ops.cross_entropy_shard_backward(logits, cmax, lse, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);
 }
 
 void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, int first, int end) {

@@ -39,6 +39,8 @@
 
 namespace lockstep {
 
+struct Ops;
+
 class Communicator;
 
 struct TensorParallel {
@@ -137,7 +139,7 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
 // segments of cross_entropy.h instead, the one-process bits for every tp: an all-reduce (max) of
 // the N row maxima, then an all-reduce (tree_sum) of N (sum of exponentials, target logit) pairs.
 // scratch: grown on the first call, reused after (steady-state steps do not allocate).
-void vocab_parallel_cross_entropy(const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
+void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
                                   std::vector<float>& scratch);
 

@@ -6,6 +6,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/tensor/precision.h"
 
 namespace lockstep {
@@ -55,13 +56,17 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
 }
 
 void ParamStore::allocate() {
+  Allocator* memory = &device().memory();
+  values_.set_allocator(memory);
+  grads_.set_allocator(memory);
+  weights_.set_allocator(memory);
   values_.resize(total_);
   grads_.resize(total_);
   if (window_ < 0) {
     piece_base_.assign(specs_.size(), 0);
     window_ = total_;
   }
-  for (int64_t k = 1; k < pieces_; ++k) pieces_grads_.emplace_back(window_);
+  for (int64_t k = 1; k < pieces_; ++k) pieces_grads_.emplace_back(window_, memory);
 }
 
 void ParamStore::set_piece_windows(const std::vector<std::pair<int, int>>& runs) {
@@ -156,6 +161,17 @@ void ParamStore::sync_weights(int first, int end) {
     round_to_bf16(w + b, e - b);
   });
 }
+
+Device& ParamStore::device() const {
+  if (device_) return *device_;
+  if (!own_device_) own_device_ = Device::cpu();
+  return *own_device_;
+}
+
+ParamStore::~ParamStore() = default;
+ParamStore::ParamStore() = default;
+ParamStore::ParamStore(ParamStore&&) noexcept = default;
+ParamStore& ParamStore::operator=(ParamStore&&) noexcept = default;
 
 Precision& ParamStore::precision() const {
   // Plain fp32 keeps no state, so modules used without a model may share one.

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,7 @@
 
 namespace lockstep {
 
+class Device;
 class Precision;
 
 enum class Init : uint8_t { normal, zeros, ones };
@@ -91,6 +93,10 @@ struct ParamRange {
 
 class ParamStore {
  public:
+  ParamStore();
+  ~ParamStore();
+  ParamStore(ParamStore&&) noexcept;
+  ParamStore& operator=(ParamStore&&) noexcept;
   // Declares a parameter; returns its index. Only before allocate().
   int add(std::string name, Shape shape, Init init, float std = 0.0f, bool decay = false, bool expert = false);
   // Declares this rank's part of the global tensor global_shape: the boxes, back to back (local
@@ -230,6 +236,11 @@ class ParamStore {
   const float* weight(int i) const {
     return (weights_.size() ? weights_.data() : values_.data()) + specs_[i].offset;
   }
+  // The device the buffers live on and the modules run their ops on (kernels/device.h): the model's
+  // (set by its owner, which outlives this store, before allocate()), or with none a CPU device of
+  // the store's own, for modules used without a model.
+  void set_device(Device* d) { device_ = d; }
+  Device& device() const;
   // The numerics the modules compute in: the model's Precision (set by its owner, which outlives
   // this store), or plain fp32 when none is set.
   // Modules call its GEMMs through a const store: the scaling state they update is the model's.
@@ -242,6 +253,8 @@ class ParamStore {
   FloatBuffer values_, grads_;
   FloatBuffer weights_;  // bf16 compute copy; empty without bf16 weights
   Precision* precision_ = nullptr;
+  Device* device_ = nullptr;
+  mutable std::unique_ptr<Device> own_device_;
   int64_t layout_segments_ = 0;
   int tp_size_ = 1, tp_rank_ = 0;
   // Not pieced: whether parameter i's rows are a tp rank's N / tp of the micro-batch (sequence_tp(i)

@@ -10,8 +10,7 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/embedding.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
@@ -60,18 +59,18 @@ void transpose(std::vector<float>& out, const float* x, int64_t rows, int64_t co
 
 // out (padded, cols) = the random Hadamard transform along the rows of x (rows, cols) padded with
 // zero rows to a multiple of 16; returns padded.
-int64_t hadamard_rows(std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
+int64_t hadamard_rows(const Ops& ops, std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
   const int64_t padded = (rows + 15) / 16 * 16;
   out.assign(static_cast<size_t>(padded * cols), 0.0f);
   std::memcpy(out.data(), x, static_cast<size_t>(rows * cols) * sizeof(float));
-  if (padded > 0) hadamard16(out.data(), out.data(), padded, cols, HadamardAxis::rows);
+  if (padded > 0) ops.hadamard16(out.data(), out.data(), padded, cols, HadamardAxis::rows);
   return padded;
 }
 
 }  // namespace
 
 Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
-    : bf16_(pc.params == "bf16"), recipe_(recipe_of(pc)),
+    : device_(&ps.device()), bf16_(pc.params == "bf16"), recipe_(recipe_of(pc)),
       bwd_(pc.fp8_format == "e4m3" ? ElemFormat::e4m3 : ElemFormat::e5m2), history_len_(pc.fp8_amax_history_len),
       most_recent_(pc.fp8_amax_compute_algo == "most_recent"), margin_(static_cast<int>(pc.fp8_margin)) {
   first_site_.assign(ps.specs().size(), -1);
@@ -156,7 +155,7 @@ void Precision::reduce_amax(float* a, int64_t n, bool expert) {
 
 std::vector<float> Precision::current_amaxes(const std::vector<AmaxOf>& of) {
   std::vector<float> a(of.size());
-  for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? amax(of[i].x, of[i].n) : 0.0f;
+  for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? device_->ops.amax(of[i].x, of[i].n) : 0.0f;
   if (!of.empty()) reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
   for (size_t i = 0; i < of.size(); ++i) sites_[static_cast<size_t>(of[i].site)].now[of[i].r] = a[i];
   return a;
@@ -224,7 +223,7 @@ bool Precision::in_pieces(const Site& s) const {
 const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r) {
   if (!groups_.layout) return nullptr;
   if (nvfp4_amax_ == Nvfp4Amax::staged) return &s.now[r];
-  a = amax(x, n);
+  a = device_->ops.amax(x, n);
   if (nvfp4_amax_ == Nvfp4Amax::gathered) {
     max_reduce(gathered_group_, &a, 1);
     return &a;
@@ -311,25 +310,22 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
       switch (recipe_) {
         case Recipe::blockwise: {
           const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
-          quantize_blockwise(q, piece, pr, pc, f, br, bc);
+          device_->ops.quantize_blockwise(q, piece, pr, pc, f, br, bc, {});
           break;
         }
-        case Recipe::mxfp8: quantize_mxfp8(q, piece, pr, pc, f); break;
+        case Recipe::mxfp8: device_->ops.quantize_mxfp8(q, piece, pr, pc, f, ScaleRounding::up, 32, {}); break;
         case Recipe::nvfp4: {
           StochasticRounding sr;
           if (r == grad)
             sr = nvfp4_rounding(site, usage, length(rd, rows), length(cd, cols), global(rd, r0), global(cd, c0));
-          quantize_nvfp4(q, piece, pr, pc, r == weight ? 16 : 1, sr, whole);
+          device_->ops.quantize_nvfp4(q, piece, pr, pc, r == weight ? 16 : 1, sr, whole);
           break;
         }
         default: LOCKSTEP_CHECK(false, "pieces need a block recipe");
       }
-      // Decoded straight into place (row by row over the threads when the pieces go one at a time;
-      // serial inside a worker).
-      float* out = dst.data() + r0 * cols + c0;
-      parallel_for(pr, [&](int64_t u0, int64_t u1) {
-        for (int64_t u = u0; u < u1; ++u) dequantize_row(q, u, 0, pc, out + u * cols);
-      });
+      // Decoded straight into place (over the threads when the pieces go one at a time; serial
+      // inside a worker).
+      device_->ops.dequantize(dst.data() + r0 * cols + c0, cols, q);
     }
   };
   if (np >= 4 * current_threads()) parallel_for(np, pieces);
@@ -349,32 +345,33 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
     case Recipe::delayed: {
       AmaxHistory& h = sites_[static_cast<size_t>(site)].state[r];
       if (recording_) {
-        const float a = amax(x, n);
+        const float a = device_->ops.amax(x, n);
         if (!(a <= h.amax[0]) && !std::isnan(h.amax[0])) h.amax[0] = a;  // also stages a NaN, which stays
       }
-      quantize_tensorwise(q, x, rows, cols, f, h.scale);
+      device_->ops.quantize_tensorwise(q, x, rows, cols, f, h.scale, {});
       return gemm_operand(q, t);
     }
     case Recipe::tensorwise:  // the amax staged by current_amaxes
-      quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(sites_[static_cast<size_t>(site)].now[r], f));
+      device_->ops.quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(sites_[static_cast<size_t>(site)].now[r], f),
+                                       {});
       return gemm_operand(q, t);
     case Recipe::blockwise: {
       const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
-      quantize_blockwise(q, x, rows, cols, f, br, bc);
+      device_->ops.quantize_blockwise(q, x, rows, cols, f, br, bc, {});
       return gemm_operand(q, t);
     }
     case Recipe::mxfp8:
       if (k_along_cols) {
-        quantize_mxfp8(q, x, rows, cols, f);
+        device_->ops.quantize_mxfp8(q, x, rows, cols, f, ScaleRounding::up, 32, {});
         return gemm_operand(q, t);
       }
       transpose(scratch, x, rows, cols);
-      quantize_mxfp8(q, scratch.data(), cols, rows, f);
+      device_->ops.quantize_mxfp8(q, scratch.data(), cols, rows, f, ScaleRounding::up, 32, {});
       return gemm_operand(q, flip(t));
     case Recipe::nvfp4: {
       if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
         float a = 0.0f;
-        quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
+        device_->ops.quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
         return gemm_operand(q, t);
       }
       float a = 0.0f;
@@ -389,7 +386,7 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       }
       StochasticRounding sr;
       if (r == grad) sr = nvfp4_rounding(site, usage, qr, qc, 0, 0);
-      quantize_nvfp4(q, src, qr, qc, 1, sr, whole);
+      device_->ops.quantize_nvfp4(q, src, qr, qc, 1, sr, whole);
       return gemm_operand(q, k_along_cols ? t : flip(t));
     }
     case Recipe::none: break;
@@ -406,7 +403,7 @@ void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, 
   const GemmOperand A =
       quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site, 0, Dim::tokens, Dim::in);
   const GemmOperand B = quantise(s.w, in_pieces(s) ? s.wf : tb_, w, out, in, Trans::T, true, weight, site, 0, Dim::out, Dim::in);
-  gemm(y, ldy, A, B, N, out, in, opt);
+  device_->ops.gemm(y, ldy, A, B, N, out, in, opt);
 }
 
 void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
@@ -419,7 +416,7 @@ void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float*
   const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0, Dim::out, Dim::in)
                         : in_pieces(s)           ? gemm_operand(s.wf.data(), in, Trans::N)
                                                  : gemm_operand(s.w, Trans::N);
-  gemm(dx, in, A, B, N, in, out, opt);
+  device_->ops.gemm(dx, in, A, B, N, in, out, opt);
 }
 
 void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
@@ -435,23 +432,23 @@ void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float
   }
   if (per_tensor()) {  // one scale for the whole tensor: the quantisations of fprop and dgrad serve
     Site& s = sites_[static_cast<size_t>(site)];
-    gemm(dw, in, gemm_operand(kept(s, grad, blk), Trans::T, row0), gemm_operand(kept(s, input, blk), Trans::N, row0), out,
-         in, N, acc);
+    device_->ops.gemm(dw, in, gemm_operand(kept(s, grad, blk), Trans::T, row0),
+                      gemm_operand(kept(s, input, blk), Trans::N, row0), out, in, N, acc);
     return;
   }
   // Blocks along the tokens stop at the token segments (k_segments).
   const TokenShare segments{k_segments, {}, 0};
   const GemmOperand A = quantise(qa_, ta_, dy, N, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, segments);
   const GemmOperand B = quantise(qb_, tb_, x, N, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, segments);
-  gemm(dw, in, A, B, out, in, N, acc);
+  device_->ops.gemm(dw, in, A, B, out, in, N, acc);
 }
 
 void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const float* dy, const float* x, int64_t N,
                                  int64_t out, int64_t in, std::span<const int64_t> k_segments,
                                  const TokenShare& tokens) {
   // (Q dy)^T (Q x) = dy^T x: the transform cancels, the quantisation sees the spread values.
-  const int64_t K = hadamard_rows(ha_, dy, N, out);
-  hadamard_rows(hb_, x, N, in);
+  const int64_t K = hadamard_rows(device_->ops, ha_, dy, N, out);
+  hadamard_rows(device_->ops, hb_, x, N, in);
   GemmOptions acc;
   acc.accumulate = true;
   // The zero rows that pad K belong to the last token segment (they add nothing; token pieces: the
@@ -463,7 +460,7 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
   const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, tokens);
   const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, tokens);
   if (dw.size() == 1) {
-    gemm(dw[0], in, A, B, out, in, K, acc);
+    device_->ops.gemm(dw[0], in, A, B, out, in, K, acc);
     return;
   }
   // Token pieces: each output reads its rows, K along the columns of both operands' fp32 storage
@@ -476,7 +473,7 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
     GemmOperand a = A, b = B;
     a.data = static_cast<const float*>(A.data) + p * rows;
     b.data = static_cast<const float*>(B.data) + p * rows;
-    gemm(dw[static_cast<size_t>(p)], in, a, b, out, in, rows, acc);
+    device_->ops.gemm(dw[static_cast<size_t>(p)], in, a, b, out, in, rows, acc);
   }
 }
 
@@ -503,7 +500,7 @@ void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise)
     current_amaxes({{first_site_[w], input, x, N * in}, {first_site_[w], weight, ps.weight(w), out * in}});
-  if (recipe(w) == Recipe::none) gemm(y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
+  if (recipe(w) == Recipe::none) gemm_f32(ps.device().ops, y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
   else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
   if (!partial) round(y, N * out);
 }
@@ -511,7 +508,7 @@ void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int
 void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
-  if (recipe(w) == Recipe::none) gemm(dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
+  if (recipe(w) == Recipe::none) gemm_f32(ps.device().ops, dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
   else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt, -1, piece_tokens(ps, w, N));
   if (!partial) round(dx, N * in);
 }
@@ -545,7 +542,7 @@ void Precision::wgrad(const ParamStore& ps, int w, const float* dy, const float*
     GemmOptions acc;
     acc.accumulate = true;
     acc.k_segments = bounds;
-    gemm(ps.grad_piece(w, k), dyk, Trans::T, xk, Trans::N, out, in, rows, acc);
+    gemm_f32(ps.device().ops, ps.grad_piece(w, k), dyk, Trans::T, xk, Trans::N, out, in, rows, acc);
   }
 }
 
@@ -579,10 +576,11 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
-      grouped_gemm_segmented(y, gemm_operand(x, in, Trans::N), gemm_operand(ps.weight(w), in, Trans::T), bias, offsets,
-                             E, out, in, seg);
+      ps.device().ops.grouped_gemm_segmented(y, gemm_operand(x, in, Trans::N), gemm_operand(ps.weight(w), in, Trans::T),
+                                             bias, offsets, E, out, in, seg);
     else
-      grouped_gemm(y, x, ps.weight(w), Trans::T, bias, offsets, E, out, in, false);
+      ps.device().ops.grouped_gemm(y, gemm_operand(x, in, Trans::N), gemm_operand(ps.weight(w), in, Trans::T), bias,
+                                   offsets, E, out, in, false);
   } else {
     const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, in) : KSegmentBounds{};
     const int64_t S = blocks ? blocks->sources : 1;
@@ -620,10 +618,11 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
-      grouped_gemm_segmented(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N), nullptr,
-                             offsets, E, in, out, seg);
+      ps.device().ops.grouped_gemm_segmented(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N),
+                                             nullptr, offsets, E, in, out, seg);
     else
-      grouped_gemm(dx, dy, ps.weight(w), Trans::N, nullptr, offsets, E, in, out, false);
+      ps.device().ops.grouped_gemm(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N), nullptr,
+                                   offsets, E, in, out, false);
   } else {
     GemmOptions opt;
     const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, out) : KSegmentBounds{};
@@ -655,14 +654,17 @@ void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* d
                               const int64_t* offsets, int64_t E, int64_t out, int64_t in) {
   float* dbias = b >= 0 ? ps.grad(b) : nullptr;
   if (recipe(w) == Recipe::none) {
-    grouped_gemm_wgrad(ps.grad(w), dbias, dy, x, offsets, E, out, in);
+    const Ops& ops = ps.device().ops;
+    ops.grouped_gemm_wgrad(ps.grad(w), gemm_operand(dy, out, Trans::T), gemm_operand(x, in, Trans::N), offsets, E, out,
+                           in);
+    if (dbias) ops.grouped_bias_grad(dbias, dy, offsets, E, out);
     return;
   }
   for (int64_t e = 0; e < E; ++e) {
     const int64_t r0 = offsets[e], rows = offsets[e + 1] - r0;
     if (rows == 0) continue;
     gemm_wgrad(first_site_[w] + e, ps.grad(w) + e * out * in, dy + r0 * out, x + r0 * in, rows, out, in);
-    if (dbias) bias_backward(dbias + e * out, dy + r0 * out, rows, out);
+    if (dbias) device_->ops.bias_backward(dbias + e * out, dy + r0 * out, rows, out, 0);
   }
 }
 
@@ -679,7 +681,7 @@ void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float*
     if (db) std::fill(db + e * out, db + (e + 1) * out, 0.0f);
     if (rows == 0) continue;
     gemm_wgrad(first_site_[w] + e, g, dy + r0 * out, x + r0 * in, rows, out, in);
-    if (db) bias_backward(db + e * out, dy + r0 * out, rows, out);
+    if (db) device_->ops.bias_backward(db + e * out, dy + r0 * out, rows, out, 0);
   }
 }
 
@@ -694,7 +696,7 @@ void Precision::grouped_wgrad_blocks(int w, float* dw, float* db, const float* d
                  r0 - blocks.whole[e]);
     else
       gemm_wgrad(first_site_[w] + e, dw + k * out * in, dy + r0 * out, x + r0 * in, rows, out, in, {}, s);
-    if (db) bias_backward(db + k * out, dy + r0 * out, rows, out);
+    if (db) device_->ops.bias_backward(db + k * out, dy + r0 * out, rows, out, 0);
   });
 }
 

@@ -99,13 +99,13 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
-#include "lockstep/kernels/cpu/gemm.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
-#include "lockstep/kernels/cpu/quantize.h"
+#include "lockstep/kernels/gemm.h"
+#include "lockstep/kernels/quantize.h"
 
 namespace lockstep {
 
 class Communicator;
+class Device;
 class ParamStore;
 
 // An operand's tokens under layout: cut (boundaries over its tokens, 0 .. n): no block straddles
@@ -303,6 +303,9 @@ class Precision {
   std::vector<NamedHistory> amax_histories();
 
  private:
+  // The device of the store the recipe was made for (none for plain fp32, which computes through
+  // the store passed to each call).
+  Device* device_ = nullptr;
   enum Role : int { input = 0, weight = 1, grad = 2 };
   struct Site {  // one quantised GEMM weight (one expert's)
     std::string global_name;  // the weight's name, with the expert's index in the layer

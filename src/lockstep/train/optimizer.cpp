@@ -6,7 +6,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/kernels/device.h"
 
 namespace lockstep {
 
@@ -35,6 +35,8 @@ Optimizer::Optimizer(const ParamStore& ps, const OptimizerConfig& oc, std::vecto
     n += r.end - r.begin;
   }
   for (const ParamSpec& p : ps.specs()) decay_.push_back(p.decay);
+  m_.set_allocator(&ps.device().memory());
+  v_.set_allocator(&ps.device().memory());
   m_.resize(n);
   v_.resize(n);
 }
@@ -54,7 +56,7 @@ float Optimizer::clip_scale(double grad_norm) const {
 
 double Optimizer::step(ParamStore& ps, int64_t step, double lr) {
   LOCKSTEP_CHECK(owned_.size() == ps.specs().size(), "Optimizer::step needs every parameter owned");
-  const double norm = std::sqrt(sum_of_squares(ps.grads(), ps.total()));
+  const double norm = std::sqrt(ps.device().ops.sum_of_squares(ps.grads(), ps.total()));
   update(ps, step, lr, clip_scale(norm));
   return norm;
 }
@@ -74,7 +76,7 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   auto plain = [&](int p, int64_t begin, int64_t end) {
     if (end <= begin) return;
     const int64_t s = state_index(p, begin);
-    adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin, end - begin, hyperparameters(p, lr),
+    ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin, end - begin, hyperparameters(p, lr),
                  step, grad_scale);
   };
   std::vector<ShardHashes::Block*> blocks;  // to update and hash
@@ -100,7 +102,7 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
     ShardHashes::Block& b = *blocks[static_cast<size_t>(i)];
     const int64_t s = state_index(b.param, b.begin);
     uint64_t out[4];
-    adamw_update_hashed(ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin, b.end - b.begin,
+    ps.device().ops.adamw_update_hashed(ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin, b.end - b.begin,
                         hyperparameters(b.param, lr), step, grad_scale, b.state_begin - b.begin, b.state_end - b.begin, out);
     b.grad = out[0], b.m = out[1], b.v = out[2], b.value = out[3], b.done = true;
   };

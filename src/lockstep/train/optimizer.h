@@ -1,5 +1,5 @@
 // The trainer's optimizer, reusable on its own (the reference tests drive it directly): global
-// grad-norm clipping, then AdamW (kernels/cpu/optimizer.h) on the parameter elements it owns, with
+// grad-norm clipping, then AdamW (kernels/optimizer.h) on the parameter elements it owns, with
 // weight decay on the parameters the table marks for it (weight matrices, not biases or norms).
 // Clipping follows torch.nn.utils.clip_grad_norm_: scale = clip / (norm + 1e-6) when that is below
 // 1; the scale enters AdamW as grad_scale, so the gradients themselves stay untouched.
@@ -18,7 +18,7 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
-#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/kernels/optimizer.h"
 #include "lockstep/tensor/param_table.h"
 
 namespace lockstep {

@@ -25,7 +25,7 @@
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/data/dataset.h"
 #include "lockstep/data/documents.h"
-#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/core/trace.h"
 #include "lockstep/parallel/data_parallel.h"
@@ -55,7 +55,7 @@ double seconds_since(Clock::time_point t0) {
 // milliseconds to be spread by the scheduler. Measured once per process and pool size: tests and
 // threads-backend ranks train many times in one process, and a quarter second per run was most
 // of a short test's time (rank threads wait for the first one's measurement).
-double measure_gemm_peak() {
+double measure_gemm_peak(const Ops& ops) {
   static std::mutex mutex;
   static std::map<int, double> measured;  // by thread count
   const std::lock_guard<std::mutex> lock(mutex);
@@ -67,7 +67,7 @@ double measure_gemm_peak() {
   const auto start = Clock::now();
   for (int rep = 0; rep < 3 || seconds_since(start) < 0.25; ++rep) {
     const auto t0 = Clock::now();
-    gemm(c.data(), a.data(), Trans::N, b.data(), Trans::T, n, n, n);
+    gemm_f32(ops, c.data(), a.data(), Trans::N, b.data(), Trans::T, n, n, n);
     best = std::max(best, 2.0 * n * n * n / seconds_since(t0) / 1e9);
   }
   return best;
@@ -229,13 +229,15 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
                                                                      static_cast<unsigned>(comm.local_size())));
   ThreadPool pool(threads);
   ThreadPool::Bind bind(&pool);
+  // The rank's device: its ops run on the pool bound above; the model's memory comes from it.
+  const std::unique_ptr<Device> device = Device::cpu();
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
   // determinism = "layout": a tied head's or the MTP depths' word embedding keeps its last-stage
   // copy on one stage too (StagePart::split_embedding).
   StagePart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : StagePart{};
   part.split_embedding = config.determinism == "layout";
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp);
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp, device.get());
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
   // of the tensor (tensor/precision.h). determinism = "layout" scales each micro-batch by its own
@@ -394,7 +396,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   };
 
   const bool live = isatty(fileno(out));
-  const double peak_gflops = measure_gemm_peak();
+  const double peak_gflops = measure_gemm_peak(device->ops);
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
   const int64_t tokens_per_step = tc.global_batch * T;
   double flops_per_token = model.flops_per_token();

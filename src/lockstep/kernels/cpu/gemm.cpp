@@ -940,23 +940,6 @@ void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const fl
   gemm_with(best_kernel(), C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
-GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0, int64_t col0) {
-  return {GemmOperand::Kind::quantized, &q, q.cols, t, row0, col0};
-}
-
-GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols) {
-  GemmOperand v = o;
-  switch (o.kind) {
-    case GemmOperand::Kind::f32: v.data = static_cast<const float*>(o.data) + rows * o.ld + cols; break;
-    case GemmOperand::Kind::bf16: v.data = static_cast<const bf16*>(o.data) + rows * o.ld + cols; break;
-    case GemmOperand::Kind::quantized:
-      v.row0 += rows;
-      v.col0 += cols;
-      break;
-  }
-  return v;
-}
-
 void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
           int64_t K, const GemmOptions& opt) {
 #ifdef LOCKSTEP_GEMM_BLAS

@@ -1,50 +1,14 @@
-// Packed single-precision GEMM: C(M, N) = init + op(A)(M, K) * op(B)(K, N).
-//
-// Layouts are row-major. op(A) = A (M x K, leading dimension lda) for Trans::N, or the transpose of
-// A stored K x M for Trans::T; likewise op(B) = B (K x N) or the transpose of B stored N x K. A
-// linear layer y = x W^T with W stored (out, in) is gemm(y, x, N, W, T); its input gradient is
-// gemm(dx, dy, N, W, N) and its weight gradient gemm(dW, dy, T, x, N, accumulate).
-//
-// Determinism guarantee (what every caller may rely on, and tests check bitwise):
-//   Each output element is one sequential chain of fused multiply-adds over k = 0, 1, ..., K-1:
-//       acc = init;  for k in 0..K-1: acc = fma(op(A)[i][k], op(B)[k][j], acc);  C[i][j] = acc
-//   with init = C[i][j] (accumulate), else bias[j] (bias given), else 0. So:
-//   - the result is bitwise independent of the thread count, of how M and N are partitioned into
-//     tiles, of the cache blocking, and of the instruction set (the AVX-512, AVX2 and portable
-//     micro-kernels give the same bits);
-//   - accumulating two calls over K-ranges [0, K1) then [K1, K) equals one call over [0, K): a
-//     gradient summed over micro-batches is the same as over their concatenation.
-//   With k_segments = {s0 = 0, s1, ..., sS = K} (caller-given boundaries), each segment is its own
-//   chain P_s started from 0, the S chains are summed along the canonical tree (core/tree_sum.h),
-//   and C = init + tree(P_0 .. P_{S-1}) (C = the tree itself without an init, so a -0 stays -0):
-//   how determinism = "layout" combines a reduction that tensor parallelism splits along K
-//   (row-parallel layers), so that ranks holding blocks of consecutive segments reproduce it with a
-//   tree_sum over the group.
-//   With k_sections = {w_0, ..., w_{J-1}} as well (summing to K), K is the concatenation of J
-//   sections, each cut into the same S segments: k_segments then holds J x (S + 1) boundaries,
-//   section j's at [j (S + 1), (j + 1) (S + 1)), each list running from 0 to w_j. Segment s's
-//   chain runs over section 0's part [b_0s, b_0(s+1)), then section 1's, ... (one chain, from
-//   0), and the chains are summed as above: the input gradient of a fused column-parallel
-//   projection ([Q | K | V], [gate | up]), whose ranks hold a slice of every section.
+// The CPU GEMM (kernels/gemm.h states the contract): packed panels and register-blocked AVX-512,
+// AVX2 and portable micro-kernels that continue each element's FMA chain over K (gemm.cpp).
 #pragma once
 
 #include <cstdint>
-#include <span>
 #include <string>
 #include <vector>
 
-#include "lockstep/core/dtype.h"
+#include "lockstep/kernels/gemm.h"
 
 namespace lockstep {
-
-enum class Trans : uint8_t { N, T };
-
-struct GemmOptions {
-  bool accumulate = false;              // init = C (else bias or 0)
-  const float* bias = nullptr;          // (N), init when not accumulating
-  std::span<const int64_t> k_segments;  // empty: one chain over all of K
-  std::span<const int64_t> k_sections;  // with k_segments: the widths of K's sections (empty: one)
-};
 
 void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
           Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt = {});
@@ -55,70 +19,10 @@ inline void gemm(float* C, const float* A, Trans ta, const float* B, Trans tb, i
   gemm(C, N, A, ta == Trans::N ? K : M, ta, B, tb == Trans::N ? N : K, tb, M, N, K, opt);
 }
 
-// ---- Operands in low precision
-//
-// One operand of a GEMM as it is stored: fp32, bf16, or a QuantizedTensor (FP8 / MXFP8 / NVFP4
-// codes with their scales, kernels/cpu/quantize.h). op(X) reads the stored matrix as is (Trans::N)
-// or its transpose (Trans::T), with the same meaning as gemm()'s A and B. Low-precision operands
-// are decoded to fp32 while the GEMM packs its panels (no extra pass over memory, and the memory
-// read is the codes', not fp32's); the arithmetic is the fp32 GEMM's.
-//
-// Determinism guarantee: gemm() on operands equals, bit for bit, gemm() on the fp32 matrices that
-// the operands stand for: a bf16 value widened exactly, a quantised one dequantised exactly as
-// dequantize() does (value = (decode(code) * block_scale) * tensor_scale in fp32). So the FMA-chain
-// guarantee above holds unchanged (threads, tiling, micro-kernel, split-K, k_segments).
-struct QuantizedTensor;
-
-struct GemmOperand {
-  enum class Kind : uint8_t { f32, bf16, quantized };
-  Kind kind = Kind::f32;
-  const void* data = nullptr;  // const float*, const bf16*, or const QuantizedTensor*
-  int64_t ld = 0;              // row length of the storage (a QuantizedTensor: its cols)
-  Trans trans = Trans::N;
-  int64_t row0 = 0, col0 = 0;  // a QuantizedTensor operand: the view's origin in the stored matrix
-};
-inline GemmOperand gemm_operand(const float* x, int64_t ld, Trans t) {
-  return {GemmOperand::Kind::f32, x, ld, t};
-}
-inline GemmOperand gemm_operand(const bf16* x, int64_t ld, Trans t) {
-  return {GemmOperand::Kind::bf16, x, ld, t};
-}
-// The view of q that starts at stored element (row0, col0) (a slice along K or along M / N).
-GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0 = 0, int64_t col0 = 0);
-// o's view moved by (rows, cols) in its storage (e.g. one expert's rows of a stacked operand).
-GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols);
-
 // C(M, N) = init + op(A)(M, K) * op(B)(K, N) with A and B in any storage; options as gemm()'s.
 void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
           int64_t K, const GemmOptions& opt = {});
 
-// One product of a batch: C = init + op(A) op(B), sizes and layouts as gemm()'s; init = C
-// (accumulate), else bias (when given), else 0.
-struct GemmBatchItem {
-  float* C;
-  int64_t ldc;
-  const float* A;
-  int64_t lda;
-  Trans ta;
-  const float* B;
-  int64_t ldb;
-  Trans tb;
-  int64_t M, N, K;
-  bool accumulate = false;
-  const float* bias = nullptr;
-  // Operands in any storage (gemm_operand): when a_src (b_src) is set (data not null) it replaces
-  // A, lda, ta (B, ldb, tb), and the guarantee of the GemmOperand overload of gemm() holds.
-  GemmOperand a_src{}, b_src{};
-  // As GemmOptions' (the caller's memory, read during the call): C = init + the canonical tree
-  // over the segments' chains. The segmented products of a batch share its parallel region too.
-  std::span<const int64_t> k_segments{}, k_sections{};
-};
-
-// Every item of the batch in one parallel region: each item is cut into rectangles of C and all
-// the rectangles of all items are shared among the threads (largest first). Bitwise the same as
-// calling gemm() on each item (the guarantee above holds per item, k_segments included); items
-// must not overlap in C.
-// For many small products (an MoE layer's experts), this replaces one region per product.
 void gemm_batch(const GemmBatchItem* items, int64_t count);
 
 // Which micro-kernel gemm() runs on this machine ("avx512-4x64", "avx2-6x16", "portable").

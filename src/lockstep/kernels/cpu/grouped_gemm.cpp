@@ -53,14 +53,6 @@ void expert_batch(float* C, const GemmOperand& A, const GemmOperand& W, const fl
   gemm_batch(items.data(), static_cast<int64_t>(items.size()));
 }
 
-// k_segment_bounds into b (its vectors reused).
-void fill_k_segment_bounds(KSegmentBounds& b, const KSegments& seg, int64_t K) {
-  const int64_t S = seg.segments, X = seg.sections, f = K / (S * X);
-  b.sections.assign(static_cast<size_t>(X), K / X);
-  b.segments.clear();
-  for (int64_t x = 0; x < X; ++x)
-    for (int64_t s = 0; s <= S; ++s) b.segments.push_back(s * f);
-}
 }  // namespace
 
 void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
@@ -110,14 +102,9 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
   // One segmented product per expert (gemm.h k_segments / k_sections), all in one batch: each tile
   // runs its segments' chains and their tree in cache, and C is written once.
   thread_local KSegmentBounds bounds;  // kept across calls
-  fill_k_segment_bounds(bounds, seg, K);
+  k_segment_bounds(bounds, seg, K);
   expert_batch(C, A, W, bias, offsets, E, Nout, K, false, bounds.segments, bounds.sections);
 }
 
-KSegmentBounds k_segment_bounds(const KSegments& seg, int64_t K) {
-  KSegmentBounds b;
-  fill_k_segment_bounds(b, seg, K);
-  return b;
-}
 
 }  // namespace lockstep

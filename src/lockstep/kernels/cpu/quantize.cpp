@@ -343,28 +343,6 @@ void quantize_blocks(QuantizedTensor& q, const float* x, const Encoder& enc, Sca
   });
 }
 
-}  // namespace
-
-float QuantizedTensor::block_scale(int64_t br, int64_t bc) const {
-  const auto b = static_cast<size_t>(br * grid_cols() + bc);
-  switch (scale_format) {
-    case ScaleFormat::f32: return scales[b];
-    case ScaleFormat::e8m0: return decode_e8m0(scale_codes[b]);
-    case ScaleFormat::e4m3: break;
-  }
-  return decode_e4m3(scale_codes[b]);
-}
-
-float QuantizedTensor::value(int64_t r, int64_t c) const {
-  return scaled(decode(elem, code(r, c)), block_scale(r / block_rows, c / block_cols)) * tensor_scale;
-}
-
-int64_t QuantizedTensor::storage_bytes() const {
-  return static_cast<int64_t>(codes.size() + scales.size() * sizeof(float) + scale_codes.size()) +
-         (scale_format == ScaleFormat::e4m3 ? static_cast<int64_t>(sizeof(float)) : 0);
-}
-
-namespace {
 
 #ifdef LOCKSTEP_AVX2
 // decode() of 8 FP8 codes (int32 lanes 0..255) without a table (gathers are slow): the magnitude
@@ -455,9 +433,9 @@ void dequantize_row(const QuantizedTensor& q, int64_t r, int64_t c, int64_t len,
   }
 }
 
-void dequantize(float* out, const QuantizedTensor& q) {
+void dequantize(float* out, int64_t ld, const QuantizedTensor& q) {
   parallel_for(q.rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) dequantize_row(q, r, 0, q.cols, out + r * q.cols);
+    for (int64_t r = r0; r < r1; ++r) dequantize_row(q, r, 0, q.cols, out + r * ld);
   });
 }
 
@@ -478,14 +456,6 @@ float amax(const float* x, int64_t n) {
   return m;
 }
 
-float fp8_scale_from_amax(float amax_value, ElemFormat f, int margin, float previous) {
-  if (!(amax_value > 0.0f) || !std::isfinite(amax_value)) return previous;
-  return (max_finite(f) / amax_value) / std::ldexp(1.0f, margin);
-}
-
-uint64_t sr_purpose(uint64_t tensor_id, uint64_t step) {
-  return mix_purpose(mix_purpose(purpose_id("quantize/stochastic_rounding"), tensor_id), step);
-}
 
 void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
                          ElemFormat f, float scale, const StochasticRounding& sr) {
@@ -549,16 +519,6 @@ void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t 
 }
 
 // ---- Hadamard
-
-const std::array<float, 16>& hadamard16_signs() {
-  static const std::array<float, 16> signs = [] {
-    std::array<float, 16> s{};
-    const RandomStream rng(0, purpose_id("hadamard16/signs"));
-    for (int i = 0; i < 16; ++i) s[i] = (rng.bits(i) & 1u) ? -1.0f : 1.0f;
-    return s;
-  }();
-  return signs;
-}
 
 namespace {
 // v[k] (k = 0..15, v[k] at p + k * stride, `width` consecutive lanes each) <- (H16 diag(s) v) / 4.

@@ -6,13 +6,12 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/kernels/cpu/permute.h"
 
 namespace lockstep {
 
-AllGatherDispatcher::AllGatherDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
-                                         int64_t capacity, bool pad)
-    : ExpertParallelDispatcher(ep, E, K, C, max_tokens, capacity, pad), K_(K), capacity_(capacity), pad_(pad) {
+AllGatherDispatcher::AllGatherDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C,
+                                         int64_t max_tokens, int64_t capacity, bool pad)
+    : ExpertParallelDispatcher(ops, ep, E, K, C, max_tokens, capacity, pad), K_(K), capacity_(capacity), pad_(pad) {
   const int64_t all = S_ * max_tokens;
   idx_all_.resize(static_cast<size_t>(all * K));
   kept_all_.resize(static_cast<size_t>(all * K));
@@ -89,7 +88,7 @@ void AllGatherDispatcher::gather_choice_rows(const float* src) const {
 void AllGatherDispatcher::dispatch(float* expert_in, const float* x) const {
   ep_.all_gather(gathered_.data(), x, N_ * C_);
   count(N_ * C_, sizeof(float));
-  permute_forward(expert_in, gathered_.data(), row_choice_.data(), rows(), K_, C_);
+  ops_.permute_forward(expert_in, gathered_.data(), row_choice_.data(), rows(), K_, C_);
 }
 
 void AllGatherDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
@@ -98,12 +97,12 @@ void AllGatherDispatcher::combine(float* out, const float* base, const float* ex
   count(N_ * K_, sizeof(float));
   if (exact_) {
     gather_choice_rows(expert_out);
-    combine_forward(out, base, mine_rows_.data(), own_slot_.data(), probs, N_, K_, C_);
+    ops_.combine_forward(out, base, mine_rows_.data(), own_slot_.data(), probs, N_, K_, C_);
     return;
   }
   float* partial = partial_.data();
   std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
-  combine_forward(partial, partial, expert_out, slot_.data(), probs_all_.data(), all, K_, C_);
+  ops_.combine_forward(partial, partial, expert_out, slot_.data(), probs_all_.data(), all, K_, C_);
   ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
   count(N_ * C_, sizeof(float));
   const float* sum = mine_.data();
@@ -117,7 +116,7 @@ void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, co
   const int64_t all = S_ * N_;
   ep_.all_gather(gathered_.data(), dout, N_ * C_);
   count(N_ * C_, sizeof(float));
-  lockstep::combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(),
+  ops_.combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(),
                              row_choice_.data(), probs_all_.data(), all, rows(), K_, C_);
   // Each choice's gradient comes from the one rank holding its expert; the others add zeros (-0 in
   // layout mode, which adds exactly, also to a -0).
@@ -131,13 +130,13 @@ void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, co
 void AllGatherDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
   if (exact_) {
     gather_choice_rows(dexpert_in);
-    permute_backward(dx, mine_rows_.data(), own_slot_.data(), N_, K_, C_);
+    ops_.permute_backward(dx, mine_rows_.data(), own_slot_.data(), N_, K_, C_);
     return;
   }
   const int64_t all = S_ * N_;
   float* partial = partial_.data();
   std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
-  permute_backward(partial, dexpert_in, slot_.data(), all, K_, C_);
+  ops_.permute_backward(partial, dexpert_in, slot_.data(), all, K_, C_);
   ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
   count(N_ * C_, sizeof(float));
   const float* sum = mine_.data();

@@ -45,7 +45,7 @@ class Communicator;
 
 class AllGatherDispatcher final : public ExpertParallelDispatcher {
  public:
-  AllGatherDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
+  AllGatherDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
                       bool pad);
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;

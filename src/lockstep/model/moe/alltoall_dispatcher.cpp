@@ -9,9 +9,9 @@
 
 namespace lockstep {
 
-AllToAllDispatcher::AllToAllDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
-                                       int64_t capacity, bool pad)
-    : ExpertParallelDispatcher(ep, E, K, C, max_tokens, capacity, pad),
+AllToAllDispatcher::AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C,
+                                       int64_t max_tokens, int64_t capacity, bool pad)
+    : ExpertParallelDispatcher(ops, ep, E, K, C, max_tokens, capacity, pad),
       send_rows_(static_cast<size_t>(S_)), recv_rows_(static_cast<size_t>(S_)),
       recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)) {
   send_.resize(local_.max_rows() * C);

@@ -43,7 +43,7 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
  public:
   // ep: the expert-parallel group (S ranks); E: experts of the layer (divisible by S); the rest as
   // LocalDispatcher's.
-  AllToAllDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
+  AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;

@@ -5,12 +5,12 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/permute.h"
 
 namespace lockstep {
 
-LocalDispatcher::LocalDispatcher(int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad)
-    : E_(E), K_(K), C_(C), capacity_(capacity), pad_(pad), counts_(static_cast<size_t>(E)),
+LocalDispatcher::LocalDispatcher(const Ops& ops, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
+                                 bool pad)
+    : Dispatcher(ops), E_(E), K_(K), C_(C), capacity_(capacity), pad_(pad), counts_(static_cast<size_t>(E)),
       offsets_(static_cast<size_t>(E + 1)) {
   LOCKSTEP_CHECK(!pad || capacity > 0, "padding needs a capacity");
   slot_.resize(static_cast<size_t>(max_tokens * K));
@@ -56,26 +56,27 @@ void LocalDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N) {
 }
 
 void LocalDispatcher::dispatch(float* expert_in, const float* x) const {
-  permute_forward(expert_in, x, row_choice_.data(), rows(), K_, C_);
+  ops_.permute_forward(expert_in, x, row_choice_.data(), rows(), K_, C_);
 }
 
 void LocalDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
-  permute_backward(dx, dexpert_in, slot_.data(), N_, K_, C_);
+  ops_.permute_backward(dx, dexpert_in, slot_.data(), N_, K_, C_);
 }
 
 void LocalDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
-  combine_forward(out, base, expert_out, slot_.data(), probs, N_, K_, C_);
+  ops_.combine_forward(out, base, expert_out, slot_.data(), probs, N_, K_, C_);
 }
 
 void LocalDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout,
                                        const float* expert_out, const float* probs) const {
-  lockstep::combine_backward(dexpert_out, dprobs, dout, expert_out, slot_.data(), row_choice_.data(), probs, N_,
-                             rows(), K_, C_);
+  ops_.combine_backward(dexpert_out, dprobs, dout, expert_out, slot_.data(), row_choice_.data(), probs, N_, rows(), K_,
+                        C_);
 }
 
-ExpertParallelDispatcher::ExpertParallelDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
-                                                   int64_t capacity, bool pad)
-    : ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C), local_(E, K, C, max_tokens, capacity, pad),
+ExpertParallelDispatcher::ExpertParallelDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C,
+                                                   int64_t max_tokens, int64_t capacity, bool pad)
+    : Dispatcher(ops), ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C),
+      local_(ops, E, K, C, max_tokens, capacity, pad),
       offsets_(static_cast<size_t>(El_ + 1)), segments_(static_cast<size_t>(El_ * S_ + 1)) {
   LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
   max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;

@@ -14,10 +14,14 @@
 #include <cstdint>
 #include <vector>
 
+#include "lockstep/kernels/ops.h"
+
 namespace lockstep {
 
 class Dispatcher {
  public:
+  // ops: the device's (kernels/ops.h) that permute and combine the rows.
+  explicit Dispatcher(const Ops& ops) : ops_(ops) {}
   virtual ~Dispatcher() = default;
   // Builds the layout of a micro-batch from idx (N, K) and kept (N, K).
   virtual void plan(const int32_t* idx, const uint8_t* kept, int64_t N) = 0;
@@ -63,6 +67,7 @@ class Dispatcher {
   const int64_t* token_segments() const { return L_ ? tsegs_.data() : nullptr; }
 
  protected:
+  const Ops& ops_;
   int64_t L_ = 0;
   std::vector<int64_t> tsegs_;
 };
@@ -75,7 +80,7 @@ inline int64_t token_segment(int64_t t, int64_t N, int64_t L) { return ((t + 1) 
 class LocalDispatcher final : public Dispatcher {
  public:
   // capacity: rows per expert when padding (pad = true), else unused.
-  LocalDispatcher(int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
+  LocalDispatcher(const Ops& ops, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;
@@ -123,8 +128,8 @@ class ExpertParallelDispatcher : public Dispatcher {
 
  protected:
   // max_rows: every source sends at most all its choices, and at most `capacity` rows per expert.
-  ExpertParallelDispatcher(Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
-                           bool pad);
+  ExpertParallelDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                           int64_t capacity, bool pad);
 
   Communicator& ep_;
   int64_t E_, El_, S_, C_, max_rows_;

@@ -5,11 +5,10 @@
 #include <cmath>
 #include <cstring>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/kernels/cpu/activations.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/context_parallel.h"
 
@@ -245,11 +244,11 @@ void tree_over_blocks(float* const* out, float* fine, int64_t leaves, int64_t pe
 
 // Leaf g's bias gradient db[g] (nout) assigned: the canonical tree over its `per` token segments of the
 // column sums of dy over each segment's rows, in row order (rows as token_segment_wgrad's).
-void token_segment_bias(float* const* db, const float* dy, const int64_t* rows, int64_t leaves, int64_t per,
+void token_segment_bias(const Ops& ops, float* const* db, const float* dy, const int64_t* rows, int64_t leaves, int64_t per,
                         int64_t nout) {
   thread_local std::vector<float> bias;
   bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
-  grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
+  ops.grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
   tree_over_blocks(db, bias.data(), leaves, per, nout);
 }
 
@@ -259,7 +258,7 @@ void token_segment_bias(float* const* db, const float* dy, const int64_t* rows, 
 // order (db null: no bias). rows: (leaves x per + 1) boundaries (leaf g's segments are g x per ..
 // (g + 1) x per - 1). Every leaf is one segmented product (gemm.h k_segments) and all of them one
 // batch: each tile of a dw runs its segments' chains and their tree in cache and is written once.
-void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, const float* x, const int64_t* rows,
+void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, const float* dy, const float* x, const int64_t* rows,
                          int64_t leaves, int64_t per, int64_t nout, int64_t nin) {
   thread_local std::vector<int64_t> bounds;  // leaf g's segments relative to its first row, (per + 1) each
   thread_local std::vector<GemmBatchItem> items;
@@ -274,8 +273,8 @@ void token_segment_wgrad(float* const* dw, float* const* db, const float* dy, co
     it.k_segments = std::span<const int64_t>(b, static_cast<size_t>(per + 1));
     items.push_back(it);
   }
-  gemm_batch(items.data(), leaves);
-  if (db) token_segment_bias(db, dy, rows, leaves, per, nout);
+  ops.gemm_batch(items.data(), leaves);
+  if (db) token_segment_bias(ops, db, dy, rows, leaves, per, nout);
 }
 
 // dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
@@ -363,8 +362,8 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const Precision::RowShare* rows_share = row_share(p, offsets);
   p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C, qb, {}, false, rows_share);
-  if (swiglu) swiglu_forward(arena(act), arena(fc_out), R, F);
-  else gelu_forward(arena(act), arena(fc_out), R * F);
+  if (swiglu) ps.device().ops.swiglu_forward(arena(act), arena(fc_out), R, F);
+  else ps.device().ops.gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
   if (inert_padding) zero_rows_of_zeros(arena(act), x, R, F, C);
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
@@ -667,11 +666,11 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         }
       }
       if (recipe == Precision::Recipe::none) {
-        token_segment_wgrad(dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves,
+        token_segment_wgrad(ps.device().ops, dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves,
                             per, nout, nin);
       } else {
         p.grouped_wgrad_segments(w, dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
-        if (b >= 0) token_segment_bias(db_leaves.data(), dy, token_segments, leaves, per, nout);
+        if (b >= 0) token_segment_bias(ps.device().ops, db_leaves.data(), dy, token_segments, leaves, per, nout);
       }
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
@@ -711,7 +710,10 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
       p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, run, E, nout, nin);
     } else {
-      grouped_gemm_wgrad(dw.data(), b >= 0 ? db.data() : nullptr, dy, in, segments, E * S, nout, nin);
+      const Ops& ops = ps.device().ops;
+      ops.grouped_gemm_wgrad(dw.data(), gemm_operand(dy, nout, Trans::T), gemm_operand(in, nin, Trans::N), segments,
+                             E * S, nout, nin);
+      if (b >= 0) ops.grouped_bias_grad(db.data(), dy, segments, E * S, nout);
     }
     if (layout_micros) {
       push(dw, first_tree);
@@ -730,8 +732,8 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
   if (inert_padding) zero_rows_of_zeros(s.dact, x, R, F, C);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
-  if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
-  else gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
+  if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
+  else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);

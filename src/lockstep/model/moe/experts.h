@@ -123,7 +123,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
+#include "lockstep/kernels/gemm.h"
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/expert_tp_sum.h"

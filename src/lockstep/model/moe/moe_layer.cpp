@@ -4,10 +4,10 @@
 #include <cmath>
 #include <cstring>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/model/moe/expert_tensor_parallel.h"
@@ -18,7 +18,7 @@ namespace lockstep {
 
 MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
                    const MoeConfig& moe, int64_t B, int64_t T, const MoeGroups& groups)
-    : spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
+    : ops_(&ps.device().ops), spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
       K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias),
       F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()), tp_(groups.tp), cp_(groups.cp),
       Tg_(T * groups.cp.size) {
@@ -105,15 +105,15 @@ void MoeLayer::make_dispatcher() {
   Communicator* ep = groups_.ep;
   const int64_t S = ep ? ep->size() : 1;
   if (S == 1) {
-    auto local = std::make_unique<LocalDispatcher>(E_, K_, C_, Nl_, capacity_, pad_);
+    auto local = std::make_unique<LocalDispatcher>(*ops_, E_, K_, C_, Nl_, capacity_, pad_);
     source_layout_ = local.get();
     dispatcher_ = std::move(local);
   } else if (dispatcher_kind_ == "alltoall") {
-    auto a2a = std::make_unique<AllToAllDispatcher>(*ep, E_, K_, C_, Nl_, capacity_, pad_);
+    auto a2a = std::make_unique<AllToAllDispatcher>(*ops_, *ep, E_, K_, C_, Nl_, capacity_, pad_);
     source_layout_ = &a2a->source_layout();
     dispatcher_ = std::move(a2a);
   } else {
-    auto ag = std::make_unique<AllGatherDispatcher>(*ep, E_, K_, C_, Nl_, capacity_, pad_);
+    auto ag = std::make_unique<AllGatherDispatcher>(*ops_, *ep, E_, K_, C_, Nl_, capacity_, pad_);
     source_layout_ = &ag->source_layout();
     dispatcher_ = std::move(ag);
   }
@@ -210,7 +210,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   }
   float* logits = arena(logits_);
   float* probs = arena(probs_);
-  gemm(logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
+  gemm_f32(ps.device().ops, logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
   trace_out(router_name_, logits, N * E_);
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
   if (!batch_capacity_) apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
@@ -315,7 +315,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   // segments under determinism = "layout", per token piece under context parallelism.
   ps.precision().wgrad(ps, router_w_, s.dlogits, rx, N, E_, C_);
   if (jittered_) {
-    gemm(s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
+    gemm_f32(ps.device().ops, s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
     const float* u = arena(jitter_);
     float* d = s.dnorm;
     const float* dr = s.drouter_x;
@@ -323,7 +323,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
       for (int64_t i = i0; i < i1; ++i) d[i] += dr[i] * u[i];
     });
   } else {
-    gemm(s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_, acc);
+    gemm_f32(ps.device().ops, s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_, acc);
   }
   ps.precision().round(s.dnorm, N * C_);
   trace_grad_in(name_, s.dnorm, N * C_);

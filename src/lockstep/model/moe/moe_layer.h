@@ -156,6 +156,7 @@ class MoeLayer {
   }
 
  private:
+  const Ops* ops_;
   RouterSpec spec_;
   // Trace names (core/trace.h): "<prefix>moe" (the sublayer's output, the gradient of its normed
   // input), "<prefix>moe.router" (logits), "<prefix>moe.experts" (expert output rows).

@@ -2,10 +2,9 @@
 
 #include <cmath>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/activations.h"
-#include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
 
@@ -31,8 +30,8 @@ SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& pref
 void SharedExpert::forward(const ParamStore& ps, const Arena& arena, float* out, const float* base,
                            const float* x) const {
   fc.forward(ps, arena(fc_out), x, N);
-  if (swiglu) swiglu_forward(arena(act), arena(fc_out), N, F);
-  else gelu_forward(arena(act), arena(fc_out), N * F);
+  if (swiglu) ps.device().ops.swiglu_forward(arena(act), arena(fc_out), N, F);
+  else ps.device().ops.gelu_forward(arena(act), arena(fc_out), N * F);
   ps.precision().round(arena(act), N * F);
   proj.forward(ps, arena(y), arena(act), N);
   const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
@@ -73,8 +72,8 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
   });
   ps.precision().round(s.dout, N * C);
   proj.backward(ps, s.dact, s.dout, arena(act), N);
-  if (swiglu) swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
-  else gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
+  else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
   fc.backward(ps, s.dx, s.dfc, x, N);
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.

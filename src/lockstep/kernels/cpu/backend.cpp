@@ -1,0 +1,71 @@
+#include "lockstep/kernels/cpu/backend.h"
+
+#include "lockstep/core/exact_sum.h"
+#include "lockstep/kernels/cpu/activations.h"
+#include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/kernels/cpu/cross_entropy.h"
+#include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gemm.h"
+#include "lockstep/kernels/cpu/grouped_gemm.h"
+#include "lockstep/kernels/cpu/norms.h"
+#include "lockstep/kernels/cpu/optimizer.h"
+#include "lockstep/kernels/cpu/permute.h"
+#include "lockstep/kernels/cpu/quantize.h"
+#include "lockstep/kernels/cpu/rope.h"
+
+namespace lockstep {
+
+// Each op binds the CPU kernel of the same name whose signature is the op's (overloads resolve by
+// it). The kernels run on the calling thread's pool: no device context.
+void bind_cpu_ops(Ops& ops) {
+  ops.gemm.bind(&gemm);
+  ops.gemm_batch.bind(&gemm_batch);
+  ops.grouped_gemm.bind(&grouped_gemm);
+  ops.grouped_gemm_wgrad.bind(&grouped_gemm_wgrad);
+  ops.grouped_bias_grad.bind(&grouped_bias_grad);
+  ops.grouped_gemm_segmented.bind(&grouped_gemm_segmented);
+  ops.attention_forward.bind(&attention_forward);
+  ops.attention_backward.bind(&attention_backward);
+  ops.attention_forward_chunks.bind(&attention_forward_chunks);
+  ops.attention_backward_chunks.bind(&attention_backward_chunks);
+  ops.layernorm_forward.bind(&layernorm_forward);
+  ops.layernorm_backward.bind(&layernorm_backward);
+  ops.rmsnorm_forward.bind(&rmsnorm_forward);
+  ops.rmsnorm_backward.bind(&rmsnorm_backward);
+  ops.gelu_forward.bind(&gelu_forward);
+  ops.gelu_backward.bind(&gelu_backward);
+  ops.swiglu_forward.bind(&swiglu_forward);
+  ops.swiglu_backward.bind(&swiglu_backward);
+  ops.embedding_forward.bind(&embedding_forward);
+  ops.embedding_backward.bind(&embedding_backward);
+  ops.bias_backward.bind(&bias_backward);
+  ops.rope_forward.bind(&rope_forward);
+  ops.rope_backward.bind(&rope_backward);
+  ops.cross_entropy_forward.bind(&cross_entropy_forward);
+  ops.cross_entropy_forward_backward.bind(&cross_entropy_forward_backward);
+  ops.cross_entropy_shard_lse.bind(&cross_entropy_shard_lse);
+  ops.cross_entropy_combine.bind(&cross_entropy_combine);
+  ops.cross_entropy_shard_backward.bind(&cross_entropy_shard_backward);
+  ops.cross_entropy_segments_max.bind(&cross_entropy_segments_max);
+  ops.cross_entropy_segments_sum.bind(&cross_entropy_segments_sum);
+  ops.cross_entropy_segments_loss.bind(&cross_entropy_segments_loss);
+  ops.cross_entropy_segments_backward.bind(&cross_entropy_segments_backward);
+  ops.cross_entropy_segments.bind(&cross_entropy_segments);
+  ops.permute_forward.bind(&permute_forward);
+  ops.permute_backward.bind(&permute_backward);
+  ops.combine_forward.bind(&combine_forward);
+  ops.combine_backward.bind(&combine_backward);
+  ops.quantize_tensorwise.bind(&quantize_tensorwise);
+  ops.quantize_blockwise.bind(&quantize_blockwise);
+  ops.quantize_mxfp8.bind(&quantize_mxfp8);
+  ops.quantize_nvfp4.bind(&quantize_nvfp4);
+  ops.dequantize.bind(&dequantize);
+  ops.amax.bind(&amax);
+  ops.hadamard16.bind(&hadamard16);
+  ops.adamw_update.bind(&adamw_update);
+  ops.adamw_update_hashed.bind(&adamw_update_hashed);
+  ops.sum_of_squares.bind(&sum_of_squares);
+  ops.exact_sum_of_squares.bind(&exact_sum_of_squares);
+}
+
+}  // namespace lockstep

@@ -1,0 +1,56 @@
+// AdamW on FP32 master weights, and the global gradient norm.
+//
+// adamw_update follows torch.optim.AdamW exactly, operation for operation:
+//   g = grad * grad_scale               (grad_scale carries gradient clipping)
+//   p = p * (1 - lr * weight_decay)     (decoupled weight decay)
+//   m = beta1 * m + (1 - beta1) * g
+//   v = beta2 * v + (1 - beta2) * g * g
+//   p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
+// Elementwise, so trivially deterministic.
+//
+// sum_of_squares: fixed blocks of kNormBlock elements, each summed in double over 16 fixed lanes
+// (element i to lane i % 16, lanes combined in one fixed tree), block sums added in block order in
+// double: the value depends on n and the data only, never on the thread count.
+#pragma once
+
+#include <cstdint>
+
+#include "lockstep/core/exact_sum.h"
+#include "lockstep/kernels/op.h"
+
+namespace lockstep {
+
+struct AdamW {
+  float lr = 3e-4f;
+  float beta1 = 0.9f;
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;
+};
+
+inline constexpr int64_t kNormBlock = 16384;
+
+// The ops, as a backend binds them (kernels/ops.h).
+struct OptimizerOps {
+  // step counts from 1.
+  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step, float grad_scale)>
+      adamw_update{"adamw_update"};
+  // The same update of n elements on the calling thread, and XXH3-64 of the gradient (as read) and
+  // of m and v (as written) over elements [state_begin, state_end) into hashes[0], [1], [2], and of
+  // the parameters (as written) over all n into hashes[3]: the update runs at most 16384 elements
+  // at a time and each piece is hashed right after it, while it is in cache, instead of in another
+  // pass over memory. The parameters, m and v get the same bits as from adamw_update.
+  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4])>
+      adamw_update_hashed{"adamw_update_hashed"};
+  // The grad norm's sum of squares under determinism = "run" (header comment).
+  Op<double(const float* x, int64_t n)> sum_of_squares{"sum_of_squares"};
+  // Under "layout": the sum of x[i]^2 exactly (core/exact_sum.h), the same for any split of x.
+  Op<ExactSum(const float* x, int64_t n)> exact_sum_of_squares{"exact_sum_of_squares"};
+
+  template <class F>
+  void each(F&& f) {
+    f(adamw_update), f(adamw_update_hashed), f(sum_of_squares), f(exact_sum_of_squares);
+  }
+};
+
+}  // namespace lockstep
