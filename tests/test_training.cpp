@@ -5,6 +5,8 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/error.h"
@@ -17,6 +19,7 @@ namespace lockstep {
 namespace {
 
 using testing::quiet_train;
+using testing::train_ranks;
 using testing::read_file;
 using testing::TempDir;
 
@@ -77,6 +80,29 @@ TEST(Training, RunDirectoryHoldsResolvedConfigMetricsAndFingerprints) {
                           "\"rng\":\"", "\"dp\":0"})
     EXPECT_NE(fp.find(key), std::string::npos) << key;
   EXPECT_FALSE(std::filesystem::exists(dir.path("run/config.toml.tmp")));
+}
+
+// The device's memory high-water mark (every rank's, and the largest) and the step's host syncs: on
+// moe-debug over 2 ranks (one micro-batch each, 2 MoE layers) one loss and two routings, then the
+// grad norm, the token statistics and the fingerprint: 6. Evaluation's syncs are not counted.
+TEST(Training, MetricsHoldTheDeviceMemoryPeakAndTheHostSyncs) {
+  TempDir dir;
+  const Config c = load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/moe-debug.toml"),
+                               {"train.steps=2", "train.eval_interval=1", "train.out_dir=" + dir.path("run")});
+  train_ranks(2, c);
+  std::istringstream in(read_file(dir.path("run/metrics.jsonl")));
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("eval_loss")) continue;
+    ++steps;
+    ASSERT_EQ(j["alloc_peak_mb_ranks"].size(), 2u) << line;
+    const double a = j["alloc_peak_mb_ranks"][0], b = j["alloc_peak_mb_ranks"][1];
+    EXPECT_GT(a, 1.0);
+    EXPECT_EQ(j["alloc_peak_mb"].get<double>(), std::max(a, b));
+    EXPECT_EQ(j["host_syncs"].get<int64_t>(), 6) << line;
+  }
+  EXPECT_EQ(steps, 2);
 }
 
 TEST(Training, DebugModelLearnsTheBuiltInCorpus) {

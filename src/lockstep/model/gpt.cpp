@@ -523,6 +523,7 @@ double GPT::micro_batch_mean(int64_t count) const {
   // Context parallelism under layout (layout_token_segments): a rank's share divided by the count is
   // rounded, and the shares' exact sum is not the one-process mean. The per-token losses are
   // gathered in position order and cp rank 0 takes the one-process mean; the others count 0.
+  device_->host_sync("loss");  // the per-token losses, summed on the host
   const float* x = arena_(losses_);
   int64_t n = N_;
   if (cp_.on() && tp_.token_segments) {
@@ -662,6 +663,7 @@ void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
 
 std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicator* dp) {
   precision_.end_step();
+  if (!moe_.empty()) device_->host_sync("moe.token_stats");  // the step's counts, for the expert bias
   std::vector<MoeTokenStats> stats;
   for (auto& layer : moe_)
     if (layer) stats.push_back(layer->finish_step(bias_update_rate, dp));

@@ -378,6 +378,7 @@ double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
 }
 
 double DataParallel::grad_norm() {
+  ps_.device().host_sync("grad_norm");
   if (world_) {
     // Every element once over the world: this rank's chunk of each of its buckets (tensor-parallel
     // replicas on tp rank 0 only), summed exactly.

@@ -154,6 +154,7 @@ void Precision::reduce_amax(float* a, int64_t n, bool expert) {
 }
 
 std::vector<float> Precision::current_amaxes(const std::vector<AmaxOf>& of) {
+  device_->host_sync("fp8.amax");  // the current amaxes, max-reduced and turned into scales on the host
   std::vector<float> a(of.size());
   for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? device_->ops.amax(of[i].x, of[i].n) : 0.0f;
   if (!of.empty()) reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
@@ -223,6 +224,7 @@ bool Precision::in_pieces(const Site& s) const {
 const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, const Site& s, Role r) {
   if (!groups_.layout) return nullptr;
   if (nvfp4_amax_ == Nvfp4Amax::staged) return &s.now[r];
+  device_->host_sync("nvfp4.amax");  // the tensor amax, reduced on the host
   a = device_->ops.amax(x, n);
   if (nvfp4_amax_ == Nvfp4Amax::gathered) {
     max_reduce(gathered_group_, &a, 1);
@@ -345,6 +347,7 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
     case Recipe::delayed: {
       AmaxHistory& h = sites_[static_cast<size_t>(site)].state[r];
       if (recording_) {
+        device_->host_sync("fp8.amax");  // staged into the history on the host
         const float a = device_->ops.amax(x, n);
         if (!(a <= h.amax[0]) && !std::isnan(h.amax[0])) h.amax[0] = a;  // also stages a NaN, which stays
       }

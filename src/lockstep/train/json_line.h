@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <string>
+#include <vector>
 
 namespace lockstep {
 
@@ -37,6 +38,19 @@ class JsonLine {
       std::snprintf(buf, sizeof buf, "%.*g", digits, v);
       out_ += buf;
     }
+    return *this;
+  }
+  JsonLine& add(const char* key, const std::vector<double>& v, int digits = 17) {
+    field(key);
+    out_ += '[';
+    for (size_t i = 0; i < v.size(); ++i) {
+      char buf[40];
+      if (std::isfinite(v[i])) std::snprintf(buf, sizeof buf, "%.*g", digits, v[i]);
+      else std::snprintf(buf, sizeof buf, "null");
+      out_ += (i ? "," : "");
+      out_ += buf;
+    }
+    out_ += ']';
     return *this;
   }
   std::string str() const { return out_ + "}\n"; }

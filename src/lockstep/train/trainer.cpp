@@ -462,6 +462,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (gather_in_background) model.set_params_needed_hook([&dp](int first, int end) { dp.params_needed(first, end); });
   std::optional<Fingerprint> pending_fingerprint;
   auto write_fingerprint = [&](Fingerprint fp, std::vector<uint64_t> param_blocks) {
+    device->host_sync("fingerprint");
     dp.wait_params();
     if (param_blocks.empty()) param_blocks = model.param_block_hashes();
     fp.params = model.state_hash(param_blocks);
@@ -669,6 +670,22 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
             .add((key + "slot_mb").c_str(), v[3], 6);
       }
     }
+    {
+      // Every rank's device memory high-water mark and the step's host syncs (kernels/device.h).
+      const double mine[2] = {static_cast<double>(device->memory().peak_bytes()) / (1 << 20),
+                              static_cast<double>(device->take_host_syncs())};
+      std::vector<double> ranks(static_cast<size_t>(2 * comm.size()));
+      comm.all_gather(ranks.data(), mine, 2);
+      std::vector<double> peaks(static_cast<size_t>(comm.size()));
+      double syncs = 0;
+      for (int r = 0; r < comm.size(); ++r) {
+        peaks[static_cast<size_t>(r)] = ranks[static_cast<size_t>(2 * r)];
+        syncs = std::max(syncs, ranks[static_cast<size_t>(2 * r + 1)]);
+      }
+      metrics_line.add("alloc_peak_mb", *std::max_element(peaks.begin(), peaks.end()), 6)
+          .add("alloc_peak_mb_ranks", peaks, 6)
+          .add("host_syncs", static_cast<int64_t>(syncs));
+    }
     if (metrics) metrics->write(metrics_line.str());
     if (step == start_step) summary.first_loss = loss;
     summary.last_loss = loss;
@@ -679,6 +696,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (eval_now) {
       dp.wait_params();
       eval_loss = evaluate();
+      device->take_host_syncs();  // evaluation's are not the next step's
       dispatch_bytes_before = dispatch_total();
       summary.last_eval_loss = eval_loss;
       if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());

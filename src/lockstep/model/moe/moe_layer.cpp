@@ -212,6 +212,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   float* probs = arena(probs_);
   gemm_f32(ps.device().ops, logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
   trace_out(router_name_, logits, N * E_);
+  ps.device().host_sync("moe.routing");  // top-k, capacity and the dispatch plan run on the host
   route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
   if (!batch_capacity_) apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
   // The aux losses are over the whole micro-batch: every tp (and cp) rank gets every token's logits.
