@@ -228,7 +228,7 @@ void register_other_kernels(const Shape& s, int threads) {
   }
 }
 
-// determinism = "layout"'s segmented products (GemmOptions::k_segments, docs/determinism.md): the
+// determinism = "layout"'s segmented products (GemmOptions::k_segments, docs/design/reductions.md#one-fma-chain-per-gemm-element): the
 // same shape as one chain over K (segments 0), as one segment (C = init + the chain), and in 8
 // canonical segments summed along the tree (the fold in the kernel's epilogue). The shapes of
 // moe-peer's layout-mode GEMMs: the attention proj forward (K = 256: segments of 32), an expert's

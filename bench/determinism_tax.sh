@@ -21,7 +21,7 @@
 # step swings by tens of percent with the other processes, the CPU time much less.
 #
 # Part three (`tp`, on its own): the same layout tax on moe-peer at TP 2 + SP on 2 thread ranks
-# (one thread each; every rank holds all experts, docs/determinism.md) in bf16 and with the block
+# (one thread each; every rank holds all experts, docs/design/reductions.md#expert-tp-parts-and-slices) in bf16 and with the block
 # recipes (blockwise FP8, NVFP4), the low-precision MoE rows of docs/performance.md, with one
 # micro-batch per rank, and in bf16 with four. Parts two and three run their pairs through
 # bench/interleave.sh, and time $LOCKSTEP instead of build/lockstep when it is set.
@@ -87,7 +87,7 @@ fi
 if [ "$parts" = tp ]; then
   tp="--nproc 2 parallel.tensor=2 parallel.sequence_parallel=true train.threads=1 precision.params=bf16"
   # One micro-batch per rank (the global batch of 4), then four (16): each micro-batch's expert
-  # gradients reduce-scattered over tp (docs/determinism.md, ExpertTpSum).
+  # gradients reduce-scattered over tp (docs/design/reductions.md#expert-tp-parts-and-slices, ExpertTpSum).
   for row in ":4" "precision.fp8=blockwise:4" "precision.fp4=nvfp4:4" ":16"; do
     recipe=${row%:*} batch=${row#*:}
     # shellcheck disable=SC2086  # $tp is a list of words

@@ -234,7 +234,7 @@ TEST(DataParallel, BackwardPostsEveryBucketAndForwardCompletesEveryGather) {
 // (every one replicated, the shard distributed) is the canonical tree over the M = P A leaves, bit
 // for bit, whether the blocks are subtrees (A = 2, 4: tree_sum) or go as pieces (A = 3, 5); and a
 // rank with K pieces sends exactly K times the power-of-two layout's bytes in the distributed
-// optimizer's reduce-scatter (the figure docs/determinism.md quotes).
+// optimizer's reduce-scatter (the figure docs/design/reductions.md#canonical-pieces-blocks-that-are-not-subtrees quotes).
 TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
   const Config c = job("debug", "unused", {"ddp.bucket_size=20000"});
   auto leaf = [](int64_t g, int p, int64_t n) {

@@ -429,7 +429,7 @@ TEST(TensorParallel, LayoutErrorsNameTheKeys) {
   EXPECT_EQ(error({"parallel.sequence_parallel=true"}), "config: parallel.sequence_parallel = true needs parallel.tensor > 1 (got 1)");
 }
 
-// ---- determinism = "layout": the GEMM-side reductions the group splits (docs/determinism.md)
+// ---- determinism = "layout": the GEMM-side reductions the group splits (docs/design/reductions.md#tensor-parallel-k-segments)
 //
 // Each is cut into kSegments canonical segments whatever the group's size, so tp = 2 and 4 (with
 // and without sequence parallelism) must give the bits of one process (tp = 1, the same segments).

@@ -171,12 +171,12 @@ struct PrecisionConfig {
 struct Config {
   std::string determinism = "run";
   // determinism = "layout": how many canonical segments each reduction that tensor parallelism
-  // splits is cut into (docs/determinism.md); a power of two that parallel.tensor and
+  // splits is cut into (docs/design/reductions.md#tensor-parallel-k-segments); a power of two that parallel.tensor and
   // parallel.expert_tensor divide. Part of the arithmetic, like train.micro_batch.
   int64_t layout_segments = 8;
   // determinism = "layout": every weight gradient (and attention's dK, dV) is computed in the
   // micro-batch's layout_segments token segments, so that a layout may split a micro-batch's tokens
-  // anywhere on a segment boundary (docs/determinism.md). Part of the arithmetic.
+  // anywhere on a segment boundary (docs/design/reductions.md#token-segments-everywhere). Part of the arithmetic.
   bool layout_token_segments = false;
   ModelConfig model;
   TrainConfig train;

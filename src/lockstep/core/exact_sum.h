@@ -1,4 +1,4 @@
-// Exact summation: the order-independent combiner of determinism = "layout" (docs/determinism.md).
+// Exact summation: the order-independent combiner of determinism = "layout" (docs/design/reductions.md#exact-sums).
 //
 // ExactSum holds the sum of any number of doubles EXACTLY: a Kulisch accumulator, one
 // two's-complement fixed-point integer whose least significant bit is 2^-1074 (the smallest

@@ -1,5 +1,5 @@
 // The canonical summation tree: the combiner of determinism = "layout" for big buffers (gradients,
-// docs/determinism.md).
+// docs/design/reductions.md#the-canonical-tree).
 //
 // The canonical tree over leaves x_0 .. x_{L-1} depends on L only:
 //     tree(x_0 .. x_{L-1}) = x_0                                        when L = 1

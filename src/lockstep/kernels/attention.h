@@ -46,7 +46,7 @@
 // given queries' contributions; summed over the ranks that hold the other queries, they equal the
 // whole-sequence gradients up to the association of that sum.
 //
-// Query segments (determinism = "layout" with layout_token_segments, docs/determinism.md): with
+// Query segments (determinism = "layout" with layout_token_segments, docs/design/reductions.md#token-segments-everywhere): with
 // query_segments = G > 0 the backward cuts each sample's queries into G canonical segments
 // (core/tree_sum.h canonical_segments(T, G); G <= T) and computes dk, dv per segment, each one FMA
 // chain from zero over (query head of the group, then query position ascending) of that segment's

@@ -11,7 +11,7 @@
 //
 // Determinism: each row is owned by one thread and reduced in a fixed order.
 //
-// determinism = "layout" (docs/determinism.md) sums in another, canonical form, so that splitting
+// determinism = "layout" (docs/design/reductions.md#vocabulary-segments) sums in another, canonical form, so that splitting
 // the vocabulary over tensor-parallel ranks does not change a bit. The vocabulary [0, vocab_size)
 // is cut into S canonical segments (S = layout_segments), segment s = [s x vocab_size / S,
 // (s + 1) x vocab_size / S) (floor); per row:

@@ -119,7 +119,7 @@ struct GemmBatchItem {
 // an expert's rows in row order, one thread per (expert, column block). An expert with no rows
 // writes nothing (grouped_gemm) or leaves dW_e unchanged (wgrad).
 
-// determinism = "layout" (docs/determinism.md): the products whose K (an expert's hidden units)
+// determinism = "layout" (docs/design/reductions.md#expert-k-segments): the products whose K (an expert's hidden units)
 // expert tensor parallelism splits, cut into canonical segments. K is `sections` equal sections
 // (SwiGLU's [gate | up]: 2, else 1), each cut into `segments` equal slices; segment s is slice s of
 // every section, one FMA chain from zero over them in section order (an accumulating product

@@ -10,7 +10,7 @@
 // Determinism: row statistics are sums over C in one fixed order per row; dweight/dbias are
 // column sums over the N rows taken in row order, each column owned by one thread. Bits do not
 // depend on the thread count.
-// segments > 0 (determinism = "layout", docs/determinism.md): the rows are cut into that many
+// segments > 0 (determinism = "layout", docs/design/reductions.md#token-sum-parameters): the rows are cut into that many
 // token segments (core/tree_sum.h canonical_segments), each segment's column sums start from
 // zero, and the segments are summed along the canonical tree before they are added into dweight /
 // dbias. A rank of a sequence-parallel group holding rows [p N / P, (p + 1) N / P) with S / P

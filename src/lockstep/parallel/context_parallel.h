@@ -18,7 +18,7 @@
 // group); parameter gradients are partial sums over the rank's tokens, reduced over dp x cp.
 // determinism = "layout" (layout_token_segments): the rank's chunks are whole token segments, and its
 // parts of dK, dV and of every weight gradient are combined exactly (reduce_scatter_dkv_pieces,
-// combine_token_pieces; docs/determinism.md).
+// combine_token_pieces; docs/design/reductions.md#context-parallel-token-pieces).
 #pragma once
 
 #include <cstdint>

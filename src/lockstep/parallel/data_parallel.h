@@ -27,7 +27,7 @@
 // distributed optimizer and with overlap on or off. ddp.bucket_size changes the grad norm's last
 // bits (it groups and orders the partial sums), hence the clipped update's.
 //
-// determinism = "layout" (set_layout; docs/determinism.md): the same bits for any number of
+// determinism = "layout" (set_layout; docs/design/reductions.md#micro-batch-tree): the same bits for any number of
 // data-parallel ranks and any spread of the step's micro-batches over them. Each micro-batch's
 // gradient is computed from zero: as backward reports parameters final (the grads-ready hook, every
 // micro-batch), their gradients are pushed as one leaf into a canonical-tree sum over the rank's

@@ -29,7 +29,7 @@
 // this group splits along K is cut into S canonical segments (k_segments), each rank sums its
 // block of them along the canonical tree, and the group's reductions (reduce_from_tp,
 // scatter_to_sp and so the regions' entries and exits) are ReduceOp::tree_sum: the bits of one
-// process computing the same S segments, whatever the group's size (docs/determinism.md).
+// process computing the same S segments, whatever the group's size (docs/design/reductions.md#tensor-parallel-k-segments).
 #pragma once
 
 #include <cstdint>

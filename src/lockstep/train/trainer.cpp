@@ -241,7 +241,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   model.params().init(tc.seed);
   // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
   // of the tensor (tensor/precision.h). determinism = "layout" scales each micro-batch by its own
-  // tensors (docs/determinism.md), so there the data-parallel replicas are left out, except from
+  // tensors (docs/design/reductions.md#quantised-gemms-canonical-pieces), so there the data-parallel replicas are left out, except from
   // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
   // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x
   // expert-tensor group smaller than tp x cp sees part of a micro-batch's rows: its experts' group
@@ -272,7 +272,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
   DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
   // determinism = "layout": the step's micro-batch gradients and scalar sums are combined exactly
-  // or along the canonical tree (parallel/data_parallel.h, docs/determinism.md).
+  // or along the canonical tree (parallel/data_parallel.h, docs/design/reductions.md#micro-batch-tree).
   const bool layout = config.determinism == "layout";
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
   // Megatron's global aux loss counts each micro-batch over the ranks holding the step's other ones:
@@ -580,7 +580,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     }
     dp.finish_grad_sync();
     // Layout mode: the word (and position) embedding's lookup part and its head / MTP part, each the
-    // canonical tree over the step's micro-batches, are added now (docs/determinism.md).
+    // canonical tree over the step's micro-batches, are added now (docs/design/reductions.md#the-shared-word-embedding).
     if (layout && pipelined) pipeline->sum_shared_grads(model);
     if (layout) model.sum_split_grads();
     if (!layout) reduce_sequence_parallel_grads(tp, ps);  // layout: per micro-batch, in the grads-ready hook

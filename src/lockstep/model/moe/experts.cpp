@@ -101,7 +101,7 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
                  ") under tensor parallelism without context parallelism");
   tp_sum = tp_sum_;
   if (layout_segments) {
-    // The config refuses the layouts these do not hold for (docs/determinism.md).
+    // The config refuses the layouts these do not hold for (docs/determinism.md#what-layout-refuses).
     token_L = layout_segments / T;
     const bool part = sources > 1 && sources < T;  // the group holds part of a micro-batch's tp x cp ranks
     LOCKSTEP_CHECK(layout_segments % T == 0 && (sources == 1 || sources % T == 0 || part) &&

@@ -53,7 +53,7 @@
 // (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
 // source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
-// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/determinism.md); with one
+// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/design/reductions.md#expert-tp-parts-and-slices); with one
 // micro-batch per rank and step that reduction sums the ranks' subtrees itself (set_layout's
 // tp_sum = parts) and reduce_over_tp is skipped, and with a subtree of micro-batches per rank each
 // micro-batch's sum is spread over the tp ranks, rank r keeping chunk r of each parameter (tp_sum =

@@ -8,7 +8,7 @@
 // head, MTP) keeps a copy, summed with the first stage's gradient before the update
 // (sum_shared_grads: the embedding group, first + last stage, so both copies get the same bits;
 // `run` mode sums before the data-parallel reduction, `layout` mode after it: each stage's part is
-// then its own canonical tree over micro-batches, docs/determinism.md).
+// then its own canonical tree over micro-batches, docs/design/reductions.md#the-shared-word-embedding).
 //
 // Context parallelism: each stage's ranks form their own cp groups (a pipeline group links ranks
 // with equal tp, cp and dp coordinates); fetch gives every rank the whole micro-batch and the model
