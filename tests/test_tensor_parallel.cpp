@@ -640,7 +640,8 @@ TEST(TensorParallelLayout, EmbeddingMatchesOneProcessWithNegativeZeros) {
           tp.segments = kSegments;
           std::vector<float> x(static_cast<size_t>(tp.rows(N) * C)), partial(static_cast<size_t>(N * C));
           std::vector<int32_t> local(static_cast<size_t>(N));
-          vocab_parallel_embedding(tp, x.data(), partial.data(), local.data(), tokens.data(),
+          const std::unique_ptr<Device> cpu = Device::cpu();
+          vocab_parallel_embedding(cpu->ops, tp, x.data(), partial.data(), local.data(), tokens.data(),
                                    wte.data() + tp.vocab_begin(V) * C, positions ? wpe.data() : nullptr, nullptr, N, T,
                                    C, V);
           EXPECT_EQ(first_difference(whole_rows(tp, x.data(), N, C), expect), -1)

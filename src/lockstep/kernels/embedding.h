@@ -36,10 +36,15 @@ struct EmbeddingOps {
   // (core/tree_sum.h canonical_segments), each summed from zero, then summed along the canonical
   // tree before they are added (as norms.h does).
   Op<void(float* dbias, const float* dout, int64_t N, int64_t C, int64_t segments)> bias_backward{"bias_backward"};
+  // x row r (C) = sum row r + wpe row p with p = positions[row0 + r] (positions null: (row0 + r) % T);
+  // with wpe null, a copy of sum row r (a vocabulary-parallel lookup's position half).
+  Op<void(float* x, const float* sum, const float* wpe, const int32_t* positions, int64_t row0, int64_t rows,
+          int64_t T, int64_t C)>
+      add_positions{"add_positions"};
 
   template <class F>
   void each(F&& f) {
-    f(embedding_forward), f(embedding_backward), f(bias_backward);
+    f(embedding_forward), f(embedding_backward), f(bias_backward), f(add_positions);
   }
 };
 

@@ -12,7 +12,9 @@
 
 #include "lockstep/kernels/activations.h"
 #include "lockstep/kernels/attention.h"
+#include "lockstep/kernels/copy.h"
 #include "lockstep/kernels/cross_entropy.h"
+#include "lockstep/kernels/elementwise.h"
 #include "lockstep/kernels/embedding.h"
 #include "lockstep/kernels/gemm.h"
 #include "lockstep/kernels/norms.h"
@@ -23,7 +25,9 @@
 
 namespace lockstep {
 
-struct Ops : GemmOps,
+struct Ops : CopyOps,
+             ElementwiseOps,
+             GemmOps,
              AttentionOps,
              NormOps,
              ActivationOps,
@@ -40,7 +44,7 @@ struct Ops : GemmOps,
   // Calls f on every op, family by family.
   template <class F>
   void each(F&& f) {
-    GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
+    CopyOps::each(f), ElementwiseOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
         RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
   }
 };

@@ -284,7 +284,7 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     need_params(0, embed_end_, stale);
     // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
     if (tp_.on())
-      vocab_parallel_embedding(tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
+      vocab_parallel_embedding(device_->ops, tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
                                params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
     else device_->ops.embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_),
                                         wpe_ >= 0 ? params_.weight(wpe_) : nullptr, B_, T_, C_, V_, positions(), Tg_);

@@ -41,7 +41,7 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
   const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream from here on
   if (tp.on())
-    vocab_parallel_embedding(tp, arena(emb), arena(emb_partial), local_tokens, tokens_k, ps.weight(wte),
+    vocab_parallel_embedding(ops, tp, arena(emb), arena(emb_partial), local_tokens, tokens_k, ps.weight(wte),
                              wpe >= 0 ? ps.weight(wpe) : nullptr, positions, this->N, T, C, V);
   else
     ops.embedding_forward(arena(emb), tokens_k, ps.weight(wte), wpe >= 0 ? ps.weight(wpe) : nullptr, B, T, C, V,

@@ -275,9 +275,9 @@ void DataParallel::copy_bucket(const Bucket& b, float* table, float* packed, Int
   for (size_t i = 0; i < b.params.size(); ++i) {
     float* t = table + ps_.specs()[b.params[i]].offset;
     float* p = packed + b.at[i];
-    const size_t bytes = static_cast<size_t>(ps_.specs()[b.params[i]].shape.numel()) * sizeof(float);
-    if (into == Into::packed) std::memcpy(p, t, bytes);
-    else std::memcpy(t, p, bytes);
+    const int64_t n = ps_.specs()[b.params[i]].shape.numel();
+    if (into == Into::packed) ps_.device().ops.copy(p, t, n);
+    else ps_.device().ops.copy(t, p, n);
   }
 }
 
@@ -287,9 +287,8 @@ void DataParallel::copy_chunk(Bucket& b, float* table, Into into) const {
     const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
     float* t = table + ps_.specs()[r.param].offset + r.begin;
     float* c = b.chunk_buf.data() + (b.at[i] + r.begin - lo);
-    const size_t bytes = static_cast<size_t>(r.end - r.begin) * sizeof(float);
-    if (into == Into::packed) std::memcpy(c, t, bytes);
-    else std::memcpy(t, c, bytes);
+    if (into == Into::packed) ps_.device().ops.copy(c, t, r.end - r.begin);
+    else ps_.device().ops.copy(t, c, r.end - r.begin);
   }
 }
 

@@ -119,32 +119,19 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
   for (int64_t n = 0; n < N; ++n) local[n] = tokens[n] >= lo && tokens[n] < hi ? static_cast<int32_t>(tokens[n] - lo) : -1;
 }
 
-void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
-                                      const float* wte, int64_t N, int64_t C, int64_t V) {
+void vocab_parallel_embedding_forward(const Ops& ops, const TensorParallel& tp, float* out, int32_t* local,
+                                      const int32_t* tokens, const float* wte, int64_t N, int64_t C, int64_t V) {
   vocab_parallel_local_tokens(tp, local, tokens, N, V);
-  const float zero = tp.layout() ? -0.0f : 0.0f;
-  parallel_for(N, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      float* o = out + n * C;
-      if (local[n] < 0) std::fill(o, o + C, zero);
-      else std::memcpy(o, wte + static_cast<int64_t>(local[n]) * C, static_cast<size_t>(C) * sizeof(float));
-    }
-  });
+  ops.lookup_rows(out, wte, local, N, C, tp.layout() ? -0.0f : 0.0f);
 }
 
-void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
-                              const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
-                              int64_t C, int64_t V) {
-  vocab_parallel_embedding_forward(tp, partial, local, tokens, wte, N, C, V);
+void vocab_parallel_embedding(const Ops& ops, const TensorParallel& tp, float* x, float* partial, int32_t* local,
+                              const int32_t* tokens, const float* wte, const float* wpe, const int32_t* positions,
+                              int64_t N, int64_t T, int64_t C, int64_t V) {
+  vocab_parallel_embedding_forward(ops, tp, partial, local, tokens, wte, N, C, V);
   const float* sum = leave_row_parallel(tp, x, partial, N, C);
   const int64_t rows = tp.rows(N), row0 = tp.sequence ? tp.rank * rows : 0;
-  parallel_for(rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t n = row0 + r;
-      const float* p = wpe ? wpe + (positions ? positions[n] : n % T) * C : nullptr;
-      for (int64_t c = 0; c < C; ++c) x[r * C + c] = p ? sum[r * C + c] + p[c] : sum[r * C + c];
-    }
-  });
+  ops.add_positions(x, sum, wpe, positions, row0, rows, T, C);
 }
 
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStore& ps, int wte, int wpe, int32_t* order,
@@ -212,14 +199,14 @@ void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, in
   int64_t at = 0;
   for (int p : params) {
     const int64_t k = ps.specs()[p].shape.numel();
-    std::memcpy(packed.data() + at, ps.grad(p), static_cast<size_t>(k) * sizeof(float));
+    ps.device().ops.copy(packed.data() + at, ps.grad(p), k);
     at += k;
   }
   tp.comm->all_reduce(packed.data(), n, tp.layout() ? ReduceOp::tree_sum : ReduceOp::sum);
   at = 0;
   for (int p : params) {
     const int64_t k = ps.specs()[p].shape.numel();
-    std::memcpy(ps.grad(p), packed.data() + at, static_cast<size_t>(k) * sizeof(float));
+    ps.device().ops.copy(ps.grad(p), packed.data() + at, k);
     at += k;
   }
 }

@@ -111,12 +111,12 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
 // group is then the one row bit for bit, a -0 included) (wte: this rank's (V / size, C) rows; local (N) receives
 // vocab_parallel_local_tokens); UserError naming the token when a token is outside [0, V) (on every
 // rank, before anything is written). The caller sums over the group.
-void vocab_parallel_embedding_forward(const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
+void vocab_parallel_embedding_forward(const Ops& ops, const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
                                       const float* wte, int64_t N, int64_t C, int64_t V);
 // The whole vocab-parallel embedding into this rank's rows x (rows(N), C): the lookup above into
 // partial (N, C), summed over the group as a row-parallel output is (exact: one term is non-zero),
 // plus the replicated position embedding wpe (null: none) at positions[n] (null: n % T).
-void vocab_parallel_embedding(const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
+void vocab_parallel_embedding(const Ops& ops, const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
                               const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
                               int64_t C, int64_t V);
 // Its backward from dx (this rank's rows; without tensor parallelism the plain embedding's): the

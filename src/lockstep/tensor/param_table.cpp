@@ -141,8 +141,7 @@ void ParamStore::init(uint64_t seed) {
 }
 
 void ParamStore::zero_grads() {
-  float* g = grads_.data();
-  parallel_for(total_, [&](int64_t b, int64_t e) { std::memset(g + b, 0, static_cast<size_t>(e - b) * sizeof(float)); });
+  device().ops.fill(grads_.data(), total_, 0.0f);
 }
 
 void ParamStore::use_bf16_weights() {
@@ -154,12 +153,7 @@ void ParamStore::sync_weights(int first, int end) {
   if (weights_.size() == 0 || first >= end) return;
   const int64_t lo = specs_[first].offset;
   const int64_t hi = specs_[end - 1].offset + specs_[end - 1].shape.numel();
-  const float* v = values_.data() + lo;
-  float* w = weights_.data() + lo;
-  parallel_for(hi - lo, [&](int64_t b, int64_t e) {
-    std::memcpy(w + b, v + b, static_cast<size_t>(e - b) * sizeof(float));
-    round_to_bf16(w + b, e - b);
-  });
+  device().ops.round_bf16(weights_.data() + lo, values_.data() + lo, hi - lo);
 }
 
 Device& ParamStore::device() const {

@@ -48,21 +48,18 @@ Precision::Recipe recipe_of(const PrecisionConfig& pc) {
 Trans flip(Trans t) { return t == Trans::N ? Trans::T : Trans::N; }
 
 // out (cols, rows) = x (rows, cols)^T.
-void transpose(std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
+void transpose(const Ops& ops, std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
   out.resize(static_cast<size_t>(rows * cols));
-  float* o = out.data();
-  parallel_for(cols, [&](int64_t c0, int64_t c1) {
-    for (int64_t c = c0; c < c1; ++c)
-      for (int64_t r = 0; r < rows; ++r) o[c * rows + r] = x[r * cols + c];
-  });
+  ops.transpose(out.data(), x, rows, cols);
 }
 
 // out (padded, cols) = the random Hadamard transform along the rows of x (rows, cols) padded with
 // zero rows to a multiple of 16; returns padded.
 int64_t hadamard_rows(const Ops& ops, std::vector<float>& out, const float* x, int64_t rows, int64_t cols) {
   const int64_t padded = (rows + 15) / 16 * 16;
-  out.assign(static_cast<size_t>(padded * cols), 0.0f);
-  std::memcpy(out.data(), x, static_cast<size_t>(rows * cols) * sizeof(float));
+  out.resize(static_cast<size_t>(padded * cols));
+  ops.copy(out.data(), x, rows * cols);
+  ops.fill(out.data() + rows * cols, (padded - rows) * cols, 0.0f);
   if (padded > 0) ops.hadamard16(out.data(), out.data(), padded, cols, HadamardAxis::rows);
   return padded;
 }
@@ -126,7 +123,7 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
 
 void Precision::round(float* x, int64_t n) const {
   if (!bf16_) return;
-  parallel_for(n, [&](int64_t i0, int64_t i1) { round_to_bf16(x + i0, i1 - i0); });
+  device_->ops.round_bf16(x, x, n);
 }
 
 Precision::Recipe Precision::recipe(int w) const {
@@ -256,7 +253,7 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
   // Scratch per (rank) thread, kept across calls: no allocation per quantised operand in steady state.
   thread_local std::vector<float> tr;
   if (!k_along_cols && recipe_ != Recipe::blockwise) {  // mxfp8 and nvfp4 block along rows: the transpose
-    transpose(tr, x, rows, cols);
+    transpose(device_->ops, tr, x, rows, cols);
     x = tr.data();
     std::swap(rows, cols);
     std::swap(rd, cd);
@@ -305,8 +302,7 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
       const float* piece = x + r0 * cols;
       if (pc != cols) {
         copy.resize(static_cast<size_t>(pr * pc));
-        for (int64_t u = 0; u < pr; ++u)
-          std::memcpy(copy.data() + u * pc, x + (r0 + u) * cols + c0, static_cast<size_t>(pc) * sizeof(float));
+        device_->ops.copy_rows(copy.data(), pc, x + r0 * cols + c0, cols, pr, pc);
         piece = copy.data();
       }
       switch (recipe_) {
@@ -368,7 +364,7 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
         device_->ops.quantize_mxfp8(q, x, rows, cols, f, ScaleRounding::up, 32, {});
         return gemm_operand(q, t);
       }
-      transpose(scratch, x, rows, cols);
+      transpose(device_->ops, scratch, x, rows, cols);
       device_->ops.quantize_mxfp8(q, scratch.data(), cols, rows, f, ScaleRounding::up, 32, {});
       return gemm_operand(q, flip(t));
     case Recipe::nvfp4: {
@@ -383,7 +379,7 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       const float* src = x;
       int64_t qr = rows, qc = cols;
       if (!k_along_cols) {
-        transpose(scratch, x, rows, cols);
+        transpose(device_->ops, scratch, x, rows, cols);
         src = scratch.data();
         std::swap(qr, qc);
       }
@@ -680,8 +676,8 @@ void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float*
     const int64_t r0 = offsets[e - e0], rows = offsets[e - e0 + 1] - r0;
     float* g = dw + e * out * in;
     // What one process accumulates into: the micro-batch's gradient starts from zero.
-    parallel_for(out * in, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, 0.0f); });
-    if (db) std::fill(db + e * out, db + (e + 1) * out, 0.0f);
+    device_->ops.fill(g, out * in, 0.0f);
+    if (db) device_->ops.fill(db + e * out, out, 0.0f);
     if (rows == 0) continue;
     gemm_wgrad(first_site_[w] + e, g, dy + r0 * out, x + r0 * in, rows, out, in);
     if (db) device_->ops.bias_backward(db + e * out, dy + r0 * out, rows, out, 0);
@@ -715,7 +711,7 @@ void Precision::grouped_wgrad_segments(int w, float* const* dw, const float* dy,
     const int64_t e = g / P, r0 = rows[g * per], n = rows[(g + 1) * per] - r0;
     if (n == 0) {  // what the chains from zero give
       float* d = dw[g];
-      parallel_for(out * in, [&](int64_t i0, int64_t i1) { std::fill(d + i0, d + i1, 0.0f); });
+      device_->ops.fill(d, out * in, 0.0f);
       continue;
     }
     for (int64_t s = 0; s <= per; ++s) bounds[static_cast<size_t>(s)] = rows[g * per + s] - r0;

@@ -3,7 +3,9 @@
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/kernels/cpu/activations.h"
 #include "lockstep/kernels/cpu/attention.h"
+#include "lockstep/kernels/cpu/copy.h"
 #include "lockstep/kernels/cpu/cross_entropy.h"
+#include "lockstep/kernels/cpu/elementwise.h"
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
@@ -18,6 +20,22 @@ namespace lockstep {
 // Each op binds the CPU kernel of the same name whose signature is the op's (overloads resolve by
 // it). The kernels run on the calling thread's pool: no device context.
 void bind_cpu_ops(Ops& ops) {
+  ops.add_positions.bind(&add_positions);
+  ops.fill.bind(&fill);
+  ops.copy.bind(&copy);
+  ops.copy_rows.bind(&copy_rows);
+  ops.gather_rows.bind(&gather_rows);
+  ops.scatter_rows.bind(&scatter_rows);
+  ops.copy_row_blocks.bind(&copy_row_blocks);
+  ops.transpose.bind(&transpose);
+  ops.lookup_rows.bind(&lookup_rows);
+  ops.add.bind(&add);
+  ops.multiply.bind(&multiply);
+  ops.add_product.bind(&add_product);
+  ops.add_bias_rows.bind(&add_bias_rows);
+  ops.add_group_bias.bind(&add_group_bias);
+  ops.round_bf16.bind(&round_bf16);
+  ops.zero_rows_of_zeros.bind(&zero_rows_of_zeros);
   ops.gemm.bind(&gemm);
   ops.gemm_batch.bind(&gemm_batch);
   ops.grouped_gemm.bind(&grouped_gemm);

@@ -136,4 +136,15 @@ void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C, int64_
   });
 }
 
+void add_positions(float* x, const float* sum, const float* wpe, const int32_t* positions, int64_t row0, int64_t rows,
+                   int64_t T, int64_t C) {
+  parallel_for(rows, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t n = row0 + r;
+      const float* p = wpe ? wpe + (positions ? positions[n] : n % T) * C : nullptr;
+      for (int64_t c = 0; c < C; ++c) x[r * C + c] = p ? sum[r * C + c] + p[c] : sum[r * C + c];
+    }
+  });
+}
+
 }  // namespace lockstep

@@ -14,5 +14,7 @@ void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* d
                         const int32_t* positions = nullptr, int64_t P = 0, int64_t segments = 0,
                         int64_t pos_segments = 0);
 void bias_backward(float* dbias, const float* dout, int64_t N, int64_t C, int64_t segments = 0);
+void add_positions(float* x, const float* sum, const float* wpe, const int32_t* positions, int64_t row0, int64_t rows,
+                   int64_t T, int64_t C);
 
 }  // namespace lockstep
