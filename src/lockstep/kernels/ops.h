@@ -21,12 +21,14 @@
 #include "lockstep/kernels/optimizer.h"
 #include "lockstep/kernels/permute.h"
 #include "lockstep/kernels/quantize.h"
+#include "lockstep/kernels/reduce.h"
 #include "lockstep/kernels/rope.h"
 
 namespace lockstep {
 
 struct Ops : CopyOps,
              ElementwiseOps,
+             ReduceOps,
              GemmOps,
              AttentionOps,
              NormOps,
@@ -44,7 +46,7 @@ struct Ops : CopyOps,
   // Calls f on every op, family by family.
   template <class F>
   void each(F&& f) {
-    CopyOps::each(f), ElementwiseOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
+    CopyOps::each(f), ElementwiseOps::each(f), ReduceOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
         RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
   }
 };

@@ -264,10 +264,9 @@ std::vector<std::pair<int, int>> GPT::split_params() const {
 void GPT::sum_split_grads() {
   for (const auto& [owner, copy] : split_params()) {
     float* a = params_.grad(owner);
-    float* b = params_.grad(copy);
-    parallel_for(params_.specs()[static_cast<size_t>(owner)].shape.numel(), [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) b[i] = a[i] = a[i] + b[i];
-    });
+    const int64_t n = params_.specs()[static_cast<size_t>(owner)].shape.numel();
+    device_->ops.add(a, a, params_.grad(copy), n);
+    device_->ops.copy(params_.grad(copy), a, n);
   }
 }
 
@@ -488,11 +487,9 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     if (!backward) continue;
     fold_pieces(out_);
     if (k + 1 < D) {
-      parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
-        for (int64_t i = i0; i < i1; ++i) dh[i] += dnext[i];
-      });
+      device_->ops.add(dh, dh, dnext, Nl_ * C_);
     }
-    std::memset(dnext, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
+    device_->ops.fill(dnext, Nl_ * C_, 0.0f);
     const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
     mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte, wpe, positions(),
                       doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), local_tokens_.data());
@@ -501,9 +498,7 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   }
   if (backward) {
     float* dfinal = arena_(dfinal_);
-    parallel_for(Nl_ * C_, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) dfinal[i] += dnext[i];
-    });
+    device_->ops.add(dfinal, dfinal, dnext, Nl_ * C_);
   }
   mtp_loss_ = 0;
   for (double l : depth_loss) mtp_loss_ += weight * l;
@@ -562,13 +557,13 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
     // Taken before the MTP depths, whose heads reuse the per-token loss buffer.
     lm = lm_loss(all_targets);
     if (!mtp_.empty()) mtp(all_tokens, all_targets, true, aux_scale);
-    std::memset(dresid, 0, static_cast<size_t>(Nl_ * C_) * sizeof(float));
+    device_->ops.fill(dresid, Nl_ * C_, 0.0f);
     final_norm_.backward(params_, arena_, dresid, arena_(dfinal_), arena_(resid_[L_]), Nl_);
     // The head and the MTP depths ran their backward before this one.
     for (auto& [i, acc] : folded_) finish_folded_pieces(cp_, params_, i, acc.data());
     if (grads_ready_) grads_ready_(head_first_, static_cast<int>(params_.specs().size()));
   } else {
-    std::memcpy(dresid, chunk_output_grad(c), static_cast<size_t>(Nl_ * C_) * sizeof(float));
+    device_->ops.copy(dresid, chunk_output_grad(c), Nl_ * C_);
   }
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};

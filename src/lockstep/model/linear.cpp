@@ -54,17 +54,9 @@ void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) 
 
 void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x,
                               int64_t N) const {
-  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
-  const int64_t O = out;
-  parallel_for(N, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      if (bias) {
-        for (int64_t j = 0; j < O; ++j) y[r * O + j] = residual[r * O + j] + bias[j];
-      } else if (y != residual) {
-        std::memcpy(y + r * O, residual + r * O, static_cast<size_t>(O) * sizeof(float));
-      }
-    }
-  });
+  const Ops& ops = ps.device().ops;
+  if (b >= 0) ops.add_bias_rows(y, residual, ps.weight(b), 0.0f, nullptr, N, out);
+  else if (y != residual) ops.copy(y, residual, N * out);
   GemmOptions opt;
   opt.accumulate = true;
   opt.k_segments = fprop_segments;
@@ -80,16 +72,11 @@ void Linear::forward_residual(const ParamStore& ps, const TensorParallel& tp, fl
   opt.k_segments = fprop_segments;
   ps.precision().fprop(ps, w, partial, x, N, out, in, opt, tp.layout());
   const float* sum = leave_row_parallel(tp, y, partial, N, out);
-  const float* bias = b >= 0 ? ps.weight(b) : nullptr;
-  const int64_t O = out;
   // -0 is the identity of addition (a residual's -0 stays -0, as one process keeps it).
-  const float zero = tp.layout() ? -0.0f : 0.0f;
-  parallel_for(tp.rows(N), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      for (int64_t j = 0; j < O; ++j) y[r * O + j] = (residual[r * O + j] + (bias ? bias[j] : zero)) + sum[r * O + j];
-  });
-  ps.precision().round(y, tp.rows(N) * O);
-  trace_out(name, y, tp.rows(N) * O);
+  ps.device().ops.add_bias_rows(y, residual, b >= 0 ? ps.weight(b) : nullptr, tp.layout() ? -0.0f : 0.0f, sum,
+                                tp.rows(N), out);
+  ps.precision().round(y, tp.rows(N) * out);
+  trace_out(name, y, tp.rows(N) * out);
 }
 
 void Linear::backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const {

@@ -69,8 +69,7 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
                         int32_t* local_tokens) const {
   const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream
-  const size_t bytes = static_cast<size_t>(N * C) * sizeof(float);
-  std::memset(s.dx, 0, bytes);
+  ops.fill(s.dx, N * C, 0.0f);
   final_norm.backward(ps, arena, s.dx, dh, arena(y), N);
   mlp.backward(ps, arena, s.dx, arena(mid), s.mlp);
   attn.backward(ps, arena, s.dx, arena(x), rope_cos, rope_sin, s.attn, positions, doc_start);
@@ -95,7 +94,7 @@ void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev
   }
   trace_grad_in(proj_name, s.dhn, N * C);
   hnorm.backward(ps, arena, dh_prev, s.dhn, h_prev, N);
-  std::memset(s.demb, 0, bytes);
+  ops.fill(s.demb, N * C, 0.0f);
   enorm.backward(ps, arena, s.demb, s.de, arena(emb), N);
   vocab_parallel_embedding_backward(tp, ps, wte, wpe, order, s.attn.dnorm, s.demb, local_tokens, tokens_k, positions, B,
                                     T, C, V, Tg);

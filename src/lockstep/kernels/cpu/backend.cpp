@@ -13,6 +13,7 @@
 #include "lockstep/kernels/cpu/optimizer.h"
 #include "lockstep/kernels/cpu/permute.h"
 #include "lockstep/kernels/cpu/quantize.h"
+#include "lockstep/kernels/cpu/reduce.h"
 #include "lockstep/kernels/cpu/rope.h"
 
 namespace lockstep {
@@ -20,6 +21,8 @@ namespace lockstep {
 // Each op binds the CPU kernel of the same name whose signature is the op's (overloads resolve by
 // it). The kernels run on the calling thread's pool: no device context.
 void bind_cpu_ops(Ops& ops) {
+  ops.tree_sum.bind(&tree_sum);
+  ops.ordered_sum.bind(&ordered_sum);
   ops.add_positions.bind(&add_positions);
   ops.fill.bind(&fill);
   ops.copy.bind(&copy);

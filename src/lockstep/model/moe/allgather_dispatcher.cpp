@@ -60,6 +60,7 @@ void AllGatherDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t 
     }
     offsets_[e] = segments_[e * S_];
   }
+  choice_row_.assign(row_choice_.begin(), row_choice_.begin() + r);  // as scatter_rows' row index
   LOCKSTEP_CHECK(r <= max_rows_, "all-gather dispatcher: ", r, " rows, planned for ", max_rows_);
   segments_[El_ * S_] = offsets_[El_] = r;
 }
@@ -74,12 +75,8 @@ void AllGatherDispatcher::set_layout_invariant() {
 void AllGatherDispatcher::gather_choice_rows(const float* src) const {
   const int64_t NK = N_ * K_, all = S_ * NK;
   float* dst = choice_rows_.data();
-  const int32_t* choice = row_choice_.data();
-  parallel_for(all, [&](int64_t i0, int64_t i1) { std::fill(dst + i0 * C_, dst + i1 * C_, -0.0f); });
-  parallel_for(rows(), [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      if (choice[r] >= 0) std::memcpy(dst + choice[r] * C_, src + r * C_, static_cast<size_t>(C_) * sizeof(float));
-  });
+  ops_.fill(dst, all * C_, -0.0f);
+  ops_.scatter_rows(dst, src, choice_row_.data(), rows(), C_);
   ep_.reduce_scatter(mine_rows_.data(), dst, NK * C_);
   count(NK * C_, sizeof(float));
   for (int64_t i = 0; i < NK; ++i) own_slot_[i] = local_.slots()[i] >= 0 ? static_cast<int32_t>(i) : -1;
@@ -101,14 +98,11 @@ void AllGatherDispatcher::combine(float* out, const float* base, const float* ex
     return;
   }
   float* partial = partial_.data();
-  std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
+  ops_.fill(partial, all * C_, 0.0f);
   ops_.combine_forward(partial, partial, expert_out, slot_.data(), probs_all_.data(), all, K_, C_);
   ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
   count(N_ * C_, sizeof(float));
-  const float* sum = mine_.data();
-  parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) out[i] = base[i] + sum[i];
-  });
+  ops_.add(out, base, mine_.data(), N_ * C_);
 }
 
 void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout,
@@ -135,14 +129,11 @@ void AllGatherDispatcher::dispatch_backward(float* dx, const float* dexpert_in) 
   }
   const int64_t all = S_ * N_;
   float* partial = partial_.data();
-  std::memset(partial, 0, static_cast<size_t>(all * C_) * sizeof(float));
+  ops_.fill(partial, all * C_, 0.0f);
   ops_.permute_backward(partial, dexpert_in, slot_.data(), all, K_, C_);
   ep_.reduce_scatter(mine_.data(), partial, N_ * C_);
   count(N_ * C_, sizeof(float));
-  const float* sum = mine_.data();
-  parallel_for(N_ * C_, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) dx[i] += sum[i];
-  });
+  ops_.add(dx, dx, mine_.data(), N_ * C_);
 }
 
 }  // namespace lockstep

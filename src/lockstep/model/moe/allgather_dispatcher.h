@@ -68,6 +68,7 @@ class AllGatherDispatcher final : public ExpertParallelDispatcher {
   std::vector<int32_t> idx_all_;           // (S N, K) gathered choices
   std::vector<uint8_t> kept_all_;          // (S N, K)
   std::vector<int32_t> slot_, row_choice_; // (S N, K) row of each gathered choice or -1; (rows) choice or -1
+  std::vector<int64_t> choice_row_;        // (rows) row_choice_ as a row index (layout mode's scatter)
   FloatBuffer gathered_;                   // (S N, C) tokens, then d(output)
   FloatBuffer partial_;                    // (S N, C) per-rank sums before the reduce-scatter
   FloatBuffer mine_;                       // (N, C) this rank's block after it

@@ -13,7 +13,8 @@ AllToAllDispatcher::AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t
                                        int64_t max_tokens, int64_t capacity, bool pad)
     : ExpertParallelDispatcher(ops, ep, E, K, C, max_tokens, capacity, pad),
       send_rows_(static_cast<size_t>(S_)), recv_rows_(static_cast<size_t>(S_)),
-      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)) {
+      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)),
+      block_source_row_(static_cast<size_t>(S_ * El_)), block_rows_(static_cast<size_t>(S_ * El_)) {
   send_.resize(local_.max_rows() * C);
   back_.resize(local_.max_rows() * C);
   recv_.resize(max_rows_ * C);
@@ -59,6 +60,11 @@ void AllToAllDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N
     for (int64_t s = 0; s < S_; ++s) segments_[e * S_ + s + 1] = segments_[e * S_ + s] + recv_counts_[s * El_ + e];
   }
   offsets_[El_] = segments_[El_ * S_];
+  // The (local expert, source) blocks as row copies between the expert-major and source-major layouts.
+  for (int64_t b = 0; b < El_ * S_; ++b) {
+    block_source_row_[b] = recv_at_[b % S_ * El_ + b / S_];
+    block_rows_[b] = segments_[b + 1] - segments_[b];
+  }
   if (!L_) return;
   // (local expert, source, token segment): source s's rows of expert e are in its token order.
   tsegs_.resize(static_cast<size_t>(El_ * S_ * L_ + 1));
@@ -72,23 +78,13 @@ void AllToAllDispatcher::plan(const int32_t* idx, const uint8_t* kept, int64_t N
 }
 
 void AllToAllDispatcher::regroup(float* by_expert, const float* by_source) const {
-  parallel_for(El_ * S_, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t e = b / S_, s = b % S_;
-      std::memcpy(by_expert + segments_[b] * C_, by_source + recv_at_[s * El_ + e] * C_,
-                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
-    }
-  });
+  ops_.copy_row_blocks(by_expert, segments_.data(), by_source, block_source_row_.data(), block_rows_.data(), El_ * S_,
+                       C_);
 }
 
 void AllToAllDispatcher::ungroup(float* by_source, const float* by_expert) const {
-  parallel_for(El_ * S_, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t e = b / S_, s = b % S_;
-      std::memcpy(by_source + recv_at_[s * El_ + e] * C_, by_expert + segments_[b] * C_,
-                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
-    }
-  });
+  ops_.copy_row_blocks(by_source, block_source_row_.data(), by_expert, segments_.data(), block_rows_.data(), El_ * S_,
+                       C_);
 }
 
 void AllToAllDispatcher::exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,

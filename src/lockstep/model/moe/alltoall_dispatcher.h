@@ -66,6 +66,9 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   std::vector<int64_t> recv_counts_;      // (S, El) rows of (source, local expert)
   std::vector<int64_t> recv_tcounts_;     // (S, El, L) the same per token segment (layout mode)
   std::vector<int64_t> recv_at_;          // (S, El) first row of each block in the source-major buffer
+  // (El, S): block (e, s)'s first row in the source-major buffer and its rows (segments_ holds its
+  // first row in the expert-major one).
+  std::vector<int64_t> block_source_row_, block_rows_;
   FloatBuffer send_, recv_;               // (local rows, C) source layout / (max rows, C) received
   FloatBuffer back_;                      // (local rows, C) expert outputs returned (saved for backward)
 };

@@ -1,19 +1,18 @@
 #include "lockstep/model/moe/expert_tensor_parallel.h"
 
-#include <cstring>
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
-#include "lockstep/core/thread_pool.h"
-#include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
 
-ExpertTensorParallel::ExpertTensorParallel(Communicator& etp, int64_t El, int64_t S, int64_t C, int64_t max_rows)
+ExpertTensorParallel::ExpertTensorParallel(const Ops& ops, Communicator& etp, int64_t El, int64_t S, int64_t C,
+                                           int64_t max_rows)
     : etp_(etp), El_(El), S_(S), C_(C), P_(etp.size()), r_(etp.rank()), max_rows_(max_rows),
       peer_segments_(static_cast<size_t>(P_ * (El * S + 1))), peer_rows_(static_cast<size_t>(P_)),
       peer_at_(static_cast<size_t>(P_)), offsets_(static_cast<size_t>(El + 1)),
-      segments_(static_cast<size_t>(El * S * P_ + 1)) {
+      segments_(static_cast<size_t>(El * S * P_ + 1)), ops_(ops), block_rank_row_(static_cast<size_t>(El * S * P_)),
+      block_rows_(static_cast<size_t>(El * S * P_)) {
   send_.resize(P_ * max_rows * C);
   recv_.resize(P_ * max_rows * C);
 }
@@ -40,6 +39,11 @@ void ExpertTensorParallel::plan(const int64_t* segments, const int64_t* token_se
       }
   }
   offsets_[El_] = segments_[El_ * S_ * P_];
+  for (int64_t b = 0; b < El_ * S_ * P_; ++b) {
+    const int64_t p = b % P_, es = b / P_;  // es = e * S + s
+    block_rank_row_[b] = peer_at_[p] + peer_segments_[p * n + es];
+    block_rows_[b] = segments_[b + 1] - segments_[b];
+  }
   if (!L_) return;
   // The same per token segment: (local expert, ep source, etp rank, token segment).
   const int64_t nt = El_ * S_ * L_ + 1;
@@ -57,34 +61,20 @@ void ExpertTensorParallel::plan(const int64_t* segments, const int64_t* token_se
 }
 
 void ExpertTensorParallel::regroup(float* by_expert, const float* by_rank) const {
-  const int64_t n = El_ * S_ + 1;
-  parallel_for(El_ * S_ * P_, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = b % P_, es = b / P_;  // es = e * S + s
-      const int64_t from = peer_at_[p] + peer_segments_[p * n + es];
-      std::memcpy(by_expert + segments_[b] * C_, by_rank + from * C_,
-                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
-    }
-  });
+  ops_.copy_row_blocks(by_expert, segments_.data(), by_rank, block_rank_row_.data(), block_rows_.data(), El_ * S_ * P_,
+                       C_);
 }
 
 void ExpertTensorParallel::ungroup(float* by_rank, const float* by_expert) const {
-  const int64_t n = El_ * S_ + 1;
-  parallel_for(El_ * S_ * P_, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t p = b % P_, es = b / P_;
-      const int64_t to = peer_at_[p] + peer_segments_[p * n + es];
-      std::memcpy(by_rank + to * C_, by_expert + segments_[b] * C_,
-                  static_cast<size_t>((segments_[b + 1] - segments_[b]) * C_) * sizeof(float));
-    }
-  });
+  ops_.copy_row_blocks(by_rank, block_rank_row_.data(), by_expert, segments_.data(), block_rows_.data(), El_ * S_ * P_,
+                       C_);
 }
 
 void ExpertTensorParallel::gather(float* all, const float* mine) const {
   // An all-gather with per-rank sizes: the same block to every peer.
   const int64_t m = peer_rows_[r_] * C_;
   float* send = send_.data();
-  for (int64_t p = 0; p < P_; ++p) std::memcpy(send + p * m, mine, static_cast<size_t>(m) * sizeof(float));
+  for (int64_t p = 0; p < P_; ++p) ops_.copy(send + p * m, mine, m);
   std::vector<int64_t> recv(static_cast<size_t>(P_)), sends(static_cast<size_t>(P_), m);
   for (int64_t p = 0; p < P_; ++p) recv[p] = peer_rows_[p] * C_;
   etp_.all_to_allv(recv_.data(), recv, send, sends);
@@ -99,24 +89,11 @@ void ExpertTensorParallel::reduce_scatter(float* mine, const float* all) const {
   std::vector<int64_t> recv(static_cast<size_t>(P_), m), sends(static_cast<size_t>(P_));
   for (int64_t p = 0; p < P_; ++p) sends[p] = peer_rows_[p] * C_;
   etp_.all_to_allv(recv_.data(), recv, by_rank, sends);
-  const float* parts = recv_.data();
-  const int64_t P = P_;
-  if (tree_) {
-    parallel_for(m, [&](int64_t i0, int64_t i1) {
-      std::vector<const float*> leaves(static_cast<size_t>(P));
-      std::vector<float> stack(static_cast<size_t>(tree_sum_stack(P) * (i1 - i0)));
-      for (int64_t p = 0; p < P; ++p) leaves[p] = parts + p * m + i0;
-      tree_sum(mine + i0, leaves.data(), P, i1 - i0, stack.data());
-    });
-    return;
-  }
-  parallel_for(m, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      float acc = parts[i];
-      for (int64_t p = 1; p < P; ++p) acc += parts[p * m + i];
-      mine[i] = acc;
-    }
-  });
+  // Every rank's part of this rank's rows, in rank order or along the canonical tree (layout).
+  std::vector<const float*> parts(static_cast<size_t>(P_));
+  for (int64_t p = 0; p < P_; ++p) parts[static_cast<size_t>(p)] = recv_.data() + p * m;
+  if (tree_) ops_.tree_sum(mine, parts.data(), P_, m);
+  else ops_.ordered_sum(mine, parts.data(), P_, m);
 }
 
 }  // namespace lockstep

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "lockstep/core/tensor.h"
+#include "lockstep/kernels/ops.h"
 
 namespace lockstep {
 
@@ -45,7 +46,8 @@ class ExpertTensorParallel {
  public:
   // etp: the group (P ranks); El: local experts; S: expert-parallel sources of the dispatcher's rows;
   // max_rows: the most rows the dispatcher gives one rank.
-  ExpertTensorParallel(Communicator& etp, int64_t El, int64_t S, int64_t C, int64_t max_rows);
+  // ops: the device's (kernels/ops.h) that regroup and sum the rows.
+  ExpertTensorParallel(const Ops& ops, Communicator& etp, int64_t El, int64_t S, int64_t C, int64_t max_rows);
 
   // After the dispatcher's plan: segments (El x S + 1) of this rank's rows by (local expert, ep
   // source). Exchanges them over the group (a small all-gather) and lays out the gathered rows.
@@ -76,6 +78,10 @@ class ExpertTensorParallel {
   Communicator& etp_;
   int64_t El_, S_, C_, P_, r_, max_rows_;
   bool tree_ = false;
+  const Ops& ops_;
+  // (El x S x P): block b's first row in the rank-major exchange layout and its rows (segments_
+  // holds its first row in the expert-major one).
+  std::vector<int64_t> block_rank_row_, block_rows_;
   std::vector<int64_t> peer_segments_;  // (P, El x S + 1) every rank's segments
   std::vector<int64_t> peer_rows_;      // (P) rows of each rank
   std::vector<int64_t> peer_at_;        // (P) first row of each rank's block in the exchange layout

@@ -26,6 +26,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
       has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size),
       layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp), etp_group(shard.etp),
       groups(shard.sources) {
+  ops_ = &ps.device().ops;
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
   if (shard.segments) {  // the config names the keys; these are the invariants the segments need
@@ -86,7 +87,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
 
 void GroupedExperts::begin_step() {
   for (FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b})
-    if (b->size()) std::memset(b->data(), 0, static_cast<size_t>(b->size()) * sizeof(float));
+    if (b->size()) ops_->fill(b->data(), b->size(), 0.0f);
   micro = 0;
 }
 
@@ -162,17 +163,6 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
 
 namespace {
 
-// act (R, F): the rows r whose x row (R, C) is all zeros (+0 or -0) set to +0.
-void zero_rows_of_zeros(float* act, const float* x, int64_t R, int64_t F, int64_t C) {
-  parallel_for(R, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* xr = x + r * C;
-      uint32_t bits = 0;
-      for (int64_t j = 0; j < C; ++j) bits |= std::bit_cast<uint32_t>(xr[j]) & 0x7fffffffu;
-      if (bits == 0) std::fill(act + r * F, act + (r + 1) * F, 0.0f);
-    }
-  });
-}
 
 // grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...), or with
 // `tree` the canonical tree over s (core/tree_sum.h).
@@ -277,19 +267,6 @@ void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, con
   if (db) token_segment_bias(ops, db, dy, rows, leaves, per, nout);
 }
 
-// dst (R, w) = the rows order[0 .. R) of src (R, w), and its inverse: dst row order[r] = src row r.
-void gather_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
-  parallel_for(R, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(dst + r * w, src + order[r] * w, static_cast<size_t>(w) * sizeof(float));
-  });
-}
-void scatter_rows(float* dst, const float* src, const int64_t* order, int64_t R, int64_t w) {
-  parallel_for(R, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(dst + order[r] * w, src + r * w, static_cast<size_t>(w) * sizeof(float));
-  });
-}
 
 }  // namespace
 
@@ -350,9 +327,9 @@ void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* ou
   group_token_order(ps, token_segments, R);
   tok_in.grow(R * C);
   tok_out.grow(R * C);
-  gather_rows(tok_in.data(), x, cp_order.data(), R, C);
+  ops_->gather_rows(tok_in.data(), x, nullptr, cp_order.data(), R, C);
   forward_rows(ps, arena, tok_out.data(), tok_in.data(), offsets, segments);
-  scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
+  ops_->scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
 }
 
 void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x,
@@ -365,7 +342,7 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
   if (swiglu) ps.device().ops.swiglu_forward(arena(act), arena(fc_out), R, F);
   else ps.device().ops.gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
-  if (inert_padding) zero_rows_of_zeros(arena(act), x, R, F, C);
+  if (inert_padding) ops_->zero_rows_of_zeros(arena(act), x, R, F, C);
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
   p.grouped_fprop(ps, proj_w, proj_b, out, arena(act), offsets, E, C, F, qb, KSegments{kseg.segments, 1}, partial(),
                   rows_share);
@@ -375,16 +352,9 @@ void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float*
   const int64_t R = offsets[E];
   if (has_proj_bias) {
     proj_bias.grow(E * C);
-    if (proj_b >= 0) std::memcpy(proj_bias.data(), ps.weight(proj_b), static_cast<size_t>(E * C) * sizeof(float));
+    if (proj_b >= 0) ops_->copy(proj_bias.data(), ps.weight(proj_b), E * C);
     etp.broadcast(proj_bias.data(), E * C, 0);
-    const float* bias = proj_bias.data();
-    parallel_for(R, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const float* b = bias + (std::upper_bound(offsets, offsets + E + 1, i) - offsets - 1) * C;
-        float* y = out + i * C;
-        for (int64_t j = 0; j < C; ++j) y[j] = b[j] + y[j];
-      }
-    });
+    ops_->add_group_bias(out, proj_bias.data(), offsets, E, C);
   }
   ps.precision().round(out, R * C);
 }
@@ -392,30 +362,28 @@ void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float*
 namespace {
 
 // g[0, n) = -0: what a rank that does not hold a gradient gives a reduction (v + -0 = v exactly).
-void give_minus_zero(float* g, int64_t n) {
-  parallel_for(n, [&](int64_t i0, int64_t i1) { std::fill(g + i0, g + i1, -0.0f); });
-}
+void give_minus_zero(const Ops& ops, float* g, int64_t n) { ops.fill(g, n, -0.0f); }
 
 // This rank's subtree of a micro-batch's token segments (g, n), summed over `group` along the
 // canonical tree: the micro-batch's leaf. Group rank 0 keeps it; the others give -0, which the
 // expert data-parallel reduction (the group's ranks adjacent in it: each run a subtree) adds
 // exactly, v + -0 = v, or as pieces leaves out (their blocks empty: DataParallel::set_layout).
-void keep_on_first(Communicator& group, float* g, int64_t n) {
+void keep_on_first(const Ops& ops, Communicator& group, float* g, int64_t n) {
   group.all_reduce(g, n, ReduceOp::tree_sum);
-  if (group.rank() != 0) give_minus_zero(g, n);
+  if (group.rank() != 0) give_minus_zero(ops, g, n);
 }
 
 // g[0, n) = -0 but for the elements [begin, end) this rank keeps.
-void give_minus_zero_outside(float* g, int64_t n, int64_t begin, int64_t end) {
-  give_minus_zero(g, begin);
-  give_minus_zero(g + end, n - end);
+void give_minus_zero_outside(const Ops& ops, float* g, int64_t n, int64_t begin, int64_t end) {
+  give_minus_zero(ops, g, begin);
+  give_minus_zero(ops, g + end, n - end);
 }
 
 // As keep_on_first, but each group rank keeps its chunk of the leaf (ExpertTpSum::slices, tp_chunk).
-void keep_chunk(Communicator& group, float* g, int64_t n) {
+void keep_chunk(const Ops& ops, Communicator& group, float* g, int64_t n) {
   group.reduce_scatter_in_place(g, n, ReduceOp::tree_sum);
   const auto [c0, c1] = tp_chunk(n, group.rank(), group.size());
-  give_minus_zero_outside(g, n, c0, c1);
+  give_minus_zero_outside(ops, g, n, c0, c1);
 }
 
 }  // namespace
@@ -441,14 +409,14 @@ void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t 
   for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}})
     if (i >= 0) {
       if (tp_sum != ExpertTpSum::slices) {
-        keep_on_first(*tp, ps.grad(i), n);
+        keep_on_first(*ops_, *tp, ps.grad(i), n);
         continue;
       }
       // DataParallel pushes the parameter's tp_chunk (push_grads): the same bounds.
       const ParamSpec& spec = ps.specs()[static_cast<size_t>(i)];
       LOCKSTEP_CHECK(spec.shape.numel() == n, "experts: ", spec.name, " has ", spec.shape.numel(),
                      " elements, its gradient ", n);
-      keep_chunk(*tp, ps.grad(i), n);
+      keep_chunk(*ops_, *tp, ps.grad(i), n);
     }
 }
 
@@ -538,19 +506,14 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     const float* sent = src;
     if (token_rows) {
       gathered_send.resize(send_order.size() * static_cast<size_t>(n));
-      gather_rows(gathered_send.data(), src, send_order.data(), static_cast<int64_t>(send_order.size()), n);
+      ops_->gather_rows(gathered_send.data(), src, nullptr, send_order.data(), static_cast<int64_t>(send_order.size()),
+                        n);
       sent = gathered_send.data();
     }
     gathered_recv.grow(at * n);
     group.all_to_allv(gathered_recv.data(), r, sent, s);
     dst.grow(goff.back() * n);
-    parallel_for(goff.back(), [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t f = from[static_cast<size_t>(i)];
-        std::memcpy(dst.data() + i * n, f >= 0 ? gathered_recv.data() + f * n : src + (-1 - f) * n,
-                    static_cast<size_t>(n) * sizeof(float));
-      }
-    });
+    ops_->gather_rows(dst.data(), gathered_recv.data(), src, from.data(), goff.back(), n);
   };
   gather(gathered_dy, dy, nout);
   gather(gathered_x, in, nin);
@@ -562,7 +525,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   for (const auto& [g, n] : {std::pair<float*, int64_t>{dw, nout * nin}, std::pair<float*, int64_t>{db, nout}}) {
     if (!g) continue;
     if (tp_sum == ExpertTpSum::parts) {  // each owner keeps its experts, -0 elsewhere: the data-parallel tree adds them
-      give_minus_zero_outside(g, E * n, e0 * n, e1 * n);
+      give_minus_zero_outside(*ops_, g, E * n, e0 * n, e1 * n);
       continue;
     }
     if (tp_sum == ExpertTpSum::slices) {  // each rank's tp_chunk from the owners of its elements, -0 elsewhere
@@ -579,8 +542,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
       }
       chunk_recv.grow(c1 - c0);
       group.all_to_allv(chunk_recv.data(), received, g + e0 * n, sent);
-      std::memcpy(g + c0, chunk_recv.data(), static_cast<size_t>(c1 - c0) * sizeof(float));
-      give_minus_zero_outside(g, N, c0, c1);
+      ops_->copy(g + c0, chunk_recv.data(), c1 - c0);
+      give_minus_zero_outside(*ops_, g, N, c0, c1);
       continue;
     }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
@@ -588,7 +551,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     else
       for (int64_t r = 1; r < P; ++r) received[static_cast<size_t>(r)] = (lo(r + 1) - lo(r)) * n;
     group.all_to_allv(g + (q == 0 ? lo(1) : 0) * n, received, g + e0 * n, sent);
-    if (q != 0) give_minus_zero(g, E * n);
+    if (q != 0) give_minus_zero(*ops_, g, E * n);
   }
 }
 
@@ -603,10 +566,10 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   tok_in.grow(R * C);
   tok_out.grow(R * C);
   tok_dx.grow(R * C);
-  gather_rows(tok_in.data(), x, cp_order.data(), R, C);
-  gather_rows(tok_out.data(), dout, cp_order.data(), R, C);
+  ops_->gather_rows(tok_in.data(), x, nullptr, cp_order.data(), R, C);
+  ops_->gather_rows(tok_out.data(), dout, nullptr, cp_order.data(), R, C);
   backward_rows(ps, arena, tok_dx.data(), tok_out.data(), tok_in.data(), offsets, segments, s, cp_bounds.data());
-  scatter_rows(dx, tok_dx.data(), cp_order.data(), R, C);
+  ops_->scatter_rows(dx, tok_dx.data(), cp_order.data(), R, C);
 }
 
 void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
@@ -693,8 +656,8 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
                               combine_scratch);
         }
       } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
-        keep_on_first(*partners, dw.data(), E * G * nout * nin);
-        if (b >= 0) keep_on_first(*partners, db.data(), E * G * nout);
+        keep_on_first(*ops_, *partners, dw.data(), E * G * nout * nin);
+        if (b >= 0) keep_on_first(*ops_, *partners, db.data(), E * G * nout);
       }
     } else if (S == 1) {
       if (rows_share) return gathered_wgrad(p, w, ps.grad(w), b >= 0 ? ps.grad(b) : nullptr, dy, in, offsets, nout, nin);
@@ -730,7 +693,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb, {}, false, rows_share);
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
-  if (inert_padding) zero_rows_of_zeros(s.dact, x, R, F, C);
+  if (inert_padding) ops_->zero_rows_of_zeros(s.dact, x, R, F, C);
   wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
   if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);

@@ -123,7 +123,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/gemm.h"
+#include "lockstep/kernels/ops.h"
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/expert_tp_sum.h"
@@ -325,6 +325,8 @@ struct GroupedExperts {
                      const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
                      const int64_t* token_segments) const;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
+ private:
+  const Ops* ops_ = nullptr;  // the device's (ParamStore::device)
 };
 
 // P + 1 boundaries 0 = b_0 <= ... <= b_P = E cutting E experts with rows[e] rows each into

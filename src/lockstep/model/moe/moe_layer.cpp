@@ -119,7 +119,7 @@ void MoeLayer::make_dispatcher() {
   }
   if (layout_invariant_) make_layout_invariant(*dispatcher_);
   if (groups_.etp && groups_.etp->size() > 1) {
-    etp_ = std::make_unique<ExpertTensorParallel>(*groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
+    etp_ = std::make_unique<ExpertTensorParallel>(*ops_, *groups_.etp, E_ / S, S, C_, dispatcher_->max_rows());
     if (groups_.tp.layout()) etp_->set_layout_invariant();
   }
 }
@@ -284,14 +284,14 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     etp_->reduce_scatter(s.drows, s.drows_in);
     if (experts_.partial()) ps.precision().round(s.drows, dispatcher_->rows() * C_);
     trace_grad_in(experts_name_, s.drows, dispatcher_->rows() * C_);
-    std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
+    ps.device().ops.fill(s.dnorm, N * C_, 0.0f);
     dispatcher_->dispatch_backward(s.dnorm, s.drows);
   } else {
     experts_.set_token_rows(pad_ ? dispatcher_->tokens_per_expert().data() : nullptr);
     experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
                       s.experts, dispatcher_->token_segments());
     trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
-    std::memset(s.dnorm, 0, static_cast<size_t>(N * C_) * sizeof(float));
+    ps.device().ops.fill(s.dnorm, N * C_, 0.0f);
     dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
   }
   if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
@@ -317,12 +317,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   ps.precision().wgrad(ps, router_w_, s.dlogits, rx, N, E_, C_);
   if (jittered_) {
     gemm_f32(ps.device().ops, s.drouter_x, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_);
-    const float* u = arena(jitter_);
-    float* d = s.dnorm;
-    const float* dr = s.drouter_x;
-    parallel_for(N * C_, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) d[i] += dr[i] * u[i];
-    });
+    ps.device().ops.add_product(s.dnorm, s.drouter_x, arena(jitter_), N * C_);
   } else {
     gemm_f32(ps.device().ops, s.dnorm, s.dlogits, Trans::N, ps.weight(router_w_), Trans::N, N, C_, E_, acc);
   }
@@ -331,7 +326,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   norm_.backward(ps, arena, dout, s.dnorm, in, N);
   if (slice) {
     // dout is a slice of dresid: gather from a copy (the collective's input must not alias its output).
-    std::memcpy(s.drouter_x, dout, static_cast<size_t>(N * C_) * sizeof(float));
+    ps.device().ops.copy(s.drouter_x, dout, N * C_);
     tp_.comm->all_gather(dresid, s.drouter_x, N * C_);
   }
 }
