@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "lockstep/kernels/cpu/router.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/threads/thread_transport.h"
@@ -34,6 +35,12 @@
 
 namespace lockstep {
 namespace {
+
+// The CPU backend's ops (the router's loss functions run through them).
+const Ops& cpu_ops() {
+  static const std::unique_ptr<Device> cpu = Device::cpu();
+  return cpu->ops;
+}
 
 using testing::quiet_train;
 using testing::randn;
@@ -166,7 +173,7 @@ TEST(MoeAuxLoss, HandComputedValues) {
     const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
                                   "moe.z_loss_coeff=0.01", "moe.router_load_balancing_type=" + type,
                                   std::string("moe.router_score_function=") + score});
-    return aux_losses_forward(logits.data(), s, 2, 1, prev, prev_micro, global, counts);
+    return aux_losses_forward(cpu_ops(), logits.data(), s, 2, 1, prev, prev_micro, global, counts);
   };
   // switch: 0.1 * E / (K N^2) * sum_e T_e P_e = 0.1 * 2/4 * (1 * 1.0 + 1 * 1.0) = 0.1.
   AuxLosses a = losses("aux_loss", nullptr, 0);
@@ -194,7 +201,7 @@ TEST(MoeAuxLoss, HandComputedValues) {
     const std::vector<float> z = {l3, 0.0f, 0.0f, 0.0f};
     const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
                                   "moe.router_score_function=sigmoid"});
-    EXPECT_NEAR(aux_losses_forward(z.data(), s, 2, 1, nullptr, 0, global, counts).aux, 0.11, 1e-7);
+    EXPECT_NEAR(aux_losses_forward(cpu_ops(), z.data(), s, 2, 1, nullptr, 0, global, counts).aux, 0.11, 1e-7);
     EXPECT_EQ(counts, (std::vector<int64_t>{1, 0, 1, 0}));
   }
 }
@@ -207,19 +214,19 @@ void check_aux_gradient(const std::vector<std::string>& options) {
   const int64_t prev[8] = {3, 1, 0, 2, 5, 1, 1, 0};
   std::vector<int64_t> counts;
   std::vector<float> global(static_cast<size_t>(s.E));
-  aux_losses_forward(logits.data(), s, B, T, prev, 2, global.data(), counts);
+  aux_losses_forward(cpu_ops(), logits.data(), s, B, T, prev, 2, global.data(), counts);
   std::vector<float> dlogits(logits.size(), 0.0f);
-  aux_losses_backward(dlogits.data(), logits.data(), s, B, T, global.data(), counts, 1.0f);
+  aux_losses_backward(cpu_ops(), dlogits.data(), logits.data(), s, B, T, global.data(), counts, 1.0f);
   const double h = 1e-3;
   for (size_t i = 0; i < logits.size(); ++i) {
     const float x = logits[i];
     std::vector<int64_t> c;
     std::vector<float> g(global.size());
     logits[i] = static_cast<float>(x + h);
-    const double fp = aux_losses_forward(logits.data(), s, B, T, prev, 2, g.data(), c).total();
+    const double fp = aux_losses_forward(cpu_ops(), logits.data(), s, B, T, prev, 2, g.data(), c).total();
     ASSERT_EQ(c, counts) << "routing map changed under the finite-difference step";
     logits[i] = static_cast<float>(x - h);
-    const double fm = aux_losses_forward(logits.data(), s, B, T, prev, 2, g.data(), c).total();
+    const double fm = aux_losses_forward(cpu_ops(), logits.data(), s, B, T, prev, 2, g.data(), c).total();
     logits[i] = x;
     EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-4 * std::max(1.0, std::abs(static_cast<double>(dlogits[i])))) << "logit " << i;
   }
@@ -257,7 +264,7 @@ TEST(MoeAuxLoss, GlobalOverReplicasHandComputed) {
     ASSERT_EQ(n, 2);
     c[0] += 2;
   };
-  const AuxLosses a = aux_losses_forward(logits.data(), s, 2, 1, prev, 1, global, counts, micro, other_replica);
+  const AuxLosses a = aux_losses_forward(cpu_ops(), logits.data(), s, 2, 1, prev, 1, global, counts, micro, other_replica);
   EXPECT_NEAR(a.global_aux, 0.05, 1e-7);
   EXPECT_EQ(global[0], 3.5f);
   EXPECT_EQ(global[1], 0.5f);
@@ -278,9 +285,9 @@ TEST(MoeAuxLoss, GlobalReplicasAddUpToTheJointBatch) {
     std::vector<int64_t> joint_counts;
     std::vector<float> joint_global(static_cast<size_t>(E));
     const double joint_loss =
-        aux_losses_forward(all.data(), joint, R * B, T, prev, 1, joint_global.data(), joint_counts).global_aux;
+        aux_losses_forward(cpu_ops(), all.data(), joint, R * B, T, prev, 1, joint_global.data(), joint_counts).global_aux;
     std::vector<float> joint_grad(all.size(), 0.0f);
-    aux_losses_backward(joint_grad.data(), all.data(), joint, R * B, T, joint_global.data(), joint_counts, 0.5f);
+    aux_losses_backward(cpu_ops(), joint_grad.data(), all.data(), joint, R * B, T, joint_global.data(), joint_counts, 0.5f);
     RouterSpec s = joint;
     s.global_replicas = R;
     std::vector<double> loss(R);
@@ -290,11 +297,11 @@ TEST(MoeAuxLoss, GlobalReplicasAddUpToTheJointBatch) {
       const float* mine = all.data() + r * N * E;
       std::vector<int64_t> counts;
       std::vector<float> g(static_cast<size_t>(E));
-      loss[r] = aux_losses_forward(mine, s, B, T, prev, 1, g.data(), counts, nullptr,
+      loss[r] = aux_losses_forward(cpu_ops(), mine, s, B, T, prev, 1, g.data(), counts, nullptr,
                                    [&](int64_t* c, int64_t n) { comm.all_reduce(c, n); })
                     .global_aux;
       std::vector<float> d(static_cast<size_t>(N * E), 0.0f);
-      aux_losses_backward(d.data(), mine, s, B, T, g.data(), counts, 0.5f);
+      aux_losses_backward(cpu_ops(), d.data(), mine, s, B, T, g.data(), counts, 0.5f);
       global[r] = g;
       grad[r] = d;
     });

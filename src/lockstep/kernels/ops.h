@@ -23,6 +23,7 @@
 #include "lockstep/kernels/quantize.h"
 #include "lockstep/kernels/reduce.h"
 #include "lockstep/kernels/rope.h"
+#include "lockstep/kernels/router.h"
 
 namespace lockstep {
 
@@ -37,6 +38,7 @@ struct Ops : CopyOps,
              RopeOps,
              CrossEntropyOps,
              PermuteOps,
+             RouterOps,
              QuantizeOps,
              OptimizerOps {
   Ops() = default;
@@ -47,7 +49,7 @@ struct Ops : CopyOps,
   template <class F>
   void each(F&& f) {
     CopyOps::each(f), ElementwiseOps::each(f), ReduceOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
-        RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
+        RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), RouterOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
   }
 };
 

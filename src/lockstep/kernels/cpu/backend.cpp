@@ -15,12 +15,19 @@
 #include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/kernels/cpu/reduce.h"
 #include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/kernels/cpu/router.h"
 
 namespace lockstep {
 
 // Each op binds the CPU kernel of the same name whose signature is the op's (overloads resolve by
 // it). The kernels run on the calling thread's pool: no device context.
 void bind_cpu_ops(Ops& ops) {
+  ops.route_topk.bind(&route_topk);
+  ops.route_topk_backward.bind(&route_topk_backward);
+  ops.apply_capacity.bind(&apply_capacity);
+  ops.router_statistics.bind(&router_statistics);
+  ops.aux_losses_backward.bind(&aux_losses_backward);
+  ops.router_jitter.bind(&router_jitter);
   ops.tree_sum.bind(&tree_sum);
   ops.ordered_sum.bind(&ordered_sum);
   ops.add_positions.bind(&add_positions);

@@ -165,9 +165,9 @@ void MoeLayer::drop_over_micro_batch(const float* batch_logits) {
   // Every token of the micro-batch routed again from its logits (each token on its own: the bits of
   // the rank that owns it), the capacity applied over all of them, then this rank's tokens' part.
   const int64_t Nb = B_ * Tg_, N = Nl_, K = K_;
-  route_topk(batch_idx_.data(), batch_probs_.data(), batch_logits, expert_bias_on_ ? expert_bias_.data() : nullptr,
+  ops_->route_topk(batch_idx_.data(), batch_probs_.data(), batch_logits, expert_bias_on_ ? expert_bias_.data() : nullptr,
              spec_, Nb);
-  apply_capacity(batch_kept_.data(), batch_idx_.data(), batch_probs_.data(), spec_, Nb);
+  ops_->apply_capacity(batch_kept_.data(), batch_idx_.data(), batch_probs_.data(), spec_, Nb);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = global_row(row0_ + i);
     LOCKSTEP_CHECK(std::equal(idx_.data() + i * K, idx_.data() + (i + 1) * K, batch_idx_.data() + t * K),
@@ -194,27 +194,22 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   if (jittered_) {
     const RandomStream rng(seed, mix_purpose(mix_purpose(purpose_id("moe/router_jitter"), static_cast<uint64_t>(layer_)),
                                              static_cast<uint64_t>(step)));
-    float* u = arena(jitter_);
-    float* xr = arena(router_x_);
     const float lo = static_cast<float>(1.0 - jitter_eps_), width = static_cast<float>(2.0 * jitter_eps_);
-    // Global element index in the step's batch (of the token's row in the whole micro-batch).
+    // Each token's row in the step's batch (of its row in the whole micro-batch): its draws'.
     const int64_t micro_rows = B_ * Tg_;
-    parallel_for(N * C_, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t row = micro * micro_rows + global_row(row0_ + i / C_);
-        u[i] = lo + width * rng.uniform(static_cast<uint64_t>(row * C_ + i % C_));
-        xr[i] = x[i] * u[i];
-      }
-    });
-    rx = xr;
+    jitter_rows_.resize(static_cast<size_t>(N));
+    for (int64_t i = 0; i < N; ++i) jitter_rows_[static_cast<size_t>(i)] = micro * micro_rows + global_row(row0_ + i);
+    ops_->router_jitter(arena(jitter_), arena(router_x_), x, jitter_rows_.data(), N, C_, rng.seed(), rng.purpose(), lo,
+                        width);
+    rx = arena(router_x_);
   }
   float* logits = arena(logits_);
   float* probs = arena(probs_);
   gemm_f32(ps.device().ops, logits, rx, Trans::N, ps.weight(router_w_), Trans::T, N, E_, C_);
   trace_out(router_name_, logits, N * E_);
   ps.device().host_sync("moe.routing");  // top-k, capacity and the dispatch plan run on the host
-  route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
-  if (!batch_capacity_) apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
+  ops_->route_topk(idx_.data(), probs, logits, expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, N);
+  if (!batch_capacity_) ops_->apply_capacity(kept_.data(), idx_.data(), probs, spec_, N);
   // The aux losses are over the whole micro-batch: every tp (and cp) rank gets every token's logits.
   const float* batch_logits = logits;
   if (tp_.on() || cp_.on()) {
@@ -227,7 +222,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's).
   std::function<void(int64_t*, int64_t)> sum_over_dp;
   if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };
-  aux_ = aux_losses_forward(batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
+  aux_ = aux_losses_forward(*ops_, batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
                             counts_seq_, micro_counts_.data(), sum_over_dp);
 
   // Dispatch, experts, combine.
@@ -296,16 +291,16 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   }
   if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
 
-  route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N);
+  ops_->route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N);
   if (!cp_.on()) {
-    aux_losses_backward(s.dlogits, tp_.on() ? arena(all_logits_) : logits, spec_, B_, T_, global_counts_.data(),
+    aux_losses_backward(*ops_, s.dlogits, tp_.on() ? arena(all_logits_) : logits, spec_, B_, T_, global_counts_.data(),
                         counts_seq_, aux_scale, row0_, N);
   } else {
     // The rank's rows are runs of consecutive positions of the whole micro-batch.
     for (int64_t i = 0, len = 1; i < N; i += len) {
       const int64_t g = global_row(row0_ + i);
       for (len = 1; i + len < N && global_row(row0_ + i + len) == g + len;) ++len;
-      aux_losses_backward(s.dlogits + i * E_, arena(all_logits_), spec_, B_, Tg_, global_counts_.data(), counts_seq_,
+      aux_losses_backward(*ops_, s.dlogits + i * E_, arena(all_logits_), spec_, B_, Tg_, global_counts_.data(), counts_seq_,
                           aux_scale, g, len);
     }
   }

@@ -157,6 +157,7 @@ class MoeLayer {
 
  private:
   const Ops* ops_;
+  std::vector<int64_t> jitter_rows_;  // each row's token in the step's batch (the jitter's draws)
   RouterSpec spec_;
   // Trace names (core/trace.h): "<prefix>moe" (the sublayer's output, the gradient of its normed
   // input), "<prefix>moe.router" (logits), "<prefix>moe.experts" (expert output rows).
