@@ -16,6 +16,7 @@
 #include "lockstep/kernels/cross_entropy.h"
 #include "lockstep/kernels/elementwise.h"
 #include "lockstep/kernels/embedding.h"
+#include "lockstep/kernels/gate.h"
 #include "lockstep/kernels/gemm.h"
 #include "lockstep/kernels/norms.h"
 #include "lockstep/kernels/optimizer.h"
@@ -39,6 +40,7 @@ struct Ops : CopyOps,
              CrossEntropyOps,
              PermuteOps,
              RouterOps,
+             GateOps,
              QuantizeOps,
              OptimizerOps {
   Ops() = default;
@@ -49,7 +51,7 @@ struct Ops : CopyOps,
   template <class F>
   void each(F&& f) {
     CopyOps::each(f), ElementwiseOps::each(f), ReduceOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
-        RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), RouterOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
+        RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), RouterOps::each(f), GateOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
   }
 };
 

@@ -7,6 +7,7 @@
 #include "lockstep/kernels/cpu/cross_entropy.h"
 #include "lockstep/kernels/cpu/elementwise.h"
 #include "lockstep/kernels/cpu/embedding.h"
+#include "lockstep/kernels/cpu/gate.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/kernels/cpu/norms.h"
@@ -22,6 +23,10 @@ namespace lockstep {
 // Each op binds the CPU kernel of the same name whose signature is the op's (overloads resolve by
 // it). The kernels run on the calling thread's pool: no device context.
 void bind_cpu_ops(Ops& ops) {
+  ops.gate_forward.bind(&gate_forward);
+  ops.gate_backward.bind(&gate_backward);
+  ops.gate_weight_grad.bind(&gate_weight_grad);
+  ops.gate_input_grad.bind(&gate_input_grad);
   ops.route_topk.bind(&route_topk);
   ops.route_topk_backward.bind(&route_topk_backward);
   ops.apply_capacity.bind(&apply_capacity);

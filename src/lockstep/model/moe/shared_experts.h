@@ -39,6 +39,7 @@ struct SharedExpert {
   int64_t N = 0, C = 0, F = 0;
   bool swiglu = false;
   ArenaSlice fc_out, act, y, gate;  // saved: (N, Fw), (N, F), (N, C) ungated output, (N) gate
+  ArenaSlice dgate;                 // backward scratch: (N) the gate logits' gradient
 };
 
 }  // namespace lockstep
