@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/kernels/device.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/tree_sum.h"
@@ -81,7 +82,8 @@ TEST(ContextParallel, HeldPiecesCombineAlongTheCanonicalTreeInTokenOrder) {
     const int me = comm.rank();
     float* mine[K] = {pieces[static_cast<size_t>(me * K)].data(), pieces[static_cast<size_t>(me * K + 1)].data()};
     std::vector<float> scratch;
-    combine_held_pieces(comm, out[static_cast<size_t>(me)].data(), mine, n, K, L,
+    const std::unique_ptr<Device> cpu = Device::cpu();
+    combine_held_pieces(cpu->ops, comm, out[static_cast<size_t>(me)].data(), mine, n, K, L,
                         [&](int64_t g) { return std::pair<int64_t, int64_t>{order[g] / K, order[g] % K}; }, scratch);
   });
   EXPECT_TRUE(testing::bitwise_equal(out[0], want, "root on rank 0"));

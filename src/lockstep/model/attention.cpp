@@ -59,7 +59,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
     p.round(arena(qkv_out), N * qkv_width());
   }
   if (cp.on()) {
-    gather_kv(cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
+    gather_kv(ps.device().ops, cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
     ps.device().ops.attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, chunks, NH, NKV,
                                              HS, doc_start);
   } else {
@@ -83,8 +83,8 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
     const int64_t segments = tp.token_segments ? tp.segments / B : 0;
     ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att),
                                               arena(lse), B, Tg, chunks, NH, NKV, HS, doc_start, segments);
-    if (segments) reduce_scatter_dkv_pieces(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
-    else reduce_scatter_dkv(cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    if (segments) reduce_scatter_dkv_pieces(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    else reduce_scatter_dkv(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
     ps.device().ops.attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,

@@ -524,7 +524,7 @@ double GPT::micro_batch_mean(int64_t count) const {
   if (cp_.on() && tp_.token_segments) {
     n = B_ * Tg_;
     cp_losses_.resize(static_cast<size_t>(n + cp_.size * N_));
-    all_gather_sequence(cp_, cp_losses_.data(), cp_losses_.data() + n, x, B_, Tg_, 1);
+    all_gather_sequence(device_->ops, cp_, cp_losses_.data(), cp_losses_.data() + n, x, B_, Tg_, 1);
     if (cp_.rank != 0) return 0.0;
     x = cp_losses_.data();
   }

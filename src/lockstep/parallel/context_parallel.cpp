@@ -8,7 +8,7 @@
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
-#include "lockstep/core/thread_pool.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/core/tree_sum.h"
 
 namespace lockstep {
@@ -52,85 +52,76 @@ void ContextParallel::take_local(int32_t* local, const int32_t* global, int64_t 
 namespace {
 // Rank r's local rows (B, T / size, W) to their global positions in (B, T, W) (to_global: dst is
 // the global tensor, src the local rows), or back (dst local, src global).
-void move_rows(const ContextParallel& cp, int r, float* dst, const float* src, bool to_global, int64_t B, int64_t T,
-               int64_t W) {
+void move_rows(const Ops& ops, const ContextParallel& cp, int r, float* dst, const float* src, bool to_global, int64_t B,
+               int64_t T, int64_t W) {
   const QueryChunks ch = cp.chunks(T, r);
   const int64_t Tl = cp.local(T);
-  parallel_for(B, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t l = b * Tl * W;  // offset of the local rows
-      for (const auto& [begin, end] : ch) {
-        const int64_t g = (b * T + begin) * W, n = (end - begin) * W;
-        std::memcpy(dst + (to_global ? g : l), src + (to_global ? l : g), static_cast<size_t>(n) * sizeof(float));
-        l += n;
-      }
+  // Each sample's chunks, a block of rows each: local row l (consecutive) <-> global row b T + begin.
+  std::vector<int64_t> local, global, rows;
+  for (int64_t b = 0, l = 0; b < B; ++b)
+    for (const auto& [begin, end] : ch) {
+      local.push_back(l);
+      global.push_back(b * T + begin);
+      rows.push_back(end - begin);
+      l += end - begin;
     }
-  });
-}
-// width columns of `rows` rows: dst (row stride ld_dst) <- src (row stride ld_src). Packs the key
-// and value columns of qkv (rows, C3) into (rows, KV), and writes them back into dqkv.
-void copy_columns(float* dst, int64_t ld_dst, const float* src, int64_t ld_src, int64_t rows, int64_t width) {
-  parallel_for(rows, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r)
-      std::memcpy(dst + r * ld_dst, src + r * ld_src, static_cast<size_t>(width) * sizeof(float));
-  });
+  LOCKSTEP_CHECK(local.empty() || local.back() + rows.back() == B * Tl, "context parallelism: chunks of ", Tl, " rows");
+  const auto blocks = static_cast<int64_t>(rows.size());
+  if (to_global) ops.copy_row_blocks(dst, global.data(), src, local.data(), rows.data(), blocks, W);
+  else ops.copy_row_blocks(dst, local.data(), src, global.data(), rows.data(), blocks, W);
 }
 }  // namespace
 
-void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, const float* local, int64_t B, int64_t T,
-                         int64_t W) {
+void all_gather_sequence(const Ops& ops, const ContextParallel& cp, float* global, float* buf, const float* local,
+                         int64_t B, int64_t T, int64_t W) {
   const int64_t n = B * cp.local(T) * W;
   cp.comm->all_gather(buf, local, n);
-  for (int r = 0; r < cp.size; ++r) move_rows(cp, r, global, buf + r * n, true, B, T, W);
+  for (int r = 0; r < cp.size; ++r) move_rows(ops, cp, r, global, buf + r * n, true, B, T, W);
 }
 
-void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
+void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
                int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // This rank's K and V columns, packed (B, Tl, KV); then every rank's block into its positions.
-  copy_columns(mine, KV, qkv + NH * HS, C3, B * Tl, KV);
-  all_gather_sequence(cp, kv, buf, mine, B, T, KV);
+  ops.copy_rows(mine, KV, qkv + NH * HS, C3, B * Tl, KV);
+  all_gather_sequence(ops, cp, kv, buf, mine, B, T, KV);
 }
 
-void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
+void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
                         int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
-  for (int r = 0; r < cp.size; ++r) move_rows(cp, r, buf + r * n, dkv, false, B, T, KV);
+  for (int r = 0; r < cp.size; ++r) move_rows(ops, cp, r, buf + r * n, dkv, false, B, T, KV);
   cp.comm->reduce_scatter(mine, buf, n);
-  copy_columns(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
+  ops.copy_rows(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
 }
 
-void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
                                int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV, P = cp.size;
   float* send = buf;
   float* recv = send + 2 * P * n;
   float* mine = recv + 2 * P * n;
-  float* stack = mine + n;
   // Block (r, e): this rank's chunk e's tree (early, late) at rank r's rows, in rank r's local order.
   for (int r = 0; r < P; ++r)
-    for (int64_t e = 0; e < 2; ++e) move_rows(cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
+    for (int64_t e = 0; e < 2; ++e) move_rows(ops, cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
   cp.comm->all_to_all(recv, send, 2 * n);
   // Chunk c's tree came from its holder's early or late block (chunk_holder); the canonical tree
   // over the 2P chunks in position order is the one-process tree over the query segments.
   LOCKSTEP_CHECK(P <= kMaxContext, "context parallelism: ", P, " ranks");
-  const int64_t depth = tree_sum_stack(2 * P);
-  parallel_for(n, [&](int64_t i0, int64_t i1) {
-    const float* leaves[2 * kMaxContext];
-    for (int64_t c = 0; c < 2 * P; ++c) {
-      const ChunkHolder h = chunk_holder(P, c);
-      leaves[c] = recv + (2 * h.rank + h.side) * n + i0;
-    }
-    tree_sum(mine + i0, leaves, 2 * P, i1 - i0, stack + depth * i0);
-  });
-  copy_columns(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
+  const float* leaves[2 * kMaxContext];
+  for (int64_t c = 0; c < 2 * P; ++c) {
+    const ChunkHolder h = chunk_holder(P, c);
+    leaves[c] = recv + (2 * h.rank + h.side) * n;
+  }
+  ops.tree_sum(mine, leaves, 2 * P, n);
+  ops.copy_rows(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
 }
 
 int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS) {
-  return (4 * cp.size + tree_sum_stack(2 * cp.size) + 1) * B * cp.local(T) * 2 * NKV * HS;
+  return (4 * cp.size + 1) * B * cp.local(T) * 2 * NKV * HS;
 }
 
 namespace {
@@ -142,11 +133,11 @@ namespace {
 // the keepers) and out zeroed instead. clear: pieces 1 .. K - 1 zeroed after (the gradient's pieces,
 // for the next micro-batch).
 template <class PieceAt, class Leaf>
-void combine_pieces(Communicator& group, const PieceAt& piece, float* out_all, int64_t total, int64_t K, int64_t L,
+void combine_pieces(const Ops& ops, Communicator& group, const PieceAt& piece, float* out_all, int64_t total, int64_t K, int64_t L,
                     int keepers, const Leaf& leaf, std::vector<float>& scratch, float* acc, bool clear) {
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
-  const int64_t depth = tree_sum_stack(L), R = group.size();
+  const int64_t R = group.size();
   const int me = group.rank();
   const bool keep = me < keepers;
   // Each rank sums one slice of the elements (slice q of n: canonical segment q of R): every rank
@@ -159,9 +150,8 @@ void combine_pieces(Communicator& group, const PieceAt& piece, float* out_all, i
   // ((R - 1) K + depth) x (kCombineChunk / R + 1) floats, whatever the range (a vocabulary-sized
   // embedding or head).
   const int64_t chunk = std::min(total, kCombineChunk), slice_max = chunk / R + 1;
-  scratch.resize(static_cast<size_t>(((R - 1) * K + depth) * slice_max));
+  scratch.resize(static_cast<size_t>((R - 1) * K * slice_max));
   float* recv = scratch.data();
-  float* stack = recv + (R - 1) * K * slice_max;
   std::vector<Communicator::Message> sends, recvs;
   for (int64_t c0 = 0; c0 < total; c0 += chunk) {
     const int64_t n = std::min(chunk, total - c0);
@@ -185,14 +175,12 @@ void combine_pieces(Communicator& group, const PieceAt& piece, float* out_all, i
     }
     group.send_recv_batch_async(sends, recvs).wait();
     float* out = out_all + c0;
-    parallel_for(m, [&](int64_t i0, int64_t i1) {
-      const float* leaves[2 * kMaxContext];
-      for (int64_t g = 0; g < L; ++g) {
-        const auto [q, k] = leaf(g);
-        leaves[g] = q == me ? piece(k) + c0 + s0 + i0 : recv + (block(static_cast<int>(q)) * K + k) * m + i0;
-      }
-      tree_sum(out + s0 + i0, leaves, L, i1 - i0, stack + depth * i0);
-    });
+    const float* leaves[2 * kMaxContext];
+    for (int64_t g = 0; g < L; ++g) {
+      const auto [q, k] = leaf(g);
+      leaves[g] = q == me ? piece(k) + c0 + s0 : recv + (block(static_cast<int>(q)) * K + k) * m;
+    }
+    ops.tree_sum(out + s0, leaves, L, m);
     // The keepers gather the slices' roots (the exchange above is complete: out may take them).
     sends.clear();
     recvs.clear();
@@ -203,17 +191,14 @@ void combine_pieces(Communicator& group, const PieceAt& piece, float* out_all, i
       if (keep && q1 > q0) recvs.push_back({q, 1, out + q0, (q1 - q0) * F});
     }
     group.send_recv_batch_async(sends, recvs).wait();
-    parallel_for(n, [&](int64_t i0, int64_t i1) {
-      if (acc) {
-        if (keep)
-          for (int64_t i = i0; i < i1; ++i) acc[c0 + i] += out[i];
-        std::fill(out + i0, out + i1, 0.0f);
-      } else if (!keep) {
-        std::fill(out + i0, out + i1, -0.0f);
-      }
-      if (clear)
-        for (int64_t k = 1; k < K; ++k) std::fill(piece(k) + c0 + i0, piece(k) + c0 + i1, 0.0f);
-    });
+    if (acc) {
+      if (keep) ops.add(acc + c0, acc + c0, out, n);
+      ops.fill(out, n, 0.0f);
+    } else if (!keep) {
+      ops.fill(out, n, -0.0f);
+    }
+    if (clear)
+      for (int64_t k = 1; k < K; ++k) ops.fill(piece(k) + c0, n, 0.0f);
   }
 }
 
@@ -225,14 +210,15 @@ void combine_param_pieces(Communicator& group, ParamStore& ps, int first, int en
   const auto& specs = ps.specs();
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
-  combine_pieces(group, [&](int64_t k) { return ps.grad_piece(first, k); }, ps.grad(first), hi - lo, K, L, keepers,
+  combine_pieces(ps.device().ops, group, [&](int64_t k) { return ps.grad_piece(first, k); }, ps.grad(first), hi - lo, K, L, keepers,
                  leaf, scratch, acc, true);
 }
 }  // namespace
 
-void combine_held_pieces(Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
-                         const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch) {
-  combine_pieces(group, [pieces](int64_t k) { return pieces[k]; }, out, n, K, L, 1, leaf, scratch, nullptr, false);
+void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K,
+                         int64_t L, const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf,
+                         std::vector<float>& scratch) {
+  combine_pieces(ops, group, [pieces](int64_t k) { return pieces[k]; }, out, n, K, L, 1, leaf, scratch, nullptr, false);
 }
 
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
@@ -281,12 +267,10 @@ void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* 
 
 void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc) {
   const int64_t n = ps.specs()[static_cast<size_t>(i)].shape.numel();
-  float* g = ps.grad(i);
-  const bool keep = cp.rank == 0;
-  parallel_for(n, [&](int64_t i0, int64_t i1) {
-    for (int64_t j = i0; j < i1; ++j) g[j] = keep ? acc[j] : -0.0f;
-    std::fill(acc + i0, acc + i1, 0.0f);
-  });
+  const Ops& ops = ps.device().ops;
+  if (cp.rank == 0) ops.copy(ps.grad(i), acc, n);
+  else ops.fill(ps.grad(i), n, -0.0f);
+  ops.fill(acc, n, 0.0f);
 }
 
 }  // namespace lockstep

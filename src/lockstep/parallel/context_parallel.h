@@ -25,7 +25,7 @@
 #include <functional>
 #include <utility>
 
-#include "lockstep/kernels/attention.h"
+#include "lockstep/kernels/ops.h"
 #include "lockstep/tensor/context_chunks.h"
 #include "lockstep/tensor/param_table.h"
 
@@ -71,22 +71,22 @@ struct ContextParallel {
 
 // global (B, T, W) <- every rank's local rows (B, T / size, W), placed at their global positions.
 // buf: size x B x T / size x W.
-void all_gather_sequence(const ContextParallel& cp, float* global, float* buf, const float* local, int64_t B, int64_t T,
-                         int64_t W);
+void all_gather_sequence(const Ops& ops, const ContextParallel& cp, float* global, float* buf, const float* local,
+                         int64_t B, int64_t T, int64_t W);
 // kv (B, T, 2 NKV HS) <- every rank's key and value heads of its local rows of qkv (B, T / size,
 // (NH + 2 NKV) HS), placed at their global positions. buf: (size + 1) x B x T / size x 2 NKV HS.
-void gather_kv(const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
+void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
                int64_t NKV, int64_t HS);
 // The key and value columns of dqkv (B, T / size, ...) <- the sum over the group, in rank order, of
 // each rank's dkv (B, T, 2 NKV HS) at this rank's positions. buf as above.
-void reduce_scatter_dkv(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
+void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
                         int64_t NH, int64_t NKV, int64_t HS);
 // determinism = "layout" with layout_token_segments: dkv (2, B, T, 2 NKV HS) holds this rank's two
 // chunks' trees over their query segments (attention_backward_chunks with query_segments), each a
 // subtree of a sample's tree; every rank sends both to each rank's rows (an all-to-all of twice the
 // reduce-scatter's blocks) and sums the 2 size chunks' trees along the canonical tree in position
 // order: the one-process dK, dV bits. buf: dkv_pieces_buffer floats.
-void reduce_scatter_dkv_pieces(const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
                                int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS);
 
@@ -101,7 +101,7 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // dp x cp reduction adds it once, exactly (v + -0 = v). Pieces 1 .. 2B - 1 are zeroed for the next
 // range or micro-batch. Wire per call: each rank sends (R - 1) / R of its K pieces of the range (n
 // floats each), and each rank but the keepers' its slice of the root to every keeper; scratch
-// holds ((R - 1) x K + depth) x (kCombineChunk / R + 1) floats (K pieces per rank, R ranks in the
+// holds (R - 1) x K x (kCombineChunk / R + 1) floats (K pieces per rank, R ranks in the
 // group). Under sequence parallelism the sequence-parallel parameters' pieces are the tp ranks'
 // shares of the cp rank's rows (ParamStore::token_units): the ranks of the tp x cp group
 // (sequence_group) sum their slices of the micro-batch's size x units of them along the canonical
@@ -118,7 +118,7 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
 // group rank holding leaf g, its piece there}; group rank 0 writes the root to out (not a piece), the
 // others -0. The pieces are left as they are. (The MoE experts' partners under context parallelism,
 // model/moe/experts.h.)
-void combine_held_pieces(Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
+void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
                          const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch);
 // The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:
 // one process adds them into the gradient one after another, each the tree over its segments), called

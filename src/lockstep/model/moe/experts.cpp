@@ -648,11 +648,11 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         };
         unit_pieces.resize(static_cast<size_t>(pieces_per_rank));
         for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_dw(j);
-        combine_held_pieces(*partners, dw.data(), unit_pieces.data(), E * nout * nin, pieces_per_rank, cp_size * U,
+        combine_held_pieces(*ops_, *partners, dw.data(), unit_pieces.data(), E * nout * nin, pieces_per_rank, cp_size * U,
                             leaf, combine_scratch);
         if (b >= 0) {
           for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_db(j);
-          combine_held_pieces(*partners, db.data(), unit_pieces.data(), E * nout, pieces_per_rank, cp_size * U, leaf,
+          combine_held_pieces(*ops_, *partners, db.data(), unit_pieces.data(), E * nout, pieces_per_rank, cp_size * U, leaf,
                               combine_scratch);
         }
       } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)

@@ -215,7 +215,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   if (tp_.on() || cp_.on()) {
     float* rank_logits = cp_.on() ? (tp_.on() ? arena(cp_logits_) : logits) : arena(all_logits_);
     if (tp_.on()) tp_.comm->all_gather(rank_logits, logits, N * E_);
-    if (cp_.on()) all_gather_sequence(cp_, arena(all_logits_), arena(cp_buf_), rank_logits, B_, Tg_, E_);
+    if (cp_.on()) all_gather_sequence(*ops_, cp_, arena(all_logits_), arena(cp_buf_), rank_logits, B_, Tg_, E_);
     batch_logits = arena(all_logits_);
   }
   if (batch_capacity_) drop_over_micro_batch(batch_logits);
