@@ -30,18 +30,31 @@ struct AdamW {
 
 inline constexpr int64_t kNormBlock = 16384;
 
+// One range of the hashed AdamW update (OptimizerOps::adamw_update_hashed).
+struct AdamwHashedItem {
+  float* param;
+  float* m;
+  float* v;
+  const float* grad;
+  int64_t n;
+  AdamW hp;
+  int64_t state_begin, state_end;
+  uint64_t* hashes;  // [4]
+};
+
 // The ops, as a backend binds them (kernels/ops.h).
 struct OptimizerOps {
   // step counts from 1.
   Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step, float grad_scale)>
       adamw_update{"adamw_update"};
-  // The same update of n elements on the calling thread, and XXH3-64 of the gradient (as read) and
-  // of m and v (as written) over elements [state_begin, state_end) into hashes[0], [1], [2], and of
-  // the parameters (as written) over all n into hashes[3]: the update runs at most 16384 elements
-  // at a time and each piece is hashed right after it, while it is in cache, instead of in another
-  // pass over memory. The parameters, m and v get the same bits as from adamw_update.
-  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4])>
-      adamw_update_hashed{"adamw_update_hashed"};
+  // Each item's update (as adamw_update's, the same bits) on one thread, and XXH3-64 of the item's
+  // gradient (as read) and of m and v (as written) over its elements [state_begin, state_end) into
+  // hashes[0], [1], [2], and of its parameters (as written) over all n into hashes[3]: the update runs
+  // at most 16384 elements at a time and each piece is hashed right after it, while it is in cache,
+  // instead of in another pass over memory. The items go to the threads whole, in the given order
+  // (largest first is the caller's choice): the hashes do not depend on which thread ran an item.
+  Op<void(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale)> adamw_update_hashed{
+      "adamw_update_hashed"};
   // The grad norm's sum of squares under determinism = "run" (header comment).
   Op<double(const float* x, int64_t n)> sum_of_squares{"sum_of_squares"};
   // Under "layout": the sum of x[i]^2 exactly (core/exact_sum.h), the same for any split of x.

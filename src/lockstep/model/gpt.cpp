@@ -403,11 +403,8 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     if (!st.push) return;
     const int level = std::countr_zero(static_cast<uint64_t>(st.count)), first = head_first_level_;
     float* g = st.last ? params_.grad_piece(out_, st.piece) : nullptr;
-    parallel_for(n, [&](int64_t i0, int64_t i1) {  // the vocabulary x hidden table: across the pool
-      tree_sum_push_block(leaf, leaf, st.c, level, st.last, n, leaf + n, first, i0, i1);
-      if (g)
-        for (int64_t i = i0; i < i1; ++i) g[i] += leaf[i];
-    });
+    ops.tree_push_block(leaf, leaf, st.c, level, st.last, n, leaf + n, first);
+    if (g) ops.add(g, g, leaf, n);
   };
   // Rows [r0, r0 + rows): the logits, the loss and (backward) the input gradient.
   auto chunk = [&](int64_t r0, int64_t rows) {

@@ -98,20 +98,19 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   // whichever thread computes them.
   std::stable_sort(blocks.begin(), blocks.end(),
                    [](const ShardHashes::Block* a, const ShardHashes::Block* b) { return a->end - a->begin > b->end - b->begin; });
-  auto run = [&](int64_t i) {
-    ShardHashes::Block& b = *blocks[static_cast<size_t>(i)];
+  std::vector<AdamwHashedItem> items;
+  std::vector<uint64_t> out(4 * blocks.size());
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const ShardHashes::Block& b = *blocks[i];
     const int64_t s = state_index(b.param, b.begin);
-    uint64_t out[4];
-    ps.device().ops.adamw_update_hashed(ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin, b.end - b.begin,
-                        hyperparameters(b.param, lr), step, grad_scale, b.state_begin - b.begin, b.state_end - b.begin, out);
-    b.grad = out[0], b.m = out[1], b.v = out[2], b.value = out[3], b.done = true;
-  };
-  const auto n = static_cast<int64_t>(blocks.size());
-  ThreadPool* pool = ThreadPool::current();
-  if (pool && pool->threads() > 1 && n > 1) {
-    pool->run_parts(n, run);
-  } else {
-    for (int64_t i = 0; i < n; ++i) run(i);
+    items.push_back({ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin,
+                     b.end - b.begin, hyperparameters(b.param, lr), b.state_begin - b.begin, b.state_end - b.begin,
+                     out.data() + 4 * i});
+  }
+  ps.device().ops.adamw_update_hashed(items.data(), static_cast<int64_t>(items.size()), step, grad_scale);
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    ShardHashes::Block& b = *blocks[i];
+    b.grad = out[4 * i], b.m = out[4 * i + 1], b.v = out[4 * i + 2], b.value = out[4 * i + 3], b.done = true;
   }
 }
 

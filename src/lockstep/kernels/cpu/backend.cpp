@@ -35,6 +35,8 @@ void bind_cpu_ops(Ops& ops) {
   ops.router_jitter.bind(&router_jitter);
   ops.tree_sum.bind(&tree_sum);
   ops.ordered_sum.bind(&ordered_sum);
+  ops.piece_tree_sum.bind(&piece_tree_sum);
+  ops.tree_push_block.bind(&tree_push_block);
   ops.add_positions.bind(&add_positions);
   ops.fill.bind(&fill);
   ops.copy.bind(&copy);
@@ -96,7 +98,7 @@ void bind_cpu_ops(Ops& ops) {
   ops.amax.bind(&amax);
   ops.hadamard16.bind(&hadamard16);
   ops.adamw_update.bind(&adamw_update);
-  ops.adamw_update_hashed.bind(&adamw_update_hashed);
+  ops.adamw_update_hashed.bind(&adamw_update_hashed_items);
   ops.sum_of_squares.bind(&sum_of_squares);
   ops.exact_sum_of_squares.bind(&exact_sum_of_squares);
 }

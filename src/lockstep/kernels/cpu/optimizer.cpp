@@ -147,4 +147,17 @@ double sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
+void adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale) {
+  auto run = [&](int64_t i) {
+    const AdamwHashedItem& t = items[i];
+    adamw_update_hashed(t.param, t.m, t.v, t.grad, t.n, t.hp, step, grad_scale, t.state_begin, t.state_end, t.hashes);
+  };
+  ThreadPool* pool = ThreadPool::current();
+  if (pool && pool->threads() > 1 && count > 1) {
+    pool->run_parts(count, run);
+  } else {
+    for (int64_t i = 0; i < count; ++i) run(i);
+  }
+}
+
 }  // namespace lockstep

@@ -12,4 +12,7 @@ void adamw_update_hashed(float* param, float* m, float* v, const float* grad, in
                          int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
 double sum_of_squares(const float* x, int64_t n);
 
+// The items of kernels/optimizer.h's adamw_update_hashed shared among the pool's threads.
+void adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale);
+
 }  // namespace lockstep

@@ -28,4 +28,23 @@ void ordered_sum(float* out, const float* const* leaves, int64_t L, int64_t n) {
   });
 }
 
+void piece_tree_sum(float* out, const float* const* pieces, const PieceTree& tree, int64_t n) {
+  const int64_t K = tree.pieces();
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<const float*> at;  // per thread, kept across calls
+    thread_local std::vector<float> scratch;
+    at.resize(static_cast<size_t>(K));
+    for (int64_t k = 0; k < K; ++k) at[static_cast<size_t>(k)] = pieces[k] + i0;
+    scratch.resize(static_cast<size_t>(tree.scratch_size() * (i1 - i0)));
+    tree.sum(out + i0, at.data(), i1 - i0, scratch.data());
+  });
+}
+
+void tree_push_block(float* out, const float* x, int64_t c, int level, bool last, int64_t n, float* stack,
+                     int first_level) {
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    tree_sum_push_block(out, x, c, level, last, n, stack, first_level, i0, i1);
+  });
+}
+
 }  // namespace lockstep

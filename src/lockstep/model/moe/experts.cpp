@@ -166,32 +166,20 @@ namespace {
 
 // grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...), or with
 // `tree` the canonical tree over s (core/tree_sum.h).
-void sum_sources(float* grad, const float* blocks, int64_t E, int64_t S, int64_t n, bool tree = false) {
-  parallel_for(E * n, [&](int64_t i0, int64_t i1) {
-    thread_local std::vector<float> stack;  // per thread, kept across calls
-    thread_local std::vector<const float*> at;
-    stack.resize(static_cast<size_t>(tree_sum_stack(S)) + 1);
-    at.resize(static_cast<size_t>(S));
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / n, j = i % n;
-      const float* b = blocks + e * S * n + j;
-      if (tree) {
-        for (int64_t s = 0; s < S; ++s) at[s] = b + s * n;
-        tree_sum(grad + i, at.data(), S, 1, stack.data());
-        continue;
-      }
-      float acc = b[0];
-      for (int64_t s = 1; s < S; ++s) acc += b[s * n];
-      grad[i] = acc;
-    }
-  });
+void sum_sources(const Ops& ops, float* grad, const float* blocks, int64_t E, int64_t S, int64_t n, bool tree = false) {
+  std::vector<const float*> at(static_cast<size_t>(S));
+  for (int64_t e = 0; e < E; ++e) {
+    for (int64_t s = 0; s < S; ++s) at[static_cast<size_t>(s)] = blocks + (e * S + s) * n;
+    if (tree) ops.tree_sum(grad + e * n, at.data(), S, n);
+    else ops.ordered_sum(grad + e * n, at.data(), S, n);
+  }
 }
 
 // Layout mode, blocks that are not subtrees: parameter w's gradient (E, n) as the group's pieces
 // (the last in ps.grad(w), the others in their tables at w's offset), each the tree over the
 // sources' pieces it holds; source s's last piece is in blocks (E x S, n), its others held by
 // trees[e S + s].
-void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum* trees,
+void sum_source_pieces(const Ops& ops, const ParamStore& ps, int w, const float* blocks, TreeSum* trees,
                        const std::vector<GroupedExperts::GroupPiece>& group, int64_t E, int64_t S, int64_t n) {
   thread_local std::vector<const float*> pieces;  // all sources' pieces, in order (kept across calls)
   for (int64_t e = 0; e < E; ++e) {
@@ -203,15 +191,7 @@ void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum
     }
     for (const GroupedExperts::GroupPiece& g : group) {
       float* dst = (g.table ? g.table + ps.specs()[w].offset : ps.grad(w)) + e * n;
-      const std::vector<const float*>& all = pieces;  // the caller's (a thread_local named in the body would be the worker's)
-      parallel_for(n, [&](int64_t i0, int64_t i1) {
-        thread_local std::vector<const float*> at;  // per thread, kept across calls
-        thread_local std::vector<float> scratch;
-        at.clear();
-        for (int64_t k = g.first; k < g.end; ++k) at.push_back(all[static_cast<size_t>(k)] + i0);
-        scratch.resize(static_cast<size_t>(g.tree.scratch_size() * (i1 - i0)));
-        g.tree.sum(dst + i0, at.data(), i1 - i0, scratch.data());
-      });
+      ops.piece_tree_sum(dst, pieces.data() + g.first, g.tree, n);
     }
   }
 }
@@ -219,17 +199,12 @@ void sum_source_pieces(const ParamStore& ps, int w, const float* blocks, TreeSum
 // Leaf g's out[g] (n) = the canonical tree over the `per` blocks of fine (leaves x per, n) that
 // follow g x per (into fine's first block of each leaf, then copied), a few thousand elements of
 // every block at a time so that the tree's levels run in cache.
-void tree_over_blocks(float* const* out, float* fine, int64_t leaves, int64_t per, int64_t n) {
-  constexpr int64_t kChunk = 2048;
-  parallel_for(leaves * n, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1;) {
-      const int64_t g = i / n, j0 = i % n, j1 = std::min({n, j0 + (i1 - i), j0 + kChunk});
-      float* first = fine + g * per * n;
-      tree_sum_in_place(first, per, n, j0, j1);
-      std::memcpy(out[g] + j0, first + j0, static_cast<size_t>(j1 - j0) * sizeof(float));
-      i += j1 - j0;
-    }
-  });
+void tree_over_blocks(const Ops& ops, float* const* out, const float* fine, int64_t leaves, int64_t per, int64_t n) {
+  std::vector<const float*> at(static_cast<size_t>(per));
+  for (int64_t g = 0; g < leaves; ++g) {
+    for (int64_t s = 0; s < per; ++s) at[static_cast<size_t>(s)] = fine + (g * per + s) * n;
+    ops.tree_sum(out[g], at.data(), per, n);
+  }
 }
 
 // Leaf g's bias gradient db[g] (nout) assigned: the canonical tree over its `per` token segments of the
@@ -239,7 +214,7 @@ void token_segment_bias(const Ops& ops, float* const* db, const float* dy, const
   thread_local std::vector<float> bias;
   bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
   ops.grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
-  tree_over_blocks(db, bias.data(), leaves, per, nout);
+  tree_over_blocks(ops, db, bias.data(), leaves, per, nout);
 }
 
 // Layout mode (fp32 / bf16 operands): leaf g's weight gradient dw[g] (nout, nin) assigned, the
@@ -684,12 +659,12 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
     }
     if (!last) return;
     if (!group_pieces.empty()) {
-      sum_source_pieces(ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, G, nout * nin);
-      if (b >= 0) sum_source_pieces(ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, G, nout);
+      sum_source_pieces(*ops_, ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, G, nout * nin);
+      if (b >= 0) sum_source_pieces(*ops_, ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, G, nout);
       return;
     }
-    sum_sources(ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
-    if (b >= 0) sum_sources(ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
+    sum_sources(*ops_, ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
+    if (b >= 0) sum_sources(*ops_, ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb, {}, false, rows_share);
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
