@@ -30,13 +30,13 @@
 #include "lockstep/core/trace.h"
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/parallel/pipeline/pipeline.h"
-#include "lockstep/parallel/pipeline/schedule.h"
 #include "lockstep/parallel/tensor_parallel.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
 #include "lockstep/train/optimizer.h"
+#include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
 #include "lockstep/train/safetensors.h"
 
@@ -128,46 +128,7 @@ void check_injection(const std::vector<std::string>& modules, const DebugConfig&
              "'; its modules are: ", names, " (N: a layer index)");
 }
 
-// The groups of kind g, each split into the ranks with the same experts: the same expert-parallel
-// coordinate, and with `etp` the same expert-tensor one too (the expert amax group and the partners
-// of an expert group smaller than tp x cp, model/moe/experts.h).
-std::vector<std::vector<int>> same_expert_groups(const Mesh& mesh, MeshGroup g, bool etp) {
-  std::vector<std::vector<int>> out;
-  for (const std::vector<int>& group : mesh.groups(g)) {
-    std::vector<std::vector<int>> by(static_cast<size_t>(mesh.ep() * (etp ? mesh.etp() : 1)));
-    for (int r : group) {
-      const MeshCoordinates c = mesh.coordinates(r);
-      by[static_cast<size_t>(etp ? c.ep * mesh.etp() + c.etp : c.ep)].push_back(r);
-    }
-    for (std::vector<int>& ranks : by)
-      if (!ranks.empty()) out.push_back(std::move(ranks));
-  }
-  return out;
-}
-
 }  // namespace
-
-Mesh checked_mesh(const Config& config, int world_size) {
-  const TrainConfig& tc = config.train;
-  const ParallelConfig& pc = config.parallel;
-  const Mesh mesh(world_size, {static_cast<int>(pc.tensor), static_cast<int>(pc.context), static_cast<int>(pc.pipeline),
-                               static_cast<int>(pc.expert), static_cast<int>(pc.expert_tensor)});
-  // Each data-parallel rank takes its own micro-batches of the global batch (the ranks of a
-  // context-parallel group share them: context parallelism splits sequences, not samples).
-  const int64_t dp_size = mesh.dp();
-  if (tc.global_batch % (tc.micro_batch * dp_size))
-    user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
-               ") x data-parallel size (", dp_size, " = ", world_size, " ranks / (parallel.tensor x parallel.context x "
-               "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
-  const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);
-  // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
-  if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
-  // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
-  // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
-  // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel;
-  // with an expert group smaller than tp x cp the first partner's, the others' empty: expert_partners).
-  return mesh;
-}
 
 TrainSummary train(const Config& config, std::FILE* out) {
   TrainSummary summary;
@@ -178,48 +139,24 @@ TrainSummary train(const Config& config, std::FILE* out) {
 TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const ModelConfig& mc = config.model;
   const TrainConfig& tc = config.train;
-  const ParallelConfig& pc = config.parallel;
-  const Mesh mesh = checked_mesh(config, comm.size());
-  const MeshCoordinates coords = mesh.coordinates(comm.rank());
+  ParallelGroups groups(comm, config);
+  const Mesh& mesh = groups.mesh;
+  const MeshCoordinates& coords = groups.coords;
   const bool leader = comm.rank() == 0;
   const int64_t dp_size = mesh.dp();
-  // Dense gradients are reduced over dp x cp, expert gradients over the expert data-parallel group.
-  Communicator dense_dp = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
-  Communicator expert_dp = comm.split_groups(mesh.groups(MeshGroup::edp));
-  // The ranks of a tensor-parallel group share each micro-batch (same dp coordinate).
-  Communicator tp_group = comm.split_groups(mesh.groups(MeshGroup::tp));
-  TensorParallel tp(&tp_group, pc.sequence_parallel);
-  // Context parallelism: the ranks of a cp group share each micro-batch (same dp coordinate), each
-  // holding two chunks of every sample (parallel/context_parallel.h). The loss and gradient sums
-  // over dp x cp (dense_dp) add up their shares; counts of the micro-batches' tokens are summed over
-  // dp only (every cp rank counts the whole micro-batch).
-  Communicator cp_group = comm.split_groups(mesh.groups(MeshGroup::cp));
-  // Layout mode under sequence parallelism (or an MoE model under tensor parallelism): the tp x cp
-  // group combines the token pieces of the parameters whose rows are a tp rank's share
-  // (combine_token_pieces).
-  Communicator tp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_cp));
-  const bool sequence_pieces =
-      config.determinism == "layout" && (pc.sequence_parallel || config.moe.num_experts > 0) && mesh.tp() > 1;
-  const ContextParallel cp(mesh.cp() > 1 ? &cp_group : nullptr, mesh.cp() > 1 && sequence_pieces ? &tp_cp_group : nullptr);
-  Communicator dp_only = comm.split_groups(mesh.groups(MeshGroup::dp));
-  if (config.determinism == "layout") {
-    tp.segments = config.layout_segments;
-    tp.token_segments = config.layout_token_segments;
-  }
-  // Expert parallelism: the MoE layers' experts are split over the ep group, whose ranks exchange
-  // tokens in every MoE layer (model/moe/alltoall_dispatcher.h, allgather_dispatcher.h).
-  Communicator expert_group = comm.split_groups(mesh.groups(MeshGroup::ep));
-  Communicator* ep = mesh.ep() > 1 ? &expert_group : nullptr;
-  // Expert tensor parallelism: each expert's hidden units split over the etp group, which gathers
-  // its tokens (model/moe/expert_tensor_parallel.h). The experts' parts differ over etp x ep.
-  Communicator etp_group = comm.split_groups(mesh.groups(MeshGroup::etp));
-  Communicator* etp = mesh.etp() > 1 ? &etp_group : nullptr;
-  Communicator tp_ep_group = comm.split_groups(mesh.groups(MeshGroup::tp_ep));
-  const bool experts_split = ep || etp;
-  // Pipeline parallelism: the ranks of a pipeline group (same tp, cp, dp coordinates) hold
-  // successive parts of the model (parallel/pipeline/pipeline.h).
-  Communicator pp_group = comm.split_groups(mesh.groups(MeshGroup::pp));
-  const bool pipelined = mesh.pp() > 1;
+  Communicator& dense_dp = groups.dense_dp;
+  Communicator& expert_dp = groups.expert_dp;
+  Communicator& tp_group = groups.tp_group;
+  Communicator& cp_group = groups.cp_group;
+  Communicator& dp_only = groups.dp_group;
+  Communicator& etp_group = groups.etp_group;
+  Communicator& pp_group = groups.pp_group;
+  const TensorParallel& tp = groups.tp;
+  const ContextParallel& cp = groups.cp;
+  Communicator* ep = groups.ep();
+  Communicator* etp = groups.etp();
+  const bool experts_split = groups.experts_split();
+  const bool pipelined = groups.pipelined();
   // Progress lines come from rank 0; the other ranks print into a sink.
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
   if (!leader) out = sink.get();
@@ -233,99 +170,18 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   const std::unique_ptr<Device> device = Device::cpu();
 
   const std::unique_ptr<Dataset> data = open_dataset(config.data, mc.seq_length, mc.vocab_size, tc.seed);
-  // determinism = "layout": a tied head's or the MTP depths' word embedding keeps its last-stage
-  // copy on one stage too (StagePart::split_embedding).
-  StagePart part = pipelined ? pipeline_part(pc, mc.num_layers, coords.pp) : StagePart{};
-  part.split_embedding = config.determinism == "layout";
-  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, part, cp, device.get());
+  GPT model(mc, tc.micro_batch, config.moe, config.precision, tp, ep, etp, stage_part(config, groups), cp, device.get());
+  DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
+  const std::unique_ptr<Pipeline> pipeline = parallelize(model, dp, groups, config);
+  // The weights are initialised after the parallel plan is applied, as torchtitan does; nothing in
+  // the plan reads them.
   model.params().init(tc.seed);
-  // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
-  // of the tensor (tensor/precision.h). determinism = "layout" scales each micro-batch by its own
-  // tensors (docs/design/reductions.md#quantised-gemms-canonical-pieces), so there the data-parallel replicas are left out, except from
-  // delayed scaling's once-per-step update (the step's amax is the max over all its micro-batches).
-  // Evaluation scales each forward by its own tensors (tp x cp, etp) in either mode. An expert x
-  // expert-tensor group smaller than tp x cp sees part of a micro-batch's rows: its experts' group
-  // there is the tp x cp ranks holding the same experts (the same ep coordinate: all of tp x cp for
-  // a group of 1, the etp ranks and their partners for a divisor of tp x cp).
-  const int G = mesh.ep() * mesh.etp();  // the expert x expert-tensor group
-  const bool own_micro_batch = config.determinism == "layout";
-  Communicator tp_dp_cp_group = comm.split_groups(mesh.groups(MeshGroup::tp_dp_cp));
-  Communicator etp_edp_group = comm.split_groups(mesh.groups(MeshGroup::etp_edp));
-  std::optional<Communicator> same_experts;
-  if (G < mesh.tp() * mesh.cp())
-    same_experts.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, false)));
-  Communicator* expert_batch = same_experts ? &*same_experts : &etp_group;
-  Precision::AmaxGroups amax_groups{own_micro_batch ? &tp_cp_group : &tp_dp_cp_group,
-                                    own_micro_batch ? expert_batch : &etp_edp_group, &tp_cp_group, expert_batch};
-  amax_groups.layout = own_micro_batch;
-  // Pipeline schedules run other micro-batches' forwards between a micro-batch's forward and its
-  // backward: delayed scaling updates once per step there too (in either mode).
-  if (own_micro_batch || pipelined) {
-    amax_groups.per_step = true;
-    amax_groups.dense_step = &tp_dp_cp_group;
-    amax_groups.expert_step = &etp_edp_group;
-  }
-  model.params().precision().set_amax_groups(amax_groups);
   const DataConfig& dc = config.data;
   const auto eod = static_cast<int32_t>(dc.eod_token);
   if (dc.reset_position_ids || dc.reset_attention_mask)
     model.set_documents(eod, dc.reset_position_ids, dc.reset_attention_mask);
-  DataParallel dp(model.params(), dense_dp, expert_dp, config.ddp, config.optimizer.distributed);
-  // determinism = "layout": the step's micro-batch gradients and scalar sums are combined exactly
-  // or along the canonical tree (parallel/data_parallel.h, docs/design/reductions.md#micro-batch-tree).
   const bool layout = config.determinism == "layout";
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);  // micro-batches per rank and step
-  // Megatron's global aux loss counts each micro-batch over the ranks holding the step's other ones:
-  // the dp group only, since every tp and cp rank already counts its whole micro-batch (the router
-  // logits are gathered over tp x cp).
-  for (const auto& layer : model.moe_layers())
-    if (layer) layer->set_data_parallel(&dp_only);
-  if (tp.on()) dp.set_tensor_parallel(&tp_group);  // before set_layout, which reads the tp rank
-  // Layout mode with an expert x expert-tensor group of G ranks smaller than the tp x cp group: the
-  // tp cp / G groups of a tp x cp group hold the same experts for its other ranks, and sum each
-  // micro-batch's parts over these partners (model/moe/experts.h): ranks j, j + G, ... of each tp x cp
-  // group, the ranks of the tp x cp group with the same expert and expert-tensor coordinates.
-  std::optional<Communicator> partners;
-  if (layout && experts_split && G < mesh.tp() * mesh.cp())
-    partners.emplace(comm.split_groups(same_expert_groups(mesh, MeshGroup::tp_cp, true)));
-  if (layout) {
-    if (mesh.cp() > 1) dp.set_context_parallel(dp_only.rank(), cp_group.rank(), mesh.cp());
-    dp.set_layout(accum, &comm, experts_split, partners ? partners->size() : 1);
-    for (const auto& layer : model.moe_layers())
-      if (layer)
-        layer->set_layout(accum, accum * dp_size, dp.expert_block_first(), dp.expert_pieces(),
-                          partners ? &*partners : nullptr, dp.expert_tp_sum());
-  }
-  if (experts_split) dp.set_expert_parallel(&tp_ep_group);
-  std::unique_ptr<Pipeline> pipeline;
-  if (pipelined) {
-    dp.set_pipeline_parallel(&pp_group);
-    pipeline = std::make_unique<Pipeline>(pp_group, pc, accum, tc.micro_batch * mc.seq_length);
-    // A chunk's parameters are final after its backward of the last micro-batch; the embedding
-    // shared with another stage only once the stages' gradients are summed (after the schedule).
-    // Layout mode pushes every micro-batch's gradients as its leaf, the shared embedding's stage
-    // part too: each stage reduces its part over the data-parallel ranks, and the stages add the
-    // reduced parts after finish_grad_sync.
-    const std::vector<int> shared = layout ? std::vector<int>{} : model.shared_params();
-    model.set_grads_ready_hook([&dp, &pipeline, &model, shared, layout](int first, int end) {
-      if (layout) {
-        model.complete_micro_batch_grads(first, end);
-        dp.push_grads(first, end, pipeline->backward_micro());
-      }
-      if (!pipeline->in_final_backward()) return;
-      for (int i = first; i < end; ++i)
-        if (std::find(shared.begin(), shared.end(), i) == shared.end()) dp.post_ready(i, i + 1);
-    });
-    if (layout) dp.set_full_grads(model.shared_params());
-  } else {
-    model.set_grads_ready_hook([&dp, &model, layout](int first, int end) {
-      // Layout: a micro-batch's sequence-parallel gradients and its context-parallel token pieces
-      // (layout_token_segments) are complete before they become its leaf.
-      if (layout) model.complete_micro_batch_grads(first, end);
-      dp.grads_ready(first, end);
-    });
-    for (const auto& [owner, copy] : model.split_params()) dp.set_full_grads({owner, copy});
-  }
   Optimizer optimizer(model.params(), config.optimizer, dp.optimizer_ranges());
 
   // The state a checkpoint holds. Replicas (parameters over data-parallel ranks, the replicated
@@ -459,7 +315,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   // param_blocks: the parameters' block hashes taken in the update (the replicated optimizer), or
   // empty for a pass over them here (the distributed one: complete only after the all-gather).
   const bool gather_in_background = config.optimizer.distributed && config.ddp.overlap_param_gather;
-  if (gather_in_background) model.set_params_needed_hook([&dp](int first, int end) { dp.params_needed(first, end); });
   std::optional<Fingerprint> pending_fingerprint;
   auto write_fingerprint = [&](Fingerprint fp, std::vector<uint64_t> param_blocks) {
     device->host_sync("fingerprint");
