@@ -1,17 +1,12 @@
 #include "lockstep/train/trainer.h"
 
-#include <sys/resource.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <regex>
 #include <bit>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <thread>
 #include <vector>
@@ -35,6 +30,7 @@
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
+#include "lockstep/train/metrics.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
@@ -48,56 +44,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Best GFLOP/s of a square GEMM on the current pool: the peak MFU is measured against. Runs for
-// a quarter of a second: a new pool's threads can start on one core and take tens of
-// milliseconds to be spread by the scheduler. Measured once per process and pool size: tests and
-// threads-backend ranks train many times in one process, and a quarter second per run was most
-// of a short test's time (rank threads wait for the first one's measurement).
-double measure_gemm_peak(const Ops& ops) {
-  static std::mutex mutex;
-  static std::map<int, double> measured;  // by thread count
-  const std::lock_guard<std::mutex> lock(mutex);
-  double& best = measured[current_threads()];
-  if (best > 0) return best;
-  constexpr int64_t n = 512;
-  FloatBuffer a(n * n), b(n * n), c(n * n);
-  for (int64_t i = 0; i < n * n; ++i) a[i] = b[i] = 1.0f / static_cast<float>(1 + i % 7);
-  const auto start = Clock::now();
-  for (int rep = 0; rep < 3 || seconds_since(start) < 0.25; ++rep) {
-    const auto t0 = Clock::now();
-    gemm_f32(ops, c.data(), a.data(), Trans::N, b.data(), Trans::T, n, n, n);
-    best = std::max(best, 2.0 * n * n * n / seconds_since(t0) / 1e9);
-  }
-  return best;
-}
-
-// Tokens each expert processed this step, per MoE layer: "moe.<layer>.tokens_min" etc.; under
-// tensor parallelism the bytes rank 0 sent in its tensor-parallel group this step (tp_bytes >= 0).
-JsonLine with_step_stats(JsonLine line, const std::vector<MoeTokenStats>& stats, int64_t tp_bytes) {
-  if (tp_bytes >= 0) line.add("tp_bytes", tp_bytes);
-  for (const MoeTokenStats& st : stats) {
-    const std::string key = "moe." + std::to_string(st.layer) + ".";
-    line.add((key + "tokens_min").c_str(), st.min)
-        .add((key + "tokens_max").c_str(), st.max)
-        .add((key + "imbalance").c_str(), st.imbalance, 6);
-  }
-  return line;
-}
-
-double peak_memory_mb() {
-  rusage ru{};
-  getrusage(RUSAGE_SELF, &ru);
-  return static_cast<double>(ru.ru_maxrss) / 1024.0;
-}
-
-std::string duration_text(double s) {
-  const auto t = static_cast<int64_t>(s + 0.5);
-  char buf[32];
-  if (t >= 3600) std::snprintf(buf, sizeof buf, "%lld:%02lld:%02lld", (long long)(t / 3600), (long long)(t / 60 % 60), (long long)(t % 60));
-  else std::snprintf(buf, sizeof buf, "%lld:%02lld", (long long)(t / 60), (long long)(t % 60));
-  return buf;
 }
 
 // Under pipeline parallelism: every stage's module names, in stage order (the same on each stage).
@@ -157,9 +103,8 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   Communicator* etp = groups.etp();
   const bool experts_split = groups.experts_split();
   const bool pipelined = groups.pipelined();
-  // Progress lines come from rank 0; the other ranks print into a sink.
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> sink(leader ? nullptr : std::fopen("/dev/null", "w"), &std::fclose);
-  if (!leader) out = sink.get();
+  Progress progress(out, leader);
+  out = progress.out();
   // Ranks on one machine share its cores.
   const int threads = tc.threads ? static_cast<int>(tc.threads)
                                  : static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
@@ -251,7 +196,6 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (trace_log) trace_log->write(trace_lines(trace->take_records()));
   };
 
-  const bool live = isatty(fileno(out));
   const double peak_gflops = measure_gemm_peak(device->ops);
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
   const int64_t tokens_per_step = tc.global_batch * T;
@@ -488,89 +432,43 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     if (gather_in_background && step < tc.steps) pending_fingerprint = fp;
     else write_fingerprint(fp, shard_hashes.has_params() ? shard_hashes.params() : std::vector<uint64_t>{});
 
-    const double tok_s = static_cast<double>(tokens_per_step) / secs;
-    const double mfu = peak_gflops > 0 ? tok_s * flops_per_token / (peak_gflops * 1e9) : 0;
-    JsonLine metrics_line = with_step_stats(JsonLine()
-                      .add("step", step)
-                      .add("loss", loss, 9)
-                      .add("lm_loss", lm_loss, 9)
-                      .add("aux_loss", aux_loss, 9)
-                      .add("mtp_loss", mtp_loss, 9)
-                      .add("grad_norm", grad_norm, 9)
-                      .add("lr", lr, 9)
-                      .add("step_ms", secs * 1e3, 6)
-                      .add("tokens_per_s", tok_s, 6)
-                      .add("mfu", mfu, 4)
-                      .add("peak_mem_mb", peak_memory_mb(), 6),
-                      moe_stats, tp.on() ? tp_group.bytes_sent() - tp_bytes_before : -1);
-    if (ep) metrics_line.add("ep_bytes_sent", dispatch_bytes);  // bytes rank 0's token dispatchers sent this step
-    if (etp) metrics_line.add("etp_bytes", etp_group.bytes_sent() - etp_bytes_before);  // rank 0's, in its etp group
-    if (cp.on()) metrics_line.add("cp_bytes", cp_group.bytes_sent() - cp_bytes_before);  // rank 0's, in its cp group
+    StepMetrics m;
+    m.step = step;
+    m.loss = loss, m.lm_loss = lm_loss, m.aux_loss = aux_loss, m.mtp_loss = mtp_loss, m.grad_norm = grad_norm, m.lr = lr;
+    m.seconds = secs;
+    m.tokens_per_s = static_cast<double>(tokens_per_step) / secs;
+    m.mfu = peak_gflops > 0 ? m.tokens_per_s * flops_per_token / (peak_gflops * 1e9) : 0;
+    m.moe = moe_stats;
+    if (tp.on()) m.tp_bytes = tp_group.bytes_sent() - tp_bytes_before;
+    if (ep) m.ep_bytes = dispatch_bytes;
+    if (etp) m.etp_bytes = etp_group.bytes_sent() - etp_bytes_before;
+    if (cp.on()) m.cp_bytes = cp_group.bytes_sent() - cp_bytes_before;
+    JsonLine metrics_line = lockstep::metrics_line(m);
     if (pipelined) {
-      // Per stage: the fraction of the schedule spent waiting for messages, the micro-batches whose
-      // activations it held at once (arena slots), the activation memory (those slots plus backward
-      // scratch) and one micro-batch's saved activations (a slot).
-      const double mine[4] = {piped.seconds > 0 ? piped.wait_seconds / piped.seconds : 0.0,
-                              static_cast<double>(model.activation_slots()),
-                              static_cast<double>(model.activation_bytes_held()) / (1 << 20),
-                              static_cast<double>(model.slot_activation_bytes()) / (1 << 20)};
-      std::vector<double> stages(static_cast<size_t>(4 * mesh.pp()));
-      pp_group.all_gather(stages.data(), mine, 4);
-      for (int st = 0; st < mesh.pp(); ++st) {
-        const std::string key = "pp." + std::to_string(st) + ".";
-        const double* v = stages.data() + 4 * st;
-        metrics_line.add((key + "wait_fraction").c_str(), v[0], 4)
-            .add((key + "in_flight").c_str(), static_cast<int64_t>(v[1]))
-            .add((key + "activation_mb").c_str(), v[2], 6)
-            .add((key + "slot_mb").c_str(), v[3], 6);
-      }
+      const StageMetrics stage{piped.seconds > 0 ? piped.wait_seconds / piped.seconds : 0.0,
+                               static_cast<double>(model.activation_slots()),
+                               static_cast<double>(model.activation_bytes_held()) / (1 << 20),
+                               static_cast<double>(model.slot_activation_bytes()) / (1 << 20)};
+      add_stage_metrics(metrics_line, pp_group, stage);
     }
-    {
-      // Every rank's device memory high-water mark and the step's host syncs (kernels/device.h).
-      const double mine[2] = {static_cast<double>(device->memory().peak_bytes()) / (1 << 20),
-                              static_cast<double>(device->take_host_syncs())};
-      std::vector<double> ranks(static_cast<size_t>(2 * comm.size()));
-      comm.all_gather(ranks.data(), mine, 2);
-      std::vector<double> peaks(static_cast<size_t>(comm.size()));
-      double syncs = 0;
-      for (int r = 0; r < comm.size(); ++r) {
-        peaks[static_cast<size_t>(r)] = ranks[static_cast<size_t>(2 * r)];
-        syncs = std::max(syncs, ranks[static_cast<size_t>(2 * r + 1)]);
-      }
-      metrics_line.add("alloc_peak_mb", *std::max_element(peaks.begin(), peaks.end()), 6)
-          .add("alloc_peak_mb_ranks", peaks, 6)
-          .add("host_syncs", static_cast<int64_t>(syncs));
-    }
+    add_rank_metrics(metrics_line, comm, *device);
     if (metrics) metrics->write(metrics_line.str());
     if (step == start_step) summary.first_loss = loss;
     summary.last_loss = loss;
     summary.steps = step;
 
     const bool eval_now = tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps);
-    double eval_loss = -1;
+    std::optional<double> eval_loss;
     if (eval_now) {
       dp.wait_params();
       eval_loss = evaluate();
       device->take_host_syncs();  // evaluation's are not the next step's
       dispatch_bytes_before = dispatch_total();
-      summary.last_eval_loss = eval_loss;
-      if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", eval_loss, 9).str());
+      summary.last_eval_loss = *eval_loss;
+      if (metrics) metrics->write(JsonLine().add("step", step).add("eval_loss", *eval_loss, 9).str());
     }
 
-    const double elapsed = seconds_since(start);
-    const double eta = elapsed / static_cast<double>(step) * static_cast<double>(tc.steps - step);
-    char line[256];
-    std::snprintf(line, sizeof line, "step %lld/%lld | loss %.4f | lr %.2e | %.0f tok/s | MFU %.1f%% | ETA %s",
-                  (long long)step, (long long)tc.steps, loss, lr, tok_s, 100 * mfu, duration_text(eta).c_str());
-    if (live) {
-      std::fprintf(out, "\r\033[K%s", line);
-      if (eval_now) std::fprintf(out, "\n  eval loss %.4f\n", eval_loss);
-      std::fflush(out);
-    } else if (step == 1 || step % tc.log_interval == 0 || step == tc.steps || eval_now) {
-      std::fprintf(out, "%s\n", line);
-      if (eval_now) std::fprintf(out, "  eval loss %.4f\n", eval_loss);
-      std::fflush(out);
-    }
+    progress.step(tc, m, seconds_since(start), eval_loss);
 
     // A finished asynchronous save is committed at a step boundary every rank agrees on.
     saver.poll();
@@ -591,24 +489,18 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     }
     if (exit_now) {
       if (pending_fingerprint) write_fingerprint(*pending_fingerprint, {});
-      if (live) std::fprintf(out, "\n");
-      std::fprintf(out, "lockstep: stopping after step %lld (train.exit_interval = %lld)\n", (long long)step,
-                   (long long)tc.exit_interval);
+      progress.stopping(step, tc.exit_interval);
       break;
     }
   }
   saver.finish();
-  if (live) std::fprintf(out, "\n");
 
   std::vector<double> sorted = step_seconds;
   std::sort(sorted.begin(), sorted.end());
   const double median = sorted.empty() ? 0 : sorted[sorted.size() / 2];
   summary.tokens_per_s = median > 0 ? static_cast<double>(tokens_per_step) / median : 0;
   summary.mfu = peak_gflops > 0 ? summary.tokens_per_s * flops_per_token / (peak_gflops * 1e9) : 0;
-  std::fprintf(out, "lockstep: done: %lld steps in %s, loss %.4f -> %.4f", (long long)summary.steps,
-               duration_text(seconds_since(start)).c_str(), summary.first_loss, summary.last_loss);
-  if (summary.last_eval_loss >= 0) std::fprintf(out, ", eval loss %.4f", summary.last_eval_loss);
-  std::fprintf(out, ", median %.0f tok/s, MFU %.1f%%\n", summary.tokens_per_s, 100 * summary.mfu);
+  progress.done(summary, seconds_since(start));
   return summary;
 }
 
