@@ -1,11 +1,9 @@
 #include "lockstep/train/trainer.h"
 
 #include <algorithm>
-#include <regex>
 #include <bit>
 #include <chrono>
 #include <cmath>
-#include <filesystem>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -31,6 +29,7 @@
 #include "lockstep/train/json_line.h"
 #include "lockstep/train/lr_schedule.h"
 #include "lockstep/train/metrics.h"
+#include "lockstep/train/module_trace.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
@@ -44,34 +43,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) {
   return std::chrono::duration<double>(Clock::now() - t0).count();
-}
-
-// Under pipeline parallelism: every stage's module names, in stage order (the same on each stage).
-std::vector<std::string> stages_module_names(Communicator& pp, const std::vector<std::string>& mine) {
-  std::string joined;
-  for (const std::string& m : mine) joined += m + '\n';
-  std::vector<std::string> names;
-  for (const std::string& stage : all_gather_strings(pp, joined))
-    for (size_t at = 0, end; (end = stage.find('\n', at)) != std::string::npos; at = end + 1)
-      names.push_back(stage.substr(at, end - at));
-  return names;
-}
-
-// debug.inject_ulp names a module the forward traces (checked before the run directory exists): a
-// misspelt name is an error, not a run without the injection.
-void check_injection(const std::vector<std::string>& modules, const DebugConfig& dbg) {
-  if (std::find(modules.begin(), modules.end(), dbg.inject_module()) != modules.end()) return;
-  // Briefly: each layer's names once, with its index as N.
-  static const std::regex layer_index("layers\\.[0-9]+\\.");
-  std::vector<std::string> kinds;
-  for (const std::string& m : modules) {
-    std::string kind = std::regex_replace(m, layer_index, "layers.N.");
-    if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(std::move(kind));
-  }
-  std::string names;
-  for (const std::string& k : kinds) names += (names.empty() ? "" : ", ") + k;
-  user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": the model has no module '", dbg.inject_module(),
-             "'; its modules are: ", names, " (N: a layer index)");
 }
 
 }  // namespace
@@ -172,29 +143,7 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
   if (resuming) cut_jsonl_after_step(fingerprint_path(tc.out_dir, comm.rank()), resumed.step);
   LineLog fingerprints(fingerprint_path(tc.out_dir, comm.rank()), resuming);
   CheckpointSaver saver(checkpoints_root, tc.keep_last, tc.async_save, comm);
-  // Module tracing and ulp injection (debug.*, core/trace.h): bound around each training micro-batch.
-  const DebugConfig& dbg = config.debug;
-  const bool tracing = dbg.trace == "modules";
-  std::unique_ptr<ModuleTrace> trace;
-  std::unique_ptr<LineLog> trace_log;
-  if (tracing || dbg.inject_step() > 0) trace = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), dbg.inject_module());
-  if (tracing) {
-    std::error_code ec;
-    std::filesystem::create_directories(std::filesystem::path(trace_path(tc.out_dir, comm.rank())).parent_path(), ec);
-    if (resuming) cut_jsonl_after_step(trace_path(tc.out_dir, comm.rank()), resumed.step);
-    trace_log = std::make_unique<LineLog>(trace_path(tc.out_dir, comm.rank()), resuming);
-  }
-  // After each traced micro-batch (or a pipeline's whole step): the records are written, and in the
-  // first step the rank whose part holds the injected module has traced it.
-  const bool injects_here = dbg.inject_step() > 0 &&
-                            std::find(my_modules.begin(), my_modules.end(), dbg.inject_module()) != my_modules.end();
-  auto after_traced = [&](int64_t step) {
-    if (trace && step == start_step && injects_here)
-      LOCKSTEP_CHECK(std::find(trace->modules().begin(), trace->modules().end(), dbg.inject_module()) !=
-                         trace->modules().end(),
-                     "GPT::module_names() lists '", dbg.inject_module(), "', which the forward did not trace");
-    if (trace_log) trace_log->write(trace_lines(trace->take_records()));
-  };
+  StepTrace trace(config.debug, my_modules, tc.out_dir, comm.rank(), resuming, resumed.step);
 
   const double peak_gflops = measure_gemm_peak(device->ops);
   const int64_t B = tc.micro_batch, T = mc.seq_length, N = B * T;
@@ -329,12 +278,12 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
     const bool aux_here = coords.cp == 0;
     Pipeline::StepResult piped;
     if (pipelined) {
-      if (trace) trace->set_position(step, 0);
+      trace.set_position(step, 0);
       {
         ModuleTrace::Bind bind_trace(trace.get());
         piped = pipeline->run_step(model, grad_scale, fetch_into, [&dp] { dp.begin_last_micro(); });
       }
-      after_traced(step);
+      trace.after_traced(step == start_step);
       for (int64_t micro = 0; micro < accum; ++micro) {
         const double lm = piped.lm_loss[static_cast<size_t>(micro)];
         const double term = dc.eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
@@ -358,13 +307,13 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
       const int64_t counted = fetch(micro);
       dp.begin_micro(micro);
       if (micro == accum - 1) dp.begin_last_micro();
-      if (trace) trace->set_position(step, micro);
+      trace.set_position(step, micro);
       double micro_loss = 0;
       {
         ModuleTrace::Bind bind_trace(trace.get());
         micro_loss = model.forward_backward(tokens.data(), targets.data(), grad_scale);
       }
-      after_traced(step);
+      trace.after_traced(step == start_step);
       if (pending_fingerprint) {
         write_fingerprint(*pending_fingerprint, {});
         pending_fingerprint.reset();
