@@ -10,13 +10,30 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "lockstep/comm/mesh.h"
 #include "lockstep/config/config.h"
+#include "lockstep/core/exact_sum.h"
+#include "lockstep/core/state_shard.h"
+#include "lockstep/core/thread_pool.h"
+#include "lockstep/data/dataset.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/model/gpt.h"
+#include "lockstep/parallel/data_parallel.h"
+#include "lockstep/parallel/pipeline/pipeline.h"
+#include "lockstep/train/checkpoint.h"
+#include "lockstep/train/fingerprint.h"
+#include "lockstep/train/metrics.h"
+#include "lockstep/train/module_trace.h"
+#include "lockstep/train/optimizer.h"
+#include "lockstep/train/parallelize.h"
+#include "lockstep/train/run_dir.h"
 
 namespace lockstep {
-
-class Communicator;
 
 struct TrainSummary {
   int64_t steps = 0;
@@ -41,5 +58,104 @@ TrainSummary train(const Config& config, std::FILE* out, Communicator& comm);
 Mesh checked_mesh(const Config& config, int world_size);
 // The same on one rank (a world of one thread).
 TrainSummary train(const Config& config, std::FILE* out);
+
+// One rank's training run; train() constructs one and runs it. The constructor builds the mesh's
+// groups and the model, applies the parallel plan to it (parallelize.h), initialises the weights or
+// restores a checkpoint, and opens the run directory. run() trains to train.steps, each step:
+// forward-backward over the rank's micro-batches, reduce, step the optimizer, evaluate, log, save.
+// Every rank of the world does the same collectives in the same order, so every rank constructs a
+// Trainer and runs it. Construct and run it on one thread: the constructor binds its thread pool to
+// the calling thread.
+class Trainer {
+ public:
+  Trainer(const Config& config, std::FILE* out, Communicator& world);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  TrainSummary run();
+
+ private:
+  // Sums over this rank's micro-batches of the LM loss (token-weighted with eod_mask_loss), the aux
+  // and the MTP losses; `exact` the same, exactly (layout mode).
+  struct LossSums {
+    double sums[3] = {0, 0, 0};
+    ExactSum exact[3];
+  };
+  struct StepOutcome {
+    StepMetrics metrics;
+    StageMetrics stage;  // pipeline parallelism
+  };
+
+  // Set-up (trainer.cpp, checkpointing.cpp).
+  void restore();
+  void open_run_dir();
+  void print_banner() const;
+  std::string checkpoints_root() const { return config_.train.out_dir + "/checkpoints"; }
+  uint64_t first_sample_of(int64_t step) const;
+
+  // The step (step.cpp).
+  StepOutcome train_step(int64_t step);
+  int64_t fetch(uint64_t first_sample, int64_t micro, int32_t* tokens, int32_t* targets) const;
+  int64_t count_loss_tokens(uint64_t first_sample);
+  LossSums forward_backward(int64_t step, uint64_t first_sample, float grad_scale);
+  LossSums forward_backward_pipelined(int64_t step, uint64_t first_sample, float grad_scale, StageMetrics& stage);
+  void reduce_grads();
+  void reduce_losses(LossSums& sums, int64_t loss_tokens, StepMetrics& m);
+  ShardHashes optimizer_step(int64_t step, StepMetrics& m);
+  void record_fingerprint(const StepMetrics& m, uint64_t first_sample, const ShardHashes& hashes);
+  void write_fingerprint(Fingerprint fp, std::vector<uint64_t> param_blocks);
+  void write_pending_fingerprint();
+  void check_replicas(Communicator& group, const Fingerprint& fp, uint64_t params);
+  int64_t dispatch_total() const;
+
+  // After the step (trainer.cpp, evaluate.cpp, checkpointing.cpp).
+  void log_step(const StepOutcome& outcome);
+  double evaluate();
+  double evaluate_and_log(int64_t step);
+  void save_checkpoint(int64_t step, double lr, bool exit_now);
+
+  const Config& config_;
+  ParallelGroups groups_;
+  Progress progress_;
+  const int threads_;  // of this rank's pool: ranks on one machine share its cores
+  ThreadPool pool_;
+  ThreadPool::Bind bind_pool_;
+  // The rank's device: its ops run on the pool bound above; the model's memory comes from it.
+  const std::unique_ptr<Device> device_;
+  const std::unique_ptr<Dataset> data_;
+  GPT model_;
+  DataParallel dp_;
+  const std::unique_ptr<Pipeline> pipeline_;  // null without pipeline parallelism
+  Optimizer optimizer_;
+
+  const int64_t accum_;  // micro-batches per rank and step
+  // This rank's micro-batches of the global batch are the step's first_micro_ ... + accum_ - 1: a
+  // pure function of (step, dp rank, micro).
+  const int64_t first_micro_;
+  std::vector<int32_t> tokens_, targets_;  // a micro-batch's (B, T)
+
+  // The state a checkpoint holds, and where the run resumed from.
+  std::vector<StateShard> state_;
+  std::string resume_dir_;  // empty: a fresh run
+  CheckpointInfo resumed_;
+  int64_t start_step_ = 1;
+
+  std::unique_ptr<LineLog> metrics_;  // rank 0's metrics.jsonl
+  std::unique_ptr<LineLog> fingerprints_;
+  std::unique_ptr<CheckpointSaver> saver_;
+  std::unique_ptr<StepTrace> trace_;
+  // With the parameter gather overlapped, a step's parameters are complete once the next step's first
+  // forward has run: its fingerprint waits until then.
+  std::optional<Fingerprint> pending_fingerprint_;
+
+  double peak_gflops_ = 0;
+  double flops_per_token_ = 0;  // of the whole model (every pipeline stage's part)
+  std::vector<double> step_seconds_;
+  // Bytes this rank's token dispatchers had sent at the last step (training steps only: evaluation's
+  // are skipped).
+  int64_t dispatch_bytes_before_ = 0;
+  TrainSummary summary_;
+};
 
 }  // namespace lockstep

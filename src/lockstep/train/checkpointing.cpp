@@ -1,0 +1,60 @@
+// The trainer's checkpoints (the format and the saver are checkpoint.h): the state a rank holds,
+// resuming it, and saving it at the step boundaries train.save_interval asks for.
+#include "lockstep/comm/communicator.h"
+#include "lockstep/train/safetensors.h"
+#include "lockstep/train/trainer.h"
+
+namespace lockstep {
+
+// Replicas (parameters over data-parallel ranks, the replicated optimizer's moments) are written
+// by the first data-parallel, context-parallel rank; tensor and pipeline ranks hold different
+// pieces and each write theirs.
+void Trainer::restore() {
+  const TrainConfig& tc = config_.train;
+  const MeshCoordinates& c = groups_.coords;
+  const bool dp_first = c.dp == 0 && c.cp == 0, tp_first = c.tp == 0;
+  const bool edp_first = c.edp == 0;
+  model_.state_shards(state_, dp_first, tp_first, edp_first, c.etp == 0);
+  // A distributed optimizer's ranks own disjoint ranges: each writes its own.
+  const bool distributed = config_.optimizer.distributed;
+  optimizer_.state_shards(model_.params(), state_, dp_first || distributed, tp_first, edp_first || distributed);
+  // Rank 0 decides which checkpoint to resume ("auto" looks at the directory), so all ranks agree.
+  if (!tc.resume.empty()) {
+    Communicator& world = groups_.world;
+    if (world.rank() == 0) resume_dir_ = resolve_resume(tc.resume, checkpoints_root());
+    int64_t n = static_cast<int64_t>(resume_dir_.size());
+    world.broadcast(&n, 1, 0);
+    resume_dir_.resize(static_cast<size_t>(n));
+    if (n) world.broadcast(resume_dir_.data(), n, 0);
+  }
+  if (!resume_dir_.empty()) resumed_ = load_checkpoint(resume_dir_, state_);
+  else if (!tc.init_from.empty()) load_safetensors(tc.init_from, model_.params());
+  start_step_ = resumed_.step + 1;
+}
+
+// The data stream continues at the checkpoint's position (0 for a fresh run).
+uint64_t Trainer::first_sample_of(int64_t step) const {
+  return static_cast<uint64_t>(resumed_.samples_consumed + (step - start_step_) * config_.train.global_batch);
+}
+
+// A finished asynchronous save is committed at a step boundary every rank agrees on.
+void Trainer::save_checkpoint(int64_t step, double lr, bool exit_now) {
+  const TrainConfig& tc = config_.train;
+  saver_->poll();
+  if (!(tc.save_interval > 0 && (step % tc.save_interval == 0 || step == tc.steps || exit_now))) return;
+  const Mesh& mesh = groups_.mesh;
+  CheckpointInfo info;
+  info.step = step;
+  info.samples_consumed = static_cast<int64_t>(first_sample_of(step + 1));
+  info.tokens_consumed = info.samples_consumed * config_.model.seq_length;
+  info.seed = tc.seed;
+  info.lr_schedule = tc.lr_schedule;
+  info.lr = lr;
+  info.config_toml = config_to_toml(config_);
+  info.layout = {groups_.world.size(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.ep(), mesh.etp(),
+                 config_.optimizer.distributed};
+  dp_.wait_params();  // the replicas written are complete (ddp.overlap_param_gather)
+  saver_->save(info, state_);
+}
+
+}  // namespace lockstep
