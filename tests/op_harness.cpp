@@ -264,6 +264,9 @@ const Registry& registry() {
   static const Registry r = [] {
     Registry r;
     add_norm_cases(r);
+    add_activation_cases(r);
+    add_embedding_cases(r);
+    add_rope_cases(r);
     return r;
   }();
   return r;
