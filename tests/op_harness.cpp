@@ -267,6 +267,9 @@ const Registry& registry() {
     add_activation_cases(r);
     add_embedding_cases(r);
     add_rope_cases(r);
+    add_cross_entropy_cases(r);
+    add_permute_cases(r);
+    add_optimizer_cases(r);
     return r;
   }();
   return r;

@@ -22,7 +22,6 @@
 #include "lockstep/core/hash.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/grouped_gemm.h"
-#include "lockstep/kernels/cpu/permute.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/moe/dispatcher.h"
 #include "lockstep/model/moe/experts.h"
@@ -357,54 +356,8 @@ TEST(MoeDispatch, RowsAreGroupedByExpertInTokenOrderWithPadding) {
   EXPECT_EQ(rows, (std::vector<float>{1, 2, 7, 8, 0, 0, 1, 2, 5, 6, 0, 0, 3, 4, 5, 6, 0, 0}));
 }
 
-TEST(MoeDispatch, PermuteAndCombineMatchReferencesAndFiniteDifferences) {
-  const Routing r;
-  const int64_t C = 5;
-  const std::vector<uint8_t> kept = {1, 1, 0, 1, 1, 1, 1, 0};
-  const std::unique_ptr<Device> cpu = Device::cpu();
-  LocalDispatcher d(cpu->ops, r.E, r.K, C, r.N, 0, false);
-  d.plan(r.idx.data(), kept.data(), r.N);
-  const int64_t R = d.rows();
-  ASSERT_EQ(R, 6);
-  const std::vector<float> x = randn(r.N * C, 5, "x"), y = randn(R * C, 6, "y"), base = randn(r.N * C, 7, "base");
-  const std::vector<float> dout = randn(r.N * C, 8, "dout"), drows = randn(R * C, 9, "drows");
-  // Permute is linear: its backward is its adjoint, <P x, g> = <x, P^T g>.
-  std::vector<float> px(R * C), ptg(r.N * C, 0.0f);
-  d.dispatch(px.data(), x.data());
-  d.dispatch_backward(ptg.data(), drows.data());
-  double lhs = 0, rhs = 0;
-  for (int64_t i = 0; i < R * C; ++i) lhs += static_cast<double>(px[i]) * drows[i];
-  for (int64_t i = 0; i < r.N * C; ++i) rhs += static_cast<double>(x[i]) * ptg[i];
-  EXPECT_NEAR(lhs, rhs, 1e-5);
-  // Combine against a double reference.
-  std::vector<float> out(r.N * C);
-  d.combine(out.data(), base.data(), y.data(), r.probs.data());
-  const std::vector<int32_t>& slot = d.slots();
-  auto combine_ref = [&](const std::vector<double>& yy, const std::vector<double>& pp) {
-    std::vector<double> o(base.begin(), base.end());
-    for (int64_t t = 0; t < r.N; ++t)
-      for (int64_t k = 0; k < r.K; ++k)
-        if (slot[t * r.K + k] >= 0)
-          for (int64_t c = 0; c < C; ++c) o[t * C + c] += pp[t * r.K + k] * yy[slot[t * r.K + k] * C + c];
-    return o;
-  };
-  const std::vector<double> yd(y.begin(), y.end()), pd(r.probs.begin(), r.probs.end());
-  EXPECT_TRUE(testing::all_close(out, combine_ref(yd, pd), 1e-6, 1e-6, "combine"));
-  // Combine gradients against finite differences of <dout, combine(y, probs)>.
-  std::vector<float> dy(R * C), dprobs(r.N * r.K);
-  d.combine_backward(dy.data(), dprobs.data(), dout.data(), y.data(), r.probs.data());
-  auto f = [&](const std::vector<double>& yy, const std::vector<double>& pp) {
-    const std::vector<double> o = combine_ref(yy, pp);
-    double s = 0;
-    for (int64_t i = 0; i < r.N * C; ++i) s += o[i] * dout[i];
-    return s;
-  };
-  const std::vector<double> gy = testing::finite_difference([&](const std::vector<double>& v) { return f(v, pd); }, yd);
-  const std::vector<double> gp = testing::finite_difference([&](const std::vector<double>& v) { return f(yd, v); }, pd);
-  EXPECT_TRUE(testing::all_close(dy, gy, 1e-5, 1e-5, "dexpert_out"));
-  EXPECT_TRUE(testing::all_close(dprobs, gp, 1e-5, 1e-5, "dprobs"));
-  EXPECT_EQ(dprobs[2], 0.0f);  // dropped choice
-}
+// The permute and combine ops of a dispatch layout on every backend: the op harness
+// (tests/ops/permute.cpp).
 
 TEST(MoeGroupedGemm, MatchesReferenceFiniteDifferencesAndThreads) {
   const int64_t E = 3, N = 7, K = 5;
