@@ -3,7 +3,7 @@
 // refuses. That CP 2 (alone, with DP
 // and with TP + SP) reproduces one process is in test_parallel_layouts.cpp (rows gpt2_cp2...), its
 // determinism run to run, across threads and resumed in test_determinism_matrix.cpp (rows cp2_...),
-// its attention against the whole-sequence kernel in test_attention.cpp (AttentionChunks), packed
+// its attention against the whole-sequence kernel in tests/ops/attention.cpp (HarnessAttentionChunks), packed
 // documents in test_documents.cpp, checkpoints in test_checkpoint.cpp, threads vs mpi in tests/mpi.
 #include <gtest/gtest.h>
 
