@@ -270,6 +270,7 @@ const Registry& registry() {
     add_rope_cases(r);
     add_cross_entropy_cases(r);
     add_permute_cases(r);
+    add_quantize_cases(r);
     add_optimizer_cases(r);
     return r;
   }();
