@@ -263,6 +263,7 @@ void run_cases(const std::vector<const Case*>& cases) {
 const Registry& registry() {
   static const Registry r = [] {
     Registry r;
+    add_gemm_cases(r);
     add_attention_cases(r);
     add_norm_cases(r);
     add_activation_cases(r);

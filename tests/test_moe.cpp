@@ -21,7 +21,6 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/kernels/cpu/grouped_gemm.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/moe/dispatcher.h"
 #include "lockstep/model/moe/experts.h"
@@ -356,57 +355,8 @@ TEST(MoeDispatch, RowsAreGroupedByExpertInTokenOrderWithPadding) {
   EXPECT_EQ(rows, (std::vector<float>{1, 2, 7, 8, 0, 0, 1, 2, 5, 6, 0, 0, 3, 4, 5, 6, 0, 0}));
 }
 
-// The permute and combine ops of a dispatch layout on every backend: the op harness
-// (tests/ops/permute.cpp).
-
-TEST(MoeGroupedGemm, MatchesReferenceFiniteDifferencesAndThreads) {
-  const int64_t E = 3, N = 7, K = 5;
-  const std::vector<int64_t> off = {0, 4, 4, 9};  // expert 1 has no rows
-  const int64_t R = off[E];
-  const std::vector<float> x = randn(R * K, 1, "x"), w = randn(E * N * K, 2, "w"), b = randn(E * N, 3, "b");
-  std::vector<float> y(R * N);
-  grouped_gemm(y.data(), x.data(), w.data(), Trans::T, b.data(), off.data(), E, N, K, false);
-  std::vector<double> ref(R * N);
-  for (int64_t e = 0; e < E; ++e)
-    for (int64_t r = off[e]; r < off[e + 1]; ++r)
-      for (int64_t n = 0; n < N; ++n) {
-        double s = b[e * N + n];
-        for (int64_t k = 0; k < K; ++k) s += static_cast<double>(x[r * K + k]) * w[(e * N + n) * K + k];
-        ref[r * N + n] = s;
-      }
-  EXPECT_TRUE(testing::all_close(y, ref, 1e-5, 1e-5, "grouped_gemm"));
-  // Gradients of <dy, y(x, w, b)>: dx = grouped_gemm(dy, w, N), dw and db from the wgrad.
-  const std::vector<float> dyv = randn(R * N, 4, "dy");
-  std::vector<float> dx(R * K), dw(E * N * K, 0.0f), db(E * N, 0.0f);
-  grouped_gemm(dx.data(), dyv.data(), w.data(), Trans::N, nullptr, off.data(), E, K, N, false);
-  grouped_gemm_wgrad(dw.data(), db.data(), dyv.data(), x.data(), off.data(), E, N, K);
-  auto f = [&](const std::vector<double>& xx, const std::vector<double>& ww, const std::vector<double>& bb) {
-    double s = 0;
-    for (int64_t e = 0; e < E; ++e)
-      for (int64_t r = off[e]; r < off[e + 1]; ++r)
-        for (int64_t n = 0; n < N; ++n) {
-          double v = bb[e * N + n];
-          for (int64_t k = 0; k < K; ++k) v += xx[r * K + k] * ww[(e * N + n) * K + k];
-          s += v * dyv[r * N + n];
-        }
-    return s;
-  };
-  const std::vector<double> xd(x.begin(), x.end()), wd(w.begin(), w.end()), bd(b.begin(), b.end());
-  EXPECT_TRUE(testing::all_close(dx, testing::finite_difference([&](const auto& v) { return f(v, wd, bd); }, xd), 1e-4, 1e-4, "dx"));
-  EXPECT_TRUE(testing::all_close(dw, testing::finite_difference([&](const auto& v) { return f(xd, v, bd); }, wd), 1e-4, 1e-4, "dw"));
-  EXPECT_TRUE(testing::all_close(db, testing::finite_difference([&](const auto& v) { return f(xd, wd, v); }, bd), 1e-4, 1e-4, "db"));
-  // Bitwise the same on 1, 2 and 3 threads.
-  for (int threads : {2, 3}) {
-    std::vector<float> y2(R * N), dw2(E * N * K, 0.0f), db2(E * N, 0.0f);
-    testing::with_threads(threads, [&] {
-      grouped_gemm(y2.data(), x.data(), w.data(), Trans::T, b.data(), off.data(), E, N, K, false);
-      grouped_gemm_wgrad(dw2.data(), db2.data(), dyv.data(), x.data(), off.data(), E, N, K);
-    });
-    EXPECT_TRUE(testing::bitwise_equal(y, y2, "y"));
-    EXPECT_TRUE(testing::bitwise_equal(dw, dw2, "dw"));
-    EXPECT_TRUE(testing::bitwise_equal(db, db2, "db"));
-  }
-}
+// The permute and combine ops of a dispatch layout, and the grouped GEMMs of the experts, on every
+// backend: the op harness (tests/ops/permute.cpp, tests/ops/gemm.cpp).
 
 // Tiny models for whole-model checks: vocabulary and sizes below what load_config allows.
 struct TinyMoe {

@@ -17,6 +17,30 @@
 namespace lockstep::harness {
 namespace {
 
+std::set<std::string> op_names() {
+  Ops ops;
+  std::set<std::string> names;
+  ops.each([&](const auto& op) { names.insert(op.name()); });
+  return names;
+}
+
+// The harness runs every op: an op of Ops (kernels/ops.h) without a case in the registry fails
+// here, naming it; so does a case naming an op that Ops does not have.
+TEST(OpHarness, RunsEveryOp) {
+  std::set<std::string> covered;
+  for (const Case& c : registry().cases()) {
+    EXPECT_FALSE(c.info.ops.empty()) << "Harness" << c.info.suite << "." << c.info.test << " (" << c.info.label
+                                     << ") names no op";
+    covered.insert(c.info.ops.begin(), c.info.ops.end());
+  }
+  const std::set<std::string> names = op_names();
+  for (const std::string& op : names)
+    EXPECT_TRUE(covered.count(op)) << "the op " << op << " has no case in the op harness (tests/ops/)";
+  for (const std::string& op : covered)
+    EXPECT_TRUE(names.count(op)) << "a harness case names " << op << ", which is no op of Ops";
+  EXPECT_GT(registry().cases().size(), 100u);
+}
+
 // "cpu" is built and first (the others compare with it); a built backend without a device is
 // reported as a skip, never silently absent.
 TEST(OpHarness, BuiltBackendsAndTheirDevices) {
