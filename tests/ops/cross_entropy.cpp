@@ -511,25 +511,28 @@ void add_cross_entropy_cases(Registry& reg) {
   }
 
   // The sharded forms' gradients against central differences of the double loss: the
-  // vocab-parallel pieces over uneven shards, and the layout form over 2 shards of 4 segments.
+  // vocab-parallel pieces over uneven shards, the layout form over 2 shards of 4 segments, and the
+  // layout form on the whole vocabulary.
   {
     const int64_t N = 3, V = 40, ld = 42;
     const float grad_scale = 0.25f;
-    for (int form = 0; form < 2; ++form) {
+    const std::vector<std::string> ops[] = {
+        {"cross_entropy_shard_lse", "cross_entropy_combine", "cross_entropy_shard_backward"},
+        {"cross_entropy_segments_max", "cross_entropy_segments_sum", "cross_entropy_segments_loss",
+         "cross_entropy_segments_backward"},
+        {"cross_entropy_segments"}};
+    const char* labels[] = {"shards [0, 10) [10, 40)", "layout, 2 shards of 4 segments", "layout, 8 segments, whole"};
+    for (int form = 0; form < 3; ++form) {
       reg.add(
-          {"CrossEntropy",
-           "ShardedGradientsMatchFiniteDifferences",
-           form == 0 ? std::vector<std::string>{"cross_entropy_shard_lse", "cross_entropy_combine",
-                                                "cross_entropy_shard_backward"}
-                     : std::vector<std::string>{"cross_entropy_segments_max", "cross_entropy_segments_sum",
-                                                "cross_entropy_segments_loss", "cross_entropy_segments_backward"},
-           form == 0 ? "shards [0, 10) [10, 40)" : "layout, 2 shards of 4 segments"},
+          {"CrossEntropy", "ShardedGradientsMatchFiniteDifferences", ops[form], labels[form]},
           [=] { return In{randn(N * ld, 45, "logits", 2.0f), {5, -1, 39}}; },
           [=](Run& r, const In& in) {
             if (form == 0)
               sharded(r, in, N, V, ld, {0, 10, V}, grad_scale);
-            else
+            else if (form == 1)
               segment_shards(r, in, N, V, ld, 8, 2, grad_scale);
+            else
+              segments_whole(r, in, N, V, ld, 8, true, grad_scale);
           },
           [=](const Result& got, const In& in) {
             const auto fd = testing::finite_difference(

@@ -351,6 +351,34 @@ void add_embedding_cases(Registry& reg) {
         });
   }
 
+  // The bias gradient of sum((x + bias) * dout) against central differences (from a zero dbias).
+  {
+    const int64_t N = 5, C = 3;
+    reg.add(
+        {"BiasBackward", "GradientMatchesFiniteDifferences", {"bias_backward"}, str("N=", N, " C=", C)},
+        [=] {
+          In in;
+          in.wte = randn(N * C, 14, "x");
+          in.dout = randn(N * C, 14, "dout");
+          return in;
+        },
+        [=](Run& r, const In& in) {
+          const Buf<float> dout = r.in(in.dout);
+          Buf<float> dbias = r.zeros(C);
+          r.ops.bias_backward(dbias, dout, N, C, 0);
+          r.out("dbias", dbias);
+        },
+        [=](const Result& got, const In& in) {
+          const auto loss = [&](const std::vector<double>& b) {
+            double l = 0;
+            for (int64_t n = 0; n < N; ++n)
+              for (int64_t c = 0; c < C; ++c) l += (in.wte[n * C + c] + b[c]) * in.dout[n * C + c];
+            return l;
+          };
+          EXPECT_TRUE(all_close(got["dbias"], finite_difference(loss, std::vector<double>(C, 0.5)), 1e-6, 1e-6, "dbias"));
+        });
+  }
+
   // determinism = "layout": S token segments, each summed from zero in row order, then the
   // canonical tree over them, then added to dbias: against that definition written out serially,
   // on every setting (1 to 3 threads); and P parts of the rows with S / P segments each, combined
