@@ -205,7 +205,8 @@ void add_optimizer_cases(Registry& reg) {
             const Buf<float> g = r.in(in.grads[0]);
             for (int64_t step = 1; step <= 2; ++step) {
               Buf<uint64_t> h = r.zeros<uint64_t>(4);
-              r.ops.adamw_update_hashed(p, m, v, g, n, kHp, step, 0.7f, sb, se, h);
+              const AdamwHashedItem item{p, m, v, g, n, kHp, sb, se, h};
+              r.ops.adamw_update_hashed(&item, 1, step, 0.7f);
               r.ops.adamw_update(p2, m2, v2, g, n, kHp, step, 0.7f);
               for (const auto& [name, b] : {std::pair<const char*, const Buf<float>*>{"param", &p}, {"m", &m}, {"v", &v},
                                             {"param (adamw_update)", &p2}, {"m (adamw_update)", &m2},
