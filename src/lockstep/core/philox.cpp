@@ -12,45 +12,17 @@
 
 namespace lockstep {
 
-namespace {
-constexpr uint32_t kM0 = 0xD2511F53u, kM1 = 0xCD9E8D57u;  // multipliers
-constexpr uint32_t kW0 = 0x9E3779B9u, kW1 = 0xBB67AE85u;  // Weyl key increments
-
-inline void mulhilo(uint32_t a, uint32_t b, uint32_t& hi, uint32_t& lo) {
-  const uint64_t p = static_cast<uint64_t>(a) * b;
-  hi = static_cast<uint32_t>(p >> 32);
-  lo = static_cast<uint32_t>(p);
-}
-}  // namespace
-
-std::array<uint32_t, 4> philox4x32_10(std::array<uint32_t, 2> key, std::array<uint32_t, 4> c) {
-  for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    mulhilo(kM0, c[0], hi0, lo0);
-    mulhilo(kM1, c[2], hi1, lo1);
-    c = {hi1 ^ c[1] ^ key[0], lo1, hi0 ^ c[3] ^ key[1], lo0};
-    key[0] += kW0;
-    key[1] += kW1;
-  }
-  return c;
-}
-
 uint64_t purpose_id(std::string_view name) { return hash_bytes(name.data(), name.size()); }
 
 uint64_t mix_purpose(uint64_t purpose, uint64_t value) {
   return hash_bytes(&value, sizeof value, purpose);
 }
 
-std::array<uint32_t, 4> RandomStream::block(uint64_t block_index) const {
-  return philox4x32_10({static_cast<uint32_t>(seed_), static_cast<uint32_t>(seed_ >> 32)},
-                       {static_cast<uint32_t>(block_index), static_cast<uint32_t>(block_index >> 32),
-                        static_cast<uint32_t>(purpose_), static_cast<uint32_t>(purpose_ >> 32)});
-}
-
 void RandomStream::blocks8(uint64_t first_block, uint32_t* out) const {
 #if defined(__AVX2__)
-  // Lane i holds block first_block + i: the counter words c0..c3 and the rounds of philox4x32_10,
-  // with each 32 x 32 -> 64 multiply done on the even lanes and on the odd lanes.
+  // Lane i holds block first_block + i: the counter words c0..c3 and the rounds of
+  // philox4x32_10_rounds, with each 32 x 32 -> 64 multiply done on the even lanes and on the odd
+  // lanes.
   const uint64_t b = first_block;
   __m256i c0 = _mm256_setr_epi32(static_cast<int>(b), static_cast<int>(b + 1), static_cast<int>(b + 2),
                                  static_cast<int>(b + 3), static_cast<int>(b + 4), static_cast<int>(b + 5),
@@ -61,6 +33,7 @@ void RandomStream::blocks8(uint64_t first_block, uint32_t* out) const {
                                  static_cast<int>((b + 6) >> 32), static_cast<int>((b + 7) >> 32));
   __m256i c2 = _mm256_set1_epi32(static_cast<int>(purpose_)), c3 = _mm256_set1_epi32(static_cast<int>(purpose_ >> 32));
   uint32_t k0 = static_cast<uint32_t>(seed_), k1 = static_cast<uint32_t>(seed_ >> 32);
+  using namespace philox_detail;
   const __m256i m0 = _mm256_set1_epi32(static_cast<int>(kM0)), m1 = _mm256_set1_epi32(static_cast<int>(kM1));
   const auto mulhilo8 = [](__m256i a, __m256i m, __m256i& hi, __m256i& lo) {
     const __m256i even = _mm256_mul_epu32(a, m), odd = _mm256_mul_epu32(_mm256_srli_epi64(a, 32), m);
@@ -94,12 +67,6 @@ void RandomStream::blocks8(uint64_t first_block, uint32_t* out) const {
     for (int j = 0; j < 4; ++j) out[4 * i + j] = w[j];
   }
 #endif
-}
-
-uint32_t RandomStream::bits(uint64_t index) const { return block(index >> 2)[index & 3]; }
-
-float RandomStream::uniform(uint64_t index) const {
-  return static_cast<float>(bits(index) >> 8) * 0x1p-24f;
 }
 
 float RandomStream::normal(uint64_t index) const {
