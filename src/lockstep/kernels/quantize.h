@@ -116,6 +116,8 @@ uint64_t sr_purpose(uint64_t tensor_id, uint64_t step);
 // "hadamard16/signs"). Q is orthogonal (Q Q^T = I exactly: entries are +-1/4). Applied to both
 // inputs of the weight-gradient GEMM along its K dimension (tokens), it cancels:
 // (Q dY)^T (Q X) = dY^T Q^T Q X = dY^T X, while spreading outliers across 16 tokens before FP4.
+// The transform of one 16-vector, in its fixed operation order, is hadamard16_apply
+// (kernels/hadamard.h, host and device); every backend's hadamard16 op runs it.
 
 const std::array<float, 16>& hadamard16_signs();
 enum class HadamardAxis : uint8_t {

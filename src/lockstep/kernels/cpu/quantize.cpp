@@ -10,6 +10,7 @@
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/kernels/cpu/vecmath.h"
+#include "lockstep/kernels/hadamard.h"
 
 namespace lockstep {
 
@@ -521,26 +522,25 @@ void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t 
 // ---- Hadamard
 
 namespace {
-// v[k] (k = 0..15, v[k] at p + k * stride, `width` consecutive lanes each) <- (H16 diag(s) v) / 4.
-// The butterflies of the fast Walsh-Hadamard transform in a fixed order; the 1/4 is exact.
+// t[k * width + j] (k = 0..15) is element k of vector j, for j in [0, width): each vector goes through
+// hadamard16_apply (kernels/hadamard.h), eight of them at once in vector lanes.
 void hadamard16_lanes(float* t, int64_t width) {
-  const std::array<float, 16>& s = hadamard16_signs();
-  for (int k = 0; k < 16; ++k) {
-    for (int64_t j = 0; j < width; ++j) t[k * width + j] *= s[k];
+  const float* s = hadamard16_signs().data();
+  int64_t j = 0;
+#if LOCKSTEP_AVX2
+  for (; j + 8 <= width; j += 8) {
+    __m256 v[16];
+    for (int k = 0; k < 16; ++k) v[k] = _mm256_loadu_ps(t + k * width + j);
+    hadamard16_apply(v, s);
+    for (int k = 0; k < 16; ++k) _mm256_storeu_ps(t + k * width + j, v[k]);
   }
-  for (int h = 1; h < 16; h *= 2) {
-    for (int i = 0; i < 16; ++i) {
-      if (i & h) continue;
-      float* a = t + i * width;
-      float* b = t + (i + h) * width;
-      for (int64_t j = 0; j < width; ++j) {
-        const float u = a[j], v = b[j];
-        a[j] = u + v;
-        b[j] = u - v;
-      }
-    }
+#endif
+  for (; j < width; ++j) {
+    float v[16];
+    for (int k = 0; k < 16; ++k) v[k] = t[k * width + j];
+    hadamard16_apply(v, s);
+    for (int k = 0; k < 16; ++k) t[k * width + j] = v[k];
   }
-  for (int64_t j = 0; j < 16 * width; ++j) t[j] *= 0.25f;
 }
 }  // namespace
 

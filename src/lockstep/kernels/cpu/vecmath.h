@@ -1,16 +1,12 @@
-// Elementary functions with exactly specified arithmetic: each scalar function and its AVX2 twin
-// perform the same IEEE operations in the same order (explicit FMAs, no libm), so a value is
+// The AVX2 forms of the elementary functions of kernels/math.h: each performs the same IEEE
+// operations in the same order as its scalar twin there (explicit FMAs, no libm), so a value is
 // bitwise the same whether a kernel computes it in a vector lane or in a scalar tail loop, and
-// whatever the thread split. Accuracy: exp within 2 ulp of the true value on [-87.3, 88.3].
-//
-// exp(x): x < -87.3 gives exactly 0 (so exp(-inf) = 0 in masked softmax); x is clamped at 88.3
-// above; NaN stays NaN (a diverging run must show NaN, not a tiny number). Range reduction x = n*ln2 + r, |r| <= ln2/2, Cephes' degree-6 polynomial, then 2^n from
-// the exponent bits.
+// whatever the thread split. Plus the horizontal reductions and the lane-generic loop for_lanes.
 #pragma once
 
-#include <bit>
-#include <cmath>
 #include <cstdint>
+
+#include "lockstep/kernels/math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -18,39 +14,6 @@
 #endif
 
 namespace lockstep::vm {
-
-inline constexpr float kExpLo = -87.3f;
-inline constexpr float kExpHi = 88.3f;
-inline constexpr float kLog2e = 1.44269504088896341f;
-inline constexpr float kLn2Hi = 0.693359375f;
-inline constexpr float kLn2Lo = -2.12194440e-4f;
-inline constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
-                       kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
-
-inline float exp(float x) {
-  const bool underflow = x < kExpLo;
-  // The clamps mirror _mm256_max_ps(lo, x) and _mm256_min_ps(hi, x), which pass a NaN x through.
-  x = kExpLo > x ? kExpLo : x;
-  x = kExpHi < x ? kExpHi : x;
-  const float n = std::nearbyint(x * kLog2e);
-  float r = std::fma(n, -kLn2Hi, x);
-  r = std::fma(n, -kLn2Lo, r);
-  float p = kP0;
-  p = std::fma(p, r, kP1);
-  p = std::fma(p, r, kP2);
-  p = std::fma(p, r, kP3);
-  p = std::fma(p, r, kP4);
-  p = std::fma(p, r, kP5);
-  const float r2 = r * r;
-  p = std::fma(p, r2, r) + 1.0f;
-  // A NaN n must not reach the integer conversion (undefined); p is NaN then anyway.
-  const int32_t ni = n == n ? static_cast<int32_t>(n) : 0;
-  const float scale = std::bit_cast<float>((ni + 127) << 23);
-  return underflow ? 0.0f : p * scale;
-}
-
-// Logistic sigmoid 1 / (1 + exp(-x)).
-inline float sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }
 
 #ifdef LOCKSTEP_AVX2
 inline __m256 exp(__m256 x) {
@@ -99,24 +62,10 @@ inline __m256 scaled(__m256 d, __m256 s) {
 }
 #endif
 
-// The same horizontal-sum order for 8 scalar partial sums, for portable paths that mirror an
-// AVX2 reduction lane by lane.
-inline float hsum8(const float* p) {
-  const float a0 = p[0] + p[4], a1 = p[1] + p[5], a2 = p[2] + p[6], a3 = p[3] + p[7];
-  const float b0 = a0 + a2, b1 = a1 + a3;
-  return b0 + b1;
-}
-
 // Lane-generic kernel bodies: write a formula once as a template over the lane type V (float, or
 // __m256 under AVX2) and both instantiations compute the same bits for an element. GCC's vector
 // extensions give __m256 the operators + - * / and unary minus, one IEEE operation per lane (a
-// float operand is broadcast); these overloads supply the rest.
-template <class V> V load(const float* p);
-template <> inline float load<float>(const float* p) { return *p; }
-template <class V> V splat(float x);
-template <> inline float splat<float>(float x) { return x; }
-inline void store(float* p, float v) { *p = v; }
-inline float fma(float a, float b, float c) { return std::fma(a, b, c); }
+// float operand is broadcast); kernels/math.h has the float overloads, these the __m256 ones.
 #ifdef LOCKSTEP_AVX2
 template <> inline __m256 load<__m256>(const float* p) { return _mm256_loadu_ps(p); }
 template <> inline __m256 splat<__m256>(float x) { return _mm256_set1_ps(x); }
