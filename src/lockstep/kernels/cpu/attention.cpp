@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/libm.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/vecmath.h"
@@ -434,7 +435,7 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
     const V lv = O::set1(l[i]);
     for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::div(O::load(ar + d), lv));
     std::memcpy(out + ((b * s.Tl + blk.row + i) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
-    lse[(b * s.NH + h) * s.Tl + blk.row + i] = m[i] + std::log(l[i]);
+    lse[(b * s.NH + h) * s.Tl + blk.row + i] = m[i] + libm::logf(l[i]);
   }
 }
 

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/libm.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/vecmath.h"
@@ -156,7 +157,7 @@ float row_loss(float* grad, const float* x, int64_t V, int32_t target, float gra
     row_grad(grad, V, cmax, M, S, grad_scale);
     grad[target] -= grad_scale;
   }
-  return (M + std::log(S)) - xt;
+  return (M + libm::logf(S)) - xt;
 }
 
 void check_targets(const int32_t* targets, int64_t N, int64_t V) {
@@ -226,7 +227,7 @@ void cross_entropy_combine(float* losses, float* lse, const float* stats, const 
       }
       lse[2 * n] = M;
       lse[2 * n + 1] = S;
-      losses[n] = targets[n] < 0 ? 0.0f : (M + std::log(S)) - xt;
+      losses[n] = targets[n] < 0 ? 0.0f : (M + libm::logf(S)) - xt;
     }
   });
 }
@@ -298,7 +299,7 @@ void cross_entropy_segments_sum(float* stats, float* logits, const float* rowmax
 void cross_entropy_segments_loss(float* losses, const float* rowmax, const float* stats, const int32_t* targets,
                                  int64_t N) {
   for (int64_t n = 0; n < N; ++n)
-    losses[n] = targets[n] < 0 ? 0.0f : (rowmax[n] + std::log(stats[2 * n])) - stats[2 * n + 1];
+    losses[n] = targets[n] < 0 ? 0.0f : (rowmax[n] + libm::logf(stats[2 * n])) - stats[2 * n + 1];
 }
 
 void cross_entropy_segments_backward(float* logits, const float* stats, const int32_t* targets, int64_t N, int64_t V,
