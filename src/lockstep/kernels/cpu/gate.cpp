@@ -3,6 +3,7 @@
 #include <cmath>
 #include <vector>
 
+#include "lockstep/core/libm.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 
@@ -16,7 +17,7 @@ void gate_forward(float* out, float* g, const float* base, const float* x, const
       if (w) {
         float dot = 0;
         for (int64_t c = 0; c < C; ++c) dot = std::fma(x[t * C + c], w[c], dot);
-        gt = 1.0f / (1.0f + std::exp(-dot));
+        gt = 1.0f / (1.0f + libm::expf(-dot));
       }
       g[t] = gt;
       for (int64_t c = 0; c < C; ++c) out[t * C + c] = base[t * C + c] + (w ? gt * y[t * C + c] : y[t * C + c]);

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "lockstep/core/error.h"
+#include "lockstep/core/libm.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
 
@@ -19,11 +20,11 @@ void softmax(float* out, const float* x, int64_t n) {
   float m = x[0];
   for (int64_t i = 1; i < n; ++i) m = std::max(m, x[i]);
   float sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += out[i] = std::exp(x[i] - m);
+  for (int64_t i = 0; i < n; ++i) sum += out[i] = libm::expf(x[i] - m);
   for (int64_t i = 0; i < n; ++i) out[i] /= sum;
 }
 
-float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+float sigmoid(float x) { return 1.0f / (1.0f + libm::expf(-x)); }
 
 // The K largest of v among `allowed` (null = all), ties to the lower index; out ascending.
 void topk(int32_t* out, const float* v, const uint8_t* allowed, int64_t E, int64_t K) {
@@ -198,8 +199,8 @@ void router_statistics(RouterStatistics& st, const float* logits, const RouterSp
           float m = z[0];
           for (int64_t e = 1; e < E; ++e) m = std::max(m, z[e]);
           float sum = 0;
-          for (int64_t e = 0; e < E; ++e) sum += std::exp(z[e] - m);
-          const double lse = static_cast<double>(m) + std::log(static_cast<double>(sum));
+          for (int64_t e = 0; e < E; ++e) sum += libm::expf(z[e] - m);
+          const double lse = static_cast<double>(m) + libm::log(static_cast<double>(sum));
           z2 += lse * lse;
         }
         if (!any_aux) continue;
@@ -246,8 +247,8 @@ void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& 
         float m = z[0];
         for (int64_t e = 1; e < E; ++e) m = std::max(m, z[e]);
         float sum = 0;
-        for (int64_t e = 0; e < E; ++e) sum += a[e] = std::exp(z[e] - m);
-        const float lse = m + std::log(sum);
+        for (int64_t e = 0; e < E; ++e) sum += a[e] = libm::expf(z[e] - m);
+        const float lse = m + libm::logf(sum);
         const float c = static_cast<float>(2.0 * s.z_coeff / n) * lse * scale;
         for (int64_t e = 0; e < E; ++e) dz[e] += c * (a[e] / sum);
       }
