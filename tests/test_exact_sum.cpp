@@ -11,8 +11,11 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <memory>
 #include <vector>
 
+#include "lockstep/kernels/device.h"
+#include "lockstep/parallel/reduction/micro_batch_tree.h"
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/tree_sum.h"
@@ -392,15 +395,16 @@ TEST(TreeSum, BlocksAreTheirCanonicalPieces) {
   EXPECT_THROW(PieceTree(6, {0, 3, 6}), std::exception);
 }
 
-TEST(TreeSum, StreamingRangeByRangeEqualsTheTree) {
+TEST(MicroBatchTree, StreamingRangeByRangeEqualsTheTree) {
   const int64_t n = 5000;
   for (int64_t L : {1, 2, 3, 6, 8, 11}) {
     const auto x = leaves_of(L, n, 300 + static_cast<uint64_t>(L));
     const std::vector<float> expected = tree_of(x);
     for (int threads : {1, 3}) {
       with_threads(threads, [&] {
-        TreeSum tree;
-        tree.reset(n, L);
+        const std::unique_ptr<Device> cpu = Device::cpu();
+        MicroBatchTree tree;
+        tree.reset(*cpu, n, L);
         std::vector<float> buf(static_cast<size_t>(n));
         for (int64_t l = 0; l < L; ++l) {
           // The leaf is accumulated into a zeroed buffer and pushed in uneven ranges, last first
@@ -422,7 +426,7 @@ TEST(TreeSum, StreamingRangeByRangeEqualsTheTree) {
 
 // Streaming with pieces: a rank's block of leaves pushed in order leaves each piece's tree sum in
 // piece(k) and the last one's in the buffer (DataParallel's pieced layout mode).
-TEST(TreeSum, StreamingPiecesEqualTheirTrees) {
+TEST(MicroBatchTree, StreamingPiecesEqualTheirTrees) {
   const int64_t n = 3000;
   for (const auto& [L, a, b] : {std::tuple<int64_t, int64_t, int64_t>{9, 0, 3}, {9, 3, 6}, {9, 6, 9}, {10, 5, 10},
                                 {13, 1, 12}, {6, 2, 4}})
@@ -431,8 +435,9 @@ TEST(TreeSum, StreamingPiecesEqualTheirTrees) {
         const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L * 31 + a));
         std::vector<int64_t> bounds = canonical_pieces(L, a, b);
         for (int64_t& v : bounds) v -= a;
-        TreeSum tree;
-        tree.reset(n, bounds);
+        const std::unique_ptr<Device> cpu = Device::cpu();
+        MicroBatchTree tree;
+        tree.reset(*cpu, n, bounds);
         ASSERT_EQ(tree.pieces(), static_cast<int64_t>(bounds.size()) - 1);
         std::vector<float> buf(static_cast<size_t>(n), 0.0f);
         for (int64_t l = 0; l < b - a; ++l) {

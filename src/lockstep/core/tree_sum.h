@@ -14,7 +14,7 @@
 //     one process summing all L leaves.
 //   - pieces: any block [a, b) of consecutive leaves is the union of O(log L) maximal subtrees
 //     (canonical_pieces), and every subtree is the canonical tree over its own leaves. So D ranks
-//     holding blocks of any sizes each sum their block's pieces along the canonical tree (TreeSum
+//     holding blocks of any sizes each sum their block's pieces along the canonical tree (MicroBatchTree
 //     with pieces), and the pieces of all ranks are combined along the tree over L with the pieces
 //     as leaves (PieceTree; Communicator's *_pieces collectives): again the one-process bits.
 //   - streaming: the leaves can be pushed one at a time with ceil(log2 L) partial sums kept (a
@@ -127,36 +127,8 @@ void add_segment_tree(float* dst, int64_t n, const std::vector<int64_t>& bounds,
   for (int64_t j = 0; j < n; ++j) dst[j] += leaves[j];
 }
 
-// Streaming canonical-tree sum of `leaves` float buffers of n elements, pushed in order, possibly
-// range by range (each range of a leaf pushed once, leaves in increasing order per element).
-// With pieces (bounds 0 = p_0 < ... < p_K = leaves, as canonical_pieces cuts a block relative to
-// its first leaf), each piece is summed along its own canonical tree: the sums of pieces 0 .. K-2
-// are kept in piece(k), the last piece's is left in x like the single tree's (one more buffer of n
-// per extra piece; the partial sums are shared, the pieces being pushed one after the other).
-class TreeSum {
- public:
-  void reset(int64_t n, int64_t leaves) { reset(n, std::vector<int64_t>{0, leaves}); }
-  void reset(int64_t n, const std::vector<int64_t>& bounds);
-  int64_t leaves() const { return bounds_.back(); }
-  int64_t pieces() const { return static_cast<int64_t>(bounds_.size()) - 1; }
-  // x[begin, end) holds leaf `leaf`'s values there. Except for the last leaf they are folded into
-  // the partial sums (or, for the last leaf of a piece but the last, become piece(k) there) and
-  // x[begin, end) is zeroed (ready to accumulate the next leaf from zero); for the last leaf
-  // x[begin, end) becomes the tree sum of the last piece (of all leaves without pieces). Parallel
-  // over the current pool.
-  void push(int64_t leaf, float* x, int64_t begin, int64_t end);
-  // Piece k < pieces() - 1: its tree sum once its last leaf is pushed (n elements).
-  float* piece(int64_t k) { return held_[static_cast<size_t>(k)].data(); }
-
- private:
-  int64_t n_ = 0;
-  std::vector<int64_t> bounds_{0, 1};
-  std::vector<FloatBuffer> stack_;  // stack_[j]: a complete subtree of 2^j leaves when held
-  std::vector<FloatBuffer> held_;   // the sums of pieces 0 .. K-2
-};
-
 // One push of the canonical tree streamed as a binary counter (tree_sum_push, tree_sum_push_block,
-// TreeSum::push): a block of 2^level leaves starting at leaf c (a multiple of 2^level; level 0: one
+// parallel/reduction/micro_batch_tree.h): a block of 2^level leaves starting at leaf c (a multiple of 2^level; level 0: one
 // leaf) folds the held subtrees whose levels are the bits of `held`, smallest first, and its carry
 // becomes the subtree of level `store` (-1: the root, for the last block). Before the last, those
 // are the trailing one bits of c / 2^level, from the block's own level up; the last folds every

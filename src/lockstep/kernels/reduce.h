@@ -27,10 +27,15 @@ struct ReduceOps {
   // the last push writes the root to out.
   Op<void(float* out, const float* x, int64_t c, int level, bool last, int64_t n, float* stack, int first_level)>
       tree_push_block{"tree_push_block"};
+  // One push of a streamed canonical tree (core/tree_sum.h tree_push_fold) over n elements: dst = x,
+  // then dst = levels[j] + dst for each set bit j of `held`, smallest first; zero (x itself, or
+  // null): x zeroed once read. dst may be x; neither may be a held level.
+  Op<void(float* dst, const float* x, uint64_t held, float* const* levels, int64_t n, float* zero)> tree_fold{
+      "tree_fold"};
 
   template <class F>
   void each(F&& f) {
-    f(tree_sum), f(ordered_sum), f(piece_tree_sum), f(tree_push_block);
+    f(tree_sum), f(ordered_sum), f(piece_tree_sum), f(tree_push_block), f(tree_fold);
   }
 };
 

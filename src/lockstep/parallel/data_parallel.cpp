@@ -138,7 +138,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
   } else if (!subtrees) {
     for (int r = 0; r <= P; ++r) blocks_.push_back(r * micros);
   }
-  tree_.reset(ps_.total(), mine);
+  tree_.reset(ps_.device(), ps_.total(), mine);
   // The expert group's blocks, when the model sums the experts: G micro-batches per rank.
   expert_blocks_.clear();
   expert_pieces_.clear();

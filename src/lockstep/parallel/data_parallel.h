@@ -54,7 +54,8 @@
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/tensor/param_table.h"
-#include "lockstep/parallel/expert_tp_sum.h"
+#include "lockstep/parallel/reduction/expert_tp_sum.h"
+#include "lockstep/parallel/reduction/micro_batch_tree.h"
 
 namespace lockstep {
 
@@ -217,7 +218,7 @@ class DataParallel {
 
   ParamStore& ps_;
   Communicator* world_ = nullptr;  // set in layout mode
-  TreeSum tree_;
+  MicroBatchTree tree_;
   std::vector<int64_t> blocks_;  // pieced: the dense group's blocks of micro-batches (P + 1 bounds)
   // experts_summed and pieced: the expert group's blocks, and this rank's pieces but the last
   std::vector<int64_t> expert_blocks_;

@@ -37,6 +37,7 @@ void bind_cpu_ops(Ops& ops) {
   ops.ordered_sum.bind(&ordered_sum);
   ops.piece_tree_sum.bind(&piece_tree_sum);
   ops.tree_push_block.bind(&tree_push_block);
+  ops.tree_fold.bind(&tree_fold);
   ops.add_positions.bind(&add_positions);
   ops.fill.bind(&fill);
   ops.copy.bind(&copy);

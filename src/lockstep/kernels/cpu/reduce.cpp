@@ -47,4 +47,9 @@ void tree_push_block(float* out, const float* x, int64_t c, int level, bool last
   });
 }
 
+void tree_fold(float* dst, const float* x, uint64_t held, float* const* levels, int64_t n, float* zero) {
+  const auto level = [levels](int j) { return levels[j]; };
+  parallel_for(n, [&](int64_t i0, int64_t i1) { tree_push_fold(dst, x, held, level, i0, i1, zero); });
+}
+
 }  // namespace lockstep

@@ -26,7 +26,8 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
       has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size),
       layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp), etp_group(shard.etp),
       groups(shard.sources) {
-  ops_ = &ps.device().ops;
+  device_ = &ps.device();
+  ops_ = &device_->ops;
   const int64_t E_global = shard.E_global ? shard.E_global : E, first = shard.first;
   const int64_t P = shard.etp_size, r = shard.etp_rank;
   if (shard.segments) {  // the config names the keys; these are the invariants the segments need
@@ -156,7 +157,7 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
     const int64_t blocks = b->size() ? E * G : 0;
     for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / G, micro-batch group k % G)
       trees.emplace_back();
-      trees.back().reset(b->size() / (E * G), mine[static_cast<size_t>(k % G)]);
+      trees.back().reset(*device_, b->size() / (E * G), mine[static_cast<size_t>(k % G)]);
     }
   }
 }
@@ -179,13 +180,13 @@ void sum_sources(const Ops& ops, float* grad, const float* blocks, int64_t E, in
 // (the last in ps.grad(w), the others in their tables at w's offset), each the tree over the
 // sources' pieces it holds; source s's last piece is in blocks (E x S, n), its others held by
 // trees[e S + s].
-void sum_source_pieces(const Ops& ops, const ParamStore& ps, int w, const float* blocks, TreeSum* trees,
+void sum_source_pieces(const Ops& ops, const ParamStore& ps, int w, const float* blocks, MicroBatchTree* trees,
                        const std::vector<GroupedExperts::GroupPiece>& group, int64_t E, int64_t S, int64_t n) {
   thread_local std::vector<const float*> pieces;  // all sources' pieces, in order (kept across calls)
   for (int64_t e = 0; e < E; ++e) {
     pieces.clear();
     for (int64_t s = 0; s < S; ++s) {
-      TreeSum& t = trees[e * S + s];
+      MicroBatchTree& t = trees[e * S + s];
       for (int64_t k = 0; k + 1 < t.pieces(); ++k) pieces.push_back(t.piece(k));
       pieces.push_back(blocks + (e * S + s) * n);
     }

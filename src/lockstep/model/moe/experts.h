@@ -126,7 +126,8 @@
 #include "lockstep/kernels/ops.h"
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/parallel/expert_tp_sum.h"
+#include "lockstep/parallel/reduction/expert_tp_sum.h"
+#include "lockstep/parallel/reduction/micro_batch_tree.h"
 
 namespace lockstep {
 
@@ -275,7 +276,7 @@ struct GroupedExperts {
   // order, and the step's micro-batch backward is at (backward is const for the parameters it
   // reads; these are the sums it builds).
   int64_t layout_micros = 0;
-  mutable std::vector<TreeSum> trees;
+  mutable std::vector<MicroBatchTree> trees;
   // Layout mode when a source's or the group's micro-batches are not a subtree of the step's
   // canonical tree: each source's tree keeps its block's canonical pieces, and each piece of the
   // group's block is the tree over the sources' pieces [first, end) it holds (all sources' pieces
@@ -326,7 +327,8 @@ struct GroupedExperts {
                      const int64_t* token_segments) const;
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
  private:
-  const Ops* ops_ = nullptr;  // the device's (ParamStore::device)
+  Device* device_ = nullptr;  // ParamStore::device
+  const Ops* ops_ = nullptr;  // its ops
 };
 
 // P + 1 boundaries 0 = b_0 <= ... <= b_P = E cutting E experts with rows[e] rows each into
