@@ -89,7 +89,7 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
 void GroupedExperts::begin_step() {
   for (FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b})
     if (b->size()) ops_->fill(b->data(), b->size(), 0.0f);
-  micro = 0;
+  work.micro = 0;
 }
 
 void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, const std::vector<float*>& pieces,
@@ -246,7 +246,7 @@ void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, con
 
 }  // namespace
 
-void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const {
+void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) {
   // A micro-batch group's T = tp x cp sources (world-rank order: tp fastest) hold its cp x U token
   // units (U = max(2B, tp) per cp rank, K consecutive ones per tp rank, parallel/context_parallel.h
   // unit_holder), each unit L / K of its source's token segments; in token order they are the
@@ -258,8 +258,8 @@ void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* toke
                  " token segments each");
   const int64_t R = token_segments[E * sources * L];
   LOCKSTEP_CHECK(R == rows, "experts: ", R, " rows in the token segments, ", rows, " in the offsets");
-  cp_order.resize(static_cast<size_t>(R));
-  cp_bounds.resize(static_cast<size_t>(E * G * cp_size * U * per + 1));
+  work.cp_order.resize(static_cast<size_t>(R));
+  work.cp_bounds.resize(static_cast<size_t>(E * G * cp_size * U * per + 1));
   int64_t at = 0, b = 0;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t g = 0; g < G; ++g)
@@ -267,20 +267,20 @@ void GroupedExperts::group_token_order(const ParamStore& ps, const int64_t* toke
         const auto [q, piece] = unit_holder(cp_size, U / ps.chunk_pieces(), K, tp_size, j);
         const int64_t* t = token_segments + (e * sources + g * T + q) * L + piece * per;
         for (int64_t i = 0; i < per; ++i) {
-          cp_bounds[static_cast<size_t>(b++)] = at;
-          for (int64_t r = t[i]; r < t[i + 1]; ++r) cp_order[static_cast<size_t>(at++)] = r;
+          work.cp_bounds[static_cast<size_t>(b++)] = at;
+          for (int64_t r = t[i]; r < t[i + 1]; ++r) work.cp_order[static_cast<size_t>(at++)] = r;
         }
       }
-  cp_bounds[static_cast<size_t>(b)] = at;
+  work.cp_bounds[static_cast<size_t>(b)] = at;
   LOCKSTEP_CHECK(at == R, "experts: the token units hold ", at, " of ", R, " rows");
 }
 
-const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) const {
+const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision& p, const int64_t* segments) {
   if (layout_micros == 0 || sources == 1 || p.recipe(fc_w) == Precision::Recipe::none) return nullptr;
   LOCKSTEP_CHECK(segments, "quantised expert blocks without segments");
   if (groups == sources) {
-    qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
-    return &qblocks;
+    work.qblocks = Precision::ExpertBlocks{segments, sources, self, layout_micros};
+    return &work.qblocks;
   }
   // Tensor parallelism: the T consecutive sources of a micro-batch group (tp_size of them, or with
   // partners the group's G; see the header) hold its tokens in order, so their rows of expert e are
@@ -289,27 +289,27 @@ const Precision::ExpertBlocks* GroupedExperts::quantised_blocks(const Precision&
   // source's last one, zero rows (with biases their activations zeroed: inert_padding); NVFP4's one
   // chain per block would not, and the config refuses that.
   const int64_t T = sources / groups;
-  group_segments.resize(static_cast<size_t>(E * groups + 1));
-  for (int64_t k = 0; k <= E * groups; ++k) group_segments[static_cast<size_t>(k)] = segments[k * T];
-  qblocks = Precision::ExpertBlocks{group_segments.data(), groups, self / T, layout_micros};
-  return &qblocks;
+  work.group_segments.resize(static_cast<size_t>(E * groups + 1));
+  for (int64_t k = 0; k <= E * groups; ++k) work.group_segments[static_cast<size_t>(k)] = segments[k * T];
+  work.qblocks = Precision::ExpertBlocks{work.group_segments.data(), groups, self / T, layout_micros};
+  return &work.qblocks;
 }
 
 void GroupedExperts::forward(const ParamStore& ps, const Arena& arena, float* out, const float* x,
-                             const int64_t* offsets, const int64_t* segments, const int64_t* token_segments) const {
+                             const int64_t* offsets, const int64_t* segments, const int64_t* token_segments) {
   if (!in_token_order(token_segments)) return forward_rows(ps, arena, out, x, offsets, segments);
   // The rows in the micro-batch groups' token order, and the outputs back (group_token_order).
   const int64_t R = offsets[E];
   group_token_order(ps, token_segments, R);
-  tok_in.grow(R * C);
-  tok_out.grow(R * C);
-  ops_->gather_rows(tok_in.data(), x, nullptr, cp_order.data(), R, C);
-  forward_rows(ps, arena, tok_out.data(), tok_in.data(), offsets, segments);
-  ops_->scatter_rows(out, tok_out.data(), cp_order.data(), R, C);
+  work.tok_in.grow(R * C);
+  work.tok_out.grow(R * C);
+  ops_->gather_rows(work.tok_in.data(), x, nullptr, work.cp_order.data(), R, C);
+  forward_rows(ps, arena, work.tok_out.data(), work.tok_in.data(), offsets, segments);
+  ops_->scatter_rows(out, work.tok_out.data(), work.cp_order.data(), R, C);
 }
 
 void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x,
-                                  const int64_t* offsets, const int64_t* segments) const {
+                                  const int64_t* offsets, const int64_t* segments) {
   Precision& p = ps.precision();
   const int64_t R = offsets[E];
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
@@ -324,7 +324,7 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
                   rows_share);
 }
 
-void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const {
+void GroupedExperts::finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) {
   const int64_t R = offsets[E];
   if (has_proj_bias) {
     proj_bias.grow(E * C);
@@ -381,7 +381,7 @@ std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P
   return b;
 }
 
-void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const {
+void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) {
   for (const auto& [i, n] : {std::pair<int, int64_t>{w, E * nw}, std::pair<int, int64_t>{b, E * nb}})
     if (i >= 0) {
       if (tp_sum != ExpertTpSum::slices) {
@@ -403,53 +403,53 @@ Communicator* GroupedExperts::share_group(const Precision& p) const {
   return sources == 1 ? tp : partners;
 }
 
-const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const int64_t* offsets, bool from_forward) const {
+const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const int64_t* offsets, bool from_forward) {
   Communicator* group = share_group(p);
   if (!group) return nullptr;
   const int64_t P = group->size(), q = group->rank();
   std::vector<int64_t> mine(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = token_rows ? token_rows[e] : offsets[e + 1] - offsets[e];
+  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = work.token_rows ? work.token_rows[e] : offsets[e + 1] - offsets[e];
   if (from_forward) {
-    LOCKSTEP_CHECK(share_counts_valid && static_cast<int64_t>(share_counts.size()) == P * E &&
-                       std::equal(mine.begin(), mine.end(), share_counts.begin() + q * E),
+    LOCKSTEP_CHECK(work.share_counts_valid && static_cast<int64_t>(work.share_counts.size()) == P * E &&
+                       std::equal(mine.begin(), mine.end(), work.share_counts.begin() + q * E),
                    "experts: backward's row counts are not those its forward gathered");
-    share_counts_valid = false;
+    work.share_counts_valid = false;
   } else {
-    share_counts.resize(static_cast<size_t>(P * E));
-    group->all_gather(share_counts.data(), mine.data(), E);
-    share_counts_valid = true;
+    work.share_counts.resize(static_cast<size_t>(P * E));
+    group->all_gather(work.share_counts.data(), mine.data(), E);
+    work.share_counts_valid = true;
   }
-  share_first.assign(static_cast<size_t>(E), 0);
-  share_total.assign(static_cast<size_t>(E), 0);
+  work.share_first.assign(static_cast<size_t>(E), 0);
+  work.share_total.assign(static_cast<size_t>(E), 0);
   for (int64_t r = 0; r < P; ++r)
     for (int64_t e = 0; e < E; ++e) {
-      const int64_t n = share_counts[static_cast<size_t>(r * E + e)];
-      if (r < q) share_first[static_cast<size_t>(e)] += n;
-      share_total[static_cast<size_t>(e)] += n;
+      const int64_t n = work.share_counts[static_cast<size_t>(r * E + e)];
+      if (r < q) work.share_first[static_cast<size_t>(e)] += n;
+      work.share_total[static_cast<size_t>(e)] += n;
     }
   // Padded: every rank's rows of e, and the micro-batch's, are the capacity.
-  if (token_rows)
+  if (work.token_rows)
     for (int64_t e = 0; e < E; ++e) {
-      LOCKSTEP_CHECK(share_total[static_cast<size_t>(e)] <= offsets[e + 1] - offsets[e], "expert ", e, ": ",
-                     share_total[static_cast<size_t>(e)], " tokens over a capacity of ", offsets[e + 1] - offsets[e]);
-      share_total[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
+      LOCKSTEP_CHECK(work.share_total[static_cast<size_t>(e)] <= offsets[e + 1] - offsets[e], "expert ", e, ": ",
+                     work.share_total[static_cast<size_t>(e)], " tokens over a capacity of ", offsets[e + 1] - offsets[e]);
+      work.share_total[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
     }
-  share = Precision::RowShare{share_first.data(), share_total.data()};  // what the GEMMs read
-  return &share;
+  work.share = Precision::RowShare{work.share_first.data(), work.share_total.data()};  // what the GEMMs read
+  return &work.share;
 }
 
 void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in,
-                                    const int64_t* offsets, int64_t nout, int64_t nin) const {
+                                    const int64_t* offsets, int64_t nout, int64_t nin) {
   Communicator& group = *share_group(p);
   const int64_t P = group.size(), q = group.rank();
   // Group rank r computes experts [owned[r], owned[r + 1]): consecutive ranges of about equal work
   // (rows, plus a few for each expert's own passes), from the gathered counts, the same on every
   // rank. Which rank computes an expert does not change its bits (its whole gradient, as one
   // process computes it); the balance keeps the ranks from waiting on each other at the gather.
-  const std::vector<int64_t> owned = balanced_ranges(share_total, P);
+  const std::vector<int64_t> owned = balanced_ranges(work.share_total, P);
   const auto lo = [&](int64_t r) { return owned[static_cast<size_t>(r)]; };
   const int64_t e0 = lo(q), e1 = lo(q + 1);
-  const auto count = [&](int64_t r, int64_t e) { return share_counts[static_cast<size_t>(r * E + e)]; };
+  const auto count = [&](int64_t r, int64_t e) { return work.share_counts[static_cast<size_t>(r * E + e)]; };
   // Token rows sent to each rank (its experts' rows here) and received from each (this rank's
   // experts' rows there, source-major); with padding the sent rows are packed (send_order).
   std::vector<int64_t> send(static_cast<size_t>(P), 0), recv(static_cast<size_t>(P), 0), send_order;
@@ -457,7 +457,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     for (int64_t e = lo(r); e < lo(r + 1); ++e) send[static_cast<size_t>(r)] += count(q, e);
     for (int64_t e = e0; e < e1; ++e) recv[static_cast<size_t>(r)] += count(r, e);
   }
-  if (token_rows)
+  if (work.token_rows)
     for (int64_t e = 0; e < E; ++e)
       for (int64_t i = 0; i < count(q, e); ++i) send_order.push_back(offsets[e] + i);
   // The gathered rows, expert-major (goff: where each owned expert's start): each expert's token
@@ -465,7 +465,7 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   // received row of gathered row i, or -1 - j for this rank's own row j (padding).
   std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0), from;
   for (int64_t e = e0; e < e1; ++e)
-    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + share_total[static_cast<size_t>(e)];
+    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + work.share_total[static_cast<size_t>(e)];
   from.resize(static_cast<size_t>(goff.back()));
   int64_t at = 0;  // the next received row
   std::vector<int64_t> fill(goff.begin(), goff.end() - 1);  // each owned expert's next gathered row
@@ -480,20 +480,20 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     for (int64_t& k : s) k *= n;
     for (int64_t& k : r) k *= n;
     const float* sent = src;
-    if (token_rows) {
-      gathered_send.resize(send_order.size() * static_cast<size_t>(n));
-      ops_->gather_rows(gathered_send.data(), src, nullptr, send_order.data(), static_cast<int64_t>(send_order.size()),
+    if (work.token_rows) {
+      work.gathered_send.resize(send_order.size() * static_cast<size_t>(n));
+      ops_->gather_rows(work.gathered_send.data(), src, nullptr, send_order.data(), static_cast<int64_t>(send_order.size()),
                         n);
-      sent = gathered_send.data();
+      sent = work.gathered_send.data();
     }
-    gathered_recv.grow(at * n);
-    group.all_to_allv(gathered_recv.data(), r, sent, s);
+    work.gathered_recv.grow(at * n);
+    group.all_to_allv(work.gathered_recv.data(), r, sent, s);
     dst.grow(goff.back() * n);
-    ops_->gather_rows(dst.data(), gathered_recv.data(), src, from.data(), goff.back(), n);
+    ops_->gather_rows(dst.data(), work.gathered_recv.data(), src, from.data(), goff.back(), n);
   };
-  gather(gathered_dy, dy, nout);
-  gather(gathered_x, in, nin);
-  p.grouped_wgrad_gathered(w, dw, db, gathered_dy.data(), gathered_x.data(), goff.data(), e0, e1, nout, nin, etp_group);
+  gather(work.gathered_dy, dy, nout);
+  gather(work.gathered_x, in, nin);
+  p.grouped_wgrad_gathered(w, dw, db, work.gathered_dy.data(), work.gathered_x.data(), goff.data(), e0, e1, nout, nin, etp_group);
   // The micro-batch's gradients on group rank 0, the others -0 (what keep_on_first leaves, the sum
   // over the group of each owner's experts and -0 elsewhere, exactly): rank 0 receives each owner's
   // experts in place (back to back in rank order: the experts' order after its own), the owners
@@ -533,38 +533,38 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
 
 void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                               const float* x, const int64_t* offsets, const int64_t* segments,
-                              const ExpertsScratch& s, const int64_t* token_segments) const {
+                              const ExpertsScratch& s, const int64_t* token_segments) {
   if (!in_token_order(token_segments))
     return backward_rows(ps, arena, dx, dout, x, offsets, segments, s, token_segments);
   // As forward: in the groups' token order, whose token segments are the groups' S in order.
   const int64_t R = offsets[E];
   group_token_order(ps, token_segments, R);
-  tok_in.grow(R * C);
-  tok_out.grow(R * C);
-  tok_dx.grow(R * C);
-  ops_->gather_rows(tok_in.data(), x, nullptr, cp_order.data(), R, C);
-  ops_->gather_rows(tok_out.data(), dout, nullptr, cp_order.data(), R, C);
-  backward_rows(ps, arena, tok_dx.data(), tok_out.data(), tok_in.data(), offsets, segments, s, cp_bounds.data());
-  ops_->scatter_rows(dx, tok_dx.data(), cp_order.data(), R, C);
+  work.tok_in.grow(R * C);
+  work.tok_out.grow(R * C);
+  work.tok_dx.grow(R * C);
+  ops_->gather_rows(work.tok_in.data(), x, nullptr, work.cp_order.data(), R, C);
+  ops_->gather_rows(work.tok_out.data(), dout, nullptr, work.cp_order.data(), R, C);
+  backward_rows(ps, arena, work.tok_dx.data(), work.tok_out.data(), work.tok_in.data(), offsets, segments, s, work.cp_bounds.data());
+  ops_->scatter_rows(dx, work.tok_dx.data(), work.cp_order.data(), R, C);
 }
 
 void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                                    const float* x, const int64_t* offsets, const int64_t* segments,
-                                   const ExpertsScratch& s, const int64_t* token_segments) const {
+                                   const ExpertsScratch& s, const int64_t* token_segments) {
   Precision& p = ps.precision();
   const int64_t R = offsets[E], Fw = fc_width(), S = sources, G = groups;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
   // then the rank-order sum (quantised per block in layout mode; see the header).
   // Layout mode: the blocks hold this micro-batch only (a tree push zeroes its block) and the
   // parameter gradients are written after the last one. first_tree: the buffer's first tree.
-  const bool last = layout_micros == 0 || micro == layout_micros - 1;
+  const bool last = layout_micros == 0 || work.micro == layout_micros - 1;
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const Precision::RowShare* rows_share = row_share(p, offsets, /*from_forward=*/true);
   const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
   auto push = [&](const FloatBuffer& buf, size_t first_tree) {
     const int64_t n = buf.size() / (E * G);
     for (size_t k = 0; k < blocks; ++k)
-      trees[first_tree + k].push(micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
+      trees[first_tree + k].push(work.micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
   };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
                    int64_t nout, int64_t nin, size_t first_tree) {
@@ -582,8 +582,8 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
       const int64_t K = S == 1 ? ps.token_pieces(w) : units;
       const int64_t per = S == 1 || cp_partners ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
       const int64_t leaves = cp_partners ? E * S * units : E * G * K;
-      dw_leaves.resize(static_cast<size_t>(leaves));
-      db_leaves.resize(static_cast<size_t>(leaves));
+      work.dw_leaves.resize(static_cast<size_t>(leaves));
+      work.db_leaves.resize(static_cast<size_t>(leaves));
       // With partners under CP, piece j = s units + k of all E experts (piece-major): the weights'
       // pieces, then the biases'; unit_dw / unit_db: where piece j starts.
       const int64_t pieces_per_rank = S * units;
@@ -593,23 +593,23 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
         unit_leaves.grow(pieces_per_rank * E * (nout * nin + (b >= 0 ? nout : 0)));
         for (int64_t g = 0; g < leaves; ++g) {
           const int64_t e = g / pieces_per_rank, j = g % pieces_per_rank;
-          dw_leaves[static_cast<size_t>(g)] = unit_dw(j) + e * nout * nin;
-          if (b >= 0) db_leaves[static_cast<size_t>(g)] = unit_db(j) + e * nout;
+          work.dw_leaves[static_cast<size_t>(g)] = unit_dw(j) + e * nout * nin;
+          if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = unit_db(j) + e * nout;
         }
       } else {
         for (int64_t g = 0; g < leaves; ++g) {
           // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
           const int64_t block = g / K, k = g % K;
-          dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
-          if (b >= 0) db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
+          work.dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
+          if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
         }
       }
       if (recipe == Precision::Recipe::none) {
-        token_segment_wgrad(ps.device().ops, dw_leaves.data(), b < 0 ? nullptr : db_leaves.data(), dy, in, token_segments, leaves,
+        token_segment_wgrad(ps.device().ops, work.dw_leaves.data(), b < 0 ? nullptr : work.db_leaves.data(), dy, in, token_segments, leaves,
                             per, nout, nin);
       } else {
-        p.grouped_wgrad_segments(w, dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
-        if (b >= 0) token_segment_bias(ps.device().ops, db_leaves.data(), dy, token_segments, leaves, per, nout);
+        p.grouped_wgrad_segments(w, work.dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
+        if (b >= 0) token_segment_bias(ps.device().ops, work.db_leaves.data(), dy, token_segments, leaves, per, nout);
       }
       if (S == 1) {
         // Context parallelism's pieces are combined over the group (combine_token_pieces).
@@ -677,7 +677,7 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);
   wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
-  ++micro;
+  ++work.micro;
 }
 
 }  // namespace lockstep

@@ -168,14 +168,14 @@ struct GroupedExperts {
   // zeroes the same rows' activation gradient. A real token's row is all zeros only if its
   // normalised hidden state is: then it gets the same, a constant zero activation.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
-               const int64_t* segments, const int64_t* token_segments) const;
+               const int64_t* segments, const int64_t* token_segments);
   // dx (R, C) assigned; parameter gradients accumulate. segments: (E x sources + 1) rows of
   // (expert e, source s) at [e * sources + s] (= offsets with one source). token_segments (layout
   // mode): (E x sources x token_segments_per_source() + 1) rows of (expert, source, token segment)
   // (Dispatcher::token_segments).
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
                 const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
-                const int64_t* token_segments) const;
+                const int64_t* token_segments);
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
   // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see
@@ -205,16 +205,16 @@ struct GroupedExperts {
   bool partial() const { return kseg.on() && etp_size > 1; }
   // After that sum: out (rows of `offsets`, C) = proj bias (etp rank 0's, broadcast over the group
   // etp) + out, rounded; what one process's segmented proj does after its tree.
-  void finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets) const;
+  void finish_proj(const ParamStore& ps, Communicator& etp, float* out, const int64_t* offsets);
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
   // Layout mode with several sources and a quantised recipe: the (expert, source) blocks the
   // quantised GEMMs run on (see above); else null.
-  const Precision::ExpertBlocks* quantised_blocks(const Precision& p, const int64_t* segments) const;
+  const Precision::ExpertBlocks* quantised_blocks(const Precision& p, const int64_t* segments);
 
   // Layout mode, one source under tensor parallelism: the micro-batch's weight gradients of w and
   // b (nw, nb elements per expert) from this rank's token segments (see the header).
-  void reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb) const;
+  void reduce_over_tp(const ParamStore& ps, int w, int b, int64_t nw, int64_t nb);
   // NVFP4 in layout mode with an expert x expert-tensor group smaller than tp (one source under
   // tensor parallelism: the experts on every tp rank; or partners, without context parallelism): the
   // ranks that hold parts of a micro-batch's rows of these experts, in token order (tp, or the
@@ -222,23 +222,23 @@ struct GroupedExperts {
   Communicator* share_group(const Precision& p) const;
   // Padding to capacity with one source: the rows of each expert that hold tokens (the first of its
   // rows; the dispatcher's tokens_per_expert), for the next forward or backward; null: all of them.
-  void set_token_rows(const int64_t* rows) const { token_rows = sources == 1 ? rows : nullptr; }
+  void set_token_rows(const int64_t* rows) { work.token_rows = sources == 1 ? rows : nullptr; }
   // Their shares of each expert's rows of the micro-batch (Precision::RowShare, from the counts
   // gathered over share_group); else null. A collective over the group in forward; backward reuses
   // the counts its micro-batch's forward gathered (from_forward; checked against this rank's own).
   // With padding (token_rows) the shares count the token rows, and the micro-batch's rows of an
   // expert are the tp ranks' token rows in rank order, then padding to the capacity, which each
   // rank's rows are too.
-  const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets, bool from_forward = false) const;
+  const Precision::RowShare* row_share(const Precision& p, const int64_t* offsets, bool from_forward = false);
   // The forward's gathered counts, kept for its micro-batch's backward: a pipeline schedule's
   // micro-batches in flight each keep their own (MoeLayer::select swaps them in and out).
   struct SharedCounts {
     std::vector<int64_t> counts;
     bool valid = false;
   };
-  void swap_shared_counts(SharedCounts& other) const {
-    std::swap(other.counts, share_counts);
-    std::swap(other.valid, share_counts_valid);
+  void swap_shared_counts(SharedCounts& other) {
+    std::swap(other.counts, work.share_counts);
+    std::swap(other.valid, work.share_counts_valid);
   }
   // Then the weight gradients of w into dw (E, nout, nin) and db (E, nout) or null (dy (R, nout), in
   // (R, nin)): group rank q gathers the rows of its experts (a consecutive range; the ranges hold
@@ -251,7 +251,7 @@ struct GroupedExperts {
   // experts instead, -0 elsewhere, and with slices each rank receives its chunk of every expert's
   // gradient from the ranks that computed it, -0 elsewhere.
   void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
-                      int64_t nout, int64_t nin) const;
+                      int64_t nout, int64_t nin);
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
   int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
@@ -269,14 +269,13 @@ struct GroupedExperts {
   // micro-batch groups they make (sources / (tp_size x cp_size), token segments under tensor or
   // context parallelism).
   int64_t groups = 1;
-  mutable FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
+  FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each; E x groups under layout), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
   // Layout mode: one tree per (expert, source) block of each of the four buffers above, in that
-  // order, and the step's micro-batch backward is at (backward is const for the parameters it
-  // reads; these are the sums it builds).
+  // order, and the step's micro-batches.
   int64_t layout_micros = 0;
-  mutable std::vector<MicroBatchTree> trees;
+  std::vector<MicroBatchTree> trees;
   // Layout mode when a source's or the group's micro-batches are not a subtree of the step's
   // canonical tree: each source's tree keeps its block's canonical pieces, and each piece of the
   // group's block is the tree over the sources' pieces [first, end) it holds (all sources' pieces
@@ -287,23 +286,32 @@ struct GroupedExperts {
     float* table;
   };
   std::vector<GroupPiece> group_pieces;
-  mutable int64_t micro = 0;
-  mutable Precision::ExpertBlocks qblocks;
-  mutable std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
-  mutable std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
-  // row_share's: every group rank's token rows of each expert (P x E), this rank's first row and the
-  // micro-batch's rows per expert (share points at the last two); gathered_wgrad's rows (packed to
-  // send with padding, received, then in expert order).
-  mutable std::vector<int64_t> share_counts, share_first, share_total;
-  mutable bool share_counts_valid = false;  // share_counts are this micro-batch's forward's
-  mutable Precision::RowShare share;
-  mutable const int64_t* token_rows = nullptr;  // set_token_rows'
-  mutable std::vector<float> gathered_send;
-  mutable FloatBuffer gathered_recv, gathered_dy, gathered_x;
-  // Context parallelism with several sources (layout mode): forward and backward run on the rows of
-  // each (expert, micro-batch group) in the micro-batch's token order (cp_order: the expert rows in
-  // that order, cp_bounds: the (E x groups x S + 1) boundaries of its S token segments there), in the
-  // tok_* buffers, and their outputs go back to the dispatcher's order.
+  // The state one micro-batch's forward and backward build and use: its index in the step, the
+  // quantised blocks, the token-segment leaves, the row shares and gathered rows, the rows in token
+  // order (context parallelism); kept here so that steady-state steps do not allocate.
+  struct Work {
+    int64_t micro = 0;
+    Precision::ExpertBlocks qblocks;
+    std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
+    std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
+    // row_share's: every group rank's token rows of each expert (P x E), this rank's first row and the
+    // micro-batch's rows per expert (share points at the last two); gathered_wgrad's rows (packed to
+    // send with padding, received, then in expert order).
+    std::vector<int64_t> share_counts, share_first, share_total;
+    bool share_counts_valid = false;  // share_counts are this micro-batch's forward's
+    Precision::RowShare share;
+    const int64_t* token_rows = nullptr;  // set_token_rows'
+    std::vector<float> gathered_send;
+    FloatBuffer gathered_recv, gathered_dy, gathered_x;
+    // Context parallelism with several sources (layout mode): forward and backward run on the rows
+    // of each (expert, micro-batch group) in the micro-batch's token order (cp_order: the expert rows
+    // in that order, cp_bounds: the (E x groups x S + 1) boundaries of its S token segments there), in
+    // the tok_* buffers, and their outputs go back to the dispatcher's order.
+    std::vector<int64_t> cp_order, cp_bounds;
+    FloatBuffer tok_in, tok_out, tok_dx;
+  };
+  Work work;
+  // Context parallelism with several sources (layout mode): Work's rows in token order are used.
   bool in_token_order(const int64_t* token_segments) const {
     return token_segments && token_L && sources > 1 && cp_size > 1 && !cp_partners;
   }
@@ -317,14 +325,12 @@ struct GroupedExperts {
   static thread_local std::vector<float*> unit_pieces;
   static thread_local std::vector<float> combine_scratch;
   static thread_local FloatBuffer chunk_recv;  // gathered_wgrad's chunk under ExpertTpSum::slices (likewise the rank's)
-  void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows) const;
-  mutable std::vector<int64_t> cp_order, cp_bounds;
-  mutable FloatBuffer tok_in, tok_out, tok_dx;
+  void group_token_order(const ParamStore& ps, const int64_t* token_segments, int64_t rows);
   void forward_rows(const ParamStore& ps, const Arena& arena, float* out, const float* x, const int64_t* offsets,
-                    const int64_t* segments) const;
+                    const int64_t* segments);
   void backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
                      const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
-                     const int64_t* token_segments) const;
+                     const int64_t* token_segments);
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
  private:
   Device* device_ = nullptr;  // ParamStore::device

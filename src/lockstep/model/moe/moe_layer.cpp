@@ -260,7 +260,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
 }
 
 void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
-                        const MoeScratch& s, float aux_scale) const {
+                        const MoeScratch& s, float aux_scale) {
   // Without sequence parallelism dresid (N, C) is the same on every tp rank: this rank back-
   // propagates its rows, then the rows are all-gathered (the backward of taking them).
   const bool slice = tp_.on() && !tp_.sequence;

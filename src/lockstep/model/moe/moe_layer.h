@@ -97,7 +97,7 @@ class MoeLayer {
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
                bool training, uint64_t seed, int64_t step, int64_t micro);
   void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
-                const MoeScratch& s, float aux_scale) const;
+                const MoeScratch& s, float aux_scale);
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
