@@ -83,6 +83,9 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
     // group's rows in token order (group_token_order), and combine_token_pieces leaves them alone.
     for (int i : {fc_w, fc_b, proj_w, proj_b})
       if (i >= 0) ps.set_module_pieces(i);
+    // Run mode: every micro-batch's blocks summed in source order (set_layout replaces it).
+    for (int k = 0; k < 4; ++k)
+      if (block_buffer(k).size()) source_sums[k] = ExpertSourceSum::rank_order(E, sources, block_buffer(k).size() / (E * sources));
   }
 }
 
@@ -140,7 +143,7 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   const std::vector<int64_t> group = canonical_pieces(L, first, first + n);
   LOCKSTEP_CHECK(pieces.size() + 2 == group.size(), "experts: ", pieces.size(), " piece buffers for ", group.size() - 1,
                  " pieces of the expert group's micro-batches");
-  group_pieces.clear();
+  std::vector<ExpertSourceSum::GroupPiece> group_pieces;
   if (bounds.size() - 1 > static_cast<size_t>(G) || group.size() > 2) {
     size_t at = 0;
     for (size_t j = 0; j + 1 < group.size(); ++j) {
@@ -152,50 +155,14 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
                               static_cast<int64_t>(at), j < pieces.size() ? pieces[j] : nullptr});
     }
   }
-  trees.clear();
-  for (const FloatBuffer* b : {&dfc_w, &dfc_b, &dproj_w, &dproj_b}) {
-    const int64_t blocks = b->size() ? E * G : 0;
-    for (int64_t k = 0; k < blocks; ++k) {  // block k = (expert k / G, micro-batch group k % G)
-      trees.emplace_back();
-      trees.back().reset(*device_, b->size() / (E * G), mine[static_cast<size_t>(k % G)]);
-    }
-  }
+  for (int k = 0; k < 4; ++k)
+    if (block_buffer(k).size())
+      source_sums[k] =
+          ExpertSourceSum::tree(*device_, E, G, block_buffer(k).size() / (E * G), micros, mine, group_pieces);
 }
 
 namespace {
 
-
-// grad (E, n) = the rank-order sum over s of blocks (E x S, n): ((b_{e,0} + b_{e,1}) + ...), or with
-// `tree` the canonical tree over s (core/tree_sum.h).
-void sum_sources(const Ops& ops, float* grad, const float* blocks, int64_t E, int64_t S, int64_t n, bool tree = false) {
-  std::vector<const float*> at(static_cast<size_t>(S));
-  for (int64_t e = 0; e < E; ++e) {
-    for (int64_t s = 0; s < S; ++s) at[static_cast<size_t>(s)] = blocks + (e * S + s) * n;
-    if (tree) ops.tree_sum(grad + e * n, at.data(), S, n);
-    else ops.ordered_sum(grad + e * n, at.data(), S, n);
-  }
-}
-
-// Layout mode, blocks that are not subtrees: parameter w's gradient (E, n) as the group's pieces
-// (the last in ps.grad(w), the others in their tables at w's offset), each the tree over the
-// sources' pieces it holds; source s's last piece is in blocks (E x S, n), its others held by
-// trees[e S + s].
-void sum_source_pieces(const Ops& ops, const ParamStore& ps, int w, const float* blocks, MicroBatchTree* trees,
-                       const std::vector<GroupedExperts::GroupPiece>& group, int64_t E, int64_t S, int64_t n) {
-  thread_local std::vector<const float*> pieces;  // all sources' pieces, in order (kept across calls)
-  for (int64_t e = 0; e < E; ++e) {
-    pieces.clear();
-    for (int64_t s = 0; s < S; ++s) {
-      MicroBatchTree& t = trees[e * S + s];
-      for (int64_t k = 0; k + 1 < t.pieces(); ++k) pieces.push_back(t.piece(k));
-      pieces.push_back(blocks + (e * S + s) * n);
-    }
-    for (const GroupedExperts::GroupPiece& g : group) {
-      float* dst = (g.table ? g.table + ps.specs()[w].offset : ps.grad(w)) + e * n;
-      ops.piece_tree_sum(dst, pieces.data() + g.first, g.tree, n);
-    }
-  }
-}
 
 // Leaf g's out[g] (n) = the canonical tree over the `per` blocks of fine (leaves x per, n) that
 // follow g x per (into fine's first block of each leaf, then copied), a few thousand elements of
@@ -555,19 +522,12 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   const int64_t R = offsets[E], Fw = fc_width(), S = sources, G = groups;
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
   // then the rank-order sum (quantised per block in layout mode; see the header).
-  // Layout mode: the blocks hold this micro-batch only (a tree push zeroes its block) and the
-  // parameter gradients are written after the last one. first_tree: the buffer's first tree.
-  const bool last = layout_micros == 0 || work.micro == layout_micros - 1;
+  // The blocks go to the buffer's source sum (parallel/reduction/expert_sources.h), which writes the
+  // parameter gradients when it has them. which: the weight's buffer (0 fc, 2 proj), its bias's next.
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const Precision::RowShare* rows_share = row_share(p, offsets, /*from_forward=*/true);
-  const size_t blocks = static_cast<size_t>(E * G), biases = dfc_b.size() ? blocks : 0;
-  auto push = [&](const FloatBuffer& buf, size_t first_tree) {
-    const int64_t n = buf.size() / (E * G);
-    for (size_t k = 0; k < blocks; ++k)
-      trees[first_tree + k].push(work.micro, buf.data() + static_cast<int64_t>(k) * n, 0, n);
-  };
   auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
-                   int64_t nout, int64_t nin, size_t first_tree) {
+                   int64_t nout, int64_t nin, int which) {
     const Precision::Recipe recipe = p.recipe(w);
     if (token_L && token_segments && recipe != Precision::Recipe::nvfp4) {
       // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
@@ -654,23 +614,13 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
                              E * S, nout, nin);
       if (b >= 0) ops.grouped_bias_grad(db.data(), dy, segments, E * S, nout);
     }
-    if (layout_micros) {
-      push(dw, first_tree);
-      if (b >= 0) push(db, first_tree + blocks);
-    }
-    if (!last) return;
-    if (!group_pieces.empty()) {
-      sum_source_pieces(*ops_, ps, w, dw.data(), trees.data() + first_tree, group_pieces, E, G, nout * nin);
-      if (b >= 0) sum_source_pieces(*ops_, ps, b, db.data(), trees.data() + first_tree + blocks, group_pieces, E, G, nout);
-      return;
-    }
-    sum_sources(*ops_, ps.grad(w), dw.data(), E, G, nout * nin, layout_micros > 0);
-    if (b >= 0) sum_sources(*ops_, ps.grad(b), db.data(), E, G, nout, layout_micros > 0);
+    source_sums[which]->add(*ops_, ps, w, dw.data(), work.micro);
+    if (b >= 0) source_sums[which + 1]->add(*ops_, ps, b, db.data(), work.micro);
   };
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb, {}, false, rows_share);
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
   if (inert_padding) ops_->zero_rows_of_zeros(s.dact, x, R, F, C);
-  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, blocks + biases);
+  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, 2);
   if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);

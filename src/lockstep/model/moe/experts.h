@@ -117,6 +117,8 @@
 // data parallelism's quantised expert gradient bit for bit (FP8; NVFP4's run-mode keys are per rank).
 #pragma once
 
+#include <array>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -127,7 +129,7 @@
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/reduction/expert_tp_sum.h"
-#include "lockstep/parallel/reduction/micro_batch_tree.h"
+#include "lockstep/parallel/reduction/expert_sources.h"
 
 namespace lockstep {
 
@@ -272,20 +274,11 @@ struct GroupedExperts {
   FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each; E x groups under layout), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
-  // Layout mode: one tree per (expert, source) block of each of the four buffers above, in that
-  // order, and the step's micro-batches.
+  // How each buffer's blocks become the parameter gradient (run: rank order; layout: trees over the
+  // step's micro-batches), in the order fc weight, fc bias, proj weight, proj bias; sources > 1.
   int64_t layout_micros = 0;
-  std::vector<MicroBatchTree> trees;
-  // Layout mode when a source's or the group's micro-batches are not a subtree of the step's
-  // canonical tree: each source's tree keeps its block's canonical pieces, and each piece of the
-  // group's block is the tree over the sources' pieces [first, end) it holds (all sources' pieces
-  // in source order), written to `table` (null: ps.grad, the last piece). Empty: the tree over sources.
-  struct GroupPiece {
-    PieceTree tree;
-    int64_t first, end;
-    float* table;
-  };
-  std::vector<GroupPiece> group_pieces;
+  std::unique_ptr<ExpertSourceSum> source_sums[4];
+  FloatBuffer& block_buffer(int k) { return *std::array<FloatBuffer*, 4>{&dfc_w, &dfc_b, &dproj_w, &dproj_b}[k]; }
   // The state one micro-batch's forward and backward build and use: its index in the step, the
   // quantised blocks, the token-segment leaves, the row shares and gathered rows, the rows in token
   // order (context parallelism); kept here so that steady-state steps do not allocate.
