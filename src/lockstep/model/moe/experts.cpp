@@ -515,118 +515,145 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   ops_->scatter_rows(dx, work.tok_dx.data(), work.cp_order.data(), R, C);
 }
 
+// Layout mode (fp32 and FP8 weights): the micro-batch's gradients per token segment, the tree over
+// them (see the header). Returns whether the blocks go on to the source sum (several sources).
+bool GroupedExperts::token_segment_gradients(const WgradArgs& a, int w, int b, FloatBuffer& dw, FloatBuffer& db,
+                                             const float* dy, const float* in, int64_t nout, int64_t nin) {
+  const ParamStore& ps = *a.ps;
+  Precision& p = ps.precision();
+  const int64_t S = sources, G = groups;
+  const Precision::ExpertBlocks* qb = a.qb;
+  const int64_t* offsets = a.offsets;
+  const int64_t* token_segments = a.token_segments;
+  const Precision::Recipe recipe = p.recipe(w);
+  // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
+  // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
+  // is expert e's piece k, into the parameter's grad_piece k).
+  // (With several sources under context parallelism the rows are in the groups' token order here,
+  // token_segments their S segments: group_token_order.) FP8 recipes quantise along the tokens
+  // segment by segment (the blocks qb, or each expert's rows with one source).
+  // A block's segments: the micro-batch's S, or with partners the group's sources' part of them.
+  // With partners under context parallelism: a leaf per (expert, source, token unit) (see the header).
+  const int64_t units = cp_partners ? std::max<int64_t>(ps.chunk_pieces(), tp_size) / tp_size : 1;
+  const int64_t K = S == 1 ? ps.token_pieces(w) : units;
+  const int64_t per = S == 1 || cp_partners ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
+  const int64_t leaves = cp_partners ? E * S * units : E * G * K;
+  work.dw_leaves.resize(static_cast<size_t>(leaves));
+  work.db_leaves.resize(static_cast<size_t>(leaves));
+  // With partners under CP, piece j = s units + k of all E experts (piece-major): the weights'
+  // pieces, then the biases'; unit_dw / unit_db: where piece j starts.
+  const int64_t pieces_per_rank = S * units;
+  const auto unit_dw = [&](int64_t j) { return unit_leaves.data() + j * E * nout * nin; };
+  const auto unit_db = [&](int64_t j) { return unit_dw(pieces_per_rank) + j * E * nout; };
+  if (cp_partners) {
+    unit_leaves.grow(pieces_per_rank * E * (nout * nin + (b >= 0 ? nout : 0)));
+    for (int64_t g = 0; g < leaves; ++g) {
+      const int64_t e = g / pieces_per_rank, j = g % pieces_per_rank;
+      work.dw_leaves[static_cast<size_t>(g)] = unit_dw(j) + e * nout * nin;
+      if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = unit_db(j) + e * nout;
+    }
+  } else {
+    for (int64_t g = 0; g < leaves; ++g) {
+      // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
+      const int64_t block = g / K, k = g % K;
+      work.dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
+      if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
+    }
+  }
+  if (recipe == Precision::Recipe::none) {
+    token_segment_wgrad(ps.device().ops, work.dw_leaves.data(), b < 0 ? nullptr : work.db_leaves.data(), dy, in, token_segments, leaves,
+                        per, nout, nin);
+  } else {
+    p.grouped_wgrad_segments(w, work.dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
+    if (b >= 0) token_segment_bias(ps.device().ops, work.db_leaves.data(), dy, token_segments, leaves, per, nout);
+  }
+  if (S == 1) {
+    // Context parallelism's pieces are combined over the group (combine_token_pieces).
+    if (tp_size > 1 && !ps.pieced() && tp_sum != ExpertTpSum::parts) reduce_over_tp(ps, w, b, nout * nin, nout);
+    return false;
+  }
+  if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners
+    const int64_t U = units * tp_size, sub = U / ps.chunk_pieces();
+    const auto leaf = [&](int64_t g) {
+      const auto [q, k] = unit_holder(cp_size, sub, units, tp_size, g);
+      return std::pair<int64_t, int64_t>{q / S, (q % S) * units + k};
+    };
+    unit_pieces.resize(static_cast<size_t>(pieces_per_rank));
+    for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_dw(j);
+    combine_held_pieces(*ops_, *partners, dw.data(), unit_pieces.data(), E * nout * nin, pieces_per_rank, cp_size * U,
+                        leaf, combine_scratch);
+    if (b >= 0) {
+      for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_db(j);
+      combine_held_pieces(*ops_, *partners, db.data(), unit_pieces.data(), E * nout, pieces_per_rank, cp_size * U, leaf,
+                          combine_scratch);
+    }
+  } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
+    keep_on_first(*ops_, *partners, dw.data(), E * G * nout * nin);
+    if (b >= 0) keep_on_first(*ops_, *partners, db.data(), E * G * nout);
+  }
+  return true;
+}
+
+// One micro-batch's weight gradients of parameter w (and bias b, or -1): into the block buffers
+// dw, db (or, with one source, the parameter gradients themselves), then the buffers' source sums.
+void GroupedExperts::weight_gradients(const WgradArgs& a, int w, int b, FloatBuffer& dw, FloatBuffer& db,
+                                      const float* dy, const float* in, int64_t nout, int64_t nin, int which) {
+  const ParamStore& ps = *a.ps;
+  Precision& p = ps.precision();
+  const int64_t S = sources, G = groups;
+  const Precision::ExpertBlocks* qb = a.qb;
+  const Precision::RowShare* rows_share = a.rows_share;
+  const int64_t* offsets = a.offsets;
+  const int64_t* segments = a.segments;
+  const int64_t* token_segments = a.token_segments;
+  const Precision::Recipe recipe = p.recipe(w);
+  if (token_L && token_segments && recipe != Precision::Recipe::nvfp4) {
+    if (!token_segment_gradients(a, w, b, dw, db, dy, in, nout, nin)) return;
+  } else if (S == 1) {
+    if (rows_share) return gathered_wgrad(p, w, ps.grad(w), b >= 0 ? ps.grad(b) : nullptr, dy, in, offsets, nout, nin);
+    LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
+                   "nvfp4 expert gradients under context parallelism (refused by the config)");
+    return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
+  } else if (qb && rows_share) {  // partners: one block per expert (G = 1), of the group's rows
+    LOCKSTEP_CHECK(G == 1, "gathered nvfp4 expert gradients with ", G, " blocks per expert");
+    gathered_wgrad(p, w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, offsets, nout, nin);
+  } else if (qb) {
+    p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
+  } else if (recipe != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
+    const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
+    p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, run, E, nout, nin);
+  } else {
+    const Ops& ops = ps.device().ops;
+    ops.grouped_gemm_wgrad(dw.data(), gemm_operand(dy, nout, Trans::T), gemm_operand(in, nin, Trans::N), segments,
+                           E * S, nout, nin);
+    if (b >= 0) ops.grouped_bias_grad(db.data(), dy, segments, E * S, nout);
+  }
+  source_sums[which]->add(*ops_, ps, w, dw.data(), work.micro);
+  if (b >= 0) source_sums[which + 1]->add(*ops_, ps, b, db.data(), work.micro);
+}
+
 void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
                                    const float* x, const int64_t* offsets, const int64_t* segments,
                                    const ExpertsScratch& s, const int64_t* token_segments) {
   Precision& p = ps.precision();
-  const int64_t R = offsets[E], Fw = fc_width(), S = sources, G = groups;
+  const int64_t R = offsets[E], Fw = fc_width();
   // With several sources (expert parallelism) the weight gradients go per (expert, source) block,
   // then the rank-order sum (quantised per block in layout mode; see the header).
   // The blocks go to the buffer's source sum (parallel/reduction/expert_sources.h), which writes the
   // parameter gradients when it has them. which: the weight's buffer (0 fc, 2 proj), its bias's next.
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const Precision::RowShare* rows_share = row_share(p, offsets, /*from_forward=*/true);
-  auto wgrad = [&](int w, int b, const FloatBuffer& dw, const FloatBuffer& db, const float* dy, const float* in,
-                   int64_t nout, int64_t nin, int which) {
-    const Precision::Recipe recipe = p.recipe(w);
-    if (token_L && token_segments && recipe != Precision::Recipe::nvfp4) {
-      // Layout mode: per micro-batch, the tree over its token segments (see the header); with one
-      // source under context parallelism, per token piece of the rank's rows (K of them: leaf e K + k
-      // is expert e's piece k, into the parameter's grad_piece k).
-      // (With several sources under context parallelism the rows are in the groups' token order here,
-      // token_segments their S segments: group_token_order.) FP8 recipes quantise along the tokens
-      // segment by segment (the blocks qb, or each expert's rows with one source).
-      // A block's segments: the micro-batch's S, or with partners the group's sources' part of them.
-      // With partners under context parallelism: a leaf per (expert, source, token unit) (see the header).
-      const int64_t units = cp_partners ? std::max<int64_t>(ps.chunk_pieces(), tp_size) / tp_size : 1;
-      const int64_t K = S == 1 ? ps.token_pieces(w) : units;
-      const int64_t per = S == 1 || cp_partners ? token_L / K : std::min(S, tp_size * cp_size) * token_L;
-      const int64_t leaves = cp_partners ? E * S * units : E * G * K;
-      work.dw_leaves.resize(static_cast<size_t>(leaves));
-      work.db_leaves.resize(static_cast<size_t>(leaves));
-      // With partners under CP, piece j = s units + k of all E experts (piece-major): the weights'
-      // pieces, then the biases'; unit_dw / unit_db: where piece j starts.
-      const int64_t pieces_per_rank = S * units;
-      const auto unit_dw = [&](int64_t j) { return unit_leaves.data() + j * E * nout * nin; };
-      const auto unit_db = [&](int64_t j) { return unit_dw(pieces_per_rank) + j * E * nout; };
-      if (cp_partners) {
-        unit_leaves.grow(pieces_per_rank * E * (nout * nin + (b >= 0 ? nout : 0)));
-        for (int64_t g = 0; g < leaves; ++g) {
-          const int64_t e = g / pieces_per_rank, j = g % pieces_per_rank;
-          work.dw_leaves[static_cast<size_t>(g)] = unit_dw(j) + e * nout * nin;
-          if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = unit_db(j) + e * nout;
-        }
-      } else {
-        for (int64_t g = 0; g < leaves; ++g) {
-          // Block g / K of the buffer: expert e with one source, (expert, micro-batch group) with several.
-          const int64_t block = g / K, k = g % K;
-          work.dw_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(w, k) : dw.data()) + block * nout * nin;
-          if (b >= 0) work.db_leaves[static_cast<size_t>(g)] = (S == 1 ? ps.grad_piece(b, k) : db.data()) + block * nout;
-        }
-      }
-      if (recipe == Precision::Recipe::none) {
-        token_segment_wgrad(ps.device().ops, work.dw_leaves.data(), b < 0 ? nullptr : work.db_leaves.data(), dy, in, token_segments, leaves,
-                            per, nout, nin);
-      } else {
-        p.grouped_wgrad_segments(w, work.dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
-        if (b >= 0) token_segment_bias(ps.device().ops, work.db_leaves.data(), dy, token_segments, leaves, per, nout);
-      }
-      if (S == 1) {
-        // Context parallelism's pieces are combined over the group (combine_token_pieces).
-        if (tp_size > 1 && !ps.pieced() && tp_sum != ExpertTpSum::parts) reduce_over_tp(ps, w, b, nout * nin, nout);
-        return;
-      }
-      if (cp_partners) {  // the micro-batch's leaf: the tree over its token units, held by the partners
-        const int64_t U = units * tp_size, sub = U / ps.chunk_pieces();
-        const auto leaf = [&](int64_t g) {
-          const auto [q, k] = unit_holder(cp_size, sub, units, tp_size, g);
-          return std::pair<int64_t, int64_t>{q / S, (q % S) * units + k};
-        };
-        unit_pieces.resize(static_cast<size_t>(pieces_per_rank));
-        for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_dw(j);
-        combine_held_pieces(*ops_, *partners, dw.data(), unit_pieces.data(), E * nout * nin, pieces_per_rank, cp_size * U,
-                            leaf, combine_scratch);
-        if (b >= 0) {
-          for (int64_t j = 0; j < pieces_per_rank; ++j) unit_pieces[static_cast<size_t>(j)] = unit_db(j);
-          combine_held_pieces(*ops_, *partners, db.data(), unit_pieces.data(), E * nout, pieces_per_rank, cp_size * U, leaf,
-                              combine_scratch);
-        }
-      } else if (partners) {  // the micro-batch's leaf from the groups' parts (see the header)
-        keep_on_first(*ops_, *partners, dw.data(), E * G * nout * nin);
-        if (b >= 0) keep_on_first(*ops_, *partners, db.data(), E * G * nout);
-      }
-    } else if (S == 1) {
-      if (rows_share) return gathered_wgrad(p, w, ps.grad(w), b >= 0 ? ps.grad(b) : nullptr, dy, in, offsets, nout, nin);
-      LOCKSTEP_CHECK((tp_size == 1 && cp_size == 1) || !token_L,
-                     "nvfp4 expert gradients under context parallelism (refused by the config)");
-      return p.grouped_wgrad(ps, w, b, dy, in, offsets, E, nout, nin);
-    } else if (qb && rows_share) {  // partners: one block per expert (G = 1), of the group's rows
-      LOCKSTEP_CHECK(G == 1, "gathered nvfp4 expert gradients with ", G, " blocks per expert");
-      gathered_wgrad(p, w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, offsets, nout, nin);
-    } else if (qb) {
-      p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, *qb, E, nout, nin);
-    } else if (recipe != Precision::Recipe::none) {  // run mode: blocks of the per-expert tensors
-      const Precision::ExpertBlocks run{segments, S, self, 0, offsets};
-      p.grouped_wgrad_blocks(w, dw.data(), b >= 0 ? db.data() : nullptr, dy, in, run, E, nout, nin);
-    } else {
-      const Ops& ops = ps.device().ops;
-      ops.grouped_gemm_wgrad(dw.data(), gemm_operand(dy, nout, Trans::T), gemm_operand(in, nin, Trans::N), segments,
-                             E * S, nout, nin);
-      if (b >= 0) ops.grouped_bias_grad(db.data(), dy, segments, E * S, nout);
-    }
-    source_sums[which]->add(*ops_, ps, w, dw.data(), work.micro);
-    if (b >= 0) source_sums[which + 1]->add(*ops_, ps, b, db.data(), work.micro);
-  };
+  const WgradArgs args{&ps, qb, rows_share, offsets, segments, token_segments};
   p.grouped_dgrad(ps, proj_w, s.dact, dout, offsets, E, C, F, qb, {}, false, rows_share);
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
   if (inert_padding) ops_->zero_rows_of_zeros(s.dact, x, R, F, C);
-  wgrad(proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, 2);
+  weight_gradients(args, proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, 2);
   if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
   else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);
-  wgrad(fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
+  weight_gradients(args, fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
   ++work.micro;
 }
 

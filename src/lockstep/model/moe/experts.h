@@ -325,6 +325,17 @@ struct GroupedExperts {
                      const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
                      const int64_t* token_segments);
   ArenaSlice fc_out, act;  // (R, Fw), (R, F), saved for backward
+  // What one backward's weight gradients read.
+  struct WgradArgs {
+    const ParamStore* ps;
+    const Precision::ExpertBlocks* qb;
+    const Precision::RowShare* rows_share;
+    const int64_t *offsets, *segments, *token_segments;
+  };
+  void weight_gradients(const WgradArgs& a, int w, int b, FloatBuffer& dw, FloatBuffer& db, const float* dy,
+                        const float* in, int64_t nout, int64_t nin, int which);
+  bool token_segment_gradients(const WgradArgs& a, int w, int b, FloatBuffer& dw, FloatBuffer& db, const float* dy,
+                               const float* in, int64_t nout, int64_t nin);
  private:
   Device* device_ = nullptr;  // ParamStore::device
   const Ops* ops_ = nullptr;  // its ops
