@@ -262,6 +262,7 @@ void run_cases(const std::vector<const Case*>& cases) {
 
 // The families without a declaration in op_harness.h (tests/ops/<family>.cpp).
 void add_copy_cases(Registry&);
+void add_elementwise_cases(Registry&);
 
 const Registry& registry() {
   static const Registry r = [] {
@@ -277,6 +278,7 @@ const Registry& registry() {
     add_quantize_cases(r);
     add_optimizer_cases(r);
     add_copy_cases(r);
+    add_elementwise_cases(r);
     return r;
   }();
   return r;
