@@ -263,6 +263,7 @@ void run_cases(const std::vector<const Case*>& cases) {
 // The families without a declaration in op_harness.h (tests/ops/<family>.cpp).
 void add_copy_cases(Registry&);
 void add_elementwise_cases(Registry&);
+void add_reduce_cases(Registry&);
 
 const Registry& registry() {
   static const Registry r = [] {
@@ -279,6 +280,7 @@ const Registry& registry() {
     add_optimizer_cases(r);
     add_copy_cases(r);
     add_elementwise_cases(r);
+    add_reduce_cases(r);
     return r;
   }();
   return r;
