@@ -1,6 +1,9 @@
 // Token and position embeddings and the bias gradient (kernels/embedding.h) on every backend:
 // against double sums and the serial loops whose order the contract states, central differences,
-// the token segments of determinism = "layout", and the thread settings.
+// the token segments of determinism = "layout", and the thread settings; add_positions bit for bit.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -427,6 +430,68 @@ void add_embedding_cases(Registry& reg) {
             });
       }
     }
+  }
+
+  // add_positions: x row r = sum row r + wpe row p, p = positions[row0 + r] (positions null:
+  // (row0 + r) % T), one fp32 addition; wpe null: sum row r's bits (-0 and a NaN payload kept).
+  // Rows from row0 (a rank's rows of the batch), with positions that restart (packed documents).
+  {
+    struct Shape {
+      int64_t row0, rows, T, C;
+    };
+    struct In {
+      std::vector<float> sum, wpe;
+      std::vector<int32_t> positions;
+    };
+    for (const Shape s : {Shape{0, 0, 4, 3}, Shape{0, 1, 1, 1}, Shape{3, 7, 5, 6}, Shape{11, 301, 16, 9}})
+      for (const bool with_positions : {false, true})
+        for (const bool with_wpe : {true, false}) {
+          reg.add(
+              {"Embedding",
+               "AddPositionsAddsThePositionsRow",
+               {"add_positions"},
+               str("row0=", s.row0, " rows=", s.rows, " T=", s.T, " C=", s.C, with_positions ? " positions" : "",
+                   with_wpe ? " wpe" : " wpe null")},
+              [=] {
+                In in{randn(s.rows * s.C, 14, "sum"), randn(s.T * s.C, 14, "wpe"), {}};
+                for (int64_t i = 0; i < s.rows * s.C; i += 4) in.sum[i] = -0.0f;
+                if (s.rows * s.C > 2) {
+                  const uint32_t nan = 0x7fc01234u;
+                  std::memcpy(&in.sum[2], &nan, 4);
+                }
+                // Documents of 3 tokens: positions 0, 1, 2, 0, 1, 2, ... (all below T)
+                for (int64_t n = 0; n < s.row0 + s.rows; ++n)
+                  in.positions.push_back(static_cast<int32_t>(n % std::min<int64_t>(3, s.T)));
+                return in;
+              },
+              [=](Run& r, const In& in) {
+                const Buf<float> sum = r.in(in.sum), wpe = r.in(in.wpe);
+                const Buf<int32_t> positions = r.in(in.positions);
+                Buf<float> x = r.in(randn(s.rows * s.C, 15, "x"));
+                r.ops.add_positions(x, sum, with_wpe ? wpe.p() : nullptr, with_positions ? positions.p() : nullptr,
+                                    s.row0, s.rows, s.T, s.C);
+                r.out("x", x);
+              },
+              [=](const Result& got, const In& in) {
+                std::vector<float> want(s.rows * s.C);
+                std::vector<double> ref(s.rows * s.C);
+                for (int64_t r = 0; r < s.rows; ++r) {
+                  const int64_t n = s.row0 + r, p = with_positions ? in.positions[n] : n % s.T;
+                  for (int64_t c = 0; c < s.C; ++c) {
+                    const float a = in.sum[r * s.C + c];
+                    want[r * s.C + c] = with_wpe ? a + in.wpe[p * s.C + c] : a;
+                    ref[r * s.C + c] = with_wpe ? static_cast<double>(a) + in.wpe[p * s.C + c] : a;
+                  }
+                }
+                const std::vector<float> x = got["x"];
+                EXPECT_TRUE(bitwise_equal(x, want, "x"));
+                // One correctly rounded addition: within half an ulp of the double sum (but the NaN).
+                for (size_t i = 0; i < x.size(); ++i)
+                  if (!std::isnan(ref[i])) {
+                    EXPECT_NEAR(x[i], ref[i], 6e-8 * std::abs(ref[i])) << i;
+                  }
+              });
+        }
   }
 }
 
