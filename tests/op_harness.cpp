@@ -264,6 +264,7 @@ void run_cases(const std::vector<const Case*>& cases) {
 void add_copy_cases(Registry&);
 void add_elementwise_cases(Registry&);
 void add_reduce_cases(Registry&);
+void add_router_cases(Registry&);
 void add_gate_cases(Registry&);
 
 const Registry& registry() {
@@ -282,6 +283,7 @@ const Registry& registry() {
     add_copy_cases(r);
     add_elementwise_cases(r);
     add_reduce_cases(r);
+    add_router_cases(r);
     add_gate_cases(r);
     return r;
   }();
