@@ -261,11 +261,6 @@ void run_cases(const std::vector<const Case*>& cases) {
 // ---- The registry, every family listed once
 
 // The families without a declaration in op_harness.h (tests/ops/<family>.cpp).
-void add_copy_cases(Registry&);
-void add_elementwise_cases(Registry&);
-void add_reduce_cases(Registry&);
-void add_router_cases(Registry&);
-void add_gate_cases(Registry&);
 
 const Registry& registry() {
   static const Registry r = [] {

@@ -271,6 +271,11 @@ void add_cross_entropy_cases(Registry&);
 void add_permute_cases(Registry&);
 void add_quantize_cases(Registry&);
 void add_optimizer_cases(Registry&);
+void add_copy_cases(Registry&);
+void add_elementwise_cases(Registry&);
+void add_reduce_cases(Registry&);
+void add_router_cases(Registry&);
+void add_gate_cases(Registry&);
 
 // Runs the cases on every built backend (what each registered test does).
 void run_cases(const std::vector<const Case*>& cases);

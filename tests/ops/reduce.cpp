@@ -293,6 +293,45 @@ void add_reduce_cases(Registry& reg) {
             });
       }
   }
+
+  // tree_fold: one push of a streamed tree (what MicroBatchTree::push runs): dst = x, then dst =
+  // levels[j] + dst for each set bit j of `held`, smallest first; x zeroed when asked; dst = x too.
+  // Bitwise the host's tree_push_fold.
+  for (const uint64_t held : {uint64_t{0}, uint64_t{1}, uint64_t{0b1011}, uint64_t{0b110}})
+    for (const int64_t n : kSizes) {
+      struct In {
+        std::vector<float> x;
+        std::vector<std::vector<float>> levels;
+      };
+      reg.add(
+          {"Reduce", "TreeFoldIsTheHostsFold", {"tree_fold"}, str("held=", held, " n=", n)},
+          [=] {
+            In in{randn(n, 9, "x"), {}};
+            for (int j = 0; j < 4; ++j) in.levels.push_back(randn(n, 10 + static_cast<uint64_t>(j), "level"));
+            return in;
+          },
+          [=](Run& r, const In& in) {
+            for (const int mode : {0, 1, 2}) {  // separate dst; separate dst and x zeroed; dst = x
+              std::vector<Buf<float>> levels;
+              std::vector<float*> at;
+              for (const std::vector<float>& l : in.levels) levels.push_back(r.in(l));
+              for (Buf<float>& l : levels) at.push_back(l.p());
+              Buf<float> x = r.in(in.x), dst = r.in(randn(n, 11, "dst"));
+              float* d = mode == 2 ? x.p() : dst.p();
+              r.ops.tree_fold(d, x, held, at.data(), n, mode == 1 ? x.p() : nullptr);
+              r.out(str("mode ", mode, " dst"), mode == 2 ? x : dst);
+              r.out(str("mode ", mode, " x"), x);
+            }
+          },
+          [=](const Result& got, const In& in) {
+            std::vector<float> want(static_cast<size_t>(n));
+            const auto level = [&](int j) { return in.levels[static_cast<size_t>(j)].data(); };
+            tree_push_fold(want.data(), in.x.data(), held, level, 0, n);
+            for (const int mode : {0, 1, 2}) EXPECT_TRUE(bitwise_equal(got[str("mode ", mode, " dst")], want, "dst"));
+            EXPECT_TRUE(bitwise_equal(got["mode 0 x"], in.x, "x kept"));
+            EXPECT_TRUE(bitwise_equal(got["mode 1 x"], std::vector<float>(static_cast<size_t>(n), 0.0f), "x zeroed"));
+          });
+    }
 }
 
 }  // namespace lockstep::harness

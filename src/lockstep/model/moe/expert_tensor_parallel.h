@@ -78,14 +78,14 @@ class ExpertTensorParallel {
   Communicator& etp_;
   int64_t El_, S_, C_, P_, r_, max_rows_;
   bool tree_ = false;
-  const Ops& ops_;
-  // (El x S x P): block b's first row in the rank-major exchange layout and its rows (segments_
-  // holds its first row in the expert-major one).
-  std::vector<int64_t> block_rank_row_, block_rows_;
   std::vector<int64_t> peer_segments_;  // (P, El x S + 1) every rank's segments
   std::vector<int64_t> peer_rows_;      // (P) rows of each rank
   std::vector<int64_t> peer_at_;        // (P) first row of each rank's block in the exchange layout
   std::vector<int64_t> offsets_, segments_;
+  const Ops& ops_;
+  // (El x S x P): block b's first row in the rank-major exchange layout and its rows (segments_
+  // holds its first row in the expert-major one).
+  std::vector<int64_t> block_rank_row_, block_rows_;
   int64_t L_ = 0;                        // token segments per source (layout mode), 0: off
   std::vector<int64_t> peer_tsegs_, tsegs_;
   FloatBuffer send_, recv_;             // (P x max_rows, C) each
