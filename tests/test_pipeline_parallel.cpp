@@ -149,8 +149,8 @@ TEST(PipelineLayout, EachStageHoldsOnlyItsLayersAndTheLastACopyOfTheTiedEmbeddin
   const int wte = last.params().find("embedding.word.weight"), wpe = last.params().find("embedding.position.weight");
   ASSERT_GE(wte, 0);
   ASSERT_GE(wpe, 0);
-  EXPECT_TRUE(last.params().specs()[wte].stage_copy && last.params().specs()[wpe].stage_copy);
-  EXPECT_FALSE(first.params().specs()[first.params().find("embedding.word.weight")].stage_copy);
+  EXPECT_TRUE(last.params().specs()[wte].role.stage_copy && last.params().specs()[wpe].role.stage_copy);
+  EXPECT_FALSE(first.params().specs()[first.params().find("embedding.word.weight")].role.stage_copy);
   // Every parameter once, except the copies.
   EXPECT_EQ(first.params().total() + last.params().total() - 256 * 64 - 64 * 64, whole.params().total());
   EXPECT_LT(first.slot_activation_bytes(), whole.slot_activation_bytes());

@@ -228,7 +228,7 @@ TEST(TensorParallelLayout, VocabParallelCrossEntropyIsTheOneProcessBits) {
 
 // determinism = "layout": the gradients of parameters that tensor parallelism replicates but whose
 // gradient sums over tokens each rank holds only some of (a norm and an MoE shared expert with bias
-// and gate here: ParamSpec::sequence_parallel) are computed in token segments
+// and gate here: GradRole::sequence_parallel) are computed in token segments
 // (ParamStore::token_segments) and summed over the group with tree_sum
 // (reduce_sequence_parallel_grads): on tp = 1, 2, 4 ranks holding N / tp rows each they are the
 // one-process bits, LayerNorm and RMSNorm, S = 4 and 8. Under "run" tp 4 parts from one process.

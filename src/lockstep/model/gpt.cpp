@@ -249,7 +249,7 @@ std::vector<int> GPT::shared_params() const {
   }
   if (part_.last)
     for (int i : {head_wte_, head_wpe_})
-      if (i >= 0 && params_.specs()[static_cast<size_t>(i)].stage_copy) shared.push_back(i);
+      if (i >= 0 && params_.specs()[static_cast<size_t>(i)].role.stage_copy) shared.push_back(i);
   return shared;
 }
 

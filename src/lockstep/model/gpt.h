@@ -29,7 +29,7 @@
 // Pipeline parallelism (parallel/pipeline/pipeline.h): a rank builds only its part of the model
 // (StagePart): its model chunks' layers (parameter names keep the global layer index), the embedding
 // on the first stage, the final norm, head, loss and MTP depths on the last. A last stage that
-// needs the word embedding (tied head, MTP) holds a copy (ParamSpec::stage_copy); under
+// needs the word embedding (tied head, MTP) holds a copy (GradRole::stage_copy); under
 // determinism = "layout" one stage holds it too (StagePart::split_embedding). The chunk
 // functions run one chunk of one micro-batch; select_slot picks the in-flight micro-batch whose
 // activations they use (model/arena.h). forward_backward is chunk 0's forward then its backward.
@@ -246,7 +246,7 @@ class GPT final : public PipelineStage {
   Arena arena_;
   int wte_ = -1, wpe_ = -1, out_ = -1;  // wte_, wpe_: the lookup's (first stage)
   // The word and position embedding the tied head and the MTP depths use (last stage): a copy
-  // (ParamSpec::stage_copy) on a last stage that is not the first or under split_embedding; else
+  // (GradRole::stage_copy) on a last stage that is not the first or under split_embedding; else
   // wte_, wpe_.
   int head_wte_ = -1, head_wpe_ = -1;
   std::vector<AttentionLayer> attn_;
@@ -306,7 +306,7 @@ class GPT final : public PipelineStage {
   // Context parallelism under layout: the gathered per-token losses (B, Tg) and the gather's buffer.
   mutable std::vector<float> cp_losses_;
   // Context parallelism's token pieces with MTP: the parameters that get several token-segment trees
-  // per micro-batch (ParamSpec::folded) and their sums so far; fold_pieces(i) folds in i's last tree
+  // per micro-batch (GradRole::Pieces::model_folds) and their sums so far; fold_pieces(i) folds in i's last tree
   // (nothing for the others).
   std::vector<std::pair<int, std::vector<float>>> folded_;
   std::vector<float> piece_scratch_;  // combine_token_pieces' / fold_token_pieces', kept across calls

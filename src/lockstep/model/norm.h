@@ -14,12 +14,12 @@ struct Norm {
   Norm(ParamStore& ps, Arena& arena, const std::string& name, bool rms, int64_t C, int64_t N, float eps);
 
   // Sequence parallelism: this rank normalises its rows only, so its parameter gradients are
-  // partial sums (ParamSpec::sequence_parallel).
+  // partial sums (GradRole::sequence_parallel).
   void set_sequence_parallel(ParamStore& ps) const;
 
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const;
   // dinp += d(norm)/d(inp) applied to dout; parameter gradients accumulate, under determinism =
-  // "layout" in token segments (the weight and bias are ParamSpec::token_sum: norms.h,
+  // "layout" in token segments (the weight and bias are GradRole::token_sum: norms.h,
   // ParamStore::token_segments).
   void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
                 const float* inp, int64_t N) const;

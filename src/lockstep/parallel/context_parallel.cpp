@@ -237,7 +237,7 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
   // their module's.
   const auto kind = [&](int i) {
     const ParamSpec& p = specs[static_cast<size_t>(i)];
-    return std::tuple(ps.sequence_tp(i), p.folded || p.module_pieces, p.expert);
+    return std::tuple(ps.sequence_tp(i), p.role.pieces != GradRole::Pieces::combined, p.expert);
   };
   for (int a = first, b = first; a < end; a = b) {
     const auto [shares, theirs, expert] = kind(a);

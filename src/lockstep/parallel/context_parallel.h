@@ -109,8 +109,8 @@ int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64
 // replicas every tp rank holds; the others -0). An MoE layer's parameters under tensor parallelism
 // are such shares too (ParamStore::sequence_tp); its experts, which every tp rank holds whole and
 // their expert data-parallel group adds over tp, are kept by tp rank 0 of cp rank 0 only.
-// Parameters the model folds itself (ParamSpec::folded) or whose module combines the pieces
-// (ParamSpec::module_pieces: experts with several sources) are left alone.
+// Parameters the model folds itself (GradRole::Pieces::model_folds) or whose module combines the pieces
+// (GradRole::Pieces::module_combines: experts with several sources) are left alone.
 inline constexpr int64_t kCombineChunk = int64_t{1} << 18;
 void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, int end, std::vector<float>& scratch);
 // combine_token_pieces' combine on plain buffers: the canonical tree over the L leaves (token order)
@@ -120,7 +120,7 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
 // model/moe/experts.h.)
 void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
                          const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch);
-// The same for one parameter that gets several token-segment trees per micro-batch (ParamSpec::folded:
+// The same for one parameter that gets several token-segment trees per micro-batch (GradRole::Pieces::model_folds:
 // one process adds them into the gradient one after another, each the tree over its segments), called
 // after each tree: its pieces are combined as above and the sum added into acc (the parameter's
 // size; cp rank 0's, the others' untouched), every piece zeroed, piece 0 included. After the last

@@ -370,7 +370,7 @@ double DataParallel::chunk_sum_of_squares(bool expert, int r) const {
   for (const Bucket& b : buckets_) {
     if ((b.comm == &expert_) != expert) continue;
     for (const ParamRange& x : chunk_ranges(b, r))
-      if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
+      if (!(skip_replicated && ps_.specs()[x.param].role.tp_replicated) && !ps_.specs()[x.param].role.stage_copy)
         s += ps_.device().ops.sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin);
   }
   return s;
@@ -385,7 +385,7 @@ double DataParallel::grad_norm() {
     const bool skip_replicated = tp_ && tp_->rank() > 0;
     for (const Bucket& b : buckets_)
       for (const ParamRange& x : b.mine)
-        if (!(skip_replicated && ps_.specs()[x.param].tp_replicated) && !ps_.specs()[x.param].stage_copy)
+        if (!(skip_replicated && ps_.specs()[x.param].role.tp_replicated) && !ps_.specs()[x.param].role.stage_copy)
           sum.merge(ps_.device().ops.exact_sum_of_squares(ps_.grad(x.param) + x.begin, x.end - x.begin));
     all_reduce_exact(*world_, &sum, 1);
     return std::sqrt(sum.value());

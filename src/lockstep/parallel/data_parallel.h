@@ -133,7 +133,7 @@ class DataParallel {
   void finish_grad_sync();
 
   // Tensor parallelism: the gradient norm also sums over the tensor-parallel group (tp), counting
-  // the parameters every tp rank holds (ParamSpec::tp_replicated) once, on tp rank 0.
+  // the parameters every tp rank holds (GradRole::tp_replicated) once, on tp rank 0.
   void set_tensor_parallel(Communicator* tp) { tp_ = tp; }
   // Context parallelism (layout mode; call before set_layout): the dense group is dp x cp and the
   // ranks of a cp group share their micro-batches, cp rank 0 holding each micro-batch's gradient and
@@ -148,7 +148,7 @@ class DataParallel {
   // hold different experts or different slices of them, so the gradient norm adds their expert parts.
   void set_expert_parallel(Communicator* tp_ep) { ep_ = tp_ep; }
   // Pipeline parallelism: the stages hold different layers, so the gradient norm adds their totals
-  // in stage order (a parameter's stage copy, ParamSpec::stage_copy, counted on its owner only).
+  // in stage order (a parameter's stage copy, GradRole::stage_copy, counted on its owner only).
   void set_pipeline_parallel(Communicator* pp) { pp_ = pp; }
   // The global gradient norm after finish_grad_sync: the square root of the dense plus the expert
   // buffer's sum of squares, each the rank-order fold of its P chunks' sums (the same bits whether

@@ -190,7 +190,7 @@ void reduce_sequence_parallel_grads(const TensorParallel& tp, ParamStore& ps, in
   std::vector<int> params;
   int64_t n = 0;
   for (int i = first; i < end; ++i)
-    if (ps.specs()[i].sequence_parallel) {
+    if (ps.specs()[i].role.sequence_parallel) {
       params.push_back(i);
       n += ps.specs()[i].shape.numel();
     }

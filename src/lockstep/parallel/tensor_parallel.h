@@ -52,7 +52,7 @@ struct TensorParallel {
   // Set on one process too, so that it computes the same segments.
   int64_t segments = 0;
   // determinism = "layout" with layout_token_segments: every weight gradient is a token sum in S
-  // token segments (ParamSpec::token_sum on every parameter) and attention's dK, dV are summed in
+  // token segments (GradRole::token_sum on every parameter) and attention's dK, dV are summed in
   // S / B query segments per sample (kernels/cpu/attention.h), in every layout.
   bool token_segments = false;
 
@@ -143,7 +143,7 @@ void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, floa
                                   int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
                                   std::vector<float>& scratch);
 
-// The sequence-parallel parameters' gradients (ParamSpec::sequence_parallel: partial sums over each
+// The sequence-parallel parameters' gradients (GradRole::sequence_parallel: partial sums over each
 // rank's rows: the norms under sequence parallelism, an MoE layer's norm, router and shared expert
 // under any tensor parallelism) among parameters [first, end) (end < 0: to the end of the table)
 // summed over the group, in table order (one all-reduce). "run": once per step, after the

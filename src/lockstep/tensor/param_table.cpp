@@ -17,7 +17,7 @@ int ParamStore::add(std::string name, Shape shape, Init init, float std, bool de
   // Each parameter starts on a 64-byte boundary so kernels see aligned rows.
   const int64_t offset = (total_ + 15) / 16 * 16;
   total_ = offset + shape.numel();
-  ParamSpec spec{std::move(name), shape, init, std, decay, offset, expert, shape, {}};
+  ParamSpec spec{std::move(name), shape, init, std, decay, offset, expert, shape, {}, {}};
   spec.boxes.push_back({std::vector<int64_t>(static_cast<size_t>(shape.rank()), 0), std::move(shape)});
   specs_.push_back(std::move(spec));
   return static_cast<int>(specs_.size()) - 1;
@@ -28,7 +28,7 @@ int ParamStore::add_copy(int owner) {
   LOCKSTEP_CHECK(values_.size() == 0, "parameter '", spec.name, "' copied after allocation");
   spec.offset = (total_ + 15) / 16 * 16;
   total_ = spec.offset + spec.shape.numel();
-  spec.stage_copy = true;
+  spec.role.stage_copy = true;
   specs_.push_back(std::move(spec));
   return static_cast<int>(specs_.size()) - 1;
 }
@@ -51,7 +51,7 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
   const int i = add(std::move(name), Shape(dims), init, std, decay, expert);
   specs_.back().global_shape = std::move(global_shape);
   specs_.back().boxes = std::move(boxes);
-  specs_.back().tp_replicated = false;
+  specs_.back().role.tp_replicated = false;
   return i;
 }
 
@@ -127,7 +127,7 @@ void ParamStore::init(uint64_t seed) {
     const int64_t n = p.shape.numel();
     // A copy of a parameter of this table (add_copy; find() names the owner, declared first) takes
     // the values the owner drew: the same bits as drawing them again, without the second draw.
-    const int owner = p.stage_copy ? find(p.name) : -1;
+    const int owner = p.role.stage_copy ? find(p.name) : -1;
     if (owner >= 0 && value(owner) != v) {
       std::memcpy(v, value(owner), static_cast<size_t>(n) * sizeof(float));
       continue;
@@ -181,7 +181,7 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
     const int64_t n = b.shape.numel();
     const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
     if (lo < hi) {
-      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.tp_replicated) && !p.stage_copy;
+      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.role.tp_replicated) && !p.role.stage_copy;
       StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), writer);
       s.box_offset = b.offset;
       s.box_shape = b.shape;

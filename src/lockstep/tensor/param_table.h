@@ -40,16 +40,12 @@ struct ParamBox {
   Shape shape;
 };
 
-struct ParamSpec {
-  std::string name;   // "layers.0.attn.qkv.weight"
-  Shape shape;
-  Init init;
-  float std;          // Init::normal only
-  bool decay;         // weight decay applies (weight matrices, not biases or norms)
-  int64_t offset;     // in floats, into the flat buffers
-  bool expert;        // an MoE expert's: data parallelism reduces it over the expert data-parallel group
-  Shape global_shape;           // the whole tensor (= shape unless this rank holds a part)
-  std::vector<ParamBox> boxes;  // what this rank holds of it, in local storage order
+// A parameter's role in the gradient reductions: how its gradient is summed across ranks, token
+// pieces and stages, and how the gradient norm and checkpoints count it. The module that owns the
+// parameter sets it once, when the parallel plan is applied (ParamStore::set_*); the reduction code
+// (parallel/, parallel/reduction/, tensor/precision.h) reads it and the layers never test the
+// determinism mode themselves. The mechanisms are in docs/design/reductions.md.
+struct GradRole {
   // Every tensor-parallel rank holds the same values (norms, position embeddings, biases of
   // row-parallel layers): the gradient norm counts them once.
   bool tp_replicated = true;
@@ -66,13 +62,15 @@ struct ParamSpec {
   // shared expert, MTP's eh_proj. Under determinism = "layout" it is computed in token segments
   // (ParamStore::token_segments) in every layout, one process included.
   bool token_sum = false;
-  // Context parallelism's token pieces (ParamStore::pieced): the gradient gets several token-segment
-  // trees per micro-batch (the output head's weight and the MTP depths' embedding copies: one tree per
-  // head or depth), which the model folds in one by one (parallel/context_parallel.h fold_token_pieces).
-  bool folded = false;
-  // Context parallelism's token pieces: the module combines them itself (the MoE experts when several
-  // ranks' rows reach them, model/moe/experts.h), combine_token_pieces leaves the gradient alone.
-  bool module_pieces = false;
+  // Who combines context parallelism's token pieces of its gradient (ParamStore::pieced):
+  //   combined:        combine_token_pieces (parallel/context_parallel.h), after the backward;
+  //   model_folds:     several token-segment trees per micro-batch (the output head's weight and the
+  //                    MTP depths' embedding copies: one tree per head or depth), which the model
+  //                    folds in one by one (fold_token_pieces);
+  //   module_combines: the module combines them itself (the MoE experts when several ranks' rows
+  //                    reach them, model/moe/experts.h).
+  enum class Pieces : uint8_t { combined, model_folds, module_combines };
+  Pieces pieces = Pieces::combined;
   // determinism = "layout": the dimension of a weight that tensor (or expert tensor) parallelism
   // splits (a column-parallel weight's out, dim 0, or an expert fc's, dim 1; a row-parallel one's in,
   // the last dim) and this rank's canonical pieces of it: local boundaries 0 = b0 < ... = width,
@@ -80,6 +78,19 @@ struct ParamSpec {
   // scaling blocks stay inside a piece (tensor/precision.h). -1 / empty: none.
   int cut_dim = -1;
   std::vector<int64_t> cut = {};
+};
+
+struct ParamSpec {
+  std::string name;   // "layers.0.attn.qkv.weight"
+  Shape shape;
+  Init init;
+  float std;          // Init::normal only
+  bool decay;         // weight decay applies (weight matrices, not biases or norms)
+  int64_t offset;     // in floats, into the flat buffers
+  bool expert;        // an MoE expert's: data parallelism reduces it over the expert data-parallel group
+  Shape global_shape;           // the whole tensor (= shape unless this rank holds a part)
+  std::vector<ParamBox> boxes;  // what this rank holds of it, in local storage order
+  GradRole role;  // how its gradient is reduced and counted
   bool partial() const { return !(shape == global_shape); }
 };
 
@@ -105,14 +116,14 @@ class ParamStore {
   // expert-parallel rank's experts are one box along dimension 0).
   int add_part(std::string name, Shape global_shape, std::vector<ParamBox> boxes, Init init, float std = 0.0f,
                bool decay = false, bool expert = false);
-  // Marks parameter i as sequence-parallel (ParamSpec::sequence_parallel).
-  void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].sequence_parallel = true; }
-  // Marks parameter i as a sum over tokens (ParamSpec::token_sum).
-  void set_token_sum(int i) { specs_[static_cast<size_t>(i)].token_sum = true; }
-  // Marks parameter i's pieces as folded by the model (ParamSpec::folded).
-  void set_folded(int i) { specs_[static_cast<size_t>(i)].folded = true; }
-  // Marks parameter i's pieces as combined by its module (ParamSpec::module_pieces).
-  void set_module_pieces(int i) { specs_[static_cast<size_t>(i)].module_pieces = true; }
+  // Marks parameter i as sequence-parallel (GradRole::sequence_parallel).
+  void set_sequence_parallel(int i) { specs_[static_cast<size_t>(i)].role.sequence_parallel = true; }
+  // Marks parameter i as a sum over tokens (GradRole::token_sum).
+  void set_token_sum(int i) { specs_[static_cast<size_t>(i)].role.token_sum = true; }
+  // Marks parameter i's pieces as folded by the model (GradRole::Pieces::model_folds).
+  void set_folded(int i) { specs_[static_cast<size_t>(i)].role.pieces = GradRole::Pieces::model_folds; }
+  // Marks parameter i's pieces as combined by its module (GradRole::Pieces::module_combines).
+  void set_module_pieces(int i) { specs_[static_cast<size_t>(i)].role.pieces = GradRole::Pieces::module_combines; }
   // determinism = "layout": S canonical segments (TensorParallel::segments; 0 under "run") over a
   // tensor-parallel group of tp ranks, this rank tp_rank.
   void set_layout_segments(int64_t S, int tp, int tp_rank) {
@@ -132,9 +143,9 @@ class ParamStore {
   // ReduceOp::tree_sum (the one-process tree over S segments).
   int64_t token_segments(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
-    if (!layout_segments_ || !p.token_sum) return 0;
+    if (!layout_segments_ || !p.role.token_sum) return 0;
     if (pieced()) return layout_segments_ / cp_size_ / token_units(i);
-    return p.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
+    return p.role.sequence_parallel ? layout_segments_ / tp_size_ : layout_segments_;
   }
   // Context parallelism under determinism = "layout" (layout_token_segments): a cp rank's rows are
   // `pieces` blocks of consecutive rows (its two chunks of every sample), each a subtree of the
@@ -178,10 +189,10 @@ class ParamStore {
   // Pieced: whether parameter i's pieces are a tp rank's share of the cp rank's rows: a sequence-parallel
   // parameter's, or under tensor parallelism an MoE expert's that every tp rank holds whole and feeds
   // its own share of the rows (expert and expert tensor parallelism 1: split experts combine their
-  // pieces themselves, ParamSpec::module_pieces, model/moe/experts.h).
+  // pieces themselves, GradRole::Pieces::module_combines, model/moe/experts.h).
   bool sequence_tp(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
-    return sequence_tp_ > 1 && (p.sequence_parallel || (p.expert && !p.module_pieces));
+    return sequence_tp_ > 1 && (p.role.sequence_parallel || (p.expert && p.role.pieces != GradRole::Pieces::module_combines));
   }
   // Piece k's gradient of parameter i (piece 0 is grad(i)). Pieces 1 .. are live only while the
   // backward of parameter i's window runs (set_piece_windows): each is a window-sized buffer that
@@ -194,13 +205,13 @@ class ParamStore {
   // the head, each layer, the embedding), so pieces 1 .. need only the largest run's size. Without
   // it, one window: the whole table. Before allocate().
   void set_piece_windows(const std::vector<std::pair<int, int>>& runs);
-  // Sets parameter i's canonical pieces (ParamSpec::cut_dim, cut).
+  // Sets parameter i's canonical pieces (GradRole::cut_dim, cut).
   void set_layout_cut(int i, int dim, std::vector<int64_t> bounds) {
-    specs_[static_cast<size_t>(i)].cut_dim = dim;
-    specs_[static_cast<size_t>(i)].cut = std::move(bounds);
+    specs_[static_cast<size_t>(i)].role.cut_dim = dim;
+    specs_[static_cast<size_t>(i)].role.cut = std::move(bounds);
   }
-  // Marks parameter i as a pipeline stage's copy (ParamSpec::stage_copy).
-  void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].stage_copy = true; }
+  // Marks parameter i as a pipeline stage's copy (GradRole::stage_copy).
+  void set_stage_copy(int i) { specs_[static_cast<size_t>(i)].role.stage_copy = true; }
   // Declares a stage copy of parameter `owner` in the same table (the one parameter whose name
   // appears twice: find() names the owner): its name, shapes, boxes and init, so it draws the
   // owner's values. Only before allocate().
@@ -259,7 +270,7 @@ class ParamStore {
   int tp_size_ = 1, tp_rank_ = 0;
   // Not pieced: whether parameter i's rows are a tp rank's N / tp of the micro-batch (sequence_tp(i)
   // is the pieced counterpart: a tp rank's share of a cp rank's rows).
-  bool tp_share(int i) const { return tp_size_ > 1 && specs_[static_cast<size_t>(i)].sequence_parallel; }
+  bool tp_share(int i) const { return tp_size_ > 1 && specs_[static_cast<size_t>(i)].role.sequence_parallel; }
   int64_t pieces_ = 1;
   int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
   int64_t sample_tokens_ = 0;

@@ -103,9 +103,9 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
         s.whole[weight] = !out_split && !in_split;
         s.whole[grad] = !tokens_split && !out_split;
       }
-      if (p.cut_dim == in_dim) s.cut_in = p.cut;
-      if (p.cut_dim == out_dim) {
-        s.cut_out = p.cut;
+      if (p.role.cut_dim == in_dim) s.cut_in = p.role.cut;
+      if (p.role.cut_dim == out_dim) {
+        s.cut_out = p.role.cut;
         s.out_len = p.global_shape[out_dim];
         // This rank's out rows (the first expert's boxes: every expert's are alike) in the whole tensor.
         for (const ParamBox& b : p.boxes)

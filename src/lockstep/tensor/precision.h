@@ -75,7 +75,7 @@
 // nothing is reduced and the bits are those of the unreduced model.
 //
 // determinism = "layout" under tensor / expert tensor parallelism: a weight's dimension that the
-// layout may split (ParamSpec::cut: a column-parallel out, a row-parallel in, an expert's hidden
+// layout may split (GradRole::cut: a column-parallel out, a row-parallel in, an expert's hidden
 // units) is cut into canonical pieces, each section's slice of each canonical segment, in every
 // layout (one process too), and the block recipes (blockwise, mxfp8, nvfp4) quantise every operand
 // along such a dimension piece by piece: no scaling block straddles a piece, so none straddles a
@@ -122,7 +122,7 @@ struct TokenShare {
 // run it on their own part of a parallel loop).
 void round_to_bf16(float* x, int64_t n);
 
-// The canonical pieces of K as absolute boundaries (ParamSpec::cut) from gemm.h's k_segments and
+// The canonical pieces of K as absolute boundaries (GradRole::cut) from gemm.h's k_segments and
 // k_sections (each section's boundaries, offset by the sections before it); empty for none.
 std::vector<int64_t> layout_cut(std::span<const int64_t> segments, std::span<const int64_t> sections);
 
@@ -313,7 +313,7 @@ class Precision {
     bool expert = false;  // reduced over the expert group
     bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
     AmaxHistory state[3];
-    // determinism = "layout": the canonical pieces of out / in (ParamSpec::cut; local boundaries,
+    // determinism = "layout": the canonical pieces of out / in (GradRole::cut; local boundaries,
     // empty: one piece), the global index of each local out row (empty: its own), global out.
     std::vector<int64_t> cut_out, cut_in, out_global;
     int64_t out_len = 0;

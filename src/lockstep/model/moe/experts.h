@@ -75,7 +75,7 @@
 // several sources a micro-batch group is its tp x cp consecutive sources (groups = sources / (tp cp)),
 // whose rows of an expert are not in token order (each source's are its token units): backward takes
 // them in the micro-batch's token order first (group_token_order), and the leaf is the tree over the
-// micro-batch's S segments as above; the model leaves these pieces alone (ParamSpec::module_pieces).
+// micro-batch's S segments as above; the model leaves these pieces alone (GradRole::Pieces::module_combines).
 // An expert x expert-tensor group smaller than the tp group (G = sources dividing tp_size): its
 // sources are G consecutive tp ranks of one micro-batch, whose G x S / tp segments are an aligned
 // subtree of the micro-batch's; the group's leaf per micro-batch is that

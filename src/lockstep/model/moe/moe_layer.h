@@ -23,7 +23,7 @@
 //     group (backward: takes its rows of the replicated gradient and all-gathers its input
 //     gradient rows), so no expert work or gradient is duplicated over tp. The norm, router and
 //     shared expert are replicated over tp and see only the rank's rows: their gradients are
-//     partial sums, summed over the group once per step (ParamSpec::sequence_parallel,
+//     partial sums, summed over the group once per step (GradRole::sequence_parallel,
 //     reduce_sequence_parallel_grads; under context parallelism in layout mode their token pieces
 //     are combined over tp x cp instead, combine_token_pieces). The load-balancing losses need the whole micro-batch's
 //     statistics: the router logits (E per token) are all-gathered over the group, so every rank

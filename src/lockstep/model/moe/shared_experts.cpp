@@ -18,7 +18,7 @@ SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& pref
   fc = Linear(ps, prefix + "fc", C, fc_width(), m.bias, std);
   proj = Linear(ps, prefix + "proj", F, C, m.bias, out_std);
   if (use_gate) gate_w = ps.add(prefix + "gate.weight", {1, C}, Init::normal, std, true);
-  // Sums over the layer's tokens, which tensor parallelism splits (ParamSpec::token_sum).
+  // Sums over the layer's tokens, which tensor parallelism splits (GradRole::token_sum).
   for (int i : {fc.w, fc.b, proj.w, proj.b, gate_w})
     if (i >= 0) ps.set_token_sum(i);
   fc_out = arena.reserve(N * fc_width());
