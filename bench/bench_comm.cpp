@@ -4,11 +4,10 @@
 //   mpirun -n N build/bench_comm                      mpi backend, and raw MPI_Allreduce /
 //                                                     MPI_Alltoall on the same sizes
 //
-// For each message size (bytes of fp32 per rank; the first one float per rank): the median time of lockstep's all_reduce and
-// all_to_all, their algorithm bandwidth (size / time, as nccl-tests report it), the ratio to raw
-// MPI, and the cost of the deterministic reduction: all_reduce against the data movement it is made
-// of (an all-to-all of the same bytes + an all-gather of 1/N of them), the difference being the
-// rank-order sum and its scratch copies.
+// For each message size (bytes of fp32 per rank; the first one float per rank): the median time of lockstep's
+// all_reduce and all_to_all, their algorithm bandwidth (size / time, as nccl-tests report it), the ratio to raw MPI,
+// and the cost of the deterministic reduction: all_reduce against the data movement it is made of (an all-to-all of the
+// same bytes + an all-gather of 1/N of them), the difference being the rank-order sum and its scratch copies.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -49,7 +48,8 @@ double time_op(Communicator& comm, int reps, const std::function<void()>& fn) {
 void bench(Communicator& comm, bool raw_mpi) {
   const int P = comm.size();
   if (comm.rank() == 0) {
-    std::printf("backend %s, %d ranks; times are medians, bandwidth = bytes per rank / time\n", comm.backend().c_str(), P);
+    std::printf("backend %s, %d ranks; times are medians, bandwidth = bytes per rank / time\n", comm.backend().c_str(),
+                P);
     std::printf("%10s | %12s %9s %9s %11s | %12s %9s %9s\n", "bytes", "all_reduce", "GB/s", raw_mpi ? "vs MPI" : "",
                 "movement", "all_to_all", "GB/s", raw_mpi ? "vs MPI" : "");
   }
@@ -65,18 +65,22 @@ void bench(Communicator& comm, bool raw_mpi) {
     double mpi_ar = 0, mpi_a2a = 0;
 #ifdef LOCKSTEP_HAVE_MPI
     if (raw_mpi) {
-      mpi_ar = time_op(comm, reps, [&] { MPI_Allreduce(MPI_IN_PLACE, a.data(), static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD); });
+      mpi_ar = time_op(comm, reps, [&] {
+        MPI_Allreduce(MPI_IN_PLACE, a.data(), static_cast<int>(n), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+      });
       mpi_a2a = time_op(comm, reps, [&] {
-        MPI_Alltoall(a.data(), static_cast<int>(n / P), MPI_FLOAT, b.data(), static_cast<int>(n / P), MPI_FLOAT, MPI_COMM_WORLD);
+        MPI_Alltoall(a.data(), static_cast<int>(n / P), MPI_FLOAT, b.data(), static_cast<int>(n / P), MPI_FLOAT,
+                     MPI_COMM_WORLD);
       });
     }
 #endif
     if (comm.rank() == 0) {
       const double gb = static_cast<double>(n) * 4 / 1e9;
       char r1[16] = "", r2[16] = "";
-      if (raw_mpi) std::snprintf(r1, sizeof r1, "%.2fx", ar / mpi_ar), std::snprintf(r2, sizeof r2, "%.2fx", a2a / mpi_a2a);
-      std::printf("%10lld | %9.1f us %9.2f %9s %8.1f us | %9.1f us %9.2f %9s\n", (long long)(n * 4), ar * 1e6, gb / ar, r1,
-                  (a2a + ag) * 1e6, a2a * 1e6, gb / a2a, r2);
+      if (raw_mpi)
+        std::snprintf(r1, sizeof r1, "%.2fx", ar / mpi_ar), std::snprintf(r2, sizeof r2, "%.2fx", a2a / mpi_a2a);
+      std::printf("%10lld | %9.1f us %9.2f %9s %8.1f us | %9.1f us %9.2f %9s\n", (long long)(n * 4), ar * 1e6, gb / ar,
+                  r1, (a2a + ag) * 1e6, a2a * 1e6, gb / a2a, r2);
       std::fflush(stdout);
     }
   }
@@ -87,8 +91,10 @@ void bench(Communicator& comm, bool raw_mpi) {
 int main(int argc, char** argv) {
   int nproc = 4;
   for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--nproc") && i + 1 < argc) nproc = std::atoi(argv[++i]);
-    else return std::fprintf(stderr, "usage: bench_comm [--nproc N]   (or under mpirun)\n"), 2;
+    if (!std::strcmp(argv[i], "--nproc") && i + 1 < argc)
+      nproc = std::atoi(argv[++i]);
+    else
+      return std::fprintf(stderr, "usage: bench_comm [--nproc N]   (or under mpirun)\n"), 2;
   }
   if (under_mpi_launcher()) {
 #ifdef LOCKSTEP_HAVE_MPI

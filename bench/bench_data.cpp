@@ -48,7 +48,8 @@ void run_loader(benchmark::State& state, const std::string& source) {
     benchmark::DoNotOptimize(tokens.data());
   }
   state.SetItemsProcessed(state.iterations() * B);  // samples
-  state.counters["tokens/s"] = benchmark::Counter(static_cast<double>(state.iterations() * B * T), benchmark::Counter::kIsRate);
+  state.counters["tokens/s"] =
+      benchmark::Counter(static_cast<double>(state.iterations() * B * T), benchmark::Counter::kIsRate);
 }
 
 void BM_LoaderIndexed(benchmark::State& state) { run_loader(state, "indexed:" + make_dataset("a", 1)); }

@@ -65,7 +65,8 @@ int main(int argc, char** argv) {
   const RandomStream rng(tc.seed, purpose_id("bench/tokens"));
   for (int64_t i = 0; i < N; ++i) {
     tokens[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(i)) % static_cast<uint64_t>(c.model.vocab_size));
-    targets[i] = static_cast<int32_t>(rng.bits(static_cast<uint64_t>(N + i)) % static_cast<uint64_t>(c.model.vocab_size));
+    targets[i] =
+        static_cast<int32_t>(rng.bits(static_cast<uint64_t>(N + i)) % static_cast<uint64_t>(c.model.vocab_size));
   }
   const int64_t n = ps.total();
   ThreadPool one(1), two(2);
@@ -81,14 +82,16 @@ int main(int argc, char** argv) {
   uint64_t sink = 0;
   auto separate_passes = [&] {
     BlockHasher g;
-    for (const ParamRange& r : opt.owned()) g.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
+    for (const ParamRange& r : opt.owned())
+      g.update(ps.grad(r.param) + r.begin, static_cast<size_t>(r.end - r.begin) * sizeof(float));
     sink ^= g.digest() ^ model.state_hash() ^ opt.hash();
   };
   // BlockHasher's blocks and combine with the library's XXH3, over gradients, parameters and two
   // more buffers of their size (the moments' bytes; hashing speed does not depend on the values).
   const std::vector<float> m_bytes(ps.values(), ps.values() + n), v_bytes(ps.grads(), ps.grads() + n);
   auto library_passes = [&] {
-    for (const float* buf : std::initializer_list<const float*>{ps.grads(), ps.values(), m_bytes.data(), v_bytes.data()}) {
+    for (const float* buf :
+         std::initializer_list<const float*>{ps.grads(), ps.values(), m_bytes.data(), v_bytes.data()}) {
       const auto* bytes = reinterpret_cast<const unsigned char*>(buf);
       const size_t total = static_cast<size_t>(n) * sizeof(float), block = BlockHasher::kHashBlockBytes;
       const auto blocks = static_cast<int64_t>((total + block - 1) / block);
@@ -140,7 +143,8 @@ int main(int argc, char** argv) {
               static_cast<double>(n) / 1e6, 4.0 * static_cast<double>(n) * 4 / 1e6, rounds, (unsigned long long)sink);
   std::printf("%-48s %9.2f ms  (GEMM: %s)\n", "training step, 2 threads", 1e3 * s, gemm_kernel_name());
   auto row = [&](const char* name, double med, double fastest) {
-    std::printf("%-48s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * med, 100 * med / s, 1e3 * fastest);
+    std::printf("%-48s %9.2f ms  %5.2f%% of the step  (fastest %.2f ms)\n", name, 1e3 * med, 100 * med / s,
+                1e3 * fastest);
   };
   auto fastest = [](const std::vector<double>& t) { return *std::min_element(t.begin(), t.end()); };
   row("separate passes, libxxhash XXH3 (before)", median(t_library), fastest(t_library));
@@ -158,7 +162,8 @@ int main(int argc, char** argv) {
     distributed.push_back(t_hashed[i] - t_plain[i] + t_params[i]);
   }
   auto difference = [&](const char* name, const std::vector<double>& d) {
-    std::printf("%-48s %9.2f ms  %5.2f%% of the step  (median of the differences)\n", name, 1e3 * median(d), 100 * median(d) / s);
+    std::printf("%-48s %9.2f ms  %5.2f%% of the step  (median of the differences)\n", name, 1e3 * median(d),
+                100 * median(d) / s);
   };
   difference("trainer, replicated optimizer (in the update)", replicated);
   difference("trainer, distributed (update + params pass)", distributed);

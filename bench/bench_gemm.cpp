@@ -43,21 +43,17 @@ struct Shape {
 struct Operands {
   std::vector<float> A, B, C;
   explicit Operands(const Shape& s)
-      : A(static_cast<size_t>(s.M * s.K)),
-        B(static_cast<size_t>(s.K * s.N)),
-        C(static_cast<size_t>(s.M * s.N)) {
+      : A(static_cast<size_t>(s.M * s.K)), B(static_cast<size_t>(s.K * s.N)), C(static_cast<size_t>(s.M * s.N)) {
     lockstep::RandomStream(1, lockstep::purpose_id("bench/A")).fill_normal(A.data(), s.M * s.K, 1);
     lockstep::RandomStream(1, lockstep::purpose_id("bench/B")).fill_normal(B.data(), s.K * s.N, 1);
     // Accumulating runs repeat on the same C: keep it small so it stays finite.
-    lockstep::RandomStream(1, lockstep::purpose_id("bench/C"))
-        .fill_normal(C.data(), s.M * s.N, 1e-3f);
+    lockstep::RandomStream(1, lockstep::purpose_id("bench/C")).fill_normal(C.data(), s.M * s.N, 1e-3f);
   }
 };
 
 void set_flops(benchmark::State& state, const Shape& s) {
-  state.counters["FLOPS"] =
-      benchmark::Counter(2.0 * s.M * s.N * s.K, benchmark::Counter::kIsIterationInvariantRate,
-                         benchmark::Counter::OneK::kIs1000);
+  state.counters["FLOPS"] = benchmark::Counter(2.0 * s.M * s.N * s.K, benchmark::Counter::kIsIterationInvariantRate,
+                                               benchmark::Counter::OneK::kIs1000);
 }
 
 // kernel: one of detail::gemm_kernels(), the one gemm() picks when empty. segments > 0: K in that
@@ -76,8 +72,8 @@ void bm_lockstep(benchmark::State& state, Shape s, int threads, const std::strin
     if (kernel.empty()) {
       lockstep::gemm(op.C.data(), op.A.data(), s.ta, op.B.data(), s.tb, s.M, s.N, s.K, opt);
     } else {
-      lockstep::detail::gemm_with_kernel(kernel, op.C.data(), s.N, op.A.data(), lda, s.ta,
-                                         op.B.data(), ldb, s.tb, s.M, s.N, s.K, opt);
+      lockstep::detail::gemm_with_kernel(kernel, op.C.data(), s.N, op.A.data(), lda, s.ta, op.B.data(), ldb, s.tb, s.M,
+                                         s.N, s.K, opt);
     }
     benchmark::ClobberMemory();
   }
@@ -113,15 +109,17 @@ void bm_grouped(benchmark::State& state, std::vector<int64_t> rows, int threads,
   std::vector<lockstep::GemmBatchItem> items;
   int64_t r0 = 0;
   for (int64_t e = 0; e < E; ++e) {
-    items.push_back({y.data() + r0 * H, H, x.data() + r0 * C, C, Trans::N, w.data() + e * H * C, C, Trans::T,
-                     rows[e], H, C});
+    items.push_back(
+        {y.data() + r0 * H, H, x.data() + r0 * C, C, Trans::N, w.data() + e * H * C, C, Trans::T, rows[e], H, C});
     r0 += rows[e];
   }
   lockstep::ThreadPool pool(threads);
   lockstep::ThreadPool::Bind bind(&pool);
   for (auto _ : state) {
-    if (dense) lockstep::gemm(y.data(), x.data(), Trans::N, w.data(), Trans::T, total, H, C);
-    else lockstep::gemm_batch(items.data(), E);
+    if (dense)
+      lockstep::gemm(y.data(), x.data(), Trans::N, w.data(), Trans::T, total, H, C);
+    else
+      lockstep::gemm_batch(items.data(), E);
     benchmark::ClobberMemory();
   }
   state.counters["FLOPS"] = benchmark::Counter(2.0 * total * H * C, benchmark::Counter::kIsIterationInvariantRate,
@@ -134,11 +132,15 @@ void register_grouped() {
   for (int threads : {1, 2}) {
     const std::string t = "/threads:" + std::to_string(threads);
     for (const auto& [name, rows] : {std::pair{"balanced", balanced}, std::pair{"skewed", skewed}})
-      benchmark::RegisterBenchmark(("grouped/gemm_batch/" + std::string(name) + t).c_str(), bm_grouped, rows,
-                                   threads, false)
-          ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+      benchmark::RegisterBenchmark(("grouped/gemm_batch/" + std::string(name) + t).c_str(), bm_grouped, rows, threads,
+                                   false)
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond)
+          ->MinTime(0.3);
     benchmark::RegisterBenchmark(("grouped/dense_same_flops" + t).c_str(), bm_grouped, balanced, threads, true)
-        ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.3);
   }
 }
 
@@ -146,11 +148,16 @@ void register_grouped() {
 enum class Storage { f32, bf16, e4m3, mxfp8, nvfp4 };
 const char* storage_name(Storage st) {
   switch (st) {
-    case Storage::f32: return "f32";
-    case Storage::bf16: return "bf16";
-    case Storage::e4m3: return "e4m3";
-    case Storage::mxfp8: return "mxfp8";
-    case Storage::nvfp4: break;
+    case Storage::f32:
+      return "f32";
+    case Storage::bf16:
+      return "bf16";
+    case Storage::e4m3:
+      return "e4m3";
+    case Storage::mxfp8:
+      return "mxfp8";
+    case Storage::nvfp4:
+      break;
   }
   return "nvfp4";
 }
@@ -162,16 +169,23 @@ struct StoredMatrix {
   StoredMatrix(Storage st, const std::vector<float>& x, int64_t rows, int64_t cols) {
     using lockstep::ElemFormat;
     switch (st) {
-      case Storage::f32: f32 = x; break;
+      case Storage::f32:
+        f32 = x;
+        break;
       case Storage::bf16:
         for (float v : x) half.push_back(lockstep::to_bf16(v));
         break;
       case Storage::e4m3:
-        lockstep::quantize_tensorwise(q, x.data(), rows, cols, ElemFormat::e4m3,
-                                      lockstep::fp8_scale_from_amax(lockstep::amax(x.data(), rows * cols), ElemFormat::e4m3));
+        lockstep::quantize_tensorwise(
+            q, x.data(), rows, cols, ElemFormat::e4m3,
+            lockstep::fp8_scale_from_amax(lockstep::amax(x.data(), rows * cols), ElemFormat::e4m3));
         break;
-      case Storage::mxfp8: lockstep::quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3); break;
-      case Storage::nvfp4: lockstep::quantize_nvfp4(q, x.data(), rows, cols); break;
+      case Storage::mxfp8:
+        lockstep::quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3);
+        break;
+      case Storage::nvfp4:
+        lockstep::quantize_nvfp4(q, x.data(), rows, cols);
+        break;
     }
   }
   lockstep::GemmOperand operand(Storage st, int64_t cols, Trans t) const {
@@ -219,8 +233,7 @@ void register_pair(const std::string& group, const Shape& s, int threads) {
 void register_other_kernels(const Shape& s, int threads) {
   const std::vector<std::string> kernels = lockstep::detail::gemm_kernels();
   for (size_t k = 1; k < kernels.size(); ++k) {
-    const std::string name =
-        "kernel/" + kernels[k] + "/" + shape_name(s) + "/threads:" + std::to_string(threads);
+    const std::string name = "kernel/" + kernels[k] + "/" + shape_name(s) + "/threads:" + std::to_string(threads);
     benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, kernels[k], 0)
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond)
@@ -228,11 +241,11 @@ void register_other_kernels(const Shape& s, int threads) {
   }
 }
 
-// determinism = "layout"'s segmented products (GemmOptions::k_segments, docs/design/reductions.md#one-fma-chain-per-gemm-element): the
-// same shape as one chain over K (segments 0), as one segment (C = init + the chain), and in 8
-// canonical segments summed along the tree (the fold in the kernel's epilogue). The shapes of
-// moe-peer's layout-mode GEMMs: the attention proj forward (K = 256: segments of 32), an expert's
-// proj forward (256 rows, K = 512: 64), an expert's weight gradient (K = its 256 rows: 32).
+// determinism = "layout"'s segmented products (GemmOptions::k_segments,
+// docs/design/reductions.md#one-fma-chain-per-gemm-element): the same shape as one chain over K (segments 0), as one
+// segment (C = init + the chain), and in 8 canonical segments summed along the tree (the fold in the kernel's
+// epilogue). The shapes of moe-peer's layout-mode GEMMs: the attention proj forward (K = 256: segments of 32), an
+// expert's proj forward (256 rows, K = 512: 64), an expert's weight gradient (K = its 256 rows: 32).
 void register_segmented() {
   const Shape shapes[] = {{1024, 256, 256, Trans::N, Trans::T, false},
                           {256, 256, 512, Trans::N, Trans::T, false},
@@ -245,23 +258,27 @@ void register_segmented() {
         name += "/segments:" + std::to_string(segments);
         name += "/threads:" + std::to_string(threads);
         benchmark::RegisterBenchmark(name.c_str(), bm_lockstep, s, threads, std::string(), segments)
-            ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.3);
       }
 }
 
 void register_lowp() {
   const Shape shapes[] = {{1024, 1024, 1024, Trans::N, Trans::T, false},
-                          {1024, 1024, 256, Trans::N, Trans::T, false},    // fc forward
-                          {1024, 256, 1024, Trans::N, Trans::N, false},    // fc input grad
-                          {1024, 256, 1024, Trans::T, Trans::N, true},     // fc weight grad
-                          {32, 4096, 4096, Trans::N, Trans::T, false}};    // few rows: streams W
+                          {1024, 1024, 256, Trans::N, Trans::T, false},  // fc forward
+                          {1024, 256, 1024, Trans::N, Trans::N, false},  // fc input grad
+                          {1024, 256, 1024, Trans::T, Trans::N, true},   // fc weight grad
+                          {32, 4096, 4096, Trans::N, Trans::T, false}};  // few rows: streams W
   for (const Shape& s : shapes) {
     for (int threads : {1, 2}) {
       for (Storage st : {Storage::f32, Storage::bf16, Storage::e4m3, Storage::mxfp8, Storage::nvfp4}) {
-        const std::string name = std::string("lowp/") + storage_name(st) + "/" + shape_name(s) +
-                                 "/threads:" + std::to_string(threads);
+        const std::string name =
+            std::string("lowp/") + storage_name(st) + "/" + shape_name(s) + "/threads:" + std::to_string(threads);
         benchmark::RegisterBenchmark(name.c_str(), bm_lowp, s, st, threads)
-            ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.3);
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.3);
       }
     }
   }

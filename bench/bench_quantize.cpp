@@ -17,20 +17,48 @@ namespace {
 using lockstep::ElemFormat;
 constexpr int64_t kRows = 1024, kCols = 1024;
 
-enum class Recipe { tensorwise, blockwise_1x128, blockwise_128x1, blockwise_128x128, mxfp8, nvfp4, nvfp4_2d, dequantize, hadamard, amax };
+enum class Recipe {
+  tensorwise,
+  blockwise_1x128,
+  blockwise_128x1,
+  blockwise_128x128,
+  mxfp8,
+  nvfp4,
+  nvfp4_2d,
+  dequantize,
+  hadamard,
+  amax
+};
 
 void run(lockstep::QuantizedTensor& q, const std::vector<float>& x, Recipe r, const lockstep::StochasticRounding& sr) {
   switch (r) {
-    case Recipe::tensorwise: lockstep::quantize_tensorwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 100.0f, sr); break;
-    case Recipe::blockwise_1x128: lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 1, 128, sr); break;
-    case Recipe::blockwise_128x1: lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 128, 1, sr); break;
-    case Recipe::blockwise_128x128: lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 128, 128, sr); break;
-    case Recipe::mxfp8: lockstep::quantize_mxfp8(q, x.data(), kRows, kCols, ElemFormat::e4m3, lockstep::ScaleRounding::up, 32, sr); break;
-    case Recipe::nvfp4: lockstep::quantize_nvfp4(q, x.data(), kRows, kCols, 1, sr); break;
-    case Recipe::nvfp4_2d: lockstep::quantize_nvfp4(q, x.data(), kRows, kCols, 16, sr); break;
-    case Recipe::dequantize: break;
-    case Recipe::hadamard: break;
-    case Recipe::amax: break;
+    case Recipe::tensorwise:
+      lockstep::quantize_tensorwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 100.0f, sr);
+      break;
+    case Recipe::blockwise_1x128:
+      lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 1, 128, sr);
+      break;
+    case Recipe::blockwise_128x1:
+      lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 128, 1, sr);
+      break;
+    case Recipe::blockwise_128x128:
+      lockstep::quantize_blockwise(q, x.data(), kRows, kCols, ElemFormat::e4m3, 128, 128, sr);
+      break;
+    case Recipe::mxfp8:
+      lockstep::quantize_mxfp8(q, x.data(), kRows, kCols, ElemFormat::e4m3, lockstep::ScaleRounding::up, 32, sr);
+      break;
+    case Recipe::nvfp4:
+      lockstep::quantize_nvfp4(q, x.data(), kRows, kCols, 1, sr);
+      break;
+    case Recipe::nvfp4_2d:
+      lockstep::quantize_nvfp4(q, x.data(), kRows, kCols, 16, sr);
+      break;
+    case Recipe::dequantize:
+      break;
+    case Recipe::hadamard:
+      break;
+    case Recipe::amax:
+      break;
   }
 }
 
@@ -59,25 +87,36 @@ void bm_quantize(benchmark::State& state, Recipe r, bool stochastic, int threads
 }
 
 void register_all() {
-  const std::pair<const char*, Recipe> recipes[] = {
-      {"tensorwise", Recipe::tensorwise}, {"blockwise_1x128", Recipe::blockwise_1x128}, {"blockwise_128x1", Recipe::blockwise_128x1},
-      {"blockwise_128x128", Recipe::blockwise_128x128}, {"mxfp8", Recipe::mxfp8},
-      {"nvfp4", Recipe::nvfp4}, {"nvfp4_16x16", Recipe::nvfp4_2d}};
+  const std::pair<const char*, Recipe> recipes[] = {{"tensorwise", Recipe::tensorwise},
+                                                    {"blockwise_1x128", Recipe::blockwise_1x128},
+                                                    {"blockwise_128x1", Recipe::blockwise_128x1},
+                                                    {"blockwise_128x128", Recipe::blockwise_128x128},
+                                                    {"mxfp8", Recipe::mxfp8},
+                                                    {"nvfp4", Recipe::nvfp4},
+                                                    {"nvfp4_16x16", Recipe::nvfp4_2d}};
   for (int threads : {1, 2}) {
     const std::string t = "/threads:" + std::to_string(threads);
     for (const auto& [name, r] : recipes) {
       for (bool sr : {false, true}) {
         benchmark::RegisterBenchmark((std::string("quantize/") + name + (sr ? "/stochastic" : "/nearest") + t).c_str(),
                                      bm_quantize, r, sr, threads)
-            ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+            ->UseRealTime()
+            ->Unit(benchmark::kMillisecond)
+            ->MinTime(0.2);
       }
     }
     benchmark::RegisterBenchmark(("dequantize/mxfp8" + t).c_str(), bm_quantize, Recipe::dequantize, false, threads)
-        ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.2);
     benchmark::RegisterBenchmark(("amax" + t).c_str(), bm_quantize, Recipe::amax, false, threads)
-        ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.2);
     benchmark::RegisterBenchmark(("hadamard16/rows" + t).c_str(), bm_quantize, Recipe::hadamard, false, threads)
-        ->UseRealTime()->Unit(benchmark::kMillisecond)->MinTime(0.2);
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond)
+        ->MinTime(0.2);
   }
 }
 

@@ -17,6 +17,7 @@ for arg in "$@"; do
 done
 
 packages=(g++ make cmake pkg-config libtomlplusplus-dev libxxhash-dev libgtest-dev nlohmann-json3-dev)
+packages+=(clang-format-14 git)  # the format check (ctest Format.TreeFollowsClangFormat)
 packages+=(libopenmpi-dev openmpi-bin)  # the mpi backend (mpirun -n N lockstep train) and its tests
 if [ "$bench" = 1 ]; then
   packages+=(libopenblas-dev libbenchmark-dev python3-torch bc)

@@ -13,9 +13,9 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/mesh.h"
 #include "lockstep/core/error.h"
+#include "lockstep/core/exact_sum.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/philox.h"
-#include "lockstep/core/exact_sum.h"
 #include "lockstep/core/thread_pool.h"
 #include "lockstep/core/tree_sum.h"
 
@@ -68,7 +68,8 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       const int64_t c0 = chunk_begin(n, me, P), c1 = chunk_begin(n, me + 1, P);
       same_bits(in_place.data(), mine.data(), c0, str("reduce_scatter_in_place sum n=", n, ": before the chunk"));
       same_bits(in_place.data() + c0, fold.data() + c0, c1 - c0, str("reduce_scatter_in_place sum n=", n));
-      same_bits(in_place.data() + c1, mine.data() + c1, n - c1, str("reduce_scatter_in_place sum n=", n, ": after the chunk"));
+      same_bits(in_place.data() + c1, mine.data() + c1, n - c1,
+                str("reduce_scatter_in_place sum n=", n, ": after the chunk"));
       h.update(in_place.data() + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
     }
     for (int64_t i = 0; i < n; ++i)
@@ -132,7 +133,8 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       const int64_t c0 = chunk_begin(n, me, P), c1 = chunk_begin(n, me + 1, P);
       same_bits(in_place.data(), xs[me].data(), c0, str("reduce_scatter_in_place n=", n, ": before the chunk"));
       same_bits(in_place.data() + c0, tree.data() + c0, c1 - c0, str("reduce_scatter_in_place tree_sum n=", n));
-      same_bits(in_place.data() + c1, xs[me].data() + c1, total - c1, str("reduce_scatter_in_place n=", n, ": after the chunk"));
+      same_bits(in_place.data() + c1, xs[me].data() + c1, total - c1,
+                str("reduce_scatter_in_place n=", n, ": after the chunk"));
       h.update(in_place.data() + c0, static_cast<size_t>(c1 - c0) * sizeof(float));
     }
 
@@ -143,7 +145,8 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     for (const int shape : {0, 1, 2}) {
       if (n > 1000) break;  // the serial reference costs every leaf on every rank
       std::vector<int64_t> blocks{0};
-      for (int r = 0; r < P; ++r) blocks.push_back(blocks.back() + (shape == 0 ? 3 : shape == 1 ? r % 3 + 1 : 2 - 2 * (r % 2)));
+      for (int r = 0; r < P; ++r)
+        blocks.push_back(blocks.back() + (shape == 0 ? 3 : shape == 1 ? r % 3 + 1 : 2 - 2 * (r % 2)));
       const int64_t L = blocks.back(), c = n / P + 1, total = c * P;
       std::vector<std::vector<float>> xs;
       std::vector<const float*> leaves;
@@ -171,8 +174,8 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       // The wire: each of the rank's K pieces' chunks to every other rank.
       const int64_t K = static_cast<int64_t>(bounds.size()) - 1;
       if (comm.bytes_sent() - sent != K * (P - 1) * c * int64_t(sizeof(float)))
-        fail(str("reduce_scatter_pieces", what, ": sent ", comm.bytes_sent() - sent, " bytes, expected ", K, " x ", P - 1,
-                 " x ", c, " floats"));
+        fail(str("reduce_scatter_pieces", what, ": sent ", comm.bytes_sent() - sent, " bytes, expected ", K, " x ",
+                 P - 1, " x ", c, " floats"));
       // Into the last piece, or (an empty block) a buffer of the rank's own.
       std::vector<float> all(empty ? total : 0);
       float* out = empty ? all.data() : mine.back().data();
@@ -204,14 +207,17 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     // all_gather
     std::vector<float> mine = rank_values(me, n, "ag"), all(n * P);
     comm.all_gather(all.data(), mine.data(), n);
-    for (int r = 0; r < P; ++r) same_bits(all.data() + r * n, rank_values(r, n, "ag").data(), n, str("all_gather n=", n));
+    for (int r = 0; r < P; ++r)
+      same_bits(all.data() + r * n, rank_values(r, n, "ag").data(), n, str("all_gather n=", n));
     h.update(all.data(), all.size() * sizeof(float));
   }
 
   // Strings: ranks' strings of different lengths (rank 0's empty, one with a NUL inside) on every
   // rank in rank order, and a broadcast from the last rank.
   {
-    auto text = [](int r) { return r == 0 ? std::string() : std::string(static_cast<size_t>(3 * r), 'a' + r) + '\0' + "x"; };
+    auto text = [](int r) {
+      return r == 0 ? std::string() : std::string(static_cast<size_t>(3 * r), 'a' + r) + '\0' + "x";
+    };
     const std::vector<std::string> all = all_gather_strings(comm, text(me));
     if (static_cast<int>(all.size()) != P) fail(str("all_gather_strings: ", all.size(), " strings of ", P));
     for (int r = 0; r < P && r < static_cast<int>(all.size()); ++r)
@@ -292,10 +298,14 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
       std::vector<float> first = rank_values(me, 4, "batch-first"), second = rank_values(me, 4, "batch-second");
       std::vector<float> from_prev(23), from_next(5), first_in(4), second_in(4);
       using M = Communicator::Message;
-      const std::vector<M> sends = {{next, 13, first.data(), 16}, {prev, 12, to_prev.data(), 20},
-                                    {next, 11, to_next.data(), 92}, {next, 13, second.data(), 16}};
-      const std::vector<M> recvs = {{prev, 11, from_prev.data(), 92}, {prev, 13, first_in.data(), 16},
-                                    {next, 12, from_next.data(), 20}, {prev, 13, second_in.data(), 16}};
+      const std::vector<M> sends = {{next, 13, first.data(), 16},
+                                    {prev, 12, to_prev.data(), 20},
+                                    {next, 11, to_next.data(), 92},
+                                    {next, 13, second.data(), 16}};
+      const std::vector<M> recvs = {{prev, 11, from_prev.data(), 92},
+                                    {prev, 13, first_in.data(), 16},
+                                    {next, 12, from_next.data(), 20},
+                                    {prev, 13, second_in.data(), 16}};
       comm.send_recv_batch_async(sends, recvs).wait();
       same_bits(from_prev.data(), rank_values(prev, 23, "batch-next").data(), 23, "send_recv_batch from prev");
       same_bits(from_next.data(), rank_values(next, 5, "batch-prev").data(), 5, "send_recv_batch from next");
@@ -355,7 +365,8 @@ inline SuiteResult run_comm_suite(Communicator& comm) {
     std::vector<int32_t> ranks(tp.size());
     const int32_t w = me;
     tp.all_gather(ranks.data(), &w, 1);
-    if (std::vector<int>(ranks.begin(), ranks.end()) != mesh.group_of(MeshGroup::tp, me)) fail("split_groups: tp group");
+    if (std::vector<int>(ranks.begin(), ranks.end()) != mesh.group_of(MeshGroup::tp, me))
+      fail("split_groups: tp group");
   }
   res.hash = h.digest();
   return res;

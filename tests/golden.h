@@ -62,8 +62,8 @@ inline ::testing::AssertionResult matches_golden(const std::string& group, const
   const std::vector<nlohmann::json> want = lines(read_file(path)), have = lines(got);
   if (want.size() != have.size())
     return ::testing::AssertionFailure() << path << ": " << have.size() << " lines, golden " << want.size();
-  const char* const always[] = {"step", "rank", "dp", "tp", "pp", "ep", "cp", "etp", "loss", "lm_loss",
-                                "aux_loss", "mtp_loss", "grad_norm", "lr", "format"};
+  const char* const always[] = {"step", "rank",    "dp",       "tp",       "pp",        "ep", "cp",    "etp",
+                                "loss", "lm_loss", "aux_loss", "mtp_loss", "grad_norm", "lr", "format"};
   const char* const state[] = {"params", "grads", "optimizer", "rng"};
   std::vector<std::string> fields(std::begin(always), std::end(always));
   if (kGoldenStateHashes) fields.insert(fields.end(), std::begin(state), std::end(state));
@@ -72,7 +72,8 @@ inline ::testing::AssertionResult matches_golden(const std::string& group, const
       const std::string w = want[i].contains(f) ? want[i][f].dump() : "(missing)";
       const std::string h = have[i].contains(f) ? have[i][f].dump() : "(missing)";
       if (w != h)
-        return ::testing::AssertionFailure() << path << " line " << i + 1 << ": " << f << " is " << h << ", golden " << w;
+        return ::testing::AssertionFailure()
+               << path << " line " << i + 1 << ": " << f << " is " << h << ", golden " << w;
     }
   }
   return ::testing::AssertionSuccess();

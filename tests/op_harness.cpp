@@ -81,10 +81,13 @@ namespace {
 size_t elem_size(char type) {
   switch (type) {
     case 'f':
-    case 'i': return 4;
+    case 'i':
+      return 4;
     case 'd':
-    case 'u': return 8;
-    default: return 1;
+    case 'u':
+      return 8;
+    default:
+      return 1;
   }
 }
 
@@ -118,7 +121,8 @@ std::string elem_string(const Output& o, size_t i) {
       s << v;
       break;
     }
-    default: s << static_cast<int>(*p);
+    default:
+      s << static_cast<int>(*p);
   }
   return s.str();
 }
@@ -150,9 +154,9 @@ double elem_value(const Output& o, size_t i) {
     if (close) {
       const double a = elem_value(got, i), b = elem_value(want, i);
       if (std::abs(a - b) <= m.atol + m.rtol * std::abs(b) || (std::isnan(a) && std::isnan(b))) continue;
-      return ::testing::AssertionFailure() << got.name << "[" << i << "]: " << elem_string(got, i) << " vs "
-                                           << elem_string(want, i) << " (beyond atol " << m.atol << " + rtol "
-                                           << m.rtol << ")";
+      return ::testing::AssertionFailure()
+             << got.name << "[" << i << "]: " << elem_string(got, i) << " vs " << elem_string(want, i)
+             << " (beyond atol " << m.atol << " + rtol " << m.rtol << ")";
     }
     return ::testing::AssertionFailure() << got.name << "[" << i << "]: " << elem_string(got, i) << " vs "
                                          << elem_string(want, i) << " differ in bits";
@@ -320,8 +324,8 @@ const bool registered = [] {
   }
   for (const auto& key : order) {
     const std::vector<const Case*> cases = groups[key];
-    ::testing::RegisterTest(("Harness" + key.first).c_str(), key.second.c_str(), nullptr, nullptr, __FILE__,
-                            __LINE__, [cases]() -> CasesTest* { return new CasesTest(cases); });
+    ::testing::RegisterTest(("Harness" + key.first).c_str(), key.second.c_str(), nullptr, nullptr, __FILE__, __LINE__,
+                            [cases]() -> CasesTest* { return new CasesTest(cases); });
   }
   ::testing::AddGlobalTestEnvironment(new Summary);
   return true;

@@ -34,8 +34,8 @@ Result run(const std::vector<float>& qkv, const std::vector<float>& dout, const 
                                         d.NH, d.NKV, d.HS, doc, query_segments);
   } else {
     attention_forward(r.out.data(), r.lse.data(), qkv.data(), d.B, d.T, d.NH, d.NKV, d.HS, doc);
-    attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B, d.T, d.NH, d.NKV,
-                       d.HS, doc, query_segments);
+    attention_backward(r.dqkv.data(), dout.data(), qkv.data(), r.out.data(), r.lse.data(), d.B, d.T, d.NH, d.NKV, d.HS,
+                       doc, query_segments);
   }
   return r;
 }
@@ -79,8 +79,7 @@ TEST(AttentionChunks, QuerySegmentsPortableMatchesVectorBitwise) {
   for (const Case& c : cases) {
     const DocStarts ds = c.docs ? doc_starts(c.d, layouts()) : DocStarts{};
     const std::vector<float> qkv = inputs(c.d, 21), dout = out_grad(c.d, 21);
-    expect_same(run(qkv, dout, c.d, false, ds, c.G), run(qkv, dout, c.d, true, ds, c.G),
-                name(c.d) + str(" G=", c.G));
+    expect_same(run(qkv, dout, c.d, false, ds, c.G), run(qkv, dout, c.d, true, ds, c.G), name(c.d) + str(" G=", c.G));
   }
 }
 

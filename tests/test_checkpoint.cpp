@@ -1,18 +1,18 @@
 // Checkpoints (train/checkpoint.h): the format and resharding between layouts, bitwise resume of
 // every model flavour, atomic commits under SIGKILL and write errors, one clear error per kind of
 // damage, asynchronous saves, and the ckpt tools with the safetensors round trip.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <chrono>
 #include <random>
 
 #include "lockstep/comm/communicator.h"
@@ -108,7 +108,8 @@ TEST(CheckpointFormat, PiecesOfAnyLayoutReassembleBitwise) {
 
   // Whole.
   std::vector<float> w1(60), b1(7);
-  load_checkpoint(step, {whole_tensor("param/w", Shape{6, 10}, w1.data(), true), whole_tensor("buffer/b", Shape{7}, b1.data(), true)});
+  load_checkpoint(step, {whole_tensor("param/w", Shape{6, 10}, w1.data(), true),
+                         whole_tensor("buffer/b", Shape{7}, b1.data(), true)});
   EXPECT_TRUE(testing::bitwise_equal(w1, w));
   EXPECT_TRUE(testing::bitwise_equal(b1, b));
   // Column boxes (a TP split along the other dimension) and flat ranges of one of them.
@@ -174,8 +175,10 @@ struct ResumeCase {
 // Uninterrupted to step 6, against: stop at step 3 (exit_interval), resume "auto", continue to 6.
 void expect_bitwise_resume(const ResumeCase& c, const std::string& threads, const TempDir& dir) {
   SCOPED_TRACE(std::string(c.name) + ", " + threads + " threads");
-  const std::vector<std::string> keys = plus(c.keys, {"train.steps=6", "train.threads=" + threads, "train.eval_interval=2"});
-  const std::string whole = dir.path(std::string(c.name) + threads + "-whole"), cut = dir.path(std::string(c.name) + threads + "-cut");
+  const std::vector<std::string> keys =
+      plus(c.keys, {"train.steps=6", "train.threads=" + threads, "train.eval_interval=2"});
+  const std::string whole = dir.path(std::string(c.name) + threads + "-whole"),
+                    cut = dir.path(std::string(c.name) + threads + "-cut");
   quiet_train(job(c.file, whole, keys));
   quiet_train(job(c.file, cut, plus(keys, {"train.save_interval=3", "train.exit_interval=3"})));
   EXPECT_EQ(count_lines(fingerprint_path(cut, 0)), 3);
@@ -192,8 +195,10 @@ void expect_bitwise_resume(const ResumeCase& c) {
 TEST(CheckpointResume, DenseResumesBitwiseWithOneAndTwoThreads) { expect_bitwise_resume({"dense", "debug.toml", {}}); }
 
 TEST(CheckpointResume, MoeWithExpertBiasResumesBitwiseWithOneAndTwoThreads) {
-  expect_bitwise_resume({"moe-bias", "moe-debug.toml", {"moe.router_score_function=sigmoid",
-                         "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01"}});
+  expect_bitwise_resume({"moe-bias",
+                         "moe-debug.toml",
+                         {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
+                          "moe.router_bias_update_rate=0.01"}});
 }
 
 TEST(CheckpointResume, MtpResumesBitwiseWithOneAndTwoThreads) {
@@ -207,8 +212,8 @@ TEST(CheckpointResume, Bf16WeightsResumeBitwiseWithOneAndTwoThreads) {
 // Delayed scaling's amax histories and scales are part of the state (the history is longer than
 // the steps before the cut, so a resume without them would change the scales).
 TEST(CheckpointResume, Fp8DelayedScalingResumesBitwiseWithOneAndTwoThreads) {
-  expect_bitwise_resume({"fp8", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed",
-                                               "precision.fp8_amax_history_len=8"}});
+  expect_bitwise_resume(
+      {"fp8", "debug.toml", {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=8"}});
 }
 
 TEST(CheckpointResume, LlamaResumesBitwiseWithOneAndTwoThreads) {
@@ -247,7 +252,8 @@ TEST(CheckpointResume, ResumeFromAnOlderStepCutsTheLogsBack) {
   auto steps_of = [](const std::string& text) {
     std::vector<std::string> keys;
     std::istringstream in(text);
-    for (std::string line; std::getline(in, line);) keys.push_back(line.substr(0, line.find(',')) + (line.find("eval_loss") != std::string::npos ? "e" : ""));
+    for (std::string line; std::getline(in, line);)
+      keys.push_back(line.substr(0, line.find(',')) + (line.find("eval_loss") != std::string::npos ? "e" : ""));
     return keys;
   };
   EXPECT_EQ(steps_of(read_file(dir.path("run/metrics.jsonl"))), steps_of(metrics));
@@ -259,17 +265,21 @@ TEST(CheckpointResume, AutoWithoutCheckpointsStartsFresh) {
   quiet_train(job("debug.toml", dir.path("a"), {"train.steps=2"}));
   quiet_train(job("debug.toml", dir.path("b"), {"train.steps=2", "train.resume=auto"}));
   EXPECT_EQ(read_file(fingerprint_path(dir.path("a"), 0)), read_file(fingerprint_path(dir.path("b"), 0)));
-  EXPECT_NE(user_error_of([&] { quiet_train(job("debug.toml", dir.path("c"), {"train.resume=" + dir.path("a")})); })
-                .find("holds no complete step-NNNNNNNN checkpoint"),
+  EXPECT_NE(user_error_of([&] {
+              quiet_train(job("debug.toml", dir.path("c"), {"train.resume=" + dir.path("a")}));
+            }).find("holds no complete step-NNNNNNNN checkpoint"),
             std::string::npos);
 }
 
 // ---- data parallelism: resume and resharding ----
 
-
 std::vector<std::string> dp_keys(int ranks, bool distributed) {
-  return {"train.threads=1", "train.micro_batch=2", "train.eval_interval=0", "train.steps=4",
-          std::string("optimizer.distributed=") + (distributed ? "true" : "false"), "ddp.bucket_size=20000",
+  return {"train.threads=1",
+          "train.micro_batch=2",
+          "train.eval_interval=0",
+          "train.steps=4",
+          std::string("optimizer.distributed=") + (distributed ? "true" : "false"),
+          "ddp.bucket_size=20000",
           "train.out_dir=unused" + std::to_string(ranks)};
 }
 
@@ -281,7 +291,8 @@ void expect_two_ranks_resume_bitwise(const char* file, const std::vector<std::st
   train_ranks(2, job(file, dir.path(run), plus(keys, {"train.save_interval=2", "train.exit_interval=2"})));
   train_ranks(2, job(file, dir.path(run), plus(keys, {"train.resume=auto"})));
   for (int r = 0; r < 2; ++r)
-    EXPECT_EQ(read_file(fingerprint_path(dir.path(run + "-whole"), r)), read_file(fingerprint_path(dir.path(run), r))) << r;
+    EXPECT_EQ(read_file(fingerprint_path(dir.path(run + "-whole"), r)), read_file(fingerprint_path(dir.path(run), r)))
+        << r;
 }
 
 // DP = 2 with the replicated and the distributed optimizer: stop at 2, resume, continue to 4: both
@@ -295,7 +306,8 @@ TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
     std::vector<std::string> keys = dp_keys(2, distributed);
     // Overlapped parameter gathers: a step's parameters are complete only once the next forward
     // needs them; a save waits for them.
-    keys.push_back(std::string("ddp.overlap_param_gather=") + (mode == std::string("distributed+overlap") ? "true" : "false"));
+    keys.push_back(std::string("ddp.overlap_param_gather=") +
+                   (mode == std::string("distributed+overlap") ? "true" : "false"));
     expect_two_ranks_resume_bitwise("debug.toml", keys, dir, "cut");
     const CheckpointMetadata meta = read_checkpoint_metadata(checkpoint_dir(dir.path("cut/checkpoints"), 2));
     EXPECT_EQ(meta.info.layout.dp, 2);
@@ -310,7 +322,8 @@ TEST(CheckpointDataParallel, TwoRanksResumeBitwiseWithEitherOptimizer) {
 // The state a rank of a DP x TP layout holds, as the trainer builds it, loaded from a checkpoint,
 // then saved again under that layout.
 void load_and_resave(int ranks, int tp_size, bool distributed, const std::string& from, const std::string& to_root) {
-  const Config c = job("debug.toml", "unused", plus(dp_keys(ranks, distributed), {"parallel.tensor=" + std::to_string(tp_size)}));
+  const Config c =
+      job("debug.toml", "unused", plus(dp_keys(ranks, distributed), {"parallel.tensor=" + std::to_string(tp_size)}));
   run_threads(ranks, 60, [&](Communicator& comm) {
     const Mesh mesh(comm.size(), {tp_size, 1, 1, 1, 1});
     Communicator dense = comm.split_groups(mesh.groups(MeshGroup::dp_cp));
@@ -344,9 +357,12 @@ void expect_same_tensors(const std::string& a, const std::string& b) {
 // and saved again reassembles to the same bits, and training continues from it.
 TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
   TempDir dir;
-  train_ranks(2, job("debug.toml", dir.path("dp2"), plus(dp_keys(2, true), {"train.save_interval=2", "train.exit_interval=2"})));
-  train_ranks(1, job("debug.toml", dir.path("dp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
-  const std::string dp2 = checkpoint_dir(dir.path("dp2/checkpoints"), 2), dp1 = checkpoint_dir(dir.path("dp1/checkpoints"), 2);
+  train_ranks(2, job("debug.toml", dir.path("dp2"),
+                     plus(dp_keys(2, true), {"train.save_interval=2", "train.exit_interval=2"})));
+  train_ranks(1, job("debug.toml", dir.path("dp1"),
+                     plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string dp2 = checkpoint_dir(dir.path("dp2/checkpoints"), 2),
+                    dp1 = checkpoint_dir(dir.path("dp1/checkpoints"), 2);
   ASSERT_EQ(read_checkpoint_metadata(dp2).files.size(), 2u);
 
   load_and_resave(1, 1, false, dp2, dir.path("dp2-as-dp1"));
@@ -357,8 +373,10 @@ TEST(CheckpointDataParallel, ReshardsBetweenDpTwoAndDpOne) {
   EXPECT_EQ(read_checkpoint_metadata(checkpoint_dir(dir.path("dp1-as-dp2"), 2)).files.size(), 2u);
 
   // Training continues under the other layout.
-  train_ranks(1, job("debug.toml", dir.path("dp2to1"), plus(dp_keys(1, false), {"train.save_interval=4", "train.resume=" + dp2})));
-  train_ranks(2, job("debug.toml", dir.path("dp1to2"), plus(dp_keys(2, true), {"train.save_interval=4", "train.resume=" + dp1})));
+  train_ranks(1, job("debug.toml", dir.path("dp2to1"),
+                     plus(dp_keys(1, false), {"train.save_interval=4", "train.resume=" + dp2})));
+  train_ranks(2, job("debug.toml", dir.path("dp1to2"),
+                     plus(dp_keys(2, true), {"train.save_interval=4", "train.resume=" + dp1})));
   for (const char* run : {"dp2to1", "dp1to2"}) {
     const std::string fp = read_file(fingerprint_path(dir.path(run), 0));
     EXPECT_EQ(std::count(fp.begin(), fp.end(), '\n'), 2) << run;  // steps 3 and 4
@@ -382,16 +400,19 @@ void expect_same_global_tensors(const CheckpointMetadata& a, const CheckpointMet
 // and training continues under the other layout.
 TEST(CheckpointTensorParallel, ResumesBitwiseAndReshardsBetweenTpTwoAndOne) {
   TempDir dir;
-  const std::vector<std::string> tp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
+  const std::vector<std::string> tp2 =
+      plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true"});
   expect_two_ranks_resume_bitwise("debug.toml", tp2, dir, "tp2");
 
-  train_ranks(1, job("debug.toml", dir.path("tp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
-  const std::string at2 = checkpoint_dir(dir.path("tp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("tp1/checkpoints"), 2);
+  train_ranks(1, job("debug.toml", dir.path("tp1"),
+                     plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("tp2/checkpoints"), 2),
+                    at1 = checkpoint_dir(dir.path("tp1/checkpoints"), 2);
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
   EXPECT_EQ(m2.info.layout.tp, 2);
   EXPECT_EQ(m2.files.size(), 2u);
   expect_same_global_tensors(m2, m1);
-  EXPECT_EQ(m2.find("param/layers.0.attn.qkv.weight")->pieces.size(), 6u);  // 2 ranks x [Q | K | V]
+  EXPECT_EQ(m2.find("param/layers.0.attn.qkv.weight")->pieces.size(), 6u);   // 2 ranks x [Q | K | V]
   EXPECT_EQ(m2.find("param/layers.0.attn_norm.weight")->pieces.size(), 1u);  // replicated: written once
 
   load_and_resave(1, 1, false, at2, dir.path("tp2-as-tp1"));
@@ -413,8 +434,10 @@ TEST(CheckpointContextParallel, ResumesBitwiseAndReshardsBetweenCpTwoAndOne) {
   TempDir dir;
   const std::vector<std::string> cp2 = plus(dp_keys(2, false), {"parallel.context=2"});
   expect_two_ranks_resume_bitwise("debug.toml", cp2, dir, "cp2");
-  train_ranks(1, job("debug.toml", dir.path("cp1"), plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
-  const std::string at2 = checkpoint_dir(dir.path("cp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("cp1/checkpoints"), 2);
+  train_ranks(1, job("debug.toml", dir.path("cp1"),
+                     plus(dp_keys(1, false), {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("cp2/checkpoints"), 2),
+                    at1 = checkpoint_dir(dir.path("cp1/checkpoints"), 2);
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
   EXPECT_EQ(m2.info.layout.cp, 2);
   EXPECT_EQ(m2.info.layout.dp, 1);
@@ -439,8 +462,8 @@ TEST(CheckpointContextParallel, ResumesBitwiseAndReshardsBetweenCpTwoAndOne) {
 // the losses of the uninterrupted run in that layout, to rounding.
 TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOne) {
   TempDir dir;
-  const std::vector<std::string> etp2 = plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true",
-                                                                  "parallel.expert_tensor=2"});
+  const std::vector<std::string> etp2 =
+      plus(dp_keys(2, false), {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"});
   const std::vector<std::string> one = dp_keys(1, false);
   expect_two_ranks_resume_bitwise("moe-debug.toml", etp2, dir, "etp2");
   // Rank 1 holds the second half of each expert's hidden units: its fingerprints say so.
@@ -448,8 +471,10 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
             std::string::npos);
 
   train_ranks(1, job("moe-debug.toml", dir.path("whole1"), one));
-  train_ranks(1, job("moe-debug.toml", dir.path("etp1"), plus(one, {"train.save_interval=2", "train.exit_interval=2"})));
-  const std::string at2 = checkpoint_dir(dir.path("etp2/checkpoints"), 2), at1 = checkpoint_dir(dir.path("etp1/checkpoints"), 2);
+  train_ranks(1,
+              job("moe-debug.toml", dir.path("etp1"), plus(one, {"train.save_interval=2", "train.exit_interval=2"})));
+  const std::string at2 = checkpoint_dir(dir.path("etp2/checkpoints"), 2),
+                    at1 = checkpoint_dir(dir.path("etp1/checkpoints"), 2);
   const CheckpointMetadata m2 = read_checkpoint_metadata(at2), m1 = read_checkpoint_metadata(at1);
   EXPECT_EQ(m2.info.layout.etp, 2);
   ASSERT_EQ(m2.tensors.size(), m1.tensors.size());
@@ -457,7 +482,7 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
     ASSERT_NE(m1.find(t.name), nullptr) << t.name;
     EXPECT_EQ(t.global_shape, m1.find(t.name)->global_shape) << t.name;
   }
-  EXPECT_EQ(m2.find("param/layers.0.moe.experts.fc.weight")->pieces.size(), 8u);  // 2 ranks x 4 experts
+  EXPECT_EQ(m2.find("param/layers.0.moe.experts.fc.weight")->pieces.size(), 8u);    // 2 ranks x 4 experts
   EXPECT_EQ(m2.find("param/layers.0.moe.experts.proj.weight")->pieces.size(), 2u);  // columns of each rank's units
   EXPECT_EQ(m2.find("param/layers.0.moe.experts.proj.bias")->pieces.size(), 1u);    // etp rank 0's
   EXPECT_EQ(m2.find("param/layers.0.moe.router.weight")->pieces.size(), 1u);        // replicated: written once
@@ -465,7 +490,8 @@ TEST(CheckpointExpertTensorParallel, ResumesBitwiseAndReshardsBetweenEtpTwoAndOn
   train_ranks(1, job("moe-debug.toml", dir.path("etp2to1"), plus(one, {"train.resume=" + at2})));
   train_ranks(2, job("moe-debug.toml", dir.path("etp1to2"), plus(etp2, {"train.resume=" + at1})));
   auto losses = [&](const std::string& run) { return losses_of(dir.path(run)); };
-  const std::vector<double> w1 = losses("whole1"), w2 = losses("etp2-whole"), r1 = losses("etp2to1"), r2 = losses("etp1to2");
+  const std::vector<double> w1 = losses("whole1"), w2 = losses("etp2-whole"), r1 = losses("etp2to1"),
+                            r2 = losses("etp1to2");
   ASSERT_EQ(w1.size(), 4u);
   ASSERT_EQ(r1.size(), 2u);  // steps 3 and 4
   ASSERT_EQ(r2.size(), 2u);
@@ -548,7 +574,8 @@ TEST(CheckpointAtomic, KeepLastPrunesOlderAndKeepsTheNewest) {
   TempDir dir;
   quiet_train(job("debug.toml", dir.path("run"), {"train.steps=5", "train.save_interval=1", "train.keep_last=2"}));
   std::vector<std::string> names;
-  for (const auto& e : fs::directory_iterator(dir.path("run/checkpoints"))) names.push_back(e.path().filename().string());
+  for (const auto& e : fs::directory_iterator(dir.path("run/checkpoints")))
+    names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
 }
@@ -559,7 +586,8 @@ TEST(CheckpointAtomic, AWriteErrorFailsCleanlyAndKeepsThePreviousCheckpoint) {
   quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.exit_interval=2"})));
   const std::string previous = checkpoint_dir(dir.path("run/checkpoints"), 2);
   inject_checkpoint_write_fault(100000, ENOSPC);  // the disk fills up inside the next data file
-  const std::string err = user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
+  const std::string err =
+      user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
   inject_checkpoint_write_fault(-1, 0);
   EXPECT_NE(err.find("checkpoint at step 4 failed: cannot write checkpoint file '"), std::string::npos) << err;
   EXPECT_NE(err.find("rank-00000.bin': No space left on device"), std::string::npos) << err;
@@ -570,7 +598,8 @@ TEST(CheckpointAtomic, AWriteErrorFailsCleanlyAndKeepsThePreviousCheckpoint) {
   verify_checkpoint(previous);
   // The same failure in metadata.json (after every data file is written).
   inject_checkpoint_write_fault(static_cast<int64_t>(fs::file_size(previous + "/rank-00000.bin")) + 10, ENOSPC);
-  const std::string err2 = user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
+  const std::string err2 =
+      user_error_of([&] { quiet_train(job("debug.toml", dir.path("run"), plus(keys, {"train.resume=auto"}))); });
   inject_checkpoint_write_fault(-1, 0);
   EXPECT_NE(err2.find("metadata.json': No space left on device"), std::string::npos) << err2;
   EXPECT_EQ(latest_checkpoint(dir.path("run/checkpoints")), previous);
@@ -583,11 +612,20 @@ TEST(CheckpointAtomic, SigkillAtRandomMomentsLeavesALoadableLatestCheckpoint) {
   const std::string run = dir.path("run");
   // ~2.4M parameters and one sequence per step: each checkpoint is ~29 MB, so most of a step is spent
   // writing it.
-  const std::vector<std::string> args = {"train", "-c", std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
-                                         "train.out_dir=" + run, "train.steps=1000", "train.save_interval=1",
-                                         "train.keep_last=2", "train.resume=auto", "train.threads=1",
-                                         "model.hidden_size=256", "model.num_layers=3", "train.eval_interval=0",
-                                         "train.global_batch=1", "train.micro_batch=1"};
+  const std::vector<std::string> args = {"train",
+                                         "-c",
+                                         std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
+                                         "train.out_dir=" + run,
+                                         "train.steps=1000",
+                                         "train.save_interval=1",
+                                         "train.keep_last=2",
+                                         "train.resume=auto",
+                                         "train.threads=1",
+                                         "model.hidden_size=256",
+                                         "model.num_layers=3",
+                                         "train.eval_interval=0",
+                                         "train.global_batch=1",
+                                         "train.micro_batch=1"};
   std::mt19937 rng(12345);
   int partial = 0;
   int64_t committed = 0;
@@ -632,9 +670,13 @@ TEST(CheckpointAtomic, SigkillAtRandomMomentsLeavesALoadableLatestCheckpoint) {
   // The run continues from the newest checkpoint: its fingerprints equal a run that was never killed.
   const std::string latest = latest_checkpoint(run + "/checkpoints");
   const int64_t step = read_checkpoint_metadata(latest).info.step;
-  const std::vector<std::string> keys = {"train.steps=" + std::to_string(step + 1), "train.threads=1",
-                                         "model.hidden_size=256", "model.num_layers=3", "train.eval_interval=0",
-                                         "train.global_batch=1", "train.micro_batch=1"};
+  const std::vector<std::string> keys = {"train.steps=" + std::to_string(step + 1),
+                                         "train.threads=1",
+                                         "model.hidden_size=256",
+                                         "model.num_layers=3",
+                                         "train.eval_interval=0",
+                                         "train.global_batch=1",
+                                         "train.micro_batch=1"};
   Config resumed = job("debug.toml", run, plus(keys, {"train.resume=auto"}));
   Config fresh = job("debug.toml", dir.path("fresh"), keys);
   // The killed run's LR schedule spans 1000 steps: give the comparison run the same.
@@ -682,7 +724,10 @@ TEST_F(CheckpointErrors, FlippedByteNamesTheFileAndTensor) {
     f.write(&c, 1);
   }
   const std::string err = load_error();
-  EXPECT_EQ(err.find("checkpoint file '" + data + "' is corrupt: the shard of tensor 'param/embedding.word.weight' at bytes 0..65536"), 0u) << err;
+  EXPECT_EQ(err.find("checkpoint file '" + data +
+                     "' is corrupt: the shard of tensor 'param/embedding.word.weight' at bytes 0..65536"),
+            0u)
+      << err;
   EXPECT_EQ(user_error_of([&] { verify_checkpoint(step); }), err);
 }
 
@@ -695,7 +740,8 @@ TEST_F(CheckpointErrors, TruncatedFileNamesTheFileAndTensor) {
 
 TEST_F(CheckpointErrors, MissingShardFileAndMissingShardEntry) {
   fs::rename(data, data + ".moved");
-  EXPECT_EQ(load_error(), "checkpoint file '" + data + "' is missing (a shard of tensor 'param/embedding.word.weight' is in it)");
+  EXPECT_EQ(load_error(),
+            "checkpoint file '" + data + "' is missing (a shard of tensor 'param/embedding.word.weight' is in it)");
   fs::rename(data + ".moved", data);
   edit_metadata([](nlohmann::ordered_json& m) {
     for (auto& t : m["tensors"])
@@ -706,13 +752,15 @@ TEST_F(CheckpointErrors, MissingShardFileAndMissingShardEntry) {
         s["bytes"] = s["bytes"].get<int64_t>() / 2;
       }
   });
-  EXPECT_EQ(load_error(), "checkpoint file '" + step + "/metadata.json': tensor 'param/layers.0.attn.qkv.weight' is "
-                          "incomplete: its shards hold 6144 of 12288 elements (a shard is missing)");
+  EXPECT_EQ(load_error(), "checkpoint file '" + step +
+                              "/metadata.json': tensor 'param/layers.0.attn.qkv.weight' is "
+                              "incomplete: its shards hold 6144 of 12288 elements (a shard is missing)");
 }
 
 TEST_F(CheckpointErrors, WrongFormatVersionAndCorruptMetadata) {
   edit_metadata([](nlohmann::ordered_json& m) { m["format_version"] = 99; });
-  EXPECT_EQ(load_error(), "checkpoint file '" + step + "/metadata.json' has format version 99; this lockstep reads version 1");
+  EXPECT_EQ(load_error(),
+            "checkpoint file '" + step + "/metadata.json' has format version 99; this lockstep reads version 1");
   edit_metadata([](nlohmann::ordered_json& m) { m["format_version"] = 1; });
   EXPECT_EQ(load_error(), "(no error)");
   std::string text = read_file(step + "/metadata.json");
@@ -723,9 +771,12 @@ TEST_F(CheckpointErrors, WrongFormatVersionAndCorruptMetadata) {
 
 TEST_F(CheckpointErrors, AnotherModelCannotBeReshardedInto) {
   EXPECT_EQ(load_error({"model.hidden_size=32"}),
-            "checkpoint file '" + step + "/metadata.json': tensor 'param/embedding.word.weight' is f32 (256, 64), this run "
-            "has f32 (256, 32): it cannot be resharded into this run (compare the config in metadata.json)");
-  EXPECT_EQ(load_error({"model.num_layers=3"}).find("checkpoint file '" + step + "/metadata.json' has no tensor 'param/layers.2."), 0u);
+            "checkpoint file '" + step +
+                "/metadata.json': tensor 'param/embedding.word.weight' is f32 (256, 64), this run "
+                "has f32 (256, 32): it cannot be resharded into this run (compare the config in metadata.json)");
+  EXPECT_EQ(load_error({"model.num_layers=3"})
+                .find("checkpoint file '" + step + "/metadata.json' has no tensor 'param/layers.2."),
+            0u);
 }
 
 // ---- asynchronous saves ----
@@ -737,13 +788,15 @@ TEST(CheckpointAsync, WritesTheSameBytesAsSyncAndResumesBitwise) {
   quiet_train(job("debug.toml", dir.path("async"), plus(keys, {"train.async_save=true"})));
   EXPECT_EQ(read_file(fingerprint_path(dir.path("sync"), 0)), read_file(fingerprint_path(dir.path("async"), 0)));
   for (int64_t s : {2, 4, 6}) {
-    const std::string a = checkpoint_dir(dir.path("sync/checkpoints"), s), b = checkpoint_dir(dir.path("async/checkpoints"), s);
+    const std::string a = checkpoint_dir(dir.path("sync/checkpoints"), s),
+                      b = checkpoint_dir(dir.path("async/checkpoints"), s);
     verify_checkpoint(b);
     EXPECT_EQ(read_file(a + "/rank-00000.bin"), read_file(b + "/rank-00000.bin")) << s;
   }
   // Resume from the async run's step-4 checkpoint: bitwise the uninterrupted run.
-  quiet_train(job("debug.toml", dir.path("async"),
-                  plus(keys, {"train.async_save=true", "train.resume=" + checkpoint_dir(dir.path("async/checkpoints"), 4)})));
+  quiet_train(
+      job("debug.toml", dir.path("async"),
+          plus(keys, {"train.async_save=true", "train.resume=" + checkpoint_dir(dir.path("async/checkpoints"), 4)})));
   EXPECT_EQ(read_file(fingerprint_path(dir.path("sync"), 0)), read_file(fingerprint_path(dir.path("async"), 0)));
 }
 
@@ -774,7 +827,8 @@ TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
   from_ckpt.state_shards(state, true, true);
   load_checkpoint(step, state);
   load_safetensors(dir.path("w.safetensors"), from_file.params());
-  EXPECT_TRUE(testing::bitwise_equal(from_ckpt.params().values(), from_file.params().values(), from_ckpt.params().total()));
+  EXPECT_TRUE(
+      testing::bitwise_equal(from_ckpt.params().values(), from_file.params().values(), from_ckpt.params().total()));
   // The header: 8-byte little-endian length, JSON with dtype, shape and offsets.
   const std::string file = read_file(dir.path("w.safetensors"));
   uint64_t n = 0;
@@ -792,16 +846,20 @@ TEST(CheckpointTools, InspectVerifyExportAndInitFromRoundTrip) {
   drawn.params().init(wide.train.seed);
   std::vector<SafetensorsTensor> tensors;
   for (int i = 0; i < static_cast<int>(drawn.params().specs().size()); ++i)
-    tensors.push_back({drawn.params().specs()[i].name, DType::f32, drawn.params().specs()[i].shape, drawn.params().value(i)});
+    tensors.push_back(
+        {drawn.params().specs()[i].name, DType::f32, drawn.params().specs()[i].shape, drawn.params().value(i)});
   write_safetensors(dir.path("wide.safetensors"), tensors, {});
-  quiet_train(job("debug.toml", dir.path("init"), {"train.steps=3", "train.init_from=" + dir.path("wide.safetensors")}));
+  quiet_train(
+      job("debug.toml", dir.path("init"), {"train.steps=3", "train.init_from=" + dir.path("wide.safetensors")}));
   quiet_train(job("debug.toml", dir.path("drawn"), {"train.steps=3", "model.init_std=0.05"}));
   EXPECT_EQ(read_file(fingerprint_path(dir.path("init"), 0)), read_file(fingerprint_path(dir.path("drawn"), 0)));
   const std::string bad = user_error_of([&] {
-    quiet_train(job("debug.toml", dir.path("bad"), {"train.steps=1", "model.num_heads=2", "model.hidden_size=32",
-                                                   "train.init_from=" + dir.path("w.safetensors")}));
+    quiet_train(job("debug.toml", dir.path("bad"),
+                    {"train.steps=1", "model.num_heads=2", "model.hidden_size=32",
+                     "train.init_from=" + dir.path("w.safetensors")}));
   });
-  EXPECT_EQ(bad, "'" + dir.path("w.safetensors") + "': tensor 'embedding.word.weight' has shape (256, 64), the model's is (256, 32)");
+  EXPECT_EQ(bad, "'" + dir.path("w.safetensors") +
+                     "': tensor 'embedding.word.weight' has shape (256, 64), the model's is (256, 32)");
 }
 
 // Weights exported from a one-rank run initialise a TP 2 run (each rank cuts its boxes out of the
@@ -859,7 +917,8 @@ TEST(CheckpointTools, VerifyNamesTheFieldOfAWrongTypedMetadataValue) {
       {"/lr_scheduler/last_lr", "0.001", "field 'lr_scheduler.last_lr' is \"0.001\", not a number"},
       {"/config", 7, "field 'config' is 7, not a string"},
       {"/files/0/bytes", 1.0, "field 'files[0].bytes' is 1.0, not an integer"},
-      {"/tensors/0/shape", nlohmann::ordered_json::array({"a"}), "field 'tensors[0].shape' is [\"a\"], not an array of integers"},
+      {"/tensors/0/shape", nlohmann::ordered_json::array({"a"}),
+       "field 'tensors[0].shape' is [\"a\"], not an array of integers"},
       {"/tensors/0/shards/0/byte_offset", false, "field 'tensors[0].shards[0].byte_offset' is false, not an integer"},
   };
   const std::string head = "{\"xxh3\":\"";
@@ -868,9 +927,10 @@ TEST(CheckpointTools, VerifyNamesTheFieldOfAWrongTypedMetadataValue) {
     nlohmann::ordered_json wrapper = nlohmann::ordered_json::parse(original);
     wrapper["metadata"][nlohmann::ordered_json::json_pointer(row.pointer)] = row.value;
     const std::string body = wrapper["metadata"].dump(1);
-    std::ofstream(file, std::ios::binary) <<
-              (head + hex64(hash_bytes(body.data(), body.size())) + "\",\"metadata\":" + body + "}\n");
-    EXPECT_EQ(testing::user_error_of([&] { verify_checkpoint(ckpt); }), str("checkpoint file '", file, "': ", row.message));
+    std::ofstream(file, std::ios::binary)
+        << (head + hex64(hash_bytes(body.data(), body.size())) + "\",\"metadata\":" + body + "}\n");
+    EXPECT_EQ(testing::user_error_of([&] { verify_checkpoint(ckpt); }),
+              str("checkpoint file '", file, "': ", row.message));
     EXPECT_EQ(testing::user_error_of([&] { read_checkpoint_metadata(ckpt); }),
               str("checkpoint file '", file, "': ", row.message));
   }

@@ -44,8 +44,10 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train model.num_layers=x", "lockstep: error: command line: model.num_layers=x: expected an integer\n"},
       {"train --threads 2", "lockstep: error: command line: unknown option '--threads' (see `lockstep help`)\n"},
       {"train --nproc 0", "lockstep: error: command line: --nproc needs a positive number of ranks, got '0'\n"},
-      {"train parallel.tensor=2", "lockstep: error: parallel: world size 1 is not divisible by tensor (2) x context (1) x pipeline (1)\n"},
-      {"train dist.backend=nccl", "lockstep: error: command line: dist.backend = \"nccl\": expected one of auto, threads, mpi\n"},
+      {"train parallel.tensor=2",
+       "lockstep: error: parallel: world size 1 is not divisible by tensor (2) x context (1) x pipeline (1)\n"},
+      {"train dist.backend=nccl",
+       "lockstep: error: command line: dist.backend = \"nccl\": expected one of auto, threads, mpi\n"},
       {"train -c", "lockstep: error: command line: -c needs a file name\n"},
       {"frobnicate", "lockstep: error: unknown command 'frobnicate' (see `lockstep help`)\n"},
       {"train train.steps=0", "lockstep: error: config: train.steps = 0: must be positive\n"},
@@ -58,8 +60,10 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"train --nproc 2 parallel.pipeline=2 parallel.virtual_pipeline=2 train.global_batch=8 train.micro_batch=8",
        "lockstep: error: interleaved pipeline (parallel.virtual_pipeline = 2): the micro-batches per rank (1 = "
        "train.global_batch / (train.micro_batch x data-parallel size)) must be a multiple of parallel.pipeline = 2\n"},
-      {std::string("train -c ") + LOCKSTEP_SOURCE_DIR + "/configs/debug.toml debug.inject_ulp=1:layers.0.nope train.out_dir=runs/x",
-       "lockstep: error: debug.inject_ulp = \"1:layers.0.nope\": the model has no module 'layers.0.nope'; its modules are: "
+      {std::string("train -c ") + LOCKSTEP_SOURCE_DIR +
+           "/configs/debug.toml debug.inject_ulp=1:layers.0.nope train.out_dir=runs/x",
+       "lockstep: error: debug.inject_ulp = \"1:layers.0.nope\": the model has no module 'layers.0.nope'; its modules "
+       "are: "
        "embedding, layers.N.attn_norm, layers.N.attn.qkv, layers.N.attn.core, layers.N.attn.proj, layers.N.mlp_norm, "
        "layers.N.mlp.fc, layers.N.mlp.act, layers.N.mlp.proj, final_norm, output (N: a layer index)\n"},
       {"diff nowhere elsewhere", "lockstep: error: 'nowhere': no such run directory\n"},
@@ -69,7 +73,8 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"ckpt inspect nowhere", "lockstep: error: checkpoint 'nowhere' does not exist or is not a directory\n"},
       {"ckpt inspect .",
        "lockstep: error: '.' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint\n"},
-      {"ckpt export .", "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"},
+      {"ckpt export .",
+       "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"},
   };
   for (const auto& [args, expected] : cases) {
     const Result r = run(dir, args);

@@ -10,11 +10,11 @@
 #include <thread>
 
 #include "comm_suite.h"
-#include "testing.h"
 #include "lockstep/comm/launch.h"
 #include "lockstep/comm/progress.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/core/error.h"
+#include "testing.h"
 
 namespace lockstep {
 namespace {
@@ -95,7 +95,8 @@ TEST(CommFailures, ARankThatThrowsStopsEveryOtherRank) {
   });
   EXPECT_EQ(o.reported, "rank 2: thrown on purpose");
   for (int r : {0, 1, 3})
-    EXPECT_EQ(o.errors[r], str("rank ", r, ": all_reduce over ranks [0, 1, 2, 3]: stopped: rank 2 failed: thrown on purpose"));
+    EXPECT_EQ(o.errors[r],
+              str("rank ", r, ": all_reduce over ranks [0, 1, 2, 3]: stopped: rank 2 failed: thrown on purpose"));
   EXPECT_LT(o.seconds, 2.0) << "the failure is announced, not waited out";
 }
 
@@ -106,10 +107,13 @@ TEST(CommFailures, ARankThatNeverArrivesTimesOutOnTheOthers) {
     comm.all_reduce(x.data(), 10);
   });
   // The first rank to time out names the missing rank; the others stop on its report.
-  const std::string timeout = "all_reduce over ranks [0, 1, 2, 3]: timed out after 0.3 s waiting for rank 3 (dist.timeout_s)";
+  const std::string timeout =
+      "all_reduce over ranks [0, 1, 2, 3]: timed out after 0.3 s waiting for rank 3 (dist.timeout_s)";
   EXPECT_NE(o.reported.find(timeout), std::string::npos) << o.reported;
-  for (int r : {0, 1, 2}) EXPECT_NE(o.errors[r].find(timeout), std::string::npos) << "rank " << r << ": " << o.errors[r];
-  EXPECT_NE(o.errors[3].find("rank 3: all_reduce over ranks [0, 1, 2, 3]: stopped: "), std::string::npos) << o.errors[3];
+  for (int r : {0, 1, 2})
+    EXPECT_NE(o.errors[r].find(timeout), std::string::npos) << "rank " << r << ": " << o.errors[r];
+  EXPECT_NE(o.errors[3].find("rank 3: all_reduce over ranks [0, 1, 2, 3]: stopped: "), std::string::npos)
+      << o.errors[3];
   EXPECT_LT(o.seconds, 2.5);
 }
 

@@ -52,9 +52,11 @@ TEST(Config, FileThenCommandLine) {
 // The keys holding a list as text take a TOML array of integers too.
 TEST(Config, ListKeysTakeTomlArrays) {
   TempDir dir;
-  const Config c = load_config(dir.write("job.toml", "[model]\nnum_layers = 4\n[parallel]\npipeline = 2\n"
-                                                     "pipeline_layers = [1, 3]\n[moe]\nnum_experts = 4\n"
-                                                     "layer_freq = [0, 1, 1, 1]\n"), {});
+  const Config c = load_config(dir.write("job.toml",
+                                         "[model]\nnum_layers = 4\n[parallel]\npipeline = 2\n"
+                                         "pipeline_layers = [1, 3]\n[moe]\nnum_experts = 4\n"
+                                         "layer_freq = [0, 1, 1, 1]\n"),
+                               {});
   EXPECT_EQ(c.parallel.pipeline_layers, "[1,3]");
   EXPECT_EQ(c.moe.layer_freq, "[0,1,1,1]");
   EXPECT_EQ(error_of(dir.write("bad.toml", "[parallel]\npipeline_layers = [1.5]\n"), {}),
@@ -73,8 +75,8 @@ TEST(Config, ResolvedTomlRoundTrips) {
 }
 
 TEST(Config, ShippedPresetsLoad) {
-  for (const char* name : {"debug", "gpt2-peer", "llama-tiny", "moe-debug", "moe-peer", "mixtral-tiny",
-                           "deepseek-tiny", "mixtral-8x7b", "deepseek-v3"}) {
+  for (const char* name : {"debug", "gpt2-peer", "llama-tiny", "moe-debug", "moe-peer", "mixtral-tiny", "deepseek-tiny",
+                           "mixtral-8x7b", "deepseek-v3"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + name + ".toml", {}));
   }
@@ -111,7 +113,8 @@ TEST(Config, WrongTypesNameKeyAndValue) {
 
 TEST(Config, ImpossibleValuesNameTheKeys) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
-      {{"model.hidden_size=100", "model.num_heads=3"}, "config: model.hidden_size = 100 is not divisible by model.num_heads = 3"},
+      {{"model.hidden_size=100", "model.num_heads=3"},
+       "config: model.hidden_size = 100 is not divisible by model.num_heads = 3"},
       {{"train.global_batch=10", "train.micro_batch=4"},
        "config: train.global_batch = 10 is not divisible by train.micro_batch = 4"},
       {{"model.num_layers=0"}, "config: model.num_layers = 0: must be positive"},
@@ -125,7 +128,8 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"parallel.expert_tensor=0"}, "config: parallel.expert_tensor = 0: must be positive"},
       {{"parallel.expert=-2"}, "config: parallel.expert = -2: must be positive"},
       {{"parallel.tensor=3"}, "config: model.num_heads = 4 is not divisible by parallel.tensor = 3"},
-      {{"parallel.tensor=2", "model.vocab_size=257"}, "config: model.vocab_size = 257 is not divisible by parallel.tensor = 2"},
+      {{"parallel.tensor=2", "model.vocab_size=257"},
+       "config: model.vocab_size = 257 is not divisible by parallel.tensor = 2"},
       {{"parallel.tensor=2", "model.ffn_hidden_size=33"},
        "config: model.ffn_hidden_size = 33 is not divisible by parallel.tensor = 2"},
       {{"parallel.expert_tensor=2"}, "config: parallel.expert_tensor = 2 needs an MoE model (moe.num_experts > 0)"},
@@ -187,7 +191,8 @@ TEST(Config, WrongShapesInTheFileNameKeyAndLine) {
       {"[parallel]\ntensor = [2]\n", ":2: parallel.tensor: expected a single value, got an array"},
       {"[parallel]\ntensor = 2.0\n", ":2: parallel.tensor = 2.0: expected an integer"},
       {"[parallel]\ntensor = \"2\"\n", ":2: parallel.tensor = \"2\": expected an integer"},
-      {"[parallel]\nexpert_tensor = { size = 2 }\n", ":2: parallel.expert_tensor: expected a single value, got a table"},
+      {"[parallel]\nexpert_tensor = { size = 2 }\n",
+       ":2: parallel.expert_tensor: expected a single value, got a table"},
       {"[parallel.tensor]\nsize = 2\n", ":2: parallel.tensor: expected a single value, got a table"},
       {"parallel = 3\n", ":1: unknown config key 'parallel' (see `lockstep help config`)"},
   };
@@ -198,7 +203,8 @@ TEST(Config, WrongShapesInTheFileNameKeyAndLine) {
 }
 
 TEST(Config, MalformedInputs) {
-  EXPECT_EQ(error_of("", {"train.steps"}), "command line: 'train.steps' is not a key=value override (e.g. train.steps=20)");
+  EXPECT_EQ(error_of("", {"train.steps"}),
+            "command line: 'train.steps' is not a key=value override (e.g. train.steps=20)");
   TempDir dir;
   const std::string f = dir.write("broken.toml", "[model\nnum_layers = 2\n");
   const std::string e = error_of(f, {});

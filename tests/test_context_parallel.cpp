@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/parallel/context_parallel.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -26,9 +26,9 @@ namespace lockstep {
 namespace {
 
 Config job(const std::string& out_dir, std::vector<std::string> keys) {
-  for (const std::string& k : {std::string("train.steps=2"), std::string("train.eval_interval=0"), std::string("train.threads=1"),
-                               std::string("train.micro_batch=2"), std::string("train.global_batch=8"),
-                               "train.out_dir=" + out_dir})
+  for (const std::string& k :
+       {std::string("train.steps=2"), std::string("train.eval_interval=0"), std::string("train.threads=1"),
+        std::string("train.micro_batch=2"), std::string("train.global_batch=8"), "train.out_dir=" + out_dir})
     keys.push_back(k);
   return load_config(str(LOCKSTEP_SOURCE_DIR, "/configs/debug.toml"), keys);
 }
@@ -83,13 +83,19 @@ TEST(ContextParallel, HeldPiecesCombineAlongTheCanonicalTreeInTokenOrder) {
     float* mine[K] = {pieces[static_cast<size_t>(me * K)].data(), pieces[static_cast<size_t>(me * K + 1)].data()};
     std::vector<float> scratch;
     const std::unique_ptr<Device> cpu = Device::cpu();
-    combine_held_pieces(cpu->ops, comm, out[static_cast<size_t>(me)].data(), mine, n, K, L,
-                        [&](int64_t g) { return std::pair<int64_t, int64_t>{order[g] / K, order[g] % K}; }, scratch);
+    combine_held_pieces(
+        cpu->ops, comm, out[static_cast<size_t>(me)].data(), mine, n, K, L,
+        [&](int64_t g) {
+          return std::pair<int64_t, int64_t>{order[g] / K, order[g] % K};
+        },
+        scratch);
   });
   EXPECT_TRUE(testing::bitwise_equal(out[0], want, "root on rank 0"));
   const std::vector<float> minus_zero(n, -0.0f);
-  for (int r = 1; r < R; ++r) EXPECT_TRUE(testing::bitwise_equal(out[static_cast<size_t>(r)], minus_zero, "rank " + std::to_string(r)));
-  for (int64_t j = 0; j < R * K; ++j) EXPECT_TRUE(testing::bitwise_equal(pieces[static_cast<size_t>(j)], held[static_cast<size_t>(j)], "piece"));
+  for (int r = 1; r < R; ++r)
+    EXPECT_TRUE(testing::bitwise_equal(out[static_cast<size_t>(r)], minus_zero, "rank " + std::to_string(r)));
+  for (int64_t j = 0; j < R * K; ++j)
+    EXPECT_TRUE(testing::bitwise_equal(pieces[static_cast<size_t>(j)], held[static_cast<size_t>(j)], "piece"));
 }
 
 TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
@@ -152,16 +158,19 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(moe.find('\n'), std::string::npos) << moe;
   }
   // A layout_segments that is no power of two is named as such, not as CP's divisibility.
-  EXPECT_EQ(error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
-                                 "layout_segments=12"}),
+  EXPECT_EQ(error("debug.toml",
+                  {"parallel.context=2", "determinism=layout", "layout_token_segments=true", "layout_segments=12"}),
             "config: layout_segments = 12: must be a power of two in [1, 64]");
   // NVFP4 under layout: a rank's chunks must be whole 16-token Hadamard blocks.
-  EXPECT_EQ(error("debug.toml", {"parallel.context=2", "determinism=layout", "layout_token_segments=true",
-                                 "train.micro_batch=2", "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=32"}),
-            "config: parallel.context = 2 with determinism = \"layout\", precision.fp4 = \"nvfp4\" and model.seq_length = "
-            "32: each rank's chunks of 8 tokens must be whole 16-token blocks of the weight gradients' Hadamard "
-            "transform: model.seq_length / (2 x parallel.context) must be a multiple of 16");
-  EXPECT_EQ(error("moe-debug.toml", {"parallel.context=2", "parallel.tensor=4", "model.seq_length=12", "train.micro_batch=1"}),
+  EXPECT_EQ(
+      error("debug.toml",
+            {"parallel.context=2", "determinism=layout", "layout_token_segments=true", "train.micro_batch=2",
+             "precision.params=bf16", "precision.fp4=nvfp4", "model.seq_length=32"}),
+      "config: parallel.context = 2 with determinism = \"layout\", precision.fp4 = \"nvfp4\" and model.seq_length = "
+      "32: each rank's chunks of 8 tokens must be whole 16-token blocks of the weight gradients' Hadamard "
+      "transform: model.seq_length / (2 x parallel.context) must be a multiple of 16");
+  EXPECT_EQ(error("moe-debug.toml",
+                  {"parallel.context=2", "parallel.tensor=4", "model.seq_length=12", "train.micro_batch=1"}),
             "config: parallel.context = 2 with an MoE model: train.micro_batch x model.seq_length / context = 6 tokens "
             "per rank are not divisible by parallel.tensor = 4");
 }

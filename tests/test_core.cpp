@@ -28,8 +28,7 @@ using Words = std::array<uint32_t, 4>;
 
 // Known-answer vectors published with Random123 (kat_vectors, philox4x32 with 10 rounds).
 TEST(Philox, Random123KnownAnswers) {
-  EXPECT_EQ(philox4x32_10({0, 0}, {0, 0, 0, 0}),
-            (Words{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
+  EXPECT_EQ(philox4x32_10({0, 0}, {0, 0, 0, 0}), (Words{0x6627e8d5, 0xe169c58d, 0xbc57ac4c, 0x9b00dbd8}));
   EXPECT_EQ(philox4x32_10({0xffffffff, 0xffffffff}, {0xffffffff, 0xffffffff, 0xffffffff, 0xffffffff}),
             (Words{0x408f276d, 0x41c83b0e, 0xa20bc7c6, 0x6d5451fd}));
   EXPECT_EQ(philox4x32_10({0xa4093822, 0x299f31d0}, {0x243f6a88, 0x85a308d3, 0x13198a2e, 0x03707344}),
@@ -81,8 +80,8 @@ TEST(RandomStream, NormalMeanAndVariance) {
     s4 += double(v) * v * v * v;
   }
   const double mean = s / n, var = s2 / n - mean * mean;
-  EXPECT_NEAR(mean, 0.0, 0.01);  // standard error 0.0022
-  EXPECT_NEAR(var, 1.0, 0.015);  // standard error 0.0032
+  EXPECT_NEAR(mean, 0.0, 0.01);   // standard error 0.0022
+  EXPECT_NEAR(var, 1.0, 0.015);   // standard error 0.0032
   EXPECT_NEAR(s4 / n, 3.0, 0.1);  // kurtosis of a normal
 }
 
@@ -166,7 +165,8 @@ TEST(Hash, KnownValueAndHex) {
 TEST(Hash, InlineXxh3EqualsTheLibrary) {
   std::vector<unsigned char> data(70000);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<unsigned char>(i * 2654435761u >> 11);
-  for (size_t n : {0u, 1u, 3u, 4u, 8u, 9u, 16u, 17u, 128u, 129u, 240u, 241u, 1023u, 1024u, 1025u, 4096u, 65536u, 70000u}) {
+  for (size_t n :
+       {0u, 1u, 3u, 4u, 8u, 9u, 16u, 17u, 128u, 129u, 240u, 241u, 1023u, 1024u, 1025u, 4096u, 65536u, 70000u}) {
     EXPECT_EQ(hash_bytes(data.data(), n), XXH3_64bits(data.data(), n)) << n << " bytes";
     EXPECT_EQ(hash_bytes(data.data() + 1, n - (n > 0), 77), XXH3_64bits_withSeed(data.data() + 1, n - (n > 0), 77))
         << n << " bytes, seed";
@@ -322,9 +322,10 @@ TEST(ThreadPool, RunPartsRunsEachPartOnce) {
       }
     }
     if (T > 1) {
-      EXPECT_THROW(pool.run_parts(9, [](int64_t p) {
-        if (p == 8) user_error("part ", p);
-      }),
+      EXPECT_THROW(pool.run_parts(9,
+                                  [](int64_t p) {
+                                    if (p == 8) user_error("part ", p);
+                                  }),
                    UserError);
       std::atomic<int64_t> sum{0};
       pool.run_parts(9, [&](int64_t p) { sum += p; });

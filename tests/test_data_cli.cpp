@@ -47,10 +47,12 @@ TEST(DataCli, PreprocessThenTrainOnIndexedData) {
   EXPECT_EQ(read_file(dir.path("run2/fingerprints/rank-00000.jsonl")), fp);
 
   // The end-of-document id 256 does not fit a 256-token vocabulary.
-  r = run(dir, std::string("train -c ") + LOCKSTEP_SOURCE_DIR +
-                   "/configs/debug.toml data.source=indexed:data/corpus data.split=90,10 train.steps=1 train.out_dir=bad");
+  r = run(dir,
+          std::string("train -c ") + LOCKSTEP_SOURCE_DIR +
+              "/configs/debug.toml data.source=indexed:data/corpus data.split=90,10 train.steps=1 train.out_dir=bad");
   EXPECT_EQ(r.status, 2);
-  EXPECT_NE(r.err.find("lockstep: error: indexed dataset data 'data/corpus.bin': token 256"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("lockstep: error: indexed dataset data 'data/corpus.bin': token 256"), std::string::npos)
+      << r.err;
   EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
 }
 

@@ -42,13 +42,13 @@ Config job(const std::string& preset, const std::string& out_dir, std::vector<st
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
 }
 
-
 // The exact training loss of every step, from rank 0's fingerprints.
 std::vector<double> losses(const std::string& run_dir) {
   std::vector<double> out;
   std::istringstream in(read_file(fingerprint_path(run_dir, 0)));
   for (std::string line; std::getline(in, line);)
-    out.push_back(std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)["loss"].get<std::string>(), nullptr, 16)));
+    out.push_back(
+        std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)["loss"].get<std::string>(), nullptr, 16)));
   return out;
 }
 
@@ -85,7 +85,7 @@ TEST(DataParallel, DenseSameGlobalBatchSameLossesOnOneTwoFourRanks) { same_losse
 // over the data-parallel ranks.
 TEST(DataParallel, MoeSameGlobalBatchSameLossesOnOneTwoFourRanks) {
   same_losses_on_1_2_4_ranks("moe-debug", {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
-                                    "moe.router_bias_update_rate=0.01"});
+                                           "moe.router_bias_update_rate=0.01"});
 }
 
 // Each layout, run twice: identical fingerprints on every rank. Then the distributed optimizer, and
@@ -105,8 +105,10 @@ void bitwise_run_to_run_and_across_optimizer_and_overlap(const std::string& pres
     EXPECT_EQ(fingerprints(dir.path("b"), ranks), a) << preset << " dp " << ranks << ": run to run";
     train_ranks(ranks, job(preset, dir.path("c"), with({"optimizer.distributed=true"})));
     EXPECT_EQ(fingerprints(dir.path("c"), ranks), a) << preset << " dp " << ranks << ": distributed optimizer";
-    train_ranks(ranks, job(preset, dir.path("d"), with({"optimizer.distributed=true", "ddp.overlap_grad_reduce=false",
-                                                "ddp.overlap_param_gather=true"})));
+    train_ranks(
+        ranks,
+        job(preset, dir.path("d"),
+            with({"optimizer.distributed=true", "ddp.overlap_grad_reduce=false", "ddp.overlap_param_gather=true"})));
     EXPECT_EQ(fingerprints(dir.path("d"), ranks), a) << preset << " dp " << ranks << ": overlap switched";
   }
 }
@@ -143,7 +145,8 @@ TEST(DataParallel, RanksWriteTheirCoordinates) {
   TempDir dir;
   train_ranks(2, job("debug", dir.path("run"), {"train.steps=1"}));
   for (int r = 0; r < 2; ++r)
-    EXPECT_NE(read_file(fingerprint_path(dir.path("run"), r)).find(str("\"rank\":", r, ",\"dp\":", r, ",")), std::string::npos);
+    EXPECT_NE(read_file(fingerprint_path(dir.path("run"), r)).find(str("\"rank\":", r, ",\"dp\":", r, ",")),
+              std::string::npos);
   EXPECT_FALSE(read_file(dir.path("run") + "/metrics.jsonl").empty());
   EXPECT_FALSE(read_file(dir.path("run") + "/config.toml").empty());
 }
@@ -234,7 +237,8 @@ TEST(DataParallel, BackwardPostsEveryBucketAndForwardCompletesEveryGather) {
 // (every one replicated, the shard distributed) is the canonical tree over the M = P A leaves, bit
 // for bit, whether the blocks are subtrees (A = 2, 4: tree_sum) or go as pieces (A = 3, 5); and a
 // rank with K pieces sends exactly K times the power-of-two layout's bytes in the distributed
-// optimizer's reduce-scatter (the figure docs/design/reductions.md#canonical-pieces-blocks-that-are-not-subtrees quotes).
+// optimizer's reduce-scatter (the figure docs/design/reductions.md#canonical-pieces-blocks-that-are-not-subtrees
+// quotes).
 TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
   const Config c = job("debug", "unused", {"ddp.bucket_size=20000"});
   auto leaf = [](int64_t g, int p, int64_t n) {
@@ -279,7 +283,8 @@ TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
             std::vector<float> want(static_cast<size_t>(n)), stack(static_cast<size_t>(tree_sum_stack(P * A) * n));
             tree_sum(want.data(), at.data(), P * A, n, stack.data());
             for (int64_t i = x.begin; i < x.end; ++i)
-              ASSERT_EQ(std::bit_cast<uint32_t>(ps.grad(x.param)[i]), std::bit_cast<uint32_t>(want[static_cast<size_t>(i)]))
+              ASSERT_EQ(std::bit_cast<uint32_t>(ps.grad(x.param)[i]),
+                        std::bit_cast<uint32_t>(want[static_cast<size_t>(i)]))
                   << "P " << P << " A " << A << (distributed ? " distributed" : " replicated") << ": "
                   << ps.specs()[x.param].name << "[" << i << "] on rank " << r;
           }
@@ -289,12 +294,16 @@ TEST(DataParallel, LayoutReducesAnyBlocksToTheTreeAtKTimesTheBytes) {
         for (int r = 0; r < P; ++r) {
           const int64_t K = static_cast<int64_t>(canonical_pieces(P * A, r * A, (r + 1) * A).size()) - 1;
           const int64_t got = sent[A][static_cast<size_t>(r)], pow2 = sent[2][static_cast<size_t>(r)];
-          std::printf("[ wire ] %s, dp %d, %lld micro-batches per rank: rank %d sends %lld bytes, %lld pieces x "
-                      "%lld (A = 2)\n", distributed ? "reduce-scatter" : "all-reduce", P, (long long)A, r,
-                      (long long)got, (long long)K, (long long)pow2);
+          std::printf(
+              "[ wire ] %s, dp %d, %lld micro-batches per rank: rank %d sends %lld bytes, %lld pieces x "
+              "%lld (A = 2)\n",
+              distributed ? "reduce-scatter" : "all-reduce", P, (long long)A, r, (long long)got, (long long)K,
+              (long long)pow2);
           EXPECT_EQ(sent[4][static_cast<size_t>(r)], pow2) << "power-of-two blocks cost the same";
-          if (distributed) EXPECT_EQ(got, K * pow2) << "P " << P << " A " << A << " rank " << r;
-          else EXPECT_LT(got, K * pow2) << "the all-gather half is not repeated";
+          if (distributed)
+            EXPECT_EQ(got, K * pow2) << "P " << P << " A " << A << " rank " << r;
+          else
+            EXPECT_LT(got, K * pow2) << "the all-gather half is not repeated";
         }
     }
 }
@@ -317,8 +326,8 @@ TEST(DataParallel, LayoutExpertPiecesShareTheDenseTreesBuffers) {
       const int64_t K = static_cast<int64_t>(canonical_pieces(M, r * A, (r + 1) * A).size()) - 1;
       const int64_t Ke = static_cast<int64_t>(canonical_pieces(M, g * 2 * A, (g + 1) * 2 * A).size()) - 1;
       ASSERT_EQ(static_cast<int64_t>(dp.expert_pieces().size()), Ke - 1) << "A " << A << " rank " << r;
-      EXPECT_EQ(dp.piece_buffers(), std::max(K, Ke) - 1) << "A " << A << " rank " << r << ": " << K << " dense, " << Ke
-                                                           << " expert pieces";
+      EXPECT_EQ(dp.piece_buffers(), std::max(K, Ke) - 1)
+          << "A " << A << " rank " << r << ": " << K << " dense, " << Ke << " expert pieces";
     });
 }
 

@@ -7,8 +7,8 @@
 #include <bit>
 #include <filesystem>
 
-#include "lockstep/train/fingerprint.h"
 #include "lockstep/config/config.h"
+#include "lockstep/train/fingerprint.h"
 #include "lockstep/train/run_diff.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -103,8 +103,9 @@ TEST(Diff, ReportsEveryRankDifferingAtTheFirstStep) {
   });
   const RunDiff d = diff_runs(write_run(dir, "a", 3, 3), b);
   EXPECT_TRUE(contains(d.report, "step 2, rank 0")) << d.report;
-  EXPECT_TRUE(contains(d.report, "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
-                                 "rank 2 (dp 0, tp 2, pp 0, ep 0, cp 0, etp 0)\n"))
+  EXPECT_TRUE(contains(d.report,
+                       "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                       "rank 2 (dp 0, tp 2, pp 0, ep 0, cp 0, etp 0)\n"))
       << d.report;
 }
 
@@ -115,7 +116,8 @@ TEST(Diff, FilesWithoutEtpStillCompare) {
   const std::string now = write_run(dir, "now", 2, 3);
   const std::string old = older_copy(dir, now, "old", ",\"etp\":0", [](std::string&) {});
   EXPECT_TRUE(diff_runs(old, now).identical);
-  const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.loss += f.step == 2 && f.rank == 1; });
+  const std::string drifted =
+      write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.loss += f.step == 2 && f.rank == 1; });
   const RunDiff d = diff_runs(old, drifted);
   EXPECT_FALSE(d.identical);
   EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0")) << d.report;
@@ -132,7 +134,8 @@ TEST(Diff, OtherFingerprintFormatsCompareAllButTheStateHashes) {
   });
   const RunDiff d = diff_runs(old, now);
   EXPECT_TRUE(d.identical) << d.report;
-  EXPECT_TRUE(contains(d.report, "has fingerprint format 1 and " + now + " format 2: params, grads, optimizer")) << d.report;
+  EXPECT_TRUE(contains(d.report, "has fingerprint format 1 and " + now + " format 2: params, grads, optimizer"))
+      << d.report;
   EXPECT_TRUE(contains(d.report, "identical over 3 steps (1..3), the state hashes aside (other fingerprint formats)"))
       << d.report;
   // Across layouts too (neither splits the parameters, so params would compare): the header does
@@ -142,14 +145,16 @@ TEST(Diff, OtherFingerprintFormatsCompareAllButTheStateHashes) {
   dir.write("old/config.toml", "[parallel]\n");
   const RunDiff layouts = diff_runs(old, one);
   EXPECT_TRUE(layouts.identical) << layouts.report;
-  EXPECT_TRUE(contains(layouts.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n"))
+  EXPECT_TRUE(
+      contains(layouts.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n"))
       << layouts.report;
   const RunDiff same = diff_runs(old, old);
   EXPECT_FALSE(contains(same.report, "fingerprint format")) << same.report;
   const std::string drifted = write_run(dir, "drifted", 2, 3, [](Fingerprint& f) { f.grad_norm += f.step == 3; });
   const RunDiff g = diff_runs(old, drifted);
   EXPECT_FALSE(g.identical);
-  EXPECT_TRUE(contains(g.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), grad_norm")) << g.report;
+  EXPECT_TRUE(contains(g.report, "first difference: step 3, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), grad_norm"))
+      << g.report;
   const std::string hashes = write_run(dir, "hashes", 2, 3, [](Fingerprint& f) { f.params += f.step == 2; });
   EXPECT_FALSE(diff_runs(now, hashes).identical) << "same format: the state hashes compare";
 }
@@ -174,7 +179,8 @@ TEST(Diff, DifferentRankCountsCompareTheGlobalQuantitiesOnly) {
   const std::string one = write_run(dir, "one", 1, 3, [](Fingerprint& f) { f.params = 7, f.grads = 8; });
   const RunDiff d = diff_runs(write_run(dir, "two", 2, 3), one);
   EXPECT_TRUE(d.identical) << d.report;
-  EXPECT_TRUE(contains(d.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n")) << d.report;
+  EXPECT_TRUE(contains(d.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n"))
+      << d.report;
   EXPECT_TRUE(contains(d.report, "not compared: params, grads, optimizer (each rank hashes its own shard")) << d.report;
   EXPECT_TRUE(contains(d.report, one + " has no config.toml to tell its layout")) << d.report;
   EXPECT_TRUE(contains(d.report, "identical over 3 steps")) << d.report;
@@ -209,8 +215,9 @@ TEST(Diff, RealRunsOfOtherLayoutsCompareGlobalQuantities) {
 
   const RunDiff dp = diff_runs(dp1, dp2);
   EXPECT_FALSE(dp.identical);
-  EXPECT_TRUE(contains(dp.report, "different layouts (1 vs 2 ranks): comparing what every rank records alike, on rank 0 "
-                                  "of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, params, rng\n"))
+  EXPECT_TRUE(contains(dp.report,
+                       "different layouts (1 vs 2 ranks): comparing what every rank records alike, on rank 0 "
+                       "of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, params, rng\n"))
       << dp.report;
   EXPECT_TRUE(contains(dp.report, "not compared: grads, optimizer (")) << dp.report;
   EXPECT_TRUE(contains(dp.report, "first difference: step 1, grad_norm (rank 0 of each run)\n")) << dp.report;
@@ -224,7 +231,8 @@ TEST(Diff, RealRunsOfOtherLayoutsCompareGlobalQuantities) {
 
   const RunDiff tp = diff_runs(tp2, dp1);
   EXPECT_FALSE(tp.identical);
-  EXPECT_TRUE(contains(tp.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n")) << tp.report;
+  EXPECT_TRUE(contains(tp.report, "on rank 0 of each run: loss, lm_loss, aux_loss, mtp_loss, grad_norm, lr, rng\n"))
+      << tp.report;
   EXPECT_TRUE(contains(tp.report, "not compared: params, grads, optimizer (")) << tp.report;
   EXPECT_TRUE(contains(tp.report, tp2 + " splits the parameters: parallel.tensor = 2)")) << tp.report;
   EXPECT_TRUE(contains(tp.report, "first difference: step 1, loss (rank 0 of each run)\n")) << tp.report;
@@ -233,7 +241,8 @@ TEST(Diff, RealRunsOfOtherLayoutsCompareGlobalQuantities) {
 TEST(Diff, ClearErrorsForMissingOrMalformedInput) {
   TempDir dir;
   const std::string good = write_run(dir, "good", 1, 2);
-  EXPECT_EQ(user_error_of([&] { diff_runs(dir.path("nope"), good); }), str("'", dir.path("nope"), "': no such run directory"));
+  EXPECT_EQ(user_error_of([&] { diff_runs(dir.path("nope"), good); }),
+            str("'", dir.path("nope"), "': no such run directory"));
   std::filesystem::create_directories(dir.path("bare"));
   EXPECT_EQ(user_error_of([&] { diff_runs(good, dir.path("bare")); }),
             str("'", dir.path("bare"), "' has no fingerprints/ directory (not a lockstep run directory?)"));
@@ -242,13 +251,16 @@ TEST(Diff, ClearErrorsForMissingOrMalformedInput) {
             str("'", dir.path("empty/fingerprints"), "' has no rank-NNNNN.jsonl fingerprint files"));
   const std::string gap = write_run(dir, "gap", 3, 2);
   std::filesystem::remove(gap + "/fingerprints/rank-00001.jsonl");
-  EXPECT_EQ(user_error_of([&] { diff_runs(good, gap); }),
-            str("'", gap, "/fingerprints' has no fingerprint file for rank 1 (rank-00001.jsonl) but has one for rank 2"));
+  EXPECT_EQ(
+      user_error_of([&] { diff_runs(good, gap); }),
+      str("'", gap, "/fingerprints' has no fingerprint file for rank 1 (rank-00001.jsonl) but has one for rank 2"));
   const std::string bad = write_run(dir, "bad", 1, 2);
   dir.write("bad/fingerprints/rank-00000.jsonl", line(1).json() + "{\"step\":2,\"loss\":\n");
-  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:2: not a JSON object"));
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),
+            str(bad, "/fingerprints/rank-00000.jsonl:2: not a JSON object"));
   dir.write("bad/fingerprints/rank-00000.jsonl", "{\"loss\":\"00\"}\n");
-  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }), str(bad, "/fingerprints/rank-00000.jsonl:1: no integer \"step\""));
+  EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),
+            str(bad, "/fingerprints/rank-00000.jsonl:1: no integer \"step\""));
   // A value of the wrong type is a corrupt file, not a difference.
   dir.write("bad/fingerprints/rank-00000.jsonl", "{\"step\":1,\"rank\":0,\"loss\":\"zz\"}\n");
   EXPECT_EQ(user_error_of([&] { diff_runs(good, bad); }),

@@ -30,9 +30,9 @@ constexpr int32_t kEod = 9;
 TEST(Documents, LayoutRestartsAfterEachEod) {
   // Row 0: documents [0..2] (EOD at 2), [3], [4..5] (EOD at 3 and 5), then an unfinished one.
   // Row 1: no EOD at all. Row 2: EOD first and last.
-  const std::vector<int32_t> tokens = {1, 2, kEod, kEod, 4, kEod, 5, 6,  //
-                                       1, 2, 3,    4,    5, 6,    7, 8,  //
-                                       kEod, 1, 2, 3, 4, 5, 6, kEod};
+  const std::vector<int32_t> tokens = {1,    2, kEod, kEod, 4, kEod, 5, 6,  //
+                                       1,    2, 3,    4,    5, 6,    7, 8,  //
+                                       kEod, 1, 2,    3,    4, 5,    6, kEod};
   std::vector<int32_t> pos(tokens.size()), ds(tokens.size());
   document_layout(pos.data(), ds.data(), tokens.data(), 3, 8, kEod);
   EXPECT_EQ(pos, (std::vector<int32_t>{0, 1, 2, 0, 0, 1, 0, 1,  //
@@ -67,8 +67,7 @@ TEST(Documents, EmbeddingWithPositions) {
     ThreadPool::Bind bind(&pool);
     std::vector<float> dwte(V * C, 0.0f), g(T * C, 0.0f);
     std::vector<int32_t> order(B * T);
-    embedding_backward(dwte.data(), g.data(), order.data(), dout.data(), tokens.data(), B, T, C,
-                       positions.data());
+    embedding_backward(dwte.data(), g.data(), order.data(), dout.data(), tokens.data(), B, T, C, positions.data());
     dwpe.push_back(g);
   }
   EXPECT_TRUE(testing::all_close(dwpe[0], want_dwpe, 1e-6, 1e-6, "dwpe"));
@@ -92,13 +91,12 @@ TEST(Documents, RopeWithPositionsRotatesByTheGivenPosition) {
   const std::vector<float> x = testing::randn(N * stride, 2, "x");
   for (bool backward : {false, true}) {
     std::vector<float> got = x, want = x;
-    (backward ? rope_backward : rope_forward)(got.data(), cos.data(), sin.data(), N, T, heads, HS,
-                                              stride, positions.data());
+    (backward ? rope_backward : rope_forward)(got.data(), cos.data(), sin.data(), N, T, heads, HS, stride,
+                                              positions.data());
     // Row by row at position 0 of a table shifted to the row's position.
     for (int64_t n = 0; n < N; ++n)
       (backward ? rope_backward : rope_forward)(want.data() + n * stride, cos.data() + positions[n] * half,
-                                                sin.data() + positions[n] * half, 1, 1, heads, HS, stride,
-                                                nullptr);
+                                                sin.data() + positions[n] * half, 1, 1, heads, HS, stride, nullptr);
     EXPECT_TRUE(testing::bitwise_equal(got, want, backward ? "backward" : "forward"));
   }
 }
@@ -256,7 +254,8 @@ TEST(Documents, EodMaskLossNormalisesByTheStepsTokens) {
     std::string micro;
     int ranks, cp;
   };
-  for (const auto& [micro, ranks, cp] : {Layout{"4", 1, 1}, {"1", 1, 1}, {"2", 2, 1}, {"1", 4, 1}, {"4", 2, 2}, {"2", 4, 2}}) {
+  for (const auto& [micro, ranks, cp] :
+       {Layout{"4", 1, 1}, {"1", 1, 1}, {"2", 2, 1}, {"1", 4, 1}, {"4", 2, 2}, {"2", 4, 2}}) {
     const Config c = load_config(
         std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml",
         {"data.source=indexed:" + prefix, "data.eod_token=256", "data.eod_mask_loss=true",
@@ -288,13 +287,15 @@ TEST(Documents, FlagsNeedAnEndOfDocumentToken) {
     const std::string bytes = testing::user_error_of([&] { load_config(base, {on}); });
     EXPECT_NE(bytes.find(flag), std::string::npos) << bytes;
     EXPECT_NE(bytes.find("synthetic"), std::string::npos) << bytes;
-    const std::string no_eod = testing::user_error_of(
-        [&] { load_config(base, {on, "data.source=indexed:x", "model.vocab_size=259"}); });
+    const std::string no_eod = testing::user_error_of([&] {
+      load_config(base, {on, "data.source=indexed:x", "model.vocab_size=259"});
+    });
     EXPECT_NE(no_eod.find(flag), std::string::npos) << no_eod;
     EXPECT_NE(no_eod.find("data.eod_token"), std::string::npos) << no_eod;
   }
-  const std::string big = testing::user_error_of(
-      [&] { load_config(base, {"data.eod_token=256", "data.source=indexed:x", "model.vocab_size=256"}); });
+  const std::string big = testing::user_error_of([&] {
+    load_config(base, {"data.eod_token=256", "data.source=indexed:x", "model.vocab_size=256"});
+  });
   EXPECT_NE(big.find("data.eod_token = 256"), std::string::npos) << big;
 }
 

@@ -10,15 +10,15 @@
 #include <bit>
 #include <cmath>
 #include <limits>
-#include <tuple>
 #include <memory>
+#include <tuple>
 #include <vector>
 
-#include "lockstep/kernels/device.h"
-#include "lockstep/parallel/reduction/micro_batch_tree.h"
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/parallel/reduction/micro_batch_tree.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -107,7 +107,7 @@ TEST(ExactSum, SumOfSquaresFullBins) {
 }
 
 TEST(ExactSum, CancellationRoundingAndRange) {
-  EXPECT_EQ(sum_of({1e300, 1.0, -1e300}), 1.0);  // a left fold in double gives 0
+  EXPECT_EQ(sum_of({1e300, 1.0, -1e300}), 1.0);                   // a left fold in double gives 0
   const __float128 r = static_cast<__float128>(0.1) + 0.2 - 0.3;  // exact: the terms share a binade's grid
   EXPECT_EQ(bits(sum_of({0.1, 0.2, -0.3})), bits(static_cast<double>(r)));
   const double two53 = 9007199254740992.0;
@@ -250,7 +250,8 @@ TEST(TreeSum, PushAlignedBlocksOverRangesEqualsTheTree) {
         blocks.emplace_back(c, count);
       }
       int first_level = 64;
-      for (const auto& [c, count] : blocks) first_level = std::min(first_level, std::countr_zero(static_cast<uint64_t>(count)));
+      for (const auto& [c, count] : blocks)
+        first_level = std::min(first_level, std::countr_zero(static_cast<uint64_t>(count)));
       const int64_t levels = std::max<int64_t>(0, tree_sum_stack(L) - first_level);
       std::vector<float> block(static_cast<size_t>(n));
       // The stack between two guard buffers, which must come out untouched.
@@ -267,7 +268,8 @@ TEST(TreeSum, PushAlignedBlocksOverRangesEqualsTheTree) {
       }
       for (int64_t i = 0; i < n; ++i) {
         ASSERT_EQ(guarded[static_cast<size_t>(i)], 12345.0f) << "L " << L << " cap " << cap << ": below the stack";
-        ASSERT_EQ(guarded[static_cast<size_t>((levels + 1) * n + i)], 12345.0f) << "L " << L << " cap " << cap << ": above it";
+        ASSERT_EQ(guarded[static_cast<size_t>((levels + 1) * n + i)], 12345.0f)
+            << "L " << L << " cap " << cap << ": above it";
       }
       for (int64_t i = 0; i < n; ++i)
         ASSERT_EQ(std::bit_cast<uint32_t>(block[i]), std::bit_cast<uint32_t>(tree_reference(x, 0, x.size(), i)))
@@ -283,7 +285,8 @@ TEST(TreeSum, ManyBlocksAndRootOverAnyLeafEqualTheTree) {
   for (int64_t L : {1, 2, 3, 7, 8, 13, 16}) {
     const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L));
     std::vector<float> want(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) want[static_cast<size_t>(i)] = tree_reference(x, 0, x.size(), static_cast<size_t>(i));
+    for (int64_t i = 0; i < n; ++i)
+      want[static_cast<size_t>(i)] = tree_reference(x, 0, x.size(), static_cast<size_t>(i));
     std::vector<float> stack(static_cast<size_t>(std::max<int64_t>(1, tree_sum_stack(L) * n)));
     for (int64_t over : {int64_t{-1}, int64_t{0}, L / 2, L - 1}) {  // -1: a separate output
       auto leaves = x;
@@ -352,7 +355,9 @@ TEST(TreeSum, BlocksAreTheirCanonicalPieces) {
   for (int64_t L = 1; L <= 17; ++L) {
     std::vector<std::pair<int64_t, int64_t>> nodes;
     nodes_of(nodes, 0, L);
-    auto is_node = [&](int64_t lo, int64_t hi) { return std::find(nodes.begin(), nodes.end(), std::pair{lo, hi}) != nodes.end(); };
+    auto is_node = [&](int64_t lo, int64_t hi) {
+      return std::find(nodes.begin(), nodes.end(), std::pair{lo, hi}) != nodes.end();
+    };
     const auto x = leaves_of(L, n, 500 + static_cast<uint64_t>(L));
     const std::vector<float> want = tree_of(x);
     for (int64_t a = 0; a < L; ++a)
@@ -367,7 +372,8 @@ TEST(TreeSum, BlocksAreTheirCanonicalPieces) {
           EXPECT_TRUE(is_node(p[k], p[k + 1])) << "L " << L << " [" << a << ", " << b << ") piece " << k;
           for (const auto& [lo, hi] : nodes)
             EXPECT_FALSE(lo <= p[k] && p[k + 1] <= hi && hi - lo > p[k + 1] - p[k] && a <= lo && hi <= b)
-                << "L " << L << " [" << a << ", " << b << ") piece " << k << " is inside node [" << lo << ", " << hi << ")";
+                << "L " << L << " [" << a << ", " << b << ") piece " << k << " is inside node [" << lo << ", " << hi
+                << ")";
         }
         // The pieces of [0, a), [a, b), [b, L), each summed along its own tree, then PieceTree.
         std::vector<int64_t> bounds{0};
@@ -428,8 +434,8 @@ TEST(MicroBatchTree, StreamingRangeByRangeEqualsTheTree) {
 // piece(k) and the last one's in the buffer (DataParallel's pieced layout mode).
 TEST(MicroBatchTree, StreamingPiecesEqualTheirTrees) {
   const int64_t n = 3000;
-  for (const auto& [L, a, b] : {std::tuple<int64_t, int64_t, int64_t>{9, 0, 3}, {9, 3, 6}, {9, 6, 9}, {10, 5, 10},
-                                {13, 1, 12}, {6, 2, 4}})
+  for (const auto& [L, a, b] :
+       {std::tuple<int64_t, int64_t, int64_t>{9, 0, 3}, {9, 3, 6}, {9, 6, 9}, {10, 5, 10}, {13, 1, 12}, {6, 2, 4}})
     for (int threads : {1, 3})
       with_threads(threads, [&] {
         const auto x = leaves_of(L, n, 700 + static_cast<uint64_t>(L * 31 + a));
@@ -455,7 +461,8 @@ TEST(MicroBatchTree, StreamingPiecesEqualTheirTrees) {
         for (size_t k = 0; k + 1 < K; ++k)
           EXPECT_TRUE(testing::bitwise_equal(std::vector<float>(tree.piece(k), tree.piece(k) + n), piece_tree(k)))
               << "L " << L << " [" << a << ", " << b << ") piece " << k;
-        EXPECT_TRUE(testing::bitwise_equal(buf, piece_tree(K - 1))) << "L " << L << " [" << a << ", " << b << ") last piece";
+        EXPECT_TRUE(testing::bitwise_equal(buf, piece_tree(K - 1)))
+            << "L " << L << " [" << a << ", " << b << ") last piece";
       });
 }
 

@@ -29,19 +29,18 @@
 namespace lockstep {
 namespace {
 
+using testing::largest_loss_difference;
 using testing::read_file;
 using testing::TempDir;
-using testing::largest_loss_difference;
 using testing::train_ranks;
 using testing::trajectory;
 
 Config job(const std::string& out_dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
-                                "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
+  std::vector<std::string> o = {"train.steps=4",       "train.eval_interval=0",      "train.threads=1",
+                                "train.micro_batch=2", "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
   o.insert(o.end(), extra.begin(), extra.end());
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", o);
 }
-
 
 TEST(ExpertParallel, EachRankHoldsAndInitialisesItsExpertsAsTheSingleProcess) {
   const Config c = job("unused");
@@ -95,7 +94,8 @@ void alltoall_matches_data_parallel_bitwise(int ranks, std::vector<std::string> 
     if (norm_tolerance > 0)
       EXPECT_LE(std::fabs(ep[s].second - dp[s].second), norm_tolerance * dp[s].second) << "grad norm, step " << s + 1;
     else
-      EXPECT_EQ(std::bit_cast<uint64_t>(ep[s].second), std::bit_cast<uint64_t>(dp[s].second)) << "grad norm, step " << s + 1;
+      EXPECT_EQ(std::bit_cast<uint64_t>(ep[s].second), std::bit_cast<uint64_t>(dp[s].second))
+          << "grad norm, step " << s + 1;
   }
 }
 
@@ -106,9 +106,10 @@ TEST(ExpertParallel, AllToAllEp2WithCapacityDropAndPaddingMatchesDp2Bitwise) {
                                              "moe.pad_expert_input_to_capacity=true"});
 }
 TEST(ExpertParallel, AllToAllEp2SwigluSigmoidBiasSharedExpertMatchesDp2Bitwise) {
-  alltoall_matches_data_parallel_bitwise(2, {"model.preset=llama", "moe.router_score_function=sigmoid",
-                                             "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01",
-                                             "moe.shared_expert_intermediate_size=32", "moe.expert_capacity_factor=1.0"});
+  alltoall_matches_data_parallel_bitwise(
+      2,
+      {"model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
+       "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.expert_capacity_factor=1.0"});
 }
 
 // FP8 under expert parallelism (determinism = "run"): each expert's rows are quantised as one
@@ -125,8 +126,8 @@ TEST(ExpertParallel, AllToAllEp2Fp8TensorwiseMatchesDp2Bitwise) {
   alltoall_matches_data_parallel_bitwise(2, {"precision.params=bf16", "precision.fp8=tensorwise"});
 }
 TEST(ExpertParallel, AllToAllEp2Fp8DelayedMatchesDp2Bitwise) {
-  alltoall_matches_data_parallel_bitwise(2, {"precision.params=bf16", "precision.fp8=delayed",
-                                             "precision.fp8_amax_history_len=4"});
+  alltoall_matches_data_parallel_bitwise(
+      2, {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=4"});
 }
 TEST(ExpertParallel, AllToAllEp2Fp8BlockwiseSwigluMatchesDp2Bitwise) {
   alltoall_matches_data_parallel_bitwise(2, {"precision.params=bf16", "precision.fp8=blockwise", "model.preset=llama"});
@@ -137,11 +138,13 @@ TEST(ExpertParallel, AllToAllEp2Mxfp8MatchesDp2Bitwise) {
 
 TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
   TempDir dir;
-  EXPECT_EQ(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=3"}); }),
-            "config: moe.num_experts = 4 is not divisible by parallel.expert = 3 (every expert-parallel rank holds the same "
-            "number of experts)");
-  EXPECT_NE(testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=2", "moe.num_experts=0"}); })
-                .find("parallel.expert = 2 needs an MoE model (moe.num_experts > 0)"),
+  EXPECT_EQ(
+      testing::user_error_of([&] { job(dir.path("a"), {"parallel.expert=3"}); }),
+      "config: moe.num_experts = 4 is not divisible by parallel.expert = 3 (every expert-parallel rank holds the same "
+      "number of experts)");
+  EXPECT_NE(testing::user_error_of([&] {
+              job(dir.path("a"), {"parallel.expert=2", "moe.num_experts=0"});
+            }).find("parallel.expert = 2 needs an MoE model (moe.num_experts > 0)"),
             std::string::npos);
   std::string message = "(no error)";
   try {

@@ -18,9 +18,8 @@ struct Spec {
   int E, M, bias;
   int codes;  // 256, or 16 for E2M1
 };
-const Spec kSpecs[] = {{ElemFormat::e4m3, 4, 3, 7, 256},
-                       {ElemFormat::e5m2, 5, 2, 15, 256},
-                       {ElemFormat::e2m1, 2, 1, 1, 16}};
+const Spec kSpecs[] = {
+    {ElemFormat::e4m3, 4, 3, 7, 256}, {ElemFormat::e5m2, 5, 2, 15, 256}, {ElemFormat::e2m1, 2, 1, 1, 16}};
 
 // The value of a code from the formats' definitions, in double (NaN for NaN codes).
 double reference_value(const Spec& s, int code) {
@@ -51,8 +50,7 @@ TEST(FloatFormats, EveryCodeDecodesToItsDefinedValue) {
     for (int c = 0; c < 256; ++c) {
       const double want = reference_value(s, c % s.codes);
       EXPECT_TRUE(same_value(want, decode(s.f, static_cast<uint8_t>(c))))
-          << elem_format_name(s.f) << " code " << c << ": " << decode(s.f, static_cast<uint8_t>(c))
-          << " vs " << want;
+          << elem_format_name(s.f) << " code " << c << ": " << decode(s.f, static_cast<uint8_t>(c)) << " vs " << want;
       EXPECT_TRUE(same_value(want, decode_table(s.f)[c]));
     }
   }
@@ -62,7 +60,7 @@ TEST(FloatFormats, EveryCodeDecodesToItsDefinedValue) {
   EXPECT_EQ(decode_e4m3(0x08), 0x1p-6f);  // smallest normal
   EXPECT_EQ(decode_e4m3(0x01), 0x1p-9f);  // smallest subnormal
   EXPECT_TRUE(std::isnan(decode_e4m3(0x7F)) && std::isnan(decode_e4m3(0xFF)));
-  EXPECT_EQ(decode_e4m3(0x78), 256.0f);   // E4M3 has no infinity: S.1111.000 is a number
+  EXPECT_EQ(decode_e4m3(0x78), 256.0f);  // E4M3 has no infinity: S.1111.000 is a number
   EXPECT_EQ(decode_e5m2(0x7B), 57344.0f);
   EXPECT_EQ(decode_e5m2(0x3C), 1.0f);
   EXPECT_EQ(decode_e5m2(0x01), 0x1p-16f);
@@ -93,7 +91,8 @@ TEST(FloatFormats, EveryFiniteCodeRoundTrips) {
 // encode(x, saturate) must give (saturation is "nearest finite" too).
 int brute_force_nearest(const Spec& s, float x) {
   const int sign = std::signbit(x) ? 1 << (s.E + s.M) : 0;
-  if (std::abs(static_cast<double>(x)) >= max_finite(s.f)) return sign | (s.f == ElemFormat::e4m3 ? 0x7E : s.f == ElemFormat::e5m2 ? 0x7B : 0x7);
+  if (std::abs(static_cast<double>(x)) >= max_finite(s.f))
+    return sign | (s.f == ElemFormat::e4m3 ? 0x7E : s.f == ElemFormat::e5m2 ? 0x7B : 0x7);
   int best = -1;
   double best_d = 0;
   for (int mag = 0; mag < s.codes / 2; ++mag) {
@@ -125,8 +124,8 @@ TEST(FloatFormats, EncodeRoundsToNearestEvenLikeABruteForceSearch) {
     for (size_t i = 0; i + 1 < v.size(); ++i) {
       const auto mid = static_cast<float>((v[i] + v[i + 1]) / 2);  // exact in fp32
       ASSERT_EQ(static_cast<double>(mid), (v[i] + v[i + 1]) / 2);
-      for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f),
-                      static_cast<float>(v[i]), std::nextafter(static_cast<float>(v[i + 1]), 0.0f)}) {
+      for (float x : {mid, std::nextafter(mid, 0.0f), std::nextafter(mid, 1e30f), static_cast<float>(v[i]),
+                      std::nextafter(static_cast<float>(v[i + 1]), 0.0f)}) {
         xs.push_back(x);
         xs.push_back(-x);
       }
@@ -144,19 +143,19 @@ TEST(FloatFormats, EncodeRoundsToNearestEvenLikeABruteForceSearch) {
 }
 
 TEST(FloatFormats, TiesGoToTheEvenCode) {
-  EXPECT_EQ(encode_e4m3(1.0625f), 0x38);     // between 1 (0x38) and 1.125 (0x39)
-  EXPECT_EQ(encode_e4m3(1.1875f), 0x3A);     // between 1.125 (0x39) and 1.25 (0x3A)
+  EXPECT_EQ(encode_e4m3(1.0625f), 0x38);  // between 1 (0x38) and 1.125 (0x39)
+  EXPECT_EQ(encode_e4m3(1.1875f), 0x3A);  // between 1.125 (0x39) and 1.25 (0x3A)
   EXPECT_EQ(encode_e4m3(-1.0625f), 0xB8);
-  EXPECT_EQ(encode_e4m3(0x1p-10f), 0x00);    // half the smallest subnormal: to zero
-  EXPECT_EQ(encode_e4m3(0x3p-10f), 0x02);    // 1.5 subnormal quanta: up to 2
-  EXPECT_EQ(encode_e4m3(0xFp-10f), 0x08);    // 7.5 quanta: up to the smallest normal
-  EXPECT_EQ(encode_e5m2(1.125f), 0x3C);      // between 1 and 1.25
-  EXPECT_EQ(encode_e5m2(1.375f), 0x3E);      // between 1.25 and 1.5
-  EXPECT_EQ(encode_e2m1(2.5f), 0x4);         // between 2 (0x4) and 3 (0x5)
-  EXPECT_EQ(encode_e2m1(3.5f), 0x6);         // between 3 and 4
-  EXPECT_EQ(encode_e2m1(5.0f), 0x6);         // between 4 (0x6) and 6 (0x7)
-  EXPECT_EQ(encode_e2m1(0.25f), 0x0);        // between 0 and 0.5
-  EXPECT_EQ(encode_e2m1(0.75f), 0x2);        // between 0.5 and 1
+  EXPECT_EQ(encode_e4m3(0x1p-10f), 0x00);  // half the smallest subnormal: to zero
+  EXPECT_EQ(encode_e4m3(0x3p-10f), 0x02);  // 1.5 subnormal quanta: up to 2
+  EXPECT_EQ(encode_e4m3(0xFp-10f), 0x08);  // 7.5 quanta: up to the smallest normal
+  EXPECT_EQ(encode_e5m2(1.125f), 0x3C);    // between 1 and 1.25
+  EXPECT_EQ(encode_e5m2(1.375f), 0x3E);    // between 1.25 and 1.5
+  EXPECT_EQ(encode_e2m1(2.5f), 0x4);       // between 2 (0x4) and 3 (0x5)
+  EXPECT_EQ(encode_e2m1(3.5f), 0x6);       // between 3 and 4
+  EXPECT_EQ(encode_e2m1(5.0f), 0x6);       // between 4 (0x6) and 6 (0x7)
+  EXPECT_EQ(encode_e2m1(0.25f), 0x0);      // between 0 and 0.5
+  EXPECT_EQ(encode_e2m1(0.75f), 0x2);      // between 0.5 and 1
   EXPECT_EQ(encode_e2m1(-1.25f), 0xA);
 }
 
@@ -191,7 +190,7 @@ TEST(FloatFormats, NaNAndSignedZero) {
   EXPECT_EQ(encode_e4m3(-0.0f), 0x80);
   EXPECT_EQ(encode_e5m2(-0.0f), 0x80);
   EXPECT_EQ(encode_e2m1(-0.0f), 0x8);
-  EXPECT_EQ(encode_e4m3(-1e-4f), 0x80);  // underflow keeps the sign
+  EXPECT_EQ(encode_e4m3(-1e-4f), 0x80);                             // underflow keeps the sign
   EXPECT_EQ(encode_e4m3(std::bit_cast<float>(0x00000001u)), 0x00);  // fp32 subnormal input
 }
 
@@ -241,17 +240,17 @@ TEST(FloatFormats, E8M0EveryCode) {
 
 TEST(FloatFormats, E8M0Rounding) {
   using R = ScaleRounding;
-  EXPECT_EQ(encode_e8m0(3.0f, R::down), 128);      // 2
-  EXPECT_EQ(encode_e8m0(3.0f, R::up), 129);        // 4
-  EXPECT_EQ(encode_e8m0(3.0f, R::nearest), 128);   // tie 1.5 * 2: code 128 is even
-  EXPECT_EQ(encode_e8m0(6.0f, R::nearest), 130);   // tie 1.5 * 4: codes 129 | 130
+  EXPECT_EQ(encode_e8m0(3.0f, R::down), 128);     // 2
+  EXPECT_EQ(encode_e8m0(3.0f, R::up), 129);       // 4
+  EXPECT_EQ(encode_e8m0(3.0f, R::nearest), 128);  // tie 1.5 * 2: code 128 is even
+  EXPECT_EQ(encode_e8m0(6.0f, R::nearest), 130);  // tie 1.5 * 4: codes 129 | 130
   EXPECT_EQ(encode_e8m0(1.25f, R::nearest), 127);
   EXPECT_EQ(encode_e8m0(1.75f, R::nearest), 128);
   EXPECT_EQ(encode_e8m0(std::nextafter(2.0f, 0.0f), R::down), 127);
   EXPECT_EQ(encode_e8m0(std::nextafter(1.0f, 2.0f), R::up), 128);
   EXPECT_EQ(encode_e8m0(0.0f), 0);
-  EXPECT_EQ(encode_e8m0(1e-40f, R::down), 0);      // below 2^-127: clamps
-  EXPECT_EQ(encode_e8m0(3e38f, R::up), 254);       // above 2^127: clamps
+  EXPECT_EQ(encode_e8m0(1e-40f, R::down), 0);  // below 2^-127: clamps
+  EXPECT_EQ(encode_e8m0(3e38f, R::up), 254);   // above 2^127: clamps
   EXPECT_EQ(encode_e8m0(-1.0f), 0xFF);
   EXPECT_EQ(encode_e8m0(std::numeric_limits<float>::infinity()), 0xFF);
   EXPECT_EQ(encode_e8m0(std::numeric_limits<float>::quiet_NaN()), 0xFF);

@@ -55,8 +55,9 @@ TEST(HdMath, DecodeGivesTheBitsOfTheLdexpTables) {
     }
   }
   for (uint32_t c = 0; c < 256; ++c) {
-    const float want = c == 0xFF ? std::numeric_limits<float>::quiet_NaN() : c == 0 ? 0x1p-127f
-                                                                           : std::ldexp(1.0f, static_cast<int>(c) - 127);
+    const float want = c == 0xFF ? std::numeric_limits<float>::quiet_NaN()
+                       : c == 0  ? 0x1p-127f
+                                 : std::ldexp(1.0f, static_cast<int>(c) - 127);
     ASSERT_EQ(bits(decode_e8m0(static_cast<uint8_t>(c))), bits(want)) << c;
   }
 }
@@ -70,8 +71,11 @@ uint8_t reference_e8m0(float x, ScaleRounding rounding) {
   int k = e - 1;
   if (m != 0.5f) {
     switch (rounding) {
-      case ScaleRounding::down: break;
-      case ScaleRounding::up: ++k; break;
+      case ScaleRounding::down:
+        break;
+      case ScaleRounding::up:
+        ++k;
+        break;
       case ScaleRounding::nearest:
         if (m > 0.75f || (m == 0.75f && ((k + 127) & 1))) ++k;
         break;
@@ -151,14 +155,15 @@ TEST(HdMath, HadamardGivesTheBitsOfTheStripPasses) {
 
 TEST(HdMath, PhiloxBlockFormsAgree) {
   const RandomStream rng(0xfedcba9876543210ULL, purpose_id("hd_math/philox"));
-  for (uint64_t b : {uint64_t{0}, uint64_t{1}, uint64_t{0xffffffff}, uint64_t{0x100000000}, uint64_t{0x123456789abcdef}}) {
+  for (uint64_t b :
+       {uint64_t{0}, uint64_t{1}, uint64_t{0xffffffff}, uint64_t{0x100000000}, uint64_t{0x123456789abcdef}}) {
     uint32_t w[4];
     rng.block(b, w);
     const std::array<uint32_t, 4> a = rng.block(b);
-    const std::array<uint32_t, 4> p = philox4x32_10(
-        {static_cast<uint32_t>(rng.seed()), static_cast<uint32_t>(rng.seed() >> 32)},
-        {static_cast<uint32_t>(b), static_cast<uint32_t>(b >> 32), static_cast<uint32_t>(rng.purpose()),
-         static_cast<uint32_t>(rng.purpose() >> 32)});
+    const std::array<uint32_t, 4> p =
+        philox4x32_10({static_cast<uint32_t>(rng.seed()), static_cast<uint32_t>(rng.seed() >> 32)},
+                      {static_cast<uint32_t>(b), static_cast<uint32_t>(b >> 32), static_cast<uint32_t>(rng.purpose()),
+                       static_cast<uint32_t>(rng.purpose() >> 32)});
     for (int j = 0; j < 4; ++j) {
       EXPECT_EQ(w[j], a[j]);
       EXPECT_EQ(w[j], p[j]);

@@ -65,7 +65,8 @@ TEST(IndexedDataset, ReadsHandBuiltFilesOfEveryIntegerType) {
     const std::string prefix = dir.path(stem);
     dir.write(stem + ".idx", expected_idx(code, elem, {2, 1}));
     std::string bin;
-    for (int64_t v : {3, 1, 4}) bin.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(elem));  // little-endian
+    for (int64_t v : {3, 1, 4})
+      bin.append(reinterpret_cast<const char*>(&v), static_cast<size_t>(elem));  // little-endian
     dir.write(stem + ".bin", bin);
     const IndexedDataset ds(prefix);
     EXPECT_EQ(ds.dtype_code(), code);
@@ -93,7 +94,8 @@ TEST(IndexedDataset, RoundTripsAndChecksVocabulary) {
   EXPECT_NE(msg.find("token 65535"), std::string::npos) << msg;
   EXPECT_NE(msg.find("model.vocab_size = 1000"), std::string::npos) << msg;
   // uint8 cannot hold 65535: the writer refuses instead of wrapping.
-  EXPECT_NE(error_of([&] { write_docs(dir.path("small"), TokenDtype::uint8); }).find("does not fit"), std::string::npos);
+  EXPECT_NE(error_of([&] { write_docs(dir.path("small"), TokenDtype::uint8); }).find("does not fit"),
+            std::string::npos);
   EXPECT_FALSE(std::filesystem::exists(dir.path("small.bin")));
   EXPECT_FALSE(std::filesystem::exists(dir.path("small.bin.tmp")));
 }

@@ -32,9 +32,14 @@ constexpr int kSteps = 3;
 // preset's debug config, 3 steps, global batch 8 in micro-batches of 2 (M = 4), a checkpoint at
 // the end, determinism = "layout", plus the row's keys.
 Config job(const std::string& preset, const std::string& out_dir, std::vector<std::string> extra) {
-  std::vector<std::string> o = {"determinism=layout", "train.steps=" + std::to_string(kSteps), "train.eval_interval=0",
-                                "train.threads=1", "train.micro_batch=2", "data.synthetic_bytes=65536",
-                                "train.save_interval=" + std::to_string(kSteps), "optimizer.clip_grad=1.0",
+  std::vector<std::string> o = {"determinism=layout",
+                                "train.steps=" + std::to_string(kSteps),
+                                "train.eval_interval=0",
+                                "train.threads=1",
+                                "train.micro_batch=2",
+                                "data.synthetic_bytes=65536",
+                                "train.save_interval=" + std::to_string(kSteps),
+                                "optimizer.clip_grad=1.0",
                                 "train.out_dir=" + out_dir};
   o.insert(o.end(), extra.begin(), extra.end());
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
@@ -121,8 +126,9 @@ const std::vector<Row> kDataParallelRows = {
     {2, {"optimizer.distributed=true"}},
     {4, {"optimizer.distributed=true", "ddp.bucket_size=20000"}},
     {2, {"ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-    {4, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
-         "ddp.bucket_size=20000"}},
+    {4,
+     {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true",
+      "ddp.bucket_size=20000"}},
     {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "train.threads=2"}},
 };
 
@@ -138,15 +144,17 @@ TEST(LayoutDeterminism, MoeDataParallelLayoutsMatchSingleProcess) {
 // the distributed optimizer and overlap: each expert's gradient is the canonical tree over the
 // micro-batches of every source rank.
 TEST(LayoutDeterminism, ExpertParallelLayoutsMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert=2"}},
-      {4, {"parallel.expert=2"}},
-      {4, {"parallel.expert=4"}},
-      {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true",
-           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-      {4, {"parallel.expert=4", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
-  });
+  rows_match_single_process(
+      "moe-debug", {
+                       {2, {"parallel.expert=2"}},
+                       {4, {"parallel.expert=2"}},
+                       {4, {"parallel.expert=4"}},
+                       {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                       {4,
+                        {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true",
+                         "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                       {4, {"parallel.expert=4", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+                   });
 }
 
 // Expert tensor parallelism with parallel.tensor = 1 (attention data-parallel): each expert's hidden
@@ -155,23 +163,30 @@ TEST(LayoutDeterminism, ExpertParallelLayoutsMatchSingleProcess) {
 // after), the expert weight gradients per (expert, source rank) as under expert parallelism. Both
 // dispatchers, SwiGLU (gate and up sections), capacity with padding, other segment counts.
 TEST(LayoutDeterminism, ExpertTensorParallelLayoutsMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert_tensor=2"}},
-      {4, {"parallel.expert_tensor=2"}},
-      {4, {"parallel.expert_tensor=4"}},
-      {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
-      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall",
-           "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  });
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert_tensor=2"}},
-      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-  }, {"model.preset=llama", "precision.params=bf16"});
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert_tensor=2"}},
-      {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
-      {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-  }, {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true", "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process(
+      "moe-debug", {
+                       {2, {"parallel.expert_tensor=2"}},
+                       {4, {"parallel.expert_tensor=2"}},
+                       {4, {"parallel.expert_tensor=4"}},
+                       {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
+                       {4,
+                        {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall",
+                         "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                   });
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.expert_tensor=2"}},
+                                {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                            },
+                            {"model.preset=llama", "precision.params=bf16"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.expert_tensor=2"}},
+                                {4, {"parallel.expert_tensor=2", "parallel.expert=2"}},
+                                {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                            },
+                            {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true",
+                             "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=4"}}}, {"layout_segments=4"});
 }
 
@@ -181,28 +196,39 @@ TEST(LayoutDeterminism, ExpertTensorParallelLayoutsMatchSingleProcess) {
 // layout_segments canonical segments whatever parallel.tensor is. GPT-2 (tied, learned positions,
 // biases), Llama (GQA, SwiGLU, RoPE), bf16, MTP, with data and pipeline parallelism.
 TEST(LayoutDeterminism, TensorParallelLayoutsMatchSingleProcess) {
-  rows_match_single_process("debug", {
-      {2, {"parallel.tensor=2"}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=2", "optimizer.distributed=true"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "ddp.overlap_grad_reduce=true", "train.threads=2"}},
-  });
-  rows_match_single_process("debug", {
-      {2, {"parallel.tensor=2"}},
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
-  }, {"model.preset=llama", "model.num_heads=8", "model.num_query_groups=4"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
-      {4, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-  }, {"model.num_layers=4", "model.tie_embeddings=false"});
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {"parallel.tensor=2"}},
+          {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=2", "optimizer.distributed=true"}},
+          {4,
+           {"parallel.tensor=2", "parallel.sequence_parallel=true", "ddp.overlap_grad_reduce=true", "train.threads=2"}},
+      });
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {"parallel.tensor=2"}},
+          {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      },
+      {"model.preset=llama", "model.num_heads=8", "model.num_query_groups=4"});
+  rows_match_single_process("debug",
+                            {
+                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
+                                {4, {"parallel.tensor=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                            },
+                            {"model.num_layers=4", "model.tie_embeddings=false"});
   rows_match_single_process("debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
-  rows_match_single_process("debug", {
-      {2, {"parallel.tensor=2"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
-  }, {"model.mtp_num_layers=1"});
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {"parallel.tensor=2"}},
+          {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+      },
+      {"model.mtp_num_layers=1"});
 }
 
 // layout_token_segments: every weight gradient and attention's dK, dV in the micro-batch's token
@@ -211,38 +237,51 @@ TEST(LayoutDeterminism, TensorParallelLayoutsMatchSingleProcess) {
 // (its single process differs from the one without it).
 TEST(LayoutDeterminism, TokenSegmentsMatchSingleProcess) {
   const std::vector<std::string> key = {"layout_token_segments=true"};
-  rows_match_single_process("debug", {
-      {2, {}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
-      {2, {"parallel.pipeline=2"}},
-  }, key);
-  rows_match_single_process("debug", {
-      {2, {}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {}},
+          {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+          {2, {"parallel.pipeline=2"}},
+      },
+      key);
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {}},
+          {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      },
+      {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
   // MTP: the depths' eh_proj, norms, layers and embedding copies in token segments, their losses the
   // micro-batch's means (GPT::micro_batch_mean); tied and untied, with TP + SP, PP and DP (3 per rank).
-  rows_match_single_process("debug", {
-      {2, {}},
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "model.mtp_num_layers=2"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=2", "optimizer.distributed=true"}},
-  }, {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
-      "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {}},
+                                {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+                            },
+                            {"layout_token_segments=true", "model.mtp_num_layers=2"});
+  rows_match_single_process(
+      "debug",
+      {
+          {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=2", "optimizer.distributed=true"}},
+      },
+      {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
+       "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
   // MoE models: the MoE sums are the S-segment trees of layout mode already; with the key the dense
   // layers' too (DP, TP, TP + SP, EP, ETP, a gated shared expert at TP 2 x EP 2).
-  rows_match_single_process("moe-debug", {
-      {2, {}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {2, {"parallel.expert=2"}},
-      {2, {"parallel.expert_tensor=2"}},
-  }, key);
-  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "parallel.expert=2"}}},
-                            {"layout_token_segments=true", "moe.shared_expert_intermediate_size=64",
-                             "moe.shared_expert_gate=true"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {}},
+                                {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                                {2, {"parallel.expert=2"}},
+                                {2, {"parallel.expert_tensor=2"}},
+                            },
+                            key);
+  rows_match_single_process(
+      "moe-debug", {{4, {"parallel.tensor=2", "parallel.expert=2"}}},
+      {"layout_token_segments=true", "moe.shared_expert_intermediate_size=64", "moe.shared_expert_gate=true"});
   TempDir dir;
   train_ranks(1, job("debug", dir.path("on"), key));
   train_ranks(1, job("debug", dir.path("off"), {}));
@@ -255,8 +294,8 @@ TEST(LayoutDeterminism, TokenSegmentsMatchSingleProcess) {
 // chunks) one segment per chunk; one process at 16 segments pushes blocks of 4 segments, CP 2
 // (pieces of 2 segments) adds whole pieces in the product. Each the same tree, bit for bit.
 TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
-  const std::vector<std::string> big = {"layout_token_segments=true", "model.vocab_size=131072",
-                                        "model.hidden_size=16", "train.global_batch=4"};
+  const std::vector<std::string> big = {"layout_token_segments=true", "model.vocab_size=131072", "model.hidden_size=16",
+                                        "train.global_batch=4"};
   std::vector<std::string> two = big, sixteen = big;
   two.push_back("layout_segments=2");
   sixteen.push_back("layout_segments=16");
@@ -270,99 +309,135 @@ TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
 // optimizer), CP 4 (16 segments), Llama GQA (RoPE) bf16 CP 2 and CP 2 x DP 2, bitwise equal to one
 // process with the key (fingerprints and checkpoints).
 TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
-  rows_match_single_process("debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "optimizer.distributed=true"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-  }, {"layout_token_segments=true"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "optimizer.distributed=true"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                            },
+                            {"layout_token_segments=true"});
   rows_match_single_process("debug", {{4, {"parallel.context=4"}}},
                             {"layout_token_segments=true", "layout_segments=16"});
-  rows_match_single_process("debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-  }, {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {"parallel.context=2"}},
+          {4, {"parallel.context=2"}},
+          {4, {"parallel.context=2", "parallel.tensor=2"}},
+      },
+      {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"});
   // Micro-batches per rank not a power of two (6 at DP 1, 3 at DP 2): cp rank 0's block as pieces of
   // the tree over the step's micro-batches, the other cp ranks' blocks empty.
-  rows_match_single_process("debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-  }, {"layout_token_segments=true", "train.global_batch=12"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2"}},
+                                {4,
+                                 {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+                                  "ddp.bucket_size=20000"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                            },
+                            {"layout_token_segments=true", "train.global_batch=12"});
   // Pipeline parallelism: each stage's cp group combines its chunks' pieces as the schedule runs the
   // micro-batches' backwards (tied head on the last stage, interleaved, DP 2 x A = 3 distributed).
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=2", "parallel.pipeline=2"}},
-      {8, {"parallel.context=2", "parallel.pipeline=2", "parallel.tensor=2"}},
-  }, {"layout_token_segments=true", "model.num_layers=4"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-      {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
-           "ddp.bucket_size=20000"}},
-  }, {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
-      "precision.params=bf16", "train.global_batch=12"});
+  rows_match_single_process("debug",
+                            {
+                                {4, {"parallel.context=2", "parallel.pipeline=2"}},
+                                {8, {"parallel.context=2", "parallel.pipeline=2", "parallel.tensor=2"}},
+                            },
+                            {"layout_token_segments=true", "model.num_layers=4"});
+  rows_match_single_process("debug",
+                            {
+                                {4, {"parallel.context=2", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                                {8,
+                                 {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true",
+                                  "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                            },
+                            {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama",
+                             "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
   // Sequence parallelism: the norms' gradients are each tp rank's units of the cp rank's rows (max(2B,
   // tp) units per cp rank), combined over tp x cp; TP 2 and 4, micro-batches of 1, 2 and 4, with DP,
   // PP (3 micro-batches per rank) and CP 4, GPT-2 and Llama GQA bf16.
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
-      {8, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true",
-           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"layout_token_segments=true"});
-  rows_match_single_process("debug", {
-      {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
-      {8, {"parallel.context=4", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "train.micro_batch=1", "layout_segments=16"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {8, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
-  }, {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
-      "precision.params=bf16", "train.global_batch=12"});
-  rows_match_single_process("debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+  rows_match_single_process(
+      "debug",
+      {
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
+          {8,
+           {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true",
+            "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      },
+      {"layout_token_segments=true"});
+  rows_match_single_process("debug",
+                            {
+                                {8, {"parallel.context=2", "parallel.tensor=4", "parallel.sequence_parallel=true"}},
+                                {8, {"parallel.context=4", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                            },
+                            {"layout_token_segments=true", "train.micro_batch=1", "layout_segments=16"});
+  rows_match_single_process(
+      "debug",
+      {
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {8, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.pipeline=2"}},
+      },
+      {"layout_token_segments=true", "model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
+       "precision.params=bf16", "train.global_batch=12"});
+  rows_match_single_process("debug",
+                            {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"layout_token_segments=true", "train.micro_batch=4", "layout_segments=16"});
   // MTP: the output head's weight gets a tree from every head (and, tied, the depths' lookups), the
   // embedding copies one per depth, folded in one by one over the cp group (fold_token_pieces); each
   // depth's loss the micro-batch's mean. Tied D = 2 at CP 2 and CP 4, untied (RoPE, no position copy)
   // Llama GQA bf16 at CP 2 x TP 2 + SP and CP 2 x PP 2, with DP 2 (3 micro-batches per rank).
-  rows_match_single_process("debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "model.mtp_num_layers=2"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                            },
+                            {"layout_token_segments=true", "model.mtp_num_layers=2"});
   rows_match_single_process("debug", {{4, {"parallel.context=4"}}},
                             {"layout_token_segments=true", "model.mtp_num_layers=2", "layout_segments=16"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.context=2", "parallel.pipeline=2"}},
-      {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true"}},
-  }, {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
-      "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
+  rows_match_single_process(
+      "debug",
+      {
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.context=2", "parallel.pipeline=2"}},
+          {8, {"parallel.context=2", "parallel.pipeline=2", "optimizer.distributed=true"}},
+      },
+      {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4", "model.preset=llama",
+       "model.num_query_groups=2", "precision.params=bf16", "train.global_batch=12"});
   // FP8: the per-tensor recipes read each piece's rows of the operands quantised whole (the micro-batch's
   // amax over tp x cp); the block recipes cut the weight gradients' token blocks at the token segments.
-  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
-                             "precision.fp8=mxfp8"})
-    rows_match_single_process("debug", {
-        {2, {"parallel.context=2"}},
-        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-    }, {"layout_token_segments=true", "precision.params=bf16", recipe});
-  rows_match_single_process("debug", {
-      {4, {"parallel.context=4"}},
-      {4, {"parallel.context=2", "optimizer.distributed=true"}},
-  }, {"layout_token_segments=true", "layout_segments=16", "model.preset=llama", "model.num_query_groups=2",
-      "precision.params=bf16", "precision.fp8=blockwise", "train.global_batch=12"});
+  for (const char* recipe :
+       {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise", "precision.fp8=mxfp8"})
+    rows_match_single_process("debug",
+                              {
+                                  {2, {"parallel.context=2"}},
+                                  {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                              },
+                              {"layout_token_segments=true", "precision.params=bf16", recipe});
+  rows_match_single_process(
+      "debug",
+      {
+          {4, {"parallel.context=4"}},
+          {4, {"parallel.context=2", "optimizer.distributed=true"}},
+      },
+      {"layout_token_segments=true", "layout_segments=16", "model.preset=llama", "model.num_query_groups=2",
+       "precision.params=bf16", "precision.fp8=blockwise", "train.global_batch=12"});
   // NVFP4: the weight gradients' operands transformed and quantised over the rank's pieces at once (one
   // tensor amax over tp x cp), their stochastic rounding (and dgrad's) keyed by the pieces' micro-batch
   // tokens; chunks of whole 16-token blocks.
-  rows_match_single_process("debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4"});
-  rows_match_single_process("debug", {{4, {"parallel.context=4"}}, {4, {"parallel.context=2", "optimizer.distributed=true"}}},
-                            {"layout_token_segments=true", "layout_segments=16", "model.seq_length=128",
-                             "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16",
-                             "precision.fp4=nvfp4", "train.global_batch=12"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                            },
+                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4"});
+  rows_match_single_process(
+      "debug", {{4, {"parallel.context=4"}}, {4, {"parallel.context=2", "optimizer.distributed=true"}}},
+      {"layout_token_segments=true", "layout_segments=16", "model.seq_length=128", "model.preset=llama",
+       "model.num_query_groups=2", "precision.params=bf16", "precision.fp4=nvfp4", "train.global_batch=12"});
   // 112 tokens per micro-batch: a cp rank's share of the loss divided by the count is not exact, so
   // the micro-batch's loss is the mean over its gathered per-token losses, counted on cp rank 0.
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}, {4, {"parallel.context=2", "parallel.tensor=2"}}},
@@ -378,56 +453,77 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
 TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   const std::vector<std::string> key = {"layout_token_segments=true", "moe.shared_expert_intermediate_size=64",
                                         "moe.shared_expert_gate=true"};
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
-  }, key);
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                                {4,
+                                 {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                  "optimizer.distributed=true"}},
+                            },
+                            key);
   std::vector<std::string> odd = key;
   odd.push_back("train.global_batch=12");
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-      {4, {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, odd);
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                                {4,
+                                 {"parallel.context=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+                                  "ddp.bucket_size=20000"}},
+                            },
+                            odd);
   rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4"}}},
                             {"layout_token_segments=true", "train.micro_batch=1"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.context=4"}}}, {"layout_token_segments=true", "layout_segments=16"});
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true",
-      "moe.token_drop_policy=position", "moe.input_jitter_eps=0.01", "moe.router_enable_expert_bias=true",
-      "moe.router_score_function=sigmoid"});
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-      {4, {"parallel.context=2", "parallel.pipeline=2"}},
-      {4, {"parallel.context=2", "parallel.expert=2", "parallel.pipeline=2"}},
-  }, {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16", "model.num_layers=4",
-      "moe.expert_capacity_factor=1.0"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.context=4"}}},
+                            {"layout_token_segments=true", "layout_segments=16"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"parallel.context=2"}},
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      },
+      {"layout_token_segments=true", "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true",
+       "moe.token_drop_policy=position", "moe.input_jitter_eps=0.01", "moe.router_enable_expert_bias=true",
+       "moe.router_score_function=sigmoid"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                                {4, {"parallel.context=2", "parallel.pipeline=2"}},
+                                {4, {"parallel.context=2", "parallel.expert=2", "parallel.pipeline=2"}},
+                            },
+                            {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16",
+                             "model.num_layers=4", "moe.expert_capacity_factor=1.0"});
   // MTP (its depths dense): the head's and depths' folded pieces beside the MoE layers' tp shares.
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2"}},
-      {2, {"parallel.context=2", "parallel.expert=2"}},
-  }, {"layout_token_segments=true", "model.mtp_num_layers=1"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.context=2", "parallel.tensor=2"}},
+                                {2, {"parallel.context=2", "parallel.expert=2"}},
+                            },
+                            {"layout_token_segments=true", "model.mtp_num_layers=1"});
   // Split experts: the expert x expert-tensor group holds whole micro-batches' tp x cp ranks, whose
   // rows of each expert are put back in token order before the token-segment trees (both
   // dispatchers, EP 2 / 4 over one or two micro-batch groups, ETP, with TP + SP, expert data
   // parallelism with blocks of 3 micro-batches, CP 4).
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2", "parallel.expert=2"}},
-      {2, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {2, {"parallel.context=2", "parallel.expert_tensor=2"}},
-      {4, {"parallel.context=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
-           "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
-  }, key);
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.context=2", "parallel.expert=2", "optimizer.distributed=true"}},
-      {4, {"parallel.context=2", "parallel.expert=4"}},
-  }, {"layout_token_segments=true", "train.global_batch=12", "moe.expert_capacity_factor=1.0",
-      "moe.pad_expert_input_to_capacity=true"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.context=2", "parallel.expert=2"}},
+                                {2, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {2, {"parallel.context=2", "parallel.expert_tensor=2"}},
+                                {4, {"parallel.context=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
+                                {4,
+                                 {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                  "parallel.expert=2", "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
+                            },
+                            key);
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.context=2", "parallel.expert=2", "optimizer.distributed=true"}},
+                                {4, {"parallel.context=2", "parallel.expert=4"}},
+                            },
+                            {"layout_token_segments=true", "train.global_batch=12", "moe.expert_capacity_factor=1.0",
+                             "moe.pad_expert_input_to_capacity=true"});
   rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=4"}}},
                             {"layout_token_segments=true", "layout_segments=16"});
   // Quantised: each (expert, micro-batch group) block in token order is one process's tensor of the
@@ -435,27 +531,35 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   // tensor parallelism NVFP4 keying a tp rank's units by their micro-batch tokens (ParamStore::unit_token).
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
                              "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
-    rows_match_single_process("moe-debug", {
-        {2, {"parallel.context=2", "parallel.expert=2"}},
-        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
-             "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
-        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}},
-    }, {"layout_token_segments=true", "precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64",
-        "moe.shared_expert_gate=true"});
+    rows_match_single_process("moe-debug",
+                              {
+                                  {2, {"parallel.context=2", "parallel.expert=2"}},
+                                  {4,
+                                   {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                    "parallel.expert=2", "parallel.expert_tensor=2", "moe.token_dispatcher=alltoall"}},
+                                  {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}},
+                              },
+                              {"layout_token_segments=true", "precision.params=bf16", recipe,
+                               "moe.shared_expert_intermediate_size=64", "moe.shared_expert_gate=true"});
   // Quantised experts on every rank: each cp (x tp) rank quantises its own rows of an expert (the
   // per-tensor amax max-reduced over tp x cp), each token piece's weight gradient quantised along the
   // tokens segment by segment.
-  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
-                             "precision.fp8=mxfp8"})
-    rows_match_single_process("moe-debug", {
-        {2, {"parallel.context=2"}},
-        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-    }, {"layout_token_segments=true", "precision.params=bf16", recipe});
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "model.preset=llama",
-      "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"});
+  for (const char* recipe :
+       {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise", "precision.fp8=mxfp8"})
+    rows_match_single_process("moe-debug",
+                              {
+                                  {2, {"parallel.context=2"}},
+                                  {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                              },
+                              {"layout_token_segments=true", "precision.params=bf16", recipe});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"parallel.context=2"}},
+          {4, {"parallel.context=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      },
+      {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "model.preset=llama",
+       "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"});
   // Expert groups smaller than the tp x cp group (a divisor of it): each micro-batch's expert
   // gradients as leaves per (expert, source, token unit), combined over the partners (the ranks of
   // the tp x cp group with the same expert coordinates) along the canonical tree over the units in
@@ -464,53 +568,65 @@ TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   // micro-batches of 1 (a unit is half a chunk), DP 2 with 3 micro-batches per rank (blocks as pieces)
   // and the distributed optimizer, padded with biases, Llama bf16. Combining the units in another
   // order (rotated by one) fails these rows.
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
-  }, {"layout_token_segments=true"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
+          {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+          {4,
+           {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+      },
+      {"layout_token_segments=true"});
   rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=2"}}},
                             {"layout_token_segments=true", "layout_segments=16"});
   rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=2"}}},
                             {"layout_token_segments=true", "train.micro_batch=1"});
-  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
-                                               "optimizer.distributed=true"}}},
-                            {"layout_token_segments=true", "train.global_batch=12"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
-                                               "moe.token_dispatcher=alltoall"}}},
-                            {"layout_token_segments=true", "moe.expert_capacity_factor=1.5",
-                             "moe.pad_expert_input_to_capacity=true", "train.lr=1.0", "train.warmup_steps=0"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
-                                               "parallel.expert=2"}}},
-                            {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16"});
+  rows_match_single_process(
+      "moe-debug",
+      {{8, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "optimizer.distributed=true"}}},
+      {"layout_token_segments=true", "train.global_batch=12"});
+  rows_match_single_process(
+      "moe-debug",
+      {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
+      {"layout_token_segments=true", "moe.expert_capacity_factor=1.5", "moe.pad_expert_input_to_capacity=true",
+       "train.lr=1.0", "train.warmup_steps=0"});
+  rows_match_single_process(
+      "moe-debug",
+      {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"}}},
+      {"layout_token_segments=true", "model.preset=llama", "precision.params=bf16"});
   // FP8: a kept block (all of a group's sources' rows of an expert) holds several unit leaves, each
   // read from its first row (Precision::grouped_wgrad_segments); reading every leaf from the block's
   // first row fails the tensorwise rows.
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise"}) {
-    rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2",
-                                                 "moe.token_dispatcher=alltoall"}}},
-                              {"layout_token_segments=true", "precision.params=bf16", recipe});
+    rows_match_single_process(
+        "moe-debug",
+        {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
+        {"layout_token_segments=true", "precision.params=bf16", recipe});
     rows_match_single_process("moe-debug", {{4, {"parallel.context=4", "parallel.expert=2"}}},
                               {"layout_token_segments=true", "layout_segments=16", "precision.params=bf16", recipe});
   }
-  rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
-                                               "parallel.expert_tensor=2"}}},
-                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=mxfp8",
-                             "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process(
+      "moe-debug",
+      {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}}},
+      {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=mxfp8",
+       "moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {{4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}}},
                             {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=delayed",
                              "precision.fp8_amax_history_len=2"});
   // With biases: the padding rows' activations zeroed (GroupedExperts' inert_padding); a learning rate
   // of 1 grows the fc biases in one step (without the zeroing these rows differ at step 2).
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.context=2"}},
-      {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise", "moe.expert_capacity_factor=1.5",
-      "moe.pad_expert_input_to_capacity=true", "train.lr=1.0", "train.warmup_steps=0"});
-  rows_match_single_process("moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
-                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
-                             "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128",
-                             "moe.num_experts=8"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                            },
+                            {"layout_token_segments=true", "precision.params=bf16", "precision.fp8=blockwise",
+                             "moe.expert_capacity_factor=1.5", "moe.pad_expert_input_to_capacity=true", "train.lr=1.0",
+                             "train.warmup_steps=0"});
+  rows_match_single_process(
+      "moe-debug", {{8, {"parallel.context=2", "parallel.tensor=4", "parallel.expert=8"}}},
+      {"layout_token_segments=true", "precision.params=bf16", "precision.fp4=nvfp4",
+       "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=128", "moe.num_experts=8"});
 }
 
 // Tensor parallelism, MoE models: each tp rank routes its own N / tp tokens, whole token segments of
@@ -523,18 +639,24 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   // The first four: 2 or 4 micro-batches per rank (the global batch of 8, micro-batches of 2), each
   // micro-batch's expert gradients reduce-scattered over tp, every tp rank pushing its chunk
   // (ExpertTpSum::slices); they fail when a rank pushes another rank's chunk.
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.tensor=2"}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
-      {2, {"parallel.tensor=2", "parallel.expert=2"}},
-      {2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.tensor=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.tensor=2", "parallel.expert=2", "optimizer.distributed=true"}},
-      {2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2", "parallel.expert=2"}},
-  }, {"moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"parallel.tensor=2"}},
+          {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"}},
+          {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}},
+          {2, {"parallel.tensor=2", "parallel.expert=2"}},
+          {2,
+           {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2",
+            "moe.token_dispatcher=alltoall"}},
+          {4, {"parallel.tensor=2", "parallel.expert=4", "moe.token_dispatcher=alltoall"}},
+          {4, {"parallel.tensor=2", "parallel.expert=2", "optimizer.distributed=true"}},
+          {2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
+          {4,
+           {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2", "parallel.expert=2"}},
+      },
+      {"moe.shared_expert_intermediate_size=64"});
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"model.preset=llama", "precision.params=bf16"});
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2"}}}, {"model.mtp_num_layers=1"});
@@ -542,19 +664,26 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
   // data-parallel replica; EP 2: two, the expert reduction over pieces).
   // EP = ETP = 1: tp rank 0's leaves as pieces of the expert reduction over tp x dp, the other tp
   // ranks' blocks empty (replicated and distributed optimizer; DP 3 x A = 3 and DP 2 x A = 5).
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.tensor=2", "parallel.expert=4"}},
-      {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.tensor=2"}},
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true",
-           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"train.global_batch=12"});
-  rows_match_single_process("moe-debug", {
-      {6, {"parallel.tensor=2", "optimizer.distributed=true"}},
-  }, {"train.global_batch=18"});
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
-  }, {"train.global_batch=20"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.tensor=2", "parallel.expert=4"}},
+                                {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {4, {"parallel.tensor=2"}},
+                                {4,
+                                 {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true",
+                                  "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                            },
+                            {"train.global_batch=12"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {6, {"parallel.tensor=2", "optimizer.distributed=true"}},
+                            },
+                            {"train.global_batch=18"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                            },
+                            {"train.global_batch=20"});
   // ExpertTpSum::slices beyond powers of two: one data-parallel rank with 3 micro-batches (its block
   // is the whole step), and 3 data-parallel ranks with 2 each.
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
@@ -568,7 +697,8 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
                             {"train.global_batch=6"});
   rows_match_single_process("moe-debug", {{4, {"parallel.tensor=2", "optimizer.distributed=true"}}},
                             {"train.global_batch=4"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
+  rows_match_single_process("moe-debug",
+                            {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"model.num_layers=4", "model.tie_embeddings=false", "train.global_batch=2"});
   // A capacity: the micro-batch's, each tp rank keeping its tokens' part of the micro-batch's drop mask
   // (both drop policies, padding to capacity; both dispatchers under EP, ETP, DP).
@@ -581,16 +711,19 @@ TEST(LayoutDeterminism, MoeTensorParallelLayoutsMatchSingleProcess) {
       {4, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
   };
   rows_match_single_process("moe-debug", capacity_rows, {"moe.expert_capacity_factor=1.0"});
-  rows_match_single_process("moe-debug", capacity_rows,
-                            {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true",
-                             "moe.token_drop_policy=position"});
+  rows_match_single_process(
+      "moe-debug", capacity_rows,
+      {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true", "moe.token_drop_policy=position"});
   rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
                             {"model.preset=llama", "precision.params=bf16", "moe.expert_capacity_factor=1.0",
                              "moe.pad_expert_input_to_capacity=true"});
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2", "parallel.expert_tensor=2"}},
-  }, {"model.num_layers=4", "model.tie_embeddings=false"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+          {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2", "parallel.expert_tensor=2"}},
+      },
+      {"model.num_layers=4", "model.tie_embeddings=false"});
 }
 
 // Three micro-batches: the tree over 3 ranks (one micro-batch each) is the tree over 3 leaves.
@@ -603,35 +736,48 @@ TEST(LayoutDeterminism, ThreeRanksMatchSingleProcess) {
 // M = 6 on 3 ranks (2 each: subtrees) and on 2 (3 each: pieces); M = 9 on 3; M = 10 on 2 and 5;
 // both optimizers, overlap, pipeline parallelism (1F1B and interleaved).
 TEST(LayoutDeterminism, DataParallelBlocksOfAnySizeMatchSingleProcess) {
-  rows_match_single_process("debug", {
-      {3, {}},
-      {2, {}},
-      {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true"}},
-      {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
-      {6, {"parallel.pipeline=2"}},
-  }, {"train.global_batch=12"});
-  rows_match_single_process("debug", {
-      {3, {}},
-      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-      {6, {"parallel.pipeline=2", "ddp.overlap_grad_reduce=true"}},
-  }, {"train.global_batch=18"});
-  rows_match_single_process("debug", {
-      {2, {"ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-      {2, {"optimizer.distributed=true"}},
-      {5, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true"}},
-  }, {"train.global_batch=20"});
-  rows_match_single_process("debug", {
-      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-  }, {"train.global_batch=24", "model.num_layers=4"});
+  rows_match_single_process(
+      "debug",
+      {
+          {3, {}},
+          {2, {}},
+          {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+          {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.overlap_param_gather=true"}},
+          {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
+          {6, {"parallel.pipeline=2"}},
+      },
+      {"train.global_batch=12"});
+  rows_match_single_process(
+      "debug",
+      {
+          {3, {}},
+          {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+          {6, {"parallel.pipeline=2", "ddp.overlap_grad_reduce=true"}},
+      },
+      {"train.global_batch=18"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                                {2, {"optimizer.distributed=true"}},
+                                {5, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true"}},
+                            },
+                            {"train.global_batch=20"});
+  rows_match_single_process("debug",
+                            {
+                                {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                            },
+                            {"train.global_batch=24", "model.num_layers=4"});
 }
 
 // The same with MoE (expert gradients in the data-parallel tree): M = 9 on 3 ranks, M = 6 on 2.
 TEST(LayoutDeterminism, MoeDataParallelBlocksOfAnySizeMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {3, {}},
-      {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"train.global_batch=18"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {3, {}},
+          {3, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      },
+      {"train.global_batch=18"});
   rows_match_single_process("moe-debug", {{2, {"optimizer.distributed=true"}}}, {"train.global_batch=12"});
 }
 
@@ -639,17 +785,25 @@ TEST(LayoutDeterminism, MoeDataParallelBlocksOfAnySizeMatchSingleProcess) {
 // block as its pieces, all sources' pieces combined along the canonical tree over the step's
 // micro-batches. EP 2 x A = 3, EP 3 x A = 3 (both dispatchers), ETP 2 x EP 2 x A = 3.
 TEST(LayoutDeterminism, ExpertParallelBlocksOfAnySizeMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert=2"}},
-      {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
-  }, {"train.global_batch=12"});
-  rows_match_single_process("moe-debug", {
-      {3, {"parallel.expert=3"}},
-      {3, {"parallel.expert=3", "moe.token_dispatcher=alltoall", "ddp.overlap_grad_reduce=true"}},
-  }, {"train.global_batch=18", "moe.num_experts=3"});
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.expert=2", "parallel.expert_tensor=2"}},
-  }, {"train.global_batch=24"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"parallel.expert=2"}},
+          {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+      },
+      {"train.global_batch=12"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {3, {"parallel.expert=3"}},
+          {3, {"parallel.expert=3", "moe.token_dispatcher=alltoall", "ddp.overlap_grad_reduce=true"}},
+      },
+      {"train.global_batch=18", "moe.num_experts=3"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.expert=2", "parallel.expert_tensor=2"}},
+                            },
+                            {"train.global_batch=24"});
 }
 
 // Several expert data-parallel replicas whose expert-parallel groups' micro-batches are not subtrees:
@@ -657,24 +811,30 @@ TEST(LayoutDeterminism, ExpertParallelBlocksOfAnySizeMatchSingleProcess) {
 // data-parallel reduction combines the groups' pieces (Communicator::*_pieces). EP 2 x EDP 2 x A = 3
 // (groups of 6 of 12), EP 3 x EDP 2 x A = 1 (groups of 3 of 6), EP 2 x EDP 3 x A = 3.
 TEST(LayoutDeterminism, ExpertDataParallelGroupsOfAnySizeMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.expert=2"}},
-      {4, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true",
-           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"train.global_batch=24"});
-  rows_match_single_process("moe-debug", {
-      {6, {"parallel.expert=3"}},
-      {6, {"parallel.expert=3", "optimizer.distributed=true", "moe.token_dispatcher=alltoall"}},
-  }, {"train.global_batch=12", "moe.num_experts=3"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.expert=2"}},
+                                {4,
+                                 {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true",
+                                  "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+                            },
+                            {"train.global_batch=24"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {6, {"parallel.expert=3"}},
+          {6, {"parallel.expert=3", "optimizer.distributed=true", "moe.token_dispatcher=alltoall"}},
+      },
+      {"train.global_batch=12", "moe.num_experts=3"});
   rows_match_single_process("moe-debug", {{6, {"parallel.expert=2", "optimizer.distributed=true"}}},
                             {"train.global_batch=36"});
 }
 
 // The Llama flavour with MTP and bf16 weights, sigmoid router with expert bias and jitter (MoE).
 TEST(LayoutDeterminism, LlamaMtpBf16AndRouterFeaturesMatchSingleProcess) {
-  rows_match_single_process("debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
-                            {"model.preset=llama", "model.num_query_groups=2", "model.mtp_num_layers=1",
-                             "precision.params=bf16"});
+  rows_match_single_process(
+      "debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
+      {"model.preset=llama", "model.num_query_groups=2", "model.mtp_num_layers=1", "precision.params=bf16"});
   rows_match_single_process("moe-debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
                             {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true",
                              "moe.input_jitter_eps=0.01", "moe.router_load_balancing_type=seq_aux_loss"});
@@ -699,10 +859,10 @@ TEST(LayoutDeterminism, LowPrecisionRecipesMatchSingleProcess) {
 TEST(LayoutDeterminism, DelayedScalingMatchesSingleProcess) {
   rows_match_single_process("moe-debug", {{2, {}}, {4, {"optimizer.distributed=true"}}},
                             {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
-  rows_match_single_process("debug", {{4, {}}, {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
-                                                    "ddp.bucket_size=20000"}}},
-                            {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_compute_algo=most_recent",
-                             "precision.fp8_margin=1"});
+  rows_match_single_process(
+      "debug", {{4, {}}, {2, {"optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}}},
+      {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_compute_algo=most_recent",
+       "precision.fp8_margin=1"});
 }
 
 // Every low-precision recipe under pipeline parallelism: 1F1B with two micro-batches in flight on
@@ -715,15 +875,19 @@ TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess
   const std::string bf16 = "precision.params=bf16";
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
                              "precision.fp8=mxfp8", "precision.fp4=nvfp4"}) {
-    rows_match_single_process("moe-debug", {
-        {2, {"parallel.pipeline=2"}},
-        {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
-        {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
-             "moe.token_dispatcher=alltoall"}},
-    }, {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2", "train.eval_interval=2",
-        "train.eval_batches=2"});
-    rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-                                        {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
+    rows_match_single_process("moe-debug",
+                              {
+                                  {2, {"parallel.pipeline=2"}},
+                                  {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
+                                  {4,
+                                   {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2",
+                                    "moe.token_dispatcher=alltoall"}},
+                              },
+                              {bf16, recipe, "model.num_layers=4", "precision.fp8_amax_history_len=2",
+                               "train.eval_interval=2", "train.eval_batches=2"});
+    rows_match_single_process("debug",
+                              {{4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+                               {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
                               {bf16, recipe, "model.mtp_num_layers=1"});
     rows_match_single_process("debug", {{4, {"parallel.pipeline=2", "parallel.context=2"}}},
                               {bf16, recipe, "layout_token_segments=true", "train.micro_batch=2"});
@@ -737,27 +901,37 @@ TEST(LayoutDeterminism, LowPrecisionUnderPipelineParallelismMatchesSingleProcess
 // SP, data parallelism, the distributed optimizer, a capacity with padding, Llama bf16, pipeline
 // parallelism, every FP8 recipe.
 TEST(LayoutDeterminism, ExpertGroupsSmallerThanTensorParallelMatchSingleProcess) {
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.tensor=4", "parallel.expert=2"}},
-      {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
-      {8, {"parallel.tensor=4", "parallel.expert=2", "train.threads=2"}},
-  });
-  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {4, {"parallel.tensor=4", "parallel.expert=2"}},
+          {4,
+           {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+          {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+          {8, {"parallel.tensor=4", "parallel.expert=2", "train.threads=2"}},
+      });
+  rows_match_single_process("moe-debug",
+                            {{4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
                             {"moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"});
   // Blocks that are not subtrees: one data-parallel rank with 3 micro-batches (its block the whole
   // tree), and DP 2 with 3 per rank, where the first partner gives its block's pieces and the others
   // an empty block (with the distributed optimizer and overlapped buckets too).
   rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.expert=2"}}}, {"train.global_batch=6"});
-  rows_match_single_process("moe-debug", {
-      {8, {"parallel.tensor=4", "parallel.expert=2"}},
-      {8, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2", "optimizer.distributed=true",
-           "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"train.global_batch=12"});
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert=2"}},
-      {8, {"parallel.tensor=4", "parallel.expert=2", "parallel.pipeline=2"}},
-  }, {"model.preset=llama", "precision.params=bf16", "model.num_layers=4"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {8, {"parallel.tensor=4", "parallel.expert=2"}},
+          {8,
+           {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2",
+            "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
+      },
+      {"train.global_batch=12"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert=2"}},
+                                {8, {"parallel.tensor=4", "parallel.expert=2", "parallel.pipeline=2"}},
+                            },
+                            {"model.preset=llama", "precision.params=bf16", "model.num_layers=4"});
   // FP8: each token segment quantised on its own, the per-tensor amax max-reduced over the tp ranks
   // holding the same experts (the etp ranks and their partners). NVFP4: the group's rows of an expert
   // quantised as its part of the micro-batch's (amax reduced over etp and partners, stochastic
@@ -766,15 +940,21 @@ TEST(LayoutDeterminism, ExpertGroupsSmallerThanTensorParallelMatchSingleProcess)
   // over etp).
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=delayed", "precision.fp8=blockwise",
                              "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
-    rows_match_single_process("moe-debug", {
-        {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-        {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
-    }, {"precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64"});
-  rows_match_single_process("moe-debug", {
-      {8, {"parallel.tensor=4", "parallel.expert_tensor=2", "parallel.pipeline=2"}},
-      {8, {"parallel.tensor=4", "parallel.expert=2", "optimizer.distributed=true", "train.threads=2"}},
-  }, {"model.preset=llama", "precision.params=bf16", "precision.fp4=nvfp4", "model.num_layers=4",
-      "moe.expert_capacity_factor=1.0", "train.eval_interval=2"});
+    rows_match_single_process(
+        "moe-debug",
+        {
+            {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+            {4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}},
+        },
+        {"precision.params=bf16", recipe, "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {8, {"parallel.tensor=4", "parallel.expert_tensor=2", "parallel.pipeline=2"}},
+          {8, {"parallel.tensor=4", "parallel.expert=2", "optimizer.distributed=true", "train.threads=2"}},
+      },
+      {"model.preset=llama", "precision.params=bf16", "precision.fp4=nvfp4", "model.num_layers=4",
+       "moe.expert_capacity_factor=1.0", "train.eval_interval=2"});
 }
 
 // Low precision with MoE under tensor parallelism: an expert x expert-tensor group holding whole tp
@@ -787,10 +967,11 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
       {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert=2"}},
       {2, {"parallel.tensor=2", "parallel.expert_tensor=2"}},
   };
-  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8",
-                             "precision.fp4=nvfp4"})
+  for (const char* recipe :
+       {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
-  rows_match_single_process("moe-debug", {rows[0]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("moe-debug", {rows[0]},
+                            {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp4=nvfp4", "moe.expert_capacity_factor=1.0"});
   // A shared expert: the per-tensor recipes (its amax max-reduced over tp) and the block recipes (its
   // weight gradients' token blocks stop at the token segments, whole segments on every tp rank).
@@ -798,13 +979,14 @@ TEST(LayoutDeterminism, LowPrecisionMoeUnderTensorParallelismMatchesSingleProces
                             {bf16, "precision.fp8=tensorwise", "moe.shared_expert_intermediate_size=64"});
   // NVFP4: its rows' stochastic rounding keyed by their micro-batch tokens (ParamStore::rows_token).
   for (const char* recipe : {"precision.fp8=blockwise", "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
-    rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.tensor=4", "parallel.sequence_parallel=true",
-                                               "parallel.expert_tensor=4"}}},
-                            {bf16, "precision.fp4=nvfp4", "moe.shared_expert_intermediate_size=64", "train.micro_batch=1"});
-  rows_match_single_process("moe-debug", {rows[0]},
-                            {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
-                             "moe.shared_expert_intermediate_size=64"});
+    rows_match_single_process("moe-debug", {rows[0], rows[1]},
+                              {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
+  rows_match_single_process(
+      "moe-debug", {{4, {"parallel.tensor=4", "parallel.sequence_parallel=true", "parallel.expert_tensor=4"}}},
+      {bf16, "precision.fp4=nvfp4", "moe.shared_expert_intermediate_size=64", "train.micro_batch=1"});
+  rows_match_single_process(
+      "moe-debug", {rows[0]},
+      {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2", "moe.shared_expert_intermediate_size=64"});
 }
 
 // Low precision with the experts on every rank (expert x expert-tensor = 1) under tensor parallelism:
@@ -825,23 +1007,26 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
       // per thread (many) or one at a time, each quantiser split over the threads (few): the same bits.
       {2, {"parallel.tensor=2", "train.threads=3"}},
   };
-  for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8",
-                             "precision.fp4=nvfp4"})
+  for (const char* recipe :
+       {"precision.fp8=tensorwise", "precision.fp8=blockwise", "precision.fp8=mxfp8", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", rows, {bf16, recipe});
-  rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("moe-debug", {rows[1]},
+                            {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
   // One micro-batch per rank: each tp rank keeps its own experts' gathered gradients and -0
   // elsewhere (ExpertTpSum::parts), the fill split over 3 threads.
   rows_match_single_process("moe-debug", {rows[3], {4, {"parallel.tensor=4", "train.threads=2"}}},
                             {bf16, "precision.fp4=nvfp4", "train.global_batch=2"});
   rows_match_single_process("moe-debug", {rows[1]}, {bf16, "precision.fp8=blockwise", "train.global_batch=4"});
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp4=nvfp4"})
-    rows_match_single_process("moe-debug", {rows[0], rows[1]}, {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
+    rows_match_single_process("moe-debug", {rows[0], rows[1]},
+                              {bf16, recipe, "moe.shared_expert_intermediate_size=64"});
   for (const char* recipe : {"precision.fp8=blockwise", "precision.fp4=nvfp4"})
     rows_match_single_process("moe-debug", {rows[1]}, {"model.preset=llama", bf16, recipe});
   // NVFP4 in the middle layers only (the first and last in bf16: both kinds of expert gradient under
   // ExpertTpSum::slices in one model), with 2 threads.
-  rows_match_single_process("moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "train.threads=2"}}},
-                            {bf16, "precision.fp4=nvfp4", "precision.fp4_high_precision_layers=1", "model.num_layers=4"});
+  rows_match_single_process(
+      "moe-debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "train.threads=2"}}},
+      {bf16, "precision.fp4=nvfp4", "precision.fp4_high_precision_layers=1", "model.num_layers=4"});
   // NVFP4 with more tp ranks than experts (two hold none of the gathered gradients), dropped tokens,
   // pipeline stages and evaluation between steps.
   rows_match_single_process("moe-debug", {{8, {"parallel.tensor=4", "parallel.pipeline=2"}}},
@@ -853,12 +1038,13 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
   // (the padding rows' activations zeroed, GroupedExperts' inert_padding), at a learning rate of 1 so
   // that after one step the fc biases are large enough for gelu(b) to move the blocks' scales: without
   // the zeroing the blockwise rows differ at step 2.
-  const std::vector<Row> padded = {rows[0], {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+  const std::vector<Row> padded = {rows[0],
+                                   {4, {"parallel.tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
                                    {4, {"parallel.tensor=4", "parallel.expert=2"}}};
   for (const char* recipe : {"precision.fp8=tensorwise", "precision.fp8=blockwise"})
-    rows_match_single_process("moe-debug", {padded[0], padded[1]},
-                              {bf16, recipe, "model.bias=false", "moe.expert_capacity_factor=1.0",
-                               "moe.pad_expert_input_to_capacity=true"});
+    rows_match_single_process(
+        "moe-debug", {padded[0], padded[1]},
+        {bf16, recipe, "model.bias=false", "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"});
   for (const char* recipe : {"precision.fp8=blockwise", "precision.fp8=mxfp8"})
     rows_match_single_process("moe-debug", padded,
                               {bf16, recipe, "moe.expert_capacity_factor=1.5", "moe.pad_expert_input_to_capacity=true",
@@ -882,17 +1068,22 @@ TEST(LayoutDeterminism, LowPrecisionExpertsOnEveryRankUnderTensorParallelismMatc
 // dispatchers, every recipe.
 TEST(LayoutDeterminism, LowPrecisionUnderExpertParallelismMatchesSingleProcess) {
   const std::string bf16 = "precision.params=bf16";
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert=2"}},
-      {4, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
-  }, {bf16, "precision.fp8=tensorwise"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"parallel.expert=2"}},
+          {4, {"parallel.expert=2", "moe.token_dispatcher=alltoall", "optimizer.distributed=true"}},
+      },
+      {bf16, "precision.fp8=tensorwise"});
   rows_match_single_process("moe-debug", {{2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
                             {bf16, "precision.fp8=mxfp8"});
   rows_match_single_process("moe-debug", {{2, {"parallel.expert=2"}}}, {bf16, "precision.fp8=blockwise"});
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.expert=2"}},
-      {4, {"parallel.expert=4", "moe.token_dispatcher=alltoall"}},
-  }, {bf16, "precision.fp4=nvfp4"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.expert=2"}},
+                                {4, {"parallel.expert=4", "moe.token_dispatcher=alltoall"}},
+                            },
+                            {bf16, "precision.fp4=nvfp4"});
   rows_match_single_process("moe-debug", {{4, {"parallel.expert=2"}}},
                             {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
 }
@@ -904,19 +1095,35 @@ TEST(LayoutDeterminism, LowPrecisionUnderExpertParallelismMatchesSingleProcess) 
 // element indices (tensor/precision.h).
 TEST(LayoutDeterminism, LowPrecisionUnderTensorParallelismMatchesSingleProcess) {
   const std::string bf16 = "precision.params=bf16", sp = "parallel.sequence_parallel=true";
-  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=2"}}}, {bf16, "precision.fp8=tensorwise"});
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=2"}}},
+                            {bf16, "precision.fp8=tensorwise"});
   rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}}, {bf16, "precision.fp8=blockwise"});
-  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=4", sp}}}, {bf16, "precision.fp8=mxfp8"});
-  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}}, {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
-  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=2", sp}}}, {bf16, "precision.fp4=nvfp4"});
-  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {bf16, "precision.fp8=tensorwise"});
-  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}}, {bf16, "precision.fp8=blockwise"});
-  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {bf16, "precision.fp4=nvfp4"});
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=4", sp}}},
+                            {bf16, "precision.fp8=mxfp8"});
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}},
+                            {bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", sp}}, {4, {"parallel.tensor=2", sp}}},
+                            {bf16, "precision.fp4=nvfp4"});
+  rows_match_single_process("moe-debug",
+                            {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}},
+                            {bf16, "precision.fp8=tensorwise"});
+  rows_match_single_process("moe-debug",
+                            {{2, {"parallel.expert_tensor=2"}},
+                             {4, {"parallel.expert_tensor=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
+                            {bf16, "precision.fp8=blockwise"});
+  rows_match_single_process("moe-debug",
+                            {{2, {"parallel.expert_tensor=2"}}, {4, {"parallel.expert_tensor=2", "parallel.expert=2"}}},
+                            {bf16, "precision.fp4=nvfp4"});
   // SwiGLU experts: under expert tensor parallelism an expert's fc rows are two boxes (its gate and up
   // slices), one site per expert all the same.
-  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}}, {"model.preset=llama", bf16, "precision.fp8=tensorwise"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}}, {"model.preset=llama", bf16, "precision.fp4=nvfp4"});
-  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}, {4, {"parallel.expert_tensor=2", "parallel.tensor=2"}}}, {"model.preset=llama", bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
+  rows_match_single_process("moe-debug", {{2, {"parallel.expert_tensor=2"}}},
+                            {"model.preset=llama", bf16, "precision.fp8=tensorwise"});
+  rows_match_single_process("moe-debug", {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}},
+                            {"model.preset=llama", bf16, "precision.fp4=nvfp4"});
+  rows_match_single_process(
+      "moe-debug",
+      {{4, {"parallel.expert_tensor=2", "parallel.expert=2"}}, {4, {"parallel.expert_tensor=2", "parallel.tensor=2"}}},
+      {"model.preset=llama", bf16, "precision.fp8=delayed", "precision.fp8_amax_history_len=2"});
 }
 
 // The histories are whole tensors under layout: a DP 4 run's checkpoint after step 2 resumes on one
@@ -947,30 +1154,49 @@ TEST(LayoutDeterminism, ResumedUnderAnotherLayoutMatchesSingleProcess) {
   };
   const std::string key = "layout_token_segments=true";
   const std::vector<Change> changes = {
-      {"debug", {key}, {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
+      {"debug",
+       {key},
+       {4, {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
        {4, {"parallel.pipeline=2", "optimizer.distributed=true"}}},
-      {"debug", {key, "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"}, {1, {}},
+      {"debug",
+       {key, "model.preset=llama", "model.num_query_groups=2", "precision.params=bf16"},
+       {1, {}},
        {4, {"parallel.context=2", "optimizer.distributed=true"}}},
       {"moe-debug", {}, {4, {"parallel.tensor=2", "parallel.expert=2"}}, {2, {"parallel.expert_tensor=2"}}},
-      {"moe-debug", {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", "moe.input_jitter_eps=0.01"},
+      {"moe-debug",
+       {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", "moe.input_jitter_eps=0.01"},
        {2, {"parallel.expert=2"}},
        {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
       {"moe-debug", {key}, {4, {"parallel.context=2", "parallel.expert=2"}}, {1, {}}},
-      {"moe-debug", {"precision.params=bf16", "precision.fp8=blockwise"}, {2, {"parallel.expert=2"}},
+      {"moe-debug",
+       {"precision.params=bf16", "precision.fp8=blockwise"},
+       {2, {"parallel.expert=2"}},
        {4, {"parallel.tensor=2", "parallel.expert=2", "parallel.sequence_parallel=true"}}},
-      {"moe-debug", {key, "moe.token_dispatcher=alltoall"}, {4, {"parallel.expert=4"}},
+      {"moe-debug",
+       {key, "moe.token_dispatcher=alltoall"},
+       {4, {"parallel.expert=4"}},
        {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=4"}}},
-      {"moe-debug", {key}, {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
+      {"moe-debug",
+       {key},
+       {4, {"parallel.context=2", "parallel.tensor=2", "parallel.expert=2"}},
        {2, {"parallel.tensor=2"}}},
-      {"debug", {key, "model.mtp_num_layers=2"}, {2, {"parallel.context=2"}},
+      {"debug",
+       {key, "model.mtp_num_layers=2"},
+       {2, {"parallel.context=2"}},
        {4, {"parallel.tensor=4", "parallel.sequence_parallel=true"}}},
-      {"debug", {"model.num_layers=4", "model.tie_embeddings=false"},
-       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}}, {2, {"parallel.tensor=2"}}},
-      {"debug", {key, "precision.params=bf16", "precision.fp4=nvfp4"}, {2, {"parallel.context=2"}},
+      {"debug",
+       {"model.num_layers=4", "model.tie_embeddings=false"},
+       {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+       {2, {"parallel.tensor=2"}}},
+      {"debug",
+       {key, "precision.params=bf16", "precision.fp4=nvfp4"},
+       {2, {"parallel.context=2"}},
        {2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}},
       // FP8 experts: a group of 2 under TP 4 (partners), then the experts on every rank under CP 2.
-      {"moe-debug", {key, "precision.params=bf16", "precision.fp8=tensorwise"},
-       {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}, {2, {"parallel.context=2"}}},
+      {"moe-debug",
+       {key, "precision.params=bf16", "precision.fp8=tensorwise"},
+       {4, {"parallel.tensor=4", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+       {2, {"parallel.context=2"}}},
   };
   for (const Change& c : changes) {
     TempDir dir;
@@ -995,51 +1221,67 @@ TEST(LayoutDeterminism, ResumedUnderAnotherLayoutMatchesSingleProcess) {
 // all backward); the losses and aux losses are exact sums over the stages.
 TEST(LayoutDeterminism, PipelineLayoutsMatchSingleProcess) {
   const std::vector<std::string> untied = {"model.num_layers=4", "model.tie_embeddings=false"};
-  rows_match_single_process("debug", {
-      {2, {"parallel.pipeline=2"}},
-      {4, {"parallel.pipeline=4"}},
-      {2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-      {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
-      {4, {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
-           "ddp.bucket_size=20000"}},
-  }, untied);
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.pipeline=2"}},
+                                {4, {"parallel.pipeline=4"}},
+                                {2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                                {2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
+                                {4,
+                                 {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+                                  "ddp.bucket_size=20000"}},
+                            },
+                            untied);
   std::vector<std::string> llama = untied;
   llama.insert(llama.end(), {"model.preset=llama", "model.num_query_groups=2"});
   rows_match_single_process("debug", {{2, {"parallel.pipeline=2"}}, {4, {"parallel.pipeline=2"}}}, llama);
-  rows_match_single_process("moe-debug", {
-      {4, {"parallel.pipeline=4"}},
-      {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
-      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-      // with expert parallelism: every in-flight micro-batch's dispatcher sums exactly
-      {4, {"parallel.pipeline=2", "parallel.expert=2"}},
-      {4, {"parallel.pipeline=2", "parallel.expert=2", "parallel.virtual_pipeline=2"}},
-      {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall", "parallel.virtual_pipeline=2"}},
-      {4, {"parallel.pipeline=2", "parallel.expert_tensor=2", "parallel.virtual_pipeline=2"}},
-  }, untied);
+  rows_match_single_process("moe-debug",
+                            {
+                                {4, {"parallel.pipeline=4"}},
+                                {4, {"parallel.pipeline=2", "optimizer.distributed=true"}},
+                                {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                                // with expert parallelism: every in-flight micro-batch's dispatcher sums exactly
+                                {4, {"parallel.pipeline=2", "parallel.expert=2"}},
+                                {4, {"parallel.pipeline=2", "parallel.expert=2", "parallel.virtual_pipeline=2"}},
+                                {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {4,
+                                 {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall",
+                                  "parallel.virtual_pipeline=2"}},
+                                {4, {"parallel.pipeline=2", "parallel.expert_tensor=2", "parallel.virtual_pipeline=2"}},
+                            },
+                            untied);
 }
 
 // Pipeline parallelism with a tied head and / or MTP: the word (and position) embedding's lookup
 // part (first stage) and head + MTP part (last stage; on one process the head's copy of the
 // embedding) are each the canonical tree over micro-batches, added after the data-parallel reduction.
 TEST(LayoutDeterminism, PipelineTiedEmbeddingAndMtpMatchSingleProcess) {
-  rows_match_single_process("debug", {
-      {2, {"parallel.pipeline=2"}},
-      {4, {"parallel.pipeline=4"}},
-      {2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-      {4, {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true", "ddp.bucket_size=20000"}},
-  }, {"model.num_layers=4"});
-  rows_match_single_process("debug", {
-      {2, {"parallel.pipeline=2"}},
-      {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "optimizer.distributed=true"}},
-  }, {"model.num_layers=4", "model.mtp_num_layers=2"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.pipeline=2"}},
+                                {4, {"parallel.pipeline=4"}},
+                                {2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                                {4,
+                                 {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_grad_reduce=true",
+                                  "ddp.bucket_size=20000"}},
+                            },
+                            {"model.num_layers=4"});
+  rows_match_single_process(
+      "debug",
+      {
+          {2, {"parallel.pipeline=2"}},
+          {4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2", "optimizer.distributed=true"}},
+      },
+      {"model.num_layers=4", "model.mtp_num_layers=2"});
   rows_match_single_process("debug", {{2, {"parallel.pipeline=2"}}, {4, {"parallel.pipeline=2"}}},
                             {"model.num_layers=4", "model.preset=llama", "model.num_query_groups=2",
                              "model.tie_embeddings=false", "model.mtp_num_layers=1"});
-  rows_match_single_process("moe-debug", {
-      {2, {"parallel.pipeline=2"}},
-      {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-  }, {"model.num_layers=4", "model.mtp_num_layers=1"});
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.pipeline=2"}},
+                                {4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                            },
+                            {"model.num_layers=4", "model.mtp_num_layers=1"});
 }
 
 // Same job, `run` vs `layout`, single process: the sums are ordered differently (tree vs left fold
@@ -1101,14 +1343,17 @@ TEST(LayoutDeterminism, RefusesWhatItCannotMakeLayoutInvariant) {
                       "parallel.expert_tensor = 6: an expert's rows would come from parts of a micro-batch's ranks of "
                       "parallel.tensor = 4 that do not tile it"),
             std::string::npos);
-  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
-                         "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"}, "moe-debug")
+  EXPECT_NE(error_of(4,
+                     {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
+                      "moe.expert_capacity_factor=1.0", "moe.pad_expert_input_to_capacity=true"},
+                     "moe-debug")
                 .find("determinism = \"layout\" with parallel.tensor = 2, an MoE model, precision.fp4 = \"nvfp4\" and "
                       "moe.pad_expert_input_to_capacity = true: a micro-batch's NVFP4 expert block would hold the "
                       "padding of each of its ranks of parallel.tensor = 2"),
             std::string::npos);
-  EXPECT_NE(error_of(4, {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
-                         "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=24"},
+  EXPECT_NE(error_of(4,
+                     {"precision.params=bf16", "precision.fp4=nvfp4", "parallel.tensor=2", "parallel.expert=2",
+                      "moe.shared_expert_intermediate_size=64", "train.micro_batch=1", "model.seq_length=24"},
                      "moe-debug")
                 .find("determinism = \"layout\" with precision.fp4 = \"nvfp4\", moe.shared_expert_intermediate_size = "
                       "64 and parallel.tensor = 2: the shared expert's weight gradients transform each tensor-parallel "

@@ -66,20 +66,20 @@ std::vector<float> special_floats() {
     }
   };
   for (float s : {1.0f, -1.0f}) {
-    around(s * 0.0f, 64);                                   // zeros and the smallest subnormals
-    around(s * std::numeric_limits<float>::min(), 64);      // the subnormal / normal boundary
+    around(s * 0.0f, 64);                               // zeros and the smallest subnormals
+    around(s * std::numeric_limits<float>::min(), 64);  // the subnormal / normal boundary
     around(s * std::numeric_limits<float>::max(), 16);
-    around(s * 1.0f, 4096);                                 // log near 1, exp(+-1)
-    around(s * 88.0f, 256);                                 // expf's special-case entry
-    around(s * 0x1.62e42ep6f, 256);                         // expf overflow threshold
-    around(s * 0x1.9fe368p6f, 256);                         // expf underflow to 0
-    around(s * 0x1.9d1d9ep6f, 256);                         // expf "may underflow"
-    around(s * 0x1.5d589ep6f, 64);                          // expf result near FLT_MIN
-    around(s * 0x1p-25f, 64);                               // expf(x) rounds to 1
+    around(s * 1.0f, 4096);          // log near 1, exp(+-1)
+    around(s * 88.0f, 256);          // expf's special-case entry
+    around(s * 0x1.62e42ep6f, 256);  // expf overflow threshold
+    around(s * 0x1.9fe368p6f, 256);  // expf underflow to 0
+    around(s * 0x1.9d1d9ep6f, 256);  // expf "may underflow"
+    around(s * 0x1.5d589ep6f, 64);   // expf result near FLT_MIN
+    around(s * 0x1p-25f, 64);        // expf(x) rounds to 1
     v.push_back(s * std::numeric_limits<float>::infinity());
   }
-  for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fa00000u, 0x7fffffffu,
-                       0xffffffffu, 0x7fc12345u, 0x7f812345u}) {
+  for (uint32_t nan : {0x7fc00000u, 0xffc00000u, 0x7f800001u, 0xff800001u, 0x7fa00000u, 0x7fffffffu, 0xffffffffu,
+                       0x7fc12345u, 0x7f812345u}) {
     v.push_back(std::bit_cast<float>(nan));
   }
   // Every float in [1 - 2^-7, 1 + 2^-7] (logf's smallest results).
@@ -117,10 +117,14 @@ TEST(Libm, ExpfAndLogfMatchGlibcOnSpecialCases) {
 double random_double(std::mt19937_64& g, int kind) {
   const uint64_t r = g();
   switch (kind) {
-    case 0: return std::bit_cast<double>(r);
-    case 1: return std::bit_cast<double>(0x3fee000000000000ull + r % (0x3ff1090000000000ull - 0x3fee000000000000ull));
-    case 2: return std::bit_cast<double>(((0x3ffull + r % 41) << 52) | (r >> 12));
-    case 3: return std::bit_cast<double>((r >> 12) | ((r & 1) << 63));
+    case 0:
+      return std::bit_cast<double>(r);
+    case 1:
+      return std::bit_cast<double>(0x3fee000000000000ull + r % (0x3ff1090000000000ull - 0x3fee000000000000ull));
+    case 2:
+      return std::bit_cast<double>(((0x3ffull + r % 41) << 52) | (r >> 12));
+    case 3:
+      return std::bit_cast<double>((r >> 12) | ((r & 1) << 63));
   }
   return std::bit_cast<double>((0x3c0ull + r % 0x80) << 52 | (r >> 12));  // 2^-63 .. 2^64
 }
@@ -153,9 +157,9 @@ std::vector<double> special_doubles() {
     around(s * std::numeric_limits<double>::min(), 64);
     around(s * std::numeric_limits<double>::max(), 16);
     around(s * 1.0, 4096);
-    around(s * (1.0 - 0x1p-4), 256);     // the near-1 region's bounds
+    around(s * (1.0 - 0x1p-4), 256);  // the near-1 region's bounds
     around(s * (1.0 + 0x1.09p-4), 256);
-    around(s * 0x1.6p-1, 64);            // the table's reduction interval
+    around(s * 0x1.6p-1, 64);  // the table's reduction interval
     around(s * 2.0, 64);
     around(s * std::exp(1.0), 64);
     v.push_back(s * std::numeric_limits<double>::infinity());

@@ -74,30 +74,35 @@ TEST(Mesh, ExpertTensorGroupsAreFastest) {
 
 TEST(Mesh, EveryGroupKindPartitionsTheWorldAndAgreesWithCoordinates) {
   for (int world : {1, 2, 4, 6, 8, 12, 16, 24}) {
-    for (int tp : {1, 2, 3}) for (int cp : {1, 2}) for (int pp : {1, 2}) for (int ep : {1, 2, 4}) for (int etp : {1, 2}) {
-      if (world % (tp * cp * pp) || world % (etp * ep * pp)) continue;
-      const Mesh m(world, {tp, cp, pp, ep, etp});
-      for (MeshGroup g : {MeshGroup::tp, MeshGroup::cp, MeshGroup::dp, MeshGroup::dp_cp, MeshGroup::pp, MeshGroup::tp_cp,
-                          MeshGroup::tp_pp, MeshGroup::tp_dp_cp, MeshGroup::ep, MeshGroup::etp, MeshGroup::edp,
-                          MeshGroup::tp_ep, MeshGroup::tp_ep_pp, MeshGroup::etp_edp}) {
-        std::vector<int> all;
-        for (const auto& grp : m.groups(g)) all.insert(all.end(), grp.begin(), grp.end());
-        std::sort(all.begin(), all.end());
-        for (int r = 0; r < world; ++r) ASSERT_EQ(all[r], r) << mesh_group_name(g) << " world " << world;
-      }
-      for (int r = 0; r < world; ++r) {
-        const MeshCoordinates c = m.coordinates(r);
-        EXPECT_EQ(m.group_of(MeshGroup::tp, r)[c.tp], r);
-        EXPECT_EQ(m.group_of(MeshGroup::cp, r)[c.cp], r);
-        EXPECT_EQ(m.group_of(MeshGroup::dp, r)[c.dp], r);
-        EXPECT_EQ(m.group_of(MeshGroup::pp, r)[c.pp], r);
-        EXPECT_EQ(m.group_of(MeshGroup::ep, r)[c.ep], r);
-        EXPECT_EQ(m.group_of(MeshGroup::etp, r)[c.etp], r);
-        EXPECT_EQ(m.group_of(MeshGroup::edp, r)[c.edp], r);
-        // Folding: both meshes share the pipeline groups.
-        EXPECT_EQ(r / (world / pp), c.pp);
-      }
-    }
+    for (int tp : {1, 2, 3})
+      for (int cp : {1, 2})
+        for (int pp : {1, 2})
+          for (int ep : {1, 2, 4})
+            for (int etp : {1, 2}) {
+              if (world % (tp * cp * pp) || world % (etp * ep * pp)) continue;
+              const Mesh m(world, {tp, cp, pp, ep, etp});
+              for (MeshGroup g :
+                   {MeshGroup::tp, MeshGroup::cp, MeshGroup::dp, MeshGroup::dp_cp, MeshGroup::pp, MeshGroup::tp_cp,
+                    MeshGroup::tp_pp, MeshGroup::tp_dp_cp, MeshGroup::ep, MeshGroup::etp, MeshGroup::edp,
+                    MeshGroup::tp_ep, MeshGroup::tp_ep_pp, MeshGroup::etp_edp}) {
+                std::vector<int> all;
+                for (const auto& grp : m.groups(g)) all.insert(all.end(), grp.begin(), grp.end());
+                std::sort(all.begin(), all.end());
+                for (int r = 0; r < world; ++r) ASSERT_EQ(all[r], r) << mesh_group_name(g) << " world " << world;
+              }
+              for (int r = 0; r < world; ++r) {
+                const MeshCoordinates c = m.coordinates(r);
+                EXPECT_EQ(m.group_of(MeshGroup::tp, r)[c.tp], r);
+                EXPECT_EQ(m.group_of(MeshGroup::cp, r)[c.cp], r);
+                EXPECT_EQ(m.group_of(MeshGroup::dp, r)[c.dp], r);
+                EXPECT_EQ(m.group_of(MeshGroup::pp, r)[c.pp], r);
+                EXPECT_EQ(m.group_of(MeshGroup::ep, r)[c.ep], r);
+                EXPECT_EQ(m.group_of(MeshGroup::etp, r)[c.etp], r);
+                EXPECT_EQ(m.group_of(MeshGroup::edp, r)[c.edp], r);
+                // Folding: both meshes share the pipeline groups.
+                EXPECT_EQ(r / (world / pp), c.pp);
+              }
+            }
   }
 }
 
@@ -110,7 +115,8 @@ TEST(Mesh, ValidationNamesTheSizesThatDoNotFit) {
     }
     return std::string("no error");
   };
-  EXPECT_EQ(message(6, {4, 1, 1, 1, 1}), "parallel: world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)");
+  EXPECT_EQ(message(6, {4, 1, 1, 1, 1}),
+            "parallel: world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)");
   EXPECT_EQ(message(8, {1, 1, 2, 3, 1}),
             "parallel: world size 8 is not divisible by expert_tensor (1) x expert (3) x pipeline (2)");
   EXPECT_EQ(message(8, {0, 1, 1, 1, 1}), "parallel.tensor = 0: must be positive");

@@ -8,8 +8,8 @@
 
 #include "lockstep/config/config.h"
 #include "lockstep/core/hash.h"
-#include "lockstep/core/tree_sum.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/model/gpt.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -170,7 +170,8 @@ TEST(HeadPlan, TilesTheRowsInAlignedBlocksOfEachPiecesSegments) {
               ASSERT_EQ(st.last, st.c + st.count == per_piece) << where;
               if (st.whole || st.count > 1) {
                 ASSERT_EQ(st.bounds.size(), static_cast<size_t>(st.count + 1)) << where;
-                for (int64_t j = 0; j <= st.count; ++j) ASSERT_EQ(st.bounds[static_cast<size_t>(j)], at(seg + j) - st.b0) << where;
+                for (int64_t j = 0; j <= st.count; ++j)
+                  ASSERT_EQ(st.bounds[static_cast<size_t>(j)], at(seg + j) - st.b0) << where;
               } else {
                 ASSERT_TRUE(st.bounds.empty()) << where;
               }

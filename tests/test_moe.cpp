@@ -14,19 +14,19 @@
 #include <random>
 #include <sstream>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/moe/dispatcher.h"
 #include "lockstep/model/moe/experts.h"
-#include "lockstep/train/optimizer.h"
 #include "lockstep/model/moe/router.h"
 #include "lockstep/train/fingerprint.h"
+#include "lockstep/train/optimizer.h"
 #include "lockstep/train/trainer.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -67,9 +67,9 @@ TEST(MoeAuxLoss, HandComputedValues) {
   std::vector<int64_t> counts;
   float global[2];
   auto losses = [&](const std::string& type, const int64_t* prev, int64_t prev_micro, const char* score = "softmax") {
-    const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
-                                  "moe.z_loss_coeff=0.01", "moe.router_load_balancing_type=" + type,
-                                  std::string("moe.router_score_function=") + score});
+    const RouterSpec s =
+        spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1", "moe.z_loss_coeff=0.01",
+                 "moe.router_load_balancing_type=" + type, std::string("moe.router_score_function=") + score});
     return aux_losses_forward(cpu_ops(), logits.data(), s, 2, 1, prev, prev_micro, global, counts);
   };
   // switch: 0.1 * E / (K N^2) * sum_e T_e P_e = 0.1 * 2/4 * (1 * 1.0 + 1 * 1.0) = 0.1.
@@ -96,8 +96,8 @@ TEST(MoeAuxLoss, HandComputedValues) {
   // P_0 = 0.6 + 0.5: aux = 0.1 * 2/4 * 2 * 1.1 = 0.11.
   {
     const std::vector<float> z = {l3, 0.0f, 0.0f, 0.0f};
-    const RouterSpec s = spec_of({"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1",
-                                  "moe.router_score_function=sigmoid"});
+    const RouterSpec s = spec_of(
+        {"moe.num_experts=2", "moe.router_topk=1", "moe.aux_loss_coeff=0.1", "moe.router_score_function=sigmoid"});
     EXPECT_NEAR(aux_losses_forward(cpu_ops(), z.data(), s, 2, 1, nullptr, 0, global, counts).aux, 0.11, 1e-7);
     EXPECT_EQ(counts, (std::vector<int64_t>{1, 0, 1, 0}));
   }
@@ -125,14 +125,16 @@ void check_aux_gradient(const std::vector<std::string>& options) {
     logits[i] = static_cast<float>(x - h);
     const double fm = aux_losses_forward(cpu_ops(), logits.data(), s, B, T, prev, 2, g.data(), c).total();
     logits[i] = x;
-    EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-4 * std::max(1.0, std::abs(static_cast<double>(dlogits[i])))) << "logit " << i;
+    EXPECT_NEAR(dlogits[i], (fp - fm) / (2 * h), 2e-4 * std::max(1.0, std::abs(static_cast<double>(dlogits[i]))))
+        << "logit " << i;
   }
 }
 
 TEST(MoeAuxLoss, GradientsMatchFiniteDifferences) {
   for (const char* type : {"aux_loss", "seq_aux_loss", "global_aux_loss", "aux_loss,seq_aux_loss,global_aux_loss"})
     for (const char* score : {"softmax", "sigmoid"})
-      check_aux_gradient({"moe.router_topk=2", "moe.aux_loss_coeff=0.5", std::string("moe.router_load_balancing_type=") + type,
+      check_aux_gradient({"moe.router_topk=2", "moe.aux_loss_coeff=0.5",
+                          std::string("moe.router_load_balancing_type=") + type,
                           std::string("moe.router_score_function=") + score});
   check_aux_gradient({"moe.router_topk=2", "moe.z_loss_coeff=0.3", "moe.router_load_balancing_type=none"});
 }
@@ -161,7 +163,8 @@ TEST(MoeAuxLoss, GlobalOverReplicasHandComputed) {
     ASSERT_EQ(n, 2);
     c[0] += 2;
   };
-  const AuxLosses a = aux_losses_forward(cpu_ops(), logits.data(), s, 2, 1, prev, 1, global, counts, micro, other_replica);
+  const AuxLosses a =
+      aux_losses_forward(cpu_ops(), logits.data(), s, 2, 1, prev, 1, global, counts, micro, other_replica);
   EXPECT_NEAR(a.global_aux, 0.05, 1e-7);
   EXPECT_EQ(global[0], 3.5f);
   EXPECT_EQ(global[1], 0.5f);
@@ -173,18 +176,20 @@ TEST(MoeAuxLoss, GlobalOverReplicasHandComputed) {
 TEST(MoeAuxLoss, GlobalReplicasAddUpToTheJointBatch) {
   for (const char* score : {"softmax", "sigmoid"}) {
     SCOPED_TRACE(score);
-    RouterSpec joint = spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.5",
-                                "moe.router_load_balancing_type=global_aux_loss",
-                                std::string("moe.router_score_function=") + score});
+    RouterSpec joint =
+        spec_of({"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.5",
+                 "moe.router_load_balancing_type=global_aux_loss", std::string("moe.router_score_function=") + score});
     const int64_t B = 2, T = 3, N = B * T, E = joint.E, R = 2;
     const std::vector<float> all = randn(R * N * E, 11, "logits");  // replica r: rows [r N, (r + 1) N)
-    const int64_t prev[4] = {7, 3, 9, 5};                            // an earlier micro-batch, both replicas
+    const int64_t prev[4] = {7, 3, 9, 5};                           // an earlier micro-batch, both replicas
     std::vector<int64_t> joint_counts;
     std::vector<float> joint_global(static_cast<size_t>(E));
     const double joint_loss =
-        aux_losses_forward(cpu_ops(), all.data(), joint, R * B, T, prev, 1, joint_global.data(), joint_counts).global_aux;
+        aux_losses_forward(cpu_ops(), all.data(), joint, R * B, T, prev, 1, joint_global.data(), joint_counts)
+            .global_aux;
     std::vector<float> joint_grad(all.size(), 0.0f);
-    aux_losses_backward(cpu_ops(), joint_grad.data(), all.data(), joint, R * B, T, joint_global.data(), joint_counts, 0.5f);
+    aux_losses_backward(cpu_ops(), joint_grad.data(), all.data(), joint, R * B, T, joint_global.data(), joint_counts,
+                        0.5f);
     RouterSpec s = joint;
     s.global_replicas = R;
     std::vector<double> loss(R);
@@ -194,9 +199,10 @@ TEST(MoeAuxLoss, GlobalReplicasAddUpToTheJointBatch) {
       const float* mine = all.data() + r * N * E;
       std::vector<int64_t> counts;
       std::vector<float> g(static_cast<size_t>(E));
-      loss[r] = aux_losses_forward(cpu_ops(), mine, s, B, T, prev, 1, g.data(), counts, nullptr,
-                                   [&](int64_t* c, int64_t n) { comm.all_reduce(c, n); })
-                    .global_aux;
+      loss[r] =
+          aux_losses_forward(cpu_ops(), mine, s, B, T, prev, 1, g.data(), counts, nullptr, [&](int64_t* c, int64_t n) {
+            comm.all_reduce(c, n);
+          }).global_aux;
       std::vector<float> d(static_cast<size_t>(N * E), 0.0f);
       aux_losses_backward(cpu_ops(), d.data(), mine, s, B, T, g.data(), counts, 0.5f);
       global[r] = g;
@@ -298,25 +304,26 @@ void check_model_gradients(const TinyMoe& t) {
     };
     const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
     std::copy(saved.begin(), saved.end(), v);
-    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4) << p.name << " " << p.shape.to_string();
+    EXPECT_NEAR(analytic, numeric, 2e-3 * std::max(1.0, std::abs(numeric)) + 2e-4)
+        << p.name << " " << p.shape.to_string();
   }
 }
 
 TEST(MoeModel, GradientsMatchFiniteDifferences) {
   // gpt2 flavour, softmax top-2, every aux loss and the z-loss, position capacity with padding.
-  check_model_gradients(tiny_moe("gpt2", {"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.1",
-                                          "moe.z_loss_coeff=0.01", "moe.ffn_hidden_size=24",
-                                          "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss",
-                                          "moe.expert_capacity_factor=1.0", "moe.token_drop_policy=position",
-                                          "moe.pad_expert_input_to_capacity=true"}));
+  check_model_gradients(tiny_moe(
+      "gpt2",
+      {"moe.num_experts=4", "moe.router_topk=2", "moe.aux_loss_coeff=0.1", "moe.z_loss_coeff=0.01",
+       "moe.ffn_hidden_size=24", "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss",
+       "moe.expert_capacity_factor=1.0", "moe.token_drop_policy=position", "moe.pad_expert_input_to_capacity=true"}));
   // llama flavour, DeepSeek style: sigmoid, groups, scaling, bias, seq aux, gated shared expert,
   // dense first layer.
-  check_model_gradients(tiny_moe("llama", {"moe.num_experts=8", "moe.router_topk=4", "moe.router_score_function=sigmoid",
-                                           "moe.router_num_groups=4", "moe.router_group_topk=2",
-                                           "moe.router_topk_scaling_factor=2.5", "moe.router_enable_expert_bias=true",
-                                           "moe.router_load_balancing_type=seq_aux_loss", "moe.aux_loss_coeff=0.1",
-                                           "moe.ffn_hidden_size=16", "moe.shared_expert_intermediate_size=24",
-                                           "moe.shared_expert_gate=true", "moe.layer_freq=[0,1]"}));
+  check_model_gradients(tiny_moe(
+      "llama",
+      {"moe.num_experts=8", "moe.router_topk=4", "moe.router_score_function=sigmoid", "moe.router_num_groups=4",
+       "moe.router_group_topk=2", "moe.router_topk_scaling_factor=2.5", "moe.router_enable_expert_bias=true",
+       "moe.router_load_balancing_type=seq_aux_loss", "moe.aux_loss_coeff=0.1", "moe.ffn_hidden_size=16",
+       "moe.shared_expert_intermediate_size=24", "moe.shared_expert_gate=true", "moe.layer_freq=[0,1]"}));
 }
 
 TEST(MoeModel, OneExpertTopOneEqualsTheDenseMlp) {
@@ -406,7 +413,7 @@ TEST(MoeModel, StateHashesFollowTheirDefinition) {
   for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) all.push_back({i, 0, ps.specs()[i].shape.numel()});
   ShardHashes in_update(all, &ps);
   opt.update(ps, 1, 1e-2, 1.0f, opt.owned(), &in_update);
-  model.finish_step(0.25);  // expert biases off zero
+  model.finish_step(0.25);             // expert biases off zero
   auto reference = [&](int experts) {  // -1: everything; 0 / 1: the dense / expert part
     BlockHasher h;
     for (size_t i = 0; i < ps.specs().size(); ++i)
@@ -452,7 +459,8 @@ TEST(MoeConfig, LayerFreqAndValidation) {
   EXPECT_NE(error({"moe.num_experts=6", "moe.router_num_groups=4", "moe.router_group_topk=1"}).find("not divisible"),
             std::string::npos);
   EXPECT_NE(error({"moe.num_experts=4", "moe.router_enable_expert_bias=true"}).find("sigmoid"), std::string::npos);
-  EXPECT_NE(error({"moe.num_experts=4", "moe.router_load_balancing_type=sinkhorn"}).find("sinkhorn"), std::string::npos);
+  EXPECT_NE(error({"moe.num_experts=4", "moe.router_load_balancing_type=sinkhorn"}).find("sinkhorn"),
+            std::string::npos);
   EXPECT_NE(error({"moe.num_experts=4", "moe.pad_expert_input_to_capacity=true"}).find("expert_capacity_factor"),
             std::string::npos);
 }
@@ -465,12 +473,22 @@ Config moe_job(const std::string& out_dir, std::vector<std::string> extra = {}) 
 
 TEST(MoeTraining, DeterministicAcrossRunsAndThreads) {
   // Every routing feature at once, with jitter and two accumulated micro-batches.
-  const std::vector<std::string> keys = {
-      "train.steps=3",  "model.preset=llama", "model.num_query_groups=2", "moe.num_experts=8", "moe.router_topk=4",
-      "moe.router_score_function=sigmoid", "moe.router_num_groups=4", "moe.router_group_topk=2",
-      "moe.router_enable_expert_bias=true", "moe.router_load_balancing_type=seq_aux_loss,global_aux_loss",
-      "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true", "moe.input_jitter_eps=0.01",
-      "moe.expert_capacity_factor=1.5", "moe.layer_freq=[0,1]", "train.eval_interval=0"};
+  const std::vector<std::string> keys = {"train.steps=3",
+                                         "model.preset=llama",
+                                         "model.num_query_groups=2",
+                                         "moe.num_experts=8",
+                                         "moe.router_topk=4",
+                                         "moe.router_score_function=sigmoid",
+                                         "moe.router_num_groups=4",
+                                         "moe.router_group_topk=2",
+                                         "moe.router_enable_expert_bias=true",
+                                         "moe.router_load_balancing_type=seq_aux_loss,global_aux_loss",
+                                         "moe.shared_expert_intermediate_size=32",
+                                         "moe.shared_expert_gate=true",
+                                         "moe.input_jitter_eps=0.01",
+                                         "moe.expert_capacity_factor=1.5",
+                                         "moe.layer_freq=[0,1]",
+                                         "train.eval_interval=0"};
   testing::TempDir dir;
   auto with = [&](const char* threads) {
     std::vector<std::string> k = keys;
@@ -541,9 +559,9 @@ TEST(MoeTraining, GlobalAuxLossUnderDataParallelismIsTheJointBatchs) {
   // the row-parallel sums before the router. Under expert parallelism the ep ranks are those
   // data-parallel ranks; under tensor parallelism every tp rank counts the whole micro-batch.
   testing::TempDir dir;
-  const std::vector<std::string> base = {"train.steps=3", "train.eval_interval=0", "train.threads=1",
-                                         "train.global_batch=4", "data.synthetic_bytes=65536",
-                                         "moe.router_load_balancing_type=global_aux_loss"};
+  const std::vector<std::string> base = {
+      "train.steps=3",        "train.eval_interval=0",      "train.threads=1",
+      "train.global_batch=4", "data.synthetic_bytes=65536", "moe.router_load_balancing_type=global_aux_loss"};
   auto job = [&](const std::string& name, std::vector<std::string> extra) {
     extra.insert(extra.end(), base.begin(), base.end());
     return moe_job(dir.path(name), extra);
@@ -581,8 +599,8 @@ TEST(MoeTraining, MetricsAndFingerprintsCarryTheAuxLoss) {
   const TrainSummary s = quiet_train(moe_job(dir.path("run"), {"train.steps=2", "train.eval_interval=0"}));
   EXPECT_EQ(s.steps, 2);
   const std::string metrics = testing::read_file(dir.path("run/metrics.jsonl"));
-  for (const char* key : {"\"aux_loss\":", "\"lm_loss\":", "\"moe.0.tokens_min\":", "\"moe.1.tokens_max\":",
-                          "\"moe.1.imbalance\":"})
+  for (const char* key :
+       {"\"aux_loss\":", "\"lm_loss\":", "\"moe.0.tokens_min\":", "\"moe.1.tokens_max\":", "\"moe.1.imbalance\":"})
     EXPECT_NE(metrics.find(key), std::string::npos) << key;
   const std::string fp = testing::read_file(fingerprint_path(dir.path("run"), 0));
   EXPECT_NE(fp.find("\"aux_loss\":\""), std::string::npos);
@@ -629,7 +647,8 @@ TEST(GatheredWgrad, BalancedRangesCutTheRowsEvenlyAndCoverTheExperts) {
     for (int64_t q = 0; q < P; ++q) {
       ASSERT_LE(b[static_cast<size_t>(q)], b[static_cast<size_t>(q + 1)]);
       int64_t cost = 0;
-      for (int64_t e = b[static_cast<size_t>(q)]; e < b[static_cast<size_t>(q + 1)]; ++e) cost += rows[static_cast<size_t>(e)] + 16;
+      for (int64_t e = b[static_cast<size_t>(q)]; e < b[static_cast<size_t>(q + 1)]; ++e)
+        cost += rows[static_cast<size_t>(e)] + 16;
       EXPECT_LE(cost, total / P + 2 * largest) << "trial " << trial << " rank " << q;
     }
   }

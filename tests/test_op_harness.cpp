@@ -117,12 +117,13 @@ TEST(OpHarness, ASecondBackendIsComparedWithTheCpu) {
   };
   ::testing::TestPartResultArray failures;
   {
-    ::testing::ScopedFakeTestPartResultReporter reporter(::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD,
-                                                          &failures);
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
     run_cases_on(cases, {built_backends().front(), wrong});
   }
   bool vs_cpu = false;
-  for (int i = 0; i < failures.size(); ++i) vs_cpu |= std::string(failures.GetTestPartResult(i).message()).find("wrong vs cpu") != std::string::npos;
+  for (int i = 0; i < failures.size(); ++i)
+    vs_cpu |= std::string(failures.GetTestPartResult(i).message()).find("wrong vs cpu") != std::string::npos;
   EXPECT_GT(failures.size(), 0);
   EXPECT_TRUE(vs_cpu) << "the CPU comparison did not fail";
 }

@@ -42,7 +42,8 @@ TEST(ShardHashes, EqualBlockHashesAfterAPlainUpdateForAnyThreadsAndCalls) {
   reference.update(plain, 1, 1e-2, 0.5f);
   BlockHasher grads, values;
   for (const ParamRange& r : shard) grads.update_elements(plain.grad(r.param) + r.begin, r.begin, r.end);
-  for (int p = 0; p < 3; ++p) values.update(plain.value(p), static_cast<size_t>(plain.specs()[p].shape.numel()) * sizeof(float));
+  for (int p = 0; p < 3; ++p)
+    values.update(plain.value(p), static_cast<size_t>(plain.specs()[p].shape.numel()) * sizeof(float));
   const std::vector<float> params(plain.values(), plain.values() + plain.total());
   for (int threads = 1; threads <= 3; ++threads)
     with_threads(threads, [&] {

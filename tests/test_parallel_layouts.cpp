@@ -53,19 +53,22 @@ struct Row {
 void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
 
 // The Llama flavour shrunk (8 heads over 4 KV groups, so that TP 4 splits both).
-#define LLAMA "model.preset=llama", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", \
-              "model.num_query_groups=4", "model.seq_length=32"
+#define LLAMA                                                                                                          \
+  "model.preset=llama", "model.num_layers=2", "model.hidden_size=64", "model.num_heads=8", "model.num_query_groups=4", \
+      "model.seq_length=32"
 #define SP "parallel.sequence_parallel=true"
 #define A2A "moe.token_dispatcher=alltoall"
 #define AG "moe.token_dispatcher=allgather"
 // The Llama MoE flavour: SwiGLU experts, a gated shared expert, sigmoid scores with the expert bias.
-#define LLAMA_MOE "model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", \
-                  "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true"
+#define LLAMA_MOE                                                                                  \
+  "model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", \
+      "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true"
 #define DELAYED "precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=4"
 #define TENSORWISE "precision.params=bf16", "precision.fp8=tensorwise"
 // The one process of an FP8 row with data parallelism: one micro-batch, the whole global batch of 8
 // (the row gives each data-parallel rank one micro-batch).
-#define WHOLE {"train.micro_batch=8"}
+#define WHOLE \
+  { "train.micro_batch=8" }
 #define BF16_NOISE 5e-4
 
 const Row kRows[] = {
@@ -80,8 +83,14 @@ const Row kRows[] = {
     {"llama_gqa_tp4", "debug.toml", 4, {LLAMA, "parallel.tensor=4"}},
     {"llama_gqa_tp2_dp2", "debug.toml", 4, {LLAMA, "parallel.tensor=2"}},
     {"llama_gqa_tp4_sp_dp2", "debug.toml", 8, {LLAMA, "parallel.tensor=4", SP}},
-    {"gpt2_mtp_tp2_sp_dp2", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=2", SP}},
-    {"gpt2_mtp_tp4", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=4"}},
+    {"gpt2_mtp_tp2_sp_dp2",
+     "debug.toml",
+     4,
+     {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=2", SP}},
+    {"gpt2_mtp_tp4",
+     "debug.toml",
+     4,
+     {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.tensor=4"}},
     // MoE: data parallelism alone (the reference every other layout folds into).
     {"moe_dp2", "moe-debug.toml", 2, {}},
     // MoE: tensor parallelism (each tp rank routes its own share of the tokens).
@@ -108,37 +117,58 @@ const Row kRows[] = {
     {"moe_tp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.tensor=2", "parallel.expert=2", A2A}},
     {"moe_tp2_sp_ep2_allgather", "moe-debug.toml", 4, {"parallel.tensor=2", SP, "parallel.expert=2", AG}},
     {"moe_etp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.expert_tensor=2", "parallel.expert=2", A2A}},
-    {"moe_tp4_sp_etp2_ep2_alltoall", "moe-debug.toml", 8, {"parallel.tensor=4", SP, "parallel.expert_tensor=2",
-                                                           "parallel.expert=2", A2A}},
-    {"moe_tp2_etp2_ep2_edp2_allgather", "moe-debug.toml", 8, {"parallel.tensor=2", "parallel.expert_tensor=2",
-                                                              "parallel.expert=2", AG}},
+    {"moe_tp4_sp_etp2_ep2_alltoall",
+     "moe-debug.toml",
+     8,
+     {"parallel.tensor=4", SP, "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
+    {"moe_tp2_etp2_ep2_edp2_allgather",
+     "moe-debug.toml",
+     8,
+     {"parallel.tensor=2", "parallel.expert_tensor=2", "parallel.expert=2", AG}},
     {"moe_tp2_sp_etp1_ep4_alltoall", "moe-debug.toml", 8, {"parallel.tensor=2", SP, "parallel.expert=4", A2A}},
     // Capacity is per routing rank: with tp = 1 a rank routes a whole micro-batch, as one process does.
-    {"moe_etp2_capacity_position", "moe-debug.toml", 2, {"moe.expert_capacity_factor=0.75", "moe.token_drop_policy=position",
-                                                         "parallel.expert_tensor=2"}},
-    {"moe_etp2_ep2_alltoall_capacity_padded", "moe-debug.toml", 4, {"moe.expert_capacity_factor=0.75",
-                                                                    "moe.pad_expert_input_to_capacity=true",
-                                                                    "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
+    {"moe_etp2_capacity_position",
+     "moe-debug.toml",
+     2,
+     {"moe.expert_capacity_factor=0.75", "moe.token_drop_policy=position", "parallel.expert_tensor=2"}},
+    {"moe_etp2_ep2_alltoall_capacity_padded",
+     "moe-debug.toml",
+     4,
+     {"moe.expert_capacity_factor=0.75", "moe.pad_expert_input_to_capacity=true", "parallel.expert_tensor=2",
+      "parallel.expert=2", A2A}},
     // The Llama MoE flavour (SwiGLU sections split per etp rank, shared expert, expert bias).
     {"llama_moe_tp2_sp", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2", SP}},
     {"llama_moe_tp2", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.tensor=2"}},
     {"llama_moe_etp2", "moe-debug.toml", 2, {LLAMA_MOE, "parallel.expert_tensor=2"}},
-    {"llama_moe_tp2_sp_etp2_ep2_alltoall", "moe-debug.toml", 4, {LLAMA_MOE, "parallel.tensor=2", SP,
-                                                                 "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
-    {"llama_moe_tp4_etp2_ep2_allgather_distributed", "moe-debug.toml", 8, {LLAMA_MOE, "parallel.tensor=4",
-                                                                           "parallel.expert_tensor=2", "parallel.expert=2",
-                                                                           AG, "optimizer.distributed=true"}},
+    {"llama_moe_tp2_sp_etp2_ep2_alltoall",
+     "moe-debug.toml",
+     4,
+     {LLAMA_MOE, "parallel.tensor=2", SP, "parallel.expert_tensor=2", "parallel.expert=2", A2A}},
+    {"llama_moe_tp4_etp2_ep2_allgather_distributed",
+     "moe-debug.toml",
+     8,
+     {LLAMA_MOE, "parallel.tensor=4", "parallel.expert_tensor=2", "parallel.expert=2", AG,
+      "optimizer.distributed=true"}},
     // Pipeline parallelism (parallel/pipeline/), alone and folded with every other dimension.
     {"gpt2_pp2", "debug.toml", 2, {"parallel.pipeline=2"}},
-    {"gpt2_mtp_pp2_tp2_sp", "debug.toml", 4, {"model.mtp_num_layers=2", "parallel.pipeline=2", "parallel.tensor=2", SP}},
-    {"llama_gqa_pp2_interleaved_dp2", "debug.toml", 4, {LLAMA, "model.num_layers=4", "parallel.pipeline=2",
-                                                         "parallel.virtual_pipeline=2"}},
+    {"gpt2_mtp_pp2_tp2_sp",
+     "debug.toml",
+     4,
+     {"model.mtp_num_layers=2", "parallel.pipeline=2", "parallel.tensor=2", SP}},
+    {"llama_gqa_pp2_interleaved_dp2",
+     "debug.toml",
+     4,
+     {LLAMA, "model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
     {"moe_pp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.expert=2", A2A}},
-    {"moe_pp2_tp2_sp_etp2", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.tensor=2", SP, "parallel.expert_tensor=2"}},
-    {"llama_moe_pp2_interleaved_tp2_etp2_ep2_allgather", "moe-debug.toml", 8, {LLAMA_MOE, "model.num_layers=4",
-                                                                               "parallel.pipeline=2", "parallel.virtual_pipeline=2",
-                                                                               "parallel.tensor=2", "parallel.expert_tensor=2",
-                                                                               "parallel.expert=2", AG}},
+    {"moe_pp2_tp2_sp_etp2",
+     "moe-debug.toml",
+     4,
+     {"parallel.pipeline=2", "parallel.tensor=2", SP, "parallel.expert_tensor=2"}},
+    {"llama_moe_pp2_interleaved_tp2_etp2_ep2_allgather",
+     "moe-debug.toml",
+     8,
+     {LLAMA_MOE, "model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.tensor=2",
+      "parallel.expert_tensor=2", "parallel.expert=2", AG}},
     // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (of 16 tokens for
     // gpt2, 8 or 4 for the Llama flavour: none a multiple of the attention's key block), alone and with dp, tp (+ sp).
     {"gpt2_cp2", "debug.toml", 2, {"parallel.context=2"}},
@@ -148,70 +178,136 @@ const Row kRows[] = {
     {"llama_gqa_cp4", "debug.toml", 4, {LLAMA, "parallel.context=4"}},
     // MoE under context parallelism: the aux losses over the whole micro-batch (logits gathered over tp x cp; the
     // sequence aux loss per whole sequence), the router jitter at the tokens' global indices.
-    {"moe_cp2_every_aux_loss_jitter", "moe-debug.toml", 2, {"parallel.context=2", "moe.input_jitter_eps=0.01",
-                                                            "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
+    {"moe_cp2_every_aux_loss_jitter",
+     "moe-debug.toml",
+     2,
+     {"parallel.context=2", "moe.input_jitter_eps=0.01",
+      "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
     {"moe_cp2_tp2_sp_dp2", "moe-debug.toml", 8, {"parallel.context=2", "parallel.tensor=2", SP, "train.micro_batch=1"}},
-    {"moe_cp2_tp2_seq_aux", "moe-debug.toml", 4, {"parallel.context=2", "parallel.tensor=2",
-                                                  "moe.router_load_balancing_type=seq_aux_loss"}},
+    {"moe_cp2_tp2_seq_aux",
+     "moe-debug.toml",
+     4,
+     {"parallel.context=2", "parallel.tensor=2", "moe.router_load_balancing_type=seq_aux_loss"}},
     {"moe_cp2_ep2_alltoall", "moe-debug.toml", 4, {"parallel.context=2", "parallel.expert=2", A2A}},
-    {"llama_moe_cp2_etp2_ep2_allgather", "moe-debug.toml", 4, {LLAMA_MOE, "parallel.context=2", "parallel.expert_tensor=2",
-                                                               "parallel.expert=2", AG}},
+    {"llama_moe_cp2_etp2_ep2_allgather",
+     "moe-debug.toml",
+     4,
+     {LLAMA_MOE, "parallel.context=2", "parallel.expert_tensor=2", "parallel.expert=2", AG}},
     // Context parallelism with multi-token prediction (each depth's ids and targets shifted over the whole
     // sequence, then the rank's positions taken; the depth's attention gathers K/V over cp) and with pipeline
     // parallelism (each stage's ranks form cp groups: 1F1B, interleaved, the last stage's copies of the word and
     // position embedding, the MoE aux loss counted once per cp group).
-    {"gpt2_mtp_cp2", "debug.toml", 2, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
-    {"gpt2_mtp_cp2_dp2", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
-    {"gpt2_mtp_cp2_tp2_sp", "debug.toml", 4, {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3",
-                                              "parallel.context=2", "parallel.tensor=2", SP}},
+    {"gpt2_mtp_cp2",
+     "debug.toml",
+     2,
+     {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
+    {"gpt2_mtp_cp2_dp2",
+     "debug.toml",
+     4,
+     {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2"}},
+    {"gpt2_mtp_cp2_tp2_sp",
+     "debug.toml",
+     4,
+     {"model.mtp_num_layers=2", "model.mtp_loss_scaling_factor=0.3", "parallel.context=2", "parallel.tensor=2", SP}},
     {"gpt2_pp2_cp2", "debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2"}},
-    {"llama_gqa_pp2_interleaved_cp2", "debug.toml", 4, {LLAMA, "model.num_layers=4", "parallel.pipeline=2",
-                                                         "parallel.virtual_pipeline=2", "parallel.context=2"}},
+    {"llama_gqa_pp2_interleaved_cp2",
+     "debug.toml",
+     4,
+     {LLAMA, "model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.context=2"}},
     {"gpt2_mtp_pp2_cp2", "debug.toml", 4, {"model.mtp_num_layers=1", "parallel.pipeline=2", "parallel.context=2"}},
-    {"moe_pp2_cp2_every_aux_loss", "moe-debug.toml", 4, {"parallel.pipeline=2", "parallel.context=2",
-                                                         "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
+    {"moe_pp2_cp2_every_aux_loss",
+     "moe-debug.toml",
+     4,
+     {"parallel.pipeline=2", "parallel.context=2",
+      "moe.router_load_balancing_type=aux_loss,seq_aux_loss,global_aux_loss"}},
     // FP8 per-tensor scaling: amax reduced over tp x cp x dp (dense) and etp x edp (experts); BF16's
     // own difference under the same layouts for comparison.
     {"bf16_gpt2_tp2_sp", "debug.toml", 2, {"precision.params=bf16", "parallel.tensor=2", SP}, {}, BF16_NOISE},
-    {"bf16_moe_ep2_alltoall", "moe-debug.toml", 2, {"precision.params=bf16", "parallel.expert=2", A2A, "train.micro_batch=4"},
-     WHOLE, BF16_NOISE},
+    {"bf16_moe_ep2_alltoall",
+     "moe-debug.toml",
+     2,
+     {"precision.params=bf16", "parallel.expert=2", A2A, "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
     {"fp8_delayed_moe_dp2", "moe-debug.toml", 2, {DELAYED, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
     {"fp8_delayed_gpt2_tp2_sp", "debug.toml", 2, {DELAYED, "parallel.tensor=2", SP}, {}, BF16_NOISE},
     {"fp8_tensorwise_gpt2_tp4", "debug.toml", 4, {TENSORWISE, "parallel.tensor=4"}, {}, BF16_NOISE},
     {"fp8_tensorwise_gpt2_dp2", "debug.toml", 2, {TENSORWISE, "train.micro_batch=4"}, WHOLE},
-    {"fp8_delayed_llama_tp2_sp_dp2", "debug.toml", 4, {DELAYED, LLAMA, "parallel.tensor=2", SP, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_delayed_llama_tp2_sp_dp2",
+     "debug.toml",
+     4,
+     {DELAYED, LLAMA, "parallel.tensor=2", SP, "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
     {"fp8_delayed_moe_tp2_sp", "moe-debug.toml", 2, {DELAYED, "parallel.tensor=2", SP}, {}, BF16_NOISE},
-    {"fp8_tensorwise_moe_tp2_dp2", "moe-debug.toml", 4, {TENSORWISE, "parallel.tensor=2", "train.micro_batch=4"}, WHOLE, BF16_NOISE},
-    {"fp8_delayed_moe_ep2_alltoall", "moe-debug.toml", 2, {DELAYED, "parallel.expert=2", A2A, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
-    {"fp8_tensorwise_moe_ep2_allgather", "moe-debug.toml", 2, {TENSORWISE, "parallel.expert=2", AG, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
-    {"fp8_delayed_moe_etp2", "moe-debug.toml", 2, {DELAYED, "parallel.expert_tensor=2", "train.micro_batch=4"}, WHOLE, BF16_NOISE},
-    {"fp8_tensorwise_moe_etp2_ep2_alltoall", "moe-debug.toml", 4, {TENSORWISE, "parallel.expert_tensor=2",
-                                                                   "parallel.expert=2", A2A, "train.micro_batch=2"}, WHOLE, BF16_NOISE},
-    {"fp8_delayed_llama_moe_tp2_sp_ep2_edp2_alltoall", "moe-debug.toml", 4, {DELAYED, LLAMA_MOE, "parallel.tensor=2", SP,
-                                                                            "parallel.expert=2", A2A, "train.micro_batch=4"}, WHOLE, BF16_NOISE},
+    {"fp8_tensorwise_moe_tp2_dp2",
+     "moe-debug.toml",
+     4,
+     {TENSORWISE, "parallel.tensor=2", "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_delayed_moe_ep2_alltoall",
+     "moe-debug.toml",
+     2,
+     {DELAYED, "parallel.expert=2", A2A, "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_tensorwise_moe_ep2_allgather",
+     "moe-debug.toml",
+     2,
+     {TENSORWISE, "parallel.expert=2", AG, "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_delayed_moe_etp2",
+     "moe-debug.toml",
+     2,
+     {DELAYED, "parallel.expert_tensor=2", "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_tensorwise_moe_etp2_ep2_alltoall",
+     "moe-debug.toml",
+     4,
+     {TENSORWISE, "parallel.expert_tensor=2", "parallel.expert=2", A2A, "train.micro_batch=2"},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_delayed_llama_moe_tp2_sp_ep2_edp2_alltoall",
+     "moe-debug.toml",
+     4,
+     {DELAYED, LLAMA_MOE, "parallel.tensor=2", SP, "parallel.expert=2", A2A, "train.micro_batch=4"},
+     WHOLE,
+     BF16_NOISE},
     // Under pipeline parallelism (each micro-batch in flight keeping its own quantised inputs): the
     // current-scaling recipes per micro-batch as one process; delayed scaling updates once per step
     // there, as one process does with the step's batch in one micro-batch (WHOLE).
     {"fp8_tensorwise_gpt2_pp2", "debug.toml", 2, {TENSORWISE, "parallel.pipeline=2"}, {}, BF16_NOISE},
-    {"fp8_blockwise_moe_pp2_interleaved_ep2", "moe-debug.toml", 4, {"precision.params=bf16", "precision.fp8=blockwise",
-                                                                    "model.num_layers=4", "parallel.pipeline=2",
-                                                                    "parallel.virtual_pipeline=2", "parallel.expert=2", A2A},
-     {}, BF16_NOISE},
+    {"fp8_blockwise_moe_pp2_interleaved_ep2",
+     "moe-debug.toml",
+     4,
+     {"precision.params=bf16", "precision.fp8=blockwise", "model.num_layers=4", "parallel.pipeline=2",
+      "parallel.virtual_pipeline=2", "parallel.expert=2", A2A},
+     {},
+     BF16_NOISE},
     {"fp8_delayed_moe_pp2", "moe-debug.toml", 2, {DELAYED, "parallel.pipeline=2"}, WHOLE, BF16_NOISE},
-    {"fp8_delayed_moe_pp2_interleaved_ep2_alltoall", "moe-debug.toml", 4, {DELAYED, "model.num_layers=4",
-                                                                          "parallel.pipeline=2",
-                                                                          "parallel.virtual_pipeline=2",
-                                                                          "parallel.expert=2", A2A}, WHOLE, BF16_NOISE},
-    {"fp8_tensorwise_moe_pp2_afab_ep2_alltoall", "moe-debug.toml", 4, {TENSORWISE, "parallel.pipeline=2",
-                                                                      "parallel.pipeline_schedule=all_forward_all_backward",
-                                                                      "parallel.expert=2", A2A}, {}, BF16_NOISE},
+    {"fp8_delayed_moe_pp2_interleaved_ep2_alltoall",
+     "moe-debug.toml",
+     4,
+     {DELAYED, "model.num_layers=4", "parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.expert=2", A2A},
+     WHOLE,
+     BF16_NOISE},
+    {"fp8_tensorwise_moe_pp2_afab_ep2_alltoall",
+     "moe-debug.toml",
+     4,
+     {TENSORWISE, "parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward", "parallel.expert=2",
+      A2A},
+     {},
+     BF16_NOISE},
 };
 
 constexpr int kSteps = 3;
 
 Config job(const Row& row, const std::string& out_dir, bool single) {
   std::vector<std::string> o = {str("train.steps=", kSteps), "train.eval_interval=0", "train.threads=1",
-                                "train.micro_batch=2", "train.global_batch=8", "data.synthetic_bytes=65536"};
+                                "train.micro_batch=2",       "train.global_batch=8",  "data.synthetic_bytes=65536"};
   for (const std::string& k : row.overrides)
     if (!single || (k.rfind("parallel.", 0) != 0 && k.rfind("optimizer.distributed", 0) != 0)) o.push_back(k);
   if (single) o.insert(o.end(), row.single.begin(), row.single.end());
@@ -224,7 +320,8 @@ std::vector<double> field(const std::string& run_dir, const char* name) {
   std::vector<double> out;
   std::istringstream in(testing::read_file(fingerprint_path(run_dir, 0)));
   for (std::string line; std::getline(in, line);)
-    out.push_back(std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)[name].get<std::string>(), nullptr, 16)));
+    out.push_back(
+        std::bit_cast<double>(std::stoull(nlohmann::json::parse(line)[name].get<std::string>(), nullptr, 16)));
   return out;
 }
 
@@ -285,7 +382,9 @@ TEST(ParallelFolding, CommunicationVolumePerStepMatchesTheFormula) {
   for (const Case& c : {Case{2, 1, false}, Case{2, 1, true}, Case{4, 1, true}, Case{1, 2, false}, Case{1, 4, false},
                         Case{2, 2, true}}) {
     const int world = std::max(c.tp, c.etp);
-    const Row row{"volume", "moe-debug.toml", world,
+    const Row row{"volume",
+                  "moe-debug.toml",
+                  world,
                   {str("parallel.tensor=", c.tp), str("parallel.expert_tensor=", c.etp),
                    str("parallel.sequence_parallel=", c.sp ? "true" : "false")}};
     testing::TempDir dir;
@@ -308,9 +407,10 @@ TEST(ParallelFolding, CommunicationVolumePerStepMatchesTheFormula) {
       EXPECT_EQ(j.value("etp_bytes", int64_t{0}), etp_bytes) << "tp " << P << " etp " << Q << " sp " << c.sp;
     }
     EXPECT_EQ(steps, kSteps);
-    std::printf("[ moe-debug ] tp %d%s etp %d (world %d, %lld micro-batches per rank): tp %lld, etp %lld bytes per step\n",
-                c.tp, c.sp ? " sp" : "   ", c.etp, world, static_cast<long long>(m), static_cast<long long>(tp_bytes),
-                static_cast<long long>(etp_bytes));
+    std::printf(
+        "[ moe-debug ] tp %d%s etp %d (world %d, %lld micro-batches per rank): tp %lld, etp %lld bytes per step\n",
+        c.tp, c.sp ? " sp" : "   ", c.etp, world, static_cast<long long>(m), static_cast<long long>(tp_bytes),
+        static_cast<long long>(etp_bytes));
   }
 }
 
@@ -328,7 +428,8 @@ TEST(ParallelFolding, ErrorsNameTheSizesThatConflict) {
   EXPECT_EQ(error("moe-debug.toml", {"model.seq_length=63", "train.micro_batch=1", "parallel.tensor=2"}),
             "config: parallel.tensor = 2 with an MoE model: train.micro_batch x model.seq_length = 63 tokens are not "
             "divisible by it (each tensor-parallel rank routes its share of the tokens)");
-  EXPECT_EQ(error("moe-debug.toml", {"parallel.tensor=3"}), "config: model.num_heads = 4 is not divisible by parallel.tensor = 3");
+  EXPECT_EQ(error("moe-debug.toml", {"parallel.tensor=3"}),
+            "config: model.num_heads = 4 is not divisible by parallel.tensor = 3");
   // The world must hold both meshes: tp x cp x dp x pp and etp x ep x edp x pp.
   auto world_error = [](int ranks, std::vector<std::string> o) {
     testing::TempDir dir;
@@ -345,7 +446,8 @@ TEST(ParallelFolding, ErrorsNameTheSizesThatConflict) {
   EXPECT_NE(world_error(4, {"parallel.expert_tensor=2", "parallel.expert=4"})
                 .find("parallel: world size 4 is not divisible by expert_tensor (2) x expert (4) x pipeline (1)"),
             std::string::npos);
-  EXPECT_NE(world_error(6, {"parallel.tensor=4"}).find("parallel: world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)"),
+  EXPECT_NE(world_error(6, {"parallel.tensor=4"})
+                .find("parallel: world size 6 is not divisible by tensor (4) x context (1) x pipeline (1)"),
             std::string::npos);
   EXPECT_NE(world_error(8, {"parallel.expert_tensor=2", "train.micro_batch=2"})
                 .find("train.global_batch = 8 is not divisible by train.micro_batch (2) x data-parallel size (8"),

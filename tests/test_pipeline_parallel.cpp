@@ -37,17 +37,29 @@ using testing::user_error_of;
 
 // 4 layers, 16 sequences of 2 per step: 8 micro-batches on one pipeline.
 Config job(const std::string& config, const std::string& out_dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> o = {"train.steps=4", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
-                                "train.global_batch=16", "model.num_layers=4", "data.synthetic_bytes=65536",
-                                "dist.timeout_s=30", "train.out_dir=" + out_dir};
+  std::vector<std::string> o = {"train.steps=4",
+                                "train.eval_interval=0",
+                                "train.threads=1",
+                                "train.micro_batch=2",
+                                "train.global_batch=16",
+                                "model.num_layers=4",
+                                "data.synthetic_bytes=65536",
+                                "dist.timeout_s=30",
+                                "train.out_dir=" + out_dir};
   o.insert(o.end(), extra.begin(), extra.end());
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + config, o);
 }
 
 TEST(PipelineSchedule, EveryChunkRunsEveryMicroBatchOnceInOrder) {
-  for (const auto& [kind, p, v, m] : std::vector<std::tuple<std::string, int, int, int64_t>>{
-           {"1f1b", 2, 1, 8}, {"1f1b", 4, 1, 3}, {"1f1b", 4, 1, 8}, {"all_forward_all_backward", 3, 1, 5},
-           {"1f1b", 2, 2, 4}, {"1f1b", 4, 2, 8}, {"1f1b", 2, 3, 2}, {"1f1b", 3, 2, 9}}) {
+  for (const auto& [kind, p, v, m] :
+       std::vector<std::tuple<std::string, int, int, int64_t>>{{"1f1b", 2, 1, 8},
+                                                               {"1f1b", 4, 1, 3},
+                                                               {"1f1b", 4, 1, 8},
+                                                               {"all_forward_all_backward", 3, 1, 5},
+                                                               {"1f1b", 2, 2, 4},
+                                                               {"1f1b", 4, 2, 8},
+                                                               {"1f1b", 2, 3, 2},
+                                                               {"1f1b", 3, 2, 9}}) {
     for (int s = 0; s < p; ++s) {
       const auto actions = pipeline_schedule(kind, p, v, m, s);
       std::map<std::pair<bool, int>, int64_t> next;  // (forward, chunk) -> next micro-batch
@@ -86,9 +98,14 @@ TEST(PipelineSchedule, InFlightMicroBatches) {
 TEST(PipelineSchedule, SimulatedBubbleIsTheAnalyticOne) {
   // Uniform times: the idle fraction is (p - 1) / (v m + p - 1) for every schedule, whatever the
   // forward / backward ratio.
-  for (const auto& [kind, p, v, m] : std::vector<std::tuple<std::string, int, int, int64_t>>{
-           {"1f1b", 2, 1, 8}, {"1f1b", 4, 1, 8}, {"1f1b", 4, 1, 16}, {"all_forward_all_backward", 4, 1, 8},
-           {"1f1b", 2, 2, 8}, {"1f1b", 4, 2, 8}, {"1f1b", 4, 4, 16}}) {
+  for (const auto& [kind, p, v, m] :
+       std::vector<std::tuple<std::string, int, int, int64_t>>{{"1f1b", 2, 1, 8},
+                                                               {"1f1b", 4, 1, 8},
+                                                               {"1f1b", 4, 1, 16},
+                                                               {"all_forward_all_backward", 4, 1, 8},
+                                                               {"1f1b", 2, 2, 8},
+                                                               {"1f1b", 4, 2, 8},
+                                                               {"1f1b", 4, 4, 16}}) {
     for (const double tb : {1.0, 2.0})
       EXPECT_NEAR(simulated_bubble(kind, p, v, m, 1.0, tb), analytic_bubble(p, v, m), 1e-12)
           << kind << " p " << p << " v " << v << " m " << m << " tb " << tb;
@@ -100,7 +117,7 @@ TEST(PipelineSchedule, SimulatedBubbleIsTheAnalyticOne) {
 TEST(PipelineLayout, StagesSplitTheLayersAndNameTheKeysWhenTheyDoNotAddUp) {
   Config c = job("debug.toml", "unused", {"parallel.pipeline=3", "parallel.pipeline_layers=[1, 2,1]"});
   const StagePart first = pipeline_part(c.parallel, 4, 0), middle = pipeline_part(c.parallel, 4, 1),
-                last = pipeline_part(c.parallel, 4, 2);
+                  last = pipeline_part(c.parallel, 4, 2);
   EXPECT_TRUE(first.first && !first.last && first.chunks == (std::vector<std::pair<int64_t, int64_t>>{{0, 1}}));
   EXPECT_TRUE(!middle.first && !middle.last && middle.chunks == (std::vector<std::pair<int64_t, int64_t>>{{1, 3}}));
   EXPECT_TRUE(!last.first && last.last && last.chunks == (std::vector<std::pair<int64_t, int64_t>>{{3, 4}}));
@@ -108,22 +125,29 @@ TEST(PipelineLayout, StagesSplitTheLayersAndNameTheKeysWhenTheyDoNotAddUp) {
   EXPECT_EQ(pipeline_part(c.parallel, 4, 1).chunks, (std::vector<std::pair<int64_t, int64_t>>{{1, 2}, {3, 4}}));
 
   auto error = [](std::vector<std::string> o) { return user_error_of([&] { job("debug.toml", "unused", o); }); };
-  EXPECT_NE(error({"parallel.pipeline=3"}).find("model.num_layers = 4 is not divisible by parallel.pipeline x "
-                                                "parallel.virtual_pipeline = 3 x 1"), std::string::npos);
-  EXPECT_NE(error({"parallel.pipeline=2", "parallel.pipeline_layers=[1,2]"}).find("adds up to 3 layers, model.num_layers = 4"),
+  EXPECT_NE(error({"parallel.pipeline=3"})
+                .find("model.num_layers = 4 is not divisible by parallel.pipeline x "
+                      "parallel.virtual_pipeline = 3 x 1"),
             std::string::npos);
-  EXPECT_NE(error({"parallel.pipeline=2", "parallel.pipeline_layers=[1,1,2]"}).find("has 3 entries"), std::string::npos);
+  EXPECT_NE(error({"parallel.pipeline=2", "parallel.pipeline_layers=[1,2]"})
+                .find("adds up to 3 layers, model.num_layers = 4"),
+            std::string::npos);
+  EXPECT_NE(error({"parallel.pipeline=2", "parallel.pipeline_layers=[1,1,2]"}).find("has 3 entries"),
+            std::string::npos);
   EXPECT_NE(error({"parallel.pipeline=2", "parallel.pipeline_layers=[4,0]"}).find("expected positive layer counts"),
             std::string::npos);
   EXPECT_NE(error({"parallel.virtual_pipeline=2"}).find("needs parallel.pipeline > 1"), std::string::npos);
-  EXPECT_NE(error({"parallel.pipeline=2", "parallel.virtual_pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"})
-                .find("has no virtual stages"), std::string::npos);
+  EXPECT_NE(error({"parallel.pipeline=2", "parallel.virtual_pipeline=2",
+                   "parallel.pipeline_schedule=all_forward_all_backward"})
+                .find("has no virtual stages"),
+            std::string::npos);
   EXPECT_EQ(error({"parallel.pipeline=2", "precision.params=bf16", "precision.fp8=tensorwise"}), "(no error)")
       << "every low-precision recipe runs under pipeline parallelism";
   // Interleaving needs the micro-batches per rank (12 / 2 = 6 here) to be a multiple of pp.
   TempDir dir;
-  const Config odd = job("debug.toml", dir.path("odd"), {"parallel.pipeline=4", "parallel.virtual_pipeline=2",
-                                                         "train.global_batch=12", "model.num_layers=8"});
+  const Config odd =
+      job("debug.toml", dir.path("odd"),
+          {"parallel.pipeline=4", "parallel.virtual_pipeline=2", "train.global_batch=12", "model.num_layers=8"});
   std::string msg;
   try {
     train_ranks(4, odd);
@@ -165,7 +189,8 @@ struct Layout {
 // Trains `config` on the reference layout (by default one rank) and on each layout; every layout's
 // losses within `tol` (relative) of the reference's, and the largest difference printed.
 void expect_layouts_match(const std::string& config, const std::vector<std::string>& common,
-                          const std::vector<Layout>& layouts, double tol, const Layout& reference = {"one process", 1, {}}) {
+                          const std::vector<Layout>& layouts, double tol,
+                          const Layout& reference = {"one process", 1, {}}) {
   TempDir dir;
   std::vector<std::string> o = common;
   o.insert(o.end(), reference.overrides.begin(), reference.overrides.end());
@@ -182,14 +207,13 @@ void expect_layouts_match(const std::string& config, const std::vector<std::stri
 }
 
 TEST(PipelineParallel, DenseLayoutsReproduceOneProcess) {
-  expect_layouts_match(
-      "debug.toml", {"model.preset=llama"},
-      {{"pp2", 2, {"parallel.pipeline=2"}},
-       {"pp4", 4, {"parallel.pipeline=4"}},
-       {"pp2_interleaved", 2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
-       {"pp2_afab", 2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
-       {"pp3_uneven_1_2_1", 3, {"parallel.pipeline=3", "parallel.pipeline_layers=[1,2,1]"}}},
-      1e-6);
+  expect_layouts_match("debug.toml", {"model.preset=llama"},
+                       {{"pp2", 2, {"parallel.pipeline=2"}},
+                        {"pp4", 4, {"parallel.pipeline=4"}},
+                        {"pp2_interleaved", 2, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}},
+                        {"pp2_afab", 2, {"parallel.pipeline=2", "parallel.pipeline_schedule=all_forward_all_backward"}},
+                        {"pp3_uneven_1_2_1", 3, {"parallel.pipeline=3", "parallel.pipeline_layers=[1,2,1]"}}},
+                       1e-6);
 }
 
 TEST(PipelineParallel, TiedEmbeddingAndMtpAcrossFirstAndLastStage) {
@@ -209,21 +233,26 @@ TEST(PipelineParallel, MoeLayoutsReproduceOneProcess) {
                        1e-6);
   // Expert parallelism splits the micro-batches over its data-parallel ranks: the reference is EP
   // on the same ranks of one stage.
-  expect_layouts_match("moe-debug.toml", moe,
-                       {{"pp2_ep2_alltoall", 4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}},
-                       1e-6, {"ep2 alltoall", 2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}});
+  expect_layouts_match(
+      "moe-debug.toml", moe,
+      {{"pp2_ep2_alltoall", 4, {"parallel.pipeline=2", "parallel.expert=2", "moe.token_dispatcher=alltoall"}}}, 1e-6,
+      {"ep2 alltoall", 2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}});
   // MoE under tensor parallelism (the experts' tokens split over tp) and expert tensor parallelism.
-  expect_layouts_match("moe-debug.toml", moe,
-                       {{"pp2_tp2_sp_etp2", 4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
-                                                "parallel.expert_tensor=2"}}},
-                       1e-6, {"tp2 sp etp2", 2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}});
+  expect_layouts_match(
+      "moe-debug.toml", moe,
+      {{"pp2_tp2_sp_etp2",
+        4,
+        {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}}},
+      1e-6, {"tp2 sp etp2", 2, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.expert_tensor=2"}});
 }
 
 TEST(PipelineParallel, ComposesWithTensorSequenceAndDataParallel) {
   expect_layouts_match(
       "debug.toml", {"model.preset=llama"},
       {{"pp2_tp2_sp", 4, {"parallel.pipeline=2", "parallel.tensor=2", "parallel.sequence_parallel=true"}},
-       {"pp2_dp2_distributed", 4, {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_param_gather=true"}}},
+       {"pp2_dp2_distributed",
+        4,
+        {"parallel.pipeline=2", "optimizer.distributed=true", "ddp.overlap_param_gather=true"}}},
       1e-6);
   expect_layouts_match("debug.toml", {"model.preset=llama", "precision.params=bf16"},
                        {{"pp2_interleaved_dp2_bf16", 4, {"parallel.pipeline=2", "parallel.virtual_pipeline=2"}}}, 1e-6);
@@ -233,8 +262,8 @@ TEST(PipelineParallel, StagesHoldTheActivationsTheScheduleKeepsInFlight) {
   TempDir dir;
   std::map<std::string, double> first_stage_mb;
   for (const std::string schedule : {"1f1b", "all_forward_all_backward"}) {
-    train_ranks(4, job("debug.toml", dir.path(schedule), {"parallel.pipeline=4", "parallel.pipeline_schedule=" + schedule,
-                                                         "train.steps=1"}));
+    train_ranks(4, job("debug.toml", dir.path(schedule),
+                       {"parallel.pipeline=4", "parallel.pipeline_schedule=" + schedule, "train.steps=1"}));
     const nlohmann::json j = nlohmann::json::parse(read_file(dir.path(schedule) + "/metrics.jsonl"));
     for (int s = 0; s < 4; ++s)
       EXPECT_EQ(j["pp." + std::to_string(s) + ".in_flight"].get<int64_t>(), schedule == "1f1b" ? 4 - s : 8)
@@ -274,8 +303,9 @@ TEST(PipelineParallel, ResumesBitwiseAndReshardsBetweenTwoStagesAndOne) {
   // And back: a one-process checkpoint read by two stages (the last stage's embedding copy and its
   // moments come from the single tensor the one process wrote).
   testing::quiet_train(job("moe-debug.toml", dir.path("single"), {"model.mtp_num_layers=1", "train.save_interval=2"}));
-  train_ranks(2, job("moe-debug.toml", dir.path("two"), {"parallel.pipeline=2", "model.mtp_num_layers=1",
-                                                         "train.resume=" + dir.path("single") + "/checkpoints/step-00000002"}));
+  train_ranks(2, job("moe-debug.toml", dir.path("two"),
+                     {"parallel.pipeline=2", "model.mtp_num_layers=1",
+                      "train.resume=" + dir.path("single") + "/checkpoints/step-00000002"}));
   const auto single = trajectory(dir.path("single")), two = trajectory(dir.path("two"));
   ASSERT_EQ(two.size(), 2u);
   for (size_t s = 0; s < 2; ++s) EXPECT_NEAR(two[s].first, single[s + 2].first, 1e-6 * single[s + 2].first);

@@ -16,12 +16,12 @@
 #include "lockstep/core/dtype.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/trace.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/linear.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/core/trace.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/trainer.h"
@@ -65,7 +65,8 @@ struct Gpt2Reference {
     return v;
   }
   // y (N, O) = x (N, I) W^T + b (+ residual), then rounded.
-  Vec linear(const Vec& x, const std::string& name, int64_t N, int64_t I, int64_t O, const Vec* residual = nullptr) const {
+  Vec linear(const Vec& x, const std::string& name, int64_t N, int64_t I, int64_t O,
+             const Vec* residual = nullptr) const {
     const Vec w = param(name + ".weight"), b = param(name + ".bias");
     Vec y(static_cast<size_t>(N * O));
     for (int64_t n = 0; n < N; ++n)
@@ -166,8 +167,8 @@ TEST(PrecisionBf16, ForwardMatchesADoubleReferenceThatRoundsTheSameTensors) {
     const double ref_fp32 = Gpt2Reference{model.params(), m, false}.loss(tokens, targets, B);
     const double gap = std::abs(ref_bf16 - ref_fp32);
     EXPECT_GT(gap, 1e-4) << "bf16 rounding moves the loss";
-    EXPECT_LT(std::abs(got - ref_bf16), gap / 2) << "seed " << seed << ": got " << got << ", bf16 reference "
-                                                  << ref_bf16 << ", fp32 reference " << ref_fp32;
+    EXPECT_LT(std::abs(got - ref_bf16), gap / 2)
+        << "seed " << seed << ": got " << got << ", bf16 reference " << ref_bf16 << ", fp32 reference " << ref_fp32;
     ratios.push_back(std::abs(got - ref_bf16) / gap);
     EXPECT_NEAR(fp32.evaluate(tokens.data(), targets.data()), ref_fp32, 1e-5) << "the reference is the fp32 model";
   }
@@ -287,7 +288,8 @@ struct RecipeRef {
       return dequantized(q);
     }
     if (recipe == "blockwise") {
-      quantize_blockwise(q, x.data(), rows, cols, f, weight || !k_along_cols ? 128 : 1, weight || k_along_cols ? 128 : 1);
+      quantize_blockwise(q, x.data(), rows, cols, f, weight || !k_along_cols ? 128 : 1,
+                         weight || k_along_cols ? 128 : 1);
       return dequantized(q);
     }
     if (recipe == "nvfp4" && weight) {
@@ -302,8 +304,13 @@ struct RecipeRef {
     } else {
       StochasticRounding sr;
       // The site's key: its weight's name (Precision::Site::global_key).
-      if (grad) sr = {true, seed, static_cast<uint64_t>(step), purpose_id("layers.0.mlp.fc.weight") * 4 + sr_usage,
-                      micro * rows * cols, 0};
+      if (grad)
+        sr = {true,
+              seed,
+              static_cast<uint64_t>(step),
+              purpose_id("layers.0.mlp.fc.weight") * 4 + sr_usage,
+              micro * rows * cols,
+              0};
       quantize_nvfp4(q, src.data(), r, c, 1, sr);
     }
     const std::vector<float> v = dequantized(q);
@@ -327,7 +334,8 @@ TEST(PrecisionLowp, LinearLayerEqualsTheFp32GemmOnTheRecipesOperands) {
 
     const RecipeRef ref{recipe, 77, 5, 3};
     const std::vector<float> w(t.ps.weight(t.lin.w), t.ps.weight(t.lin.w) + out * in);
-    const std::vector<float> qx = ref.operand(x, N, in, true, false, false, 0), qw = ref.operand(w, out, in, true, true, false, 0);
+    const std::vector<float> qx = ref.operand(x, N, in, true, false, false, 0),
+                             qw = ref.operand(w, out, in, true, true, false, 0);
     std::vector<float> y_ref(y.size()), dx_ref(dx.size()), dw_ref(static_cast<size_t>(out * in), 0.0f);
     GemmOptions bias;
     bias.bias = t.ps.weight(t.lin.b);
@@ -399,8 +407,8 @@ TEST(PrecisionLowp, DelayedScalingFollowsItsHistory) {
 // (1, 0.5): the step amaxes 4, 1, 1, hand-computed as in DelayedScalingFollowsItsHistory. The
 // output of each micro-batch is the GEMM on operands quantised with the step's scale.
 TEST(PrecisionLowp, DelayedScalingPerStepUpdatesOnceFromTheStepsMax) {
-  QuantisedLinear t({"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2",
-                     "precision.fp8_margin=1"});
+  QuantisedLinear t(
+      {"precision.params=bf16", "precision.fp8=delayed", "precision.fp8_amax_history_len=2", "precision.fp8_margin=1"});
   Precision::AmaxGroups groups;
   groups.per_step = true;
   t.precision.set_amax_groups(groups);
@@ -515,8 +523,10 @@ TEST(PrecisionLowp, DelayedScalingScaleIsTheOneQuantisationUses) {
     gemm(y_ref.data(), dequantized(qx).data(), Trans::N, dequantized(qw).data(), Trans::T, N, out, in, bias);
     round_to_bf16(y_ref.data(), N * out);
     EXPECT_TRUE(testing::bitwise_equal(y, y_ref)) << "micro-batch " << m << " scales " << sx << " " << sw;
-    if (m == 0) EXPECT_EQ(sx, 1.0f) << "the initial scale";
-    else EXPECT_EQ(sx, 448.0f / amax(x.data(), N * in)) << "from the first micro-batch's amax";
+    if (m == 0)
+      EXPECT_EQ(sx, 1.0f) << "the initial scale";
+    else
+      EXPECT_EQ(sx, 448.0f / amax(x.data(), N * in)) << "from the first micro-batch's amax";
   }
 }
 
@@ -565,7 +575,8 @@ TEST(PrecisionLowp, AmaxReducedOverTheGroupQuantisesEachPieceAsTheWholeTensor) {
           if (reduced) part.precision.set_amax_groups({&comm, nullptr, &comm, nullptr});
           bool all = true;
           for (int m = 0; m < kMicro; ++m) {
-            const std::vector<float> xp = block(x[m].data(), in, t0, Np, 0, in), dyp = block(dy[m].data(), out, t0, Np, o0, outp);
+            const std::vector<float> xp = block(x[m].data(), in, t0, Np, 0, in),
+                                     dyp = block(dy[m].data(), out, t0, Np, o0, outp);
             std::vector<float> yp(static_cast<size_t>(Np * outp)), dxp(static_cast<size_t>(Np * in));
             part.precision.begin_micro_batch(1, 1, m);
             part.lin.forward(part.ps, yp.data(), xp.data(), Np);
@@ -577,13 +588,16 @@ TEST(PrecisionLowp, AmaxReducedOverTheGroupQuantisesEachPieceAsTheWholeTensor) {
           if (std::string(recipe) == "delayed") {
             const auto mine = part.precision.amax_histories(), one = full.precision.amax_histories();
             for (size_t i = 0; i < one.size(); ++i)
-              all = all && mine[i].history->amax == one[i].history->amax && mine[i].history->scale == one[i].history->scale;
+              all = all && mine[i].history->amax == one[i].history->amax &&
+                    mine[i].history->scale == one[i].history->scale;
           }
           same[r] = all;
         });
         // Without the reduction a rank that lacks the whole tensor's largest magnitude scales differently.
-        if (reduced) EXPECT_EQ(same, std::vector<int>(2, 1)) << "amax reduced";
-        else EXPECT_NE(same, std::vector<int>(2, 1)) << "per-rank amax (the test can fail)";
+        if (reduced)
+          EXPECT_EQ(same, std::vector<int>(2, 1)) << "amax reduced";
+        else
+          EXPECT_NE(same, std::vector<int>(2, 1)) << "per-rank amax (the test can fail)";
       }
     }
   }
@@ -680,7 +694,9 @@ TEST(PrecisionTraining, Fp8Delayed) { check_mode_trains_deterministically(bf16_a
 TEST(PrecisionTraining, Fp8Tensorwise) {
   check_mode_trains_deterministically(bf16_and("precision.fp8=tensorwise"), kBf16);
 }
-TEST(PrecisionTraining, Fp8Blockwise) { check_mode_trains_deterministically(bf16_and("precision.fp8=blockwise"), kBf16); }
+TEST(PrecisionTraining, Fp8Blockwise) {
+  check_mode_trains_deterministically(bf16_and("precision.fp8=blockwise"), kBf16);
+}
 TEST(PrecisionTraining, Mxfp8) { check_mode_trains_deterministically(bf16_and("precision.fp8=mxfp8"), kBf16); }
 TEST(PrecisionTraining, Nvfp4) { check_mode_trains_deterministically(bf16_and("precision.fp4=nvfp4"), kBf16); }
 

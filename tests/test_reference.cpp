@@ -128,10 +128,10 @@ std::string fixture_path(const std::string& name) {
 // Per tensor: the largest |got - ref| relative to the tensor's largest |ref| (so that elements
 // near zero, whose relative error means nothing, are judged on the tensor's scale).
 struct Tolerances {
-  double loss = 2e-6;      // relative, losses and the gradient norm
-  double grad = 2e-5;      // gradients after one forward/backward
-  double param = 2e-5;     // parameters after the AdamW steps
-  double xent = 1e-6;      // per-token cross-entropy of the fixture's logits
+  double loss = 2e-6;   // relative, losses and the gradient norm
+  double grad = 2e-5;   // gradients after one forward/backward
+  double param = 2e-5;  // parameters after the AdamW steps
+  double xent = 1e-6;   // per-token cross-entropy of the fixture's logits
 };
 
 class Checker {
@@ -232,7 +232,8 @@ void check_case(const std::string& name, const Tolerances& tol = Tolerances{}) {
       check.scalar("lm loss", lm, fx.doubles("lm_loss")[0], tol.loss);
       if (c.moe.num_experts > 0) check.scalar("aux loss", aux, fx.doubles("aux_loss")[0], tol.loss);
       if (c.model.mtp_num_layers > 0) check.scalar("mtp loss", mtp, fx.doubles("mtp_loss")[0], tol.loss);
-      for (const ParamSpec& p : ps.specs()) check.tensor("grad " + p.name, ps.grad(ps.find(p.name)), fx.floats("grad/" + p.name), tol.grad);
+      for (const ParamSpec& p : ps.specs())
+        check.tensor("grad " + p.name, ps.grad(ps.find(p.name)), fx.floats("grad/" + p.name), tol.grad);
     }
     check.scalar(s + "loss", lm + aux + mtp, step_loss[step - 1], tol.loss);
     const double norm = optimizer.step(ps, step, learning_rate(c.train, step));
@@ -244,7 +245,8 @@ void check_case(const std::string& name, const Tolerances& tol = Tolerances{}) {
   for (const std::string& layer : fx.names("final_expert_bias/")) {
     const auto& moe = model.moe_layers().at(static_cast<size_t>(std::stoll(layer)));
     ASSERT_TRUE(moe) << name << ": layer " << layer << " is not an MoE layer";
-    check.tensor("final expert bias " + layer, moe->expert_bias().data(), fx.floats("final_expert_bias/" + layer), 1e-6);
+    check.tensor("final expert bias " + layer, moe->expert_bias().data(), fx.floats("final_expert_bias/" + layer),
+                 1e-6);
   }
   check.verdict();
 }
@@ -268,8 +270,8 @@ TEST(Reference, CheckerNamesTheFirstTensorThatStrays) {
   check.tensor("grad b", bad.data(), ref, 2e-5);
   ::testing::TestPartResultArray failures;
   {
-    ::testing::ScopedFakeTestPartResultReporter reporter(::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD,
-                                                         &failures);
+    ::testing::ScopedFakeTestPartResultReporter reporter(
+        ::testing::ScopedFakeTestPartResultReporter::INTERCEPT_ONLY_CURRENT_THREAD, &failures);
     check.verdict();
   }
   ASSERT_EQ(failures.size(), 1);

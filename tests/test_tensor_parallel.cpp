@@ -13,7 +13,6 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/mesh.h"
 #include "lockstep/comm/threads/thread_transport.h"
@@ -23,13 +22,14 @@
 #include "lockstep/kernels/cpu/embedding.h"
 #include "lockstep/kernels/cpu/gemm.h"
 #include "lockstep/kernels/cpu/rope.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/attention.h"
 #include "lockstep/model/gpt.h"
 #include "lockstep/model/mlp.h"
 #include "lockstep/model/moe/shared_experts.h"
 #include "lockstep/model/norm.h"
-#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/tensor_parallel.h"
+#include "lockstep/tensor/precision.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
 #include "model_testing.h"
@@ -43,17 +43,16 @@ using testing::TempDir;
 using testing::train_ranks;
 
 // The Llama flavour shrunk for tests, with 8 heads over 4 KV groups so that TP 4 splits both.
-const std::vector<std::string> kLlama = {"model.num_layers=2", "model.hidden_size=64", "model.num_heads=8",
-                                         "model.num_query_groups=4", "model.seq_length=32", "train.global_batch=8"};
+const std::vector<std::string> kLlama = {"model.num_layers=2",       "model.hidden_size=64", "model.num_heads=8",
+                                         "model.num_query_groups=4", "model.seq_length=32",  "train.global_batch=8"};
 
 Config job(const std::string& preset, const std::string& out_dir, std::vector<std::string> extra = {}) {
-  std::vector<std::string> o = {"train.steps=3", "train.eval_interval=0", "train.threads=1", "train.micro_batch=2",
-                                "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
+  std::vector<std::string> o = {"train.steps=3",       "train.eval_interval=0",      "train.threads=1",
+                                "train.micro_batch=2", "data.synthetic_bytes=65536", "train.out_dir=" + out_dir};
   if (preset == "llama-tiny") o.insert(o.end(), kLlama.begin(), kLlama.end());
   o.insert(o.end(), extra.begin(), extra.end());
   return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + preset + ".toml", o);
 }
-
 
 std::string fingerprints(const std::string& run_dir, int ranks) {
   std::string all;
@@ -84,10 +83,12 @@ int64_t global_index(const ParamSpec& p, int64_t i) {
 
 // Every parameter of `part` holds exactly full's values at its boxes; covered[parameter of full]
 // counts how often each global element was seen.
-void expect_shards_of(const GPT& full, const GPT& part, std::vector<std::vector<int>>& covered, const std::string& where) {
+void expect_shards_of(const GPT& full, const GPT& part, std::vector<std::vector<int>>& covered,
+                      const std::string& where) {
   if (covered.empty()) {
     covered.resize(full.params().specs().size());
-    for (size_t i = 0; i < covered.size(); ++i) covered[i].assign(static_cast<size_t>(full.params().specs()[i].shape.numel()), 0);
+    for (size_t i = 0; i < covered.size(); ++i)
+      covered[i].assign(static_cast<size_t>(full.params().specs()[i].shape.numel()), 0);
   }
   for (size_t i = 0; i < part.params().specs().size(); ++i) {
     const ParamSpec& p = part.params().specs()[i];
@@ -135,8 +136,9 @@ TEST(TensorParallel, ShardsAreTheSingleProcessWeightsGpt2) {
                                                  "model.seq_length=16", "model.vocab_size=256"});
 }
 TEST(TensorParallel, ShardsAreTheSingleProcessWeightsLlamaGqaSwiglu) {
-  shards_are_the_single_process_weights("llama", {"model.num_layers=1", "model.hidden_size=32", "model.num_heads=8",
-                                                  "model.num_query_groups=4", "model.seq_length=16", "model.vocab_size=256"});
+  shards_are_the_single_process_weights(
+      "llama", {"model.num_layers=1", "model.hidden_size=32", "model.num_heads=8", "model.num_query_groups=4",
+                "model.seq_length=16", "model.vocab_size=256"});
 }
 
 // Expert tensor parallelism (x expert parallelism): every rank holds exactly the single-process
@@ -145,7 +147,8 @@ TEST(TensorParallel, ShardsAreTheSingleProcessWeightsLlamaGqaSwiglu) {
 // expert tensor once, and the proj bias lives on etp rank 0 only.
 TEST(ExpertTensorParallel, ShardsAreTheSingleProcessWeights) {
   for (const char* preset : {"gpt2", "llama"}) {
-    const Config c = load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", {str("model.preset=", preset)});
+    const Config c =
+        load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", {str("model.preset=", preset)});
     GPT full(c.model, 1, c.moe);
     full.params().init(7);
     for (const auto& [etp, ep] : {std::pair{2, 1}, std::pair{2, 2}}) {
@@ -157,7 +160,8 @@ TEST(ExpertTensorParallel, ShardsAreTheSingleProcessWeights) {
         Communicator ep_group = comm.split_groups(mesh.groups(MeshGroup::ep));
         GPT part(c.model, 1, c.moe, PrecisionConfig{}, TensorParallel{}, ep > 1 ? &ep_group : nullptr, &etp_group);
         part.params().init(7);
-        expect_shards_of(full, part, covered[static_cast<size_t>(comm.rank())], str(preset, " etp ", etp, " ep ", ep, " rank ", comm.rank()));
+        expect_shards_of(full, part, covered[static_cast<size_t>(comm.rank())],
+                         str(preset, " etp ", etp, " ep ", ep, " rank ", comm.rank()));
       });
       for (size_t i = 0; i < full.params().specs().size(); ++i) {
         const ParamSpec& p = full.params().specs()[i];
@@ -190,7 +194,8 @@ TEST(TensorParallelLayout, VocabParallelCrossEntropyIsTheOneProcessBits) {
     x[5 * V + V - 2] = 0.0f;
     for (const int64_t S : {4, 8}) {
       std::vector<float> ref_losses(N), ref_grad = x, scratch(3 * N);
-      cross_entropy_segments(ref_losses.data(), ref_grad.data(), targets.data(), N, V, V, S, true, 0.125f, scratch.data());
+      cross_entropy_segments(ref_losses.data(), ref_grad.data(), targets.data(), N, V, V, S, true, 0.125f,
+                             scratch.data());
       for (int P : {1, 2, 4}) {
         const int64_t Vl = V / P;
         std::vector<std::vector<float>> losses(P), fwd(P), grads(P);
@@ -207,8 +212,8 @@ TEST(TensorParallelLayout, VocabParallelCrossEntropyIsTheOneProcessBits) {
           losses[r].assign(N, 0.0f);
           vocab_parallel_cross_entropy(cpu->ops, tp, fwd[r].data(), copy.data(), targets.data(), N, V, Vl, false, 0.0f,
                                        loss_scratch);
-          vocab_parallel_cross_entropy(cpu->ops, tp, losses[r].data(), mine.data(), targets.data(), N, V, Vl, true, 0.125f,
-                                       loss_scratch);
+          vocab_parallel_cross_entropy(cpu->ops, tp, losses[r].data(), mine.data(), targets.data(), N, V, Vl, true,
+                                       0.125f, loss_scratch);
           grads[r] = mine;
         });
         for (int r = 0; r < P; ++r) {
@@ -269,8 +274,8 @@ TEST(TensorParallelLayout, TokenSumGradientsAreTheOneProcessBits) {
           if (comm.rank() == P - 1) grads.assign(ps.grads(), ps.grads() + ps.total());
         });
         if (P == 1) one = grads;
-        const std::string at = std::string(rms ? "rmsnorm" : "layernorm") + ", S " + std::to_string(S) + ", tp " +
-                               std::to_string(P);
+        const std::string at =
+            std::string(rms ? "rmsnorm" : "layernorm") + ", S " + std::to_string(S) + ", tp " + std::to_string(P);
         if (S > 0) {
           EXPECT_TRUE(testing::bitwise_equal(grads, one, "gradients, " + at));
         }
@@ -338,7 +343,8 @@ TEST(TensorParallel, CommunicationPairsAreAdjoint) {
       for (int q = 0; q < P; ++q) expect += testing::randn(rows * C, 1, std::string("x").append(std::to_string(q)))[0];
       EXPECT_EQ(s[0], expect);
     });
-    for (int r = 0; r < P; ++r) EXPECT_NEAR(lhs[static_cast<size_t>(r)], rhs[static_cast<size_t>(r)], 1e-5 * std::fabs(lhs[0]));
+    for (int r = 0; r < P; ++r)
+      EXPECT_NEAR(lhs[static_cast<size_t>(r)], rhs[static_cast<size_t>(r)], 1e-5 * std::fabs(lhs[0]));
   }
 }
 
@@ -351,8 +357,9 @@ TEST(TensorParallel, CommunicationPairsAreAdjoint) {
 // ((P - 1) x 3N sent).
 TEST(TensorParallel, CommunicationVolumeMatchesTheFormula) {
   for (const char* preset : {"gpt2", "llama"}) {
-    const Config c = load_config("", {"model.preset=" + std::string(preset), "model.num_layers=2", "model.hidden_size=64",
-                                      "model.num_heads=4", "model.seq_length=32", "model.vocab_size=256"});
+    const Config c =
+        load_config("", {"model.preset=" + std::string(preset), "model.num_layers=2", "model.hidden_size=64",
+                         "model.num_heads=4", "model.seq_length=32", "model.vocab_size=256"});
     const int64_t B = 2, N = B * c.model.seq_length, C = c.model.hidden_size, L = c.model.num_layers;
     for (int P : {2, 4})
       for (bool sp : {false, true}) {
@@ -369,9 +376,10 @@ TEST(TensorParallel, CommunicationVolumeMatchesTheFormula) {
         });
         const int64_t floats = (8 * L + 4) * (P - 1) * N * C / P + 3 * N * (P - 1);
         for (int r = 0; r < P; ++r)
-          EXPECT_EQ(sent[static_cast<size_t>(r)], 4 * floats) << preset << " tp " << P << (sp ? " sp" : "") << " rank " << r;
-        std::printf("[ %s ] tp %d%s: %lld bytes sent per rank per micro-batch (N = %lld, C = %lld, L = %lld)\n", preset, P,
-                    sp ? " sp" : "   ", static_cast<long long>(sent[0]), static_cast<long long>(N),
+          EXPECT_EQ(sent[static_cast<size_t>(r)], 4 * floats)
+              << preset << " tp " << P << (sp ? " sp" : "") << " rank " << r;
+        std::printf("[ %s ] tp %d%s: %lld bytes sent per rank per micro-batch (N = %lld, C = %lld, L = %lld)\n", preset,
+                    P, sp ? " sp" : "   ", static_cast<long long>(sent[0]), static_cast<long long>(N),
                     static_cast<long long>(C), static_cast<long long>(L));
       }
   }
@@ -382,11 +390,13 @@ TEST(TensorParallel, CommunicationVolumeMatchesTheFormula) {
 // all-gather of one double.
 TEST(TensorParallel, CommunicationVolumePerStepMatchesTheFormula) {
   TempDir dir;
-  const int64_t N = 2 * 64, C = 64, L = 2, accum = 2;  // debug.toml: micro-batches of 2 x 64 tokens, 8 per step over dp 2
+  const int64_t N = 2 * 64, C = 64, L = 2,
+                accum = 2;  // debug.toml: micro-batches of 2 x 64 tokens, 8 per step over dp 2
   for (int P : {2, 4})
     for (bool sp : {false, true}) {
       const std::string out = dir.path(str("tp", P, sp));
-      train_ranks(2 * P, job("debug", out, {str("parallel.tensor=", P), str("parallel.sequence_parallel=", sp ? "true" : "false")}));
+      train_ranks(2 * P, job("debug", out,
+                             {str("parallel.tensor=", P), str("parallel.sequence_parallel=", sp ? "true" : "false")}));
       const int64_t micro = 4 * ((8 * L + 4) * (P - 1) * N * C / P + 3 * N * (P - 1));
       const int64_t norms = (4 * L + 2) * C;  // LayerNorm weight and bias: two per layer and the final one
       const int64_t expect = accum * micro + (sp ? 4 * 2 * (P - 1) * norms / P : 0) + 8 * (P - 1);
@@ -395,7 +405,8 @@ TEST(TensorParallel, CommunicationVolumePerStepMatchesTheFormula) {
       for (std::string line; std::getline(in, line); ++steps)
         EXPECT_EQ(nlohmann::json::parse(line)["tp_bytes"].get<int64_t>(), expect) << "tp " << P << " sp " << sp;
       EXPECT_EQ(steps, 3);
-      std::printf("[ debug, dp 2 ] tp %d%s: %lld bytes sent per rank per step\n", P, sp ? " sp" : "   ", static_cast<long long>(expect));
+      std::printf("[ debug, dp 2 ] tp %d%s: %lld bytes sent per rank per step\n", P, sp ? " sp" : "   ",
+                  static_cast<long long>(expect));
     }
 }
 
@@ -404,7 +415,8 @@ TEST(TensorParallel, CommunicationVolumePerStepMatchesTheFormula) {
 TEST(TensorParallel, BitwiseRunToRunAndAcrossThreads) {
   for (const char* preset : {"debug", "llama-tiny"}) {
     TempDir dir;
-    const std::vector<std::string> o = {"parallel.tensor=2", "parallel.sequence_parallel=true", "optimizer.distributed=true"};
+    const std::vector<std::string> o = {"parallel.tensor=2", "parallel.sequence_parallel=true",
+                                        "optimizer.distributed=true"};
     train_ranks(4, job(preset, dir.path("a"), o));
     const std::string a = fingerprints(dir.path("a"), 4);
     ASSERT_NE(a.find("\"step\":3"), std::string::npos);
@@ -425,11 +437,14 @@ TEST(TensorParallel, LayoutErrorsNameTheKeys) {
   EXPECT_EQ(error({"parallel.tensor=3"}), "config: model.num_heads = 4 is not divisible by parallel.tensor = 3");
   EXPECT_EQ(error({"model.preset=llama", "model.num_query_groups=2", "parallel.tensor=4"}),
             "config: model.num_query_groups = 2 is not divisible by parallel.tensor = 4");
-  EXPECT_EQ(error({"model.vocab_size=258", "parallel.tensor=4"}), "config: model.vocab_size = 258 is not divisible by parallel.tensor = 4");
-  EXPECT_EQ(error({"parallel.sequence_parallel=true"}), "config: parallel.sequence_parallel = true needs parallel.tensor > 1 (got 1)");
+  EXPECT_EQ(error({"model.vocab_size=258", "parallel.tensor=4"}),
+            "config: model.vocab_size = 258 is not divisible by parallel.tensor = 4");
+  EXPECT_EQ(error({"parallel.sequence_parallel=true"}),
+            "config: parallel.sequence_parallel = true needs parallel.tensor > 1 (got 1)");
 }
 
-// ---- determinism = "layout": the GEMM-side reductions the group splits (docs/design/reductions.md#tensor-parallel-k-segments)
+// ---- determinism = "layout": the GEMM-side reductions the group splits
+// (docs/design/reductions.md#tensor-parallel-k-segments)
 //
 // Each is cut into kSegments canonical segments whatever the group's size, so tp = 2 and 4 (with
 // and without sequence parallelism) must give the bits of one process (tp = 1, the same segments).
@@ -469,8 +484,10 @@ void add_grads(Tensors& whole, const ParamStore& ps, const std::string& skip) {
 // The (N, C) rows of every rank, whole: gathered under sequence parallelism.
 std::vector<float> whole_rows(const TensorParallel& tp, const float* rows, int64_t N, int64_t C) {
   std::vector<float> out(static_cast<size_t>(N * C));
-  if (tp.sequence) gather_from_sp(tp, out.data(), rows, N / tp.size, C);
-  else std::copy(rows, rows + N * C, out.begin());
+  if (tp.sequence)
+    gather_from_sp(tp, out.data(), rows, N / tp.size, C);
+  else
+    std::copy(rows, rows + N * C, out.begin());
   return out;
 }
 
@@ -498,7 +515,8 @@ void run_block(Communicator* comm, bool sp, const ModelConfig& m, const Precisio
     const ParamSpec& p = ps.specs()[i];
     if (p.name.find("norm") == std::string::npos && p.name.find("bias") == std::string::npos) continue;
     const std::vector<float> g = testing::randn(p.global_shape.numel(), 3, p.name);
-    for (int64_t k = 0; k < p.shape.numel(); ++k) ps.value(static_cast<int>(i))[k] = g[static_cast<size_t>(global_index(p, k))];
+    for (int64_t k = 0; k < p.shape.numel(); ++k)
+      ps.value(static_cast<int>(i))[k] = g[static_cast<size_t>(global_index(p, k))];
   }
   Precision precision(pc, ps, 1);
   ps.set_precision(&precision);
@@ -520,7 +538,8 @@ void run_block(Communicator* comm, bool sp, const ModelConfig& m, const Precisio
   const int64_t wide = std::max({C, mlp.fc_width(), attn.qkv_width()});
   std::vector<float> dnorm(static_cast<size_t>(N * C)), d1(static_cast<size_t>(N * wide)), d2(d1.size());
   mlp.backward(ps, arena, dresid.data(), mid.data(), MlpScratch{dnorm.data(), d1.data(), d2.data()});
-  attn.backward(ps, arena, dresid.data(), resid.data(), cos.data(), sin.data(), AttentionScratch{dnorm.data(), d1.data(), d2.data()});
+  attn.backward(ps, arena, dresid.data(), resid.data(), cos.data(), sin.data(),
+                AttentionScratch{dnorm.data(), d1.data(), d2.data()});
   r.out = whole_rows(tp, out.data(), N, C);
   r.dresid = whole_rows(tp, dresid.data(), N, C);
   add_grads(r.grads, ps, sp ? "norm" : "");

@@ -72,7 +72,8 @@ TEST(PreTokenizer, PiecesCoverAnyBytesExactly) {
 TEST(PreTokenizer, MatchesRegexReferenceOnRandomAscii) {
   const std::regex gpt2(R"('s|'t|'re|'ve|'m|'ll|'d| ?[A-Za-z]+| ?[0-9]+| ?[^\sA-Za-z0-9]+|\s+(?!\S)|\s+)");
   const std::string contractions = R"('[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])";
-  const std::string rest = R"(|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+  const std::string rest =
+      R"(|[^\r\nA-Za-z0-9]?[A-Za-z]+|[0-9]{1,3}| ?[^\sA-Za-z0-9]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
   const std::regex llama3(contractions + rest);
   std::string qwen2_rest = rest;
   qwen2_rest.replace(qwen2_rest.find("[0-9]{1,3}"), 10, "[0-9]");
@@ -122,8 +123,15 @@ struct ByteLevelFixture {
   ByteLevelFixture() {
     for (int b = 0; b < 256; ++b) vocab[byte_char(b)] = b;
     const std::string G = byte_char(' ');  // "Ġ"
-    for (auto [a, b] : std::vector<std::pair<std::string, std::string>>{
-             {"h", "e"}, {"l", "l"}, {"he", "ll"}, {"hell", "o"}, {G, "w"}, {G + "w", "o"}, {"b", "c"}, {"a", "b"}, {"a", "a"}}) {
+    for (auto [a, b] : std::vector<std::pair<std::string, std::string>>{{"h", "e"},
+                                                                        {"l", "l"},
+                                                                        {"he", "ll"},
+                                                                        {"hell", "o"},
+                                                                        {G, "w"},
+                                                                        {G + "w", "o"},
+                                                                        {"b", "c"},
+                                                                        {"a", "b"},
+                                                                        {"a", "a"}}) {
       merges.emplace_back(a, b);
       if (!vocab.contains(a + b)) vocab[a + b] = 256 + static_cast<int>(merges.size()) - 1;
     }
@@ -187,17 +195,27 @@ json byte_fallback_json() {
   int next = 259;
   for (const char* t : {"▁", "h", "i", "t", "e", "r", "▁h", "▁hi", "▁t", "he", "▁the", "re"}) vocab[t] = next++;
   json j;
-  j["model"] = {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", "<unk>"}, {"byte_fallback", true},
-                {"fuse_unk", true}, {"vocab", vocab},
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", "<unk>"},
+                {"byte_fallback", true},
+                {"fuse_unk", true},
+                {"vocab", vocab},
                 {"merges", {"▁ h", "▁h i", "▁ t", "h e", "▁t he", "r e"}}};
   j["normalizer"] = {{"type", "Sequence"},
-                     {"normalizers", {{{"type", "Prepend"}, {"prepend", "▁"}},
-                                      {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}};
+                     {"normalizers",
+                      {{{"type", "Prepend"}, {"prepend", "▁"}},
+                       {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}};
   j["pre_tokenizer"] = nullptr;
   j["added_tokens"] = json::array();
   for (auto [c, id] : std::vector<std::pair<const char*, int>>{{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}})
-    j["added_tokens"].push_back({{"id", id}, {"content", c}, {"single_word", false}, {"lstrip", false},
-                                 {"rstrip", false}, {"normalized", false}, {"special", true}});
+    j["added_tokens"].push_back({{"id", id},
+                                 {"content", c},
+                                 {"single_word", false},
+                                 {"lstrip", false},
+                                 {"rstrip", false},
+                                 {"normalized", false},
+                                 {"special", true}});
   return j;
 }
 
@@ -266,9 +284,12 @@ TEST(Tokenizer, HfByteLevelWithSplitAndIgnoreMerges) {
   j["model"] = {{"type", "BPE"}, {"ignore_merges", true}, {"vocab", fx.vocab}, {"merges", merges}};
   j["normalizer"] = nullptr;
   j["pre_tokenizer"] = {{"type", "Sequence"},
-                        {"pretokenizers", {{{"type", "Split"}, {"pattern", {{"Regex", split_pattern_regex(SplitPattern::llama3)}}},
-                                            {"behavior", "Isolated"}, {"invert", false}},
-                                           {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
+                        {"pretokenizers",
+                         {{{"type", "Split"},
+                           {"pattern", {{"Regex", split_pattern_regex(SplitPattern::llama3)}}},
+                           {"behavior", "Isolated"},
+                           {"invert", false}},
+                          {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", false}}}}};
   j["added_tokens"] = {{{"id", 300}, {"content", "<|endoftext|>"}, {"special", true}}};
   const auto tok = make_tokenizer("hf:" + dir.write("tokenizer.json", j.dump()));
   std::vector<int32_t> ids;
@@ -298,7 +319,8 @@ TEST(Tokenizer, RefusesUnsupportedFeaturesByName) {
   j["normalizer"] = {{"type", "NFKC"}};
   refuse(j, "normalizer NFKC");
   j = byte_fallback_json();
-  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "\\w+"}}}, {"behavior", "Isolated"}, {"invert", false}};
+  j["pre_tokenizer"] = {
+      {"type", "Split"}, {"pattern", {{"Regex", "\\w+"}}}, {"behavior", "Isolated"}, {"invert", false}};
   refuse(j, "Split pattern");
   j = byte_fallback_json();
   j["pre_tokenizer"] = {{"type", "Digits"}};
@@ -311,11 +333,13 @@ TEST(Tokenizer, RefusesUnsupportedFeaturesByName) {
   refuse(j, "missing from the vocabulary");
 
   EXPECT_NE(error_of([&] { make_tokenizer("hf:" + dir.path("absent.json")); }).find("absent.json"), std::string::npos);
-  EXPECT_NE(error_of([&] { make_tokenizer("hf:" + dir.write("bad.json", "{not json")); }).find("bad.json"), std::string::npos);
+  EXPECT_NE(error_of([&] { make_tokenizer("hf:" + dir.write("bad.json", "{not json")); }).find("bad.json"),
+            std::string::npos);
   EXPECT_NE(error_of([&] { make_tokenizer("sentencepiece:x"); }).find("expected byte"), std::string::npos);
   const std::string v = dir.write("v.json", "{\"a\": 0}");
-  EXPECT_NE(error_of([&] { make_tokenizer("gpt2:" + v + "," + dir.write("m.txt", "#version: 0.2\nab\n")); }).find("line 2"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { make_tokenizer("gpt2:" + v + "," + dir.write("m.txt", "#version: 0.2\nab\n")); }).find("line 2"),
+      std::string::npos);
 }
 
 }  // namespace

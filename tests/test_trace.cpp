@@ -26,8 +26,8 @@ using testing::TempDir;
 // A model with every kind of traced module: attention, MLP (layer 0), MoE with a shared expert
 // (layer 1), an MTP depth.
 const std::vector<std::string> kEveryModule = {
-    "moe.num_experts=4", "moe.layer_freq=[0,1]", "moe.shared_expert_intermediate_size=32", "model.mtp_num_layers=1",
-    "train.steps=3",     "train.eval_interval=0"};
+    "moe.num_experts=4",      "moe.layer_freq=[0,1]", "moe.shared_expert_intermediate_size=32",
+    "model.mtp_num_layers=1", "train.steps=3",        "train.eval_interval=0"};
 
 Config job(const TempDir& dir, const std::string& run, std::vector<std::string> extra) {
   for (const std::string& k : kEveryModule) extra.insert(extra.begin(), k);
@@ -48,17 +48,18 @@ TEST(Trace, ChangesNoBitAndIsItselfDeterministic) {
   const std::string trace = read_file(trace_path(dir.path("t1"), 0));
   EXPECT_EQ(trace, read_file(trace_path(dir.path("t2"), 0)));
   // Execution order: the embedding first, every module of the stack, forward then backward.
-  EXPECT_EQ(trace.rfind("{\"step\":1,\"micro\":0,\"module\":\"embedding\",\"kind\":\"out\",\"hash\":\"", 0), 0u) << trace;
+  EXPECT_EQ(trace.rfind("{\"step\":1,\"micro\":0,\"module\":\"embedding\",\"kind\":\"out\",\"hash\":\"", 0), 0u)
+      << trace;
   size_t at = 0;
-  for (const char* record : {"\"layers.0.attn.qkv\",\"kind\":\"out\"", "\"layers.0.mlp.act\",\"kind\":\"out\"",
-                             "\"layers.1.moe.router\",\"kind\":\"out\"", "\"layers.1.moe.experts\",\"kind\":\"out\"",
-                             "\"layers.1.moe.shared.proj\",\"kind\":\"out\"", "\"layers.1.moe\",\"kind\":\"out\"",
-                             "\"final_norm\",\"kind\":\"out\"", "\"output\",\"kind\":\"out\"",
-                             "\"output\",\"kind\":\"grad_in\"", "\"mtp.layers.0.eh_proj\",\"kind\":\"out\"",
-                             "\"mtp.layers.0.eh_proj\",\"kind\":\"grad_in\"", "\"layers.1.moe.experts\",\"kind\":\"grad_in\"",
-                             "\"layers.1.moe\",\"kind\":\"grad_in\"", "\"layers.0.attn.core\",\"kind\":\"grad_in\"",
-                             "\"layers.0.attn_norm\",\"kind\":\"grad_in\"", "\"step\":1,\"micro\":1,",
-                             "\"step\":3,\"micro\":1,"}) {
+  for (const char* record :
+       {"\"layers.0.attn.qkv\",\"kind\":\"out\"", "\"layers.0.mlp.act\",\"kind\":\"out\"",
+        "\"layers.1.moe.router\",\"kind\":\"out\"", "\"layers.1.moe.experts\",\"kind\":\"out\"",
+        "\"layers.1.moe.shared.proj\",\"kind\":\"out\"", "\"layers.1.moe\",\"kind\":\"out\"",
+        "\"final_norm\",\"kind\":\"out\"", "\"output\",\"kind\":\"out\"", "\"output\",\"kind\":\"grad_in\"",
+        "\"mtp.layers.0.eh_proj\",\"kind\":\"out\"", "\"mtp.layers.0.eh_proj\",\"kind\":\"grad_in\"",
+        "\"layers.1.moe.experts\",\"kind\":\"grad_in\"", "\"layers.1.moe\",\"kind\":\"grad_in\"",
+        "\"layers.0.attn.core\",\"kind\":\"grad_in\"", "\"layers.0.attn_norm\",\"kind\":\"grad_in\"",
+        "\"step\":1,\"micro\":1,", "\"step\":3,\"micro\":1,"}) {
     const size_t next = trace.find(record, at);
     ASSERT_NE(next, std::string::npos) << record << " after offset " << at;
     at = next;
@@ -71,7 +72,8 @@ TEST(Trace, ChangesNoBitAndIsItselfDeterministic) {
     if (trace.compare(line, head.size(), head) != 0) continue;
     const size_t end = trace.find('"', line + head.size());
     const std::string kind_out = "\",\"kind\":\"out\"";
-    if (trace.compare(end, kind_out.size(), kind_out) == 0) traced.push_back(trace.substr(line + head.size(), end - line - head.size()));
+    if (trace.compare(end, kind_out.size(), kind_out) == 0)
+      traced.push_back(trace.substr(line + head.size(), end - line - head.size()));
   }
   const Config config = job(dir, "t1", {});
   EXPECT_EQ(GPT(config.model, config.train.micro_batch, config.moe).module_names(), traced);
@@ -84,7 +86,8 @@ TEST(Trace, ChangesNoBitAndIsItselfDeterministic) {
 // choice, an expert output added to a larger residual): the fingerprints then agree, the traces
 // still do not, and diff says so.
 TEST(Trace, DiffNamesTheModuleAnUlpWasInjectedInto) {
-  for (const char* module : {"layers.0.mlp.fc", "layers.1.moe.router", "layers.1.moe.experts", "mtp.layers.0.eh_proj"}) {
+  for (const char* module :
+       {"layers.0.mlp.fc", "layers.1.moe.router", "layers.1.moe.experts", "mtp.layers.0.eh_proj"}) {
     SCOPED_TRACE(module);
     TempDir dir;
     quiet_train(job(dir, "a", {"train.threads=2", "debug.trace=modules"}));
@@ -125,13 +128,16 @@ TEST(Trace, TwoRanksReportRankCoordinatesAndEveryRankThatDiffers) {
       testing::train_ranks(2, job(dir, run, keys));
     }
     const RunDiff d = diff_runs(dir.path("a"), dir.path("b"));
-    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0)")) << d.report;
-    EXPECT_TRUE(contains(d.report, layout.empty() ? "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
-                                                    "rank 1 (dp 1, tp 0, pp 0, ep 0, cp 0, etp 0)\n"
-                                                  : "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
-                                                    "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0)\n"))
+    EXPECT_TRUE(contains(d.report, "first difference: step 2, rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0)"))
         << d.report;
-    EXPECT_TRUE(contains(d.report, "module trace, rank 0: first difference at step 2, micro-batch 0: layers.0.attn.proj (out)"))
+    EXPECT_TRUE(contains(d.report, layout.empty()
+                                       ? "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                                         "rank 1 (dp 1, tp 0, pp 0, ep 0, cp 0, etp 0)\n"
+                                       : "ranks differing at step 2: rank 0 (dp 0, tp 0, pp 0, ep 0, cp 0, etp 0), "
+                                         "rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0)\n"))
+        << d.report;
+    EXPECT_TRUE(
+        contains(d.report, "module trace, rank 0: first difference at step 2, micro-batch 0: layers.0.attn.proj (out)"))
         << d.report;
   }
 }
@@ -150,7 +156,8 @@ TEST(Trace, PipelineStagesAreReadInTheOrderOfTheData) {
        "layers.1.attn_norm",
        "module trace, rank 1: first difference at step 2, micro-batch 0: layers.1.attn_norm (out), in the forward of "
        "model chunk 1\n",
-       "  every record before it matches; the last one is layers.0.mlp.proj out (step 2, micro-batch 0, forward of model "
+       "  every record before it matches; the last one is layers.0.mlp.proj out (step 2, micro-batch 0, forward of "
+       "model "
        "chunk 0) on rank 0\n"},
       {{"parallel.pipeline=2", "parallel.virtual_pipeline=2", "model.num_layers=4", "moe.layer_freq=[0,1,0,1]"},
        "layers.2.attn_norm",
@@ -171,10 +178,12 @@ TEST(Trace, PipelineStagesAreReadInTheOrderOfTheData) {
     run("b", {"train.threads=1", "debug.trace=modules", std::string("debug.inject_ulp=2:") + c.module});
     for (int rank : {0, 1}) {
       SCOPED_TRACE(rank);
-      EXPECT_EQ(read_file(fingerprint_path(dir.path("plain"), rank)), read_file(fingerprint_path(dir.path("t1"), rank)));
+      EXPECT_EQ(read_file(fingerprint_path(dir.path("plain"), rank)),
+                read_file(fingerprint_path(dir.path("t1"), rank)));
       const std::string trace = read_file(trace_path(dir.path("t1"), rank));
       EXPECT_EQ(trace, read_file(trace_path(dir.path("t2"), rank)));
-      EXPECT_EQ(trace.rfind(str("{\"step\":1,\"micro\":0,\"chunk\":", rank, ",\"pass\":\"forward\",\"module\":\""), 0), 0u)
+      EXPECT_EQ(trace.rfind(str("{\"step\":1,\"micro\":0,\"chunk\":", rank, ",\"pass\":\"forward\",\"module\":\""), 0),
+                0u)
           << trace;
       EXPECT_TRUE(contains(trace, "\"pass\":\"backward\"")) << trace;
     }
@@ -195,8 +204,9 @@ TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
             "config: debug.inject_ulp = \"9:layers.0.mlp.fc\": step 9 is past train.steps = 3");
   const std::string unknown =
       testing::user_error_of([&] { quiet_train(job(dir, "a", {"debug.inject_ulp=2:layers.0.mlp.fcx"})); });
-  EXPECT_TRUE(contains(unknown, "debug.inject_ulp = \"2:layers.0.mlp.fcx\": the model has no module 'layers.0.mlp.fcx'; "
-                                "its modules are: embedding, layers.N.attn_norm, layers.N.attn.qkv,"))
+  EXPECT_TRUE(contains(unknown,
+                       "debug.inject_ulp = \"2:layers.0.mlp.fcx\": the model has no module 'layers.0.mlp.fcx'; "
+                       "its modules are: embedding, layers.N.attn_norm, layers.N.attn.qkv,"))
       << unknown;
   EXPECT_TRUE(contains(unknown, ", output, mtp.layers.N.enorm, ")) << unknown;
   // Checked before the run starts: no run directory is left behind.
@@ -204,10 +214,12 @@ TEST(Trace, BadInjectionIsAnErrorNamingTheKey) {
   // Under pipeline parallelism against every stage's modules: the last stage's are named, and no
   // stage starts the run.
   const std::string piped = testing::user_error_of([&] {
-    testing::train_ranks(2, job(dir, "p", {"parallel.pipeline=2", "train.threads=1", "debug.inject_ulp=2:layers.2.mlp.fc"}));
+    testing::train_ranks(
+        2, job(dir, "p", {"parallel.pipeline=2", "train.threads=1", "debug.inject_ulp=2:layers.2.mlp.fc"}));
   });
-  EXPECT_TRUE(contains(piped, "debug.inject_ulp = \"2:layers.2.mlp.fc\": the model has no module 'layers.2.mlp.fc'; "
-                              "its modules are: embedding, layers.N.attn_norm,"))
+  EXPECT_TRUE(contains(piped,
+                       "debug.inject_ulp = \"2:layers.2.mlp.fc\": the model has no module 'layers.2.mlp.fc'; "
+                       "its modules are: embedding, layers.N.attn_norm,"))
       << piped;
   EXPECT_TRUE(contains(piped, ", output, mtp.layers.N.enorm, ")) << piped;
   EXPECT_FALSE(std::filesystem::exists(dir.path("p")));

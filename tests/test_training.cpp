@@ -19,9 +19,9 @@ namespace lockstep {
 namespace {
 
 using testing::quiet_train;
-using testing::train_ranks;
 using testing::read_file;
 using testing::TempDir;
+using testing::train_ranks;
 
 Config debug_job(const std::string& out_dir, std::vector<std::string> extra = {}) {
   extra.push_back("train.out_dir=" + out_dir);

@@ -104,9 +104,8 @@ TEST(VecMath, SigmoidAccuracy) {
 std::vector<float> edge_values() {
   using lim = std::numeric_limits<float>;
   constexpr float inf = lim::infinity();
-  std::vector<float> v = {
-      0.0f,   -0.0f, inf,   -inf,   lim::denorm_min(), -lim::denorm_min(), lim::min(),
-      88.72f, 89.0f, 1e30f, -1e30f, lim::max(),        lim::lowest()};
+  std::vector<float> v = {0.0f,   -0.0f, inf,   -inf,   lim::denorm_min(), -lim::denorm_min(), lim::min(),
+                          88.72f, 89.0f, 1e30f, -1e30f, lim::max(),        lim::lowest()};
   for (float b : {vm::kExpLo, vm::kExpHi, -0.5f * 0.693147f, 0.5f * 0.693147f}) {
     float lo = b, hi = b;
     for (int i = 0; i < 4; ++i) {
@@ -141,8 +140,7 @@ TEST(VecMath, Avx2MatchesScalarBitwise) {
 TEST(VecMath, HorizontalReductionsFollowTheDocumentedOrder) {
   // Values whose float sum depends on the order: only the documented order gives `want`.
   alignas(32) const float v[8] = {1e8f, 1.0f, -3.0f, 7.5f, -1e8f, 0.25f, 5.0f, -2.0f};
-  EXPECT_EQ(std::bit_cast<uint32_t>(vm::hsum(_mm256_load_ps(v))),
-            std::bit_cast<uint32_t>(vm::hsum8(v)));
+  EXPECT_EQ(std::bit_cast<uint32_t>(vm::hsum(_mm256_load_ps(v))), std::bit_cast<uint32_t>(vm::hsum8(v)));
   const float a0 = v[0] + v[4], a1 = v[1] + v[5], a2 = v[2] + v[6], a3 = v[3] + v[7];
   EXPECT_EQ(vm::hsum8(v), (a0 + a2) + (a1 + a3));
   EXPECT_EQ(vm::hmax(_mm256_load_ps(v)), 1e8f);

@@ -13,8 +13,8 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 #include <functional>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -33,8 +33,7 @@ void with_threads(int threads, Fn&& fn) {
 }
 
 // n normal values * scale, drawn from Philox keyed by (seed, name).
-inline std::vector<float> randn(int64_t n, uint64_t seed, const std::string& name = "test",
-                                float scale = 1.0f) {
+inline std::vector<float> randn(int64_t n, uint64_t seed, const std::string& name = "test", float scale = 1.0f) {
   std::vector<float> v(static_cast<size_t>(n));
   RandomStream(seed, purpose_id(name)).fill_normal(v.data(), n, scale);
   return v;
@@ -48,26 +47,23 @@ inline std::vector<int32_t> random_ints(int64_t n, int64_t V, uint64_t seed, con
   return t;
 }
 
-inline std::vector<double> to_double(const std::vector<float>& v) {
-  return std::vector<double>(v.begin(), v.end());
-}
+inline std::vector<double> to_double(const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); }
 
 // Largest |got - ref| / (atol + |ref|) over the elements; a value <= 1 means within tolerance.
 // Reports the first offending index through `where`.
-inline ::testing::AssertionResult all_close(const float* got, const double* ref, int64_t n,
-                                            double rtol, double atol, const std::string& what = "") {
+inline ::testing::AssertionResult all_close(const float* got, const double* ref, int64_t n, double rtol, double atol,
+                                            const std::string& what = "") {
   for (int64_t i = 0; i < n; ++i) {
     const double d = std::abs(static_cast<double>(got[i]) - ref[i]);
     if (!(d <= atol + rtol * std::abs(ref[i]))) {
       return ::testing::AssertionFailure()
-             << what << "[" << i << "]: got " << got[i] << ", reference " << ref[i] << " (|diff| "
-             << d << " > atol " << atol << " + rtol " << rtol << " * |ref|)";
+             << what << "[" << i << "]: got " << got[i] << ", reference " << ref[i] << " (|diff| " << d << " > atol "
+             << atol << " + rtol " << rtol << " * |ref|)";
     }
   }
   return ::testing::AssertionSuccess();
 }
-inline ::testing::AssertionResult all_close(const std::vector<float>& got,
-                                            const std::vector<double>& ref, double rtol,
+inline ::testing::AssertionResult all_close(const std::vector<float>& got, const std::vector<double>& ref, double rtol,
                                             double atol, const std::string& what = "") {
   if (got.size() != ref.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
   return all_close(got.data(), ref.data(), static_cast<int64_t>(got.size()), rtol, atol, what);
@@ -77,14 +73,12 @@ inline ::testing::AssertionResult bitwise_equal(const float* a, const float* b, 
                                                 const std::string& what = "") {
   for (int64_t i = 0; i < n; ++i) {
     if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
-      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " vs " << b[i]
-                                           << " differ in bits";
+      return ::testing::AssertionFailure() << what << "[" << i << "]: " << a[i] << " vs " << b[i] << " differ in bits";
     }
   }
   return ::testing::AssertionSuccess();
 }
-inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& a,
-                                                const std::vector<float>& b,
+inline ::testing::AssertionResult bitwise_equal(const std::vector<float>& a, const std::vector<float>& b,
                                                 const std::string& what = "") {
   if (a.size() != b.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
   return bitwise_equal(a.data(), b.data(), static_cast<int64_t>(a.size()), what);
@@ -111,7 +105,8 @@ class TempDir {
  public:
   TempDir() {
     const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    std::string name = std::string("lockstep-") + (info ? std::string(info->test_suite_name()) + "-" + info->name() : "test");
+    std::string name =
+        std::string("lockstep-") + (info ? std::string(info->test_suite_name()) + "-" + info->name() : "test");
     for (char& c : name)
       if (c == '/') c = '_';
     // The pid keeps concurrent runs of the same test (two builds, ctest -j) out of each other's way.
@@ -120,7 +115,9 @@ class TempDir {
     std::filesystem::create_directories(path_);
   }
   ~TempDir() { std::filesystem::remove_all(path_); }
-  std::string path(const std::string& leaf = "") const { return leaf.empty() ? path_.string() : (path_ / leaf).string(); }
+  std::string path(const std::string& leaf = "") const {
+    return leaf.empty() ? path_.string() : (path_ / leaf).string();
+  }
   std::string write(const std::string& leaf, const std::string& content) const {
     std::ofstream(path(leaf), std::ios::binary) << content;
     return path(leaf);
@@ -153,7 +150,8 @@ struct CliResult {
   std::string out, err;
 };
 inline CliResult run_cli(const TempDir& dir, const std::string& args) {
-  const std::string cmd = std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
+  const std::string cmd =
+      std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
   const int raw = std::system(cmd.c_str());
   return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, read_file(dir.path("out.txt")), read_file(dir.path("err.txt"))};
 }

@@ -15,8 +15,8 @@ namespace {
 
 using namespace lockstep;
 
-__global__ void math_headers(const float* x, const double* xd, const float* signs, uint64_t seed, int n,
-                             float* out, double* outd, uint8_t* codes, uint32_t* words) {
+__global__ void math_headers(const float* x, const double* xd, const float* signs, uint64_t seed, int n, float* out,
+                             double* outd, uint8_t* codes, uint32_t* words) {
   const int i = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (i >= n) return;
   const float v = x[i];
@@ -61,8 +61,8 @@ __global__ void math_headers(const float* x, const double* xd, const float* sign
   b[7] = encode_stochastic_as<ElemFormat::e5m2>(v, w[4]);
   b[8] = encode_e8m0(v, ScaleRounding::nearest);
   b[9] = encode_e8m0(v);
-  o[10] = decode(ElemFormat::e5m2, b[1]) + decode_e4m3(b[0]) + decode_e5m2(b[3]) + decode_e2m1(b[4]) +
-          decode_e8m0(b[8]);
+  o[10] =
+      decode(ElemFormat::e5m2, b[1]) + decode_e4m3(b[0]) + decode_e5m2(b[3]) + decode_e2m1(b[4]) + decode_e8m0(b[8]);
   o[11] = max_finite(ElemFormat::e4m3) + static_cast<float>(max_exponent(ElemFormat::e2m1));
 
   // kernels/hadamard.h

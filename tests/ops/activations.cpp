@@ -87,7 +87,9 @@ void add_activation_cases(Registry& reg) {
     const int64_t n = 203;
     reg.add(
         {"Activations", "GeluBackwardMatchesFiniteDifferences", {"gelu_backward"}, str("n=", n)},
-        [=] { return Pair{gelu_inputs(n, 1), randn(n, 2, "R")}; },
+        [=] {
+          return Pair{gelu_inputs(n, 1), randn(n, 2, "R")};
+        },
         [=](Run& r, const Pair& in) {
           const Buf<float> x = r.in(in.x), R = r.in(in.d);
           Buf<float> dinp = r.full(n, 123.0f);
@@ -122,7 +124,9 @@ void add_activation_cases(Registry& reg) {
   for (auto [N, H] : {std::pair<int64_t, int64_t>{1, 1}, {3, 37}}) {
     reg.add(
         {"Activations", "SwigluBackwardMatchesFiniteDifferences", {"swiglu_backward"}, str("N=", N, " H=", H)},
-        [=] { return Pair{randn(N * 2 * H, 3, "inp", 3.0f), randn(N * H, 4, "R")}; },
+        [=] {
+          return Pair{randn(N * 2 * H, 3, "inp", 3.0f), randn(N * H, 4, "R")};
+        },
         [=](Run& r, const Pair& in) {
           const Buf<float> inp = r.in(in.x), R = r.in(in.d);
           Buf<float> dinp = r.full(N * 2 * H, 123.0f);
@@ -153,7 +157,9 @@ void add_activation_cases(Registry& reg) {
          "LanesMatchScalarPathBitwise",
          {"gelu_forward", "gelu_backward", "swiglu_forward", "swiglu_backward"},
          str("n=", n)},
-        [=] { return In{gelu_inputs(n, 5), randn(n, 6, "d"), randn(2 * n, 7, "inp", 3.0f)}; },
+        [=] {
+          return In{gelu_inputs(n, 5), randn(n, 6, "d"), randn(2 * n, 7, "inp", 3.0f)};
+        },
         [=](Run& r, const In& in) {
           const Buf<float> x = r.in(in.x), d = r.in(in.d);
           Buf<float> out = r.zeros(n), dinp = r.zeros(n), out1 = r.zeros(n), dinp1 = r.zeros(n);
@@ -226,9 +232,10 @@ void add_activation_cases(Registry& reg) {
           for (int64_t i = 0; i < n; ++i) f[i] = gelu_ref(in.x[i]), g[i] = gelu_grad_ref(in.x[i]) * in.d[i];
           EXPECT_TRUE(all_close(got["gelu forward"], f, 1e-5, 1e-6, "gelu forward"));
           EXPECT_TRUE(all_close(got["gelu backward"], g, 1e-4, 1e-5, "gelu backward"));
-          EXPECT_TRUE(all_close(got["swiglu forward"], swiglu_ref(to_double(in.inp), N, H), 1e-5, 1e-6, "swiglu forward"));
-          EXPECT_TRUE(all_close(got["swiglu backward"], swiglu_grad_ref(in.inp, in.dout, N, H), 1e-4, 1e-5,
-                                "swiglu backward"));
+          EXPECT_TRUE(
+              all_close(got["swiglu forward"], swiglu_ref(to_double(in.inp), N, H), 1e-5, 1e-6, "swiglu forward"));
+          EXPECT_TRUE(
+              all_close(got["swiglu backward"], swiglu_grad_ref(in.inp, in.dout, N, H), 1e-4, 1e-5, "swiglu backward"));
         });
   }
 }

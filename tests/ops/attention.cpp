@@ -28,7 +28,9 @@ struct In {
   DocStarts ds;
   std::vector<float> qkv, dout;
 };
-In make(const Dims& d, uint64_t seed, const DocStarts& ds = {}) { return In{d, ds, inputs(d, seed), out_grad(d, seed)}; }
+In make(const Dims& d, uint64_t seed, const DocStarts& ds = {}) {
+  return In{d, ds, inputs(d, seed), out_grad(d, seed)};
+}
 
 // Forward then backward with dout on the backend; dqkv starts as NaN so that anything not assigned
 // shows. Outputs prefix + "out", "lse", "dqkv"; the buffers stay in `keep` when given.
@@ -98,7 +100,8 @@ Local rank_rows(const Dims& d, int P, int r) {
 std::vector<float> local_rows(const Dims& d, const std::vector<float>& x, int64_t W, const QueryChunks& ch) {
   std::vector<float> y;
   for (int64_t b = 0; b < d.B; ++b)
-    for (const auto& [begin, end] : ch) y.insert(y.end(), x.begin() + (b * d.T + begin) * W, x.begin() + (b * d.T + end) * W);
+    for (const auto& [begin, end] : ch)
+      y.insert(y.end(), x.begin() + (b * d.T + begin) * W, x.begin() + (b * d.T + end) * W);
   return y;
 }
 std::vector<float> local_lse(const Dims& d, const std::vector<float>& lse, const QueryChunks& ch) {
@@ -188,15 +191,22 @@ void add_attention_cases(Registry& reg) {
   {
     const Dims d{2, 9, 2, 1, 8};
     reg.add(
-        {"AttentionDocuments", "BackwardMatchesFiniteDifferences", {"attention_forward", "attention_backward"}, name(d)},
-        [=] { return make(d, 7, doc_starts(d, {{2, 3, 7}, {5}})); }, [](Run& r, const In& in) { run_attention(r, in); },
-        check_finite_differences);
+        {"AttentionDocuments",
+         "BackwardMatchesFiniteDifferences",
+         {"attention_forward", "attention_backward"},
+         name(d)},
+        [=] {
+          return make(d, 7, doc_starts(d, {{2, 3, 7}, {5}}));
+        },
+        [](Run& r, const In& in) { run_attention(r, in); }, check_finite_differences);
   }
 
   {
     const Dims d{2, 130, 4, 2, 16};
     reg.add(
-        {"AttentionDocuments", "OneDocumentPerRowIsPlainCausalBitwise", {"attention_forward", "attention_backward"},
+        {"AttentionDocuments",
+         "OneDocumentPerRowIsPlainCausalBitwise",
+         {"attention_forward", "attention_backward"},
          name(d)},
         [=] { return make(d, 8, DocStarts(static_cast<size_t>(d.B * d.T), 0)); },
         [](Run& r, const In& in) {
@@ -215,12 +225,18 @@ void add_attention_cases(Registry& reg) {
   {
     const Dims packed{1, 192, 2, 1, 16}, alone{1, 64, 2, 1, 16};
     reg.add(
-        {"AttentionDocuments", "BlockAlignedDocumentEqualsItsOwnRowBitwise", {"attention_forward", "attention_backward"},
+        {"AttentionDocuments",
+         "BlockAlignedDocumentEqualsItsOwnRowBitwise",
+         {"attention_forward", "attention_backward"},
          name(packed)},
-        [=] { return make(packed, 9, doc_starts(packed, {{50, 128}})); },
+        [=] {
+          return make(packed, 9, doc_starts(packed, {{50, 128}}));
+        },
         [=](Run& r, const In& in) {
           run_attention(r, in, "packed ");
-          const In tail{alone, {}, std::vector<float>(in.qkv.begin() + 128 * packed.C3(), in.qkv.end()),
+          const In tail{alone,
+                        {},
+                        std::vector<float>(in.qkv.begin() + 128 * packed.C3(), in.qkv.end()),
                         std::vector<float>(in.dout.begin() + 128 * packed.NH * packed.HS, in.dout.end())};
           run_attention(r, tail, "alone ");
         },
@@ -279,7 +295,8 @@ void add_attention_cases(Registry& reg) {
             Buf<float> out = r.zeros(d.B * Tl * NHS), lse = r.zeros(d.B * d.NH * Tl);
             r.ops.attention_forward_chunks(out, lse, q, kv, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc);
             Buf<float> dq = r.full(q.size(), std::numeric_limits<float>::quiet_NaN()), dkv = r.zeros(kv.size());
-            r.ops.attention_backward_chunks(dq, dkv, go, q, kv, out, lse, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc, 0);
+            r.ops.attention_backward_chunks(dq, dkv, go, q, kv, out, lse, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc,
+                                            0);
             r.out(str("rank ", rank, " out"), out);
             r.out(str("rank ", rank, " lse"), lse);
             r.out(str("rank ", rank, " dq"), dq);
@@ -332,7 +349,9 @@ void add_attention_cases(Registry& reg) {
     const Dims d{1, 12, 2, 1, 4};
     const int P = 2;
     reg.add(
-        {"AttentionChunks", "ChunkGradientsMatchFiniteDifferences", {"attention_forward_chunks", "attention_backward_chunks"},
+        {"AttentionChunks",
+         "ChunkGradientsMatchFiniteDifferences",
+         {"attention_forward_chunks", "attention_backward_chunks"},
          name(d) + str(" P=", P)},
         [=] { return make(d, 12, doc_starts(d, {{5}})); },
         [=](Run& r, const In& in) {
@@ -341,11 +360,13 @@ void add_attention_cases(Registry& reg) {
           const Buf<int32_t> doc = r.in(in.ds);
           for (int rank = 0; rank < P; ++rank) {
             const Local l = rank_rows(d, P, rank);
-            const Buf<float> q = r.in(local_rows(d, in.qkv, C3, l.chunks)), go = r.in(local_rows(d, in.dout, NHS, l.chunks));
+            const Buf<float> q = r.in(local_rows(d, in.qkv, C3, l.chunks)),
+                             go = r.in(local_rows(d, in.dout, NHS, l.chunks));
             Buf<float> out = r.zeros(d.B * Tl * NHS), lse = r.zeros(d.B * d.NH * Tl), dq = r.zeros(q.size()),
                        dkv = r.zeros(kv.size());
             r.ops.attention_forward_chunks(out, lse, q, kv, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc);
-            r.ops.attention_backward_chunks(dq, dkv, go, q, kv, out, lse, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc, 0);
+            r.ops.attention_backward_chunks(dq, dkv, go, q, kv, out, lse, d.B, d.T, l.chunks, d.NH, d.NKV, d.HS, doc,
+                                            0);
             r.out(str("rank ", rank, " dq"), dq);
             r.out(str("rank ", rank, " dkv"), dkv);
           }

@@ -40,8 +40,8 @@ inline int64_t first_key(const DocStarts& ds, const Dims& d, int64_t b, int64_t 
 }
 
 // Full masked softmax in double; p (T, T) of one (b, h), zero outside each query's visible keys.
-inline void ref_probs(std::vector<double>& p, std::vector<double>* lse, const std::vector<double>& qkv,
-               const Dims& d, int64_t b, int64_t h, const DocStarts& ds = {}) {
+inline void ref_probs(std::vector<double>& p, std::vector<double>* lse, const std::vector<double>& qkv, const Dims& d,
+                      int64_t b, int64_t h, const DocStarts& ds = {}) {
   const int64_t g = h / (d.NH / d.NKV);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
   p.assign(static_cast<size_t>(d.T * d.T), 0.0);
@@ -64,7 +64,7 @@ inline void ref_probs(std::vector<double>& p, std::vector<double>* lse, const st
 }
 
 inline void ref_forward(std::vector<double>& out, std::vector<double>& lse, const std::vector<double>& qkv,
-                 const Dims& d, const DocStarts& ds = {}) {
+                        const Dims& d, const DocStarts& ds = {}) {
   out.assign(static_cast<size_t>(d.out_size()), 0.0);
   lse.assign(static_cast<size_t>(d.lse_size()), 0.0);
   std::vector<double> p;
@@ -83,8 +83,8 @@ inline void ref_forward(std::vector<double>& out, std::vector<double>& lse, cons
 }
 
 // Gradient of sum(out * dout) with respect to qkv, in double.
-inline std::vector<double> ref_backward(const std::vector<double>& qkv, const std::vector<double>& dout,
-                                 const Dims& d, const DocStarts& ds = {}) {
+inline std::vector<double> ref_backward(const std::vector<double>& qkv, const std::vector<double>& dout, const Dims& d,
+                                        const DocStarts& ds = {}) {
   std::vector<double> dqkv(static_cast<size_t>(d.qkv_size()), 0.0);
   const double scale = 1.0 / std::sqrt(static_cast<double>(d.HS));
   std::vector<double> p, dp(static_cast<size_t>(d.T));

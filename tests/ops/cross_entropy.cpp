@@ -18,8 +18,8 @@ namespace {
 
 using testing::all_close;
 using testing::bitwise_equal;
-using testing::random_ints;
 using testing::randn;
+using testing::random_ints;
 using testing::to_double;
 
 // Double-precision reference: loss of one row, and its gradient scaled by grad_scale.
@@ -92,8 +92,7 @@ void forward_backward(Run& r, const In& in, int64_t N, int64_t V, int64_t ld, bo
 
 // The vocab-parallel pieces over shards [vb[p], vb[p + 1]) of the columns: every shard's stats,
 // the combine, every shard's backward. Outputs "losses", "lse", "dlogits".
-void sharded(Run& r, const In& in, int64_t N, int64_t V, int64_t ld, const std::vector<int64_t>& vb,
-             float grad_scale) {
+void sharded(Run& r, const In& in, int64_t N, int64_t V, int64_t ld, const std::vector<int64_t>& vb, float grad_scale) {
   const int64_t P = static_cast<int64_t>(vb.size()) - 1;
   const Buf<int32_t> targets = r.in(in.targets);
   Buf<float> logits = r.in(in.logits), stats = r.zeros(P * N * 3), losses = r.zeros(N), lse = r.zeros(N * 2);
@@ -101,8 +100,8 @@ void sharded(Run& r, const In& in, int64_t N, int64_t V, int64_t ld, const std::
   for (int64_t p = 0; p < P; ++p) {
     const int64_t Vl = vb[p + 1] - vb[p];
     cmax.push_back(r.zeros((Vl + kXentChunk - 1) / kXentChunk * N));
-    r.ops.cross_entropy_shard_lse(stats.p() + p * N * 3, cmax.back(), logits.p() + vb[p], targets, N, Vl, ld, vb[p],
-                                  V, true);
+    r.ops.cross_entropy_shard_lse(stats.p() + p * N * 3, cmax.back(), logits.p() + vb[p], targets, N, Vl, ld, vb[p], V,
+                                  true);
   }
   r.ops.cross_entropy_combine(losses, lse, stats, targets, N, P);
   for (int64_t p = 0; p < P; ++p)
@@ -177,7 +176,8 @@ void add_cross_entropy_cases(Registry& reg) {
         },
         [=](Run& r, const In& in) { forward_backward(r, in, N, V, ld, true, false, 0.0f, -1.0f); },
         [=](const Result& got, const In& in) {
-          EXPECT_TRUE(all_close(got["losses"], ref_losses(to_double(in.logits), in.targets, V, ld), 1e-5, 1e-5, "losses"));
+          EXPECT_TRUE(
+              all_close(got["losses"], ref_losses(to_double(in.logits), in.targets, V, ld), 1e-5, 1e-5, "losses"));
           EXPECT_EQ(got["losses"][2], 0.0f);
         });
   }
@@ -187,7 +187,9 @@ void add_cross_entropy_cases(Registry& reg) {
     const float grad_scale = 0.25f;
     reg.add(
         {"CrossEntropy", "GradientMatchesFiniteDifferences", {"cross_entropy_forward_backward"}, str("V=", V)},
-        [=] { return In{randn(N * ld, 11, "logits", 2.0f), {5, -1, 36}}; },
+        [=] {
+          return In{randn(N * ld, 11, "logits", 2.0f), {5, -1, 36}};
+        },
         [=](Run& r, const In& in) { forward_backward(r, in, N, V, ld, false, true, grad_scale); },
         [=](const Result& got, const In& in) {
           const auto fd = testing::finite_difference(
@@ -232,7 +234,9 @@ void add_cross_entropy_cases(Registry& reg) {
     const int64_t N = 3, V = 50;
     reg.add(
         {"CrossEntropy", "IgnoredTargetsGiveZeroLossAndGradient", {"cross_entropy_forward_backward"}, str("V=", V)},
-        [=] { return In{randn(N * V, 13, "logits"), {-1, 3, -100}}; },
+        [=] {
+          return In{randn(N * V, 13, "logits"), {-1, 3, -100}};
+        },
         [=](Run& r, const In& in) { forward_backward(r, in, N, V, V, false, true, 1.0f, 9.0f); },
         [=](const Result& got, const In&) {
           const std::vector<float> losses = got["fb losses"], logits = got["dlogits"];
@@ -253,7 +257,9 @@ void add_cross_entropy_cases(Registry& reg) {
          "RejectsTargetOutsideVocabulary",
          {"cross_entropy_forward", "cross_entropy_forward_backward"},
          str("V=", V)},
-        [=] { return In{randn(N * V, 14, "logits"), {1, 2, 20}}; },
+        [=] {
+          return In{randn(N * V, 14, "logits"), {1, 2, 20}};
+        },
         [=](Run& r, const In& in) {
           const Buf<int32_t> targets = r.in(in.targets);
           Buf<float> logits = r.in(in.logits), losses = r.zeros(N);
@@ -261,9 +267,8 @@ void add_cross_entropy_cases(Registry& reg) {
                        r.ops.cross_entropy_forward_backward(losses, logits, targets, N, V, V, 1.0f);
                      }));
           r.out("logits", logits);
-          r.out_text("forward error", testing::user_error_of([&] {
-                       r.ops.cross_entropy_forward(losses, logits, targets, N, V, V);
-                     }));
+          r.out_text("forward error",
+                     testing::user_error_of([&] { r.ops.cross_entropy_forward(losses, logits, targets, N, V, V); }));
         },
         [=](const Result& got, const In& in) {
           const std::string msg = got.text("error");
@@ -366,7 +371,9 @@ void add_cross_entropy_cases(Registry& reg) {
     for (const int64_t V : {int64_t{100}, kXentChunk + 61}) {
       for (const int64_t S : {1, 2, 8}) {
         reg.add(
-            {"CrossEntropy", "LayoutSegmentsMatchReferenceAndThreads", {"cross_entropy_segments"},
+            {"CrossEntropy",
+             "LayoutSegmentsMatchReferenceAndThreads",
+             {"cross_entropy_segments"},
              str("V=", V, " S=", S)},
             [=] {
               In in{randn(N * ld, 31, "logits", 3.0f), random_ints(N, V, 31, "targets")};
@@ -383,7 +390,8 @@ void add_cross_entropy_cases(Registry& reg) {
               const auto xd = to_double(in.logits);
               const std::vector<double> ref_l = ref_losses(xd, in.targets, V, ld),
                                         ref_g = ref_grad(xd, in.targets, V, ld, 0.25);
-              EXPECT_TRUE(bitwise_equal(got["logits after forward"], in.logits, "forward only leaves the logits alone"));
+              EXPECT_TRUE(
+                  bitwise_equal(got["logits after forward"], in.logits, "forward only leaves the logits alone"));
               const std::vector<float> losses = got["losses"], grads = got["dlogits"];
               EXPECT_TRUE(all_close(losses.data(), ref_l.data(), N, 1e-5, 1e-5));
               const std::vector<float> g = columns(grads, N, V, ld);
@@ -400,7 +408,9 @@ void add_cross_entropy_cases(Registry& reg) {
     const int64_t N = 2, V = 16;
     reg.add(
         {"CrossEntropy", "LayoutSegmentsRejectTargetOutsideVocabulary", {"cross_entropy_segments"}, str("V=", V)},
-        [=] { return In{randn(N * V, 3, "logits"), {3, 16}}; },
+        [=] {
+          return In{randn(N * V, 3, "logits"), {3, 16}};
+        },
         [=](Run& r, const In& in) {
           const Buf<int32_t> targets = r.in(in.targets);
           Buf<float> logits = r.in(in.logits), losses = r.zeros(N), scratch = r.zeros(3 * N);
@@ -425,7 +435,8 @@ void add_cross_entropy_cases(Registry& reg) {
       reg.add(
           {"CrossEntropy",
            "VocabShardsCombineToTheWholeRow",
-           {"cross_entropy_shard_lse", "cross_entropy_combine", "cross_entropy_shard_backward", "cross_entropy_forward"},
+           {"cross_entropy_shard_lse", "cross_entropy_combine", "cross_entropy_shard_backward",
+            "cross_entropy_forward"},
            str(vb.size() - 1, " shards, the second at ", vb[1])},
           [=] {
             In in{randn(N * ld, 41, "logits", 3.0f), random_ints(N, V, 41, "targets")};
@@ -456,13 +467,15 @@ void add_cross_entropy_cases(Registry& reg) {
               for (int64_t n = 0; n < N; ++n) {
                 const int32_t t = in.targets[n];
                 const bool owned = t >= vb[p] && t < vb[p + 1];
-                EXPECT_EQ(stats[(p * N + n) * 3 + 2], owned ? in.logits[n * ld + t] : 0.0f) << "shard " << p << " row " << n;
+                EXPECT_EQ(stats[(p * N + n) * 3 + 2], owned ? in.logits[n * ld + t] : 0.0f)
+                    << "shard " << p << " row " << n;
               }
             for (int64_t n = 0; n < N; ++n) {
               double m = -std::numeric_limits<double>::infinity(), s = 0;
               for (int64_t v = 0; v < V; ++v) m = std::max(m, xd[n * ld + v]);
               for (int64_t v = 0; v < V; ++v) s += std::exp(xd[n * ld + v] - m);
-              EXPECT_NEAR(lse[n * 2] + std::log(static_cast<double>(lse[n * 2 + 1])), m + std::log(s), 1e-5 * std::abs(m) + 1e-5)
+              EXPECT_NEAR(lse[n * 2] + std::log(static_cast<double>(lse[n * 2 + 1])), m + std::log(s),
+                          1e-5 * std::abs(m) + 1e-5)
                   << "row " << n;
             }
             const std::vector<double> ref = ref_grad(xd, in.targets, V, ld, 0.5);
@@ -525,7 +538,9 @@ void add_cross_entropy_cases(Registry& reg) {
     for (int form = 0; form < 3; ++form) {
       reg.add(
           {"CrossEntropy", "ShardedGradientsMatchFiniteDifferences", ops[form], labels[form]},
-          [=] { return In{randn(N * ld, 45, "logits", 2.0f), {5, -1, 39}}; },
+          [=] {
+            return In{randn(N * ld, 45, "logits", 2.0f), {5, -1, 39}};
+          },
           [=](Run& r, const In& in) {
             if (form == 0)
               sharded(r, in, N, V, ld, {0, 10, V}, grad_scale);

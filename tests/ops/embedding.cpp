@@ -18,8 +18,8 @@ namespace {
 using testing::all_close;
 using testing::bitwise_equal;
 using testing::finite_difference;
-using testing::random_ints;
 using testing::randn;
+using testing::random_ints;
 using testing::to_double;
 
 struct In {
@@ -112,7 +112,10 @@ void add_embedding_cases(Registry& reg) {
   {
     const int64_t B = 3, T = 7, C = 19, V = 6;  // 21 positions over 6 tokens: many repeats
     reg.add(
-        {"Embedding", "BackwardMatchesReferenceSum", {"embedding_backward"}, str("B=", B, " T=", T, " C=", C, " V=", V)},
+        {"Embedding",
+         "BackwardMatchesReferenceSum",
+         {"embedding_backward"},
+         str("B=", B, " T=", T, " C=", C, " V=", V)},
         [=] {
           In in;
           in.tokens = random_ints(B * T, V, 3, "tokens");
@@ -141,7 +144,10 @@ void add_embedding_cases(Registry& reg) {
   {
     const int64_t B = 4, T = 9, C = 21, V = 5;
     reg.add(
-        {"Embedding", "BackwardSumsInPositionOrder", {"embedding_backward"}, str("B=", B, " T=", T, " C=", C, " V=", V)},
+        {"Embedding",
+         "BackwardSumsInPositionOrder",
+         {"embedding_backward"},
+         str("B=", B, " T=", T, " C=", C, " V=", V)},
         [=] {
           In in;
           in.tokens = random_ints(B * T, V, 4, "tokens");
@@ -232,7 +238,9 @@ void add_embedding_cases(Registry& reg) {
   for (bool with_pos : {false, true}) {
     const int64_t B = 2, T = 6, C = 3, V = 4, P = with_pos ? 4 : 0;
     reg.add(
-        {"Embedding", "GradientsMatchFiniteDifferences", {"embedding_forward", "embedding_backward"},
+        {"Embedding",
+         "GradientsMatchFiniteDifferences",
+         {"embedding_forward", "embedding_backward"},
          str("positions: ", with_pos)},
         [=] {
           In in;
@@ -378,7 +386,8 @@ void add_embedding_cases(Registry& reg) {
               for (int64_t c = 0; c < C; ++c) l += (in.wte[n * C + c] + b[c]) * in.dout[n * C + c];
             return l;
           };
-          EXPECT_TRUE(all_close(got["dbias"], finite_difference(loss, std::vector<double>(C, 0.5)), 1e-6, 1e-6, "dbias"));
+          EXPECT_TRUE(
+              all_close(got["dbias"], finite_difference(loss, std::vector<double>(C, 0.5)), 1e-6, 1e-6, "dbias"));
         });
   }
 

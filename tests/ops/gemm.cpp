@@ -104,8 +104,9 @@ void add_gemm_cases(Registry& reg) {
   const auto gemm_case = [&](const std::string& test, int64_t M, int64_t N, int64_t K, Trans ta, Trans tb,
                              uint64_t seed, std::function<void(Run&, const GemmCase&)> run,
                              std::function<void(const Result&, const GemmCase&)> check, int64_t pad = 3) {
-    reg.add({"Gemm", test, {"gemm"}, str(M, "x", N, "x", K, ta == Trans::N ? " N" : " T", tb == Trans::N ? "N" : "T")},
-            [=] { return GemmCase(M, N, K, ta, tb, seed, pad); }, run, check);
+    reg.add(
+        {"Gemm", test, {"gemm"}, str(M, "x", N, "x", K, ta == Trans::N ? " N" : " T", tb == Trans::N ? "N" : "T")},
+        [=] { return GemmCase(M, N, K, ta, tb, seed, pad); }, run, check);
   };
 
   for (Trans ta : kTrans)
@@ -234,7 +235,7 @@ void add_gemm_cases(Registry& reg) {
             return opt;
           };
           const auto with_segments = [](GemmOptions opt, const std::vector<int64_t>& seg,
-                                         const std::vector<int64_t>& sec) {
+                                        const std::vector<int64_t>& sec) {
             opt.k_segments = seg;
             opt.k_sections = sec;
             return opt;
@@ -268,13 +269,13 @@ void add_gemm_cases(Registry& reg) {
           auto b = std::make_unique<Batch>();
           b->segments = {{0, 4, 9, 9, 15, 20, 26, 30, 37}, {0, 1, 2, 3}, {0, 37}, {0, 1000, 4000}, {0, 0, 0, 0, 0}};
           const std::vector<int64_t>*seg8 = &b->segments[0], *seg3 = &b->segments[1], *one = &b->segments[2],
-                                     *seg_long = &b->segments[3], *seg_empty = &b->segments[4];
+                *seg_long = &b->segments[3], *seg_empty = &b->segments[4];
           struct Item {
             int64_t M, N, K;
             const std::vector<int64_t>* segments;
           };
-          const std::vector<Item> shapes = {{211, 150, 37, seg8}, {64, 64, 37, seg8}, {3, 5, 3, seg3},
-                                            {17, 19, 37, nullptr}, {6, 9, 37, one},     {7, 20, 4000, seg_long},
+          const std::vector<Item> shapes = {{211, 150, 37, seg8},  {64, 64, 37, seg8}, {3, 5, 3, seg3},
+                                            {17, 19, 37, nullptr}, {6, 9, 37, one},    {7, 20, 4000, seg_long},
                                             {6, 9, 0, seg_empty},  {0, 9, 37, seg8}};
           b->cases.reserve(4 * shapes.size());  // opts point into the cases
           uint64_t seed = 60;
@@ -393,12 +394,15 @@ void add_gemm_cases(Registry& reg) {
               std::vector<float> C0, bias;
             };
             reg.add(
-                {"GemmOperands", "EqualTheFp32GemmOnTheDequantisedOperands", {"gemm"},
+                {"GemmOperands",
+                 "EqualTheFp32GemmOnTheDequantisedOperands",
+                 {"gemm"},
                  str("A storage ", ia, " B storage ", ib, ta == Trans::N ? " N" : " T", tb == Trans::N ? "N" : "T")},
                 [=] {
-                  return std::make_shared<In>(In{StoredOperand(kStorages[ia], ta == Trans::N ? M : K, ta == Trans::N ? K : M, 100 + ia),
-                                                 StoredOperand(kStorages[ib], tb == Trans::N ? K : N, tb == Trans::N ? N : K, 200 + ib),
-                                                 testing::randn(M * N, 3, "C0"), testing::randn(N, 3, "bias")});
+                  return std::make_shared<In>(
+                      In{StoredOperand(kStorages[ia], ta == Trans::N ? M : K, ta == Trans::N ? K : M, 100 + ia),
+                         StoredOperand(kStorages[ib], tb == Trans::N ? K : N, tb == Trans::N ? N : K, 200 + ib),
+                         testing::randn(M * N, 3, "C0"), testing::randn(N, 3, "bias")});
                 },
                 [=](Run& r, const std::shared_ptr<In>& in) {
                   const std::vector<int64_t> segments = {0, 100, 333, 600};
@@ -432,7 +436,9 @@ void add_gemm_cases(Registry& reg) {
   for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2, ElemFormat::e2m1})
     for (float s : {1.0f, 0.75f}) {
       reg.add(
-          {"GemmOperands", "EveryCodeDecodesAsDequantizeDoes", {"gemm", "dequantize"},
+          {"GemmOperands",
+           "EveryCodeDecodesAsDequantizeDoes",
+           {"gemm", "dequantize"},
            str(elem_format_name(f), " scale ", s)},
           [=] {
             QuantizedTensor q;
@@ -476,7 +482,9 @@ void add_gemm_cases(Registry& reg) {
   for (int64_t block_rows : {1, 128}) {
     const int64_t block_cols = block_rows == 1 ? 128 : 1, cols = 45;  // 40 columns in lanes, 5 in the tail
     reg.add(
-        {"GemmOperands", "NaNBlocksDecodeAsDequantizeDoes", {"gemm", "quantize_blockwise", "dequantize"},
+        {"GemmOperands",
+         "NaNBlocksDecodeAsDequantizeDoes",
+         {"gemm", "quantize_blockwise", "dequantize"},
          str("block ", block_rows, "x", block_cols)},
         [=](Run& r) {
           std::vector<float> x(cols, 1.0f);
@@ -484,7 +492,8 @@ void add_gemm_cases(Registry& reg) {
           QuantizedTensor q;
           r.ops.quantize_blockwise(q, r.in(x), 1, cols, ElemFormat::e4m3, block_rows, block_cols, StochasticRounding{});
           // Give every code a NaN (0x7f / 0xff) or not, so the decoded values and the scales mix.
-          for (int64_t c = 0; c < cols; ++c) q.codes[static_cast<size_t>(c)] = c % 3 == 0 ? 0xff : c % 3 == 1 ? 0x7f : 0x38;
+          for (int64_t c = 0; c < cols; ++c)
+            q.codes[static_cast<size_t>(c)] = c % 3 == 0 ? 0xff : c % 3 == 1 ? 0x7f : 0x38;
           const Buf<float> one = r.full(1, 1.0f);
           Buf<float> C = r.full(cols, -0.0f), want = r.zeros(cols);
           GemmOptions acc;
@@ -496,7 +505,8 @@ void add_gemm_cases(Registry& reg) {
         },
         [=](const Result& got) {
           std::vector<float> want = got["dequantized"];
-          for (int64_t c = 0; c < cols; ++c) want[static_cast<size_t>(c)] = std::fma(want[static_cast<size_t>(c)], 1.0f, -0.0f);
+          for (int64_t c = 0; c < cols; ++c)
+            want[static_cast<size_t>(c)] = std::fma(want[static_cast<size_t>(c)], 1.0f, -0.0f);
           ASSERT_TRUE(bitwise_equal(got["C"], want, "block rows " + std::to_string(block_rows)));
         });
   }
@@ -510,15 +520,18 @@ void add_gemm_cases(Registry& reg) {
       std::vector<float> bias, C0, dW0;
     };
     reg.add(
-        {"GemmOperands", "GroupedExpertsEqualTheFp32GroupedGemm", {"grouped_gemm", "grouped_gemm_wgrad"},
+        {"GemmOperands",
+         "GroupedExpertsEqualTheFp32GroupedGemm",
+         {"grouped_gemm", "grouped_gemm_wgrad"},
          str("E=", E, " Nout=", Nout, " K=", K, " R=", R)},
         [=] {
-          return std::make_shared<In>(In{StoredOperand(Storage::mxfp8, R, K, 11),
-                                         StoredOperand(Storage::nvfp4_2d, E * Nout, K, 12),     // (E, Nout, K): W.trans = T
-                                         StoredOperand(Storage::e4m3_tensor, E * K, Nout, 13),  // (E, K, Nout): W.trans = N
-                                         StoredOperand(Storage::e5m2_block, R, Nout, 14), StoredOperand(Storage::bf16, R, K, 15),
-                                         testing::randn(E * Nout, 16, "bias"), testing::randn(R * Nout, 16, "C0"),
-                                         testing::randn(E * Nout * K, 16, "dW0")});
+          return std::make_shared<In>(
+              In{StoredOperand(Storage::mxfp8, R, K, 11),
+                 StoredOperand(Storage::nvfp4_2d, E * Nout, K, 12),     // (E, Nout, K): W.trans = T
+                 StoredOperand(Storage::e4m3_tensor, E * K, Nout, 13),  // (E, K, Nout): W.trans = N
+                 StoredOperand(Storage::e5m2_block, R, Nout, 14), StoredOperand(Storage::bf16, R, K, 15),
+                 testing::randn(E * Nout, 16, "bias"), testing::randn(R * Nout, 16, "C0"),
+                 testing::randn(E * Nout * K, 16, "dW0")});
         },
         [=](Run& r, const std::shared_ptr<In>& in) {
           const int64_t offsets[] = {0, 5, 5, 19, 40};
@@ -548,7 +561,8 @@ void add_gemm_cases(Registry& reg) {
           for (const char* tw : {"W^T", "W"})
             for (const char* acc : {"", " accumulate"}) {
               const std::string at = str(tw, acc);
-              ASSERT_TRUE(bitwise_equal(got["grouped_gemm " + at], got["fp32 grouped_gemm " + at], "grouped_gemm " + at));
+              ASSERT_TRUE(
+                  bitwise_equal(got["grouped_gemm " + at], got["fp32 grouped_gemm " + at], "grouped_gemm " + at));
             }
           ASSERT_TRUE(bitwise_equal(got["grouped_gemm_wgrad"], got["fp32 grouped_gemm_wgrad"], "grouped_gemm_wgrad"));
         });
@@ -568,7 +582,9 @@ void add_gemm_cases(Registry& reg) {
           std::vector<float> A, bias, W;
         };
         reg.add(
-            {"GroupedGemm", "SegmentedIsTheTreeOverSegmentsAndSplitsOverRanks", {"grouped_gemm_segmented", "gemm"},
+            {"GroupedGemm",
+             "SegmentedIsTheTreeOverSegmentsAndSplitsOverRanks",
+             {"grouped_gemm_segmented", "gemm"},
              str("sections ", X, tw == Trans::T ? " W^T" : " W", with_bias ? " bias" : "")},
             [=] {
               // W: (E, Nout, K) for T, (E, K, Nout) for N.
@@ -579,7 +595,8 @@ void add_gemm_cases(Registry& reg) {
               const int64_t offsets[] = {0, 5, 5, 12};  // expert 1 has no rows
               const Buf<float> A = r.in(in.A), W = r.in(in.W), bias = r.in(in.bias);
               const float* b = with_bias ? bias.p() : nullptr;
-              const GemmOperand Aop = gemm_operand(A.p(), K, Trans::N), Wop = gemm_operand(W.p(), tw == Trans::T ? K : Nout, tw);
+              const GemmOperand Aop = gemm_operand(A.p(), K, Trans::N),
+                                Wop = gemm_operand(W.p(), tw == Trans::T ? K : Nout, tw);
               Buf<float> got = r.zeros(R * Nout);
               r.ops.grouped_gemm_segmented(got, Aop, Wop, b, offsets, E, Nout, K, KSegments{S, X});
               r.out("grouped", got);
@@ -616,8 +633,8 @@ void add_gemm_cases(Registry& reg) {
                   const Buf<float> Ard = r.in(Ar), Wrd = r.in(Wr);
                   Buf<float> part = r.zeros(R * Nout);
                   r.ops.grouped_gemm_segmented(part, gemm_operand(Ard.p(), Kr, Trans::N),
-                                               gemm_operand(Wrd.p(), tw == Trans::T ? Kr : Nout, tw), nullptr, offsets, E,
-                                               Nout, Kr, KSegments{S / P, X});
+                                               gemm_operand(Wrd.p(), tw == Trans::T ? Kr : Nout, tw), nullptr, offsets,
+                                               E, Nout, Kr, KSegments{S / P, X});
                   r.out(str(P, " ranks, part ", p), part);
                 }
               }
@@ -677,7 +694,8 @@ void add_gemm_cases(Registry& reg) {
     reg.add(
         {"GemmOperands", "QuantisedViews", {"gemm"}, "y(20 x 24) = x[:, 16:56] W[32:56, 16:56]^T"},
         [] {
-          return std::make_shared<In>(In{StoredOperand(Storage::nvfp4_2d, 64, 96, 5), StoredOperand(Storage::mxfp8, 20, 64, 6),
+          return std::make_shared<In>(In{StoredOperand(Storage::nvfp4_2d, 64, 96, 5),
+                                         StoredOperand(Storage::mxfp8, 20, 64, 6),
                                          StoredOperand(Storage::nvfp4, 20, 64, 7)});
         },
         [](Run& r, const std::shared_ptr<In>& in) {
@@ -685,20 +703,23 @@ void add_gemm_cases(Registry& reg) {
           const GemmOptions none;
           const Buf<float> Wd = r.in(in->W.dense), Xd = r.in(in->X.dense), X4d = r.in(in->X4.dense);
           Buf<float> got = r.zeros(M * N), want = r.zeros(M * N);
-          r.ops.gemm(got, N, gemm_operand(in->X.q, Trans::N, 0, 16), gemm_operand(in->W.q, Trans::T, 32, 16), M, N, K, none);
-          r.ops.gemm(want, N, gemm_operand(Xd.p() + 16, 64, Trans::N), gemm_operand(Wd.p() + 32 * 96 + 16, 96, Trans::T),
-                     M, N, K, none);
+          r.ops.gemm(got, N, gemm_operand(in->X.q, Trans::N, 0, 16), gemm_operand(in->W.q, Trans::T, 32, 16), M, N, K,
+                     none);
+          r.ops.gemm(want, N, gemm_operand(Xd.p() + 16, 64, Trans::N),
+                     gemm_operand(Wd.p() + 32 * 96 + 16, 96, Trans::T), M, N, K, none);
           r.out("views", got, low_precision(false));
           r.out("dense", want);
           // An odd column origin in packed E2M1 (a view starting in the high nibble of a byte).
-          r.ops.gemm(got, N, gemm_operand(in->X4.q, Trans::N, 0, 3), gemm_operand(in->W.q, Trans::T, 32, 16), M, N, K, none);
-          r.ops.gemm(want, N, gemm_operand(X4d.p() + 3, 64, Trans::N), gemm_operand(Wd.p() + 32 * 96 + 16, 96, Trans::T),
-                     M, N, K, none);
+          r.ops.gemm(got, N, gemm_operand(in->X4.q, Trans::N, 0, 3), gemm_operand(in->W.q, Trans::T, 32, 16), M, N, K,
+                     none);
+          r.ops.gemm(want, N, gemm_operand(X4d.p() + 3, 64, Trans::N),
+                     gemm_operand(Wd.p() + 32 * 96 + 16, 96, Trans::T), M, N, K, none);
           r.out("odd origin views", got, low_precision(false));
           r.out("odd origin dense", want);
           bool threw = false;
           try {
-            r.ops.gemm(got, N, gemm_operand(in->X.q, Trans::N, 0, 30), gemm_operand(in->W.q, Trans::T, 0, 0), M, N, K, none);
+            r.ops.gemm(got, N, gemm_operand(in->X.q, Trans::N, 0, 30), gemm_operand(in->W.q, Trans::T, 0, 0), M, N, K,
+                       none);
           } catch (const InternalError&) {
             threw = true;
           }
@@ -720,8 +741,10 @@ void add_gemm_cases(Registry& reg) {
       std::vector<float> x, w, b, dy;
     };
     reg.add(
-        {"MoeGroupedGemm", "MatchesReferenceFiniteDifferencesAndThreads",
-         {"grouped_gemm", "grouped_gemm_wgrad", "grouped_bias_grad"}, str("E=", E, " N=", N, " K=", K)},
+        {"MoeGroupedGemm",
+         "MatchesReferenceFiniteDifferencesAndThreads",
+         {"grouped_gemm", "grouped_gemm_wgrad", "grouped_bias_grad"},
+         str("E=", E, " N=", N, " K=", K)},
         [=] {
           const int64_t R = 9;
           return In{testing::randn(R * K, 1, "x"), testing::randn(E * N * K, 2, "w"), testing::randn(E * N, 3, "b"),
@@ -734,10 +757,10 @@ void add_gemm_cases(Registry& reg) {
           Buf<float> y = r.zeros(R * N), dx = r.zeros(R * K), dw = r.zeros(E * N * K), db = r.zeros(E * N);
           r.ops.grouped_gemm(y, gemm_operand(x.p(), K, Trans::N), gemm_operand(w.p(), K, Trans::T), b, off.data(), E, N,
                              K, false);
-          r.ops.grouped_gemm(dx, gemm_operand(dy.p(), N, Trans::N), gemm_operand(w.p(), K, Trans::N), nullptr, off.data(),
-                             E, K, N, false);
-          r.ops.grouped_gemm_wgrad(dw, gemm_operand(dy.p(), N, Trans::T), gemm_operand(x.p(), K, Trans::N), off.data(), E,
-                                   N, K);
+          r.ops.grouped_gemm(dx, gemm_operand(dy.p(), N, Trans::N), gemm_operand(w.p(), K, Trans::N), nullptr,
+                             off.data(), E, K, N, false);
+          r.ops.grouped_gemm_wgrad(dw, gemm_operand(dy.p(), N, Trans::T), gemm_operand(x.p(), K, Trans::N), off.data(),
+                                   E, N, K);
           r.ops.grouped_bias_grad(db, dy, off.data(), E, N);
           r.out("y", y);
           r.out("dx", dx);
@@ -767,7 +790,8 @@ void add_gemm_cases(Registry& reg) {
                 }
             return s;
           };
-          const std::vector<double> xd(in.x.begin(), in.x.end()), wd(in.w.begin(), in.w.end()), bd(in.b.begin(), in.b.end());
+          const std::vector<double> xd(in.x.begin(), in.x.end()), wd(in.w.begin(), in.w.end()),
+              bd(in.b.begin(), in.b.end());
           EXPECT_TRUE(all_close(got["dx"], testing::finite_difference([&](const auto& v) { return f(v, wd, bd); }, xd),
                                 1e-4, 1e-4, "dx"));
           EXPECT_TRUE(all_close(got["dw"], testing::finite_difference([&](const auto& v) { return f(xd, v, bd); }, wd),

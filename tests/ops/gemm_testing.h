@@ -105,8 +105,9 @@ inline constexpr Trans kTrans[] = {Trans::N, Trans::T};
 // equal the fp32 GEMM on the dequantised matrices bit for bit.
 
 enum class Storage { f32, bf16, e4m3_tensor, e5m2_block, mxfp8, nvfp4, nvfp4_2d, e4m3_column_block };
-inline constexpr Storage kStorages[] = {Storage::f32,   Storage::bf16,  Storage::e4m3_tensor, Storage::e5m2_block,
-                                        Storage::mxfp8, Storage::nvfp4, Storage::nvfp4_2d,    Storage::e4m3_column_block};
+inline constexpr Storage kStorages[] = {
+    Storage::f32,   Storage::bf16,  Storage::e4m3_tensor, Storage::e5m2_block,
+    Storage::mxfp8, Storage::nvfp4, Storage::nvfp4_2d,    Storage::e4m3_column_block};
 
 // A stored rows x cols matrix in one storage, and the fp32 matrix it stands for (quantised and
 // dequantised by the CPU backend's functions: the operands' preparation, not what is tested).
@@ -120,7 +121,9 @@ struct StoredOperand {
     std::vector<float> x = testing::randn(rows * cols, seed, "operand");
     dense.resize(x.size());
     switch (st) {
-      case Storage::f32: dense = x; return;
+      case Storage::f32:
+        dense = x;
+        return;
       case Storage::bf16:
         for (float v : x) half.push_back(to_bf16(v));
         for (size_t i = 0; i < x.size(); ++i) dense[i] = to_f32(half[i]);
@@ -129,14 +132,22 @@ struct StoredOperand {
         quantize_tensorwise(q, x.data(), rows, cols, ElemFormat::e4m3,
                             fp8_scale_from_amax(amax(x.data(), rows * cols), ElemFormat::e4m3));
         break;
-      case Storage::e5m2_block: quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e5m2, 1, 128); break;
+      case Storage::e5m2_block:
+        quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e5m2, 1, 128);
+        break;
       case Storage::e4m3_column_block:  // 128 x 1 blocks: a scale per column, columns of 5 magnitudes
         for (int64_t i = 0; i < rows * cols; ++i) x[i] = std::ldexp(x[i], static_cast<int>(i % cols % 5) * 3);
         quantize_blockwise(q, x.data(), rows, cols, ElemFormat::e4m3, 128, 1);
         break;
-      case Storage::mxfp8: quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3); break;
-      case Storage::nvfp4: quantize_nvfp4(q, x.data(), rows, cols, 1); break;
-      case Storage::nvfp4_2d: quantize_nvfp4(q, x.data(), rows, cols, 16); break;
+      case Storage::mxfp8:
+        quantize_mxfp8(q, x.data(), rows, cols, ElemFormat::e4m3);
+        break;
+      case Storage::nvfp4:
+        quantize_nvfp4(q, x.data(), rows, cols, 1);
+        break;
+      case Storage::nvfp4_2d:
+        quantize_nvfp4(q, x.data(), rows, cols, 16);
+        break;
     }
     dequantize(dense.data(), q);
   }

@@ -100,8 +100,8 @@ void backward(Run& r, bool centered, const Buf<float>& dout, const Buf<float>& x
               const Buf<float>& mean, const Buf<float>& rstd, int64_t r0, int64_t rows, int64_t C, int64_t segments,
               Buf<float>& dinp, Buf<float>& dw, Buf<float>& db) {
   if (centered)
-    r.ops.layernorm_backward(dinp, dw, db, dout.p() + r0 * C, x.p() + r0 * C, w, mean.p() + r0, rstd.p() + r0, rows,
-                             C, segments);
+    r.ops.layernorm_backward(dinp, dw, db, dout.p() + r0 * C, x.p() + r0 * C, w, mean.p() + r0, rstd.p() + r0, rows, C,
+                             segments);
   else
     r.ops.rmsnorm_backward(dinp, dw, dout.p() + r0 * C, x.p() + r0 * C, w, rstd.p() + r0, rows, C, segments);
 }
@@ -109,8 +109,10 @@ void backward(Run& r, bool centered, const Buf<float>& dout, const Buf<float>& x
 // The kernel's forward against the double reference.
 void add_forward(Registry& reg, bool centered, int64_t N, int64_t C) {
   reg.add(
-      {"Norms", centered ? "LayerNormForwardMatchesReference" : "RMSNormForwardMatchesReference",
-       {centered ? "layernorm_forward" : "rmsnorm_forward"}, str(norm_name(centered), " N=", N, " C=", C)},
+      {"Norms",
+       centered ? "LayerNormForwardMatchesReference" : "RMSNormForwardMatchesReference",
+       {centered ? "layernorm_forward" : "rmsnorm_forward"},
+       str(norm_name(centered), " N=", N, " C=", C)},
       [=] { return make_inputs(N, C, 7 + N * 1000 + C); },
       [=](Run& r, const NormInputs& in) {
         Buf<float> out, mean, rstd;
@@ -138,7 +140,8 @@ void add_backward(Registry& reg, bool centered, int64_t N, int64_t C) {
     std::vector<float> R, dinp0, dw0, db0;
   };
   reg.add(
-      {"Norms", centered ? "LayerNormBackwardMatchesFiniteDifferences" : "RMSNormBackwardMatchesFiniteDifferences",
+      {"Norms",
+       centered ? "LayerNormBackwardMatchesFiniteDifferences" : "RMSNormBackwardMatchesFiniteDifferences",
        {centered ? "layernorm_forward" : "rmsnorm_forward", centered ? "layernorm_backward" : "rmsnorm_backward"},
        str(norm_name(centered), " N=", N, " C=", C)},
       [=] {
@@ -194,15 +197,17 @@ void add_threads(Registry& reg, int64_t N, int64_t C) {
        "BitwiseIndependentOfThreadCount",
        {"layernorm_forward", "layernorm_backward", "rmsnorm_forward", "rmsnorm_backward"},
        str("N=", N, " C=", C)},
-      [=] { return In{make_inputs(N, C, 17), randn(N * C, 19, "dout")}; },
+      [=] {
+        return In{make_inputs(N, C, 17), randn(N * C, 19, "dout")};
+      },
       [=](Run& r, const In& in) {
         const Buf<float> dout = r.in(in.dout), x = r.in(in.in.x), w = r.in(in.in.w);
         for (bool centered : {true, false}) {
           const std::string n = norm_name(centered);
           Buf<float> out, mean, rstd;
           forward(r, centered, in.in, N, C, out, mean, rstd);
-          Buf<float> dinp = r.in(randn(N * C, centered ? 23 : 29, "dinp")), dw = r.in(randn(C, centered ? 23 : 29, "dw")),
-                     db = r.in(randn(C, 23, "db"));
+          Buf<float> dinp = r.in(randn(N * C, centered ? 23 : 29, "dinp")),
+                     dw = r.in(randn(C, centered ? 23 : 29, "dw")), db = r.in(randn(C, 23, "db"));
           backward(r, centered, dout, x, w, mean, rstd, 0, N, C, 0, dinp, dw, db);
           r.out(n + " out", out);
           if (centered) r.out("mean", mean);
@@ -253,7 +258,9 @@ void add_layout(Registry& reg, bool centered, int64_t N, int64_t C) {
        "LayoutTokenSegmentsAreSplitInvariant",
        {centered ? "layernorm_forward" : "rmsnorm_forward", centered ? "layernorm_backward" : "rmsnorm_backward"},
        str(norm_name(centered), " N=", N, " C=", C)},
-      [=] { return In{make_inputs(N, C, 43), randn(N * C, 47, "dout")}; },
+      [=] {
+        return In{make_inputs(N, C, 43), randn(N * C, 47, "dout")};
+      },
       [=](Run& r, const In& in) {
         Buf<float> out, mean, rstd;
         forward(r, centered, in.in, N, C, out, mean, rstd);

@@ -208,8 +208,11 @@ void add_optimizer_cases(Registry& reg) {
               const AdamwHashedItem item{p, m, v, g, n, kHp, sb, se, h};
               r.ops.adamw_update_hashed(&item, 1, step, 0.7f);
               r.ops.adamw_update(p2, m2, v2, g, n, kHp, step, 0.7f);
-              for (const auto& [name, b] : {std::pair<const char*, const Buf<float>*>{"param", &p}, {"m", &m}, {"v", &v},
-                                            {"param (adamw_update)", &p2}, {"m (adamw_update)", &m2},
+              for (const auto& [name, b] : {std::pair<const char*, const Buf<float>*>{"param", &p},
+                                            {"m", &m},
+                                            {"v", &v},
+                                            {"param (adamw_update)", &p2},
+                                            {"m (adamw_update)", &m2},
                                             {"v (adamw_update)", &v2}})
                 r.out(str("step ", step, " ", name), *b);
               r.out(str("step ", step, " hashes"), h);
@@ -236,8 +239,7 @@ void add_optimizer_cases(Registry& reg) {
 
   for (int64_t n : {0L, 1L, 15L, 17L, kNormBlock, kNormBlock + 1, 3 * kNormBlock + 100}) {
     reg.add(
-        {"SumOfSquares", "MatchesReference", {"sum_of_squares"}, str("n=", n)},
-        [=] { return randn(n, 24, "x", 3.0f); },
+        {"SumOfSquares", "MatchesReference", {"sum_of_squares"}, str("n=", n)}, [=] { return randn(n, 24, "x", 3.0f); },
         [=](Run& r, const std::vector<float>& x) { r.out("sum", r.ops.sum_of_squares(r.in(x), n)); },
         [=](const Result& got, const std::vector<float>& x) {
           long double ref = 0.0L;

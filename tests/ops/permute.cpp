@@ -51,8 +51,8 @@ In hand_routing(int64_t C, int64_t capacity, bool pad) {
 // place" (out aliasing base), "dexpert_out", "dprobs".
 void run_all(Run& r, const In& in, const std::vector<float>& dx0) {
   const Buf<int32_t> slot = r.in(in.slot), row_choice = r.in(in.row_choice);
-  const Buf<float> x = r.in(in.x), y = r.in(in.y), base = r.in(in.base), dout = r.in(in.dout),
-                   drows = r.in(in.drows), probs = r.in(in.probs);
+  const Buf<float> x = r.in(in.x), y = r.in(in.y), base = r.in(in.base), dout = r.in(in.dout), drows = r.in(in.drows),
+                   probs = r.in(in.probs);
   Buf<float> rows = r.full(in.R * in.C, -1.0f), dx = r.in(dx0), out = r.zeros(in.N * in.C), inplace = r.in(in.base);
   r.ops.permute_forward(rows, x, row_choice, in.R, in.K, in.C);
   r.ops.permute_backward(dx, drows, slot, in.N, in.K, in.C);
@@ -149,7 +149,8 @@ void add_permute_cases(Registry& reg) {
               double s = 0;
               for (int64_t r = 0; r < in.R; ++r)
                 if (in.row_choice[r] >= 0)
-                  for (int64_t c = 0; c < in.C; ++c) s += xx[in.row_choice[r] / in.K * in.C + c] * in.drows[r * in.C + c];
+                  for (int64_t c = 0; c < in.C; ++c)
+                    s += xx[in.row_choice[r] / in.K * in.C + c] * in.drows[r * in.C + c];
               return s;
             },
             testing::to_double(in.x));
@@ -160,7 +161,8 @@ void add_permute_cases(Registry& reg) {
   // rows (capacity 3: zeros in the rows and their gradient), dx added to its base.
   for (const bool pad : {false, true}) {
     reg.add(
-        {"MoeDispatch", "PermuteAndCombineFollowTheirFormulasBitwise", all, pad ? "padded to 3 rows per expert" : "dropless"},
+        {"MoeDispatch", "PermuteAndCombineFollowTheirFormulasBitwise", all,
+         pad ? "padded to 3 rows per expert" : "dropless"},
         [=] { return hand_routing(37, 3, pad); },
         [](Run& r, const In& in) { run_all(r, in, randn(in.N * in.C, 10, "dx0")); },
         [](const Result& got, const In& in) { check_formulas(got, in, randn(in.N * in.C, 10, "dx0")); });

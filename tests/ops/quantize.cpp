@@ -125,9 +125,7 @@ uint8_t nibble(const QuantizedTensor& q, int64_t r, int64_t c) {
   return (q.codes[static_cast<size_t>(r * q.row_bytes() + c / 2)] >> (c % 2 ? 4 : 0)) & 0xF;
 }
 
-double hadamard_entry(int i, int k) {
-  return ((__builtin_popcount(i & k) & 1) ? -0.25 : 0.25) * hadamard16_signs()[k];
-}
+double hadamard_entry(int i, int k) { return ((__builtin_popcount(i & k) & 1) ? -0.25 : 0.25) * hadamard16_signs()[k]; }
 
 }  // namespace
 
@@ -156,7 +154,9 @@ void add_quantize_cases(Registry& reg) {
 
   for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
     reg.add(
-        {"Quantize", "TensorwiseIsNearestWithinTheFormatsBound", {"amax", "quantize_tensorwise", "dequantize"},
+        {"Quantize",
+         "TensorwiseIsNearestWithinTheFormatsBound",
+         {"amax", "quantize_tensorwise", "dequantize"},
          std::string(elem_format_name(f))},
         [] { return test_matrix(37, 53, 1); },
         [=](Run& r, const std::vector<float>& x) {
@@ -177,7 +177,8 @@ void add_quantize_cases(Registry& reg) {
           const FormatBits b = bits_of(f);
           for (int64_t i = 0; i < 37 * 53; ++i) {
             const double err = std::abs(static_cast<double>(q.value(i / 53, i % 53)) - x[i]);
-            const double bound = std::max(std::ldexp(std::abs(x[i]), -(b.M + 1)), std::ldexp(q.scales[0], b.emin - b.M - 1));
+            const double bound =
+                std::max(std::ldexp(std::abs(x[i]), -(b.M + 1)), std::ldexp(q.scales[0], b.emin - b.M - 1));
             ASSERT_LE(err, bound * (1 + 1e-6)) << elem_format_name(f) << " " << x[i];
           }
         });
@@ -192,13 +193,24 @@ void add_quantize_cases(Registry& reg) {
   for (ElemFormat f : {ElemFormat::e4m3, ElemFormat::e5m2}) {
     for (float scale : {1.0f, 0.3f, 1.0f / 3.0f * 0x1p-20f, 0x1p30f}) {
       reg.add(
-          {"Quantize", "EncodingOfEveryExponentMatchesTheScalarEncoders", {"quantize_tensorwise"},
+          {"Quantize",
+           "EncodingOfEveryExponentMatchesTheScalarEncoders",
+           {"quantize_tensorwise"},
            str(elem_format_name(f), " scale ", scale)},
           [=] {
             const int sh = 23 - bits_of(f).M;
             const uint32_t half = 1u << (sh - 1);
-            const uint32_t mantissas[] = {0, 1, half - 1, half, half + 1, (1u << sh) | half, ((1u << sh) | half) - 1,
-                                          ((1u << sh) | half) + 1, (3u << sh) | half, 0x7fffffu, 0x7fffffu - half,
+            const uint32_t mantissas[] = {0,
+                                          1,
+                                          half - 1,
+                                          half,
+                                          half + 1,
+                                          (1u << sh) | half,
+                                          ((1u << sh) | half) - 1,
+                                          ((1u << sh) | half) + 1,
+                                          (3u << sh) | half,
+                                          0x7fffffu,
+                                          0x7fffffu - half,
                                           0x400000u};
             std::vector<float> x;
             for (uint32_t sign : {0u, 1u})
@@ -226,14 +238,15 @@ void add_quantize_cases(Registry& reg) {
           [=](const Result& got, const std::vector<float>& x) {
             const std::vector<uint8_t> nearest = got.get<uint8_t>("nearest");
             for (size_t i = 0; i < x.size(); ++i)
-              ASSERT_EQ(nearest.at(i), encode(f, x[i] * scale))
-                  << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
+              ASSERT_EQ(nearest.at(i), encode(f, x[i] * scale)) << elem_format_name(f) << " x bits " << std::hex
+                                                                << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
             for (int64_t base : {0, 1, 2, 3}) {
               const std::vector<uint8_t> codes = got.get<uint8_t>(str("stochastic base ", base));
               const RandomStream rng(5, sr_purpose(0, 0));
               for (size_t i = 0; i < x.size(); ++i)
                 ASSERT_EQ(codes.at(i), encode_stochastic(f, x[i] * scale, rng.bits(static_cast<uint64_t>(base) + i)))
-                    << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale " << scale;
+                    << elem_format_name(f) << " x bits " << std::hex << std::bit_cast<uint32_t>(x[i]) << " scale "
+                    << scale;
             }
           });
     }
@@ -247,7 +260,8 @@ void add_quantize_cases(Registry& reg) {
   reg.add(
       {"Quantize", "NearestE2m1EncodingMatchesTheScalarEncoder", {"quantize_nvfp4"}, "84 columns"},
       [] {
-        const uint32_t mantissas[] = {0, 1, 0x200000u - 1, 0x200000u, 0x200001u, 0x600000u, 0x5fffffu, 0x600001u, 0x7fffffu};
+        const uint32_t mantissas[] = {0,         1,         0x200000u - 1, 0x200000u, 0x200001u,
+                                      0x600000u, 0x5fffffu, 0x600001u,     0x7fffffu};
         std::vector<float> x;
         for (uint32_t sign : {0u, 1u})  // exponent-minor: each block of 16 spans the range (subnormal codes too)
           for (uint32_t m : mantissas)
@@ -304,7 +318,8 @@ void add_quantize_cases(Registry& reg) {
           return sr;
         };
         reg.add(
-            {"Quantize", "EveryRecipesCodesMatchTheScalarEncoders",
+            {"Quantize",
+             "EveryRecipesCodesMatchTheScalarEncoders",
              {"quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4"},
              str(kind_names[kind], stochastic ? " stochastic" : " nearest")},
             [] {
@@ -321,11 +336,21 @@ void add_quantize_cases(Registry& reg) {
                   const StochasticRounding sr = sr_of(base, global_cols);
                   QuantizedTensor q;
                   switch (kind) {
-                    case blockwise_cols: r.ops.quantize_blockwise(q, xd, rows, cols, f, 128, 1, sr); break;
-                    case blockwise_rows: r.ops.quantize_blockwise(q, xd, rows, cols, f, 1, 128, sr); break;
-                    case mxfp8: r.ops.quantize_mxfp8(q, xd, rows, cols, f, ScaleRounding::up, 32, sr); break;
-                    case nvfp4: r.ops.quantize_nvfp4(q, xd, rows, cols, 1, sr, nullptr); break;
-                    case blockwise_odd: r.ops.quantize_blockwise(q, xd, rows, cols, f, 2, 12, sr); break;
+                    case blockwise_cols:
+                      r.ops.quantize_blockwise(q, xd, rows, cols, f, 128, 1, sr);
+                      break;
+                    case blockwise_rows:
+                      r.ops.quantize_blockwise(q, xd, rows, cols, f, 1, 128, sr);
+                      break;
+                    case mxfp8:
+                      r.ops.quantize_mxfp8(q, xd, rows, cols, f, ScaleRounding::up, 32, sr);
+                      break;
+                    case nvfp4:
+                      r.ops.quantize_nvfp4(q, xd, rows, cols, 1, sr, nullptr);
+                      break;
+                    case blockwise_odd:
+                      r.ops.quantize_blockwise(q, xd, rows, cols, f, 2, 12, sr);
+                      break;
                   }
                   out_q(r, str("base ", base, " global_cols ", global_cols), q, false);
                 }
@@ -348,7 +373,8 @@ void add_quantize_cases(Registry& reg) {
                       const auto index = static_cast<uint64_t>(base + r * (global_cols ? global_cols : cols) + c);
                       const uint8_t want = stochastic ? encode_stochastic(f, y, rng.bits(index)) : encode(f, y);
                       const uint8_t code = kind == nvfp4 ? nibble(q, r, c) : q.codes[static_cast<size_t>(r * cols + c)];
-                      ASSERT_EQ(code, want) << "base " << base << " global_cols " << global_cols << " at " << r << "," << c;
+                      ASSERT_EQ(code, want)
+                          << "base " << base << " global_cols " << global_cols << " at " << r << "," << c;
                     }
                 }
             });
@@ -433,7 +459,9 @@ void add_quantize_cases(Registry& reg) {
     for (ScaleRounding rule : {ScaleRounding::down, ScaleRounding::up}) {
       const int64_t rows = 9, cols = 100;
       reg.add(
-          {"Quantize", "Mxfp8ScalesFollowOcpOrTransformerEngine", {"quantize_mxfp8", "dequantize"},
+          {"Quantize",
+           "Mxfp8ScalesFollowOcpOrTransformerEngine",
+           {"quantize_mxfp8", "dequantize"},
            str(elem_format_name(f), rule == ScaleRounding::down ? " OCP (down)" : " TE (up)")},
           [] { return test_matrix(rows, cols, 3, 0.01f); },
           [=](Run& r, const std::vector<float>& x) {
@@ -452,8 +480,9 @@ void add_quantize_cases(Registry& reg) {
                 double amax_b = 0;
                 for (int64_t c = gc * 32; c < std::min(cols, gc * 32 + 32); ++c)
                   amax_b = std::max(amax_b, std::abs(double(x[r * cols + c])));
-                const int e = rule == ScaleRounding::down ? static_cast<int>(std::floor(std::log2(amax_b))) - max_exponent(f)
-                                                          : static_cast<int>(std::ceil(std::log2(amax_b / max_finite(f))));
+                const int e = rule == ScaleRounding::down
+                                  ? static_cast<int>(std::floor(std::log2(amax_b))) - max_exponent(f)
+                                  : static_cast<int>(std::ceil(std::log2(amax_b / max_finite(f))));
                 ASSERT_EQ(q.block_scale(r, gc), std::ldexp(1.0, e)) << r << "," << gc;
                 for (int64_t c = gc * 32; c < std::min(cols, gc * 32 + 32); ++c) {
                   saturated += std::abs(x[r * cols + c]) / q.block_scale(r, gc) > max_finite(f);
@@ -530,7 +559,10 @@ void add_quantize_cases(Registry& reg) {
     using Piece = std::tuple<int64_t, int64_t, int64_t>;
     const std::vector<Piece> pieces = {{0, 0, 32}, {16, 32, 64}, {32, 80, 16}};
     reg.add(
-        {"Quantize", "Nvfp4PieceWithTheTensorsAmaxIsTheWholesSlice", {"quantize_nvfp4", "amax"}, str("block rows ", br)},
+        {"Quantize",
+         "Nvfp4PieceWithTheTensorsAmaxIsTheWholesSlice",
+         {"quantize_nvfp4", "amax"},
+         str("block rows ", br)},
         [] { return test_matrix(rows, cols, 11); },
         [=](Run& r, const std::vector<float>& x) {
           const Buf<float> xd = r.in(x);
@@ -538,7 +570,8 @@ void add_quantize_cases(Registry& reg) {
           r.out("amax", t);
           QuantizedTensor whole, given;
           r.ops.quantize_nvfp4(whole, xd, rows, cols, br, kNearest, nullptr);
-          r.ops.quantize_nvfp4(given, xd, rows, cols, br, kNearest, &t);  // the amax passed for the whole: the same bits
+          r.ops.quantize_nvfp4(given, xd, rows, cols, br, kNearest,
+                               &t);  // the amax passed for the whole: the same bits
           out_q(r, "whole", whole, false);
           out_q(r, "given", given, false);
           // Pieces [r0, r0 + 16) x [c0, c0 + pc): their own amax is smaller than t (the outliers fall elsewhere).
@@ -583,7 +616,9 @@ void add_quantize_cases(Registry& reg) {
   }
 
   reg.add(
-      {"Quantize", "NaNPoisonsItsBlock", {"quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "dequantize"},
+      {"Quantize",
+       "NaNPoisonsItsBlock",
+       {"quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "dequantize"},
        "a NaN at row 0, column 40"},
       [] {
         std::vector<float> x = test_matrix(2, 64, 5);
@@ -620,11 +655,14 @@ void add_quantize_cases(Registry& reg) {
         for (int64_t c = 0; c < 64; ++c) EXPECT_EQ(std::isnan(col.value(1, c)), c == 40) << c;
         const QuantizedTensor q = q_of(got, "NaN block");
         for (int64_t c = 0; c < 45; ++c)
-          EXPECT_EQ(q.codes[static_cast<size_t>(c)], encode(ElemFormat::e4m3, std::numeric_limits<float>::quiet_NaN())) << c;
+          EXPECT_EQ(q.codes[static_cast<size_t>(c)], encode(ElemFormat::e4m3, std::numeric_limits<float>::quiet_NaN()))
+              << c;
         // And a NaN block scale decodes to itself (value() and dequantize()), whatever the code.
         const std::vector<float> values = got["NaN block values"];
         for (int64_t c = 0; c < 45; ++c) {
-          EXPECT_EQ(std::bit_cast<uint32_t>(values[static_cast<size_t>(c)]), std::bit_cast<uint32_t>(q.block_scale(0, 0))) << c;
+          EXPECT_EQ(std::bit_cast<uint32_t>(values[static_cast<size_t>(c)]),
+                    std::bit_cast<uint32_t>(q.block_scale(0, 0)))
+              << c;
           EXPECT_EQ(std::bit_cast<uint32_t>(q.value(0, c)), std::bit_cast<uint32_t>(q.block_scale(0, 0))) << c;
         }
         EXPECT_TRUE(std::isnan(q_of(got, "nvfp4").value(1, 0)));  // the tensor scale
@@ -636,7 +674,9 @@ void add_quantize_cases(Registry& reg) {
     const int64_t rows = 4, cols = 64, n = rows * cols;
     const int draws = 400;
     reg.add(
-        {"Quantize", "StochasticRoundingIsUnbiased", {"quantize_nvfp4", "quantize_blockwise", "dequantize"},
+        {"Quantize",
+         "StochasticRoundingIsUnbiased",
+         {"quantize_nvfp4", "quantize_blockwise", "dequantize"},
          recipe == 0 ? "nvfp4" : "blockwise 1x32 e4m3"},
         [=] {
           // 1.3 falls 0.6 of a gap above 1 in NVFP4's units and 0.4 of a gap above 80 in FP8's (1.3 * 64):
@@ -733,7 +773,8 @@ void add_quantize_cases(Registry& reg) {
   {
     const int64_t rows = 64, cols = 160;
     reg.add(
-        {"Quantize", "BitwiseIndependentOfThreads",
+        {"Quantize",
+         "BitwiseIndependentOfThreads",
          {"quantize_tensorwise", "quantize_blockwise", "quantize_mxfp8", "quantize_nvfp4", "amax", "dequantize"},
          str(rows, "x", cols)},
         [] { return test_matrix(rows, cols, 7); },
@@ -759,7 +800,10 @@ void add_quantize_cases(Registry& reg) {
 
   {
     reg.add(
-        {"Quantize", "StorageIsWhatTheFormatsCost", {"quantize_mxfp8", "quantize_nvfp4", "quantize_blockwise"}, "32x256"},
+        {"Quantize",
+         "StorageIsWhatTheFormatsCost",
+         {"quantize_mxfp8", "quantize_nvfp4", "quantize_blockwise"},
+         "32x256"},
         [] { return test_matrix(32, 256, 8); },
         [](Run& r, const std::vector<float>& x0) {
           const Buf<float> x = r.in(x0);
@@ -772,8 +816,8 @@ void add_quantize_cases(Registry& reg) {
           out_q(r, "blockwise", q, false);
         },
         [](const Result& got, const std::vector<float>&) {
-          EXPECT_EQ(q_of(got, "mxfp8").storage_bytes(), 32 * 256 + 32 * 8);        // 8.25 bits per element
-          EXPECT_EQ(q_of(got, "nvfp4").storage_bytes(), 32 * 128 + 32 * 16 + 4);   // 4.5 bits per element + tensor scale
+          EXPECT_EQ(q_of(got, "mxfp8").storage_bytes(), 32 * 256 + 32 * 8);       // 8.25 bits per element
+          EXPECT_EQ(q_of(got, "nvfp4").storage_bytes(), 32 * 128 + 32 * 16 + 4);  // 4.5 bits per element + tensor scale
           EXPECT_EQ(q_of(got, "blockwise").storage_bytes(), 32 * 256 + 32 * 2 * 4);
         });
   }
@@ -844,7 +888,8 @@ void add_quantize_cases(Registry& reg) {
           for (int64_t g = 0; g < rows / 16; ++g)
             for (int i = 0; i < 16; ++i)
               for (int k = 0; k < 16; ++k)
-                for (int64_t j = 0; j < cols; ++j) ref[(g * 16 + i) * cols + j] += hadamard_entry(i, k) * x[(g * 16 + k) * cols + j];
+                for (int64_t j = 0; j < cols; ++j)
+                  ref[(g * 16 + i) * cols + j] += hadamard_entry(i, k) * x[(g * 16 + k) * cols + j];
           EXPECT_TRUE(testing::all_close(y, ref, 1e-6, 1e-6, "hadamard rows"));
           for (int64_t i = 0; i < rows; ++i)
             for (int64_t c = 0; c < cols; ++c) ASSERT_EQ(yt[c * rows + i], y[i * cols + c]);
@@ -861,7 +906,9 @@ void add_quantize_cases(Registry& reg) {
     };
     reg.add(
         {"Hadamard", "CancelsInTheWeightGradient", {"hadamard16"}, str("T=", T, " N=", N, " K=", K)},
-        [] { return In{testing::randn(T * N, 10, "dy"), testing::randn(T * K, 10, "x")}; },
+        [] {
+          return In{testing::randn(T * N, 10, "dy"), testing::randn(T * K, 10, "x")};
+        },
         [=](Run& r, const In& in) {
           Buf<float> qdy = r.zeros(T * N), qx = r.zeros(T * K);
           r.ops.hadamard16(qdy, r.in(in.dy), T, N, HadamardAxis::rows);

@@ -117,7 +117,9 @@ void add_rope_cases(Registry& reg) {
   for (const RopeCase& k : kCases) {
     reg.add(
         {"Rope", "ForwardMatchesReference", {"rope_forward"}, k.label()},
-        [=] { return In{make_table(k), randn(k.N() * k.row_stride, k.HS, "x"), {}, {}}; },
+        [=] {
+          return In{make_table(k), randn(k.N() * k.row_stride, k.HS, "x"), {}, {}};
+        },
         [=](Run& r, const In& in) { r.out("x", rotate(r, k, in, in.x, true)); },
         [=](const Result& got, const In& in) {
           const std::vector<float> x = got["x"];
@@ -135,7 +137,9 @@ void add_rope_cases(Registry& reg) {
     const int64_t n = k.N() * k.row_stride;
     reg.add(
         {"Rope", "BackwardMatchesFiniteDifferences", {"rope_backward"}, k.label()},
-        [=] { return In{make_table(k), randn(n, 1, "x"), randn(n, 2, "R"), {}}; },
+        [=] {
+          return In{make_table(k), randn(n, 1, "x"), randn(n, 2, "R"), {}};
+        },
         [=](Run& r, const In& in) { r.out("dx", rotate(r, k, in, in.R, false)); },
         [=](const Result& got, const In& in) {
           const auto loss = [&](const std::vector<double>& q) {
@@ -153,7 +157,9 @@ void add_rope_cases(Registry& reg) {
     const RopeCase k{1, 4, 3, 36, 3 * 36 + 5};
     reg.add(
         {"Rope", "LanesComputeTheScalarFormulaBitwise", {"rope_forward", "rope_backward"}, k.label()},
-        [=] { return In{make_table(k), randn(k.N() * k.row_stride, 4, "x"), {}, {}}; },
+        [=] {
+          return In{make_table(k), randn(k.N() * k.row_stride, 4, "x"), {}, {}};
+        },
         [=](Run& r, const In& in) {
           r.out("forward", rotate(r, k, in, in.x, true));
           r.out("backward", rotate(r, k, in, in.x, false));
@@ -178,7 +184,9 @@ void add_rope_cases(Registry& reg) {
     const RopeCase k{2, 13, 6, 36, 3 * 6 * 36};
     reg.add(
         {"Rope", "BitwiseIndependentOfThreadCount", {"rope_forward", "rope_backward"}, k.label()},
-        [=] { return In{make_table(k), randn(k.N() * k.row_stride, 5, "x"), {}, {}}; },
+        [=] {
+          return In{make_table(k), randn(k.N() * k.row_stride, 5, "x"), {}, {}};
+        },
         [=](Run& r, const In& in) {
           r.out("forward", rotate(r, k, in, in.x, true));
           r.out("backward", rotate(r, k, in, in.x, false));

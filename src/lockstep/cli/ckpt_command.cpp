@@ -28,8 +28,8 @@ void inspect(const std::string& dir) {
   for (const CheckpointFile& f : meta.files) total += f.bytes;
   std::printf("checkpoint %s\n", dir.c_str());
   std::printf("  format version %d, step %lld, %lld samples (%lld tokens) consumed, seed %llu, lr %.6g (%s)\n",
-              meta.format_version, (long long)info.step, (long long)info.samples_consumed, (long long)info.tokens_consumed,
-              (unsigned long long)info.seed, info.lr, info.lr_schedule.c_str());
+              meta.format_version, (long long)info.step, (long long)info.samples_consumed,
+              (long long)info.tokens_consumed, (unsigned long long)info.seed, info.lr, info.lr_schedule.c_str());
   std::printf("  layout: %d ranks: tp %d x cp %d x dp %d x pp %d; experts: etp %d x ep %d; distributed optimizer %s\n",
               l.world, l.tp, l.cp, l.dp, l.pp, l.etp, l.ep, l.distributed_optimizer ? "on" : "off");
   std::printf("  %zu files, %s:", meta.files.size(), megabytes(total).c_str());
@@ -39,7 +39,8 @@ void inspect(const std::string& dir) {
     int64_t bytes = 0;
     for (const CheckpointPiece& p : t.pieces) bytes += p.bytes;
     std::printf("    %-48s %-5s %-16s %s, %zu shard%s\n", t.name.c_str(), std::string(dtype_name(t.dtype)).c_str(),
-                t.global_shape.to_string().c_str(), megabytes(bytes).c_str(), t.pieces.size(), t.pieces.size() == 1 ? "" : "s");
+                t.global_shape.to_string().c_str(), megabytes(bytes).c_str(), t.pieces.size(),
+                t.pieces.size() == 1 ? "" : "s");
   }
 }
 

@@ -41,14 +41,16 @@ int preprocess_command(const std::vector<std::string>& args) {
     }
   }
   const PreprocessSummary s = preprocess(o);
-  std::printf("preprocess: wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), vocabulary %lld "
-              "(train with model.vocab_size >= %lld)\n",
-              o.output_prefix.c_str(), o.output_prefix.c_str(), (long long)s.documents, (long long)s.tokens,
-              s.dtype.c_str(), (long long)s.vocab_size, (long long)s.vocab_size);
+  std::printf(
+      "preprocess: wrote %s.bin and %s.idx: %lld documents, %lld tokens (%s), vocabulary %lld "
+      "(train with model.vocab_size >= %lld)\n",
+      o.output_prefix.c_str(), o.output_prefix.c_str(), (long long)s.documents, (long long)s.tokens, s.dtype.c_str(),
+      (long long)s.vocab_size, (long long)s.vocab_size);
   if (s.skipped_empty || s.skipped_invalid_utf8)
     std::printf("preprocess: skipped %lld empty documents and %lld that are not valid UTF-8%s%s\n",
                 (long long)s.skipped_empty, (long long)s.skipped_invalid_utf8,
-                s.first_invalid_utf8.empty() ? "" : " (first at ", s.first_invalid_utf8.empty() ? "" : (s.first_invalid_utf8 + ")").c_str());
+                s.first_invalid_utf8.empty() ? "" : " (first at ",
+                s.first_invalid_utf8.empty() ? "" : (s.first_invalid_utf8 + ")").c_str());
   std::printf("preprocess: %.1f MB in %.2f s (%.1f MB/s, %d workers)\n", static_cast<double>(s.input_bytes) / 1e6,
               s.seconds, static_cast<double>(s.input_bytes) / 1e6 / std::max(1e-9, s.seconds), o.workers);
   return 0;

@@ -36,7 +36,8 @@ int train_command(const std::vector<std::string>& args) {
   }
   const Config config = load_config(file, overrides);
   if (resolve_backend(config.dist.backend) == "threads") checked_mesh(config, nproc > 0 ? nproc : 1);
-  run_ranks(config.dist.backend, nproc, config.dist.timeout_s, [&](Communicator& comm) { train(config, stdout, comm); });
+  run_ranks(config.dist.backend, nproc, config.dist.timeout_s,
+            [&](Communicator& comm) { train(config, stdout, comm); });
   return 0;
 }
 

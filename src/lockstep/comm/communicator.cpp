@@ -192,8 +192,8 @@ char* scratch(size_t bytes) {
 OpInfo op_info(const Transport& t, const char* name) {
   OpInfo op;
   op.name = name;
-  op.deadline = std::chrono::steady_clock::now() +
-                std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(t.timeout_s()));
+  op.deadline = std::chrono::steady_clock::now() + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                                       std::chrono::duration<double>(t.timeout_s()));
   return op;
 }
 
@@ -227,10 +227,12 @@ void reduce_scatter_step(Transport& t, T* out, const T* in, const std::vector<in
 // reduce_scatter_step over pieces (Communicator::*_pieces): chunk `me` of every rank's pieces, all
 // received, combined along the canonical tree over the blocks' leaves into out.
 template <typename T>
-void reduce_scatter_pieces_step(Transport& t, T* out, const std::vector<const T*>& pieces, const std::vector<int64_t>& off,
-                                const std::vector<int64_t>& blocks, const OpInfo& info) {
+void reduce_scatter_pieces_step(Transport& t, T* out, const std::vector<const T*>& pieces,
+                                const std::vector<int64_t>& off, const std::vector<int64_t>& blocks,
+                                const OpInfo& info) {
   const int P = t.size(), me = t.rank();
-  LOCKSTEP_CHECK(static_cast<int>(blocks.size()) == P + 1, info.name, ": ", blocks.size(), " block bounds for ", P, " ranks");
+  LOCKSTEP_CHECK(static_cast<int>(blocks.size()) == P + 1, info.name, ": ", blocks.size(), " block bounds for ", P,
+                 " ranks");
   std::vector<int64_t> bounds{0};
   std::vector<int64_t> first(P + 1, 0);  // rank q's pieces are [first[q], first[q + 1]) of all
   for (int q = 0; q < P; ++q) {
@@ -340,7 +342,8 @@ Work Communicator::reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op
 }
 
 template <typename T>
-Work Communicator::all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n, std::vector<int64_t> blocks) {
+Work Communicator::all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n,
+                                           std::vector<int64_t> blocks) {
   Transport* t = transport_.get();
   return Work(progress_->post([t, out, pieces = std::move(pieces), n, blocks = std::move(blocks)] {
     const int P = t->size(), me = t->rank();
@@ -399,7 +402,8 @@ std::vector<std::string> all_gather_strings(Communicator& comm, const std::strin
   padded.resize(static_cast<size_t>(longest), '\0');
   if (longest > 0) comm.all_gather(all.data(), padded.data(), longest);
   std::vector<std::string> out(static_cast<size_t>(P));
-  for (int r = 0; r < P; ++r) out[static_cast<size_t>(r)] = all.substr(static_cast<size_t>(r * longest), static_cast<size_t>(lengths[r]));
+  for (int r = 0; r < P; ++r)
+    out[static_cast<size_t>(r)] = all.substr(static_cast<size_t>(r * longest), static_cast<size_t>(lengths[r]));
   return out;
 }
 
@@ -411,10 +415,10 @@ std::string broadcast_string(Communicator& comm, std::string s, int root) {
   return s;
 }
 
-#define LOCKSTEP_INSTANTIATE(T)                                                           \
-  template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                 \
-  template Work Communicator::reduce_scatter_in_place_async<T>(T*, int64_t, ReduceOp);     \
-  template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);                       \
+#define LOCKSTEP_INSTANTIATE(T)                                                                                     \
+  template Work Communicator::all_reduce_async<T>(T*, int64_t, ReduceOp);                                           \
+  template Work Communicator::reduce_scatter_in_place_async<T>(T*, int64_t, ReduceOp);                              \
+  template Work Communicator::reduce_scatter_async<T>(T*, const T*, int64_t, ReduceOp);                             \
   template Work Communicator::all_reduce_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>); \
   template Work Communicator::reduce_scatter_pieces_async<T>(T*, std::vector<const T*>, int64_t, std::vector<int64_t>);
 LOCKSTEP_COMM_REDUCE_TYPES(LOCKSTEP_INSTANTIATE)
@@ -442,8 +446,8 @@ Work Communicator::all_to_allv_bytes(void* out, std::vector<int64_t> recv_bytes,
   LOCKSTEP_CHECK(static_cast<int>(recv_bytes.size()) == size() && static_cast<int>(send_bytes.size()) == size(),
                  "all_to_allv: ", size(), " ranks, ", send_bytes.size(), " send counts, ", recv_bytes.size(),
                  " receive counts");
-  LOCKSTEP_CHECK(recv_bytes[rank()] == send_bytes[rank()], "all_to_allv: this rank sends itself ",
-                 send_bytes[rank()], " bytes but expects ", recv_bytes[rank()]);
+  LOCKSTEP_CHECK(recv_bytes[rank()] == send_bytes[rank()], "all_to_allv: this rank sends itself ", send_bytes[rank()],
+                 " bytes but expects ", recv_bytes[rank()]);
   Transport* t = transport_.get();
   return Work(progress_->post([t, out, in, recv_bytes = std::move(recv_bytes), send_bytes = std::move(send_bytes)] {
     const int P = t->size(), me = t->rank();
@@ -515,11 +519,13 @@ Work Communicator::send_recv_batch_async(const std::vector<Message>& sends, cons
   std::vector<SendSpec> s;
   std::vector<RecvSpec> r;
   for (const Message& m : sends) {
-    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ", m.peer);
+    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ",
+                   m.peer);
     s.push_back({m.peer, m.data, m.bytes, m.tag});
   }
   for (const Message& m : recvs) {
-    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ", m.peer);
+    LOCKSTEP_CHECK(m.peer >= 0 && m.peer < size() && m.peer != rank() && m.tag >= 0, "send_recv_batch: bad peer ",
+                   m.peer);
     r.push_back({m.peer, m.data, m.bytes, m.tag});
   }
   Transport* t = transport_.get();

@@ -97,17 +97,27 @@ class Communicator {
   Communicator split_groups(const std::vector<std::vector<int>>& groups);
 
   // data (n) <- reduction over ranks of data (n).
-  template <typename T> void all_reduce(T* data, int64_t n, ReduceOp op = ReduceOp::sum) { all_reduce_async(data, n, op).wait(); }
-  template <typename T> Work all_reduce_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
+  template <typename T>
+  void all_reduce(T* data, int64_t n, ReduceOp op = ReduceOp::sum) {
+    all_reduce_async(data, n, op).wait();
+  }
+  template <typename T>
+  Work all_reduce_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
   // all_reduce without its all-gather: on rank r, chunk r of data ([chunk_begin(n, r, P), chunk_begin(n, r + 1, P)),
   // core/thread_pool.h) <- the reduction over ranks of chunk r of data; the other chunks are left as they were.
-  template <typename T> void reduce_scatter_in_place(T* data, int64_t n, ReduceOp op = ReduceOp::sum) {
+  template <typename T>
+  void reduce_scatter_in_place(T* data, int64_t n, ReduceOp op = ReduceOp::sum) {
     reduce_scatter_in_place_async(data, n, op).wait();
   }
-  template <typename T> Work reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
+  template <typename T>
+  Work reduce_scatter_in_place_async(T* data, int64_t n, ReduceOp op = ReduceOp::sum);
   // out (count) <- reduction over ranks of block `rank` of in (size * count).
-  template <typename T> void reduce_scatter(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum) { reduce_scatter_async(out, in, count, op).wait(); }
-  template <typename T> Work reduce_scatter_async(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum);
+  template <typename T>
+  void reduce_scatter(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum) {
+    reduce_scatter_async(out, in, count, op).wait();
+  }
+  template <typename T>
+  Work reduce_scatter_async(T* out, const T* in, int64_t count, ReduceOp op = ReduceOp::sum);
   // determinism = "layout" when the ranks' blocks of leaves are not subtrees (core/tree_sum.h): the
   // canonical tree over blocks.back() leaves, rank r holding leaves [blocks[r], blocks[r + 1]) as
   // the sums of its block's K_r canonical pieces (canonical_pieces; pieces[k], k < K_r, each laid
@@ -124,19 +134,28 @@ class Communicator {
   template <typename T>
   Work all_reduce_pieces_async(T* out, std::vector<const T*> pieces, int64_t n, std::vector<int64_t> blocks);
   template <typename T>
-  void reduce_scatter_pieces(T* out, const std::vector<const T*>& pieces, int64_t count, const std::vector<int64_t>& blocks) {
+  void reduce_scatter_pieces(T* out, const std::vector<const T*>& pieces, int64_t count,
+                             const std::vector<int64_t>& blocks) {
     reduce_scatter_pieces_async(out, pieces, count, blocks).wait();
   }
   template <typename T>
   Work reduce_scatter_pieces_async(T* out, std::vector<const T*> pieces, int64_t count, std::vector<int64_t> blocks);
   // out (size * count): block r <- in (count) of rank r.
-  template <typename T> void all_gather(T* out, const T* in, int64_t count) { all_gather_async(out, in, count).wait(); }
-  template <typename T> Work all_gather_async(T* out, const T* in, int64_t count) {
+  template <typename T>
+  void all_gather(T* out, const T* in, int64_t count) {
+    all_gather_async(out, in, count).wait();
+  }
+  template <typename T>
+  Work all_gather_async(T* out, const T* in, int64_t count) {
     return all_gather_bytes(out, in, count * int64_t(sizeof(T)));
   }
   // out (size * count): block r <- block `rank` of in (size * count) of rank r.
-  template <typename T> void all_to_all(T* out, const T* in, int64_t count) { all_to_all_async(out, in, count).wait(); }
-  template <typename T> Work all_to_all_async(T* out, const T* in, int64_t count) {
+  template <typename T>
+  void all_to_all(T* out, const T* in, int64_t count) {
+    all_to_all_async(out, in, count).wait();
+  }
+  template <typename T>
+  Work all_to_all_async(T* out, const T* in, int64_t count) {
     return all_to_allv_bytes(out, std::vector<int64_t>(size(), count * int64_t(sizeof(T))), in,
                              std::vector<int64_t>(size(), count * int64_t(sizeof(T))));
   }
@@ -144,23 +163,43 @@ class Communicator {
   // recv_counts[r] elements from rank r, back to back. recv_counts must match what the peers send
   // (exchange counts first with all_to_all when they are not known).
   template <typename T>
-  void all_to_allv(T* out, const std::vector<int64_t>& recv_counts, const T* in, const std::vector<int64_t>& send_counts) {
+  void all_to_allv(T* out, const std::vector<int64_t>& recv_counts, const T* in,
+                   const std::vector<int64_t>& send_counts) {
     all_to_allv_async(out, recv_counts, in, send_counts).wait();
   }
   template <typename T>
-  Work all_to_allv_async(T* out, const std::vector<int64_t>& recv_counts, const T* in, const std::vector<int64_t>& send_counts) {
+  Work all_to_allv_async(T* out, const std::vector<int64_t>& recv_counts, const T* in,
+                         const std::vector<int64_t>& send_counts) {
     return all_to_allv_bytes(out, scaled(recv_counts, sizeof(T)), in, scaled(send_counts, sizeof(T)));
   }
   // data (n) <- data of rank root.
-  template <typename T> void broadcast(T* data, int64_t n, int root) { broadcast_async(data, n, root).wait(); }
-  template <typename T> Work broadcast_async(T* data, int64_t n, int root) { return broadcast_bytes(data, n * int64_t(sizeof(T)), root); }
+  template <typename T>
+  void broadcast(T* data, int64_t n, int root) {
+    broadcast_async(data, n, root).wait();
+  }
+  template <typename T>
+  Work broadcast_async(T* data, int64_t n, int root) {
+    return broadcast_bytes(data, n * int64_t(sizeof(T)), root);
+  }
   // Point to point; messages between two ranks with the same tag arrive in the order sent. A send
   // completes when the peer receives it, and a rank runs one operation at a time: a rank that
   // both sends and receives (a ring, a pipeline exchange) uses send_recv, which does both at once.
-  template <typename T> void send(const T* data, int64_t n, int peer, int tag = 0) { send_async(data, n, peer, tag).wait(); }
-  template <typename T> Work send_async(const T* data, int64_t n, int peer, int tag = 0) { return send_bytes(data, n * int64_t(sizeof(T)), peer, tag); }
-  template <typename T> void recv(T* data, int64_t n, int peer, int tag = 0) { recv_async(data, n, peer, tag).wait(); }
-  template <typename T> Work recv_async(T* data, int64_t n, int peer, int tag = 0) { return recv_bytes(data, n * int64_t(sizeof(T)), peer, tag); }
+  template <typename T>
+  void send(const T* data, int64_t n, int peer, int tag = 0) {
+    send_async(data, n, peer, tag).wait();
+  }
+  template <typename T>
+  Work send_async(const T* data, int64_t n, int peer, int tag = 0) {
+    return send_bytes(data, n * int64_t(sizeof(T)), peer, tag);
+  }
+  template <typename T>
+  void recv(T* data, int64_t n, int peer, int tag = 0) {
+    recv_async(data, n, peer, tag).wait();
+  }
+  template <typename T>
+  Work recv_async(T* data, int64_t n, int peer, int tag = 0) {
+    return recv_bytes(data, n * int64_t(sizeof(T)), peer, tag);
+  }
   template <typename T>
   void send_recv(const T* send, int64_t send_n, int dst, T* recv, int64_t recv_n, int src, int tag = 0) {
     send_recv_async(send, send_n, dst, recv, recv_n, src, tag).wait();

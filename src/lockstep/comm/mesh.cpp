@@ -8,22 +8,38 @@ namespace lockstep {
 
 const char* mesh_group_name(MeshGroup g) {
   switch (g) {
-    case MeshGroup::tp: return "tp";
-    case MeshGroup::cp: return "cp";
-    case MeshGroup::dp: return "dp";
-    case MeshGroup::dp_cp: return "dp-cp";
-    case MeshGroup::pp: return "pp";
-    case MeshGroup::tp_cp: return "tp-cp";
-    case MeshGroup::tp_pp: return "tp-pp";
-    case MeshGroup::tp_dp_cp: return "tp-dp-cp";
-    case MeshGroup::ep: return "ep";
-    case MeshGroup::etp: return "etp";
-    case MeshGroup::edp: return "edp";
-    case MeshGroup::tp_ep: return "tp-ep";
-    case MeshGroup::tp_ep_pp: return "tp-ep-pp";
-    case MeshGroup::etp_edp: return "etp-edp";
-    case MeshGroup::embedding: return "embedding";
-    case MeshGroup::position_embedding: return "position_embedding";
+    case MeshGroup::tp:
+      return "tp";
+    case MeshGroup::cp:
+      return "cp";
+    case MeshGroup::dp:
+      return "dp";
+    case MeshGroup::dp_cp:
+      return "dp-cp";
+    case MeshGroup::pp:
+      return "pp";
+    case MeshGroup::tp_cp:
+      return "tp-cp";
+    case MeshGroup::tp_pp:
+      return "tp-pp";
+    case MeshGroup::tp_dp_cp:
+      return "tp-dp-cp";
+    case MeshGroup::ep:
+      return "ep";
+    case MeshGroup::etp:
+      return "etp";
+    case MeshGroup::edp:
+      return "edp";
+    case MeshGroup::tp_ep:
+      return "tp-ep";
+    case MeshGroup::tp_ep_pp:
+      return "tp-ep-pp";
+    case MeshGroup::etp_edp:
+      return "etp-edp";
+    case MeshGroup::embedding:
+      return "embedding";
+    case MeshGroup::position_embedding:
+      return "position_embedding";
   }
   return "?";
 }
@@ -38,8 +54,10 @@ std::vector<std::vector<int>> orthogonal_rank_groups(int world_size, const std::
   std::vector<int> in_dims, out_dims;  // dimensions inside a group / indexing the groups
   int group_size = 1;
   for (size_t d = 0; d < sizes.size(); ++d) {
-    if (mask[d]) in_dims.push_back(static_cast<int>(d)), group_size *= sizes[d];
-    else out_dims.push_back(static_cast<int>(d));
+    if (mask[d])
+      in_dims.push_back(static_cast<int>(d)), group_size *= sizes[d];
+    else
+      out_dims.push_back(static_cast<int>(d));
   }
   // Rank of the point whose coordinates along `dims` are the mixed-radix digits of index.
   auto offset = [&](int index, const std::vector<int>& dims) {
@@ -81,26 +99,42 @@ std::vector<std::vector<int>> Mesh::groups(MeshGroup g) const {
     return orthogonal_rank_groups(world_, sizes, mask);
   };
   switch (g) {
-    case MeshGroup::tp: return make(dense, TP);
-    case MeshGroup::cp: return make(dense, CP);
-    case MeshGroup::dp: return make(dense, DP);
-    case MeshGroup::dp_cp: return make(dense, CP | DP);
-    case MeshGroup::pp: return make(dense, PP);
-    case MeshGroup::tp_cp: return make(dense, TP | CP);
-    case MeshGroup::tp_pp: return make(dense, TP | PP);
-    case MeshGroup::tp_dp_cp: return make(dense, TP | CP | DP);
-    case MeshGroup::ep: return make(expert, EP);
-    case MeshGroup::etp: return make(expert, TP);
-    case MeshGroup::edp: return make(expert, DP);
-    case MeshGroup::tp_ep: return make(expert, TP | EP);
-    case MeshGroup::tp_ep_pp: return make(expert, TP | EP | PP);
-    case MeshGroup::etp_edp: return make(expert, TP | DP);
+    case MeshGroup::tp:
+      return make(dense, TP);
+    case MeshGroup::cp:
+      return make(dense, CP);
+    case MeshGroup::dp:
+      return make(dense, DP);
+    case MeshGroup::dp_cp:
+      return make(dense, CP | DP);
+    case MeshGroup::pp:
+      return make(dense, PP);
+    case MeshGroup::tp_cp:
+      return make(dense, TP | CP);
+    case MeshGroup::tp_pp:
+      return make(dense, TP | PP);
+    case MeshGroup::tp_dp_cp:
+      return make(dense, TP | CP | DP);
+    case MeshGroup::ep:
+      return make(expert, EP);
+    case MeshGroup::etp:
+      return make(expert, TP);
+    case MeshGroup::edp:
+      return make(expert, DP);
+    case MeshGroup::tp_ep:
+      return make(expert, TP | EP);
+    case MeshGroup::tp_ep_pp:
+      return make(expert, TP | EP | PP);
+    case MeshGroup::etp_edp:
+      return make(expert, TP | DP);
     case MeshGroup::embedding:
     case MeshGroup::position_embedding: {
       std::vector<std::vector<int>> out;
       for (const auto& stages : make(dense, PP)) {
-        if (g == MeshGroup::embedding && stages.size() > 1) out.push_back({stages.front(), stages.back()});
-        else out.push_back({stages.front()});
+        if (g == MeshGroup::embedding && stages.size() > 1)
+          out.push_back({stages.front(), stages.back()});
+        else
+          out.push_back({stages.front()});
       }
       return out;
     }

@@ -4,11 +4,11 @@
 
 #include <algorithm>
 #include <bit>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
-#include <cstring>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <map>
 #include <set>
@@ -29,9 +29,7 @@ namespace {
 
 // moe.layer_freq: "N", or a 0/1 pattern "[0,1,1]" / "([0]*1+[1]*3)" (Megatron's forms).
 std::vector<bool> moe_layer_pattern(const std::string& text, int64_t L) {
-  auto bad = [&](const char* why) -> std::vector<bool> {
-    user_error("moe.layer_freq = \"", text, "\": ", why);
-  };
+  auto bad = [&](const char* why) -> std::vector<bool> { user_error("moe.layer_freq = \"", text, "\": ", why); };
   std::string s;
   for (char ch : text)
     if (ch != ' ' && ch != '\t') s += ch;
@@ -53,8 +51,10 @@ std::vector<bool> moe_layer_pattern(const std::string& text, int64_t L) {
     if (close == std::string::npos) return bad("missing ']'");
     std::vector<bool> term;
     for (size_t j = i + 1; j < close; ++j) {
-      if (s[j] == '0' || s[j] == '1') term.push_back(s[j] == '1');
-      else if (s[j] != ',') return bad("list entries must be 0 or 1");
+      if (s[j] == '0' || s[j] == '1')
+        term.push_back(s[j] == '1');
+      else if (s[j] != ',')
+        return bad("list entries must be 0 or 1");
     }
     i = close + 1;
     int64_t times = 1;
@@ -93,8 +93,9 @@ std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
   std::vector<int64_t> n;
   if (pipeline_layers.empty()) {
     if (L % chunks)
-      user_error("model.num_layers = ", L, " is not divisible by parallel.pipeline x parallel.virtual_pipeline = ",
-                 pipeline, " x ", virtual_pipeline, "; set parallel.pipeline_layers to split them unevenly");
+      user_error("model.num_layers = ", L,
+                 " is not divisible by parallel.pipeline x parallel.virtual_pipeline = ", pipeline, " x ",
+                 virtual_pipeline, "; set parallel.pipeline_layers to split them unevenly");
     n.assign(static_cast<size_t>(chunks), L / chunks);
     return n;
   }
@@ -109,17 +110,21 @@ std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
     int64_t v = 0;
     const auto [p, ec] = std::from_chars(s.data() + i, s.data() + comma, v);
     if (ec != std::errc() || p != s.data() + comma || v < 1)
-      user_error("parallel.pipeline_layers = \"", pipeline_layers, "\": expected positive layer counts such as [1,2,1]");
+      user_error("parallel.pipeline_layers = \"", pipeline_layers,
+                 "\": expected positive layer counts such as [1,2,1]");
     n.push_back(v);
     i = comma + 1;
   }
   int64_t sum = 0;
   for (int64_t v : n) sum += v;
   if (static_cast<int64_t>(n.size()) != chunks)
-    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" has ", n.size(), " entries, but parallel.pipeline x "
-               "parallel.virtual_pipeline = ", pipeline, " x ", virtual_pipeline, " = ", chunks, " model chunks");
+    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" has ", n.size(),
+               " entries, but parallel.pipeline x "
+               "parallel.virtual_pipeline = ",
+               pipeline, " x ", virtual_pipeline, " = ", chunks, " model chunks");
   if (sum != L)
-    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" adds up to ", sum, " layers, model.num_layers = ", L);
+    user_error("parallel.pipeline_layers = \"", pipeline_layers, "\" adds up to ", sum,
+               " layers, model.num_layers = ", L);
   return n;
 }
 
@@ -145,8 +150,11 @@ struct Key {
   std::vector<std::string> choices;  // strings only; empty = free text
 };
 
-#define LS_KEY(path, ...) \
-  Key { #path, [](Config& c) -> auto& { return c.path; }, __VA_ARGS__ }
+#define LS_KEY(path, ...)                             \
+  Key {                                               \
+#path, [](Config & c) -> auto& { return c.path; } \
+    , __VA_ARGS__                                     \
+  }
 
 // Tensor and sequence parallelism (parallel/tensor_parallel.h) split heads, KV groups, the MLP's
 // hidden units, the vocabulary and (sequence parallelism) the tokens of a micro-batch evenly.
@@ -163,12 +171,13 @@ void validate_tensor_parallel(const Config& c) {
   for (const auto& [key, value] : split)
     if (value % tp) user_error(key, " = ", value, " is not divisible by parallel.tensor = ", tp);
   if (c.parallel.sequence_parallel && (c.train.micro_batch * m.seq_length) % tp)
-    user_error("parallel.sequence_parallel: train.micro_batch x model.seq_length = ", c.train.micro_batch * m.seq_length,
-               " tokens are not divisible by parallel.tensor = ", tp);
+    user_error("parallel.sequence_parallel: train.micro_batch x model.seq_length = ",
+               c.train.micro_batch * m.seq_length, " tokens are not divisible by parallel.tensor = ", tp);
   // An MoE layer routes 1 / tp of each micro-batch's tokens on each tensor-parallel rank.
   if (c.moe.num_experts > 0 && (c.train.micro_batch * m.seq_length) % tp)
-    user_error("parallel.tensor = ", tp, " with an MoE model: train.micro_batch x model.seq_length = ",
-               c.train.micro_batch * m.seq_length, " tokens are not divisible by it (each tensor-parallel rank routes "
+    user_error("parallel.tensor = ", tp,
+               " with an MoE model: train.micro_batch x model.seq_length = ", c.train.micro_batch * m.seq_length,
+               " tokens are not divisible by it (each tensor-parallel rank routes "
                "its share of the tokens)");
 }
 
@@ -177,7 +186,8 @@ void validate_tensor_parallel(const Config& c) {
 void validate_expert_parallel(const Config& c) {
   const ParallelConfig& p = c.parallel;
   const MoeConfig& e = c.moe;
-  for (const auto& [key, size] : {std::pair<const char*, int64_t>{"expert", p.expert}, {"expert_tensor", p.expert_tensor}})
+  for (const auto& [key, size] :
+       {std::pair<const char*, int64_t>{"expert", p.expert}, {"expert_tensor", p.expert_tensor}})
     if (size > 1 && e.num_experts == 0)
       user_error("parallel.", key, " = ", size, " needs an MoE model (moe.num_experts > 0)");
   if (e.num_experts % p.expert)
@@ -185,8 +195,10 @@ void validate_expert_parallel(const Config& c) {
                " (every expert-parallel rank holds the same number of experts)");
   const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
   if (e.num_experts > 0 && F % p.expert_tensor)
-    user_error(e.ffn_hidden_size ? "moe.ffn_hidden_size = " : "moe.ffn_hidden_size = 0: the experts' width "
-               "model.ffn_hidden_size = ", F, " is not divisible by parallel.expert_tensor = ", p.expert_tensor,
+    user_error(e.ffn_hidden_size ? "moe.ffn_hidden_size = "
+                                 : "moe.ffn_hidden_size = 0: the experts' width "
+                                   "model.ffn_hidden_size = ",
+               F, " is not divisible by parallel.expert_tensor = ", p.expert_tensor,
                " (every expert-tensor-parallel rank holds the same number of hidden units)");
 }
 
@@ -196,8 +208,10 @@ void validate_pipeline_parallel(const Config& c) {
   if (p.virtual_pipeline > 1 && p.pipeline < 2)
     user_error("parallel.virtual_pipeline = ", p.virtual_pipeline, " needs parallel.pipeline > 1");
   if (p.virtual_pipeline > 1 && p.pipeline_schedule != "1f1b")
-    user_error("parallel.virtual_pipeline = ", p.virtual_pipeline, ": the interleaved schedule is 1F1B; "
-               "parallel.pipeline_schedule = \"", p.pipeline_schedule, "\" has no virtual stages");
+    user_error("parallel.virtual_pipeline = ", p.virtual_pipeline,
+               ": the interleaved schedule is 1F1B; "
+               "parallel.pipeline_schedule = \"",
+               p.pipeline_schedule, "\" has no virtual stages");
   if (p.pipeline == 1 && !p.pipeline_layers.empty())
     user_error("parallel.pipeline_layers = \"", p.pipeline_layers, "\" needs parallel.pipeline > 1");
   if (p.pipeline == 1) return;
@@ -206,21 +220,25 @@ void validate_pipeline_parallel(const Config& c) {
 
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
-      LS_KEY(determinism, "determinism level (run: same config + binary => same bits; layout: also the same bits "
-                          "for any data-, tensor-, expert-, expert-tensor- and pipeline-parallel size, (with "
-                          "layout_token_segments) context-parallel size, micro-batch spread, process count and "
-                          "backend)",
+      LS_KEY(determinism,
+             "determinism level (run: same config + binary => same bits; layout: also the same bits "
+             "for any data-, tensor-, expert-, expert-tensor- and pipeline-parallel size, (with "
+             "layout_token_segments) context-parallel size, micro-batch spread, process count and "
+             "backend)",
              {"run", "layout"}),
-      LS_KEY(layout_segments, "determinism = layout: canonical segments of every reduction tensor or expert "
-                              "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
-                              "parallel.expert_tensor must divide it, and 2 x parallel.context x train.micro_batch "
-                              "under context parallelism, with sequence parallelism or an MoE model "
-                              "parallel.context x parallel.tensor too)"),
-      LS_KEY(layout_token_segments, "determinism = layout: every weight gradient and attention's key and value "
-                                    "gradients in layout_segments token segments of the micro-batch, what "
-                                    "parallel.context > 1 needs (train.micro_batch must divide layout_segments)"),
-      LS_KEY(model.preset, "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
-                           "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
+      LS_KEY(layout_segments,
+             "determinism = layout: canonical segments of every reduction tensor or expert "
+             "tensor parallelism splits (a power of two in [1, 64]; parallel.tensor and "
+             "parallel.expert_tensor must divide it, and 2 x parallel.context x train.micro_batch "
+             "under context parallelism, with sequence parallelism or an MoE model "
+             "parallel.context x parallel.tensor too)"),
+      LS_KEY(layout_token_segments,
+             "determinism = layout: every weight gradient and attention's key and value "
+             "gradients in layout_segments token segments of the micro-batch, what "
+             "parallel.context > 1 needs (train.micro_batch must divide layout_segments)"),
+      LS_KEY(model.preset,
+             "architecture defaults: gpt2 (LayerNorm, GELU, learned positions, "
+             "biases, tied head) or llama (RMSNorm, SwiGLU, RoPE, no biases, untied)",
              {"gpt2", "llama"}),
       LS_KEY(model.num_layers, "transformer layers"),
       LS_KEY(model.hidden_size, "model width C"),
@@ -241,8 +259,9 @@ const std::vector<Key>& keys() {
       LS_KEY(model.mtp_loss_scaling_factor, "MTP loss = factor / D * sum of the depths' mean losses"),
       LS_KEY(train.steps, "optimizer steps"),
       LS_KEY(train.global_batch, "sequences per optimizer step"),
-      LS_KEY(train.micro_batch, "sequences per forward/backward (global_batch / micro_batch "
-                                "micro-batches are accumulated)"),
+      LS_KEY(train.micro_batch,
+             "sequences per forward/backward (global_batch / micro_batch "
+             "micro-batches are accumulated)"),
       LS_KEY(train.lr, "peak learning rate"),
       LS_KEY(train.min_lr, "final learning rate of cosine / wsd decay"),
       LS_KEY(train.lr_schedule, "learning-rate schedule after warmup", {"constant", "cosine", "wsd"}),
@@ -254,31 +273,43 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
-      LS_KEY(train.save_interval, "save a checkpoint to out_dir/checkpoints every N steps and at the last step; 0 = never"),
+      LS_KEY(train.save_interval,
+             "save a checkpoint to out_dir/checkpoints every N steps and at the last step; 0 = never"),
       LS_KEY(train.keep_last, "keep only the newest N complete checkpoints; 0 = keep all"),
       LS_KEY(train.async_save, "write checkpoints in a background thread while training goes on"),
-      LS_KEY(train.resume, "\"auto\" = resume from the newest complete checkpoint in out_dir/checkpoints (else start "
-                           "fresh), or a checkpoint directory; \"\" = start fresh"),
+      LS_KEY(train.resume,
+             "\"auto\" = resume from the newest complete checkpoint in out_dir/checkpoints (else start "
+             "fresh), or a checkpoint directory; \"\" = start fresh"),
       LS_KEY(train.init_from, "initial weights from a .safetensors file (lockstep ckpt export); \"\" = random init"),
       LS_KEY(train.exit_interval, "stop once the step is a multiple of N (after saving, when saving); 0 = never"),
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
-      LS_KEY(parallel.sequence_parallel, "shard the norms and residual stream along the tokens over the tensor-parallel "
-                                         "group (needs parallel.tensor > 1)"),
-      LS_KEY(parallel.context, "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x context - 1 - r (docs/parallelism.md)"),
+      LS_KEY(parallel.sequence_parallel,
+             "shard the norms and residual stream along the tokens over the tensor-parallel "
+             "group (needs parallel.tensor > 1)"),
+      LS_KEY(parallel.context,
+             "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x "
+             "context - 1 - r (docs/parallelism.md)"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size: the layers split over this many stages (docs/parallelism.md)"),
-      LS_KEY(parallel.pipeline_layers, "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
-                                       "virtual_pipeline entries); \"\" = an even split"),
-      LS_KEY(parallel.pipeline_schedule, "pipeline schedule: 1f1b (one forward, one backward; at most pipeline - stage "
-                                         "micro-batches in flight) or all_forward_all_backward (the reference)",
+      LS_KEY(parallel.pipeline_layers,
+             "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
+             "virtual_pipeline entries); \"\" = an even split"),
+      LS_KEY(parallel.pipeline_schedule,
+             "pipeline schedule: 1f1b (one forward, one backward; at most pipeline - stage "
+             "micro-batches in flight) or all_forward_all_backward (the reference)",
              {"1f1b", "all_forward_all_backward"}),
-      LS_KEY(parallel.virtual_pipeline, "model chunks per pipeline rank; > 1 = interleaved 1F1B (micro-batches per "
-                                        "rank must be a multiple of parallel.pipeline)"),
-      LS_KEY(parallel.expert, "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
-      LS_KEY(parallel.expert_tensor, "expert tensor parallelism: each expert's hidden units split over this many ranks "
-                                     "(may differ from parallel.tensor)"),
-      LS_KEY(ddp.overlap_grad_reduce, "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
-      LS_KEY(ddp.overlap_param_gather, "optimizer.distributed: all-gather the updated parameters in the background; the "
-                                       "next forward waits for each bucket before its first use (bitwise the same)"),
+      LS_KEY(parallel.virtual_pipeline,
+             "model chunks per pipeline rank; > 1 = interleaved 1F1B (micro-batches per "
+             "rank must be a multiple of parallel.pipeline)"),
+      LS_KEY(parallel.expert,
+             "expert-parallel size (expert data parallel = world / (expert_tensor x expert x pipeline))"),
+      LS_KEY(parallel.expert_tensor,
+             "expert tensor parallelism: each expert's hidden units split over this many ranks "
+             "(may differ from parallel.tensor)"),
+      LS_KEY(ddp.overlap_grad_reduce,
+             "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
+      LS_KEY(ddp.overlap_param_gather,
+             "optimizer.distributed: all-gather the updated parameters in the background; the "
+             "next forward waits for each bucket before its first use (bitwise the same)"),
       LS_KEY(ddp.bucket_size, "gradient elements per bucket reduced at once (buckets hold whole parameters)"),
       LS_KEY(dist.backend, "communication backend: auto = mpi under mpirun, else threads (lockstep train --nproc N)",
              {"auto", "threads", "mpi"}),
@@ -288,35 +319,45 @@ const std::vector<Key>& keys() {
       LS_KEY(optimizer.eps, "AdamW epsilon"),
       LS_KEY(optimizer.weight_decay, "AdamW decoupled weight decay on weight matrices"),
       LS_KEY(optimizer.clip_grad, "clip the global gradient norm to this; 0 = off"),
-      LS_KEY(optimizer.distributed, "ZeRO-1: each data-parallel rank keeps the Adam moments of its shard of the "
-                                    "parameters only, then all-gathers the updated parameters"),
-      LS_KEY(data.source, "synthetic (built-in corpus), text:PATH (bytes of a file, vocabulary 256) or "
-                          "indexed:PREFIX[:WEIGHT],... (Megatron .bin/.idx datasets, blended by weight)"),
+      LS_KEY(optimizer.distributed,
+             "ZeRO-1: each data-parallel rank keeps the Adam moments of its shard of the "
+             "parameters only, then all-gathers the updated parameters"),
+      LS_KEY(data.source,
+             "synthetic (built-in corpus), text:PATH (bytes of a file, vocabulary 256) or "
+             "indexed:PREFIX[:WEIGHT],... (Megatron .bin/.idx datasets, blended by weight)"),
       LS_KEY(data.split, "indexed: train,valid[,test] weights splitting each dataset's documents"),
       LS_KEY(data.eval_fraction, "text: trailing fraction of the file held out for evaluation"),
       LS_KEY(data.synthetic_bytes, "synthetic: bytes of generated training text"),
       LS_KEY(data.eod_token, "indexed: end-of-document token id of the data's tokenizer (byte: 256); -1 = none"),
       LS_KEY(data.reset_position_ids, "positions restart at 0 after each end-of-document token (needs data.eod_token)"),
       LS_KEY(data.reset_attention_mask, "attention stays within each document of a sample (needs data.eod_token)"),
-      LS_KEY(data.eod_mask_loss, "no loss at positions whose input is the end-of-document token; the loss is "
-                                 "the mean over the other tokens of the step (needs data.eod_token)"),
-      LS_KEY(precision.params, "compute precision: fp32, or bf16 mixed precision (bf16 weights and activations, "
-                               "fp32 master weights, gradients and accumulation; docs/precision.md)",
+      LS_KEY(data.eod_mask_loss,
+             "no loss at positions whose input is the end-of-document token; the loss is "
+             "the mean over the other tokens of the step (needs data.eod_token)"),
+      LS_KEY(precision.params,
+             "compute precision: fp32, or bf16 mixed precision (bf16 weights and activations, "
+             "fp32 master weights, gradients and accumulation; docs/precision.md)",
              {"fp32", "bf16"}),
-      LS_KEY(precision.fp8, "FP8 GEMMs in every linear layer and expert (needs params = bf16): delayed (per-tensor "
-                            "scale from an amax history), tensorwise (current per-tensor amax), blockwise (1x128 "
-                            "activations / gradients, 128x128 weights, power-of-2 scales), mxfp8 (1x32, E8M0 scales)",
+      LS_KEY(precision.fp8,
+             "FP8 GEMMs in every linear layer and expert (needs params = bf16): delayed (per-tensor "
+             "scale from an amax history), tensorwise (current per-tensor amax), blockwise (1x128 "
+             "activations / gradients, 128x128 weights, power-of-2 scales), mxfp8 (1x32, E8M0 scales)",
              {"none", "delayed", "tensorwise", "blockwise", "mxfp8"}),
-      LS_KEY(precision.fp8_format, "FP8 formats: hybrid = E4M3 forward (inputs, weights), E5M2 gradients; e4m3 = E4M3 "
-                                   "everywhere", {"hybrid", "e4m3"}),
+      LS_KEY(precision.fp8_format,
+             "FP8 formats: hybrid = E4M3 forward (inputs, weights), E5M2 gradients; e4m3 = E4M3 "
+             "everywhere",
+             {"hybrid", "e4m3"}),
       LS_KEY(precision.fp8_amax_history_len, "fp8 = delayed: amax values kept per tensor"),
       LS_KEY(precision.fp8_amax_compute_algo, "fp8 = delayed: the amax a scale comes from", {"max", "most_recent"}),
       LS_KEY(precision.fp8_margin, "fp8 = delayed: scale = (format max / amax) / 2^margin"),
-      LS_KEY(precision.fp4, "NVFP4 GEMMs (needs params = bf16): E2M1 with an E4M3 scale per 16 and an FP32 tensor scale, "
-                            "16x16 weight blocks, random Hadamard transform on the weight-gradient inputs, stochastic "
-                            "rounding of gradients", {"none", "nvfp4"}),
-      LS_KEY(precision.fp4_high_precision_layers, "fp4 = nvfp4: the first and the last N transformer layers stay BF16 "
-                                                  "(router, embedding and output head always do)"),
+      LS_KEY(precision.fp4,
+             "NVFP4 GEMMs (needs params = bf16): E2M1 with an E4M3 scale per 16 and an FP32 tensor scale, "
+             "16x16 weight blocks, random Hadamard transform on the weight-gradient inputs, stochastic "
+             "rounding of gradients",
+             {"none", "nvfp4"}),
+      LS_KEY(precision.fp4_high_precision_layers,
+             "fp4 = nvfp4: the first and the last N transformer layers stay BF16 "
+             "(router, embedding and output head always do)"),
       LS_KEY(moe.num_experts, "routed experts per MoE layer; 0 = dense model"),
       LS_KEY(moe.router_topk, "experts per token k"),
       LS_KEY(moe.router_score_function, "router scores", {"softmax", "sigmoid"}),
@@ -330,20 +371,24 @@ const std::vector<Key>& keys() {
       LS_KEY(moe.expert_capacity_factor, "expert capacity = ceil(tokens * k / experts * factor); 0 = dropless"),
       LS_KEY(moe.token_drop_policy, "which tokens an expert over capacity keeps", {"probs", "position"}),
       LS_KEY(moe.pad_expert_input_to_capacity, "pad every expert's input to its capacity"),
-      LS_KEY(moe.token_dispatcher, "how tokens reach the experts of other expert-parallel ranks", {"allgather", "alltoall"}),
+      LS_KEY(moe.token_dispatcher, "how tokens reach the experts of other expert-parallel ranks",
+             {"allgather", "alltoall"}),
       LS_KEY(moe.router_enable_expert_bias, "aux-loss-free balancing: a per-expert bias that affects selection only"),
       LS_KEY(moe.router_bias_update_rate, "expert bias += rate * sign(mean load - load) after each step"),
       LS_KEY(moe.ffn_hidden_size, "expert MLP width; 0 = the dense MLP width"),
       LS_KEY(moe.shared_expert_intermediate_size, "width of the shared expert; 0 = none"),
       LS_KEY(moe.shared_expert_gate, "scale the shared expert's output by sigmoid(x . w_gate)"),
-      LS_KEY(moe.layer_freq, "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
-                             "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
+      LS_KEY(moe.layer_freq,
+             "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
+             "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
       LS_KEY(moe.input_jitter_eps, "router input multiplied by uniform(1 - eps, 1 + eps) in training; 0 = off"),
-      LS_KEY(debug.trace, "modules: hash every module's output and input gradient per micro-batch into "
-                          "RUN/trace/rank-NNNNN.jsonl (lockstep diff names the first module that differs)",
+      LS_KEY(debug.trace,
+             "modules: hash every module's output and input gradient per micro-batch into "
+             "RUN/trace/rank-NNNNN.jsonl (lockstep diff names the first module that differs)",
              {"off", "modules"}),
-      LS_KEY(debug.inject_ulp, "\"STEP:MODULE\" (e.g. \"3:layers.1.attn.qkv\"): flip one ulp of MODULE's output in "
-                               "the first micro-batch of STEP, for testing lockstep diff; \"\" = off"),
+      LS_KEY(debug.inject_ulp,
+             "\"STEP:MODULE\" (e.g. \"3:layers.1.attn.qkv\"): flip one ulp of MODULE's output in "
+             "the first micro-batch of STEP, for testing lockstep diff; \"\" = off"),
   };
   return table;
 }
@@ -383,11 +428,16 @@ size_t edit_distance(std::string_view a, std::string_view b) {
 
 const char* type_name(const Ref& r) {
   switch (r.index()) {
-    case 0: return "an integer";
-    case 1: return "a non-negative integer";
-    case 2: return "a number";
-    case 3: return "true or false";
-    default: return "a string";
+    case 0:
+      return "an integer";
+    case 1:
+      return "a non-negative integer";
+    case 2:
+      return "a number";
+    case 3:
+      return "true or false";
+    default:
+      return "a string";
   }
 }
 
@@ -414,9 +464,7 @@ std::string show(const Value& v) {
 }
 
 void assign(Config& c, const Key& key, const Value& v, const std::string& where) {
-  auto bad = [&]() {
-    user_error(where, key.name, " = ", show(v), ": expected ", type_name(key.ref));
-  };
+  auto bad = [&]() { user_error(where, key.name, " = ", show(v), ": expected ", type_name(key.ref)); };
   std::visit(
       [&](const auto& ref) {
         using R = std::decay_t<decltype(ref)>;
@@ -427,17 +475,19 @@ void assign(Config& c, const Key& key, const Value& v, const std::string& where)
           if (!std::holds_alternative<int64_t>(v) || std::get<int64_t>(v) < 0) bad();
           ref(c) = static_cast<uint64_t>(std::get<int64_t>(v));
         } else if constexpr (std::is_same_v<R, FloatRef>) {
-          if (std::holds_alternative<int64_t>(v)) ref(c) = static_cast<double>(std::get<int64_t>(v));
-          else if (std::holds_alternative<double>(v)) ref(c) = std::get<double>(v);
-          else bad();
+          if (std::holds_alternative<int64_t>(v))
+            ref(c) = static_cast<double>(std::get<int64_t>(v));
+          else if (std::holds_alternative<double>(v))
+            ref(c) = std::get<double>(v);
+          else
+            bad();
         } else if constexpr (std::is_same_v<R, BoolRef>) {
           if (!std::holds_alternative<bool>(v)) bad();
           ref(c) = std::get<bool>(v);
         } else {
           if (!std::holds_alternative<std::string>(v)) bad();
           const std::string& s = std::get<std::string>(v);
-          if (!key.choices.empty() &&
-              std::find(key.choices.begin(), key.choices.end(), s) == key.choices.end()) {
+          if (!key.choices.empty() && std::find(key.choices.begin(), key.choices.end(), s) == key.choices.end()) {
             std::string list;
             for (const auto& ch : key.choices) list += (list.empty() ? "" : ", ") + ch;
             user_error(where, key.name, " = \"", s, "\": expected one of ", list);
@@ -450,9 +500,7 @@ void assign(Config& c, const Key& key, const Value& v, const std::string& where)
 
 // Command-line text to a value of the key's type.
 Value parse_text(const Key& key, const std::string& text, const std::string& where) {
-  auto fail = [&]() -> Value {
-    user_error(where, key.name, "=", text, ": expected ", type_name(key.ref));
-  };
+  auto fail = [&]() -> Value { user_error(where, key.name, "=", text, ": expected ", type_name(key.ref)); };
   switch (key.ref.index()) {
     case 0:
     case 1: {
@@ -504,8 +552,10 @@ void flatten(const toml::table& t, const std::string& prefix,
              std::vector<std::pair<std::string, const toml::node*>>& out) {
   for (auto&& [k, node] : t) {
     const std::string name = prefix.empty() ? std::string(k.str()) : prefix + "." + std::string(k.str());
-    if (const toml::table* sub = node.as_table()) flatten(*sub, name, out);
-    else out.emplace_back(name, &node);
+    if (const toml::table* sub = node.as_table())
+      flatten(*sub, name, out);
+    else
+      out.emplace_back(name, &node);
   }
 }
 
@@ -590,12 +640,13 @@ void validate_precision(const PrecisionConfig& p, int64_t L) {
                "(the low-precision GEMMs run inside BF16 mixed precision), got \"", p.params, "\"");
   if (p.fp8_amax_history_len < 1)
     user_error("precision.fp8_amax_history_len = ", p.fp8_amax_history_len, ": must be >= 1");
-  if (p.fp8_margin < 0 || p.fp8_margin > 64) user_error("precision.fp8_margin = ", p.fp8_margin, ": must be in [0, 64]");
+  if (p.fp8_margin < 0 || p.fp8_margin > 64)
+    user_error("precision.fp8_margin = ", p.fp8_margin, ": must be in [0, 64]");
   if (p.fp4_high_precision_layers < 0)
     user_error("precision.fp4_high_precision_layers = ", p.fp4_high_precision_layers, ": must be >= 0");
   if (fp4 && 2 * p.fp4_high_precision_layers >= L)
-    user_error("precision.fp4_high_precision_layers = ", p.fp4_high_precision_layers, " keeps all model.num_layers = ",
-               L, " layers in BF16: nothing would run in NVFP4");
+    user_error("precision.fp4_high_precision_layers = ", p.fp4_high_precision_layers,
+               " keeps all model.num_layers = ", L, " layers in BF16: nothing would run in NVFP4");
 }
 
 // determinism = "layout" with an MoE model whose micro-batch tokens are split over `ranks` ranks (tensor x context
@@ -617,22 +668,28 @@ void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ran
   const std::string who = "ranks of " + ranks_name + " = " + std::to_string(ranks);
   if (expert_group > 1 && expert_group % ranks && ranks % expert_group)
     refuse(str(what_prefix, "an MoE model and parallel.expert x parallel.expert_tensor = ", expert_group),
-           str("an expert's rows would come from parts of a micro-batch's ", who, " that do not tile it: the expert "
-               "x expert-tensor group must be 1, a multiple of ", ranks, " or a divisor of it"));
+           str("an expert's rows would come from parts of a micro-batch's ", who,
+               " that do not tile it: the expert "
+               "x expert-tensor group must be 1, a multiple of ",
+               ranks, " or a divisor of it"));
   const bool gathers = ranks % expert_group == 0 && c.parallel.context == 1;  // ranks = tp
   if (c.precision.fp4 != "none" && expert_group % ranks && !gathers)
     refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
                "\" and parallel.expert x parallel.expert_tensor = ", expert_group),
            str("NVFP4's expert weight gradients transform an expert's rows of a micro-batch in 16-row Hadamard blocks, "
-               "which would straddle the rows of its ", who, "; use an expert x expert-tensor group that is a multiple "
-               "of ", ranks, ", or an FP8 recipe"));
+               "which would straddle the rows of its ",
+               who,
+               "; use an expert x expert-tensor group that is a multiple "
+               "of ",
+               ranks, ", or an FP8 recipe"));
   // (With the experts on every rank under tensor parallelism alone the gathered rows leave the padding out.)
   if (c.precision.fp4 != "none" && c.moe.pad_expert_input_to_capacity && !(gathers && expert_group == 1))
-    refuse(str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
-               "\" and moe.pad_expert_input_to_capacity = true"),
-           str("a micro-batch's NVFP4 expert block would hold the padding of each of its ", who,
-               " between its tokens, inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or "
-               "an FP8 recipe"));
+    refuse(
+        str(what_prefix, "an MoE model, precision.fp4 = \"", c.precision.fp4,
+            "\" and moe.pad_expert_input_to_capacity = true"),
+        str("a micro-batch's NVFP4 expert block would hold the padding of each of its ", who,
+            " between its tokens, inside its 16-row Hadamard blocks; use moe.pad_expert_input_to_capacity = false or "
+            "an FP8 recipe"));
 }
 
 // Context parallelism (parallel/context_parallel.h): each sample cut into 2 x cp chunks (x tp rows under sequence
@@ -644,8 +701,9 @@ void validate_context_parallel(const Config& c) {
   const bool sp = c.parallel.sequence_parallel;
   const int64_t tp = c.parallel.tensor;
   if (m.seq_length % (2 * cp))
-    user_error("parallel.context = ", cp, ": model.seq_length = ", m.seq_length, " is not divisible by 2 x parallel.context = ",
-               2 * cp, " (each sequence is cut into 2 x context chunks, two per rank)");
+    user_error("parallel.context = ", cp, ": model.seq_length = ", m.seq_length,
+               " is not divisible by 2 x parallel.context = ", 2 * cp,
+               " (each sequence is cut into 2 x context chunks, two per rank)");
   if ((sp || c.moe.num_experts > 0) && (c.train.micro_batch * m.seq_length / cp) % tp)
     user_error("parallel.context = ", cp, sp ? " with parallel.sequence_parallel" : " with an MoE model",
                ": train.micro_batch x model.seq_length / context = ", c.train.micro_batch * m.seq_length / cp,
@@ -663,20 +721,24 @@ void validate_context_parallel(const Config& c) {
     // NVFP4: a cp rank's chunks hold whole 16-token blocks (the weight gradients' Hadamard transform and
     // their 1 x 16 blocks along the tokens), as one process cuts the micro-batch's tokens.
     if (c.precision.fp4 != "none" && (m.seq_length / (2 * cp)) % 16)
-      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4, "\" and model.seq_length = ", m.seq_length),
-             str("each rank's chunks of ", m.seq_length / (2 * cp), " tokens must be whole 16-token blocks of the weight "
+      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4,
+                 "\" and model.seq_length = ", m.seq_length),
+             str("each rank's chunks of ", m.seq_length / (2 * cp),
+                 " tokens must be whole 16-token blocks of the weight "
                  "gradients' Hadamard transform: model.seq_length / (2 x parallel.context) must be a multiple of 16"));
     // The shared expert under tensor parallelism sees a tp rank's units of the cp rank's rows
     // (ParamStore::token_units: max(2B, tp) per cp rank), each whole 16-token blocks too.
     const int64_t unit = B * m.seq_length / (cp * std::max<int64_t>(2 * B, tp));
     if (c.precision.fp4 != "none" && moe && c.moe.shared_expert_intermediate_size > 0 && tp > 1 && unit % 16)
-      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4, "\", moe.shared_expert_intermediate_size = ",
-                 c.moe.shared_expert_intermediate_size, " and parallel.tensor = ", tp),
+      refuse(str("determinism = \"layout\", precision.fp4 = \"", c.precision.fp4,
+                 "\", moe.shared_expert_intermediate_size = ", c.moe.shared_expert_intermediate_size,
+                 " and parallel.tensor = ", tp),
              str("the shared expert's weight gradients transform each tensor-parallel rank's token units of ", unit,
                  " tokens in 16-token Hadamard blocks: train.micro_batch x model.seq_length / (parallel.context x "
                  "max(2 x train.micro_batch, parallel.tensor)) must be a multiple of 16"));
     if (!c.layout_token_segments)
-      refuse("determinism = \"layout\"", "the key and value gradients and every weight gradient are sums over each "
+      refuse("determinism = \"layout\"",
+             "the key and value gradients and every weight gradient are sums over each "
              "rank's tokens: set layout_token_segments = true to compute them in canonical token segments");
     // (A layout_segments that is no power of two in [1, 64] is named by validate_layout_determinism.)
     if (std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (2 * cp * B))
@@ -686,8 +748,8 @@ void validate_context_parallel(const Config& c) {
     // Sequence parallelism (and an MoE layer under tensor parallelism): a tp rank holds 1 / tp of the cp
     // rank's rows, whole token segments of them.
     if ((sp || moe) && std::has_single_bit(static_cast<uint64_t>(S)) && S <= 64 && S % (cp * tp))
-      refuse(str("determinism = \"layout\", ", sp ? "parallel.sequence_parallel" : "an MoE model", ", parallel.tensor = ",
-                 tp, " and layout_segments = ", S),
+      refuse(str("determinism = \"layout\", ", sp ? "parallel.sequence_parallel" : "an MoE model",
+                 ", parallel.tensor = ", tp, " and layout_segments = ", S),
              str("each tensor-parallel rank's rows must be whole token segments: parallel.context x parallel.tensor = ",
                  cp * tp, " must divide layout_segments (at most 64)"));
   }
@@ -701,8 +763,10 @@ void validate_layout_determinism(const Config& c) {
   if (c.layout_segments < 1 || c.layout_segments > 64 || std::popcount(static_cast<uint64_t>(c.layout_segments)) != 1)
     user_error("layout_segments = ", c.layout_segments, ": must be a power of two in [1, 64]");
   if (c.layout_token_segments && c.determinism != "layout")
-    user_error("layout_token_segments = true: needs determinism = \"layout\" (it chooses layout mode's summation "
-               "order), not \"", c.determinism, "\"");
+    user_error(
+        "layout_token_segments = true: needs determinism = \"layout\" (it chooses layout mode's summation "
+        "order), not \"",
+        c.determinism, "\"");
   if (c.determinism != "layout") return;
   const auto refuse = [](const std::string& what, const std::string& why) {
     user_error("determinism = \"layout\" with ", what, ": ", why);
@@ -723,8 +787,8 @@ void validate_layout_determinism(const Config& c) {
   // those tokens (the FP8 block recipes' blocks stop at the token segments; NVFP4 keys its stochastic
   // rounding by their micro-batch tokens, its Hadamard blocks of 16 within the rank's).
   const int64_t rank_tokens = c.train.micro_batch * c.model.seq_length / c.parallel.tensor;
-  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" && e.shared_expert_intermediate_size > 0 &&
-      rank_tokens % 16)
+  if (e.num_experts > 0 && c.parallel.tensor > 1 && c.precision.fp4 != "none" &&
+      e.shared_expert_intermediate_size > 0 && rank_tokens % 16)
     refuse(str("precision.fp4 = \"", c.precision.fp4, "\", moe.shared_expert_intermediate_size = ",
                e.shared_expert_intermediate_size, " and parallel.tensor = ", c.parallel.tensor),
            str("the shared expert's weight gradients transform each tensor-parallel rank's ", rank_tokens,
@@ -739,8 +803,10 @@ void validate_layout_determinism(const Config& c) {
   // The experts' K segments (model/moe/experts.h): F / S hidden units each, S / etp per etp rank.
   const int64_t F = e.ffn_hidden_size ? e.ffn_hidden_size : c.model.ffn_hidden();
   if (e.num_experts > 0 && F % c.layout_segments)
-    refuse(str(e.ffn_hidden_size ? "moe.ffn_hidden_size = " : "moe.ffn_hidden_size = 0 (the experts' width "
-               "model.ffn_hidden_size = ", F, e.ffn_hidden_size ? "" : ")", " and layout_segments = ", c.layout_segments),
+    refuse(str(e.ffn_hidden_size ? "moe.ffn_hidden_size = "
+                                 : "moe.ffn_hidden_size = 0 (the experts' width "
+                                   "model.ffn_hidden_size = ",
+               F, e.ffn_hidden_size ? "" : ")", " and layout_segments = ", c.layout_segments),
            "the expert hidden size must be divisible by layout_segments (each canonical segment of the expert "
            "GEMMs over the hidden units is F / layout_segments units)");
   if (c.layout_segments % c.parallel.expert_tensor)
@@ -773,8 +839,7 @@ void validate(const Config& c) {
   if (m.hidden_size % m.num_heads)
     user_error("model.hidden_size = ", m.hidden_size, " is not divisible by model.num_heads = ", m.num_heads);
   if (m.num_heads % m.query_groups())
-    user_error("model.num_heads = ", m.num_heads, " is not divisible by model.num_query_groups = ",
-               m.num_query_groups);
+    user_error("model.num_heads = ", m.num_heads, " is not divisible by model.num_query_groups = ", m.num_query_groups);
   if (m.position_embedding == "rope" && m.head_dim() % 2)
     user_error("model.position_embedding = \"rope\" needs an even head size, got hidden_size / num_heads = ",
                m.head_dim());
@@ -786,8 +851,7 @@ void validate(const Config& c) {
   if (!(m.mtp_loss_scaling_factor >= 0))
     user_error("model.mtp_loss_scaling_factor = ", m.mtp_loss_scaling_factor, ": must be >= 0");
   if (t.global_batch % t.micro_batch)
-    user_error("train.global_batch = ", t.global_batch, " is not divisible by train.micro_batch = ",
-               t.micro_batch);
+    user_error("train.global_batch = ", t.global_batch, " is not divisible by train.micro_batch = ", t.micro_batch);
   if (!(t.lr > 0)) user_error("train.lr = ", t.lr, ": must be positive");
   if (t.min_lr < 0 || t.min_lr > t.lr)
     user_error("train.min_lr = ", t.min_lr, ": must be in [0, train.lr = ", t.lr, "]");
@@ -830,33 +894,35 @@ void validate(const Config& c) {
   if (d.source == "text:") user_error("data.source = \"text:\": the path is missing");
   if (!(d.eval_fraction > 0 && d.eval_fraction < 1))
     user_error("data.eval_fraction = ", d.eval_fraction, ": must be in (0, 1)");
-  if (d.synthetic_bytes < 4096)
-    user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
+  if (d.synthetic_bytes < 4096) user_error("data.synthetic_bytes = ", d.synthetic_bytes, ": must be at least 4096");
   if (!indexed && m.vocab_size < 256)
     user_error("model.vocab_size = ", m.vocab_size, " is smaller than the data's byte vocabulary (256)");
   if (d.eod_token < -1 || d.eod_token >= m.vocab_size)
-    user_error("data.eod_token = ", d.eod_token, ": must be -1 (none) or in [0, model.vocab_size = ",
-               m.vocab_size, ")");
+    user_error("data.eod_token = ", d.eod_token, ": must be -1 (none) or in [0, model.vocab_size = ", m.vocab_size,
+               ")");
   for (const auto& [name, on] : {std::pair{"data.reset_position_ids", d.reset_position_ids},
                                  {"data.reset_attention_mask", d.reset_attention_mask},
                                  {"data.eod_mask_loss", d.eod_mask_loss}}) {
     if (!on) continue;
     if (!indexed)
-      user_error(name, " = true needs documents ended by an end-of-document token, but data.source = \"",
-                 d.source, "\" is bytes without one: use indexed data and set data.eod_token");
+      user_error(name, " = true needs documents ended by an end-of-document token, but data.source = \"", d.source,
+                 "\" is bytes without one: use indexed data and set data.eod_token");
     if (d.eod_token < 0)
-      user_error(name, " = true needs data.eod_token, the end-of-document id of the data's tokenizer "
-                       "(256 for the byte tokenizer)");
+      user_error(name,
+                 " = true needs data.eod_token, the end-of-document id of the data's tokenizer "
+                 "(256 for the byte tokenizer)");
   }
   validate_moe(c.moe, m.num_layers);
   validate_precision(c.precision, m.num_layers);
   validate_layout_determinism(c);
   const DebugConfig& dbg = c.debug;
   if (!dbg.inject_ulp.empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
-    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "
+    user_error("debug.inject_ulp = \"", dbg.inject_ulp,
+               "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "
                "\"3:layers.1.attn.qkv\"");
   if (dbg.inject_step() > t.steps)
-    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": step ", dbg.inject_step(), " is past train.steps = ", t.steps);
+    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": step ", dbg.inject_step(),
+               " is past train.steps = ", t.steps);
 }
 
 std::string toml_value(Config& c, const Key& key) {
@@ -906,8 +972,10 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
   std::vector<Setting> settings;
 
   if (!file.empty()) {
-    if (std::FILE* f = std::fopen(file.c_str(), "rb")) std::fclose(f);
-    else user_error("cannot open config file '", file, "': ", std::strerror(errno));
+    if (std::FILE* f = std::fopen(file.c_str(), "rb"))
+      std::fclose(f);
+    else
+      user_error("cannot open config file '", file, "': ", std::strerror(errno));
     toml::table doc;
     try {
       doc = toml::parse_file(file);
@@ -922,7 +990,8 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
       const Key* key = find_key(name);
       // A table where a value belongs ([parallel.tensor] or tensor = { ... }) flattens to deeper names.
       for (size_t dot = name.rfind('.'); !key && dot != std::string::npos; dot = name.rfind('.', dot - 1)) {
-        if (find_key(name.substr(0, dot))) user_error(where, name.substr(0, dot), ": expected a single value, got a table");
+        if (find_key(name.substr(0, dot)))
+          user_error(where, name.substr(0, dot), ": expected a single value, got a table");
         if (dot == 0) break;
       }
       if (!key) unknown_key(name, where);

@@ -13,19 +13,19 @@
 namespace lockstep {
 
 struct ModelConfig {
-  std::string preset = "gpt2";           // gpt2 | llama: architecture defaults below
+  std::string preset = "gpt2";  // gpt2 | llama: architecture defaults below
   int64_t num_layers = 4;
   int64_t hidden_size = 128;
   int64_t num_heads = 4;
-  int64_t num_query_groups = 0;          // key/value heads (GQA); 0 = num_heads
-  int64_t ffn_hidden_size = 0;           // 0 = 4*hidden (gelu) or 8/3*hidden rounded up to 64 (swiglu)
+  int64_t num_query_groups = 0;  // key/value heads (GQA); 0 = num_heads
+  int64_t ffn_hidden_size = 0;   // 0 = 4*hidden (gelu) or 8/3*hidden rounded up to 64 (swiglu)
   int64_t seq_length = 128;
   int64_t vocab_size = 256;
-  std::string normalization = "layernorm";  // layernorm | rmsnorm
+  std::string normalization = "layernorm";     // layernorm | rmsnorm
   std::string position_embedding = "learned";  // learned | rope
-  std::string activation = "gelu";       // gelu | swiglu
-  bool bias = true;                      // biases in linear layers
-  bool tie_embeddings = true;            // output head shares the word embedding
+  std::string activation = "gelu";             // gelu | swiglu
+  bool bias = true;                            // biases in linear layers
+  bool tie_embeddings = true;                  // output head shares the word embedding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   double init_std = 0.02;
@@ -39,26 +39,26 @@ struct ModelConfig {
 
 struct TrainConfig {
   int64_t steps = 300;
-  int64_t global_batch = 16;             // sequences per optimizer step
-  int64_t micro_batch = 8;               // sequences per forward/backward
+  int64_t global_batch = 16;  // sequences per optimizer step
+  int64_t micro_batch = 8;    // sequences per forward/backward
   double lr = 1e-3;
   double min_lr = 1e-4;
-  std::string lr_schedule = "cosine";    // constant | cosine | wsd
+  std::string lr_schedule = "cosine";  // constant | cosine | wsd
   int64_t warmup_steps = 20;
-  int64_t decay_steps = 0;               // wsd: length of the final decay (0 = 20% of steps)
+  int64_t decay_steps = 0;  // wsd: length of the final decay (0 = 20% of steps)
   uint64_t seed = 1234;
-  int64_t threads = 0;                   // 0 = every core
+  int64_t threads = 0;  // 0 = every core
   std::string out_dir = "runs/default";
-  int64_t eval_interval = 100;           // 0 = never
-  int64_t eval_batches = 4;              // micro-batches per evaluation
-  int64_t log_interval = 10;             // plain-text progress lines (not on a terminal)
+  int64_t eval_interval = 100;  // 0 = never
+  int64_t eval_batches = 4;     // micro-batches per evaluation
+  int64_t log_interval = 10;    // plain-text progress lines (not on a terminal)
   // Checkpoints (train/checkpoint.h, docs/checkpoints.md) in out_dir/checkpoints.
-  int64_t save_interval = 0;             // save every N steps and at the last step; 0 = never
-  int64_t keep_last = 0;                 // keep the newest N complete checkpoints; 0 = all
-  bool async_save = false;               // write in a background thread while training goes on
-  std::string resume;                    // "" = start fresh; "auto" = newest in out_dir/checkpoints if any; or a path
-  std::string init_from;                 // PATH.safetensors: initial weights (lockstep ckpt export's format)
-  int64_t exit_interval = 0;             // stop (after saving when save_interval > 0) once step % N == 0; 0 = never
+  int64_t save_interval = 0;  // save every N steps and at the last step; 0 = never
+  int64_t keep_last = 0;      // keep the newest N complete checkpoints; 0 = all
+  bool async_save = false;    // write in a background thread while training goes on
+  std::string resume;         // "" = start fresh; "auto" = newest in out_dir/checkpoints if any; or a path
+  std::string init_from;      // PATH.safetensors: initial weights (lockstep ckpt export's format)
+  int64_t exit_interval = 0;  // stop (after saving when save_interval > 0) once step % N == 0; 0 = never
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };
@@ -67,9 +67,9 @@ struct OptimizerConfig {
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double weight_decay = 0.1;             // on weight matrices only (not biases, norms)
-  double clip_grad = 1.0;                // global grad-norm clip; 0 = off
-  bool distributed = false;              // ZeRO-1: Adam state sharded over data-parallel ranks
+  double weight_decay = 0.1;  // on weight matrices only (not biases, norms)
+  double clip_grad = 1.0;     // global grad-norm clip; 0 = off
+  bool distributed = false;   // ZeRO-1: Adam state sharded over data-parallel ranks
 };
 
 // Sizes of the parallel layout; data parallel is what remains of the world (comm/mesh.h).
@@ -94,51 +94,52 @@ struct ParallelConfig {
 
 // Data-parallel gradient reduction (parallel/data_parallel.h).
 struct DdpConfig {
-  bool overlap_grad_reduce = true;       // reduce each bucket as soon as backward finishes it
-  bool overlap_param_gather = false;     // distributed optimizer: gather parameters while the next forward runs
-  int64_t bucket_size = 4000000;         // elements per gradient bucket (at least; buckets hold whole parameters)
+  bool overlap_grad_reduce = true;    // reduce each bucket as soon as backward finishes it
+  bool overlap_param_gather = false;  // distributed optimizer: gather parameters while the next forward runs
+  int64_t bucket_size = 4000000;      // elements per gradient bucket (at least; buckets hold whole parameters)
 };
 
 // The distributed runtime (comm/): backend and the timeout of every collective.
 struct DistConfig {
-  std::string backend = "auto";          // auto (mpi under mpirun, else threads) | threads | mpi
-  double timeout_s = 300;                // a collective not complete by then fails on every rank
+  std::string backend = "auto";  // auto (mpi under mpirun, else threads) | threads | mpi
+  double timeout_s = 300;        // a collective not complete by then fails on every rank
 };
 
 struct DataConfig {
-  std::string source = "synthetic";      // synthetic | text:PATH | indexed:PREFIX[:WEIGHT],... (data/dataset.h)
-  std::string split = "98,2";            // indexed: train,valid[,test] weights over documents
-  double eval_fraction = 0.05;           // text: trailing fraction of the file held out
-  int64_t synthetic_bytes = 1 << 21;     // size of the generated training corpus
+  std::string source = "synthetic";   // synthetic | text:PATH | indexed:PREFIX[:WEIGHT],... (data/dataset.h)
+  std::string split = "98,2";         // indexed: train,valid[,test] weights over documents
+  double eval_fraction = 0.05;        // text: trailing fraction of the file held out
+  int64_t synthetic_bytes = 1 << 21;  // size of the generated training corpus
   // Packed documents (data/documents.h), Megatron's flags; they need eod_token.
-  int64_t eod_token = -1;                // end-of-document id of the data's tokenizer; -1 = none
-  bool reset_position_ids = false;       // positions restart at 0 after each EOD
-  bool reset_attention_mask = false;     // attention stays inside each document
-  bool eod_mask_loss = false;            // no loss where the input token is EOD
+  int64_t eod_token = -1;             // end-of-document id of the data's tokenizer; -1 = none
+  bool reset_position_ids = false;    // positions restart at 0 after each EOD
+  bool reset_attention_mask = false;  // attention stays inside each document
+  bool eod_mask_loss = false;         // no loss where the input token is EOD
 };
 
 // Mixture of experts (Megatron's --moe-* options without the prefix; docs/moe.md has the formulas).
 struct MoeConfig {
-  int64_t num_experts = 0;               // 0 = dense model
+  int64_t num_experts = 0;  // 0 = dense model
   int64_t router_topk = 2;
   std::string router_score_function = "softmax";  // softmax | sigmoid
-  bool router_pre_softmax = false;       // softmax over all experts before top-k
-  int64_t router_num_groups = 0;         // group-limited routing: expert groups (0 = off)
-  int64_t router_group_topk = 0;         // groups kept per token
+  bool router_pre_softmax = false;                // softmax over all experts before top-k
+  int64_t router_num_groups = 0;                  // group-limited routing: expert groups (0 = off)
+  int64_t router_group_topk = 0;                  // groups kept per token
   double router_topk_scaling_factor = 1.0;
-  std::string router_load_balancing_type = "aux_loss";  // comma list of aux_loss, seq_aux_loss, global_aux_loss; or none
+  std::string router_load_balancing_type =
+      "aux_loss";  // comma list of aux_loss, seq_aux_loss, global_aux_loss; or none
   double aux_loss_coeff = 0.0;
   double z_loss_coeff = 0.0;
-  double expert_capacity_factor = 0.0;   // 0 = dropless
+  double expert_capacity_factor = 0.0;      // 0 = dropless
   std::string token_drop_policy = "probs";  // probs | position
   bool pad_expert_input_to_capacity = false;
   std::string token_dispatcher = "allgather";  // allgather | alltoall (with parallel.expert > 1)
   bool router_enable_expert_bias = false;
   double router_bias_update_rate = 1e-3;
-  int64_t ffn_hidden_size = 0;           // expert width; 0 = model.ffn_hidden_size
+  int64_t ffn_hidden_size = 0;                  // expert width; 0 = model.ffn_hidden_size
   int64_t shared_expert_intermediate_size = 0;  // 0 = no shared expert
   bool shared_expert_gate = false;
-  std::string layer_freq = "1";          // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
+  std::string layer_freq = "1";  // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
   double input_jitter_eps = 0.0;
 
   // Layer l of L is an MoE layer (num_experts > 0 and layer_freq selects it).
@@ -147,8 +148,8 @@ struct MoeConfig {
 
 // Tools for finding where two runs part (docs/determinism.md, core/trace.h).
 struct DebugConfig {
-  std::string trace = "off";             // off | modules: RUN/trace/rank-NNNNN.jsonl
-  std::string inject_ulp;                // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off
+  std::string trace = "off";  // off | modules: RUN/trace/rank-NNNNN.jsonl
+  std::string inject_ulp;     // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off
 
   // inject_ulp parsed (validated by load_config): step 0 when off.
   int64_t inject_step() const;
@@ -158,14 +159,14 @@ struct DebugConfig {
 // Reduced precision (tensor/precision.h, docs/precision.md). FP8 keys take Transformer Engine's
 // names and defaults (DelayedScaling: hybrid, history 1024, max, margin 0).
 struct PrecisionConfig {
-  std::string params = "fp32";           // fp32 | bf16 (fp32 master weights)
-  std::string fp8 = "none";              // none | delayed | tensorwise | blockwise | mxfp8
-  std::string fp8_format = "hybrid";     // hybrid (E4M3 forward, E5M2 gradients) | e4m3
-  int64_t fp8_amax_history_len = 1024;   // delayed: amax history window
+  std::string params = "fp32";                // fp32 | bf16 (fp32 master weights)
+  std::string fp8 = "none";                   // none | delayed | tensorwise | blockwise | mxfp8
+  std::string fp8_format = "hybrid";          // hybrid (E4M3 forward, E5M2 gradients) | e4m3
+  int64_t fp8_amax_history_len = 1024;        // delayed: amax history window
   std::string fp8_amax_compute_algo = "max";  // delayed: max over the history | most_recent
-  int64_t fp8_margin = 0;                // delayed: scale = (fp8 max / amax) / 2^margin
-  std::string fp4 = "none";              // none | nvfp4
-  int64_t fp4_high_precision_layers = 0; // nvfp4: the first and the last N layers stay BF16
+  int64_t fp8_margin = 0;                     // delayed: scale = (fp8 max / amax) / 2^margin
+  std::string fp4 = "none";                   // none | nvfp4
+  int64_t fp4_high_precision_layers = 0;      // nvfp4: the first and the last N layers stay BF16
 };
 
 struct Config {

@@ -36,8 +36,8 @@ template <typename... Args>
 namespace detail {
 template <typename... Args>
 [[noreturn]] void check_failed(const char* file, int line, const char* cond, const Args&... args) {
-  throw InternalError(str("internal error at ", file, ":", line, ": check `", cond, "` failed",
-                          sizeof...(args) ? ": " : "", args...));
+  throw InternalError(
+      str("internal error at ", file, ":", line, ": check `", cond, "` failed", sizeof...(args) ? ": " : "", args...));
 }
 }  // namespace detail
 
@@ -45,8 +45,8 @@ template <typename... Args>
 
 // LOCKSTEP_CHECK(cond, "message parts", value, ...): internal invariant, always on (also in
 // Release); message parts are streamed together.
-#define LOCKSTEP_CHECK(cond, ...)                                                    \
-  do {                                                                               \
-    if (!(cond)) [[unlikely]]                                                        \
+#define LOCKSTEP_CHECK(cond, ...)                                                             \
+  do {                                                                                        \
+    if (!(cond)) [[unlikely]]                                                                 \
       ::lockstep::detail::check_failed(__FILE__, __LINE__, #cond __VA_OPT__(, ) __VA_ARGS__); \
   } while (0)

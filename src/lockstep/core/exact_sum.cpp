@@ -49,8 +49,10 @@ void ExactSum::add(double x) {
   if (e) m |= uint64_t{1} << 52, pos = e - 1;
   const int limb = pos >> 6, off = pos & 63;
   const uint64_t lo = m << off, hi = off ? m >> (64 - off) : 0;
-  if (bits >> 63) sub_at(limb, lo, hi);
-  else add_at(limb, lo, hi);
+  if (bits >> 63)
+    sub_at(limb, lo, hi);
+  else
+    add_at(limb, lo, hi);
 }
 
 void ExactSum::add_scaled(uint64_t v, int position) {
@@ -145,8 +147,10 @@ void add_squares(ExactSum& s, const float* x, int64_t n) {
     const uint32_t b = std::bit_cast<uint32_t>(v);
     uint32_t e = (b >> 23) & 0xff;
     uint64_t m = b & 0x7fffff;
-    if (e) m |= 0x800000;
-    else e = 1;
+    if (e)
+      m |= 0x800000;
+    else
+      e = 1;
     bins[set][e] += m * m;
   };
   for (int64_t i0 = 0; i0 < n; i0 += kFlush) {

@@ -4,9 +4,12 @@ namespace lockstep {
 
 std::string_view elem_format_name(ElemFormat f) {
   switch (f) {
-    case ElemFormat::e4m3: return "e4m3";
-    case ElemFormat::e5m2: return "e5m2";
-    case ElemFormat::e2m1: break;
+    case ElemFormat::e4m3:
+      return "e4m3";
+    case ElemFormat::e5m2:
+      return "e5m2";
+    case ElemFormat::e2m1:
+      break;
   }
   return "e2m1";
 }

@@ -78,9 +78,12 @@ struct Layout {
 
 LOCKSTEP_HD constexpr Layout layout(ElemFormat f) {
   switch (f) {
-    case ElemFormat::e4m3: return {4, 3, 7, 0x7E, 0x7F, 0};
-    case ElemFormat::e5m2: return {5, 2, 15, 0x7B, 0x7E, 0x7C};
-    case ElemFormat::e2m1: break;
+    case ElemFormat::e4m3:
+      return {4, 3, 7, 0x7E, 0x7F, 0};
+    case ElemFormat::e5m2:
+      return {5, 2, 15, 0x7B, 0x7E, 0x7C};
+    case ElemFormat::e2m1:
+      break;
   }
   return {2, 1, 1, 0x7, 0x7, 0};  // no NaN: a NaN saturates (see the top of this file)
 }
@@ -116,7 +119,9 @@ LOCKSTEP_HD inline Truncated truncate(uint32_t a) {
 // Non-short-circuit operators: on data the comparison is a coin toss, so a branch would mispredict
 // half the time (it made encoding 3x slower).
 struct NearestEven {
-  LOCKSTEP_HD bool operator()(const Truncated& t) const { return (t.frac > 0.5f) | ((t.frac == 0.5f) & ((t.mag & 1u) != 0)); }
+  LOCKSTEP_HD bool operator()(const Truncated& t) const {
+    return (t.frac > 0.5f) | ((t.frac == 0.5f) & ((t.mag & 1u) != 0));
+  }
 };
 
 // Sign, NaN and infinity, then the truncated magnitude plus one when up(truncated) says so (a carry
@@ -152,8 +157,8 @@ template <ElemFormat F>
 LOCKSTEP_HD inline uint8_t encode_stochastic_as(float x, uint32_t random_bits) {
   // p = frac exactly (the gap hi - lo is a power of two); the draw is exact in fp32 too.
   const float draw = static_cast<float>(random_bits >> 8) * 0x1p-24f;
-  return float_formats_detail::encode_with<F>(x, Overflow::saturate,
-                                              [draw](const float_formats_detail::Truncated& t) { return draw < t.frac; });
+  return float_formats_detail::encode_with<F>(
+      x, Overflow::saturate, [draw](const float_formats_detail::Truncated& t) { return draw < t.frac; });
 }
 
 // ---- Encode and decode with the format chosen at run time
@@ -162,9 +167,12 @@ LOCKSTEP_HD inline uint8_t encode_stochastic_as(float x, uint32_t random_bits) {
 LOCKSTEP_HD inline uint8_t encode(ElemFormat f, float x, Overflow overflow = Overflow::saturate) {
   using namespace float_formats_detail;
   switch (f) {
-    case ElemFormat::e4m3: return encode_with<ElemFormat::e4m3>(x, overflow, NearestEven{});
-    case ElemFormat::e5m2: return encode_with<ElemFormat::e5m2>(x, overflow, NearestEven{});
-    case ElemFormat::e2m1: break;
+    case ElemFormat::e4m3:
+      return encode_with<ElemFormat::e4m3>(x, overflow, NearestEven{});
+    case ElemFormat::e5m2:
+      return encode_with<ElemFormat::e5m2>(x, overflow, NearestEven{});
+    case ElemFormat::e2m1:
+      break;
   }
   return encode_with<ElemFormat::e2m1>(x, overflow, NearestEven{});
 }
@@ -188,8 +196,12 @@ LOCKSTEP_HD inline float decode(ElemFormat f, uint8_t code) {
   return hd::bit_cast<float>(bits | sign);
 }
 
-LOCKSTEP_HD inline uint8_t encode_e4m3(float x, Overflow o = Overflow::saturate) { return encode(ElemFormat::e4m3, x, o); }
-LOCKSTEP_HD inline uint8_t encode_e5m2(float x, Overflow o = Overflow::saturate) { return encode(ElemFormat::e5m2, x, o); }
+LOCKSTEP_HD inline uint8_t encode_e4m3(float x, Overflow o = Overflow::saturate) {
+  return encode(ElemFormat::e4m3, x, o);
+}
+LOCKSTEP_HD inline uint8_t encode_e5m2(float x, Overflow o = Overflow::saturate) {
+  return encode(ElemFormat::e5m2, x, o);
+}
 LOCKSTEP_HD inline uint8_t encode_e2m1(float x) { return encode(ElemFormat::e2m1, x); }
 LOCKSTEP_HD inline float decode_e4m3(uint8_t c) { return decode(ElemFormat::e4m3, c); }
 LOCKSTEP_HD inline float decode_e5m2(uint8_t c) { return decode(ElemFormat::e5m2, c); }
@@ -204,9 +216,12 @@ LOCKSTEP_HD inline float decode_e2m1(uint8_t c) { return decode(ElemFormat::e2m1
 // independent of how the work is split.
 LOCKSTEP_HD inline uint8_t encode_stochastic(ElemFormat f, float x, uint32_t random_bits) {
   switch (f) {
-    case ElemFormat::e4m3: return encode_stochastic_as<ElemFormat::e4m3>(x, random_bits);
-    case ElemFormat::e5m2: return encode_stochastic_as<ElemFormat::e5m2>(x, random_bits);
-    case ElemFormat::e2m1: break;
+    case ElemFormat::e4m3:
+      return encode_stochastic_as<ElemFormat::e4m3>(x, random_bits);
+    case ElemFormat::e5m2:
+      return encode_stochastic_as<ElemFormat::e5m2>(x, random_bits);
+    case ElemFormat::e2m1:
+      break;
   }
   return encode_stochastic_as<ElemFormat::e2m1>(x, random_bits);
 }
@@ -240,8 +255,11 @@ LOCKSTEP_HD inline uint8_t encode_e8m0(float x, ScaleRounding rounding = ScaleRo
   }
   if (frac != 0) {
     switch (rounding) {
-      case ScaleRounding::down: break;
-      case ScaleRounding::up: ++k; break;
+      case ScaleRounding::down:
+        break;
+      case ScaleRounding::up:
+        ++k;
+        break;
       case ScaleRounding::nearest:
         // 1.f above 1.5 goes up; exactly 1.5 goes to the even code (k + 127 even).
         if (frac > 0x400000u || (frac == 0x400000u && ((k + 127) & 1))) ++k;

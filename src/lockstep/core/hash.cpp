@@ -16,9 +16,7 @@
 
 namespace lockstep {
 
-uint64_t hash_bytes(const void* data, size_t n, uint64_t seed) {
-  return XXH3_64bits_withSeed(data, n, seed);
-}
+uint64_t hash_bytes(const void* data, size_t n, uint64_t seed) { return XXH3_64bits_withSeed(data, n, seed); }
 
 std::string hex64(uint64_t v) {
   char buf[17];
@@ -37,14 +35,13 @@ Hasher::Hasher() : state_(XXH3_createState()) {
   XXH3_64bits_reset(static_cast<XXH3_state_t*>(state_));
 }
 Hasher::~Hasher() { XXH3_freeState(static_cast<XXH3_state_t*>(state_)); }
-void Hasher::update(const void* data, size_t n) {
-  XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, n);
-}
+void Hasher::update(const void* data, size_t n) { XXH3_64bits_update(static_cast<XXH3_state_t*>(state_), data, n); }
 uint64_t Hasher::digest() const { return XXH3_64bits_digest(static_cast<XXH3_state_t*>(state_)); }
 
 void BlockHasher::update(const void* data, size_t n) {
   const auto* bytes = static_cast<const unsigned char*>(data);
-  for (size_t begin = 0; begin < n; begin += kHashBlockBytes) blocks_.push_back({bytes + begin, std::min(kHashBlockBytes, n - begin)});
+  for (size_t begin = 0; begin < n; begin += kHashBlockBytes)
+    blocks_.push_back({bytes + begin, std::min(kHashBlockBytes, n - begin)});
 }
 
 void BlockHasher::update_elements(const float* at_begin, int64_t begin, int64_t end) {

@@ -55,7 +55,9 @@ class BlockHasher {
   // whichever part of it a rank holds. update_elements(x, 0, n) is update(x, n * 4).
   void update_elements(const float* at_begin, int64_t begin, int64_t end);
   // Where the block of that grid holding element e ends, capped at end.
-  static int64_t block_end(int64_t e, int64_t end) { return std::min(end, (e / kHashBlockFloats + 1) * kHashBlockFloats); }
+  static int64_t block_end(int64_t e, int64_t end) {
+    return std::min(end, (e / kHashBlockFloats + 1) * kHashBlockFloats);
+  }
   uint64_t digest() const;
   // Each block's (XXH3, length in bytes) in update order, hashed in one parallel loop: digest() is
   // combine_block_hashes of these.
@@ -74,7 +76,9 @@ class BlockHasher {
 // replicated optimizer, parameters are hashed inside the AdamW pass, train/optimizer.h).
 uint64_t combine_block_hashes(const std::vector<uint64_t>& hash_and_length);
 // How many blocks BlockHasher::update cuts a buffer of n bytes into.
-inline size_t hash_block_count(size_t n) { return (n + BlockHasher::kHashBlockBytes - 1) / BlockHasher::kHashBlockBytes; }
+inline size_t hash_block_count(size_t n) {
+  return (n + BlockHasher::kHashBlockBytes - 1) / BlockHasher::kHashBlockBytes;
+}
 
 // BlockHasher over one buffer.
 uint64_t hash_blocks(const void* data, size_t n);

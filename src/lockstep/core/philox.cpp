@@ -14,9 +14,7 @@ namespace lockstep {
 
 uint64_t purpose_id(std::string_view name) { return hash_bytes(name.data(), name.size()); }
 
-uint64_t mix_purpose(uint64_t purpose, uint64_t value) {
-  return hash_bytes(&value, sizeof value, purpose);
-}
+uint64_t mix_purpose(uint64_t purpose, uint64_t value) { return hash_bytes(&value, sizeof value, purpose); }
 
 void RandomStream::blocks8(uint64_t first_block, uint32_t* out) const {
 #if defined(__AVX2__)

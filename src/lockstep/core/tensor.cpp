@@ -24,8 +24,10 @@ void FloatBuffer::resize(int64_t n) {
 }
 
 void FloatBuffer::Free::operator()(float* p) const {
-  if (allocator) allocator->release(p, bytes);
-  else host_release(p);
+  if (allocator)
+    allocator->release(p, bytes);
+  else
+    host_release(p);
 }
 
 }  // namespace lockstep

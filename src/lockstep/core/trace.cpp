@@ -28,11 +28,13 @@ void ModuleTrace::out(std::string_view module, float* y, int64_t n) {
     y[0] = std::bit_cast<float>(std::bit_cast<uint32_t>(y[0]) ^ 1u);
     injected_ = true;
   }
-  if (record_) records_.push_back({step_, micro_, std::string(module), false, hash_floats_blocks(y, n), chunk_, backward_});
+  if (record_)
+    records_.push_back({step_, micro_, std::string(module), false, hash_floats_blocks(y, n), chunk_, backward_});
 }
 
 void ModuleTrace::grad_in(std::string_view module, const float* dx, int64_t n) {
-  if (record_) records_.push_back({step_, micro_, std::string(module), true, hash_floats_blocks(dx, n), chunk_, backward_});
+  if (record_)
+    records_.push_back({step_, micro_, std::string(module), true, hash_floats_blocks(dx, n), chunk_, backward_});
 }
 
 ModuleTrace::Bind::Bind(ModuleTrace* trace) : prev_(current_) { current_ = trace; }

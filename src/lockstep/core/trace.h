@@ -32,7 +32,7 @@ class ModuleTrace {
     std::string module;
     bool grad_in = false;  // the gradient of the module's input, else its output
     uint64_t hash = 0;
-    int64_t chunk = -1;  // the model chunk (0 .. pipeline x virtual_pipeline - 1); -1 without a pipeline
+    int64_t chunk = -1;     // the model chunk (0 .. pipeline x virtual_pipeline - 1); -1 without a pipeline
     bool backward = false;  // recorded in a pipeline's backward action (the head's loss output is)
   };
 

@@ -128,11 +128,10 @@ void add_segment_tree(float* dst, int64_t n, const std::vector<int64_t>& bounds,
 }
 
 // One push of the canonical tree streamed as a binary counter (tree_sum_push, tree_sum_push_block,
-// parallel/reduction/micro_batch_tree.h): a block of 2^level leaves starting at leaf c (a multiple of 2^level; level 0: one
-// leaf) folds the held subtrees whose levels are the bits of `held`, smallest first, and its carry
-// becomes the subtree of level `store` (-1: the root, for the last block). Before the last, those
-// are the trailing one bits of c / 2^level, from the block's own level up; the last folds every
-// held subtree, the one bits of c.
+// parallel/reduction/micro_batch_tree.h): a block of 2^level leaves starting at leaf c (a multiple of 2^level; level 0:
+// one leaf) folds the held subtrees whose levels are the bits of `held`, smallest first, and its carry becomes the
+// subtree of level `store` (-1: the root, for the last block). Before the last, those are the trailing one bits of c /
+// 2^level, from the block's own level up; the last folds every held subtree, the one bits of c.
 struct TreePush {
   uint64_t held;
   int store;
@@ -202,7 +201,9 @@ void PieceTree::sum(T* out, const T* const* pieces, int64_t n, T* scratch) const
     if (out != pieces[0]) std::memmove(out, pieces[0], static_cast<size_t>(n) * sizeof(T));
     return;
   }
-  auto at = [&](int x) -> T* { return x >= 0 ? const_cast<T*>(pieces[x]) : x == -1 - temps_ ? out : scratch + (-1 - x) * n; };
+  auto at = [&](int x) -> T* {
+    return x >= 0 ? const_cast<T*>(pieces[x]) : x == -1 - temps_ ? out : scratch + (-1 - x) * n;
+  };
   for (const Add& add : adds_) {
     T* d = at(add.dst);
     const T* a = at(add.a);

@@ -81,7 +81,8 @@ class IndexedBlend : public Dataset {
         char* end = nullptr;
         w = std::strtod(ws.c_str(), &end);
         if (ws.empty() || *end != 0 || !(w > 0) || !std::isfinite(w))
-          user_error("data.source = \"", src, "\": weight '", ws, "' of '", prefix.substr(0, colon), "' is not a positive number");
+          user_error("data.source = \"", src, "\": weight '", ws, "' of '", prefix.substr(0, colon),
+                     "' is not a positive number");
         prefix.resize(colon);
       }
       auto ds = std::make_shared<const IndexedDataset>(prefix);

@@ -2,8 +2,7 @@
 
 namespace lockstep {
 
-void document_layout(int32_t* positions, int32_t* doc_start, const int32_t* tokens, int64_t B,
-                     int64_t T, int32_t eod) {
+void document_layout(int32_t* positions, int32_t* doc_start, const int32_t* tokens, int64_t B, int64_t T, int32_t eod) {
   for (int64_t b = 0; b < B; ++b) {
     int64_t start = 0;
     for (int64_t t = 0; t < T; ++t) {

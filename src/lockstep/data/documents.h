@@ -17,8 +17,7 @@
 namespace lockstep {
 
 // positions and doc_start: (B, T) each; either may be null.
-void document_layout(int32_t* positions, int32_t* doc_start, const int32_t* tokens, int64_t B,
-                     int64_t T, int32_t eod);
+void document_layout(int32_t* positions, int32_t* doc_start, const int32_t* tokens, int64_t B, int64_t T, int32_t eod);
 
 // targets[n] = -1 where tokens[n] == eod. Returns how many targets are left >= 0 (the tokens the
 // loss averages over).

@@ -31,7 +31,8 @@ std::vector<DocRange> split_documents(const std::string& split, int64_t document
     char* end = nullptr;
     const double x = std::strtod(p, &end);
     if (end == p || !(x >= 0) || !std::isfinite(x))
-      user_error("data.split = \"", split, "\": expected 2 or 3 comma-separated non-negative weights (train,valid[,test])");
+      user_error("data.split = \"", split,
+                 "\": expected 2 or 3 comma-separated non-negative weights (train,valid[,test])");
     w.push_back(x);
     while (*end == ' ') ++end;
     if (*end == 0) break;
@@ -53,8 +54,13 @@ std::vector<DocRange> split_documents(const std::string& split, int64_t document
 
 GptSampler::GptSampler(std::shared_ptr<const IndexedDataset> data, DocRange docs, int64_t seq_length,
                        int64_t vocab_size, uint64_t seed, const std::string& split_name)
-    : data_(std::move(data)), docs_(docs), T_(seq_length), vocab_(vocab_size), seed_(seed),
-      doc_purpose_(purpose_id("data/docs/" + split_name)), sample_purpose_(purpose_id("data/samples/" + split_name)) {
+    : data_(std::move(data)),
+      docs_(docs),
+      T_(seq_length),
+      vocab_(vocab_size),
+      seed_(seed),
+      doc_purpose_(purpose_id("data/docs/" + split_name)),
+      sample_purpose_(purpose_id("data/samples/" + split_name)) {
   tokens_ = data_->document_begin(docs.end) - data_->document_begin(docs.begin);
   samples_per_epoch_ = tokens_ > 0 ? (tokens_ - 1) / T_ : 0;
   if (samples_per_epoch_ < 1)

@@ -76,7 +76,7 @@ class BlendSchedule {
   static constexpr uint64_t kSnapshotEvery = 1 << 16;
   std::vector<double> w_;
   mutable std::mutex mu_;
-  mutable uint64_t pos_ = 0;                          // counts_ hold the state before sample pos_
+  mutable uint64_t pos_ = 0;  // counts_ hold the state before sample pos_
   mutable std::vector<uint64_t> counts_;
   mutable std::vector<std::vector<uint64_t>> snapshots_;  // counts before sample k * kSnapshotEvery
 };

@@ -69,11 +69,20 @@ void convert(uint8_t* out, const int32_t* t, int64_t n) {
 
 int64_t dtype_size(uint8_t code) {
   switch (code) {
-    case 1: case 2: return 1;
-    case 3: case 8: return 2;
-    case 4: case 7: return 4;
-    case 5: case 6: return 8;
-    default: return 0;
+    case 1:
+    case 2:
+      return 1;
+    case 3:
+    case 8:
+      return 2;
+    case 4:
+    case 7:
+      return 4;
+    case 5:
+    case 6:
+      return 8;
+    default:
+      return 0;
   }
 }
 
@@ -112,13 +121,30 @@ void IndexedDatasetWriter::add_document(const int32_t* tokens, int64_t n) {
   const uint8_t code = static_cast<uint8_t>(dtype_);
   scratch_.resize(static_cast<size_t>(n * dtype_size(code)));
   switch (dtype_) {
-    case TokenDtype::uint8: check_fits<uint8_t>(tokens, n, dtype_); convert<uint8_t>(scratch_.data(), tokens, n); break;
-    case TokenDtype::int8: check_fits<int8_t>(tokens, n, dtype_); convert<int8_t>(scratch_.data(), tokens, n); break;
-    case TokenDtype::int16: check_fits<int16_t>(tokens, n, dtype_); convert<int16_t>(scratch_.data(), tokens, n); break;
-    case TokenDtype::uint16: check_fits<uint16_t>(tokens, n, dtype_); convert<uint16_t>(scratch_.data(), tokens, n); break;
-    case TokenDtype::int32: convert<int32_t>(scratch_.data(), tokens, n); break;
-    case TokenDtype::int64: convert<int64_t>(scratch_.data(), tokens, n); break;
-    default: LOCKSTEP_CHECK(false, "float element type");
+    case TokenDtype::uint8:
+      check_fits<uint8_t>(tokens, n, dtype_);
+      convert<uint8_t>(scratch_.data(), tokens, n);
+      break;
+    case TokenDtype::int8:
+      check_fits<int8_t>(tokens, n, dtype_);
+      convert<int8_t>(scratch_.data(), tokens, n);
+      break;
+    case TokenDtype::int16:
+      check_fits<int16_t>(tokens, n, dtype_);
+      convert<int16_t>(scratch_.data(), tokens, n);
+      break;
+    case TokenDtype::uint16:
+      check_fits<uint16_t>(tokens, n, dtype_);
+      convert<uint16_t>(scratch_.data(), tokens, n);
+      break;
+    case TokenDtype::int32:
+      convert<int32_t>(scratch_.data(), tokens, n);
+      break;
+    case TokenDtype::int64:
+      convert<int64_t>(scratch_.data(), tokens, n);
+      break;
+    default:
+      LOCKSTEP_CHECK(false, "float element type");
   }
   if (n > 0 && std::fwrite(scratch_.data(), 1, scratch_.size(), bin_) != scratch_.size())
     user_error("cannot write '", prefix_, ".bin.tmp': ", std::strerror(errno));
@@ -158,8 +184,8 @@ void IndexedDatasetWriter::finish() {
   const std::string tmp = prefix_ + ".idx.tmp";
   std::FILE* f = std::fopen(tmp.c_str(), "wb");
   if (!f) user_error("cannot create '", tmp, "': ", std::strerror(errno));
-  const bool ok = std::fwrite(idx.data(), 1, idx.size(), f) == idx.size() && std::fflush(f) == 0 &&
-                  ::fsync(fileno(f)) == 0;
+  const bool ok =
+      std::fwrite(idx.data(), 1, idx.size(), f) == idx.size() && std::fflush(f) == 0 && ::fsync(fileno(f)) == 0;
   std::fclose(f);
   if (!ok) user_error("cannot write '", tmp, "': ", std::strerror(errno));
   for (const char* ext : {".bin", ".idx"})
@@ -252,13 +278,26 @@ void IndexedDataset::read(int32_t* out, int64_t first, int64_t n, int64_t vocab_
   LOCKSTEP_CHECK(first >= 0 && n >= 0 && first + n <= tokens_, "elements ", first, "+", n, " of ", tokens_);
   const uint8_t* src = bin_ + first * elem_;
   switch (dtype_) {
-    case 1: read_as_int32<uint8_t>(out, src, n, vocab_size, prefix_, first); break;
-    case 2: read_as_int32<int8_t>(out, src, n, vocab_size, prefix_, first); break;
-    case 3: read_as_int32<int16_t>(out, src, n, vocab_size, prefix_, first); break;
-    case 4: read_as_int32<int32_t>(out, src, n, vocab_size, prefix_, first); break;
-    case 5: read_as_int32<int64_t>(out, src, n, vocab_size, prefix_, first); break;
-    case 8: read_as_int32<uint16_t>(out, src, n, vocab_size, prefix_, first); break;
-    default: LOCKSTEP_CHECK(false, "dtype ", int(dtype_));
+    case 1:
+      read_as_int32<uint8_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    case 2:
+      read_as_int32<int8_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    case 3:
+      read_as_int32<int16_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    case 4:
+      read_as_int32<int32_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    case 5:
+      read_as_int32<int64_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    case 8:
+      read_as_int32<uint16_t>(out, src, n, vocab_size, prefix_, first);
+      break;
+    default:
+      LOCKSTEP_CHECK(false, "dtype ", int(dtype_));
   }
 }
 

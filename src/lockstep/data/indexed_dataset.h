@@ -27,7 +27,14 @@
 namespace lockstep {
 
 enum class TokenDtype : uint8_t {
-  uint8 = 1, int8 = 2, int16 = 3, int32 = 4, int64 = 5, float64 = 6, float32 = 7, uint16 = 8
+  uint8 = 1,
+  int8 = 2,
+  int16 = 3,
+  int32 = 4,
+  int64 = 5,
+  float64 = 6,
+  float32 = 7,
+  uint16 = 8
 };
 
 // Element size in bytes; 0 for a code outside Megatron's table.
@@ -102,9 +109,9 @@ class IndexedDataset {
     std::memcpy(&v, base + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
     return v;
   }
-  const uint8_t* lengths_ = nullptr;   // i32[S]
-  const uint8_t* pointers_ = nullptr;  // i64[S]
-  const uint8_t* doc_index_ = nullptr; // i64[D]
+  const uint8_t* lengths_ = nullptr;    // i32[S]
+  const uint8_t* pointers_ = nullptr;   // i64[S]
+  const uint8_t* doc_index_ = nullptr;  // i64[D]
   const uint8_t* bin_ = nullptr;
   void* idx_map_ = nullptr;
   size_t idx_bytes_ = 0;

@@ -28,8 +28,8 @@ struct Chunk {
   int64_t index = 0;
   const std::string* file = nullptr;
   bool json = false;
-  std::vector<std::string> docs;   // raw JSONL lines or paragraphs
-  std::vector<int64_t> lines;      // first line number of each
+  std::vector<std::string> docs;  // raw JSONL lines or paragraphs
+  std::vector<int64_t> lines;     // first line number of each
   int64_t bytes = 0;
 };
 
@@ -76,8 +76,10 @@ class Reader {
       } else if (is_blank(line)) {
         flush_paragraph(c);
       } else {
-        if (para_.empty()) para_line_ = line_no_;
-        else para_ += '\n';
+        if (para_.empty())
+          para_line_ = line_no_;
+        else
+          para_ += '\n';
         para_ += line;
       }
     }
@@ -138,9 +140,7 @@ void process(const Chunk& c, const Tokenizer& tok, const std::string& key, bool 
   }
 }
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 }  // namespace
 
@@ -259,8 +259,8 @@ PreprocessSummary preprocess(const PreprocessOptions& o) {
       if (live && now_s() - last_print > 0.25) {
         last_print = now_s();
         const double mb = static_cast<double>(bytes_done) / 1e6, total = static_cast<double>(sum.input_bytes) / 1e6;
-        std::fprintf(o.progress, "\rpreprocess: %.1f / %.1f MB (%.0f%%), %.1f MB/s, %lld documents, %lld tokens   ",
-                     mb, total, total > 0 ? 100 * mb / total : 100.0, mb / std::max(1e-9, last_print - start),
+        std::fprintf(o.progress, "\rpreprocess: %.1f / %.1f MB (%.0f%%), %.1f MB/s, %lld documents, %lld tokens   ", mb,
+                     total, total > 0 ? 100 * mb / total : 100.0, mb / std::max(1e-9, last_print - start),
                      (long long)writer.documents(), (long long)writer.tokens());
         std::fflush(o.progress);
       }

@@ -20,7 +20,7 @@ namespace lockstep {
 
 struct PreprocessOptions {
   std::vector<std::string> inputs;
-  std::string json_key;          // non-empty: every input is JSONL
+  std::string json_key;  // non-empty: every input is JSONL
   std::string tokenizer = "byte";
   std::string output_prefix;
   bool append_eod = false;

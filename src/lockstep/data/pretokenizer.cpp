@@ -28,7 +28,7 @@ struct Chars {
       const unicode::Decoded d = unicode::decode(s, i);
       begin.push_back(static_cast<uint32_t>(i));
       cp.push_back(d.valid ? d.cp : 0xFFFD);
-      cls.push_back(!d.valid                  ? kOther
+      cls.push_back(!d.valid                   ? kOther
                     : unicode::is_letter(d.cp) ? kLetter
                     : unicode::is_number(d.cp) ? kNumber
                     : unicode::is_space(d.cp)  ? kSpace
@@ -122,10 +122,14 @@ SplitPattern split_pattern_from_regex(std::string_view regex) {
 
 const char* split_pattern_regex(SplitPattern p) {
   switch (p) {
-    case SplitPattern::gpt2: return kGpt2;
-    case SplitPattern::llama3: return kLlama3;
-    case SplitPattern::qwen2: return kQwen2;
-    default: return "";
+    case SplitPattern::gpt2:
+      return kGpt2;
+    case SplitPattern::llama3:
+      return kLlama3;
+    case SplitPattern::qwen2:
+      return kQwen2;
+    default:
+      return "";
   }
 }
 

@@ -5,8 +5,8 @@
 // (no regex engine on the hot path); any other pattern string is refused by name.
 //
 //   gpt2    's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-//   llama3  (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+
-//   qwen2   the llama3 pattern with \p{N} in place of \p{N}{1,3}
+//   llama3  (?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|
+//   ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+ qwen2   the llama3 pattern with \p{N} in place of \p{N}{1,3}
 //
 // Every character matches one of the alternatives, so the pieces cover the text with no gaps
 // (Split's "Isolated" behaviour then equals the list of matches). Invalid UTF-8 bytes count as

@@ -9,14 +9,13 @@ namespace lockstep {
 
 namespace {
 
-constexpr std::array<std::string_view, 12> kAdjectives = {
-    "red", "small", "old", "quick", "quiet", "happy", "dark", "bright", "lazy", "tall", "green", "cold"};
-constexpr std::array<std::string_view, 16> kNouns = {
-    "fox", "dog", "cat", "bird", "child", "teacher", "farmer", "river", "tree", "house",
-    "robot", "king", "horse", "ship", "baker", "city"};
-constexpr std::array<std::string_view, 12> kVerbs = {
-    "sees", "likes", "follows", "finds", "helps", "watches", "paints", "calls", "visits", "knows",
-    "feeds", "greets"};
+constexpr std::array<std::string_view, 12> kAdjectives = {"red",  "small",  "old",  "quick", "quiet", "happy",
+                                                          "dark", "bright", "lazy", "tall",  "green", "cold"};
+constexpr std::array<std::string_view, 16> kNouns = {"fox",    "dog",   "cat",   "bird",  "child", "teacher",
+                                                     "farmer", "river", "tree",  "house", "robot", "king",
+                                                     "horse",  "ship",  "baker", "city"};
+constexpr std::array<std::string_view, 12> kVerbs = {"sees",   "likes", "follows", "finds", "helps", "watches",
+                                                     "paints", "calls", "visits",  "knows", "feeds", "greets"};
 constexpr std::array<std::string_view, 8> kNames = {"ann", "bob", "eve", "tom", "mia", "sam", "zoe", "max"};
 
 class Draws {
@@ -24,7 +23,9 @@ class Draws {
   Draws(uint64_t seed, const std::string& split) : rng_(seed, purpose_id("corpus/" + split)) {}
   uint32_t below(uint32_t n) { return static_cast<uint32_t>((static_cast<uint64_t>(rng_.bits(next_++)) * n) >> 32); }
   template <size_t N>
-  std::string_view pick(const std::array<std::string_view, N>& words) { return words[below(N)]; }
+  std::string_view pick(const std::array<std::string_view, N>& words) {
+    return words[below(N)];
+  }
 
  private:
   RandomStream rng_;
@@ -97,11 +98,21 @@ std::vector<uint8_t> synthetic_corpus(uint64_t seed, const std::string& split, i
   out.reserve(static_cast<size_t>(bytes) + 128);
   while (static_cast<int64_t>(out.size()) < bytes) {
     switch (d.below(5)) {
-      case 0: sentence(d, out); break;
-      case 1: counting(d, out); break;
-      case 2: addition(d, out); break;
-      case 3: copy(d, out); break;
-      default: recall(d, out); break;
+      case 0:
+        sentence(d, out);
+        break;
+      case 1:
+        counting(d, out);
+        break;
+      case 2:
+        addition(d, out);
+        break;
+      case 3:
+        copy(d, out);
+        break;
+      default:
+        recall(d, out);
+        break;
     }
   }
   out.resize(static_cast<size_t>(bytes));

@@ -31,9 +31,12 @@ class ByteTokenizer : public Tokenizer {
   std::string decode(const std::vector<int32_t>& ids) const override {
     std::string out;
     for (int32_t id : ids) {
-      if (id < 0 || id >= vocab_size()) user_error("byte tokenizer: token id ", id, " is outside the vocabulary [0, 259)");
-      if (id < 256) out += static_cast<char>(id);
-      else out += kSpecials[id - 256];
+      if (id < 0 || id >= vocab_size())
+        user_error("byte tokenizer: token id ", id, " is outside the vocabulary [0, 259)");
+      if (id < 256)
+        out += static_cast<char>(id);
+      else
+        out += kSpecials[id - 256];
     }
     return out;
   }
@@ -63,7 +66,8 @@ std::unique_ptr<Tokenizer> make_gpt2_tokenizer(const std::string& vocab_path, co
   }
   if (!vocab.is_object()) user_error("GPT-2 vocabulary '", vocab_path, "': expected a JSON object of token: id");
   for (const auto& [tok, id] : vocab.items()) {
-    if (!id.is_number_integer()) user_error("GPT-2 vocabulary '", vocab_path, "': the id of '", tok, "' is not an integer");
+    if (!id.is_number_integer())
+      user_error("GPT-2 vocabulary '", vocab_path, "': the id of '", tok, "' is not an integer");
     spec.vocab.emplace_back(tok, id.get<int32_t>());
   }
   std::istringstream merges(slurp(merges_path, "GPT-2 merges"));
@@ -73,7 +77,8 @@ std::unique_ptr<Tokenizer> make_gpt2_tokenizer(const std::string& vocab_path, co
     if (line.empty() || (n == 1 && line.rfind("#version", 0) == 0)) continue;
     const size_t sp = line.find(' ');
     if (sp == std::string::npos || sp == 0 || sp + 1 == line.size() || line.find(' ', sp + 1) != std::string::npos)
-      user_error("GPT-2 merges '", merges_path, "' line ", n, ": expected two tokens separated by one space, got '", line, "'");
+      user_error("GPT-2 merges '", merges_path, "' line ", n, ": expected two tokens separated by one space, got '",
+                 line, "'");
     spec.merges.emplace_back(line.substr(0, sp), line.substr(sp + 1));
   }
   spec.eod_token = "<|endoftext|>";

@@ -72,8 +72,10 @@ BpeTokenizer::BpeTokenizer(BpeSpec spec, std::string name)
       for (size_t i = 0; i < tok.size();) {
         const unicode::Decoded d = unicode::decode(tok, i);
         const auto it = c2b.find(d.cp);
-        if (d.valid && it != c2b.end()) out += static_cast<char>(it->second);
-        else out.append(tok, i, static_cast<size_t>(d.len));
+        if (d.valid && it != c2b.end())
+          out += static_cast<char>(it->second);
+        else
+          out.append(tok, i, static_cast<size_t>(d.len));
         i += d.len;
       }
     } else if (tok.size() == 6 && tok.compare(0, 3, "<0x") == 0 && tok[5] == '>' && byte_fallback_) {
@@ -97,15 +99,20 @@ BpeTokenizer::BpeTokenizer(BpeSpec spec, std::string name)
     if (!tok.empty()) added_first_byte_[static_cast<uint8_t>(tok[0])] = true;
   }
   // Longest first, so that an added token that extends another wins where both match.
-  std::stable_sort(added_.begin(), added_.end(), [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
-  added_.erase(std::remove_if(added_.begin(), added_.end(), [](const auto& a) { return a.first.empty(); }), added_.end());
+  std::stable_sort(added_.begin(), added_.end(),
+                   [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
+  added_.erase(std::remove_if(added_.begin(), added_.end(), [](const auto& a) { return a.first.empty(); }),
+               added_.end());
 
   for (size_t r = 0; r < spec.merges.size(); ++r) {
     const auto& [a, b] = spec.merges[r];
     const int32_t ia = find(a), ib = find(b), iab = find(a + b);
     if (ia < 0 || ib < 0 || iab < 0)
       user_error(src, ": merge ", r + 1, " '", a, " ", b, "' uses a token missing from the vocabulary ('",
-                 ia < 0 ? a : ib < 0 ? b : a + b, "')");
+                 ia < 0   ? a
+                 : ib < 0 ? b
+                          : a + b,
+                 "')");
     merges_.emplace((static_cast<uint64_t>(ia) << 32) | static_cast<uint32_t>(ib),
                     std::make_pair(static_cast<int32_t>(r), iab));  // a repeated pair keeps its first rank
   }
@@ -175,8 +182,10 @@ void BpeTokenizer::encode_normal(std::string_view text, bool at_start, std::vect
     normalized.clear();
     if (prepend_metaspace_ && at_start) normalized.append(kMetaspace);
     for (char c : text) {
-      if (c == ' ' && metaspace_) normalized.append(kMetaspace);
-      else normalized += c;
+      if (c == ' ' && metaspace_)
+        normalized.append(kMetaspace);
+      else
+        normalized += c;
     }
     const std::string_view n = normalized;
     if (!split_metaspace_) {
@@ -317,7 +326,8 @@ void BpeTokenizer::merge(std::vector<int32_t>& sym) const {
 std::string BpeTokenizer::decode(const std::vector<int32_t>& ids) const {
   std::string out;
   for (int32_t id : ids) {
-    if (id < 0 || id >= vocab_size()) user_error(name_, ": token id ", id, " is outside the vocabulary [0, ", vocab_size(), ")");
+    if (id < 0 || id >= vocab_size())
+      user_error(name_, ": token id ", id, " is outside the vocabulary [0, ", vocab_size(), ")");
     out += decoded_[id];
   }
   if (kind_ == BpeSpec::Kind::byte_fallback && prepend_metaspace_ && !out.empty() && out[0] == ' ') out.erase(0, 1);

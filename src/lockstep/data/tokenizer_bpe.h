@@ -20,7 +20,7 @@ namespace lockstep {
 
 struct BpeSpec {
   enum class Kind { byte_level, byte_fallback } kind = Kind::byte_level;
-  std::string source;                          // the file(s), for error messages
+  std::string source;  // the file(s), for error messages
   std::vector<std::pair<std::string, int32_t>> vocab;
   std::vector<std::pair<std::string, std::string>> merges;  // in rank order
   std::vector<std::pair<std::string, int32_t>> added;       // matched in the text before anything else
@@ -32,7 +32,7 @@ struct BpeSpec {
   bool ignore_merges = false;      // a piece that is itself in the vocabulary is one token
   bool byte_fallback = false;
   bool fuse_unk = false;
-  std::string unk_token;           // empty: none
+  std::string unk_token;                        // empty: none
   std::string eod_token, bos_token, pad_token;  // empty or absent from the vocabulary: none
 };
 
@@ -57,9 +57,9 @@ class BpeTokenizer : public Tokenizer {
   uint64_t serial_;  // tells instances apart in the per-thread piece cache
   std::unordered_map<std::string, int32_t> ids_;
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (left << 32 | right) -> (rank, merged)
-  std::vector<int32_t> byte_ids_;    // byte-level: the id of each byte's character; byte-fallback: <0xNN>
-  std::vector<std::string> decoded_; // id -> the bytes it stands for
-  std::vector<bool> is_byte_token_;  // byte-fallback: id is a <0xNN> token
+  std::vector<int32_t> byte_ids_;     // byte-level: the id of each byte's character; byte-fallback: <0xNN>
+  std::vector<std::string> decoded_;  // id -> the bytes it stands for
+  std::vector<bool> is_byte_token_;   // byte-fallback: id is a <0xNN> token
   std::vector<std::pair<std::string, int32_t>> added_;  // longest first
   bool added_first_byte_[256] = {};
 };

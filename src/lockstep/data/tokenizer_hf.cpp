@@ -39,7 +39,9 @@ struct Parser {
   [[noreturn]] void unsupported(const std::string& what) const {
     user_error("tokenizer '", path, "': ", what, " is not supported");
   }
-  static std::string type_of(const json& j) { return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "?"; }
+  static std::string type_of(const json& j) {
+    return j.is_object() && j.contains("type") && j["type"].is_string() ? j["type"].get<std::string>() : "?";
+  }
   static bool flag(const json& j, const char* key, bool dflt) {
     return j.contains(key) && j[key].is_boolean() ? j[key].get<bool>() : dflt;
   }
@@ -72,7 +74,8 @@ struct Parser {
       if (p.value("behavior", "") != "Isolated") unsupported(str("Split behavior '", p.value("behavior", ""), "'"));
       if (flag(p, "invert", false)) unsupported("an inverted Split");
       const json& pat = p.value("pattern", json::object());
-      const std::string regex = pat.contains("Regex") && pat["Regex"].is_string() ? pat["Regex"].get<std::string>() : "";
+      const std::string regex =
+          pat.contains("Regex") && pat["Regex"].is_string() ? pat["Regex"].get<std::string>() : "";
       const SplitPattern sp = split_pattern_from_regex(regex);
       if (sp == SplitPattern::none) unsupported(str("Split pattern ", pat.dump()));
       set_split(sp);
@@ -83,7 +86,8 @@ struct Parser {
       std::string scheme = p.contains("prepend_scheme") ? p.value("prepend_scheme", "always")
                                                         : (flag(p, "add_prefix_space", true) ? "always" : "never");
       // "first" and "always" differ only after added tokens; we prepend at the start of the text.
-      if (scheme != "first" && scheme != "always" && scheme != "never") unsupported(str("Metaspace prepend_scheme '", scheme, "'"));
+      if (scheme != "first" && scheme != "always" && scheme != "never")
+        unsupported(str("Metaspace prepend_scheme '", scheme, "'"));
       spec.prepend_metaspace = scheme != "never";
       spec.split_metaspace = flag(p, "split", true);
     } else {
@@ -147,7 +151,8 @@ std::unique_ptr<Tokenizer> make_hf_tokenizer(const std::string& path) {
   p.spec.source = path;
   try {
     const json j = json::parse(ss.str());
-    if (!j.is_object() || !j.contains("model")) user_error("tokenizer '", path, "': not a tokenizer.json (no \"model\")");
+    if (!j.is_object() || !j.contains("model"))
+      user_error("tokenizer '", path, "': not a tokenizer.json (no \"model\")");
     p.model(j["model"]);
     p.normalizer(j.value("normalizer", json()));
     p.pre_tokenizer(j.value("pre_tokenizer", json()));

@@ -37,7 +37,14 @@ bool is_number(char32_t cp) { return cp < 128 ? (kAscii[cp] & kNumber) : in_rang
 bool is_space(char32_t cp) {
   if (cp < 128) return kAscii[cp] & kSpace;
   switch (cp) {
-    case 0x85: case 0xA0: case 0x1680: case 0x2028: case 0x2029: case 0x202F: case 0x205F: case 0x3000:
+    case 0x85:
+    case 0xA0:
+    case 0x1680:
+    case 0x2028:
+    case 0x2029:
+    case 0x202F:
+    case 0x205F:
+    case 0x3000:
       return true;
     default:
       return cp >= 0x2000 && cp <= 0x200A;

@@ -13,8 +13,8 @@
 namespace lockstep::unicode {
 
 struct Decoded {
-  char32_t cp;   // the code point, or 0xFFFD for an invalid byte
-  int len;       // bytes consumed: 1..4
+  char32_t cp;  // the code point, or 0xFFFD for an invalid byte
+  int len;      // bytes consumed: 1..4
   bool valid;
 };
 
@@ -25,10 +25,14 @@ inline Decoded decode(std::string_view s, size_t i) {
   if (b0 < 0x80) return {b0, 1, true};
   int n;
   char32_t cp, min;
-  if ((b0 & 0xE0) == 0xC0) n = 2, cp = b0 & 0x1F, min = 0x80;
-  else if ((b0 & 0xF0) == 0xE0) n = 3, cp = b0 & 0x0F, min = 0x800;
-  else if ((b0 & 0xF8) == 0xF0) n = 4, cp = b0 & 0x07, min = 0x10000;
-  else return {0xFFFD, 1, false};
+  if ((b0 & 0xE0) == 0xC0)
+    n = 2, cp = b0 & 0x1F, min = 0x80;
+  else if ((b0 & 0xF0) == 0xE0)
+    n = 3, cp = b0 & 0x0F, min = 0x800;
+  else if ((b0 & 0xF8) == 0xF0)
+    n = 4, cp = b0 & 0x07, min = 0x10000;
+  else
+    return {0xFFFD, 1, false};
   if (i + n > s.size()) return {0xFFFD, 1, false};
   for (int k = 1; k < n; ++k) {
     const auto b = static_cast<uint8_t>(s[i + k]);
@@ -42,8 +46,8 @@ inline Decoded decode(std::string_view s, size_t i) {
 bool is_valid_utf8(std::string_view s);
 void append_utf8(std::string& out, char32_t cp);
 
-bool is_letter(char32_t cp);   // general category L*
-bool is_number(char32_t cp);   // general category N*
-bool is_space(char32_t cp);    // White_Space property (what \s matches in the patterns)
+bool is_letter(char32_t cp);  // general category L*
+bool is_number(char32_t cp);  // general category N*
+bool is_space(char32_t cp);   // White_Space property (what \s matches in the patterns)
 
 }  // namespace lockstep::unicode

@@ -14,8 +14,6 @@
 
 namespace lockstep {
 
-
-
 // The ops, as a backend binds them (kernels/ops.h).
 struct ActivationOps {
   Op<void(float* out, const float* inp, int64_t n)> gelu_forward{"gelu_forward"};

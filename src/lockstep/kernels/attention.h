@@ -21,12 +21,11 @@
 //   qs = q * scale (rounded once); a score s_tj is one FMA chain over d = 0..HS-1 of
 //   k_j[d] * qs_t[d]; keys after the query get s = -inf, hence p = 0 exactly. exp is vm::exp.
 //   Forward, per key block in order 0, 1, ...: m' = max(m, max of the block's scores);
-//   p = exp(s - m') (shifted by 0 instead while m' is still -inf: the query has seen no key); l = fma(l, exp(m - m'), sum of the block's p in key order); acc = acc *
-//   exp(m - m'), then acc += p * v_j as one FMA chain over the block's keys in order. At the end
-//   out = acc / l and lse = m + log(l).
-//   Backward: D_t = 8 lane-partial FMA chains over d, combined in vm::hsum's order; dP_tj is one
-//   FMA chain over d of v_j[d] * dout_t[d]; dS = p * (dP - D). dv_j and dk_j are FMA chains over
-//   (query head of the group, then query position ascending) of p * dout_t and dS * qs_t; dq_t is
+//   p = exp(s - m') (shifted by 0 instead while m' is still -inf: the query has seen no key); l = fma(l, exp(m - m'),
+//   sum of the block's p in key order); acc = acc * exp(m - m'), then acc += p * v_j as one FMA chain over the block's
+//   keys in order. At the end out = acc / l and lse = m + log(l). Backward: D_t = 8 lane-partial FMA chains over d,
+//   combined in vm::hsum's order; dP_tj is one FMA chain over d of v_j[d] * dout_t[d]; dS = p * (dP - D). dv_j and dk_j
+//   are FMA chains over (query head of the group, then query position ascending) of p * dout_t and dS * qs_t; dq_t is
 //   one FMA chain over keys 0..t of dS * k_j, then times scale.
 //
 // Work split and determinism: the forward is split over (b, query head, query block of kAttnBlock
@@ -46,15 +45,14 @@
 // given queries' contributions; summed over the ranks that hold the other queries, they equal the
 // whole-sequence gradients up to the association of that sum.
 //
-// Query segments (determinism = "layout" with layout_token_segments, docs/design/reductions.md#token-segments-everywhere): with
-// query_segments = G > 0 the backward cuts each sample's queries into G canonical segments
-// (core/tree_sum.h canonical_segments(T, G); G <= T) and computes dk, dv per segment, each one FMA
-// chain from zero over (query head of the group, then query position ascending) of that segment's
-// queries, then sums a chunk's segments along the canonical tree over them. Query blocks are also
-// cut at the segments (dq, out and lse keep their bits). Every chunk must be whole segments; when
-// each chunk's segments are an aligned power-of-two block of the G (context parallelism's chunks
-// with 2 cp dividing G), the canonical tree over the chunks' results in position order is, bit for
-// bit, the whole-sequence call's tree over the G segments (parallel/context_parallel.h
+// Query segments (determinism = "layout" with layout_token_segments,
+// docs/design/reductions.md#token-segments-everywhere): with query_segments = G > 0 the backward cuts each sample's
+// queries into G canonical segments (core/tree_sum.h canonical_segments(T, G); G <= T) and computes dk, dv per segment,
+// each one FMA chain from zero over (query head of the group, then query position ascending) of that segment's queries,
+// then sums a chunk's segments along the canonical tree over them. Query blocks are also cut at the segments (dq, out
+// and lse keep their bits). Every chunk must be whole segments; when each chunk's segments are an aligned power-of-two
+// block of the G (context parallelism's chunks with 2 cp dividing G), the canonical tree over the chunks' results in
+// position order is, bit for bit, the whole-sequence call's tree over the G segments (parallel/context_parallel.h
 // reduce_scatter_dkv).
 #pragma once
 
@@ -74,21 +72,26 @@ using QueryChunks = std::vector<std::pair<int64_t, int64_t>>;
 // The ops, as a backend binds them (kernels/ops.h).
 struct AttentionOps {
   // out (B, T, NH*HS), lse (B, NH, T).
-  Op<void(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start)>
+  Op<void(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
+          const int32_t* doc_start)>
       attention_forward{"attention_forward"};
   // dqkv (B, T, (NH + 2*NKV)*HS) is assigned. out and lse are what attention_forward returned.
   // query_segments: dk and dv in that many query segments per sample (above); 0: one chain.
-  Op<void(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t query_segments)>
+  Op<void(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B, int64_t T,
+          int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t query_segments)>
       attention_backward{"attention_backward"};
   // qkv (B, Tl, (NH + 2*NKV)*HS): the local rows (only the query columns are read); kv (B, T,
   // 2*NKV*HS): every position's key heads, then value heads. out (B, Tl, NH*HS), lse (B, NH, Tl).
   // doc_start (B, T) over the global positions.
-  Op<void(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T, const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start)>
+  Op<void(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T, const QueryChunks& chunks,
+          int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start)>
       attention_forward_chunks{"attention_forward_chunks"};
   // The query columns of dqkv (B, Tl, ...) and all of dkv (B, T, 2*NKV*HS) are assigned: the local
   // queries' gradient and their contributions to every key's and value's. With query_segments, dkv
   // is (chunks, B, T, 2*NKV*HS): each chunk's tree over its segments, kept apart.
-  Op<void(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv, const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t query_segments)>
+  Op<void(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv, const float* out,
+          const float* lse, int64_t B, int64_t T, const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS,
+          const int32_t* doc_start, int64_t query_segments)>
       attention_backward_chunks{"attention_backward_chunks"};
 
   template <class F>

@@ -26,7 +26,8 @@ Device::Device(Kind kind) : kind_(kind) {
 
 const char* Device::name() const {
   switch (kind_) {
-    case Kind::cpu: break;
+    case Kind::cpu:
+      break;
   }
   return "cpu";
 }

@@ -1,9 +1,9 @@
 // The shared expert's sigmoid gate of the compute seam (kernels/ops.h; moe.shared_expert_gate, as in
 // Qwen2-MoE): per token a scalar g_t = sigmoid(<x_t, w>), the shared expert's output scaled by it.
 // Each token is computed by one thread: <x_t, w> is one FMA chain over C in order, the sigmoid
-// 1 / (1 + exp(-dot)) with glibc's expf, bit for bit (core/libm.h); the weight gradient sums the tokens in token order (or,
-// with token segments, per segment from zero along the canonical tree, core/tree_sum.h). So every
-// thread count gives the same bits.
+// 1 / (1 + exp(-dot)) with glibc's expf, bit for bit (core/libm.h); the weight gradient sums the tokens in token order
+// (or, with token segments, per segment from zero along the canonical tree, core/tree_sum.h). So every thread count
+// gives the same bits.
 #pragma once
 
 #include <cstdint>

@@ -12,8 +12,12 @@ GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0, int64_
 GemmOperand gemm_operand_at(const GemmOperand& o, int64_t rows, int64_t cols) {
   GemmOperand v = o;
   switch (o.kind) {
-    case GemmOperand::Kind::f32: v.data = static_cast<const float*>(o.data) + rows * o.ld + cols; break;
-    case GemmOperand::Kind::bf16: v.data = static_cast<const bf16*>(o.data) + rows * o.ld + cols; break;
+    case GemmOperand::Kind::f32:
+      v.data = static_cast<const float*>(o.data) + rows * o.ld + cols;
+      break;
+    case GemmOperand::Kind::bf16:
+      v.data = static_cast<const bf16*>(o.data) + rows * o.ld + cols;
+      break;
     case GemmOperand::Kind::quantized:
       v.row0 += rows;
       v.col0 += cols;

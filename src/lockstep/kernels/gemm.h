@@ -68,12 +68,8 @@ struct GemmOperand {
   Trans trans = Trans::N;
   int64_t row0 = 0, col0 = 0;  // a QuantizedTensor operand: the view's origin in the stored matrix
 };
-inline GemmOperand gemm_operand(const float* x, int64_t ld, Trans t) {
-  return {GemmOperand::Kind::f32, x, ld, t};
-}
-inline GemmOperand gemm_operand(const bf16* x, int64_t ld, Trans t) {
-  return {GemmOperand::Kind::bf16, x, ld, t};
-}
+inline GemmOperand gemm_operand(const float* x, int64_t ld, Trans t) { return {GemmOperand::Kind::f32, x, ld, t}; }
+inline GemmOperand gemm_operand(const bf16* x, int64_t ld, Trans t) { return {GemmOperand::Kind::bf16, x, ld, t}; }
 // The view of q that starts at stored element (row0, col0) (a slice along K or along M / N).
 GemmOperand gemm_operand(const QuantizedTensor& q, Trans t, int64_t row0 = 0, int64_t col0 = 0);
 // o's view moved by (rows, cols) in its storage (e.g. one expert's rows of a stacked operand).
@@ -176,7 +172,8 @@ struct GemmOps {
   Op<void(float* dbias, const float* dY, const int64_t* offsets, int64_t E, int64_t Nout)> grouped_bias_grad{
       "grouped_bias_grad"};
   // As grouped_gemm (not accumulating); segments a power of two, K divisible by segments x sections.
-  // Bitwise one gemm() per expert with the options of k_segment_bounds (k_segments and k_sections), in one parallel region for all experts.
+  // Bitwise one gemm() per expert with the options of k_segment_bounds (k_segments and k_sections), in one parallel
+  // region for all experts.
   Op<void(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias, const int64_t* offsets, int64_t E,
           int64_t Nout, int64_t K, const KSegments& seg)>
       grouped_gemm_segmented{"grouped_gemm_segmented"};

@@ -23,8 +23,8 @@ inline constexpr float kExpHi = 88.3f;
 inline constexpr float kLog2e = 1.44269504088896341f;
 inline constexpr float kLn2Hi = 0.693359375f;
 inline constexpr float kLn2Lo = -2.12194440e-4f;
-inline constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f,
-                       kP3 = 4.1665795894e-2f, kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
+inline constexpr float kP0 = 1.9875691500e-4f, kP1 = 1.3981999507e-3f, kP2 = 8.3334519073e-3f, kP3 = 4.1665795894e-2f,
+                       kP4 = 1.6666665459e-1f, kP5 = 5.0000001201e-1f;
 
 LOCKSTEP_HD inline float exp(float x) {
   const bool underflow = x < kExpLo;
@@ -62,10 +62,18 @@ LOCKSTEP_HD inline float hsum8(const float* p) {
 // Lane-generic kernel bodies (vecmath.h): a formula written once as a template over the lane type
 // V computes the same bits for an element with V = float (here, and on a device) as with V =
 // __m256 (vecmath.h adds those overloads).
-template <class V> V load(const float* p);
-template <> LOCKSTEP_HD inline float load<float>(const float* p) { return *p; }
-template <class V> V splat(float x);
-template <> LOCKSTEP_HD inline float splat<float>(float x) { return x; }
+template <class V>
+V load(const float* p);
+template <>
+LOCKSTEP_HD inline float load<float>(const float* p) {
+  return *p;
+}
+template <class V>
+V splat(float x);
+template <>
+LOCKSTEP_HD inline float splat<float>(float x) {
+  return x;
+}
 LOCKSTEP_HD inline void store(float* p, float v) { *p = v; }
 LOCKSTEP_HD inline float fma(float a, float b, float c) { return hd::fma(a, b, c); }
 

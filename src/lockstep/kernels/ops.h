@@ -50,8 +50,9 @@ struct Ops : CopyOps,
   // Calls f on every op, family by family.
   template <class F>
   void each(F&& f) {
-    CopyOps::each(f), ElementwiseOps::each(f), ReduceOps::each(f), GemmOps::each(f), AttentionOps::each(f), NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f),
-        RopeOps::each(f), CrossEntropyOps::each(f), PermuteOps::each(f), RouterOps::each(f), GateOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
+    CopyOps::each(f), ElementwiseOps::each(f), ReduceOps::each(f), GemmOps::each(f), AttentionOps::each(f),
+        NormOps::each(f), ActivationOps::each(f), EmbeddingOps::each(f), RopeOps::each(f), CrossEntropyOps::each(f),
+        PermuteOps::each(f), RouterOps::each(f), GateOps::each(f), QuantizeOps::each(f), OptimizerOps::each(f);
   }
 };
 
@@ -61,8 +62,8 @@ inline void gemm_f32(const Ops& ops, float* C, int64_t ldc, const float* A, int6
   ops.gemm(C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 // gemm on contiguous fp32 operands: lda, ldb, ldc are the natural row lengths.
-inline void gemm_f32(const Ops& ops, float* C, const float* A, Trans ta, const float* B, Trans tb, int64_t M,
-                     int64_t N, int64_t K, const GemmOptions& opt = {}) {
+inline void gemm_f32(const Ops& ops, float* C, const float* A, Trans ta, const float* B, Trans tb, int64_t M, int64_t N,
+                     int64_t K, const GemmOptions& opt = {}) {
   ops.gemm(C, N, gemm_operand(A, ta == Trans::N ? K : M, ta), gemm_operand(B, tb == Trans::N ? N : K, tb), M, N, K,
            opt);
 }

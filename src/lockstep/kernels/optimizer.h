@@ -45,7 +45,8 @@ struct AdamwHashedItem {
 // The ops, as a backend binds them (kernels/ops.h).
 struct OptimizerOps {
   // step counts from 1.
-  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step, float grad_scale)>
+  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+          float grad_scale)>
       adamw_update{"adamw_update"};
   // Each item's update (as adamw_update's, the same bits) on one thread, and XXH3-64 of the item's
   // gradient (as read) and of m and v (as written) over its elements [state_begin, state_end) into

@@ -15,23 +15,23 @@
 
 namespace lockstep {
 
-
-
 // The ops, as a backend binds them (kernels/ops.h).
 struct PermuteOps {
   // out (R, C): row r = inp[token of r], zeros for padding rows.
-  Op<void(float* out, const float* inp, const int32_t* row_choice, int64_t R, int64_t K, int64_t C)>
-      permute_forward{"permute_forward"};
+  Op<void(float* out, const float* inp, const int32_t* row_choice, int64_t R, int64_t K, int64_t C)> permute_forward{
+      "permute_forward"};
   // dinp (N, C) += sum over k (in order) of dout[slot[t, k]] (dropped choices add nothing).
-  Op<void(float* dinp, const float* dout, const int32_t* slot, int64_t N, int64_t K, int64_t C)>
-      permute_backward{"permute_backward"};
+  Op<void(float* dinp, const float* dout, const int32_t* slot, int64_t N, int64_t K, int64_t C)> permute_backward{
+      "permute_backward"};
   // out (N, C) = base + sum over k in order of probs[t, k] * expert_out[slot[t, k]]:
   //   acc = base[t, c]; for k: acc = fma(probs[t, k], expert_out[slot, c], acc). out may alias base.
-  Op<void(float* out, const float* base, const float* expert_out, const int32_t* slot, const float* probs, int64_t N, int64_t K, int64_t C)>
+  Op<void(float* out, const float* base, const float* expert_out, const int32_t* slot, const float* probs, int64_t N,
+          int64_t K, int64_t C)>
       combine_forward{"combine_forward"};
   // dexpert_out (R, C) = probs[choice] * dout[token] (zeros for padding rows);
   // dprobs (N, K) = <dout[t], expert_out[slot[t, k]]> (one FMA chain over c; 0 when dropped).
-  Op<void(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out, const int32_t* slot, const int32_t* row_choice, const float* probs, int64_t N, int64_t R, int64_t K, int64_t C)>
+  Op<void(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out, const int32_t* slot,
+          const int32_t* row_choice, const float* probs, int64_t N, int64_t R, int64_t K, int64_t C)>
       combine_backward{"combine_backward"};
 
   template <class F>

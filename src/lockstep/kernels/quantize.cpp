@@ -11,9 +11,12 @@ namespace lockstep {
 float QuantizedTensor::block_scale(int64_t br, int64_t bc) const {
   const auto b = static_cast<size_t>(br * grid_cols() + bc);
   switch (scale_format) {
-    case ScaleFormat::f32: return scales[b];
-    case ScaleFormat::e8m0: return decode_e8m0(scale_codes[b]);
-    case ScaleFormat::e4m3: break;
+    case ScaleFormat::f32:
+      return scales[b];
+    case ScaleFormat::e8m0:
+      return decode_e8m0(scale_codes[b]);
+    case ScaleFormat::e4m3:
+      break;
   }
   return decode_e4m3(scale_codes[b]);
 }

@@ -1,4 +1,5 @@
-// The quantisation ops of the compute seam (kernels/ops.h): FP8 / MXFP8 / NVFP4 quantisers, and the 16x16 random Hadamard transform.
+// The quantisation ops of the compute seam (kernels/ops.h): FP8 / MXFP8 / NVFP4 quantisers, and the 16x16 random
+// Hadamard transform.
 //
 // Every quantiser turns an fp32 matrix x (rows x cols, row-major, contiguous) into a
 // QuantizedTensor: one code per element (core/float_formats.h) plus one scale per block of
@@ -102,9 +103,9 @@ struct StochasticRounding {
   bool enabled = false;
   uint64_t seed = 0;
   uint64_t step = 0;
-  uint64_t tensor_id = 0;  // which tensor (e.g. purpose_id of its name, or layer * 16 + slot)
-  int64_t index_base = 0;  // global index of element (0, 0): a shard's offset in the full tensor
-  int64_t global_cols = 0; // row length of the full tensor (0: cols, i.e. not sharded by columns)
+  uint64_t tensor_id = 0;   // which tensor (e.g. purpose_id of its name, or layer * 16 + slot)
+  int64_t index_base = 0;   // global index of element (0, 0): a shard's offset in the full tensor
+  int64_t global_cols = 0;  // row length of the full tensor (0: cols, i.e. not sharded by columns)
 };
 // The Philox purpose of (tensor_id, step): RandomStream(sr.seed, sr_purpose(...)) draws the bits.
 uint64_t sr_purpose(uint64_t tensor_id, uint64_t step);

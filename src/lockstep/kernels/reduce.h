@@ -20,8 +20,7 @@ struct ReduceOps {
   // out[i] = the sum of pieces[0][i] .. pieces[K - 1][i] along `tree` (core/tree_sum.h PieceTree: a
   // block of leaves that is not a subtree, summed as the canonical tree's pieces of it). out may be
   // a piece.
-  Op<void(float* out, const float* const* pieces, const PieceTree& tree, int64_t n)> piece_tree_sum{
-      "piece_tree_sum"};
+  Op<void(float* out, const float* const* pieces, const PieceTree& tree, int64_t n)> piece_tree_sum{"piece_tree_sum"};
   // core/tree_sum.h tree_sum_push_block over all n elements: x (the canonical tree over leaves
   // [c, c + 2^level)) pushed into the tree whose levels first_level and up live in stack (n apart);
   // the last push writes the root to out.

@@ -19,9 +19,11 @@ void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta);
 
 // The ops, as a backend binds them (kernels/ops.h).
 struct RopeOps {
-  Op<void(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS, int64_t row_stride, const int32_t* positions)>
+  Op<void(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS,
+          int64_t row_stride, const int32_t* positions)>
       rope_forward{"rope_forward"};
-  Op<void(float* dx, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS, int64_t row_stride, const int32_t* positions)>
+  Op<void(float* dx, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS,
+          int64_t row_stride, const int32_t* positions)>
       rope_backward{"rope_backward"};
 
   template <class F>

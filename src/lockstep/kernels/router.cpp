@@ -9,10 +9,16 @@
 namespace lockstep {
 
 RouterSpec::RouterSpec(const MoeConfig& c)
-    : E(c.num_experts), K(c.router_topk), sigmoid(c.router_score_function == "sigmoid"),
-      pre_softmax(c.router_pre_softmax), groups(c.router_num_groups), group_topk(c.router_group_topk),
-      scaling(static_cast<float>(c.router_topk_scaling_factor)), aux_coeff(c.aux_loss_coeff),
-      z_coeff(c.z_loss_coeff), capacity_factor(c.expert_capacity_factor),
+    : E(c.num_experts),
+      K(c.router_topk),
+      sigmoid(c.router_score_function == "sigmoid"),
+      pre_softmax(c.router_pre_softmax),
+      groups(c.router_num_groups),
+      group_topk(c.router_group_topk),
+      scaling(static_cast<float>(c.router_topk_scaling_factor)),
+      aux_coeff(c.aux_loss_coeff),
+      z_coeff(c.z_loss_coeff),
+      capacity_factor(c.expert_capacity_factor),
       drop_by_position(c.token_drop_policy == "position") {
   std::stringstream ss(c.router_load_balancing_type);
   std::string item;
@@ -68,7 +74,9 @@ AuxLosses aux_losses_of(const RouterStatistics& st, const RouterSpec& s, int64_t
     for (int64_t b = 0; b < B; ++b) {
       count += static_cast<double>(counts_seq[b * E + e]);
       p += psum[b * E + e];
-      if (s.seq_aux) out.seq_aux += switch_weight(s, static_cast<double>(counts_seq[b * E + e]), static_cast<double>(T)) * psum[b * E + e];
+      if (s.seq_aux)
+        out.seq_aux +=
+            switch_weight(s, static_cast<double>(counts_seq[b * E + e]), static_cast<double>(T)) * psum[b * E + e];
     }
     if (s.aux) out.aux += switch_weight(s, count, n) * p;
     if (s.global_aux) out.global_aux += switch_weight(s, global_counts[e], n_global) * p;
@@ -94,7 +102,8 @@ void aux_loss_weights(std::vector<double>& g, std::vector<double>& gseq, const R
                           switch_weight(s, static_cast<double>(counts_seq[b * E + e]), static_cast<double>(T));
     }
     if (s.aux) g[e] += s.aux_coeff * switch_weight(s, count, n);
-    if (s.global_aux) g[e] += s.aux_coeff * switch_weight(s, global_counts[e], n * static_cast<double>(s.global_replicas));
+    if (s.global_aux)
+      g[e] += s.aux_coeff * switch_weight(s, global_counts[e], n * static_cast<double>(s.global_replicas));
   }
 }
 

@@ -80,8 +80,7 @@ struct RouterOps {
   Op<void(int32_t* idx, float* probs, const float* logits, const float* expert_bias, const RouterSpec& s, int64_t N)>
       route_topk{"route_topk"};
   // dlogits (N, E) = d(probs)/d(logits)^T dprobs (assigned).
-  Op<void(float* dlogits, const float* dprobs, const float* logits, const int32_t* idx, const RouterSpec& s,
-          int64_t N)>
+  Op<void(float* dlogits, const float* dprobs, const float* logits, const int32_t* idx, const RouterSpec& s, int64_t N)>
       route_topk_backward{"route_topk_backward"};
   // kept (N, K): 1 where a choice survives the capacity (probs policy: an expert keeps its
   // `capacity` highest-weight choices, ties to the earlier token; position policy: its first

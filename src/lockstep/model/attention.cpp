@@ -2,23 +2,32 @@
 
 #include <cmath>
 
+#include "lockstep/core/trace.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/core/trace.h"
 
 namespace lockstep {
 
-AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix,
-                               const ModelConfig& m, int64_t B_, int64_t T_, const TensorParallel& tp_,
-                               const ContextParallel& cp_, const AttentionLayer* scratch_of)
-    : B(B_), T(T_), C(m.hidden_size), NH(m.num_heads / tp_.size), NKV(m.query_groups() / tp_.size), HS(m.head_dim()),
-      Tg(T_ * cp_.size), rope(m.position_embedding == "rope"), tp(tp_), cp(cp_) {
+AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
+                               int64_t B_, int64_t T_, const TensorParallel& tp_, const ContextParallel& cp_,
+                               const AttentionLayer* scratch_of)
+    : B(B_),
+      T(T_),
+      C(m.hidden_size),
+      NH(m.num_heads / tp_.size),
+      NKV(m.query_groups() / tp_.size),
+      HS(m.head_dim()),
+      Tg(T_ * cp_.size),
+      rope(m.position_embedding == "rope"),
+      tp(tp_),
+      cp(cp_) {
   const int64_t N = B * T;
   const float std = static_cast<float>(m.init_std);
   // Residual projections start smaller so the residual stream's variance does not grow with
   // depth (GPT-2, Megatron's scaled init): std / sqrt(2 * layers).
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
-  norm = Norm(ps, arena, prefix + "attn_norm", m.normalization == "rmsnorm", C, tp.rows(N), static_cast<float>(m.norm_eps));
+  norm = Norm(ps, arena, prefix + "attn_norm", m.normalization == "rmsnorm", C, tp.rows(N),
+              static_cast<float>(m.norm_eps));
   if (tp.sequence) norm.set_sequence_parallel(ps);
   const int64_t q = m.num_heads * HS, kv = m.query_groups() * HS;
   qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias, std);
@@ -46,9 +55,9 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   }
 }
 
-void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out,
-                             const float* resid_in, const float* rope_cos, const float* rope_sin,
-                             const int32_t* positions, const int32_t* doc_start) const {
+void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
+                             const float* rope_cos, const float* rope_sin, const int32_t* positions,
+                             const int32_t* doc_start) const {
   const int64_t N = B * T;
   norm.forward(ps, arena, arena(normed), resid_in, tp.rows(N));
   const float* x = enter_column_parallel(tp, tp.sequence ? arena(gathered) : nullptr, arena(normed), N, C);
@@ -70,10 +79,9 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   proj.forward_residual(ps, tp, resid_out, resid_in, arena(att), N, tp.on() ? arena(partial) : nullptr);
 }
 
-void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
-                              const float* resid_in, const float* rope_cos, const float* rope_sin,
-                              const AttentionScratch& s, const int32_t* positions,
-                              const int32_t* doc_start) const {
+void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
+                              const float* rope_cos, const float* rope_sin, const AttentionScratch& s,
+                              const int32_t* positions, const int32_t* doc_start) const {
   const int64_t N = B * T;
   // The full output gradient (gathered into dnorm, free until qkv's backward).
   const float* dy = leave_row_parallel_backward(tp, s.dnorm, dresid, N, C);
@@ -83,8 +91,10 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
     const int64_t segments = tp.token_segments ? tp.segments / B : 0;
     ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att),
                                               arena(lse), B, Tg, chunks, NH, NKV, HS, doc_start, segments);
-    if (segments) reduce_scatter_dkv_pieces(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
-    else reduce_scatter_dkv(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    if (segments)
+      reduce_scatter_dkv_pieces(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    else
+      reduce_scatter_dkv(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
     ps.device().ops.attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,

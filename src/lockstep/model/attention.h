@@ -25,23 +25,22 @@ struct AttentionScratch {
 
 struct AttentionLayer {
   AttentionLayer() = default;
-  AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                 int64_t B, int64_t T, const TensorParallel& tp = TensorParallel{},
-                 const ContextParallel& cp = ContextParallel{}, const AttentionLayer* scratch_of = nullptr);
+  AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t B, int64_t T,
+                 const TensorParallel& tp = TensorParallel{}, const ContextParallel& cp = ContextParallel{},
+                 const AttentionLayer* scratch_of = nullptr);
 
   // resid_out (N, C) = resid_in + proj(attention(qkv(norm(resid_in)))) (this rank's rows under
   // sequence parallelism).
   // positions (N) (RoPE) and doc_start (B, T) (attention): packed documents (data/documents.h);
   // null = plain positions and causal attention. Context parallelism: positions are the rows'
   // global positions (never null) and doc_start is over the whole sequence (B, seq_length).
-  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
-               const float* rope_cos, const float* rope_sin, const int32_t* positions = nullptr,
-               const int32_t* doc_start = nullptr) const;
+  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in, const float* rope_cos,
+               const float* rope_sin, const int32_t* positions = nullptr, const int32_t* doc_start = nullptr) const;
   // dresid (N, C) holds d(resid_out) and receives d(resid_in) (the skip passes it through; the
   // branch adds its part).
-  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
-                const float* rope_cos, const float* rope_sin, const AttentionScratch& s,
-                const int32_t* positions = nullptr, const int32_t* doc_start = nullptr) const;
+  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in, const float* rope_cos,
+                const float* rope_sin, const AttentionScratch& s, const int32_t* positions = nullptr,
+                const int32_t* doc_start = nullptr) const;
 
   int64_t qkv_width() const { return (NH + 2 * NKV) * HS; }
 
@@ -49,17 +48,19 @@ struct AttentionLayer {
   Linear qkv, proj;
   std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (core/trace.h)
   // The names forward traces, in order (core/trace.h).
-  void trace_names(std::vector<std::string>& out) const { out.insert(out.end(), {norm.name, qkv.name, core_name, proj.name}); }
+  void trace_names(std::vector<std::string>& out) const {
+    out.insert(out.end(), {norm.name, qkv.name, core_name, proj.name});
+  }
   int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;  // NH, NKV: this rank's heads and KV groups
-  int64_t Tg = 0;  // positions per sample of the whole sequence (T x cp)
+  int64_t Tg = 0;                                        // positions per sample of the whole sequence (T x cp)
   bool rope = false;
   TensorParallel tp;
   ContextParallel cp;
-  ArenaSlice kv;             // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
+  ArenaSlice kv;  // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
   // and the scratch of the gather / reduce-scatter, the full dK, dV: one for all layers (a layer's
   // forward or backward uses it within the call; the constructor's scratch_of shares another's)
   ArenaSlice cp_buf, dkv;
-  QueryChunks chunks;        // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
+  QueryChunks chunks;                    // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
 };

@@ -5,9 +5,9 @@
 
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/trace.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/data/documents.h"
-#include "lockstep/core/trace.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/kernels/rope.h"
 
@@ -21,15 +21,30 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
          const TensorParallel& tp, Communicator* ep, Communicator* etp, const StagePart& part,
          const ContextParallel& cp, Device* device)
-    : own_device_(device ? nullptr : Device::cpu()), device_(device ? device : own_device_.get()), m_(m), part_(part), tp_(tp), cp_(cp), B_(B), T_(cp.local(m.seq_length)), C_(m.hidden_size), V_(m.vocab_size),
-      L_(m.num_layers), N_(B * T_), Tg_(m.seq_length), Vl_(V_ / tp.size), Nl_(tp.rows(N_)) {
+    : own_device_(device ? nullptr : Device::cpu()),
+      device_(device ? device : own_device_.get()),
+      m_(m),
+      part_(part),
+      tp_(tp),
+      cp_(cp),
+      B_(B),
+      T_(cp.local(m.seq_length)),
+      C_(m.hidden_size),
+      V_(m.vocab_size),
+      L_(m.num_layers),
+      N_(B * T_),
+      Tg_(m.seq_length),
+      Vl_(V_ / tp.size),
+      Nl_(tp.rows(N_)) {
   params_.set_device(device_);
   arena_.set_allocator(&device_->memory());
   LOCKSTEP_CHECK(!cp_.on() || Tg_ % (2 * cp_.size) == 0, "context parallelism: seq_length ", Tg_,
                  " must split into 2 x ", cp_.size, " chunks");
   // config validate() names the keys; these guard other callers.
-  LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0, "vocabulary or tokens not divisible by the tensor-parallel size");
-  LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments, " not divisible by the tensor-parallel size");
+  LOCKSTEP_CHECK(V_ % tp_.size == 0 && N_ % tp_.size == 0,
+                 "vocabulary or tokens not divisible by the tensor-parallel size");
+  LOCKSTEP_CHECK(tp_.segments % tp_.size == 0, "layout segments ", tp_.segments,
+                 " not divisible by the tensor-parallel size");
   // determinism = "layout": the token sums' segments (ParamStore::token_segments).
   params_.set_layout_segments(tp_.segments, tp_.size, tp_.rank);
   if (part_.chunks.empty()) part_.chunks = {{0, L_}};
@@ -55,19 +70,22 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       layer_first_[l] = static_cast<int>(params_.specs().size());
       attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_, cp_scratch);
       cp_scratch = &attn_[l];
-      if (moe.is_moe_layer(l, L_)) moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp, cp_});
-      else mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
+      if (moe.is_moe_layer(l, L_))
+        moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp, cp_});
+      else
+        mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
       layer_end_[l] = static_cast<int>(params_.specs().size());
     }
   head_first_ = static_cast<int>(params_.specs().size());
   if (part_.last) {
-    final_norm_ = Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_,
-                       static_cast<float>(m.norm_eps));
+    final_norm_ =
+        Norm(params_, arena_, "final_norm", m.normalization == "rmsnorm", C_, Nl_, static_cast<float>(m.norm_eps));
     if (tp_.sequence) final_norm_.set_sequence_parallel(params_);
     head_wte_ = wte_;
     head_wpe_ = wpe_;
     if (copies && (m.tie_embeddings || m.mtp_num_layers > 0)) {
-      head_wte_ = part_.first ? params_.add_copy(wte_) : tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
+      head_wte_ =
+          part_.first ? params_.add_copy(wte_) : tp_.vocab_weight(params_, "embedding.word.weight", V_, C_, std);
       params_.set_stage_copy(head_wte_);
     }
     if (copies && m.mtp_num_layers > 0 && m.position_embedding == "learned") {
@@ -93,10 +111,11 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   if (params_.pieced() && !mtp_.empty())
     for (int i : {out_, head_wte_, head_wpe_}) {
       // The lookups of the first stage's embedding are combined by the hook (layout keeps copies).
-      LOCKSTEP_CHECK(i < 0 || (i != wte_ && i != wpe_), "MTP under context parallelism folds the head's embedding "
+      LOCKSTEP_CHECK(i < 0 || (i != wte_ && i != wpe_),
+                     "MTP under context parallelism folds the head's embedding "
                      "copies, not the embedding (StagePart::split_embedding)");
-      if (i >= 0 && std::find_if(folded_.begin(), folded_.end(), [i](const auto& f) { return f.first == i; }) ==
-                        folded_.end()) {
+      if (i >= 0 &&
+          std::find_if(folded_.begin(), folded_.end(), [i](const auto& f) { return f.first == i; }) == folded_.end()) {
         params_.set_folded(i);
         folded_.emplace_back(i, std::vector<float>(static_cast<size_t>(params_.specs()[i].shape.numel()), 0.0f));
       }
@@ -152,7 +171,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       for (const HeadChunk& chunk : head_plan_)
         for (const HeadStep& st : chunk.steps) {
           leaf = leaf || !st.whole;
-          if (st.push) head_first_level_ = std::min(head_first_level_, std::countr_zero(static_cast<uint64_t>(st.count)));
+          if (st.push)
+            head_first_level_ = std::min(head_first_level_, std::countr_zero(static_cast<uint64_t>(st.count)));
         }
       const int64_t levels = std::max<int64_t>(0, tree_sum_stack(per_piece) - head_first_level_);
       if (leaf) head_leaf_ = arena_.reserve_scratch((1 + levels) * Vl_ * C_);
@@ -168,7 +188,8 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   dnorm_ = arena_.reserve_scratch(N_ * C_);
   datt_ = arena_.reserve_scratch(N_ * C_);
   dqkv_ = arena_.reserve_scratch(N_ * qkvw);
-  dact_ = arena_.reserve_scratch(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
+  dact_ =
+      arena_.reserve_scratch(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
   dfc_ = arena_.reserve_scratch(N_ * fcw);
   if (!mtp_.empty()) {
     const int64_t D = static_cast<int64_t>(mtp_.size());
@@ -199,8 +220,12 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   }
   arena_.allocate();
   if (first_moe)
-    moe_scratch_ = MoeScratch{arena_(moe_dnorm_), arena_(moe_drouter_), arena_(moe_dlogits_), arena_(moe_dprobs_),
-                              arena_(moe_drows_), arena_(moe_drows_in_),
+    moe_scratch_ = MoeScratch{arena_(moe_dnorm_),
+                              arena_(moe_drouter_),
+                              arena_(moe_dlogits_),
+                              arena_(moe_dprobs_),
+                              arena_(moe_drows_),
+                              arena_(moe_drows_in_),
                               ExpertsScratch{arena_(moe_dact_), arena_(moe_dfc_)},
                               SharedExpertScratch{arena_(sh_dout_), arena_(sh_dact_), arena_(sh_dfc_), arena_(sh_dx_)}};
   order_.resize(static_cast<size_t>(N_));
@@ -284,9 +309,11 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     // Tensor parallelism: each rank looks up the tokens of its vocabulary range.
     if (tp_.on())
       vocab_parallel_embedding(device_->ops, tp_, arena_(resid_[0]), arena_(emb_partial_), local_tokens_.data(), tokens,
-                               params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_, C_, V_);
-    else device_->ops.embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_),
-                                        wpe_ >= 0 ? params_.weight(wpe_) : nullptr, B_, T_, C_, V_, positions(), Tg_);
+                               params_.weight(wte_), wpe_ >= 0 ? params_.weight(wpe_) : nullptr, positions(), N_, T_,
+                               C_, V_);
+    else
+      device_->ops.embedding_forward(arena_(resid_[0]), tokens, params_.weight(wte_),
+                                     wpe_ >= 0 ? params_.weight(wpe_) : nullptr, B_, T_, C_, V_, positions(), Tg_);
     precision_.round(arena_(resid_[0]), Nl_ * C_);
     trace_out("embedding", arena_(resid_[0]), Nl_ * C_);
   }
@@ -329,7 +356,7 @@ void GPT::need_params(int first, int end, bool stale) {
 // segments of seg's piece that the chunk holds (a whole piece, or one pushed through the piece's
 // tree), or a part of a long segment. wseg: the S + 1 segment bounds, per_piece segments a piece.
 std::vector<GPT::HeadChunk> GPT::plan_head(int64_t N, int64_t head_rows, const std::vector<int64_t>& wseg,
-                                            int64_t per_piece) {
+                                           int64_t per_piece) {
   std::vector<HeadChunk> plan;
   const auto at = [&](int64_t k) { return wseg[static_cast<size_t>(k)]; };
   int64_t seg = 0;
@@ -413,8 +440,10 @@ void GPT::head(const float* x_rows, const int32_t* targets, float* dx, bool back
     if (tp_.on() || tp_.layout())
       vocab_parallel_cross_entropy(ops, tp_, losses + r0, logits, targets + r0, rows, V_, V, backward, grad_scale,
                                    loss_scratch_);
-    else if (!backward) ops.cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
-    else ops.cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
+    else if (!backward)
+      ops.cross_entropy_forward(losses + r0, logits, targets + r0, rows, V, V);
+    else
+      ops.cross_entropy_forward_backward(losses + r0, logits, targets + r0, rows, V, V, grad_scale);
     if (!backward) return;
     precision_.round(logits, rows * V);
     gemm_f32(ops, dfull + r0 * C_, logits, Trans::N, w, Trans::N, rows, C_, V, dgrad);
@@ -470,7 +499,10 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   const double weight = m_.mtp_loss_scaling_factor / static_cast<double>(D);
   float* dh = arena_(mtp_dh_);
   float* dnext = arena_(mtp_dnext_);
-  const MtpScratch s{arena_(mtp_dx_), arena_(mtp_de_), arena_(mtp_dhn_), arena_(mtp_demb_),
+  const MtpScratch s{arena_(mtp_dx_),
+                     arena_(mtp_de_),
+                     arena_(mtp_dhn_),
+                     arena_(mtp_demb_),
                      MlpScratch{arena_(dnorm_), arena_(dact_), arena_(dfc_)},
                      AttentionScratch{arena_(dnorm_), arena_(datt_), arena_(dqkv_)}};
   std::vector<double> depth_loss(static_cast<size_t>(D), 0.0);
@@ -565,10 +597,12 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
   for (int64_t l = l1 - 1; l >= l0; --l) {
-    if (moe_[l]) moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
-    else mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
-    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as,
-                      positions(), doc_start());
+    if (moe_[l])
+      moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
+    else
+      mlp_[l].backward(params_, arena_, dresid, arena_(mid_[l]), ms);
+    attn_[l].backward(params_, arena_, dresid, arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(), as, positions(),
+                      doc_start());
     if (grads_ready_) grads_ready_(layer_first_[l], layer_end_[l]);
   }
   if (part_.first && c == 0) {
@@ -613,8 +647,10 @@ std::vector<std::string> GPT::module_names() const {
   for (const auto& [l0, l1] : part_.chunks)
     for (int64_t l = l0; l < l1; ++l) {
       attn_[l].trace_names(names);
-      if (moe_[l]) moe_[l]->trace_names(names);
-      else mlp_[l].trace_names(names);
+      if (moe_[l])
+        moe_[l]->trace_names(names);
+      else
+        mlp_[l].trace_names(names);
     }
   if (part_.last) {
     names.push_back(final_norm_.name);
@@ -634,8 +670,10 @@ double GPT::flops_per_token() const {
     if (layer_first_[l] < 0) continue;
     ++attn_layers;
     matmul += tp * static_cast<double>(attn_[l].qkv.in * attn_[l].qkv.out + attn_[l].proj.in * attn_[l].proj.out);
-    if (moe_[l]) matmul += moe_[l]->matmul_params_per_token();
-    else matmul += tp * static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
+    if (moe_[l])
+      matmul += moe_[l]->matmul_params_per_token();
+    else
+      matmul += tp * static_cast<double>(mlp_[l].fc.in * mlp_[l].fc.out + mlp_[l].proj.in * mlp_[l].proj.out);
   }
   for (const auto& d : mtp_)
     matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
@@ -669,7 +707,8 @@ void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_firs
   for (const Precision::NamedHistory& h : precision_.amax_histories()) {
     const int64_t H = static_cast<int64_t>(h.history->amax.size());
     const bool writer = h.expert ? edp_first && etp_first : dp_first && tp_first;
-    out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
+    out.push_back(
+        whole_tensor("buffer/fp8." + h.global_name + ".amax_history", Shape{H}, h.history->amax.data(), writer));
     out.push_back(whole_tensor("buffer/fp8." + h.global_name + ".scale", Shape{1}, &h.history->scale, writer));
   }
 }
@@ -692,8 +731,9 @@ uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_
   for (size_t i = 0; i < ps.specs().size(); ++i) {
     const size_t n = 2 * hash_block_count(static_cast<size_t>(ps.specs()[i].shape.numel()) * sizeof(float));
     LOCKSTEP_CHECK(at + n <= param_blocks.size(), "parameter block hashes for another table");
-    if (keep(i)) pairs.insert(pairs.end(), param_blocks.begin() + static_cast<std::ptrdiff_t>(at),
-                              param_blocks.begin() + static_cast<std::ptrdiff_t>(at + n));
+    if (keep(i))
+      pairs.insert(pairs.end(), param_blocks.begin() + static_cast<std::ptrdiff_t>(at),
+                   param_blocks.begin() + static_cast<std::ptrdiff_t>(at + n));
     at += n;
   }
   LOCKSTEP_CHECK(at == param_blocks.size(), "parameter block hashes for another table");
@@ -709,11 +749,13 @@ uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_
 }  // namespace
 
 uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks) const {
-  return combine_state(params_, param_blocks, [](size_t) { return true; }, moe_, true);
+  return combine_state(
+      params_, param_blocks, [](size_t) { return true; }, moe_, true);
 }
 
 uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks, bool experts) const {
-  return combine_state(params_, param_blocks, [&](size_t i) { return params_.specs()[i].expert == experts; }, moe_, !experts);
+  return combine_state(
+      params_, param_blocks, [&](size_t i) { return params_.specs()[i].expert == experts; }, moe_, !experts);
 }
 
 }  // namespace lockstep

@@ -49,11 +49,11 @@
 #include "lockstep/model/moe/moe_layer.h"
 #include "lockstep/model/mtp.h"
 #include "lockstep/model/norm.h"
-#include "lockstep/tensor/param_table.h"
-#include "lockstep/tensor/precision.h"
 #include "lockstep/parallel/context_parallel.h"
 #include "lockstep/parallel/pipeline/stage.h"
 #include "lockstep/parallel/tensor_parallel.h"
+#include "lockstep/tensor/param_table.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 
@@ -155,7 +155,9 @@ class GPT final : public PipelineStage {
   int num_chunks() const override { return static_cast<int>(part_.chunks.size()); }
   void select_slot(int k) override;
   float* chunk_input(int c) override { return arena_(resid_[static_cast<size_t>(part_.chunks[c].first)]); }
-  const float* chunk_output(int c) const override { return arena_(resid_[static_cast<size_t>(part_.chunks[c].second)]); }
+  const float* chunk_output(int c) const override {
+    return arena_(resid_[static_cast<size_t>(part_.chunks[c].second)]);
+  }
   float* chunk_output_grad(int c) override { return arena_(grad_in_[static_cast<size_t>(c)]); }
   const float* chunk_input_grad() const override { return arena_(dresid_); }
   int64_t activation_floats() const override { return Nl_ * C_; }
@@ -237,7 +239,7 @@ class GPT final : public PipelineStage {
   ContextParallel cp_;
   int64_t B_, T_, C_, V_, L_, N_;  // T_: positions per sample this rank holds (seq_length / cp)
   int64_t Tg_;                     // seq_length
-  int64_t Vl_, Nl_;  // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
+  int64_t Vl_, Nl_;    // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
   int64_t head_rows_;  // rows of logits per chunk
   // determinism = "layout": the canonical vocabulary segments of the head's input gradient
   // (TensorParallel::k_segments over V; empty under "run").
@@ -250,7 +252,7 @@ class GPT final : public PipelineStage {
   // wte_, wpe_.
   int head_wte_ = -1, head_wpe_ = -1;
   std::vector<AttentionLayer> attn_;
-  std::vector<MlpLayer> mlp_;                  // dense layers (default-constructed on MoE layers)
+  std::vector<MlpLayer> mlp_;                   // dense layers (default-constructed on MoE layers)
   std::vector<std::unique_ptr<MoeLayer>> moe_;  // MoE layers (null on dense layers)
   Norm final_norm_;
   std::vector<float> rope_cos_, rope_sin_;

@@ -2,10 +2,10 @@
 
 #include <cstring>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 
@@ -52,11 +52,12 @@ void Linear::forward(const ParamStore& ps, float* y, const float* x, int64_t N) 
   trace_out(name, y, N * out);
 }
 
-void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x,
-                              int64_t N) const {
+void Linear::forward_residual(const ParamStore& ps, float* y, const float* residual, const float* x, int64_t N) const {
   const Ops& ops = ps.device().ops;
-  if (b >= 0) ops.add_bias_rows(y, residual, ps.weight(b), 0.0f, nullptr, N, out);
-  else if (y != residual) ops.copy(y, residual, N * out);
+  if (b >= 0)
+    ops.add_bias_rows(y, residual, ps.weight(b), 0.0f, nullptr, N, out);
+  else if (y != residual)
+    ops.copy(y, residual, N * out);
   GemmOptions opt;
   opt.accumulate = true;
   opt.k_segments = fprop_segments;

@@ -15,8 +15,8 @@
 #include <string>
 #include <vector>
 
-#include "lockstep/tensor/param_table.h"
 #include "lockstep/parallel/tensor_parallel.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 
@@ -40,8 +40,8 @@ struct Linear {
   // Row-parallel forward_residual: y (this rank's rows of the residual stream, out) = residual + b +
   // the sum over the tensor-parallel group of x W^T (partial: (N, out) scratch; y must not alias
   // residual).
-  void forward_residual(const ParamStore& ps, const TensorParallel& tp, float* y, const float* residual,
-                        const float* x, int64_t N, float* partial) const;
+  void forward_residual(const ParamStore& ps, const TensorParallel& tp, float* y, const float* residual, const float* x,
+                        int64_t N, float* partial) const;
   // dx (N, in) = dy W (assigned); dW += dy^T x; db += column sums of dy (in token segments when the
   // bias is a token sum under determinism = "layout": ParamStore::token_segments).
   void backward(const ParamStore& ps, float* dx, const float* dy, const float* x, int64_t N) const;

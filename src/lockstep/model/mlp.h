@@ -35,7 +35,9 @@ struct MlpLayer {
   Linear fc, proj;
   std::string act_name;  // "<prefix>mlp.act", for the trace (core/trace.h)
   // The names forward traces, in order (core/trace.h).
-  void trace_names(std::vector<std::string>& out) const { out.insert(out.end(), {norm.name, fc.name, act_name, proj.name}); }
+  void trace_names(std::vector<std::string>& out) const {
+    out.insert(out.end(), {norm.name, fc.name, act_name, proj.name});
+  }
   int64_t N = 0, C = 0, F = 0;  // F: this rank's hidden units
   bool swiglu = false;
   TensorParallel tp;

@@ -2,10 +2,10 @@
 
 #include <cstring>
 
-#include "lockstep/kernels/device.h"
-#include "lockstep/core/tree_sum.h"
-#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
+#include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 
@@ -34,8 +34,8 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
   if (tp.on()) emb_partial = arena.reserve(N * C);
 }
 
-void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev,
-                       int wte, int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
+void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
+                       int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
                        const float* rope_sin, int32_t* local_tokens) const {
   const Precision& p = ps.precision();
   const Ops& ops = ps.device().ops;

@@ -40,10 +40,10 @@
 namespace lockstep {
 
 struct MtpScratch {
-  float* dx;     // (N, C) gradient of the depth's residual stream
-  float* de;     // (N, C) d(enorm output)
-  float* dhn;    // (N, C) d(hnorm output)
-  float* demb;   // (N, C) d(embedding)
+  float* dx;    // (N, C) gradient of the depth's residual stream
+  float* de;    // (N, C) d(enorm output)
+  float* dhn;   // (N, C) d(hnorm output)
+  float* demb;  // (N, C) d(embedding)
   MlpScratch mlp;
   AttentionScratch attn;
 };
@@ -56,9 +56,9 @@ struct MtpLayer {
            const TensorParallel& tp = TensorParallel{}, const ContextParallel& cp = ContextParallel{});
 
   // tokens_k (N): the inputs t_{i+k}. h_prev (N, C): h_{k-1}. Writes h_k (out()).
-  void forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
-               int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
-               const float* rope_sin, int32_t* local_tokens = nullptr) const;
+  void forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte, int wpe,
+               const int32_t* positions, const int32_t* doc_start, const float* rope_cos, const float* rope_sin,
+               int32_t* local_tokens = nullptr) const;
   // dh (N, C): d(h_k) (clobbered). dh_prev (N, C) += d(h_{k-1}); parameter gradients (the shared
   // embedding's too) accumulate. order: (N) scratch for the embedding's segment sums.
   void backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
@@ -71,7 +71,7 @@ struct MtpLayer {
   int64_t B = 0, T = 0, N = 0, C = 0, V = 0;
   int64_t Tg = 0;  // positions per sample of the whole sequence (the position embedding's rows)
   Norm enorm, hnorm, final_norm;
-  int proj_w = -1;  // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
+  int proj_w = -1;        // (C, 2C): columns [0, C) act on e, [C, 2C) on hnorm(h_{k-1})
   std::string proj_name;  // "mtp.layers.<k-1>.eh_proj", for the trace (core/trace.h)
   // The names forward traces, in order (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {

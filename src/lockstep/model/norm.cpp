@@ -1,8 +1,8 @@
 #include "lockstep/model/norm.h"
 
+#include "lockstep/core/trace.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/core/trace.h"
 
 namespace lockstep {
 
@@ -25,14 +25,16 @@ void Norm::set_sequence_parallel(ParamStore& ps) const {
 
 void Norm::forward(const ParamStore& ps, const Arena& arena, float* out, const float* inp, int64_t N) const {
   const Ops& ops = ps.device().ops;
-  if (rms) ops.rmsnorm_forward(out, arena(rstd), inp, ps.weight(w), N, C, eps);
-  else ops.layernorm_forward(out, arena(mean), arena(rstd), inp, ps.weight(w), ps.weight(b), N, C, eps);
+  if (rms)
+    ops.rmsnorm_forward(out, arena(rstd), inp, ps.weight(w), N, C, eps);
+  else
+    ops.layernorm_forward(out, arena(mean), arena(rstd), inp, ps.weight(w), ps.weight(b), N, C, eps);
   ps.precision().round(out, N * C);
   trace_out(name, out, N * C);
 }
 
-void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
-                    const float* inp, int64_t N) const {
+void Norm::backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout, const float* inp,
+                    int64_t N) const {
   const Ops& ops = ps.device().ops;
   const int64_t segments = ps.token_segments(w);
   // Under context parallelism each piece of the rank's rows separately (ParamStore::token_pieces).

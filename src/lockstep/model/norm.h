@@ -21,8 +21,8 @@ struct Norm {
   // dinp += d(norm)/d(inp) applied to dout; parameter gradients accumulate, under determinism =
   // "layout" in token segments (the weight and bias are GradRole::token_sum: norms.h,
   // ParamStore::token_segments).
-  void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout,
-                const float* inp, int64_t N) const;
+  void backward(const ParamStore& ps, const Arena& arena, float* dinp, const float* dout, const float* inp,
+                int64_t N) const;
 
   std::string name;  // parameter prefix and trace name (core/trace.h)
   bool rms = false;

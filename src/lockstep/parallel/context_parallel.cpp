@@ -8,16 +8,19 @@
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
-#include "lockstep/kernels/device.h"
 #include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
 
 namespace lockstep {
 
 ContextParallel::ContextParallel(Communicator* group, Communicator* tp_cp)
-    : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1), sequence_group(tp_cp),
+    : comm(group),
+      rank(group ? group->rank() : 0),
+      size(group ? group->size() : 1),
+      sequence_group(tp_cp),
       sequence_tp(tp_cp ? tp_cp->size() / size : 1) {
   LOCKSTEP_CHECK(!tp_cp || (tp_cp->size() % size == 0 && tp_cp->rank() / sequence_tp == rank &&
-                             tp_cp->rank() == rank * sequence_tp + tp_cp->rank() % sequence_tp),
+                            tp_cp->rank() == rank * sequence_tp + tp_cp->rank() % sequence_tp),
                  "context parallelism: rank ", tp_cp ? tp_cp->rank() : 0, " of a tp x cp group of ",
                  tp_cp ? tp_cp->size() : 0, " is not cp rank ", rank, " of ", size, " (tp the faster)");
 }
@@ -52,8 +55,8 @@ void ContextParallel::take_local(int32_t* local, const int32_t* global, int64_t 
 namespace {
 // Rank r's local rows (B, T / size, W) to their global positions in (B, T, W) (to_global: dst is
 // the global tensor, src the local rows), or back (dst local, src global).
-void move_rows(const Ops& ops, const ContextParallel& cp, int r, float* dst, const float* src, bool to_global, int64_t B,
-               int64_t T, int64_t W) {
+void move_rows(const Ops& ops, const ContextParallel& cp, int r, float* dst, const float* src, bool to_global,
+               int64_t B, int64_t T, int64_t W) {
   const QueryChunks ch = cp.chunks(T, r);
   const int64_t Tl = cp.local(T);
   // Each sample's chunks, a block of rows each: local row l (consecutive) <-> global row b T + begin.
@@ -67,8 +70,10 @@ void move_rows(const Ops& ops, const ContextParallel& cp, int r, float* dst, con
     }
   LOCKSTEP_CHECK(local.empty() || local.back() + rows.back() == B * Tl, "context parallelism: chunks of ", Tl, " rows");
   const auto blocks = static_cast<int64_t>(rows.size());
-  if (to_global) ops.copy_row_blocks(dst, global.data(), src, local.data(), rows.data(), blocks, W);
-  else ops.copy_row_blocks(dst, local.data(), src, global.data(), rows.data(), blocks, W);
+  if (to_global)
+    ops.copy_row_blocks(dst, global.data(), src, local.data(), rows.data(), blocks, W);
+  else
+    ops.copy_row_blocks(dst, local.data(), src, global.data(), rows.data(), blocks, W);
 }
 }  // namespace
 
@@ -79,8 +84,8 @@ void all_gather_sequence(const Ops& ops, const ContextParallel& cp, float* globa
   for (int r = 0; r < cp.size; ++r) move_rows(ops, cp, r, global, buf + r * n, true, B, T, W);
 }
 
-void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
-               int64_t NKV, int64_t HS) {
+void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T,
+               int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // This rank's K and V columns, packed (B, Tl, KV); then every rank's block into its positions.
@@ -88,8 +93,8 @@ void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf,
   all_gather_sequence(ops, cp, kv, buf, mine, B, T, KV);
 }
 
-void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
-                        int64_t NH, int64_t NKV, int64_t HS) {
+void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+                        int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV;
   float* mine = buf + cp.size * n;
   // Block r: this rank's contributions to rank r's rows, in rank r's local order.
@@ -98,15 +103,16 @@ void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, 
   ops.copy_rows(dqkv + NH * HS, C3, mine, KV, B * Tl, KV);
 }
 
-void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
-                               int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
+void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t KV = 2 * NKV * HS, C3 = (NH + 2 * NKV) * HS, Tl = cp.local(T), n = B * Tl * KV, P = cp.size;
   float* send = buf;
   float* recv = send + 2 * P * n;
   float* mine = recv + 2 * P * n;
   // Block (r, e): this rank's chunk e's tree (early, late) at rank r's rows, in rank r's local order.
   for (int r = 0; r < P; ++r)
-    for (int64_t e = 0; e < 2; ++e) move_rows(ops, cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
+    for (int64_t e = 0; e < 2; ++e)
+      move_rows(ops, cp, r, send + (2 * r + e) * n, dkv + e * B * T * KV, false, B, T, KV);
   cp.comm->all_to_all(recv, send, 2 * n);
   // Chunk c's tree came from its holder's early or late block (chunk_holder); the canonical tree
   // over the 2P chunks in position order is the one-process tree over the query segments.
@@ -133,8 +139,8 @@ namespace {
 // the keepers) and out zeroed instead. clear: pieces 1 .. K - 1 zeroed after (the gradient's pieces,
 // for the next micro-batch).
 template <class PieceAt, class Leaf>
-void combine_pieces(const Ops& ops, Communicator& group, const PieceAt& piece, float* out_all, int64_t total, int64_t K, int64_t L,
-                    int keepers, const Leaf& leaf, std::vector<float>& scratch, float* acc, bool clear) {
+void combine_pieces(const Ops& ops, Communicator& group, const PieceAt& piece, float* out_all, int64_t total, int64_t K,
+                    int64_t L, int keepers, const Leaf& leaf, std::vector<float>& scratch, float* acc, bool clear) {
   LOCKSTEP_CHECK(L <= 2 * kMaxContext && std::has_single_bit(static_cast<uint64_t>(L)), "context parallelism: ", L,
                  " token pieces");
   const int64_t R = group.size();
@@ -210,15 +216,17 @@ void combine_param_pieces(Communicator& group, ParamStore& ps, int first, int en
   const auto& specs = ps.specs();
   const int64_t lo = specs[first].offset;
   const int64_t hi = end < static_cast<int>(specs.size()) ? specs[end].offset : ps.total();
-  combine_pieces(ps.device().ops, group, [&](int64_t k) { return ps.grad_piece(first, k); }, ps.grad(first), hi - lo, K, L, keepers,
-                 leaf, scratch, acc, true);
+  combine_pieces(
+      ps.device().ops, group, [&](int64_t k) { return ps.grad_piece(first, k); }, ps.grad(first), hi - lo, K, L,
+      keepers, leaf, scratch, acc, true);
 }
 }  // namespace
 
 void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K,
                          int64_t L, const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf,
                          std::vector<float>& scratch) {
-  combine_pieces(ops, group, [pieces](int64_t k) { return pieces[k]; }, out, n, K, L, 1, leaf, scratch, nullptr, false);
+  combine_pieces(
+      ops, group, [pieces](int64_t k) { return pieces[k]; }, out, n, K, L, 1, leaf, scratch, nullptr, false);
 }
 
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g) {
@@ -261,15 +269,17 @@ void fold_token_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* 
   LOCKSTEP_CHECK(!ps.sequence_tp(i) && ps.token_pieces(i) == ps.chunk_pieces(), "context parallelism: parameter ",
                  ps.specs()[static_cast<size_t>(i)].name, " folds the cp rank's whole rows");
   const int64_t P = cp.size, C = ps.chunk_pieces();
-  combine_param_pieces(*cp.comm, ps, i, i + 1, C, P * C, 1, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); },
-                       scratch, acc);
+  combine_param_pieces(
+      *cp.comm, ps, i, i + 1, C, P * C, 1, [P, C](int64_t g) { return unit_holder(P, 1, C, 1, g); }, scratch, acc);
 }
 
 void finish_folded_pieces(const ContextParallel& cp, ParamStore& ps, int i, float* acc) {
   const int64_t n = ps.specs()[static_cast<size_t>(i)].shape.numel();
   const Ops& ops = ps.device().ops;
-  if (cp.rank == 0) ops.copy(ps.grad(i), acc, n);
-  else ops.fill(ps.grad(i), n, -0.0f);
+  if (cp.rank == 0)
+    ops.copy(ps.grad(i), acc, n);
+  else
+    ops.fill(ps.grad(i), n, -0.0f);
   ops.fill(acc, n, 0.0f);
 }
 

@@ -75,19 +75,19 @@ void all_gather_sequence(const Ops& ops, const ContextParallel& cp, float* globa
                          int64_t B, int64_t T, int64_t W);
 // kv (B, T, 2 NKV HS) <- every rank's key and value heads of its local rows of qkv (B, T / size,
 // (NH + 2 NKV) HS), placed at their global positions. buf: (size + 1) x B x T / size x 2 NKV HS.
-void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T, int64_t NH,
-               int64_t NKV, int64_t HS);
+void gather_kv(const Ops& ops, const ContextParallel& cp, float* kv, float* buf, const float* qkv, int64_t B, int64_t T,
+               int64_t NH, int64_t NKV, int64_t HS);
 // The key and value columns of dqkv (B, T / size, ...) <- the sum over the group, in rank order, of
 // each rank's dkv (B, T, 2 NKV HS) at this rank's positions. buf as above.
-void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B, int64_t T,
-                        int64_t NH, int64_t NKV, int64_t HS);
+void reduce_scatter_dkv(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
+                        int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 // determinism = "layout" with layout_token_segments: dkv (2, B, T, 2 NKV HS) holds this rank's two
 // chunks' trees over their query segments (attention_backward_chunks with query_segments), each a
 // subtree of a sample's tree; every rank sends both to each rank's rows (an all-to-all of twice the
 // reduce-scatter's blocks) and sums the 2 size chunks' trees along the canonical tree in position
 // order: the one-process dK, dV bits. buf: dkv_pieces_buffer floats.
-void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv, int64_t B,
-                               int64_t T, int64_t NH, int64_t NKV, int64_t HS);
+void reduce_scatter_dkv_pieces(const Ops& ops, const ContextParallel& cp, float* dqkv, float* buf, const float* dkv,
+                               int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS);
 int64_t dkv_pieces_buffer(const ContextParallel& cp, int64_t B, int64_t T, int64_t NKV, int64_t HS);
 
 // determinism = "layout" with layout_token_segments, per micro-batch (the grads-ready hook, before
@@ -118,8 +118,9 @@ void combine_token_pieces(const ContextParallel& cp, ParamStore& ps, int first, 
 // group rank holding leaf g, its piece there}; group rank 0 writes the root to out (not a piece), the
 // others -0. The pieces are left as they are. (The MoE experts' partners under context parallelism,
 // model/moe/experts.h.)
-void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K, int64_t L,
-                         const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf, std::vector<float>& scratch);
+void combine_held_pieces(const Ops& ops, Communicator& group, float* out, float* const* pieces, int64_t n, int64_t K,
+                         int64_t L, const std::function<std::pair<int64_t, int64_t>(int64_t)>& leaf,
+                         std::vector<float>& scratch);
 // The same for one parameter that gets several token-segment trees per micro-batch (GradRole::Pieces::model_folds:
 // one process adds them into the gradient one after another, each the tree over its segments), called
 // after each tree: its pieces are combined as above and the sum added into acc (the parameter's

@@ -13,8 +13,7 @@ namespace lockstep {
 
 DataParallel::DataParallel(ParamStore& ps, Communicator& dense, Communicator& expert, const DdpConfig& ddp,
                            bool distributed)
-    : ps_(ps), dense_(dense), expert_(expert), ddp_(ddp), distributed_(distributed),
-      bucket_of_(ps.specs().size(), -1) {
+    : ps_(ps), dense_(dense), expert_(expert), ddp_(ddp), distributed_(distributed), bucket_of_(ps.specs().size(), -1) {
   const std::vector<ParamSpec>& specs = ps.specs();
   // Fill one open bucket per buffer from the end of the table; close it once it is big enough.
   std::vector<Bucket> open(2);
@@ -197,7 +196,7 @@ void DataParallel::set_layout(int64_t micros, Communicator* world, bool experts_
     const bool experts = experts_summed && b.comm == &expert_;
     b.pieced = experts ? !expert_blocks_.empty() : !blocks_.empty();
     b.packed_pieces.clear();
-    const int64_t K = experts                                  ? (expert_keeps_ ? expert_held_ + 1 : 0)
+    const int64_t K = experts                                ? (expert_keeps_ ? expert_held_ + 1 : 0)
                       : b.comm == &expert_ && !expert_keeps_ ? 0
                       : b.comm == &dense_ && !dense_keeps_   ? 0
                                                              : tree_.pieces();
@@ -276,8 +275,10 @@ void DataParallel::copy_bucket(const Bucket& b, float* table, float* packed, Int
     float* t = table + ps_.specs()[b.params[i]].offset;
     float* p = packed + b.at[i];
     const int64_t n = ps_.specs()[b.params[i]].shape.numel();
-    if (into == Into::packed) ps_.device().ops.copy(p, t, n);
-    else ps_.device().ops.copy(t, p, n);
+    if (into == Into::packed)
+      ps_.device().ops.copy(p, t, n);
+    else
+      ps_.device().ops.copy(t, p, n);
   }
 }
 
@@ -287,8 +288,10 @@ void DataParallel::copy_chunk(Bucket& b, float* table, Into into) const {
     const size_t i = static_cast<size_t>(std::find(b.params.begin(), b.params.end(), r.param) - b.params.begin());
     float* t = table + ps_.specs()[r.param].offset + r.begin;
     float* c = b.chunk_buf.data() + (b.at[i] + r.begin - lo);
-    if (into == Into::packed) ps_.device().ops.copy(c, t, r.end - r.begin);
-    else ps_.device().ops.copy(t, c, r.end - r.begin);
+    if (into == Into::packed)
+      ps_.device().ops.copy(c, t, r.end - r.begin);
+    else
+      ps_.device().ops.copy(t, c, r.end - r.begin);
   }
 }
 
@@ -306,8 +309,9 @@ void DataParallel::post(Bucket& b) {
     return;
   }
   copy_bucket(b, ps_.grads(), Into::packed);
-  b.work = distributed_ && !b.full ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
-                        : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
+  b.work = distributed_ && !b.full
+               ? b.comm->reduce_scatter_async(b.chunk_buf.data(), b.packed.data(), b.chunk, reduce_op())
+               : b.comm->all_reduce_async(b.packed.data(), b.size, reduce_op());
 }
 
 std::vector<float*> DataParallel::expert_pieces() {
@@ -358,8 +362,10 @@ void DataParallel::finish_grad_sync() {
     b.posted = false;
     if (b.comm->size() == 1) continue;
     b.work.wait();
-    if (distributed_ && !b.full) copy_chunk(b, ps_.grads(), Into::table);
-    else if (b.in_place < 0) copy_bucket(b, ps_.grads(), Into::table);
+    if (distributed_ && !b.full)
+      copy_chunk(b, ps_.grads(), Into::table);
+    else if (b.in_place < 0)
+      copy_bucket(b, ps_.grads(), Into::table);
   }
   armed_ = false;
 }
@@ -393,7 +399,8 @@ double DataParallel::grad_norm() {
   double part[2] = {0, 0};  // dense, expert
   for (const bool expert : {false, true}) {
     Communicator& comm = expert ? expert_ : dense_;
-    const bool any = std::any_of(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return (b.comm == &expert_) == expert; });
+    const bool any =
+        std::any_of(buckets_.begin(), buckets_.end(), [&](const Bucket& b) { return (b.comm == &expert_) == expert; });
     if (!any) continue;
     const int P = comm.size();
     std::vector<double> chunks(static_cast<size_t>(P));

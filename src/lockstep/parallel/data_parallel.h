@@ -53,12 +53,11 @@
 #include "lockstep/config/config.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/core/tree_sum.h"
-#include "lockstep/tensor/param_table.h"
 #include "lockstep/parallel/reduction/expert_tp_sum.h"
 #include "lockstep/parallel/reduction/micro_batch_tree.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
-
 
 class DataParallel {
  public:
@@ -181,20 +180,20 @@ class DataParallel {
  private:
   struct Bucket {
     Communicator* comm = nullptr;
-    std::vector<int> params;     // table indices, ascending
-    std::vector<int64_t> at;     // each parameter's offset in the packed bucket
-    int64_t size = 0, chunk = 0; // packed elements; elements per rank (padded size = chunk x P)
+    std::vector<int> params;       // table indices, ascending
+    std::vector<int64_t> at;       // each parameter's offset in the packed bucket
+    int64_t size = 0, chunk = 0;   // packed elements; elements per rank (padded size = chunk x P)
     std::vector<ParamRange> mine;  // this rank's chunk as parameter ranges
-    int pending = 0;             // parameters not yet final this step
+    int pending = 0;               // parameters not yet final this step
     bool posted = false;
-    bool gathering = false;      // an all-gather of its parameters is in flight
-    bool full = false;           // all-reduced even under the distributed optimizer (set_full_grads)
+    bool gathering = false;                    // an all-gather of its parameters is in flight
+    bool full = false;                         // all-reduced even under the distributed optimizer (set_full_grads)
     int64_t in_place = -1, in_place_size = 0;  // replicated, consecutive parameters: the span of
                                                // ps.grads() reduced where it lies; -1 = packed
-    FloatBuffer packed;          // (chunk x P)
-    bool pieced = false;         // layout mode, reduced as pieces (set_layout)
-    std::vector<FloatBuffer> packed_pieces;  // pieced and packed: pieces 0 .. K-2 (chunk x P each)
-    FloatBuffer chunk_buf;       // (chunk) reduce-scatter output / all-gather input
+    FloatBuffer packed;                        // (chunk x P)
+    bool pieced = false;                       // layout mode, reduced as pieces (set_layout)
+    std::vector<FloatBuffer> packed_pieces;    // pieced and packed: pieces 0 .. K-2 (chunk x P each)
+    FloatBuffer chunk_buf;                     // (chunk) reduce-scatter output / all-gather input
     Work work;
   };
   // Rank r's chunk of bucket b as parameter ranges.
@@ -222,7 +221,7 @@ class DataParallel {
   std::vector<int64_t> blocks_;  // pieced: the dense group's blocks of micro-batches (P + 1 bounds)
   // experts_summed and pieced: the expert group's blocks, and this rank's pieces but the last
   std::vector<int64_t> expert_blocks_;
-  std::vector<FloatBuffer> expert_pieces_;  // the tables beyond the dense tree's held pieces
+  std::vector<FloatBuffer> expert_pieces_;      // the tables beyond the dense tree's held pieces
   int64_t expert_first_ = 0, expert_held_ = 0;  // expert_held_: this rank's expert pieces but the last
   // Pieced, and the expert group holds tensor-parallel replicas of the dense ranks (not experts_summed)
   // or partners (experts_summed, expert_partners > 1): whether this rank's expert gradients count (tp
@@ -233,7 +232,7 @@ class DataParallel {
   int cp_dp_rank_ = 0, cp_rank_ = 0, cp_size_ = 1;
   bool experts_summed_ = false;
   ExpertTpSum expert_tp_sum_ = ExpertTpSum::on_first;  // expert_tp_sum()
-  int64_t micro_ = 0, pushed_ = 0;  // the current leaf; parameters pushed as it
+  int64_t micro_ = 0, pushed_ = 0;                     // the current leaf; parameters pushed as it
   Communicator& dense_;
   Communicator& expert_;
   Communicator* tp_ = nullptr;

@@ -12,7 +12,9 @@
 namespace lockstep {
 
 TensorParallel::TensorParallel(Communicator* group, bool sequence_parallel)
-    : comm(group), rank(group ? group->rank() : 0), size(group ? group->size() : 1),
+    : comm(group),
+      rank(group ? group->rank() : 0),
+      size(group ? group->size() : 1),
       sequence(sequence_parallel && size > 1) {}
 
 int TensorParallel::column_weight(ParamStore& ps, const std::string& name, const std::vector<int64_t>& sections,
@@ -55,7 +57,8 @@ int TensorParallel::vocab_weight(ParamStore& ps, const std::string& name, int64_
 std::vector<int64_t> TensorParallel::k_segments(const std::vector<int64_t>& sections) const {
   std::vector<int64_t> b;
   if (!layout()) return b;
-  LOCKSTEP_CHECK(segments % size == 0, "layout_segments = ", segments, " is not divisible by the tensor-parallel size ", size);
+  LOCKSTEP_CHECK(segments % size == 0, "layout_segments = ", segments, " is not divisible by the tensor-parallel size ",
+                 size);
   for (const int64_t K : sections) {
     LOCKSTEP_CHECK(K % size == 0, "a tensor-parallel reduction over ", K, " elements on ", size, " ranks");
     // This rank's K / size items cut into S / size segments: segments [rank, rank + 1) x S / size of
@@ -111,12 +114,14 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
   return enter_column_parallel(tp, dfull, drows, N, C);
 }
 
-void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N, int64_t V) {
+void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const int32_t* tokens, int64_t N,
+                                 int64_t V) {
   for (int64_t n = 0; n < N; ++n)
     if (tokens[n] < 0 || tokens[n] >= V)
       user_error("embedding: token ", tokens[n], " at position ", n, " is outside the vocabulary [0, ", V, ")");
   const int64_t lo = tp.vocab_begin(V), hi = lo + V / tp.size;
-  for (int64_t n = 0; n < N; ++n) local[n] = tokens[n] >= lo && tokens[n] < hi ? static_cast<int32_t>(tokens[n] - lo) : -1;
+  for (int64_t n = 0; n < N; ++n)
+    local[n] = tokens[n] >= lo && tokens[n] < hi ? static_cast<int32_t>(tokens[n] - lo) : -1;
 }
 
 void vocab_parallel_embedding_forward(const Ops& ops, const TensorParallel& tp, float* out, int32_t* local,
@@ -136,7 +141,8 @@ void vocab_parallel_embedding(const Ops& ops, const TensorParallel& tp, float* x
 
 void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStore& ps, int wte, int wpe, int32_t* order,
                                        float* dfull, const float* dx, int32_t* local, const int32_t* tokens,
-                                       const int32_t* positions, int64_t B, int64_t T, int64_t C, int64_t V, int64_t P) {
+                                       const int32_t* positions, int64_t B, int64_t T, int64_t C, int64_t V,
+                                       int64_t P) {
   const int64_t N = B * T;
   const float* d = tp.on() ? leave_row_parallel_backward(tp, dfull, dx, N, C) : dx;
   const int32_t* ids = tokens;
@@ -146,14 +152,15 @@ void vocab_parallel_embedding_backward(const TensorParallel& tp, const ParamStor
   }
   const int64_t K = ps.token_pieces(wte), rows = N / K;
   for (int64_t k = 0; k < K; ++k)
-    ps.device().ops.embedding_backward(ps.grad_piece(wte, k), wpe >= 0 ? ps.grad_piece(wpe, k) : nullptr, order, d + k * rows * C,
-                       ids + k * rows, K > 1 ? 1 : B, K > 1 ? rows : T, C, positions ? positions + k * rows : nullptr, P,
-                       ps.token_segments(wte), wpe >= 0 ? ps.token_segments(wpe) : 0);
+    ps.device().ops.embedding_backward(ps.grad_piece(wte, k), wpe >= 0 ? ps.grad_piece(wpe, k) : nullptr, order,
+                                       d + k * rows * C, ids + k * rows, K > 1 ? 1 : B, K > 1 ? rows : T, C,
+                                       positions ? positions + k * rows : nullptr, P, ps.token_segments(wte),
+                                       wpe >= 0 ? ps.token_segments(wpe) : 0);
 }
 
-void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
-                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
-                                  std::vector<float>& scratch) {
+void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V, int64_t ld, bool backward,
+                                  float grad_scale, std::vector<float>& scratch) {
   const int64_t Vl = V / tp.size;
   if (tp.layout()) {
     // The canonical vocabulary segments (cross_entropy.h): the global max first (exact), then each
@@ -163,7 +170,8 @@ void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, floa
     float* stats = rowmax + N;
     ops.cross_entropy_segments_max(rowmax, logits, targets, N, Vl, ld, V);
     if (tp.on()) tp.comm->all_reduce(rowmax, N, ReduceOp::max);
-    ops.cross_entropy_segments_sum(stats, logits, rowmax, targets, N, Vl, ld, tp.vocab_begin(V), V, tp.segments, backward);
+    ops.cross_entropy_segments_sum(stats, logits, rowmax, targets, N, Vl, ld, tp.vocab_begin(V), V, tp.segments,
+                                   backward);
     if (tp.on()) tp.comm->all_reduce(stats, 2 * N, ReduceOp::tree_sum);
     ops.cross_entropy_segments_loss(losses, rowmax, stats, targets, N);
     if (backward) ops.cross_entropy_segments_backward(logits, stats, targets, N, Vl, ld, tp.vocab_begin(V), grad_scale);

@@ -29,7 +29,8 @@
 // this group splits along K is cut into S canonical segments (k_segments), each rank sums its
 // block of them along the canonical tree, and the group's reductions (reduce_from_tp,
 // scatter_to_sp and so the regions' entries and exits) are ReduceOp::tree_sum: the bits of one
-// process computing the same S segments, whatever the group's size (docs/design/reductions.md#tensor-parallel-k-segments).
+// process computing the same S segments, whatever the group's size
+// (docs/design/reductions.md#tensor-parallel-k-segments).
 #pragma once
 
 #include <cstdint>
@@ -111,14 +112,14 @@ const float* leave_row_parallel_backward(const TensorParallel& tp, float* dfull,
 // group is then the one row bit for bit, a -0 included) (wte: this rank's (V / size, C) rows; local (N) receives
 // vocab_parallel_local_tokens); UserError naming the token when a token is outside [0, V) (on every
 // rank, before anything is written). The caller sums over the group.
-void vocab_parallel_embedding_forward(const Ops& ops, const TensorParallel& tp, float* out, int32_t* local, const int32_t* tokens,
-                                      const float* wte, int64_t N, int64_t C, int64_t V);
+void vocab_parallel_embedding_forward(const Ops& ops, const TensorParallel& tp, float* out, int32_t* local,
+                                      const int32_t* tokens, const float* wte, int64_t N, int64_t C, int64_t V);
 // The whole vocab-parallel embedding into this rank's rows x (rows(N), C): the lookup above into
 // partial (N, C), summed over the group as a row-parallel output is (exact: one term is non-zero),
 // plus the replicated position embedding wpe (null: none) at positions[n] (null: n % T).
-void vocab_parallel_embedding(const Ops& ops, const TensorParallel& tp, float* x, float* partial, int32_t* local, const int32_t* tokens,
-                              const float* wte, const float* wpe, const int32_t* positions, int64_t N, int64_t T,
-                              int64_t C, int64_t V);
+void vocab_parallel_embedding(const Ops& ops, const TensorParallel& tp, float* x, float* partial, int32_t* local,
+                              const int32_t* tokens, const float* wte, const float* wpe, const int32_t* positions,
+                              int64_t N, int64_t T, int64_t C, int64_t V);
 // Its backward from dx (this rank's rows; without tensor parallelism the plain embedding's): the
 // full gradient (gathered into dfull (N, C) under sequence parallelism) into this rank's vocabulary
 // rows of parameter wte's gradient and into wpe's (-1: none; the same on every rank), in their
@@ -139,9 +140,9 @@ void vocab_parallel_local_tokens(const TensorParallel& tp, int32_t* local, const
 // segments of cross_entropy.h instead, the one-process bits for every tp: an all-reduce (max) of
 // the N row maxima, then an all-reduce (tree_sum) of N (sum of exponentials, target logit) pairs.
 // scratch: grown on the first call, reused after (steady-state steps do not allocate).
-void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits, const int32_t* targets,
-                                  int64_t N, int64_t V, int64_t ld, bool backward, float grad_scale,
-                                  std::vector<float>& scratch);
+void vocab_parallel_cross_entropy(const Ops& ops, const TensorParallel& tp, float* losses, float* logits,
+                                  const int32_t* targets, int64_t N, int64_t V, int64_t ld, bool backward,
+                                  float grad_scale, std::vector<float>& scratch);
 
 // The sequence-parallel parameters' gradients (GradRole::sequence_parallel: partial sums over each
 // rank's rows: the norms under sequence parallelism, an MoE layer's norm, router and shared expert

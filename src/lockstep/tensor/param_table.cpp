@@ -39,12 +39,14 @@ int ParamStore::add_part(std::string name, Shape global_shape, std::vector<Param
   std::vector<int64_t> dims = boxes[0].shape.dims();
   dims[0] = 0;
   for (const ParamBox& b : boxes) {
-    LOCKSTEP_CHECK(b.shape.rank() == global_shape.rank() && b.offset.size() == b.shape.dims().size(),
-                   "parameter '", name, "': box rank differs from the tensor's");
+    LOCKSTEP_CHECK(b.shape.rank() == global_shape.rank() && b.offset.size() == b.shape.dims().size(), "parameter '",
+                   name, "': box rank differs from the tensor's");
     for (size_t d = 0; d < b.offset.size(); ++d) {
-      LOCKSTEP_CHECK(b.offset[d] >= 0 && b.offset[d] + b.shape[static_cast<int>(d)] <= global_shape[static_cast<int>(d)], "parameter '", name,
-                     "': box outside the tensor in dimension ", d);
-      LOCKSTEP_CHECK(d == 0 || b.shape[static_cast<int>(d)] == dims[d], "parameter '", name, "': boxes differ in dimension ", d);
+      LOCKSTEP_CHECK(
+          b.offset[d] >= 0 && b.offset[d] + b.shape[static_cast<int>(d)] <= global_shape[static_cast<int>(d)],
+          "parameter '", name, "': box outside the tensor in dimension ", d);
+      LOCKSTEP_CHECK(d == 0 || b.shape[static_cast<int>(d)] == dims[d], "parameter '", name,
+                     "': boxes differ in dimension ", d);
     }
     dims[0] += b.shape[0];
   }
@@ -133,16 +135,20 @@ void ParamStore::init(uint64_t seed) {
       continue;
     }
     switch (p.init) {
-      case Init::normal: init_normal(RandomStream(seed, purpose_id("init/" + p.name)), p, v); break;
-      case Init::zeros: std::fill(v, v + n, 0.0f); break;
-      case Init::ones: std::fill(v, v + n, 1.0f); break;
+      case Init::normal:
+        init_normal(RandomStream(seed, purpose_id("init/" + p.name)), p, v);
+        break;
+      case Init::zeros:
+        std::fill(v, v + n, 0.0f);
+        break;
+      case Init::ones:
+        std::fill(v, v + n, 1.0f);
+        break;
     }
   }
 }
 
-void ParamStore::zero_grads() {
-  device().ops.fill(grads_.data(), total_, 0.0f);
-}
+void ParamStore::zero_grads() { device().ops.fill(grads_.data(), total_, 0.0f); }
 
 void ParamStore::use_bf16_weights() {
   LOCKSTEP_CHECK(values_.size() != 0, "bf16 weights before allocation");
@@ -181,7 +187,8 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
     const int64_t n = b.shape.numel();
     const int64_t lo = std::max(begin, at), hi = std::min(end, at + n);
     if (lo < hi) {
-      const bool writer = (p.expert ? edp_first : dp_first) && (tp_first || !p.role.tp_replicated) && !p.role.stage_copy;
+      const bool writer =
+          (p.expert ? edp_first : dp_first) && (tp_first || !p.role.tp_replicated) && !p.role.stage_copy;
       StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), writer);
       s.box_offset = b.offset;
       s.box_shape = b.shape;
@@ -195,8 +202,8 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
 
 void ParamStore::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first) const {
   for (size_t i = 0; i < specs_.size(); ++i)
-    shards_of(out, static_cast<int>(i), "param/" + specs_[i].name, 0, specs_[i].shape.numel(), value(static_cast<int>(i)),
-              dp_first, tp_first, edp_first);
+    shards_of(out, static_cast<int>(i), "param/" + specs_[i].name, 0, specs_[i].shape.numel(),
+              value(static_cast<int>(i)), dp_first, tp_first, edp_first);
 }
 
 int ParamStore::find(const std::string& name) const {

@@ -81,16 +81,16 @@ struct GradRole {
 };
 
 struct ParamSpec {
-  std::string name;   // "layers.0.attn.qkv.weight"
+  std::string name;  // "layers.0.attn.qkv.weight"
   Shape shape;
   Init init;
-  float std;          // Init::normal only
-  bool decay;         // weight decay applies (weight matrices, not biases or norms)
-  int64_t offset;     // in floats, into the flat buffers
-  bool expert;        // an MoE expert's: data parallelism reduces it over the expert data-parallel group
+  float std;                    // Init::normal only
+  bool decay;                   // weight decay applies (weight matrices, not biases or norms)
+  int64_t offset;               // in floats, into the flat buffers
+  bool expert;                  // an MoE expert's: data parallelism reduces it over the expert data-parallel group
   Shape global_shape;           // the whole tensor (= shape unless this rank holds a part)
   std::vector<ParamBox> boxes;  // what this rank holds of it, in local storage order
-  GradRole role;  // how its gradient is reduced and counted
+  GradRole role;                // how its gradient is reduced and counted
   bool partial() const { return !(shape == global_shape); }
 };
 
@@ -192,7 +192,8 @@ class ParamStore {
   // pieces themselves, GradRole::Pieces::module_combines, model/moe/experts.h).
   bool sequence_tp(int i) const {
     const ParamSpec& p = specs_[static_cast<size_t>(i)];
-    return sequence_tp_ > 1 && (p.role.sequence_parallel || (p.expert && p.role.pieces != GradRole::Pieces::module_combines));
+    return sequence_tp_ > 1 &&
+           (p.role.sequence_parallel || (p.expert && p.role.pieces != GradRole::Pieces::module_combines));
   }
   // Piece k's gradient of parameter i (piece 0 is grad(i)). Pieces 1 .. are live only while the
   // backward of parameter i's window runs (set_piece_windows): each is a window-sized buffer that
@@ -244,9 +245,7 @@ class ParamStore {
   // sync_weights() (parameters [first, end) of the table); otherwise weight(i) is value(i).
   void use_bf16_weights();
   void sync_weights(int first, int end);
-  const float* weight(int i) const {
-    return (weights_.size() ? weights_.data() : values_.data()) + specs_[i].offset;
-  }
+  const float* weight(int i) const { return (weights_.size() ? weights_.data() : values_.data()) + specs_[i].offset; }
   // The device the buffers live on and the modules run their ops on (kernels/device.h): the model's
   // (set by its owner, which outlives this store, before allocate()), or with none a CPU device of
   // the store's own, for modules used without a model.
@@ -275,8 +274,8 @@ class ParamStore {
   int cp_size_ = 1, cp_rank_ = 0, sequence_tp_ = 1;
   int64_t sample_tokens_ = 0;
   std::vector<FloatBuffer> pieces_grads_;  // pieces 1 .. pieces_ - 1, window_ floats each
-  std::vector<int64_t> piece_base_;         // per parameter: its window's first offset
-  int64_t window_ = -1;                     // -1: one window, the whole table
+  std::vector<int64_t> piece_base_;        // per parameter: its window's first offset
+  int64_t window_ = -1;                    // -1: one window, the whole table
 };
 
 }  // namespace lockstep

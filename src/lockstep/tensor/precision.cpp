@@ -67,9 +67,13 @@ int64_t hadamard_rows(const Ops& ops, std::vector<float>& out, const float* x, i
 }  // namespace
 
 Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
-    : device_(&ps.device()), bf16_(pc.params == "bf16"), recipe_(recipe_of(pc)),
-      bwd_(pc.fp8_format == "e4m3" ? ElemFormat::e4m3 : ElemFormat::e5m2), history_len_(pc.fp8_amax_history_len),
-      most_recent_(pc.fp8_amax_compute_algo == "most_recent"), margin_(static_cast<int>(pc.fp8_margin)) {
+    : device_(&ps.device()),
+      bf16_(pc.params == "bf16"),
+      recipe_(recipe_of(pc)),
+      bwd_(pc.fp8_format == "e4m3" ? ElemFormat::e4m3 : ElemFormat::e5m2),
+      history_len_(pc.fp8_amax_history_len),
+      most_recent_(pc.fp8_amax_compute_algo == "most_recent"),
+      margin_(static_cast<int>(pc.fp8_margin)) {
   first_site_.assign(ps.specs().size(), -1);
   if (recipe_ == Recipe::none) return;
   static const std::regex quantised(
@@ -98,7 +102,8 @@ Precision::Precision(const PrecisionConfig& pc, const ParamStore& ps, int64_t L)
       const int out_dim = p.shape.rank() - 2, in_dim = p.shape.rank() - 1;
       if (!p.expert) {
         const bool tokens_split = ps.pieced() || ps.rows_tokens(static_cast<int>(i), 1) != 1;
-        const bool out_split = p.shape[out_dim] < p.global_shape[out_dim], in_split = p.shape[in_dim] < p.global_shape[in_dim];
+        const bool out_split = p.shape[out_dim] < p.global_shape[out_dim],
+                   in_split = p.shape[in_dim] < p.global_shape[in_dim];
         s.whole[input] = !tokens_split && !in_split;
         s.whole[weight] = !out_split && !in_split;
         s.whole[grad] = !tokens_split && !out_split;
@@ -146,15 +151,17 @@ void max_reduce(Communicator* g, float* a, int64_t n) {
 }  // namespace
 
 void Precision::reduce_amax(float* a, int64_t n, bool expert) {
-  max_reduce(recording_ ? (expert ? groups_.expert : groups_.dense) : (expert ? groups_.expert_eval : groups_.dense_eval),
-             a, n);
+  max_reduce(
+      recording_ ? (expert ? groups_.expert : groups_.dense) : (expert ? groups_.expert_eval : groups_.dense_eval), a,
+      n);
 }
 
 std::vector<float> Precision::current_amaxes(const std::vector<AmaxOf>& of) {
   device_->host_sync("fp8.amax");  // the current amaxes, max-reduced and turned into scales on the host
   std::vector<float> a(of.size());
   for (size_t i = 0; i < of.size(); ++i) a[i] = of[i].n > 0 ? device_->ops.amax(of[i].x, of[i].n) : 0.0f;
-  if (!of.empty()) reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
+  if (!of.empty())
+    reduce_amax(a.data(), static_cast<int64_t>(a.size()), sites_[static_cast<size_t>(of[0].site)].expert);
   for (size_t i = 0; i < of.size(); ++i) sites_[static_cast<size_t>(of[i].site)].now[of[i].r] = a[i];
   return a;
 }
@@ -208,8 +215,7 @@ std::vector<Precision::NamedHistory> Precision::amax_histories() {
   if (recipe_ != Recipe::delayed) return out;
   static const char* const kRole[3] = {"input", "weight", "grad"};
   for (Site& s : sites_)
-    for (int r = 0; r < 3 && !s.unused; ++r)
-      out.push_back({s.global_name + "." + kRole[r], s.expert, &s.state[r]});
+    for (int r = 0; r < 3 && !s.unused; ++r) out.push_back({s.global_name + "." + kRole[r], s.expert, &s.state[r]});
   return out;
 }
 
@@ -231,8 +237,8 @@ const float* Precision::nvfp4_tensor_amax(float& a, const float* x, int64_t n, c
   return &a;
 }
 
-StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64_t grows, int64_t gcols,
-                                             int64_t grow, int64_t gcol) const {
+StochasticRounding Precision::nvfp4_rounding(int64_t site, uint64_t usage, int64_t grows, int64_t gcols, int64_t grow,
+                                             int64_t gcol) const {
   StochasticRounding sr;
   sr.enabled = true;
   sr.seed = seed_;
@@ -311,7 +317,9 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
           device_->ops.quantize_blockwise(q, piece, pr, pc, f, br, bc, {});
           break;
         }
-        case Recipe::mxfp8: device_->ops.quantize_mxfp8(q, piece, pr, pc, f, ScaleRounding::up, 32, {}); break;
+        case Recipe::mxfp8:
+          device_->ops.quantize_mxfp8(q, piece, pr, pc, f, ScaleRounding::up, 32, {});
+          break;
         case Recipe::nvfp4: {
           StochasticRounding sr;
           if (r == grad)
@@ -319,15 +327,18 @@ GemmOperand Precision::quantise_pieces(std::vector<float>& dst, const float* x, 
           device_->ops.quantize_nvfp4(q, piece, pr, pc, r == weight ? 16 : 1, sr, whole);
           break;
         }
-        default: LOCKSTEP_CHECK(false, "pieces need a block recipe");
+        default:
+          LOCKSTEP_CHECK(false, "pieces need a block recipe");
       }
       // Decoded straight into place (over the threads when the pieces go one at a time; serial
       // inside a worker).
       device_->ops.dequantize(dst.data() + r0 * cols + c0, cols, q);
     }
   };
-  if (np >= 4 * current_threads()) parallel_for(np, pieces);
-  else pieces(0, np);
+  if (np >= 4 * current_threads())
+    parallel_for(np, pieces);
+  else
+    pieces(0, np);
   return gemm_operand(dst.data(), cols, t);
 }
 
@@ -351,8 +362,8 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       return gemm_operand(q, t);
     }
     case Recipe::tensorwise:  // the amax staged by current_amaxes
-      device_->ops.quantize_tensorwise(q, x, rows, cols, f, fp8_scale_from_amax(sites_[static_cast<size_t>(site)].now[r], f),
-                                       {});
+      device_->ops.quantize_tensorwise(q, x, rows, cols, f,
+                                       fp8_scale_from_amax(sites_[static_cast<size_t>(site)].now[r], f), {});
       return gemm_operand(q, t);
     case Recipe::blockwise: {
       const int64_t br = r == weight || !k_along_cols ? 128 : 1, bc = r == weight || k_along_cols ? 128 : 1;
@@ -370,7 +381,8 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
     case Recipe::nvfp4: {
       if (r == weight) {  // 16x16 blocks: the same codes serve both directions of K
         float a = 0.0f;
-        device_->ops.quantize_nvfp4(q, x, rows, cols, 16, {}, nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
+        device_->ops.quantize_nvfp4(q, x, rows, cols, 16, {},
+                                    nvfp4_tensor_amax(a, x, n, sites_[static_cast<size_t>(site)], r));
         return gemm_operand(q, t);
       }
       float a = 0.0f;
@@ -388,7 +400,8 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
       device_->ops.quantize_nvfp4(q, src, qr, qc, 1, sr, whole);
       return gemm_operand(q, k_along_cols ? t : flip(t));
     }
-    case Recipe::none: break;
+    case Recipe::none:
+      break;
   }
   LOCKSTEP_CHECK(false, "quantise without a low-precision recipe");
   return {};
@@ -396,31 +409,32 @@ GemmOperand Precision::quantise(QuantizedTensor& q, std::vector<float>& scratch,
 
 bool Precision::per_tensor() const { return recipe_ == Recipe::delayed || recipe_ == Recipe::tensorwise; }
 
-void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N,
-                           int64_t out, int64_t in, const GemmOptions& opt, int64_t blk) {
+void Precision::gemm_fprop(int64_t site, const float* w, float* y, int64_t ldy, const float* x, int64_t N, int64_t out,
+                           int64_t in, const GemmOptions& opt, int64_t blk) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A =
-      quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site, 0, Dim::tokens, Dim::in);
-  const GemmOperand B = quantise(s.w, in_pieces(s) ? s.wf : tb_, w, out, in, Trans::T, true, weight, site, 0, Dim::out, Dim::in);
+  const GemmOperand A = quantise(per_tensor() ? kept(s, input, blk) : qa_, ta_, x, N, in, Trans::N, true, input, site,
+                                 0, Dim::tokens, Dim::in);
+  const GemmOperand B =
+      quantise(s.w, in_pieces(s) ? s.wf : tb_, w, out, in, Trans::T, true, weight, site, 0, Dim::out, Dim::in);
   device_->ops.gemm(y, ldy, A, B, N, out, in, opt);
 }
 
-void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out,
-                           int64_t in, const GemmOptions& opt, int64_t blk, const TokenShare& tokens) {
+void Precision::gemm_dgrad(int64_t site, const float* w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
+                           const GemmOptions& opt, int64_t blk, const TokenShare& tokens) {
   Site& s = sites_[static_cast<size_t>(site)];
-  const GemmOperand A = quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site, 0,
-                                 Dim::tokens, Dim::out, tokens);
+  const GemmOperand A = quantise(per_tensor() ? kept(s, grad, blk) : qa_, ta_, dy, N, out, Trans::N, true, grad, site,
+                                 0, Dim::tokens, Dim::out, tokens);
   // MXFP8 blocks the weight along in for fprop and along out here; every other recipe's weight
   // quantisation is the same both ways, so fprop's serves.
-  const GemmOperand B = recipe_ == Recipe::mxfp8 ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0, Dim::out, Dim::in)
-                        : in_pieces(s)           ? gemm_operand(s.wf.data(), in, Trans::N)
-                                                 : gemm_operand(s.w, Trans::N);
+  const GemmOperand B = recipe_ == Recipe::mxfp8
+                            ? quantise(qb_, tb_, w, out, in, Trans::N, false, weight, site, 0, Dim::out, Dim::in)
+                        : in_pieces(s) ? gemm_operand(s.wf.data(), in, Trans::N)
+                                       : gemm_operand(s.w, Trans::N);
   device_->ops.gemm(dx, in, A, B, N, in, out, opt);
 }
 
-void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out,
-                           int64_t in, std::span<const int64_t> k_segments, int64_t blk, int64_t row0,
-                           bool accumulate) {
+void Precision::gemm_wgrad(int64_t site, float* dw, const float* dy, const float* x, int64_t N, int64_t out, int64_t in,
+                           std::span<const int64_t> k_segments, int64_t blk, int64_t row0, bool accumulate) {
   GemmOptions acc;
   acc.accumulate = accumulate;
   acc.k_segments = k_segments;
@@ -456,8 +470,10 @@ void Precision::gemm_wgrad_nvfp4(int64_t site, std::span<float* const> dw, const
   if (!padded.empty() && dw.size() == 1) padded.back() = K;
   acc.k_segments = padded;
   LOCKSTEP_CHECK(tokens.cut.empty() || K == N, "nvfp4 weight gradient: a share of ", N, " tokens pads to ", K);
-  const GemmOperand A = quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, tokens);
-  const GemmOperand B = quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, tokens);
+  const GemmOperand A =
+      quantise(qa_, ta_, ha_.data(), K, out, Trans::T, false, grad, site, 1, Dim::tokens, Dim::out, tokens);
+  const GemmOperand B =
+      quantise(qb_, tb_, hb_.data(), K, in, Trans::N, false, input, site, 1, Dim::tokens, Dim::in, tokens);
   if (dw.size() == 1) {
     device_->ops.gemm(dw[0], in, A, B, out, in, K, acc);
     return;
@@ -499,16 +515,20 @@ void Precision::fprop(const ParamStore& ps, int w, float* y, const float* x, int
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise)
     current_amaxes({{first_site_[w], input, x, N * in}, {first_site_[w], weight, ps.weight(w), out * in}});
-  if (recipe(w) == Recipe::none) gemm_f32(ps.device().ops, y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
-  else gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
+  if (recipe(w) == Recipe::none)
+    gemm_f32(ps.device().ops, y, x, Trans::N, ps.weight(w), Trans::T, N, out, in, opt);
+  else
+    gemm_fprop(first_site_[w], ps.weight(w), y, out, x, N, out, in, opt);
   if (!partial) round(y, N * out);
 }
 
 void Precision::dgrad(const ParamStore& ps, int w, float* dx, const float* dy, int64_t N, int64_t out, int64_t in,
                       const GemmOptions& opt, bool partial) {
   if (recipe(w) == Recipe::tensorwise) current_amaxes({{first_site_[w], grad, dy, N * out}});
-  if (recipe(w) == Recipe::none) gemm_f32(ps.device().ops, dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
-  else gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt, -1, piece_tokens(ps, w, N));
+  if (recipe(w) == Recipe::none)
+    gemm_f32(ps.device().ops, dx, dy, Trans::N, ps.weight(w), Trans::N, N, in, out, opt);
+  else
+    gemm_dgrad(first_site_[w], ps.weight(w), dx, dy, N, out, in, opt, -1, piece_tokens(ps, w, N));
   if (!partial) round(dx, N * in);
 }
 
@@ -605,7 +625,8 @@ void Precision::grouped_fprop(const ParamStore& ps, int w, int b, float* y, cons
       GemmOptions opt;
       if (bias) opt.bias = bias + e * out;
       bounds.apply(opt);
-      gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt, s);
+      gemm_fprop(first_site_[w] + e, ps.weight(w) + e * out * in, y + r0 * out, out, x + r0 * in, rows, out, in, opt,
+                 s);
     });
   }
   if (!partial) round(y, offsets[E] * out);
@@ -617,11 +638,12 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
   if (recipe(w) == Recipe::none) {
     LOCKSTEP_CHECK(!blocks, "per-source expert blocks need a quantised recipe");
     if (seg.on())
-      ps.device().ops.grouped_gemm_segmented(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N),
-                                             nullptr, offsets, E, in, out, seg);
+      ps.device().ops.grouped_gemm_segmented(dx, gemm_operand(dy, out, Trans::N),
+                                             gemm_operand(ps.weight(w), in, Trans::N), nullptr, offsets, E, in, out,
+                                             seg);
     else
-      ps.device().ops.grouped_gemm(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N), nullptr,
-                                   offsets, E, in, out, false);
+      ps.device().ops.grouped_gemm(dx, gemm_operand(dy, out, Trans::N), gemm_operand(ps.weight(w), in, Trans::N),
+                                   nullptr, offsets, E, in, out, false);
   } else {
     GemmOptions opt;
     const KSegmentBounds bounds = seg.on() ? k_segment_bounds(seg, out) : KSegmentBounds{};
@@ -634,14 +656,16 @@ void Precision::grouped_dgrad(const ParamStore& ps, int w, float* dx, const floa
     std::vector<float> now;
     if (recipe(w) == Recipe::tensorwise || shared) {
       std::vector<AmaxOf> of;
-      for (int64_t k = 0; k < E * S; ++k) of.push_back({first_site_[w] + k / S, grad, dy + seg[k] * out, (seg[k + 1] - seg[k]) * out});
+      for (int64_t k = 0; k < E * S; ++k)
+        of.push_back({first_site_[w] + k / S, grad, dy + seg[k] * out, (seg[k + 1] - seg[k]) * out});
       now = current_amaxes(of);
     }
     for_each_block(offsets, blocks, E, [&](int64_t e, int64_t s, int64_t r0, int64_t rows) {
       if (s >= 0 && !now.empty()) sites_[static_cast<size_t>(first_site_[w] + e)].now[grad] = now[e * S + s];
       // Under a RowShare the gradient's rows are the micro-batch's rows [first, first + rows) of e's.
       const int64_t cut[2] = {0, rows}, first = shared ? share->first[e] : 0;
-      const TokenShare tokens = shared ? TokenShare{cut, std::span<const int64_t>(&first, 1), share->total[e]} : TokenShare{};
+      const TokenShare tokens =
+          shared ? TokenShare{cut, std::span<const int64_t>(&first, 1), share->total[e]} : TokenShare{};
       gemm_dgrad(first_site_[w] + e, ps.weight(w) + e * out * in, dx + r0 * in, dy + r0 * out, rows, out, in, opt, s,
                  tokens);
     });
@@ -670,7 +694,8 @@ void Precision::grouped_wgrad(const ParamStore& ps, int w, int b, const float* d
 void Precision::grouped_wgrad_gathered(int w, float* dw, float* db, const float* dy, const float* x,
                                        const int64_t* offsets, int64_t e0, int64_t e1, int64_t out, int64_t in,
                                        Communicator* etp) {
-  LOCKSTEP_CHECK(recipe(w) == Recipe::nvfp4 && groups_.layout, "gathered expert weight gradients need nvfp4 under layout");
+  LOCKSTEP_CHECK(recipe(w) == Recipe::nvfp4 && groups_.layout,
+                 "gathered expert weight gradients need nvfp4 under layout");
   const Nvfp4AmaxScope scope(*this, Nvfp4Amax::gathered, etp);
   for (int64_t e = e0; e < e1; ++e) {
     const int64_t r0 = offsets[e - e0], rows = offsets[e - e0 + 1] - r0;

@@ -82,10 +82,10 @@
 // tensor-parallel shard, and each piece is quantised from its own values (into the fp32 values it
 // stands for, which the GEMM reads: bitwise what the codes give, gemm.h). NVFP4's tensor scale there
 // comes from the amax of the whole tensor (max-reduced over the group: dense tp-cp, experts the
-// expert amax group above, per (expert, source) block), and its stochastic rounding keys each element by its index in the whole
-// tensor (the global row of a column-parallel shard's out, through its boxes), so a rank's piece
-// draws what one process draws. Per-tensor recipes need no pieces: their amax is reduced over the
-// group already. Pieces that are multiples of the block leave the recipe's blocks as they were.
+// expert amax group above, per (expert, source) block), and its stochastic rounding keys each element by its index in
+// the whole tensor (the global row of a column-parallel shard's out, through its boxes), so a rank's piece draws what
+// one process draws. Per-tensor recipes need no pieces: their amax is reduced over the group already. Pieces that are
+// multiples of the block leave the recipe's blocks as they were.
 //
 // Determinism: rounding is elementwise, quantisation is a pure function of the tensor (and of the
 // stochastic-rounding key, which holds no thread or rank), max is exact in any order (so the
@@ -157,9 +157,8 @@ class Precision {
   // training's groups (tp-dp-cp, etp x edp; layout mode: tp-cp, etp); eval: evaluation's (tp-cp,
   // etp). layout (determinism = "layout"): the block recipes quantise in canonical pieces, NVFP4's
   // tensor amax is the whole tensor's (in_pieces, nvfp4_tensor_amax); the trainer sets per_step with
-  // it. (In either mode the histories are the same on every rank of a tensor's group.) per_step: delayed scaling updates
-  // once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp,
-  // etp x edp).
+  // it. (In either mode the histories are the same on every rank of a tensor's group.) per_step: delayed scaling
+  // updates once per step (AmaxHistory), reducing the step's amax over dense_step / expert_step (tp-dp-cp, etp x edp).
   struct AmaxGroups {
     Communicator* dense = nullptr;
     Communicator* expert = nullptr;
@@ -228,7 +227,7 @@ class Precision {
   struct ExpertBlocks {
     const int64_t* segments = nullptr;  // (E x sources + 1)
     int64_t sources = 1, self = 0, micros = 1;
-    const int64_t* whole = nullptr;     // run mode: the experts' offsets (E + 1); else null
+    const int64_t* whole = nullptr;  // run mode: the experts' offsets (E + 1); else null
   };
 
   // determinism = "layout", NVFP4, an expert x expert-tensor group of G dividing tp (1: the experts
@@ -307,11 +306,11 @@ class Precision {
   // the store passed to each call).
   Device* device_ = nullptr;
   enum Role : int { input = 0, weight = 1, grad = 2 };
-  struct Site {  // one quantised GEMM weight (one expert's)
+  struct Site {               // one quantised GEMM weight (one expert's)
     std::string global_name;  // the weight's name, with the expert's index in the layer
-    uint64_t global_key = 0;        // the SR key: purpose_id(global_name), the same on every layout
-    bool expert = false;  // reduced over the expert group
-    bool unused = false;  // past the experts of a tensor whose boxes cut them (never quantised, not saved)
+    uint64_t global_key = 0;  // the SR key: purpose_id(global_name), the same on every layout
+    bool expert = false;      // reduced over the expert group
+    bool unused = false;      // past the experts of a tensor whose boxes cut them (never quantised, not saved)
     AmaxHistory state[3];
     // determinism = "layout": the canonical pieces of out / in (GradRole::cut; local boundaries,
     // empty: one piece), the global index of each local out row (empty: its own), global out.
@@ -324,7 +323,7 @@ class Precision {
     // sequence-parallel parameter); out and in by the weight's shard.
     bool whole[3] = {};
     std::vector<float> wf;  // the weight's values quantised in pieces, kept for dgrad (as w)
-    float now[3] = {};  // tensorwise, NVFP4 under a RowShare: the reduced amax of each role's latest operand
+    float now[3] = {};      // tensorwise, NVFP4 under a RowShare: the reduced amax of each role's latest operand
     // Operands kept from fprop for the backward of the same micro-batch, as TE saves its FP8
     // tensors: the weight when one quantisation serves both of its GEMMs (every recipe but mxfp8),
     // and under per-tensor scaling the input (for wgrad) and the gradient (dgrad, for wgrad). The
@@ -334,8 +333,8 @@ class Precision {
     // (its values change between steps only, and so do its scales where the forwards of several
     // micro-batches come between a fprop and its dgrad: AmaxGroups::per_step).
     QuantizedTensor w, dy;
-    std::vector<QuantizedTensor> block_dy;           // the same per source block (ExpertBlocks)
-    std::vector<QuantizedTensor> x;                  // per slot
+    std::vector<QuantizedTensor> block_dy;              // the same per source block (ExpertBlocks)
+    std::vector<QuantizedTensor> x;                     // per slot
     std::vector<std::vector<QuantizedTensor>> block_x;  // per slot, per source block
   };
   // x (rows, cols) quantised as role r of site `site` into q, for a GEMM that reads op(x) (t) with

@@ -6,8 +6,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdint>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <future>
@@ -128,13 +128,15 @@ class InFile {
     while (done < p.bytes) {
       const ssize_t r = ::pread(fd_, out + done, static_cast<size_t>(p.bytes - done), p.byte_offset + done);
       if (r < 0 && errno == EINTR) continue;
-      if (r <= 0) user_error("cannot read checkpoint file '", path_, "': ", r < 0 ? std::strerror(errno) : "unexpected end");
+      if (r <= 0)
+        user_error("cannot read checkpoint file '", path_, "': ", r < 0 ? std::strerror(errno) : "unexpected end");
       done += r;
     }
     const uint64_t h = hash_bytes(out, static_cast<size_t>(p.bytes));
     if (h != p.xxh3)
-      user_error("checkpoint file '", path_, "' is corrupt: the shard of tensor '", tensor, "' at bytes ", p.byte_offset,
-                 "..", p.byte_offset + p.bytes, " has xxh3 ", hex64(h), ", metadata.json says ", hex64(p.xxh3));
+      user_error("checkpoint file '", path_, "' is corrupt: the shard of tensor '", tensor, "' at bytes ",
+                 p.byte_offset, "..", p.byte_offset + p.bytes, " has xxh3 ", hex64(h), ", metadata.json says ",
+                 hex64(p.xxh3));
   }
   const std::string& path() const { return path_; }
 
@@ -170,8 +172,8 @@ void add_info(ojson& j, const CheckpointInfo& info) {
   j["rng"] = {{"generator", "philox4x32-10"}, {"seed", info.seed}};
   j["lr_scheduler"] = {{"schedule", info.lr_schedule}, {"step", info.step}, {"last_lr", info.lr}};
   const CheckpointLayout& l = info.layout;
-  j["layout"] = {{"world", l.world}, {"tp", l.tp}, {"cp", l.cp}, {"dp", l.dp}, {"pp", l.pp},
-                 {"ep", l.ep}, {"etp", l.etp}, {"distributed_optimizer", l.distributed_optimizer}};
+  j["layout"] = {{"world", l.world}, {"tp", l.tp}, {"cp", l.cp},   {"dp", l.dp},
+                 {"pp", l.pp},       {"ep", l.ep}, {"etp", l.etp}, {"distributed_optimizer", l.distributed_optimizer}};
   j["config"] = info.config_toml;
 }
 
@@ -192,7 +194,8 @@ struct MetaFields {
     user_error("checkpoint file '", file, "': field '", path, "' is ", text, ", not ", want);
   }
   const ojson& at(const ojson& obj, const char* key, const std::string& path) const {
-    if (!obj.is_object()) wrong(path.substr(0, path.rfind('.') == std::string::npos ? 0 : path.rfind('.')), obj, "an object");
+    if (!obj.is_object())
+      wrong(path.substr(0, path.rfind('.') == std::string::npos ? 0 : path.rfind('.')), obj, "an object");
     const auto it = obj.find(key);
     if (it == obj.end()) user_error("checkpoint file '", file, "' has no field '", path, "'");
     return *it;
@@ -272,12 +275,15 @@ void check_pieces(const CheckpointTensor& t, const std::string& file) {
   const int64_t numel = t.global_shape.numel();
   int64_t covered = 0;
   for (const CheckpointPiece& p : t.pieces) {
-    bool ok = static_cast<int>(p.box_offset.size()) == t.global_shape.rank() && p.box_shape.rank() == t.global_shape.rank();
+    bool ok =
+        static_cast<int>(p.box_offset.size()) == t.global_shape.rank() && p.box_shape.rank() == t.global_shape.rank();
     for (int k = 0; ok && k < t.global_shape.rank(); ++k)
       ok = p.box_offset[k] >= 0 && p.box_shape[k] >= 0 && p.box_offset[k] + p.box_shape[k] <= t.global_shape[k];
     ok = ok && 0 <= p.flat_begin && p.flat_begin <= p.flat_end && p.flat_end <= p.box_shape.numel() &&
          p.bytes == (p.flat_end - p.flat_begin) * static_cast<int64_t>(dtype_size(t.dtype)) && p.byte_offset >= 0;
-    if (!ok) user_error("checkpoint file '", file, "': tensor '", t.name, "' has a shard outside its shape ", t.global_shape.to_string());
+    if (!ok)
+      user_error("checkpoint file '", file, "': tensor '", t.name, "' has a shard outside its shape ",
+                 t.global_shape.to_string());
     covered += p.flat_end - p.flat_begin;
   }
   for (size_t i = 0; i < t.pieces.size(); ++i)
@@ -335,7 +341,8 @@ int64_t copy_overlap(const StateShard& dst, const StateShard& src) {
       const int64_t sa = std::max(sf, src.flat_begin), sb = std::min(sf + (b - a), src.flat_end);
       if (sa < sb) {
         const int64_t df = f + (a - g0) + (sa - sf);
-        std::memcpy(dp + (df - dst.flat_begin) * es, sp + (sa - src.flat_begin) * es, static_cast<size_t>(sb - sa) * es);
+        std::memcpy(dp + (df - dst.flat_begin) * es, sp + (sa - src.flat_begin) * es,
+                    static_cast<size_t>(sb - sa) * es);
         copied += sb - sa;
       }
     }
@@ -412,8 +419,8 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
     meta.format_version = m.int32(body, "format_version", "format_version");
     // A different version may frame its metadata differently: say so before checking the frame.
     if (meta.format_version != kCheckpointFormatVersion)
-      user_error("checkpoint file '", file, "' has format version ", meta.format_version, "; this lockstep reads version ",
-                 kCheckpointFormatVersion);
+      user_error("checkpoint file '", file, "' has format version ", meta.format_version,
+                 "; this lockstep reads version ", kCheckpointFormatVersion);
     const bool framed = text.size() > kMetaPrefix + 2 && text.compare(0, kMetaHead.size(), kMetaHead) == 0 &&
                         text.compare(kMetaHead.size() + 16, kMetaMid.size(), kMetaMid) == 0 &&
                         text.compare(text.size() - 2, 2, "}\n") == 0;
@@ -421,7 +428,8 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
     const uint64_t want = parse_hex64(text.substr(kMetaHead.size(), 16), file);
     const uint64_t got = hash_bytes(text.data() + kMetaPrefix, text.size() - kMetaPrefix - 2);
     if (got != want)
-      user_error("checkpoint file '", file, "' is corrupt: its xxh3 is ", hex64(got), ", its header says ", hex64(want));
+      user_error("checkpoint file '", file, "' is corrupt: its xxh3 is ", hex64(got), ", its header says ",
+                 hex64(want));
     // Every field read is checked for its exact type (nlohmann would turn true or 2.5 into an int),
     // naming the field: verify must not pass metadata that load or inspect would misread.
     CheckpointInfo& info = meta.info;
@@ -435,9 +443,10 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
     info.config_toml = m.string(body, "config", "config");
     const ojson& l = m.at(body, "layout", "layout");
     auto layout_int = [&](const char* key) { return m.int32(l, key, str("layout.", key)); };
-    info.layout = {layout_int("world"), layout_int("tp"), layout_int("cp"),  layout_int("dp"),
-                   layout_int("pp"),    layout_int("ep"), layout_int("etp"),
-                   m.boolean(l, "distributed_optimizer", "layout.distributed_optimizer")};
+    info.layout = {layout_int("world"), layout_int("tp"),
+                   layout_int("cp"),    layout_int("dp"),
+                   layout_int("pp"),    layout_int("ep"),
+                   layout_int("etp"),   m.boolean(l, "distributed_optimizer", "layout.distributed_optimizer")};
     const ojson& files = m.array(body, "files", "files");
     for (size_t i = 0; i < files.size(); ++i) {
       const std::string at = str("files[", i, "].");
@@ -460,7 +469,8 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
         cp.box_offset = m.integers(p, "offset", sat + "offset");
         cp.box_shape = Shape(m.integers(p, "shape", sat + "shape"));
         const std::vector<int64_t> flat = m.integers(p, "flat", sat + "flat");
-        if (flat.size() != 2) user_error("checkpoint file '", file, "': field '", sat, "flat' has ", flat.size(), " entries, not 2");
+        if (flat.size() != 2)
+          user_error("checkpoint file '", file, "': field '", sat, "flat' has ", flat.size(), " entries, not 2");
         cp.flat_begin = flat[0];
         cp.flat_end = flat[1];
         cp.file = m.string(p, "file", sat + "file");
@@ -518,8 +528,10 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<StateSh
   std::map<std::string, std::vector<const StateShard*>> wanted;
   for (const StateShard& s : state) {
     const CheckpointTensor* t = meta.find(s.name);
-    if (!t) user_error("checkpoint file '", mfile, "' has no tensor '", s.name, "', which this run has: it cannot be "
-                       "resharded into this run (compare the config in metadata.json)");
+    if (!t)
+      user_error("checkpoint file '", mfile, "' has no tensor '", s.name,
+                 "', which this run has: it cannot be "
+                 "resharded into this run (compare the config in metadata.json)");
     if (t->global_shape != s.global_shape || t->dtype != s.dtype)
       user_error("checkpoint file '", mfile, "': tensor '", s.name, "' is ", dtype_name(t->dtype), " ",
                  t->global_shape.to_string(), ", this run has ", dtype_name(s.dtype), " ", s.global_shape.to_string(),
@@ -546,8 +558,8 @@ CheckpointInfo load_checkpoint(const std::string& dir, const std::vector<StateSh
     }
   }
   for (const StateShard& s : state)
-    LOCKSTEP_CHECK(filled[&s] == s.numel(), "checkpoint '", dir, "': shard of '", s.name, "' filled ", filled[&s], " of ",
-                   s.numel(), " elements");
+    LOCKSTEP_CHECK(filled[&s] == s.numel(), "checkpoint '", dir, "': shard of '", s.name, "' filled ", filled[&s],
+                   " of ", s.numel(), " elements");
   return meta.info;
 }
 
@@ -584,14 +596,15 @@ void verify_checkpoint(const std::string& dir) {
   std::vector<char> buf;
   for (const CheckpointFile& f : meta.files) {
     std::vector<Ref>& refs = by_file[f.name];
-    std::sort(refs.begin(), refs.end(), [](const Ref& a, const Ref& b) { return a.piece->byte_offset < b.piece->byte_offset; });
+    std::sort(refs.begin(), refs.end(),
+              [](const Ref& a, const Ref& b) { return a.piece->byte_offset < b.piece->byte_offset; });
     const InFile in(dir, f.name, refs.empty() ? "(none)" : *refs[0].tensor);
     Hasher h;
     int64_t at = 0;
     for (const Ref& r : refs) {
       if (r.piece->byte_offset != at)
-        user_error("checkpoint file '", dir, "/metadata.json': the shards in '", f.name, "' do not follow each other (tensor '",
-                   *r.tensor, "')");
+        user_error("checkpoint file '", dir, "/metadata.json': the shards in '", f.name,
+                   "' do not follow each other (tensor '", *r.tensor, "')");
       buf.resize(static_cast<size_t>(r.piece->bytes));
       in.read_piece(buf.data(), *r.piece, *r.tensor);
       h.update(buf.data(), buf.size());
@@ -600,7 +613,8 @@ void verify_checkpoint(const std::string& dir) {
     if (in.size() != f.bytes || at != f.bytes)
       user_error("checkpoint file '", in.path(), "' has ", in.size(), " bytes, metadata.json says ", f.bytes);
     if (h.digest() != f.xxh3)
-      user_error("checkpoint file '", in.path(), "' is corrupt: xxh3 ", hex64(h.digest()), ", metadata.json says ", hex64(f.xxh3));
+      user_error("checkpoint file '", in.path(), "' is corrupt: xxh3 ", hex64(h.digest()), ", metadata.json says ",
+                 hex64(f.xxh3));
   }
 }
 
@@ -658,7 +672,7 @@ struct CheckpointSaver::Impl {
   CheckpointInfo info;
   std::string tmp_dir, final_dir;
   std::vector<OutPiece> pieces;
-  std::vector<char> staging;  // async: a copy of the pieces, reused from save to save
+  std::vector<char> staging;       // async: a copy of the pieces, reused from save to save
   std::future<std::string> write;  // "" or the write's error message
   uint64_t file_hash = 0;
 
@@ -778,8 +792,9 @@ struct CheckpointSaver::Impl {
         std::error_code ec;
         fs::remove_all(tmp_dir, ec);
         const std::string previous = latest_checkpoint(root);
-        message = str("checkpoint at step ", info.step, " failed: ", message, "; ",
-                      previous.empty() ? "no earlier checkpoint exists" : "the latest complete checkpoint is " + previous);
+        message =
+            str("checkpoint at step ", info.step, " failed: ", message, "; ",
+                previous.empty() ? "no earlier checkpoint exists" : "the latest complete checkpoint is " + previous);
       }
     }
     message = broadcast_string(comm, message);

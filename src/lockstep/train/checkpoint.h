@@ -51,9 +51,9 @@ struct CheckpointInfo {
   int64_t samples_consumed = 0;  // training sequences consumed (the loader's position)
   int64_t tokens_consumed = 0;
   uint64_t seed = 0;
-  std::string lr_schedule;       // train.lr_schedule, for the record
-  double lr = 0;                 // LR of the last completed step
-  std::string config_toml;       // the resolved config (config_to_toml)
+  std::string lr_schedule;  // train.lr_schedule, for the record
+  double lr = 0;            // LR of the last completed step
+  std::string config_toml;  // the resolved config (config_to_toml)
   CheckpointLayout layout;
 };
 
@@ -62,7 +62,7 @@ struct CheckpointPiece {
   std::vector<int64_t> box_offset;
   Shape box_shape;
   int64_t flat_begin = 0, flat_end = 0;
-  std::string file;              // relative to the checkpoint directory
+  std::string file;  // relative to the checkpoint directory
   int64_t byte_offset = 0, bytes = 0;
   uint64_t xxh3 = 0;
 };

@@ -27,8 +27,10 @@ void Trainer::restore() {
     resume_dir_.resize(static_cast<size_t>(n));
     if (n) world.broadcast(resume_dir_.data(), n, 0);
   }
-  if (!resume_dir_.empty()) resumed_ = load_checkpoint(resume_dir_, state_);
-  else if (!tc.init_from.empty()) load_safetensors(tc.init_from, model_.params());
+  if (!resume_dir_.empty())
+    resumed_ = load_checkpoint(resume_dir_, state_);
+  else if (!tc.init_from.empty())
+    load_safetensors(tc.init_from, model_.params());
   start_step_ = resumed_.step + 1;
 }
 
@@ -51,7 +53,7 @@ void Trainer::save_checkpoint(int64_t step, double lr, bool exit_now) {
   info.lr_schedule = tc.lr_schedule;
   info.lr = lr;
   info.config_toml = config_to_toml(config_);
-  info.layout = {groups_.world.size(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.ep(), mesh.etp(),
+  info.layout = {groups_.world.size(),         mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.ep(), mesh.etp(),
                  config_.optimizer.distributed};
   dp_.wait_params();  // the replicas written are complete (ddp.overlap_param_gather)
   saver_->save(info, state_);

@@ -44,7 +44,9 @@ std::string rank_file(int rank) {
 }
 }  // namespace
 
-std::string fingerprint_path(const std::string& run_dir, int rank) { return run_dir + "/fingerprints/" + rank_file(rank); }
+std::string fingerprint_path(const std::string& run_dir, int rank) {
+  return run_dir + "/fingerprints/" + rank_file(rank);
+}
 std::string trace_path(const std::string& run_dir, int rank) { return run_dir + "/trace/" + rank_file(rank); }
 
 std::string trace_lines(const std::vector<ModuleTrace::Record>& records) {

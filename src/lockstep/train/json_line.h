@@ -45,8 +45,10 @@ class JsonLine {
     out_ += '[';
     for (size_t i = 0; i < v.size(); ++i) {
       char buf[40];
-      if (std::isfinite(v[i])) std::snprintf(buf, sizeof buf, "%.*g", digits, v[i]);
-      else std::snprintf(buf, sizeof buf, "null");
+      if (std::isfinite(v[i]))
+        std::snprintf(buf, sizeof buf, "%.*g", digits, v[i]);
+      else
+        std::snprintf(buf, sizeof buf, "null");
       out_ += (i ? "," : "");
       out_ += buf;
     }

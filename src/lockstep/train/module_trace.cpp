@@ -40,7 +40,8 @@ StepTrace::StepTrace(const DebugConfig& dbg, const std::vector<std::string>& my_
       injects_here_(dbg.inject_step() > 0 &&
                     std::find(my_modules.begin(), my_modules.end(), inject_module_) != my_modules.end()) {
   const bool tracing = dbg.trace == "modules";
-  if (tracing || dbg.inject_step() > 0) trace_ = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), inject_module_);
+  if (tracing || dbg.inject_step() > 0)
+    trace_ = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), inject_module_);
   if (tracing) {
     const std::string path = trace_path(run_dir, rank);
     std::error_code ec;
@@ -52,9 +53,9 @@ StepTrace::StepTrace(const DebugConfig& dbg, const std::vector<std::string>& my_
 
 void StepTrace::after_traced(bool first_step) {
   if (trace_ && first_step && injects_here_)
-    LOCKSTEP_CHECK(std::find(trace_->modules().begin(), trace_->modules().end(), inject_module_) !=
-                       trace_->modules().end(),
-                   "GPT::module_names() lists '", inject_module_, "', which the forward did not trace");
+    LOCKSTEP_CHECK(
+        std::find(trace_->modules().begin(), trace_->modules().end(), inject_module_) != trace_->modules().end(),
+        "GPT::module_names() lists '", inject_module_, "', which the forward did not trace");
   if (log_) log_->write(trace_lines(trace_->take_records()));
 }
 

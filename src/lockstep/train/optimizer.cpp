@@ -21,14 +21,17 @@ std::vector<ParamRange> whole_table(const ParamStore& ps) {
 Optimizer::Optimizer(const ParamStore& ps, const OptimizerConfig& oc) : Optimizer(ps, oc, whole_table(ps)) {}
 
 Optimizer::Optimizer(const ParamStore& ps, const OptimizerConfig& oc, std::vector<ParamRange> owned)
-    : owned_(std::move(owned)), first_(ps.specs().size(), -1), begin_(ps.specs().size(), 0),
-      end_(ps.specs().size(), 0), oc_(oc) {
+    : owned_(std::move(owned)),
+      first_(ps.specs().size(), -1),
+      begin_(ps.specs().size(), 0),
+      end_(ps.specs().size(), 0),
+      oc_(oc) {
   int64_t n = 0;
   for (const ParamRange& r : owned_) {
     LOCKSTEP_CHECK(r.param >= 0 && r.param < static_cast<int>(ps.specs().size()), "no parameter ", r.param);
     LOCKSTEP_CHECK(first_[r.param] < 0, "parameter ", ps.specs()[r.param].name, " owned twice");
-    LOCKSTEP_CHECK(0 <= r.begin && r.begin < r.end && r.end <= ps.specs()[r.param].shape.numel(),
-                   "bad range of ", ps.specs()[r.param].name);
+    LOCKSTEP_CHECK(0 <= r.begin && r.begin < r.end && r.end <= ps.specs()[r.param].shape.numel(), "bad range of ",
+                   ps.specs()[r.param].name);
     first_[r.param] = n;
     begin_[r.param] = r.begin;
     end_[r.param] = r.end;
@@ -76,28 +79,32 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
   auto plain = [&](int p, int64_t begin, int64_t end) {
     if (end <= begin) return;
     const int64_t s = state_index(p, begin);
-    ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin, end - begin, hyperparameters(p, lr),
-                 step, grad_scale);
+    ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin, end - begin,
+                                 hyperparameters(p, lr), step, grad_scale);
   };
   std::vector<ShardHashes::Block*> blocks;  // to update and hash
   for (const ParamRange& r : ranges) {
     const size_t p = static_cast<size_t>(r.param);
-    const bool covered = hashes && p + 1 < hashes->first_block_.size() && hashes->first_block_[p] < hashes->first_block_[p + 1];
+    const bool covered =
+        hashes && p + 1 < hashes->first_block_.size() && hashes->first_block_[p] < hashes->first_block_[p + 1];
     const int64_t lo = covered ? hashes->blocks_[hashes->first_block_[p]].begin : 0;
     const int64_t hi = covered ? hashes->blocks_[hashes->first_block_[p + 1] - 1].end : 0;
     if (!covered || hi <= r.begin || lo >= r.end) {
       plain(r.param, r.begin, r.end);
       continue;
     }
-    LOCKSTEP_CHECK(lo >= r.begin && hi <= r.end, "the fingerprinted part of ", ps.specs()[p].name, " is split over two updates");
+    LOCKSTEP_CHECK(lo >= r.begin && hi <= r.end, "the fingerprinted part of ", ps.specs()[p].name,
+                   " is split over two updates");
     plain(r.param, r.begin, lo);
     plain(r.param, hi, r.end);
-    for (size_t b = hashes->first_block_[p]; b < hashes->first_block_[p + 1]; ++b) blocks.push_back(&hashes->blocks_[b]);
+    for (size_t b = hashes->first_block_[p]; b < hashes->first_block_[p + 1]; ++b)
+      blocks.push_back(&hashes->blocks_[b]);
   }
   // Whole blocks to whichever thread claims them, largest first: each block's hashes are the same
   // whichever thread computes them.
-  std::stable_sort(blocks.begin(), blocks.end(),
-                   [](const ShardHashes::Block* a, const ShardHashes::Block* b) { return a->end - a->begin > b->end - b->begin; });
+  std::stable_sort(blocks.begin(), blocks.end(), [](const ShardHashes::Block* a, const ShardHashes::Block* b) {
+    return a->end - a->begin > b->end - b->begin;
+  });
   std::vector<AdamwHashedItem> items;
   std::vector<uint64_t> out(4 * blocks.size());
   for (size_t i = 0; i < blocks.size(); ++i) {
@@ -118,7 +125,8 @@ ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params
     : shard_(std::move(shard)), params_(params != nullptr) {
   size_t nparams = params ? params->specs().size() : 0;
   for (const ParamRange& r : shard_) nparams = std::max(nparams, static_cast<size_t>(r.param) + 1);
-  LOCKSTEP_CHECK(!params || nparams == params->specs().size(), "a shard range names a parameter the table does not have");
+  LOCKSTEP_CHECK(!params || nparams == params->specs().size(),
+                 "a shard range names a parameter the table does not have");
   std::vector<const ParamRange*> range_of(nparams, nullptr);
   for (const ParamRange& r : shard_) {
     LOCKSTEP_CHECK(!range_of[static_cast<size_t>(r.param)], "parameter ", r.param, " twice in a shard");
@@ -142,7 +150,8 @@ ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params
 
 void ShardHashes::check_done() const {
   for (const Block& b : blocks_)
-    LOCKSTEP_CHECK(b.done, "parameter ", b.param, " elements [", b.begin, ", ", b.end, ") were not updated, so not hashed");
+    LOCKSTEP_CHECK(b.done, "parameter ", b.param, " elements [", b.begin, ", ", b.end,
+                   ") were not updated, so not hashed");
 }
 
 // (hash, length) of the shard's part of each block, in shard range order.
@@ -173,7 +182,8 @@ std::vector<uint64_t> ShardHashes::params() const {
   LOCKSTEP_CHECK(params_, "these shard hashes do not cover the parameters");
   check_done();
   std::vector<uint64_t> pairs;
-  for (const Block& b : blocks_) pairs.insert(pairs.end(), {b.value, static_cast<uint64_t>(b.end - b.begin) * sizeof(float)});
+  for (const Block& b : blocks_)
+    pairs.insert(pairs.end(), {b.value, static_cast<uint64_t>(b.end - b.begin) * sizeof(float)});
   return pairs;
 }
 
@@ -182,8 +192,10 @@ void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out,
   for (const ParamRange& r : owned_) {
     if (r.end <= r.begin) continue;
     const std::string& name = ps.specs()[r.param].name;
-    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first, edp_first);
-    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first, tp_first, edp_first);
+    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first,
+                 edp_first);
+    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first,
+                 tp_first, edp_first);
   }
 }
 

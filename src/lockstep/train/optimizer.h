@@ -97,7 +97,8 @@ class Optimizer {
   // and "optim/exp_avg_sq/<name>", pieces of the parameter's global tensor (ParamStore::shards_of).
   // dp_first: this rank writes its pieces (true on every rank of a distributed optimizer, whose
   // ranges are disjoint; on the first data-parallel replica of a replicated one); tp_first as in
-  // shards_of, edp_first as dp_first for the experts. The master weights are the parameters (fp32 values, also under bf16 weights).
+  // shards_of, edp_first as dp_first for the experts. The master weights are the parameters (fp32 values, also under
+  // bf16 weights).
   void state_shards(const ParamStore& ps, std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first);
 
  private:
@@ -106,7 +107,7 @@ class Optimizer {
   AdamW hyperparameters(int p, double lr) const;
 
   std::vector<ParamRange> owned_;
-  std::vector<int64_t> first_;  // per parameter: state offset of its owned range, -1 = none
+  std::vector<int64_t> first_;        // per parameter: state offset of its owned range, -1 = none
   std::vector<int64_t> begin_, end_;  // per parameter: its owned range
   std::vector<bool> decay_;
   FloatBuffer m_, v_;

@@ -119,7 +119,8 @@ std::unique_ptr<Pipeline> set_up_pipeline(GPT& model, DataParallel& dp, Parallel
   const TrainConfig& tc = config.train;
   const int64_t accum = tc.global_batch / (tc.micro_batch * g.mesh.dp());
   dp.set_pipeline_parallel(&g.pp_group);
-  auto pipeline = std::make_unique<Pipeline>(g.pp_group, config.parallel, accum, tc.micro_batch * config.model.seq_length);
+  auto pipeline =
+      std::make_unique<Pipeline>(g.pp_group, config.parallel, accum, tc.micro_batch * config.model.seq_length);
   // A chunk's parameters are final after its backward of the last micro-batch; the embedding
   // shared with another stage only once the stages' gradients are summed (after the schedule).
   // Layout mode pushes every micro-batch's gradients as its leaf, the shared embedding's stage
@@ -152,11 +153,14 @@ Mesh checked_mesh(const Config& config, int world_size) {
   const int64_t dp_size = mesh.dp();
   if (tc.global_batch % (tc.micro_batch * dp_size))
     user_error("train.global_batch = ", tc.global_batch, " is not divisible by train.micro_batch (", tc.micro_batch,
-               ") x data-parallel size (", dp_size, " = ", world_size, " ranks / (parallel.tensor x parallel.context x "
-               "parallel.pipeline = ", mesh.tp() * mesh.cp() * mesh.pp(), "))");
+               ") x data-parallel size (", dp_size, " = ", world_size,
+               " ranks / (parallel.tensor x parallel.context x "
+               "parallel.pipeline = ",
+               mesh.tp() * mesh.cp() * mesh.pp(), "))");
   const int64_t accum = tc.global_batch / (tc.micro_batch * dp_size);
   // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
-  if (mesh.pp() > 1) pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
+  if (mesh.pp() > 1)
+    pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
   // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel;
@@ -183,9 +187,9 @@ ParallelGroups::ParallelGroups(Communicator& w, const Config& config)
       etp_edp_group(w.split_groups(mesh.groups(MeshGroup::etp_edp))),
       same_experts(split_if(mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp(), w,
                             same_expert_groups(mesh, MeshGroup::tp_cp, false))),
-      partners(split_if(config.determinism == "layout" && experts_split() &&
-                            mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp(),
-                        w, same_expert_groups(mesh, MeshGroup::tp_cp, true))),
+      partners(
+          split_if(config.determinism == "layout" && experts_split() && mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp(),
+                   w, same_expert_groups(mesh, MeshGroup::tp_cp, true))),
       tp(tensor_parallel(tp_group, config)),
       cp(context_parallel(*this, config)) {}
 

@@ -1,5 +1,6 @@
 #include "lockstep/train/run_diff.h"
 
+#include <toml++/toml.h>
 #include <algorithm>
 #include <bit>
 #include <charconv>
@@ -9,7 +10,6 @@
 #include <map>
 #include <optional>
 #include <set>
-#include <toml++/toml.h>
 #include <vector>
 
 #include "lockstep/core/error.h"
@@ -60,8 +60,8 @@ std::string parameter_split(const std::string& dir) {
 // run, counts with its last line).
 struct Run {
   std::string dir;
-  std::string parameter_split;  // parameter_split(dir)
-  std::vector<std::vector<FingerprintLine>> lines;  // [rank]
+  std::string parameter_split;                                     // parameter_split(dir)
+  std::vector<std::vector<FingerprintLine>> lines;                 // [rank]
   std::vector<std::map<int64_t, const FingerprintLine*>> by_step;  // [rank]
 
   int ranks() const { return static_cast<int>(lines.size()); }
@@ -77,7 +77,8 @@ struct Run {
 Run read_run(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec))
-    user_error("'", dir, "': ", fs::exists(dir, ec) ? "not a directory (lockstep diff takes run directories)" : "no such run directory");
+    user_error("'", dir, "': ",
+               fs::exists(dir, ec) ? "not a directory (lockstep diff takes run directories)" : "no such run directory");
   const fs::path fp_dir = fs::path(dir) / "fingerprints";
   if (!fs::is_directory(fp_dir, ec))
     user_error("'", dir, "' has no fingerprints/ directory (not a lockstep run directory?)");
@@ -221,8 +222,9 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
   auto upto = [&](const std::string& path) {
     std::vector<FingerprintLine> lines = read_fingerprint_lines(path);
     if (last_step >= 0)
-      lines.erase(std::remove_if(lines.begin(), lines.end(), [&](const FingerprintLine& l) { return l.step > last_step; }),
-                  lines.end());
+      lines.erase(
+          std::remove_if(lines.begin(), lines.end(), [&](const FingerprintLine& l) { return l.step > last_step; }),
+          lines.end());
     return lines;
   };
   auto field = [](const FingerprintLine& l, const char* key) {
@@ -231,11 +233,12 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
   };
   auto name = [&](const FingerprintLine& l) {
     return str(field(l, "module"), " ", field(l, "kind"), " (step ", l.step, ", micro-batch ", field(l, "micro"),
-               l.find("chunk") ? str(", ", field(l, "pass"), " of model chunk ", field(l, "chunk")) : std::string(), ")");
+               l.find("chunk") ? str(", ", field(l, "pass"), " of model chunk ", field(l, "chunk")) : std::string(),
+               ")");
   };
   std::vector<std::vector<FingerprintLine>> ta(static_cast<size_t>(ranks)), tb(static_cast<size_t>(ranks));
   std::optional<std::pair<TracePlace, int>> first;  // the first differing record and its rank
-  std::optional<int> longer;                         // a rank whose traces agree but one is longer
+  std::optional<int> longer;                        // a rank whose traces agree but one is longer
   for (int r = 0; r < ranks; ++r) {
     const std::string pa = trace_path(a.dir, r), pb = trace_path(b.dir, r);
     std::error_code ec;
@@ -249,8 +252,9 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
     const size_t n = std::min(x.size(), y.size());
     for (size_t i = 0; i < n; ++i) {
       if (name(x[i]) != name(y[i]))
-        return {true, str("module trace, rank ", r, ": the traces differ in structure at record ", i + 1, ": ", name(x[i]),
-                          " in ", a.dir, ", ", name(y[i]), " in ", b.dir, " (different models or configs)\n")};
+        return {true,
+                str("module trace, rank ", r, ": the traces differ in structure at record ", i + 1, ": ", name(x[i]),
+                    " in ", a.dir, ", ", name(y[i]), " in ", b.dir, " (different models or configs)\n")};
       const std::string *hx = x[i].find("hash"), *hy = y[i].find("hash");
       if (hx && hy && *hx == *hy) continue;
       const std::pair<TracePlace, int> here{place_of(x[i], i), r};
@@ -262,17 +266,18 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
     if (!longer) return {};
     const auto& x = ta[static_cast<size_t>(*longer)];
     const auto& y = tb[static_cast<size_t>(*longer)];
-    return {true, str("module trace, rank ", *longer, ": the traces agree over their first ", std::min(x.size(), y.size()),
-                      " records; ", x.size() > y.size() ? a.dir : b.dir, " has more\n")};
+    return {true, str("module trace, rank ", *longer, ": the traces agree over their first ",
+                      std::min(x.size(), y.size()), " records; ", x.size() > y.size() ? a.dir : b.dir, " has more\n")};
   }
   const auto [at, rank] = *first;
   const FingerprintLine& x = ta[static_cast<size_t>(rank)][at.index];
   const FingerprintLine& y = tb[static_cast<size_t>(rank)][at.index];
   const std::string *hx = x.find("hash"), *hy = y.find("hash");
-  std::string s = str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ",
-                      field(x, "micro"), ": ", field(x, "module"), " (", field(x, "kind"), ")",
-                      x.find("chunk") ? str(", in the ", field(x, "pass"), " of model chunk ", field(x, "chunk")) : std::string(),
-                      "\n");
+  std::string s =
+      str("module trace, rank ", rank, ": first difference at step ", x.step, ", micro-batch ", field(x, "micro"), ": ",
+          field(x, "module"), " (", field(x, "kind"), ")",
+          x.find("chunk") ? str(", in the ", field(x, "pass"), " of model chunk ", field(x, "chunk")) : std::string(),
+          "\n");
   // The record just before it in the order of the data, within the step. Forward records follow
   // the data (the record before an output is the module's input; under a pipeline, for a chunk's
   // first module, the previous chunk's last output on its stage); in backward, the record before a
@@ -281,7 +286,8 @@ TraceDiff trace_report(const Run& a, const Run& b, int ranks, int64_t last_step)
   // action of the step, on this rank where it ran there (replicas: tp, dp, ...), else on the lowest.
   std::vector<std::vector<TracePlace>> actions(static_cast<size_t>(ranks));  // each record's, index 0
   for (int r = 0; r < ranks; ++r)
-    for (const FingerprintLine& l : ta[static_cast<size_t>(r)]) actions[static_cast<size_t>(r)].push_back(place_of(l, 0));
+    for (const FingerprintLine& l : ta[static_cast<size_t>(r)])
+      actions[static_cast<size_t>(r)].push_back(place_of(l, 0));
   const TracePlace here = place_of(x, 0);
   std::optional<std::pair<size_t, int>> before;  // (index, rank)
   if (at.index > 0 && actions[static_cast<size_t>(rank)][at.index - 1] == here) before = {at.index - 1, rank};
@@ -329,16 +335,20 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
   // Across layouts: the global fields, and the parameters' hash where every rank of both runs holds
   // every parameter (data and context parallel replicas).
   const bool whole_params = a.parameter_split.empty() && b.parameter_split.empty();
-  auto compared = [&](const std::string& key) { return per_rank || is_global(key) || (whole_params && key == "params"); };
+  auto compared = [&](const std::string& key) {
+    return per_rank || is_global(key) || (whole_params && key == "params");
+  };
   if (!per_rank) {
     const FingerprintLine &fa = *a.by_step[0].at(*steps.begin()), &fb = *b.by_step[0].at(*steps.begin());
     // The state hashes of lines of other formats are not compared (the note below says so).
     const bool same_format = format_of(fa) == format_of(fb);
     const auto listed = [&](const std::string& k) { return compared(k) && (same_format || !is_state_hash_field(k)); };
-    say(str("different layouts (", a.ranks(), " vs ", b.ranks(), " ranks", a.ranks() == b.ranks() ? ", other coordinates" : "",
+    say(str("different layouts (", a.ranks(), " vs ", b.ranks(), " ranks",
+            a.ranks() == b.ranks() ? ", other coordinates" : "",
             "): comparing what every rank records alike, on rank 0 of each run: ", join(fields_of(fa, fb, listed))));
     const std::vector<std::string> skipped = fields_of(fa, fb, [&](const std::string& k) { return !compared(k); });
-    std::string why = "each rank hashes its own shard of the gradients and optimizer state, which depends on the layout";
+    std::string why =
+        "each rank hashes its own shard of the gradients and optimizer state, which depends on the layout";
     for (const Run* run : {&a, &b})
       if (!run->parameter_split.empty()) why += str("; ", run->dir, " ", run->parameter_split);
     if (!skipped.empty()) say(str("  not compared: ", join(skipped), " (", why, ")"));
@@ -373,8 +383,10 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     const FingerprintLine& la = *a.by_step[first_rank].at(step);
     const FingerprintLine& lb = *b.by_step[first_rank].at(step);
     const std::string& key = first_fields.front();
-    if (per_rank) say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
-    else say(str("first difference: step ", step, ", ", key, " (rank 0 of each run)"));
+    if (per_rank)
+      say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
+    else
+      say(str("first difference: step ", step, ", ", key, " (rank 0 of each run)"));
     say(str("  ", a.dir, ": ", shown(key, la.find(key))));
     say(str("  ", b.dir, ": ", shown(key, lb.find(key))));
     if (first_fields.size() > 1)
@@ -387,7 +399,8 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     }
     if (per_rank) {
       const TraceDiff trace = trace_report(a, b, ranks, step);
-      if (!trace.text.empty()) out.report += trace.text;
+      if (!trace.text.empty())
+        out.report += trace.text;
       else if (fs::exists(trace_path(a.dir, first_rank)))
         say(str("module traces: every rank's module outputs and input gradients up to step ", step,
                 " match: the difference arises after the backward pass (gradient reduction, clipping or "

@@ -6,8 +6,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <string_view>
 #include <filesystem>
+#include <string_view>
 
 #include "lockstep/core/error.h"
 

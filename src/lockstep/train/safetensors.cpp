@@ -26,7 +26,8 @@ void write_safetensors(const std::string& path, const std::vector<SafetensorsTen
   int64_t at = 0;
   for (const SafetensorsTensor& t : tensors) {
     const int64_t bytes = t.shape.numel() * static_cast<int64_t>(dtype_size(t.dtype));
-    header[t.name] = {{"dtype", safetensors_dtype(t.dtype)}, {"shape", t.shape.dims()}, {"data_offsets", {at, at + bytes}}};
+    header[t.name] = {
+        {"dtype", safetensors_dtype(t.dtype)}, {"shape", t.shape.dims()}, {"data_offsets", {at, at + bytes}}};
     at += bytes;
   }
   std::string json = header.dump();
@@ -52,7 +53,8 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
     user_error("'", path, "' is not a safetensors file (shorter than its 8-byte header length)");
   uint64_t n = 0;
   for (int i = 0; i < 8; ++i) n |= static_cast<uint64_t>(len_bytes[i]) << (8 * i);
-  if (n > static_cast<uint64_t>(size - 8)) user_error("'", path, "' is not a safetensors file (header length ", n, " exceeds the file)");
+  if (n > static_cast<uint64_t>(size - 8))
+    user_error("'", path, "' is not a safetensors file (header length ", n, " exceeds the file)");
   std::string text(n, '\0');
   f.read(text.data(), static_cast<std::streamsize>(n));
   ojson header;
@@ -64,11 +66,13 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
   const int64_t data_start = 8 + static_cast<int64_t>(n);
   for (const auto& [name, _] : header.items())
     if (name != "__metadata__" && ps.find(name) < 0)
-      user_error("'", path, "' has tensor '", name, "', which this model does not have (compare model.* with the exported model)");
+      user_error("'", path, "' has tensor '", name,
+                 "', which this model does not have (compare model.* with the exported model)");
   std::vector<char> buf;
   for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) {
     const ParamSpec& p = ps.specs()[i];
-    if (!header.contains(p.name)) user_error("'", path, "' has no tensor '", p.name, "' (the model has it, shape ", p.shape.to_string(), ")");
+    if (!header.contains(p.name))
+      user_error("'", path, "' has no tensor '", p.name, "' (the model has it, shape ", p.shape.to_string(), ")");
     const ojson& t = header[p.name];
     try {
       const std::string dtype = t.at("dtype").get<std::string>();
@@ -81,7 +85,8 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
         user_error("'", path, "': tensor '", p.name, "' is ", dtype, "; lockstep reads F32 and BF16");
       const int64_t es = dtype == "F32" ? 4 : 2;
       if (begin < 0 || end - begin != shape.numel() * es || data_start + end > size)
-        user_error("'", path, "': tensor '", p.name, "' has data offsets [", begin, ", ", end, "] that do not fit its shape or the file");
+        user_error("'", path, "': tensor '", p.name, "' has data offsets [", begin, ", ", end,
+                   "] that do not fit its shape or the file");
       buf.resize(static_cast<size_t>(end - begin));
       f.seekg(data_start + begin);
       if (!f.read(buf.data(), static_cast<std::streamsize>(buf.size()))) user_error("cannot read '", path, "'");

@@ -78,7 +78,8 @@ int64_t Trainer::count_loss_tokens(uint64_t first_sample) {
   int64_t loss_tokens = config_.train.micro_batch * config_.model.seq_length * accum_ * dp_size;
   if (config_.data.eod_mask_loss) {
     loss_tokens = 0;
-    for (int64_t micro = 0; micro < accum_; ++micro) loss_tokens += fetch(first_sample, micro, tokens_.data(), targets_.data());
+    for (int64_t micro = 0; micro < accum_; ++micro)
+      loss_tokens += fetch(first_sample, micro, tokens_.data(), targets_.data());
     if (dp_size > 1) groups_.dp_group.all_reduce(&loss_tokens, 1);
   }
   return loss_tokens;
@@ -123,7 +124,9 @@ Trainer::LossSums Trainer::forward_backward_pipelined(int64_t step, uint64_t fir
     ModuleTrace::Bind bind_trace(trace_->get());
     piped = pipeline_->run_step(
         model_, grad_scale,
-        [this, first_sample](int64_t micro, int32_t* tok, int32_t* tgt) { return fetch(first_sample, micro, tok, tgt); },
+        [this, first_sample](int64_t micro, int32_t* tok, int32_t* tgt) {
+          return fetch(first_sample, micro, tok, tgt);
+        },
         [this] { dp_.begin_last_micro(); });
   }
   trace_->after_traced(step == start_step_);
@@ -154,7 +157,8 @@ void Trainer::reduce_grads() {
   // (docs/design/reductions.md#the-shared-word-embedding).
   if (layout && pipeline_) pipeline_->sum_shared_grads(model_);
   if (layout) model_.sum_split_grads();
-  if (!layout) reduce_sequence_parallel_grads(groups_.tp, model_.params());  // layout: per micro-batch, in the grads-ready hook
+  if (!layout)
+    reduce_sequence_parallel_grads(groups_.tp, model_.params());  // layout: per micro-batch, in the grads-ready hook
 }
 
 void Trainer::reduce_losses(LossSums& s, int64_t loss_tokens, StepMetrics& m) {
@@ -169,7 +173,8 @@ void Trainer::reduce_losses(LossSums& s, int64_t loss_tokens, StepMetrics& m) {
     dense_dp.all_reduce(s.sums, 3);
   }
   const double micros = static_cast<double>(accum_ * groups_.mesh.dp());
-  m.lm_loss = s.sums[0] / (config_.data.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
+  m.lm_loss =
+      s.sums[0] / (config_.data.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
   m.aux_loss = s.sums[1] / micros;
   m.mtp_loss = s.sums[2] / micros;
   // The training loss: Megatron adds each micro-batch's aux (and MTP) losses with weight 1 / micro-batches.
@@ -209,8 +214,10 @@ void Trainer::record_fingerprint(const StepMetrics& m, uint64_t first_sample, co
   fp.rank = groups_.world.rank(), fp.dp = c.dp, fp.tp = c.tp, fp.pp = c.pp, fp.ep = c.ep, fp.cp = c.cp;
   fp.etp = c.etp;
   const bool gather_in_background = config_.optimizer.distributed && config_.ddp.overlap_param_gather;
-  if (gather_in_background && m.step < tc.steps) pending_fingerprint_ = fp;
-  else write_fingerprint(fp, hashes.has_params() ? hashes.params() : std::vector<uint64_t>{});
+  if (gather_in_background && m.step < tc.steps)
+    pending_fingerprint_ = fp;
+  else
+    write_fingerprint(fp, hashes.has_params() ? hashes.params() : std::vector<uint64_t>{});
 }
 
 void Trainer::write_pending_fingerprint() {

@@ -20,8 +20,8 @@ double seconds_since(Clock::time_point t0) { return std::chrono::duration<double
 // Ranks on one machine share its cores.
 int rank_threads(const TrainConfig& tc, const Communicator& world) {
   return tc.threads ? static_cast<int>(tc.threads)
-                    : static_cast<int>(std::max(1u, std::thread::hardware_concurrency() /
-                                                        static_cast<unsigned>(world.local_size())));
+                    : static_cast<int>(std::max(
+                          1u, std::thread::hardware_concurrency() / static_cast<unsigned>(world.local_size())));
 }
 
 }  // namespace
@@ -100,15 +100,19 @@ void Trainer::print_banner() const {
   std::fprintf(out, "lockstep: %s model, %lld layers, hidden %lld, %lld heads, %.2fM parameters; %s\n",
                mc.preset.c_str(), (long long)mc.num_layers, (long long)mc.hidden_size, (long long)mc.num_heads,
                static_cast<double>(model_.params().total()) / 1e6, data_->description().c_str());
-  std::fprintf(out, "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld per rank), %d threads, "
+  std::fprintf(out,
+               "lockstep: %lld steps x %lld sequences x %lld tokens (%lld micro-batches of %lld per rank), %d threads, "
                "GEMM peak %.1f GFLOP/s, run dir %s\n",
                (long long)tc.steps, (long long)tc.global_batch, (long long)mc.seq_length, (long long)accum_,
                (long long)tc.micro_batch, threads_, peak_gflops_, tc.out_dir.c_str());
   if (world.size() > 1)
-    std::fprintf(out, "lockstep: %d ranks (%s backend): tp %d x cp %d x dp %d x pp %d; experts: etp %d x ep %d x edp %d x pp %d\n",
-                 world.size(), world.backend().c_str(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.etp(), mesh.ep(),
-                 mesh.edp(), mesh.pp());
-  std::fprintf(out, "lockstep: data parallel %lld, %lld micro-batches per rank; %s optimizer: %.2f MiB of Adam state on "
+    std::fprintf(
+        out,
+        "lockstep: %d ranks (%s backend): tp %d x cp %d x dp %d x pp %d; experts: etp %d x ep %d x edp %d x pp %d\n",
+        world.size(), world.backend().c_str(), mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.etp(), mesh.ep(),
+        mesh.edp(), mesh.pp());
+  std::fprintf(out,
+               "lockstep: data parallel %lld, %lld micro-batches per rank; %s optimizer: %.2f MiB of Adam state on "
                "rank 0; %lld gradient buckets, overlap grad reduce %s, param gather %s\n",
                (long long)mesh.dp(), (long long)accum_, config_.optimizer.distributed ? "distributed" : "replicated",
                static_cast<double>(optimizer_.state_bytes()) / (1 << 20), (long long)dp_.num_buckets(),

@@ -86,8 +86,8 @@ class MpiTransport final : public Transport {
           int got = 0;
           MPI_Get_count(&statuses[d], MPI_BYTE, &got);
           if (got != recvs[k].bytes)
-            throw CommError(str(where(op), ": rank ", world_ranks_[peer[k]], " sent ", got, " bytes, this rank expects ",
-                                recvs[k].bytes));
+            throw CommError(str(where(op), ": rank ", world_ranks_[peer[k]], " sent ", got,
+                                " bytes, this rank expects ", recvs[k].bytes));
         }
       }
       remaining -= static_cast<size_t>(done);
@@ -126,7 +126,8 @@ void run_mpi(int expected_size, double timeout_s, const std::function<void(Commu
   MPI_Comm_size(MPI_COMM_WORLD, &size);
   try {
     if (provided < MPI_THREAD_SERIALIZED)
-      user_error("this MPI library does not support calls from a thread other than the main one (MPI_THREAD_SERIALIZED)");
+      user_error(
+          "this MPI library does not support calls from a thread other than the main one (MPI_THREAD_SERIALIZED)");
     if (expected_size > 0 && expected_size != size)
       user_error("--nproc ", expected_size, " under mpirun with ", size,
                  " processes: each mpirun process is one rank (drop --nproc or make them agree)");

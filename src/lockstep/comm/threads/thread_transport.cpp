@@ -60,8 +60,7 @@ std::string what_of(const std::exception_ptr& e) {
 
 class ThreadWorld {
  public:
-  ThreadWorld(int n, double timeout)
-      : size(n), timeout_s(timeout), cvs(n), events(n), exited(n, 0) {}
+  ThreadWorld(int n, double timeout) : size(n), timeout_s(timeout), cvs(n), events(n), exited(n, 0) {}
 
   const int size;
   const double timeout_s;
@@ -154,7 +153,8 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
   }
   for (size_t j = 0; j < recvs.size(); ++j) {
     const int tag = op.tag + recvs[j].tag;
-    recv_keys[j] = {ctx_, members_[recvs[j].peer], self, op.p2p, tag, op.p2p ? received_[{recvs[j].peer, tag}]++ : step};
+    recv_keys[j] = {
+        ctx_, members_[recvs[j].peer], self, op.p2p, tag, op.p2p ? received_[{recvs[j].peer, tag}]++ : step};
   }
   std::vector<char> received(recvs.size(), 0);
 
@@ -163,7 +163,8 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
   auto withdraw = [&] {
     for (size_t i = 0; i < posts.size(); ++i)
       if (posts[i].state == 0) W.mailbox.erase(post_keys[i]);
-    W.cvs[self].wait(lock, [&] { return std::none_of(posts.begin(), posts.end(), [](const Posted& p) { return p.state == 1; }); });
+    W.cvs[self].wait(
+        lock, [&] { return std::none_of(posts.begin(), posts.end(), [](const Posted& p) { return p.state == 1; }); });
   };
   auto fail = [&](const std::string& msg) {
     W.fail_locked(self, msg);
@@ -184,7 +185,8 @@ void ThreadTransport::exchange(const std::vector<SendSpec>& sends, const std::ve
         copied = true;
         Posted* p = it->second;
         if (p->bytes != recvs[j].bytes)
-          fail(str(where(op), ": rank ", recv_keys[j].src, " sends ", p->bytes, " bytes, this rank expects ", recvs[j].bytes));
+          fail(str(where(op), ": rank ", recv_keys[j].src, " sends ", p->bytes, " bytes, this rank expects ",
+                   recvs[j].bytes));
         W.mailbox.erase(it);
         p->state = 1;
         lock.unlock();
@@ -281,7 +283,8 @@ void run_threads(int nproc, double timeout_s, const std::function<void(Communica
     }
     const auto now = std::chrono::steady_clock::now();
     if (failed && give_up == std::chrono::steady_clock::time_point{})
-      give_up = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_s + 1.0));
+      give_up = now + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                          std::chrono::duration<double>(timeout_s + 1.0));
     if (failed && now >= give_up) {
       gave_up = true;
       break;
@@ -289,8 +292,10 @@ void run_threads(int nproc, double timeout_s, const std::function<void(Communica
   }
   std::string stuck;
   for (int r = 0; r < nproc; ++r) {
-    if (state->finished[r]) threads[r].join();
-    else threads[r].detach(), stuck += str(stuck.empty() ? "" : ", ", r);
+    if (state->finished[r])
+      threads[r].join();
+    else
+      threads[r].detach(), stuck += str(stuck.empty() ? "" : ", ", r);
   }
   std::string failure;
   int failure_rank;
@@ -303,7 +308,8 @@ void run_threads(int nproc, double timeout_s, const std::function<void(Communica
   std::exception_ptr root = failure_rank >= 0 ? state->errors[failure_rank] : nullptr;
   lock.unlock();
   if (gave_up || !root) {
-    throw CommError(str(failure, gave_up ? str("; rank(s) ", stuck, " did not stop within ", timeout_s + 1.0, " s") : ""));
+    throw CommError(
+        str(failure, gave_up ? str("; rank(s) ", stuck, " did not stop within ", timeout_s + 1.0, " s") : ""));
   }
   if (nproc == 1) std::rethrow_exception(root);
   try {

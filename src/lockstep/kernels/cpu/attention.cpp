@@ -135,9 +135,8 @@ struct Band {
 // C (4 x 8*NV) = init + sum_k A(r, k) * Bm(k, :), one FMA chain per element over k ascending;
 // A(r, k) = A[r * a_rs + k * a_ks]. init = C when accumulating, else 0.
 template <class O, int NV>
-inline void micro_tile(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks,
-                       const float* Bm, int64_t ldb, int64_t k_begin, int64_t k_end,
-                       bool accumulate) {
+inline void micro_tile(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks, const float* Bm, int64_t ldb,
+                       int64_t k_begin, int64_t k_end, bool accumulate) {
   using V = typename O::V;
   V c[4][NV];
   for (int r = 0; r < 4; ++r)
@@ -157,8 +156,8 @@ inline void micro_tile(float* C, int64_t ldc, const float* A, int64_t a_rs, int6
 // C (M x N) (+)= A (M x K) * Bm (K x N), M a multiple of 4, N of 8, trimmed by band. Columns that
 // the band skips are left untouched.
 template <class O>
-void tile_mm(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks, const float* Bm,
-             int64_t ldb, int64_t M, int64_t N, int64_t K, bool accumulate, const Band& band) {
+void tile_mm(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks, const float* Bm, int64_t ldb, int64_t M,
+             int64_t N, int64_t K, bool accumulate, const Band& band) {
   for (int64_t r0 = 0; r0 < M; r0 += 4) {
     const int64_t k_begin = std::max<int64_t>(0, r0 + band.k_begin_off);
     const int64_t k_end = std::min(K, r0 + band.k_end_off);
@@ -167,14 +166,13 @@ void tile_mm(float* C, int64_t ldc, const float* A, int64_t a_rs, int64_t a_ks, 
     int64_t c0 = std::max<int64_t>(0, (r0 + band.n_begin_off) / 8 * 8);
     for (; c0 + 16 <= N; c0 += 16)
       micro_tile<O, 2>(c + c0, ldc, a, a_rs, a_ks, Bm + c0, ldb, k_begin, k_end, accumulate);
-    if (c0 < N)
-      micro_tile<O, 1>(c + c0, ldc, a, a_rs, a_ks, Bm + c0, ldb, k_begin, k_end, accumulate);
+    if (c0 < N) micro_tile<O, 1>(c + c0, ldc, a, a_rs, a_ks, Bm + c0, ldb, k_begin, k_end, accumulate);
   }
 }
 
 // dst (rows_pad x HSp) = src rows (n rows, stride ld_src, HS each) * scale, zero-padded.
-void copy_rows(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_t n,
-               int64_t rows_pad, int64_t HS, float scale) {
+void copy_rows(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_t n, int64_t rows_pad, int64_t HS,
+               float scale) {
   for (int64_t r = 0; r < rows_pad; ++r) {
     float* d = dst + r * HSp;
     int64_t c = 0;
@@ -210,8 +208,8 @@ inline void transpose8x8(float* dst, int64_t ldd, const float* src, int64_t lds,
 
 // dst (HSp x kBlk), dst[d][i] = src row i element d * scale, zero-padded to n_pad columns. Pure
 // data movement and one multiply per element, so the AVX2 blocks give the scalar loop's bits.
-void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_t n,
-                     int64_t n_pad, int64_t HS, float scale) {
+void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, int64_t n, int64_t n_pad, int64_t HS,
+                     float scale) {
   int64_t n8 = 0, hs8 = 0;
 #ifdef LOCKSTEP_AVX2
   n8 = n / 8 * 8;
@@ -222,8 +220,7 @@ void copy_transposed(float* dst, int64_t HSp, const float* src, int64_t ld_src, 
 #endif
   for (int64_t i = 0; i < n_pad; ++i) {
     const float* s = src + i * ld_src;
-    for (int64_t d = i < n8 ? hs8 : 0; d < HSp; ++d)
-      dst[d * kBlk + i] = i < n && d < HS ? s[d] * scale : 0.0f;
+    for (int64_t d = i < n8 ? hs8 : 0; d < HSp; ++d) dst[d * kBlk + i] = i < n && d < HS ? s[d] * scale : 0.0f;
   }
 }
 
@@ -237,14 +234,14 @@ struct QBlock {
 
 struct Shape {
   int64_t B, T, NH, NKV, HS;
-  int64_t Tl;      // query rows per sample (T without context parallelism)
-  int64_t HSp;     // HS rounded up to 8: tiles are zero-padded so every loop runs on whole vectors
-  int64_t group;   // query heads per kv head
+  int64_t Tl;                      // query rows per sample (T without context parallelism)
+  int64_t HSp;                     // HS rounded up to 8: tiles are zero-padded so every loop runs on whole vectors
+  int64_t group;                   // query heads per kv head
   std::span<const QBlock> blocks;  // the query blocks of a sample, ascending
   float scale;
   // Query segments (determinism = "layout", layout_token_segments): dk and dv are summed per
   // canonical segment, each from zero, then along the canonical tree over each chunk's segments.
-  int64_t segments = 0;       // per sample (0: one chain over all queries)
+  int64_t segments = 0;        // per sample (0: one chain over all queries)
   int64_t max_chunk_segs = 0;  // the most segments a chunk holds
   int64_t chunks = 1;
 };
@@ -269,8 +266,8 @@ using Chunks = std::span<const std::pair<int64_t, int64_t>>;
 // The query blocks of a sample; kept per calling thread (its capacity stays, so steady-state calls
 // do not allocate), read by the pool's workers during the call.
 Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, Chunks chunks, int64_t segments) {
-  LOCKSTEP_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0, "attention: B=", B, " T=", T,
-                 " NH=", NH, " NKV=", NKV, " HS=", HS);
+  LOCKSTEP_CHECK(B > 0 && T > 0 && NH > 0 && NKV > 0 && HS > 0, "attention: B=", B, " T=", T, " NH=", NH, " NKV=", NKV,
+                 " HS=", HS);
   LOCKSTEP_CHECK(NH % NKV == 0, "attention: NH=", NH, " is not a multiple of NKV=", NKV);
   LOCKSTEP_CHECK(segments >= 0 && segments <= T, "attention: ", segments, " query segments of ", T, " positions");
   thread_local std::vector<QBlock> blocks;
@@ -322,9 +319,7 @@ float* thread_scratch(size_t n) {
 // statistics of 8 queries advance together and the sums over keys need no horizontal reduction.
 // Key j may be seen by query i when k0 + j <= q0 + i, i.e. i >= j - diag with diag = q0 - k0.
 // Returns how many rows of query chunk [c, c + 8) hold a visible key: rows past it are all masked.
-inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) {
-  return std::min(nk, c + 8 + diag);
-}
+inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) { return std::min(nk, c + 8 + diag); }
 
 // Document starts of a query block: dsf[i] = doc_start of query q0 + i as float (exact below 2^24
 // positions; 0 for padding queries, which then see what plain causal attention shows them).
@@ -348,14 +343,14 @@ inline int64_t chunk_doc_start(const float* dsf, int64_t c) {
 void check_doc_start(const int32_t* doc_start, int64_t B, int64_t T) {
   if (!doc_start) return;
   for (int64_t n = 0; n < B * T; ++n)
-    LOCKSTEP_CHECK(doc_start[n] >= 0 && doc_start[n] <= n % T, "attention: doc_start ",
-                   doc_start[n], " at (b ", n / T, ", t ", n % T, ") is outside [0, t]");
+    LOCKSTEP_CHECK(doc_start[n] >= 0 && doc_start[n] <= n % T, "attention: doc_start ", doc_start[n], " at (b ", n / T,
+                   ", t ", n % T, ") is outside [0, t]");
 }
 
 // One (b, h, query block): out rows and lse of the block.
 template <class O>
-void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_start, const Shape& s, int64_t b,
-                   int64_t h, const QBlock& blk, float* scratch) {
+void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_start, const Shape& s, int64_t b, int64_t h,
+                   const QBlock& blk, float* scratch) {
   using V = typename O::V;
   const int64_t HSp = s.HSp;
   float* qt = scratch;           // (HSp, kBlk) scaled queries, transposed
@@ -440,8 +435,8 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
 }
 
 template <class O>
-void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, Chunks chunks, int64_t NH,
-             int64_t NKV, int64_t HS, const int32_t* doc_start) {
+void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, Chunks chunks, int64_t NH, int64_t NKV,
+             int64_t HS, const int32_t* doc_start) {
   const Shape s = make_shape(B, T, NH, NKV, HS, chunks, 0);
   check_doc_start(doc_start, B, T);
   const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 4 * kBlk);
@@ -473,11 +468,11 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
   using V = typename O::V;
   const auto nb = static_cast<int64_t>(s.blocks.size());
   const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = nb * kBlk, C = s.NH * s.HS;
-  float* kall = scratch;             // (Tk, HSp) keys
-  float* vall = kall + Tk * HSp;     // (Tk, HSp) values
-  float* dk = vall + Tk * HSp;       // (Tk, HSp)
-  float* dv = dk + Tk * HSp;         // (Tk, HSp)
-  float* lse_g = dv + Tk * HSp;      // (group, blocks x kBlk) lse, +inf past a block's rows so padding queries get p = 0
+  float* kall = scratch;          // (Tk, HSp) keys
+  float* vall = kall + Tk * HSp;  // (Tk, HSp) values
+  float* dk = vall + Tk * HSp;    // (Tk, HSp)
+  float* dv = dk + Tk * HSp;      // (Tk, HSp)
+  float* lse_g = dv + Tk * HSp;   // (group, blocks x kBlk) lse, +inf past a block's rows so padding queries get p = 0
   float* dd = lse_g + s.group * Tq;  // (group, blocks x kBlk) D
   float* qs = dd + s.group * Tq;     // (kBlk, HSp) scaled queries of the query block
   float* qt = qs + kBlk * HSp;       // (HSp, kBlk) the same, transposed
@@ -511,8 +506,7 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
         copy_rows(row, HSp, out + at, 0, 1, 1, s.HS, 1.0f);
         copy_rows(row + HSp, HSp, dout + at, 0, 1, 1, s.HS, 1.0f);
         V acc = O::zero();
-        for (int64_t d = 0; d < HSp; d += 8)
-          acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
+        for (int64_t d = 0; d < HSp; d += 8) acc = O::fma(O::load(row + d), O::load(row + HSp + d), acc);
         dd[at_blk] = O::hsum(acc);
         lse_g[at_blk] = lse[(b * s.NH + h) * s.Tl + t];
       }
@@ -528,60 +522,59 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
     while (i1 < nb && s.blocks[static_cast<size_t>(i1)].chunk == first.chunk &&
            s.blocks[static_cast<size_t>(i1)].segment == first.segment)
       ++i1;
-  for (int64_t hh = 0; hh < s.group; ++hh) {
-    const int64_t h = g * s.group + hh;
-    for (int64_t qbi = i0; qbi < i1; ++qbi) {
-      const QBlock& blk = s.blocks[static_cast<size_t>(qbi)];
-      const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
-      const float* qrow = io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS;
-      const float* gorow = dout + (b * s.Tl + blk.row) * C + h * s.HS;
-      copy_rows(qs, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
-      copy_transposed(qt, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
-      copy_rows(go, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
-      copy_transposed(got, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
-      std::fill(dq, dq + nqp * HSp, 0.0f);
-      const float* lse_q = lse_g + hh * Tq + qbi * kBlk;
-      const float* d_q = dd + hh * Tq + qbi * kBlk;
-      const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
-      for (int64_t kb = kb_begin; kb <= qb; ++kb) {
-        const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
-        const int64_t diag = q0 - k0;
-        const float* kr = kall + k0 * HSp;
-        const Band score_band{.n_begin_off = -diag};
-        tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, score_band);
-        tile_mm<O>(dst, kBlk, vall + k0 * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
-        for (int64_t c = 0; c < nqp; c += 8) {
-          const int64_t rows = visible_rows(c, diag, nk);
-          const int64_t doc_rows = ds ? std::min(rows, chunk_doc_start(dsf, c) - k0) : 0;
-          const V dsv = ds ? O::load(dsf + c) : O::zero();
-          const V lv = O::load(lse_q + c), dv_ = O::load(d_q + c);
-          for (int64_t j = 0; j < rows; ++j) {
-            float* x = pt + j * kBlk + c;
-            float* y = dst + j * kBlk + c;
-            V sc = O::load(x);
-            if (j - diag - c > 0) sc = O::keep_from(sc, j - diag - c, -kInf);
-            if (j < doc_rows) sc = O::mask_before_start(sc, dsv, static_cast<float>(k0 + j), -kInf);
-            const V p = O::exp(O::sub(sc, lv));
-            O::store(x, p);
-            O::store(y, O::mul(p, O::sub(O::load(y), dv_)));
+    for (int64_t hh = 0; hh < s.group; ++hh) {
+      const int64_t h = g * s.group + hh;
+      for (int64_t qbi = i0; qbi < i1; ++qbi) {
+        const QBlock& blk = s.blocks[static_cast<size_t>(qbi)];
+        const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
+        const float* qrow = io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS;
+        const float* gorow = dout + (b * s.Tl + blk.row) * C + h * s.HS;
+        copy_rows(qs, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
+        copy_transposed(qt, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
+        copy_rows(go, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
+        copy_transposed(got, HSp, gorow, C, nq, nqp, s.HS, 1.0f);
+        std::fill(dq, dq + nqp * HSp, 0.0f);
+        const float* lse_q = lse_g + hh * Tq + qbi * kBlk;
+        const float* d_q = dd + hh * Tq + qbi * kBlk;
+        const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
+        for (int64_t kb = kb_begin; kb <= qb; ++kb) {
+          const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
+          const int64_t diag = q0 - k0;
+          const float* kr = kall + k0 * HSp;
+          const Band score_band{.n_begin_off = -diag};
+          tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, score_band);
+          tile_mm<O>(dst, kBlk, vall + k0 * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
+          for (int64_t c = 0; c < nqp; c += 8) {
+            const int64_t rows = visible_rows(c, diag, nk);
+            const int64_t doc_rows = ds ? std::min(rows, chunk_doc_start(dsf, c) - k0) : 0;
+            const V dsv = ds ? O::load(dsf + c) : O::zero();
+            const V lv = O::load(lse_q + c), dv_ = O::load(d_q + c);
+            for (int64_t j = 0; j < rows; ++j) {
+              float* x = pt + j * kBlk + c;
+              float* y = dst + j * kBlk + c;
+              V sc = O::load(x);
+              if (j - diag - c > 0) sc = O::keep_from(sc, j - diag - c, -kInf);
+              if (j < doc_rows) sc = O::mask_before_start(sc, dsv, static_cast<float>(k0 + j), -kInf);
+              const V p = O::exp(O::sub(sc, lv));
+              O::store(x, p);
+              O::store(y, O::mul(p, O::sub(O::load(y), dv_)));
+            }
+            for (int64_t j = rows; j < nkp; ++j) {
+              O::store(pt + j * kBlk + c, O::zero());
+              O::store(dst + j * kBlk + c, O::zero());
+            }
           }
-          for (int64_t j = rows; j < nkp; ++j) {
-            O::store(pt + j * kBlk + c, O::zero());
-            O::store(dst + j * kBlk + c, O::zero());
-          }
+          const Band key_band{.k_begin_off = -diag};
+          tile_mm<O>(dv + k0 * HSp, HSp, pt, kBlk, 1, go, HSp, nkp, HSp, nqp, true, key_band);
+          tile_mm<O>(dk + k0 * HSp, HSp, dst, kBlk, 1, qs, HSp, nkp, HSp, nqp, true, key_band);
+          tile_mm<O>(dq, HSp, dst, 1, kBlk, kr, HSp, nqp, HSp, nkp, true, Band{.k_end_off = 4 + diag});
         }
-        const Band key_band{.k_begin_off = -diag};
-        tile_mm<O>(dv + k0 * HSp, HSp, pt, kBlk, 1, go, HSp, nkp, HSp, nqp, true, key_band);
-        tile_mm<O>(dk + k0 * HSp, HSp, dst, kBlk, 1, qs, HSp, nkp, HSp, nqp, true, key_band);
-        tile_mm<O>(dq, HSp, dst, 1, kBlk, kr, HSp, nqp, HSp, nkp, true,
-                   Band{.k_end_off = 4 + diag});
-      }
-      for (int64_t i = 0; i < nq; ++i) {
-        float* drow = io.dq + (b * s.Tl + blk.row + i) * io.lddq + h * s.HS;
-        for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
+        for (int64_t i = 0; i < nq; ++i) {
+          float* drow = io.dq + (b * s.Tl + blk.row + i) * io.lddq + h * s.HS;
+          for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
+        }
       }
     }
-  }
     if (s.segments) {
       const bool last = i1 == nb || s.blocks[static_cast<size_t>(i1)].chunk != first.chunk;
       tree_sum_push(dk, dk, first.segment, last, M, stack);
@@ -594,13 +587,13 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
 }
 
 template <class O>
-void backward(const Io& io, const float* dout, const float* out, const float* lse, int64_t B, int64_t T,
-              Chunks chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t segments) {
+void backward(const Io& io, const float* dout, const float* out, const float* lse, int64_t B, int64_t T, Chunks chunks,
+              int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t segments) {
   const Shape s = make_shape(B, T, NH, NKV, HS, chunks, segments);
   check_doc_start(doc_start, B, T);
   const int64_t Tk = round_up(T, 4), Tq = static_cast<int64_t>(s.blocks.size()) * kBlk;
-  const size_t need = static_cast<size_t>((4 + 2 * tree_sum_stack(s.max_chunk_segs)) * Tk * s.HSp +
-                                          2 * s.group * Tq + 5 * kBlk * s.HSp + 2 * kBlk * kBlk + 2 * s.HSp + kBlk);
+  const size_t need = static_cast<size_t>((4 + 2 * tree_sum_stack(s.max_chunk_segs)) * Tk * s.HSp + 2 * s.group * Tq +
+                                          5 * kBlk * s.HSp + 2 * kBlk * kBlk + 2 * s.HSp + kBlk);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
     float* scratch = thread_scratch(need);
     for (int64_t u = begin; u < end; ++u)
@@ -611,8 +604,16 @@ void backward(const Io& io, const float* dout, const float* out, const float* ls
 // The whole sequence from one fused qkv buffer (B, T, (NH + 2 NKV) HS), and its gradient.
 Io fused_io(const float* qkv, float* dqkv, int64_t NH, int64_t NKV, int64_t HS) {
   const int64_t C3 = (NH + 2 * NKV) * HS;
-  return Io{qkv, C3, qkv + NH * HS, qkv + (NH + NKV) * HS, C3,
-            dqkv, C3, dqkv ? dqkv + NH * HS : nullptr, dqkv ? dqkv + (NH + NKV) * HS : nullptr, C3};
+  return Io{qkv,
+            C3,
+            qkv + NH * HS,
+            qkv + (NH + NKV) * HS,
+            C3,
+            dqkv,
+            C3,
+            dqkv ? dqkv + NH * HS : nullptr,
+            dqkv ? dqkv + (NH + NKV) * HS : nullptr,
+            C3};
 }
 
 // Context parallelism: the rank's query rows of qkv (B, Tl, C3), keys and values gathered
@@ -631,14 +632,14 @@ struct Whole {
 
 }  // namespace
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                       int64_t NKV, int64_t HS, const int32_t* doc_start) {
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                       int64_t HS, const int32_t* doc_start) {
   forward<FastOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, Whole(T), NH, NKV, HS, doc_start);
 }
 
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, const int32_t* doc_start, int64_t query_segments) {
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
+                        int64_t T, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start,
+                        int64_t query_segments) {
   backward<FastOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, Whole(T), NH, NKV, HS, doc_start,
                     query_segments);
 }
@@ -651,20 +652,19 @@ void attention_forward_chunks(float* out, float* lse, const float* qkv, const fl
 
 void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
                                const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& chunks,
-                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start,
-                               int64_t query_segments) {
-  backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, chunks, NH, NKV, HS,
-                    doc_start, query_segments);
+                               int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t query_segments) {
+  backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, chunks, NH, NKV, HS, doc_start,
+                    query_segments);
 }
 
 namespace detail {
-void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start) {
+void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                int64_t HS, const int32_t* doc_start) {
   forward<PortableOps>(out, lse, fused_io(qkv, nullptr, NH, NKV, HS), B, T, Whole(T), NH, NKV, HS, doc_start);
 }
-void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out,
-                                 const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                                 int64_t HS, const int32_t* doc_start, int64_t query_segments) {
+void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                                 int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start,
+                                 int64_t query_segments) {
   backward<PortableOps>(fused_io(qkv, dqkv, NH, NKV, HS), dout, out, lse, B, T, Whole(T), NH, NKV, HS, doc_start,
                         query_segments);
 }

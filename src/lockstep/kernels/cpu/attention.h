@@ -8,11 +8,11 @@
 
 namespace lockstep {
 
-void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH,
-                       int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr);
-void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out,
-                        const float* lse, int64_t B, int64_t T, int64_t NH, int64_t NKV,
-                        int64_t HS, const int32_t* doc_start = nullptr, int64_t query_segments = 0);
+void attention_forward(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                       int64_t HS, const int32_t* doc_start = nullptr);
+void attention_backward(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse, int64_t B,
+                        int64_t T, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start = nullptr,
+                        int64_t query_segments = 0);
 void attention_forward_chunks(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
                               const QueryChunks& chunks, int64_t NH, int64_t NKV, int64_t HS,
                               const int32_t* doc_start = nullptr);
@@ -22,12 +22,10 @@ void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const
                                int64_t query_segments = 0);
 namespace detail {
 // The portable forms, exposed so tests can check them against the AVX2 forms bitwise.
-void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T,
-                                int64_t NH, int64_t NKV, int64_t HS,
-                                const int32_t* doc_start = nullptr);
-void attention_backward_portable(float* dqkv, const float* dout, const float* qkv,
-                                 const float* out, const float* lse, int64_t B, int64_t T,
-                                 int64_t NH, int64_t NKV, int64_t HS,
+void attention_forward_portable(float* out, float* lse, const float* qkv, int64_t B, int64_t T, int64_t NH, int64_t NKV,
+                                int64_t HS, const int32_t* doc_start = nullptr);
+void attention_backward_portable(float* dqkv, const float* dout, const float* qkv, const float* out, const float* lse,
+                                 int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS,
                                  const int32_t* doc_start = nullptr, int64_t query_segments = 0);
 }  // namespace detail
 

@@ -61,8 +61,10 @@ void lookup_rows(float* out, const float* table, const int32_t* ids, int64_t N, 
   parallel_for(N, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) {
       float* o = out + n * C;
-      if (ids[n] < 0) std::fill(o, o + C, missing);
-      else copy_floats(o, table + static_cast<int64_t>(ids[n]) * C, C);
+      if (ids[n] < 0)
+        std::fill(o, o + C, missing);
+      else
+        copy_floats(o, table + static_cast<int64_t>(ids[n]) * C, C);
     }
   });
 }

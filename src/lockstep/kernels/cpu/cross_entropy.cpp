@@ -55,8 +55,7 @@ float chunk_max(const float* x, int64_t len) {
   }
   float l[8];
   for (int k = 0; k < 8; ++k) l[k] = max_ps(max_ps(a[k], a[8 + k]), max_ps(a[16 + k], a[24 + k]));
-  const float h0 = max_ps(l[0], l[4]), h1 = max_ps(l[1], l[5]), h2 = max_ps(l[2], l[6]),
-              h3 = max_ps(l[3], l[7]);
+  const float h0 = max_ps(l[0], l[4]), h1 = max_ps(l[1], l[5]), h2 = max_ps(l[2], l[6]), h3 = max_ps(l[3], l[7]);
   m = max_ps(max_ps(h0, h2), max_ps(h1, h3));
 #endif
   for (int64_t i = body; i < len; ++i) m = max_ps(m, x[i]);
@@ -148,8 +147,7 @@ void row_grad(float* e, int64_t V, const float* cmax, float M, float S, float gr
 // Loss of one row. With kBackward, the row is overwritten with its gradient. cmax: scratch of one
 // float per chunk.
 template <bool kBackward>
-float row_loss(float* grad, const float* x, int64_t V, int32_t target, float grad_scale,
-               float* cmax) {
+float row_loss(float* grad, const float* x, int64_t V, int32_t target, float grad_scale, float* cmax) {
   const float xt = x[target];
   float M = 0.0f, S = 0.0f;
   row_lse<kBackward>(grad, x, V, cmax, M, S);
@@ -163,15 +161,14 @@ float row_loss(float* grad, const float* x, int64_t V, int32_t target, float gra
 void check_targets(const int32_t* targets, int64_t N, int64_t V) {
   for (int64_t n = 0; n < N; ++n) {
     if (targets[n] >= V) {
-      user_error("cross_entropy: target ", targets[n], " at row ", n,
-                 " is outside the vocabulary [0, ", V, ")");
+      user_error("cross_entropy: target ", targets[n], " at row ", n, " is outside the vocabulary [0, ", V, ")");
     }
   }
 }
 
 template <bool kBackward>
-void cross_entropy(float* losses, float* grad, const float* logits, const int32_t* targets,
-                   int64_t N, int64_t V, int64_t ld, float grad_scale) {
+void cross_entropy(float* losses, float* grad, const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                   int64_t ld, float grad_scale) {
   check_targets(targets, N, V);
   const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
   parallel_for(N, [&](int64_t begin, int64_t end) {
@@ -182,26 +179,26 @@ void cross_entropy(float* losses, float* grad, const float* logits, const int32_
         if constexpr (kBackward) std::fill(grad + n * ld, grad + n * ld + V, 0.0f);
         continue;
       }
-      losses[n] = row_loss<kBackward>(kBackward ? grad + n * ld : nullptr, logits + n * ld, V,
-                                      targets[n], grad_scale, cmax.data());
+      losses[n] = row_loss<kBackward>(kBackward ? grad + n * ld : nullptr, logits + n * ld, V, targets[n], grad_scale,
+                                      cmax.data());
     }
   });
 }
 
 }  // namespace
 
-void cross_entropy_forward(float* losses, const float* logits, const int32_t* targets, int64_t N,
-                           int64_t V, int64_t ld) {
+void cross_entropy_forward(float* losses, const float* logits, const int32_t* targets, int64_t N, int64_t V,
+                           int64_t ld) {
   cross_entropy<false>(losses, nullptr, logits, targets, N, V, ld, 0.0f);
 }
 
-void cross_entropy_forward_backward(float* losses, float* logits, const int32_t* targets,
-                                    int64_t N, int64_t V, int64_t ld, float grad_scale) {
+void cross_entropy_forward_backward(float* losses, float* logits, const int32_t* targets, int64_t N, int64_t V,
+                                    int64_t ld, float grad_scale) {
   cross_entropy<true>(losses, logits, logits, targets, N, V, ld, grad_scale);
 }
 
-void cross_entropy_shard_lse(float* stats, float* cmax, float* logits, const int32_t* targets, int64_t N,
-                             int64_t V, int64_t ld, int64_t vocab_begin, int64_t vocab_size, bool store) {
+void cross_entropy_shard_lse(float* stats, float* cmax, float* logits, const int32_t* targets, int64_t N, int64_t V,
+                             int64_t ld, int64_t vocab_begin, int64_t vocab_size, bool store) {
   check_targets(targets, N, vocab_size);
   const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
   parallel_for(N, [&](int64_t begin, int64_t end) {
@@ -210,13 +207,16 @@ void cross_entropy_shard_lse(float* stats, float* cmax, float* logits, const int
       float* x = logits + n * ld;
       const int64_t t = static_cast<int64_t>(targets[n]) - vocab_begin;
       st[2] = t >= 0 && t < V && targets[n] >= 0 ? x[t] : 0.0f;
-      if (store) row_lse<true>(x, x, V, cmax + n * chunks, st[0], st[1]);
-      else row_lse<false>(nullptr, x, V, cmax + n * chunks, st[0], st[1]);
+      if (store)
+        row_lse<true>(x, x, V, cmax + n * chunks, st[0], st[1]);
+      else
+        row_lse<false>(nullptr, x, V, cmax + n * chunks, st[0], st[1]);
     }
   });
 }
 
-void cross_entropy_combine(float* losses, float* lse, const float* stats, const int32_t* targets, int64_t N, int64_t P) {
+void cross_entropy_combine(float* losses, float* lse, const float* stats, const int32_t* targets, int64_t N,
+                           int64_t P) {
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       float M = stats[3 * n], S = stats[3 * n + 1], xt = stats[3 * n + 2];
@@ -232,8 +232,8 @@ void cross_entropy_combine(float* losses, float* lse, const float* stats, const 
   });
 }
 
-void cross_entropy_shard_backward(float* logits, const float* cmax, const float* lse, const int32_t* targets,
-                                  int64_t N, int64_t V, int64_t ld, int64_t vocab_begin, float grad_scale) {
+void cross_entropy_shard_backward(float* logits, const float* cmax, const float* lse, const int32_t* targets, int64_t N,
+                                  int64_t V, int64_t ld, int64_t vocab_begin, float grad_scale) {
   const int64_t chunks = (V + kXentChunk - 1) / kXentChunk;
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -287,8 +287,8 @@ void cross_entropy_segments_sum(float* stats, float* logits, const float* rowmax
       const float shift = m == -std::numeric_limits<float>::infinity() ? 0.0f : m;
       for (int64_t j = 0; j < n; ++j) {
         const int64_t c0 = bound(s0 + j) - vocab_begin, len = bound(s0 + j + 1) - vocab_begin - c0;
-        z[static_cast<size_t>(j)] = store ? chunk_sum_exp<true>(x + c0, x + c0, len, shift)
-                                          : chunk_sum_exp<false>(nullptr, x + c0, len, shift);
+        z[static_cast<size_t>(j)] =
+            store ? chunk_sum_exp<true>(x + c0, x + c0, len, shift) : chunk_sum_exp<false>(nullptr, x + c0, len, shift);
       }
       tree_sum(stats + 2 * r, leaves.data(), n, 1, stack.data());
       stats[2 * r + 1] = xt;

@@ -21,13 +21,11 @@ inline void add_row(float* __restrict dst, const float* __restrict src, int64_t 
 // each dst row summed by one thread in row order. order: scratch of N int32. segments > 0: each
 // key's rows of token segment s (canonical_segments(N, segments)) summed from zero, the segments'
 // sums added along the canonical tree (an empty segment is a zero leaf), then into dst.
-void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* keys, int64_t N,
-                 int64_t C, int64_t segments = 0) {
+void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* keys, int64_t N, int64_t C,
+                 int64_t segments = 0) {
   // Rows ordered by (key, row): equal to a stable sort by key, but in place.
   for (int64_t n = 0; n < N; ++n) order[n] = static_cast<int32_t>(n);
-  std::sort(order, order + N, [keys](int32_t a, int32_t b) {
-    return keys[a] != keys[b] ? keys[a] < keys[b] : a < b;
-  });
+  std::sort(order, order + N, [keys](int32_t a, int32_t b) { return keys[a] != keys[b] ? keys[a] < keys[b] : a < b; });
   // Negative keys (rows another rank's vocabulary shard owns) sort first and are skipped.
   const int64_t skip = std::partition_point(order, order + N, [keys](int32_t a) { return keys[a] < 0; }) - order;
   const std::vector<int64_t> bounds = canonical_segments(N, segments);
@@ -66,13 +64,13 @@ void segment_sum(float* dst, int32_t* order, const float* dout, const int32_t* k
 void check_positions(const int32_t* positions, int64_t N, int64_t T) {
   if (!positions) return;
   for (int64_t n = 0; n < N; ++n)
-    LOCKSTEP_CHECK(positions[n] >= 0 && positions[n] < T, "embedding: position ", positions[n],
-                   " of row ", n, " is outside [0, ", T, ")");
+    LOCKSTEP_CHECK(positions[n] >= 0 && positions[n] < T, "embedding: position ", positions[n], " of row ", n,
+                   " is outside [0, ", T, ")");
 }
 }  // namespace
 
-void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe,
-                       int64_t B, int64_t T, int64_t C, int64_t V, const int32_t* positions, int64_t P) {
+void embedding_forward(float* out, const int32_t* tokens, const float* wte, const float* wpe, int64_t B, int64_t T,
+                       int64_t C, int64_t V, const int32_t* positions, int64_t P) {
   // Validate everything before writing anything: a bad token leaves `out` untouched.
   for (int64_t n = 0; n < B * T; ++n) {
     if (tokens[n] < 0 || tokens[n] >= V) {
@@ -95,9 +93,9 @@ void embedding_forward(float* out, const int32_t* tokens, const float* wte, cons
   });
 }
 
-void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout,
-                        const int32_t* tokens, int64_t B, int64_t T, int64_t C,
-                        const int32_t* positions, int64_t P, int64_t segments, int64_t pos_segments) {
+void embedding_backward(float* dwte, float* dwpe, int32_t* order, const float* dout, const int32_t* tokens, int64_t B,
+                        int64_t T, int64_t C, const int32_t* positions, int64_t P, int64_t segments,
+                        int64_t pos_segments) {
   segment_sum(dwte, order, dout, tokens, B * T, C, segments);
   if (dwpe && !positions && pos_segments) {
     // Each row's position as its key, for the segmented sum.

@@ -22,8 +22,8 @@
 #include <cblas.h>
 #endif
 #include "lockstep/core/float_formats.h"
-#include "lockstep/core/tree_sum.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/cpu/quantize.h"
 #include "lockstep/kernels/cpu/vecmath.h"
 
@@ -59,8 +59,8 @@ int64_t count_segments(std::span<const int64_t> seg, std::span<const int64_t> se
   const int64_t S = static_cast<int64_t>(seg.size()) / J - 1;
   int64_t width = 0;
   for (int64_t j = 0; j < J; ++j) {
-    LOCKSTEP_CHECK(seg[j * (S + 1)] == 0 && seg[j * (S + 1) + S] == sections[j],
-                   "gemm k_segments of section ", j, " must run from 0 to ", sections[j]);
+    LOCKSTEP_CHECK(seg[j * (S + 1)] == 0 && seg[j * (S + 1) + S] == sections[j], "gemm k_segments of section ", j,
+                   " must run from 0 to ", sections[j]);
     for (int64_t s = 0; s < S; ++s)
       LOCKSTEP_CHECK(seg[j * (S + 1) + s] <= seg[j * (S + 1) + s + 1], "gemm k_segments decrease at ", s,
                      " in section ", j);
@@ -77,7 +77,10 @@ Problem make_problem(const GemmBatchItem& it, const char* what) {
   LOCKSTEP_CHECK(it.ldc >= it.N, what, " ldc=", it.ldc, " < N=", it.N);
   LOCKSTEP_CHECK(it.lda >= (it.ta == Trans::N ? it.K : it.M), what, " lda=", it.lda, " too small");
   LOCKSTEP_CHECK(it.ldb >= (it.tb == Trans::N ? it.N : it.K), what, " ldb=", it.ldb, " too small");
-  return Problem{it, it.accumulate ? Init::kC : it.bias ? Init::kBias : Init::kZero,
+  return Problem{it,
+                 it.accumulate ? Init::kC
+                 : it.bias     ? Init::kBias
+                               : Init::kZero,
                  count_segments(it.k_segments, it.k_sections, it.K)};
 }
 
@@ -120,12 +123,12 @@ struct Epilogue {
     ld[adds++] = l;
   }
 };
-using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc,
-                             Init init, const float* bias, const Epilogue* ep);
+using MicroKernel = void (*)(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                             const float* bias, const Epilogue* ep);
 
 template <int MR, int NR>
-[[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c,
-                                       int64_t ldc, Init init, const float* bias, const Epilogue* ep) {
+[[gnu::noinline]] void kernel_portable(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                                       const float* bias, const Epilogue* ep) {
   float acc[MR][NR];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int j = 0; j < NR; ++j) {
@@ -156,8 +159,8 @@ template <int MR, int NR>
 #ifdef LOCKSTEP_AVX2
 // MR rows of NV vectors of 8: MR * NV accumulators, NV for B and one broadcast of A in 16 ymm.
 template <int MR, int NV>
-[[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c,
-                                   int64_t ldc, Init init, const float* bias, const Epilogue* ep) {
+[[gnu::noinline]] void kernel_avx2(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
+                                   const float* bias, const Epilogue* ep) {
   __m256 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -175,9 +178,7 @@ template <int MR, int NV>
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm256_load_ps(b + 8 * v);
     LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
       const __m256 av = _mm256_broadcast_ss(a + i);
-      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-        acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]);
-      }
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) { acc[i][v] = _mm256_fmadd_ps(av, bv[v], acc[i][v]); }
     }
     a += MR;
     b += 8 * NV;
@@ -202,9 +203,9 @@ template <int MR, int NV>
 // its 32 registers hold a 4 x 64 tile: 4 loads of B and 4 broadcasts feed 16 FMAs. B streams from
 // L2 (kc x 64 panel), A from L1, which is what lets a large kc amortise the C tile's load/store.
 template <int MR, int NV>
-[[gnu::noinline]] __attribute__((target("avx512f")))
-void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t ldc, Init init,
-                   const float* bias, const Epilogue* ep) {
+[[gnu::noinline]] __attribute__((target("avx512f"))) void kernel_avx512(int64_t kc, const float* a, const float* b,
+                                                                        float* c, int64_t ldc, Init init,
+                                                                        const float* bias, const Epilogue* ep) {
   __m512 acc[MR][NV];
   LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
@@ -222,9 +223,7 @@ void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t
     LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) bv[v] = _mm512_load_ps(b + 16 * v);
     LOCKSTEP_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 av = _mm512_set1_ps(a[i]);
-      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) {
-        acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]);
-      }
+      LOCKSTEP_UNROLL for (int v = 0; v < NV; ++v) { acc[i][v] = _mm512_fmadd_ps(av, bv[v], acc[i][v]); }
     }
     a += MR;
     b += 16 * NV;
@@ -255,8 +254,7 @@ void kernel_avx512(int64_t kc, const float* a, const float* b, float* c, int64_t
 //   pack_cols: element (k, x) at src[x * ld + k]   (A not transposed, B transposed)
 
 template <int W>
-void pack_rows(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc,
-               int64_t len) {
+void pack_rows(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc, int64_t len) {
   const int64_t full = len / W, rem = len % W, panel = kc * W;
   // k outer: each source row is read once, front to back, and written to every panel.
   for (int64_t k = 0; k < kc; ++k) {
@@ -316,8 +314,7 @@ inline void transpose_4x8(float* dst, const float* src, int64_t ld) {
 #endif
 
 template <int W>
-void pack_cols(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc,
-               int64_t len) {
+void pack_cols(float* __restrict dst, const float* __restrict src, int64_t ld, int64_t kc, int64_t len) {
   for (int64_t x0 = 0; x0 < len; x0 += W, dst += kc * W) {
     const int64_t rows = std::min<int64_t>(W, len - x0);
     const float* s = src + x0 * ld;
@@ -364,7 +361,6 @@ class Scratch {
   size_t size_ = 0;
 };
 
-
 // ---------------------------------------------------------------- decoding while packing
 //
 // A bf16 or quantised operand is decoded one stored row segment at a time into a small buffer
@@ -394,8 +390,7 @@ void decode_row(const GemmOperand& src, int64_t r, int64_t c, int64_t len, float
 
 // pack_rows from a decoded source: element (k, x) is stored (k0 + k, x0 + x).
 template <int W>
-void pack_rows_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0,
-                       int64_t len) {
+void pack_rows_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0, int64_t len) {
   thread_local Scratch row;
   float* tmp = row.get(static_cast<size_t>(len));
   const int64_t full = len / W, rem = len % W, panel = kc * W;
@@ -415,8 +410,7 @@ void pack_rows_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t k
 // rows are decoded kChunk values of k at a time (an L1-sized buffer), then transposed by pack_cols
 // into the panel's rows k .. k + kChunk (a panel is k-major, so a k-range is a contiguous part).
 template <int W>
-void pack_cols_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0,
-                       int64_t len) {
+void pack_cols_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t kc, int64_t x0, int64_t len) {
   constexpr int64_t kChunk = 64;
   alignas(64) float tmp[W * kChunk];
   for (int64_t x = 0; x < len; x += W, dst += kc * W) {
@@ -432,8 +426,8 @@ void pack_cols_decoded(float* dst, const GemmOperand& src, int64_t k0, int64_t k
 // The block [k0, k0 + kc) x [x0, x0 + len) of op(X) into panels of W. k_rows: element (k, x) is
 // stored at row k, column x (A transposed, B not), else at row x, column k.
 template <int W>
-void pack_operand(float* dst, const GemmOperand& src, const float* x, int64_t ld, bool k_rows, int64_t k0,
-                  int64_t kc, int64_t x0, int64_t len) {
+void pack_operand(float* dst, const GemmOperand& src, const float* x, int64_t ld, bool k_rows, int64_t k0, int64_t kc,
+                  int64_t x0, int64_t len) {
   if (src.kind != GemmOperand::Kind::f32) {
     if (k_rows) {
       pack_rows_decoded<W>(dst, src, k0, kc, x0, len);
@@ -502,8 +496,7 @@ inline void add_to_init(Init init, float* c, const float* bias, const float* t, 
 }
 
 template <int MR, int NR, MicroKernel Micro>
-void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
-                              int64_t n1) {
+void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   thread_local Scratch a_scratch, b_scratch;
   thread_local std::vector<int64_t> pieces;  // (segment, section) -> [k0, k1) in K
   const int64_t K = p.K, S = p.segs;
@@ -574,8 +567,7 @@ void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, in
             }
           }
           if (!whole)
-            for (int64_t i = 0; i < rows; ++i)
-              add_to_init(p.init, c + i * p.ldc, bias, cur + i * NR, cols);
+            for (int64_t i = 0; i < rows; ++i) add_to_init(p.init, c + i * p.ldc, bias, cur + i * NR, cols);
         }
       }
     }
@@ -585,8 +577,7 @@ void compute_region_segmented(const Problem& p, const Blocks& bl, int64_t m0, in
 // The rows [m0, m1) x columns [n0, n1) of C, on the calling thread. Loop order of BLIS: for each
 // B block, for each A block, every B micro-panel against every A micro-panel.
 template <int MR, int NR, MicroKernel Micro>
-void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0,
-                    int64_t n1) {
+void compute_region(const Problem& p, const Blocks& bl, int64_t m0, int64_t m1, int64_t n0, int64_t n1) {
   if (p.segs) {
     LOCKSTEP_CHECK(!segment_by_segment(p, bl), "gemm: a segmented product past the one-pass limits reached a region");
     compute_region_segmented<MR, NR, Micro>(p, bl, m0, m1, n0, n1);
@@ -656,12 +647,10 @@ struct Kernel {
 // Cache blocks measured on Zen 4 (32 KB L1d, 1 MB L2 per core), 2 threads: docs/performance.md.
 // For 4x64 the packed A block (32 x 768, 96 KB) stays in L2 next to the B micro-panel being swept
 // (768 x 64, 192 KB); kc = 768 amortises each tile's C load/store over 768 FMAs per element.
-const Kernel kPortable{
-    "portable", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
+const Kernel kPortable{"portable", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_portable<6, 16>>};
 #ifdef LOCKSTEP_AVX2
 const Kernel kAvx2{"avx2-6x16", 6, 16, {48, 512, 4080}, compute_region<6, 16, kernel_avx2<6, 2>>};
-const Kernel kAvx512{
-    "avx512-4x64", 4, 64, {32, 768, 2048}, compute_region<4, 64, kernel_avx512<4, 4>>};
+const Kernel kAvx512{"avx512-4x64", 4, 64, {32, 768, 2048}, compute_region<4, 64, kernel_avx512<4, 4>>};
 #endif
 
 // Fastest first.
@@ -737,22 +726,38 @@ void run(const Kernel& kr, const Problem& p) {
 
 // The problem C = init + op(A) op(B) on operands in any storage: an fp32 operand is read in place,
 // any other is decoded while packing (its view checked against the stored matrix here).
-Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
-                             int64_t M, int64_t N, int64_t K, const GemmOptions& opt, const char* what) {
+Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
+                             int64_t K, const GemmOptions& opt, const char* what) {
   const auto floats = [](const GemmOperand& o) {
     return o.kind == GemmOperand::Kind::f32 ? static_cast<const float*>(o.data) : nullptr;
   };
-  Problem p = make_problem({C, ldc, floats(A), A.ld, A.trans, floats(B), B.ld, B.trans, M, N, K,
-                            opt.accumulate, opt.bias, {}, {}, opt.k_segments, opt.k_sections}, what);
+  Problem p = make_problem({C,
+                            ldc,
+                            floats(A),
+                            A.ld,
+                            A.trans,
+                            floats(B),
+                            B.ld,
+                            B.trans,
+                            M,
+                            N,
+                            K,
+                            opt.accumulate,
+                            opt.bias,
+                            {},
+                            {},
+                            opt.k_segments,
+                            opt.k_sections},
+                           what);
   p.a_src = A;
   p.b_src = B;
   // Stored shape of op(X) (rows x cols) for an operand whose op is (outer x K) (A) or (K x outer) (B).
   const auto check_view = [&](const GemmOperand& o, int64_t stored_rows, int64_t stored_cols, const char* name) {
     if (o.kind != GemmOperand::Kind::quantized) return;
     const auto& q = *static_cast<const QuantizedTensor*>(o.data);
-    LOCKSTEP_CHECK(o.row0 >= 0 && o.col0 >= 0 && o.row0 + stored_rows <= q.rows && o.col0 + stored_cols <= q.cols,
-                   what, " operand ", name, ": a ", stored_rows, "x", stored_cols, " view at (", o.row0, ", ",
-                   o.col0, ") does not fit the quantised ", q.rows, "x", q.cols);
+    LOCKSTEP_CHECK(o.row0 >= 0 && o.col0 >= 0 && o.row0 + stored_rows <= q.rows && o.col0 + stored_cols <= q.cols, what,
+                   " operand ", name, ": a ", stored_rows, "x", stored_cols, " view at (", o.row0, ", ", o.col0,
+                   ") does not fit the quantised ", q.rows, "x", q.cols);
   };
   if (M > 0 && N > 0 && K > 0) {
     check_view(A, A.trans == Trans::N ? M : K, A.trans == Trans::N ? K : M, "A");
@@ -761,8 +766,8 @@ Problem make_operand_problem(float* C, int64_t ldc, const GemmOperand& A, const 
   return p;
 }
 
-void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
-               int64_t M, int64_t N, int64_t K, const GemmOptions& opt);
+void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M,
+               int64_t N, int64_t K, const GemmOptions& opt);
 
 struct BatchPart {
   int64_t item, m0, m1, n0, n1, work;
@@ -784,10 +789,10 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     if (plain_a && plain_b) {
       problems.push_back(make_problem(it, "gemm_batch item"));
     } else {
-      problems.push_back(make_operand_problem(
-          it.C, it.ldc, plain_a ? gemm_operand(it.A, it.lda, it.ta) : it.a_src,
-          plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K,
-          {it.accumulate, it.bias, it.k_segments, it.k_sections}, "gemm_batch item"));
+      problems.push_back(make_operand_problem(it.C, it.ldc, plain_a ? gemm_operand(it.A, it.lda, it.ta) : it.a_src,
+                                              plain_b ? gemm_operand(it.B, it.ldb, it.tb) : it.b_src, it.M, it.N, it.K,
+                                              {it.accumulate, it.bias, it.k_segments, it.k_sections},
+                                              "gemm_batch item"));
     }
     const Problem& p = problems.back();
     if (it.M > 0 && it.N > 0 && it.K == 0) write_init(p);
@@ -812,8 +817,10 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
     const int64_t tn = fit > 0 ? want / fit : 1;
     for (int64_t bm = 0; bm < tm; ++bm) {
       for (int64_t bn = 0; bn < tn; ++bn) {
-        const int64_t m0 = std::min(p.M, units_m * bm / tm * kr.mr), m1 = std::min(p.M, units_m * (bm + 1) / tm * kr.mr);
-        const int64_t n0 = std::min(p.N, units_n * bn / tn * kr.nr), n1 = std::min(p.N, units_n * (bn + 1) / tn * kr.nr);
+        const int64_t m0 = std::min(p.M, units_m * bm / tm * kr.mr),
+                      m1 = std::min(p.M, units_m * (bm + 1) / tm * kr.mr);
+        const int64_t n0 = std::min(p.N, units_n * bn / tn * kr.nr),
+                      n1 = std::min(p.N, units_n * (bn + 1) / tn * kr.nr);
         if (m0 < m1 && n0 < n1) parts.push_back(BatchPart{i, m0, m1, n0, n1, (m1 - m0) * (n1 - n0) * p.K});
       }
     }
@@ -839,8 +846,8 @@ void gemm_batch_with(const Kernel& kr, const GemmBatchItem* items, int64_t count
   }
 }
 
-void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
-               int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm_with(const Kernel& kr, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M,
+               int64_t N, int64_t K, const GemmOptions& opt) {
   const Problem p = make_operand_problem(C, ldc, A, B, M, N, K, opt, "gemm");
   // No segments, or few enough and K short enough: one pass (compute_region_segmented).
   if (!segment_by_segment(p, kr.blocks)) {
@@ -932,16 +939,16 @@ bool blas_gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, con
 
 }  // namespace
 
-void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb,
-          Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb,
+          int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
 #ifdef LOCKSTEP_GEMM_BLAS
   if (blas_gemm(C, ldc, A, lda, ta, B, ldb, tb, M, N, K, opt)) return;
 #endif
   gemm_with(best_kernel(), C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
-void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N,
-          int64_t K, const GemmOptions& opt) {
+void gemm(float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B, int64_t M, int64_t N, int64_t K,
+          const GemmOptions& opt) {
 #ifdef LOCKSTEP_GEMM_BLAS
   using K_ = GemmOperand::Kind;
   if (A.kind == K_::f32 && B.kind == K_::f32 &&
@@ -976,8 +983,8 @@ const char* gemm_kernel_name() { return best_kernel().name; }
 #endif
 
 namespace detail {
-void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B,
-                   int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm_portable(float* C, int64_t ldc, const float* A, int64_t lda, Trans ta, const float* B, int64_t ldb, Trans tb,
+                   int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   gemm_with(kPortable, C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
@@ -987,14 +994,13 @@ std::vector<std::string> gemm_kernels() {
   return names;
 }
 
-void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda,
-                      Trans ta, const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N,
-                      int64_t K, const GemmOptions& opt) {
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const float* A, int64_t lda, Trans ta,
+                      const float* B, int64_t ldb, Trans tb, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   gemm_with_kernel(kernel, C, ldc, gemm_operand(A, lda, ta), gemm_operand(B, ldb, tb), M, N, K, opt);
 }
 
-void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const GemmOperand& A,
-                      const GemmOperand& B, int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
+void gemm_with_kernel(const std::string& kernel, float* C, int64_t ldc, const GemmOperand& A, const GemmOperand& B,
+                      int64_t M, int64_t N, int64_t K, const GemmOptions& opt) {
   for (const Kernel* k : runnable_kernels()) {
     if (kernel == k->name) return gemm_with(*k, C, ldc, A, B, M, N, K, opt);
   }

@@ -16,14 +16,14 @@ namespace {
 constexpr int64_t kBiasColBlock = 64;
 }  // namespace
 
-void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias,
-                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
-  grouped_gemm(C, gemm_operand(A, K, Trans::N), gemm_operand(W, tw == Trans::N ? Nout : K, tw), bias, offsets, E,
-               Nout, K, accumulate);
+void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias, const int64_t* offsets,
+                  int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+  grouped_gemm(C, gemm_operand(A, K, Trans::N), gemm_operand(W, tw == Trans::N ? Nout : K, tw), bias, offsets, E, Nout,
+               K, accumulate);
 }
 
-void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
-                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K) {
+void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X, const int64_t* offsets, int64_t E,
+                        int64_t Nout, int64_t K) {
   grouped_gemm_wgrad(dW, gemm_operand(dY, Nout, Trans::T), gemm_operand(X, K, Trans::N), offsets, E, Nout, K);
   if (dbias) grouped_bias_grad(dbias, dY, offsets, E, Nout);
 }
@@ -55,13 +55,13 @@ void expert_batch(float* C, const GemmOperand& A, const GemmOperand& W, const fl
 
 }  // namespace
 
-void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
-                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate) {
+void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias, const int64_t* offsets,
+                  int64_t E, int64_t Nout, int64_t K, bool accumulate) {
   expert_batch(C, A, W, bias, offsets, E, Nout, K, accumulate);
 }
 
-void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
-                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K) {
+void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X, const int64_t* offsets, int64_t E,
+                        int64_t Nout, int64_t K) {
   thread_local std::vector<GemmBatchItem> items;
   items.clear();
   for (int64_t e = 0; e < E; ++e) {
@@ -105,6 +105,5 @@ void grouped_gemm_segmented(float* C, const GemmOperand& A, const GemmOperand& W
   k_segment_bounds(bounds, seg, K);
   expert_batch(C, A, W, bias, offsets, E, Nout, K, false, bounds.segments, bounds.sections);
 }
-
 
 }  // namespace lockstep

@@ -11,13 +11,13 @@ namespace lockstep {
 
 // C (R, Nout) with R = offsets[E]; A (R, K); W_e = W + e * Nout * K; bias (E, Nout) or null.
 // accumulate: C starts from its own values; else from bias[e] (or 0).
-void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias,
-                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate);
+void grouped_gemm(float* C, const float* A, const float* W, Trans tw, const float* bias, const int64_t* offsets,
+                  int64_t E, int64_t Nout, int64_t K, bool accumulate);
 
 // dW_e (Nout, K) += dY_e^T X_e for every expert: dY (R, Nout), X (R, K), dW (E, Nout, K).
 // dbias_e (Nout) += column sums of dY_e when dbias is not null (rows in order).
-void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X,
-                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K);
+void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X, const int64_t* offsets, int64_t E,
+                        int64_t Nout, int64_t K);
 
 // The same products with operands in any storage (gemm.h GemmOperand: fp32, bf16 or quantised,
 // decoded while packing). A is the (R, K) input; W holds every expert stacked, (E * Nout, K) for
@@ -26,10 +26,10 @@ void grouped_gemm_wgrad(float* dW, float* dbias, const float* dY, const float* X
 // block so that no block spans two experts). dY (R, Nout) and X (R, K) likewise (their trans is
 // ignored: dY is read transposed, X as is). Bitwise what the fp32 functions above give on the
 // dequantised operands. The bias gradient is left to grouped_bias_grad (it sums the fp32 dY).
-void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias,
-                  const int64_t* offsets, int64_t E, int64_t Nout, int64_t K, bool accumulate);
-void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X,
-                        const int64_t* offsets, int64_t E, int64_t Nout, int64_t K);
+void grouped_gemm(float* C, const GemmOperand& A, const GemmOperand& W, const float* bias, const int64_t* offsets,
+                  int64_t E, int64_t Nout, int64_t K, bool accumulate);
+void grouped_gemm_wgrad(float* dW, const GemmOperand& dY, const GemmOperand& X, const int64_t* offsets, int64_t E,
+                        int64_t Nout, int64_t K);
 
 // dbias_e (Nout) += column sums of dY_e (rows in order), dY (R, Nout); what grouped_gemm_wgrad
 // does with a non-null dbias.

@@ -34,8 +34,7 @@ void row_sums(float* total, int64_t C, Step step) {
       for (int l = 0; l < 8; ++l) step(i + 8 * c + l, chain[c][l]);
   float acc[8][K];
   for (int l = 0; l < 8; ++l)
-    for (int k = 0; k < K; ++k)
-      acc[l][k] = (chain[0][l][k] + chain[1][l][k]) + (chain[2][l][k] + chain[3][l][k]);
+    for (int k = 0; k < K; ++k) acc[l][k] = (chain[0][l][k] + chain[1][l][k]) + (chain[2][l][k] + chain[3][l][k]);
   for (; i + 8 <= C; i += 8)
     for (int l = 0; l < 8; ++l) step(i + l, acc[l]);
   for (int k = 0; k < K; ++k) {
@@ -49,8 +48,8 @@ void row_sums(float* total, int64_t C, Step step) {
 
 // kCentered: LayerNorm (subtract the mean, add bias); otherwise RMSNorm.
 template <bool kCentered>
-void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                  const float* bias, int64_t N, int64_t C, float eps) {
+void norm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                  int64_t N, int64_t C, float eps) {
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* x = inp + n * C;
@@ -58,8 +57,7 @@ void norm_forward(float* out, float* mean, float* rstd, const float* inp, const 
       float m = 0.0f;
       if constexpr (kCentered) {
         float sum;
-        row_sums<1>(&sum, C,
-                    [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + vm::load<V>(x + i); });
+        row_sums<1>(&sum, C, [&]<class V>(int64_t i, V* acc) { acc[0] = acc[0] + vm::load<V>(x + i); });
         m = sum / static_cast<float>(C);
         mean[n] = m;
       }
@@ -85,8 +83,8 @@ void norm_forward(float* out, float* mean, float* rstd, const float* inp, const 
 
 // dinp += d(out)/d(inp) applied to dout, row by row.
 template <bool kCentered>
-void norm_backward_rows(float* dinp, const float* dout, const float* inp, const float* weight,
-                        const float* mean, const float* rstd, int64_t N, int64_t C) {
+void norm_backward_rows(float* dinp, const float* dout, const float* inp, const float* weight, const float* mean,
+                        const float* rstd, int64_t N, int64_t C) {
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const float* x = inp + n * C;
@@ -128,8 +126,8 @@ void norm_backward_rows(float* dinp, const float* dout, const float* inp, const 
 // scalar tail, so the column split does not change any bit. segments > 0: each token segment's sums
 // from zero, then the canonical tree over the segments (norms.h).
 template <bool kCentered>
-void norm_backward_columns(float* dweight, float* dbias, const float* dout, const float* inp,
-                           const float* mean, const float* rstd, int64_t N, int64_t C, int64_t segments) {
+void norm_backward_columns(float* dweight, float* dbias, const float* dout, const float* inp, const float* mean,
+                           const float* rstd, int64_t N, int64_t C, int64_t segments) {
   // Wide column tiles: each row's slice of the tile is one long contiguous run (the prefetchers
   // need it; 256 columns measured 1.7x slower), and the tile's accumulators (16 KiB) stay in L1.
   constexpr int64_t kTile = 2048;
@@ -182,25 +180,24 @@ void norm_backward_columns(float* dweight, float* dbias, const float* dout, cons
 
 }  // namespace
 
-void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight,
-                       const float* bias, int64_t N, int64_t C, float eps) {
+void layernorm_forward(float* out, float* mean, float* rstd, const float* inp, const float* weight, const float* bias,
+                       int64_t N, int64_t C, float eps) {
   norm_forward<true>(out, mean, rstd, inp, weight, bias, N, C, eps);
 }
 
-void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout,
-                        const float* inp, const float* weight, const float* mean, const float* rstd,
-                        int64_t N, int64_t C, int64_t segments) {
+void layernorm_backward(float* dinp, float* dweight, float* dbias, const float* dout, const float* inp,
+                        const float* weight, const float* mean, const float* rstd, int64_t N, int64_t C,
+                        int64_t segments) {
   norm_backward_rows<true>(dinp, dout, inp, weight, mean, rstd, N, C);
   norm_backward_columns<true>(dweight, dbias, dout, inp, mean, rstd, N, C, segments);
 }
 
-void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N,
-                     int64_t C, float eps) {
+void rmsnorm_forward(float* out, float* rstd, const float* inp, const float* weight, int64_t N, int64_t C, float eps) {
   norm_forward<false>(out, nullptr, rstd, inp, weight, nullptr, N, C, eps);
 }
 
-void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp,
-                      const float* weight, const float* rstd, int64_t N, int64_t C, int64_t segments) {
+void rmsnorm_backward(float* dinp, float* dweight, const float* dout, const float* inp, const float* weight,
+                      const float* rstd, int64_t N, int64_t C, int64_t segments) {
   norm_backward_rows<false>(dinp, dout, inp, weight, nullptr, rstd, N, C);
   norm_backward_columns<false>(dweight, nullptr, dout, inp, nullptr, rstd, N, C, segments);
 }

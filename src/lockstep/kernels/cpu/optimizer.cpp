@@ -20,8 +20,8 @@ struct AdamWScalars {
 // Plain IEEE operations in the header's order; the compiler vectorises this loop without changing
 // a bit (-ffp-contract=off, no fast-math). The scalars come by value so that it can keep them in
 // registers.
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v,
-                 const float* __restrict grad, int64_t n, const AdamWScalars s) {
+void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict grad, int64_t n,
+                 const AdamWScalars s) {
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * s.grad_scale;
     const float pi = p[i] * s.decay;
@@ -54,16 +54,16 @@ AdamWScalars adamw_scalars(const AdamW& hp, int64_t step, float grad_scale) {
 }
 }  // namespace
 
-void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
-                  const AdamW& hp, int64_t step, float grad_scale) {
+void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+                  float grad_scale) {
   const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
   parallel_for(n, [&](int64_t begin, int64_t end) {
     adamw_range(param + begin, m + begin, v + begin, grad + begin, end - begin, s);
   });
 }
 
-void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp,
-                         int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]) {
+void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+                         float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]) {
   LOCKSTEP_CHECK(0 <= state_begin && state_begin <= state_end && state_end <= n);
   const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
   // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed. The

@@ -6,10 +6,10 @@
 
 namespace lockstep {
 
-void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n,
-                  const AdamW& hp, int64_t step, float grad_scale);
-void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp,
-                         int64_t step, float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
+void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+                  float grad_scale);
+void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+                         float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
 double sum_of_squares(const float* x, int64_t n);
 
 // The items of kernels/optimizer.h's adamw_update_hashed shared among the pool's threads.

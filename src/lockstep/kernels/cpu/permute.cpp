@@ -11,8 +11,10 @@ void permute_forward(float* out, const float* inp, const int32_t* row_choice, in
   parallel_for(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* o = out + r * C;
-      if (row_choice[r] < 0) std::memset(o, 0, static_cast<size_t>(C) * sizeof(float));
-      else std::memcpy(o, inp + (row_choice[r] / K) * C, static_cast<size_t>(C) * sizeof(float));
+      if (row_choice[r] < 0)
+        std::memset(o, 0, static_cast<size_t>(C) * sizeof(float));
+      else
+        std::memcpy(o, inp + (row_choice[r] / K) * C, static_cast<size_t>(C) * sizeof(float));
     }
   });
 }
@@ -31,8 +33,8 @@ void permute_backward(float* dinp, const float* dout, const int32_t* slot, int64
   });
 }
 
-void combine_forward(float* out, const float* base, const float* expert_out, const int32_t* slot,
-                     const float* probs, int64_t N, int64_t K, int64_t C) {
+void combine_forward(float* out, const float* base, const float* expert_out, const int32_t* slot, const float* probs,
+                     int64_t N, int64_t K, int64_t C) {
   parallel_for(N, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       float* o = out + t * C;
@@ -49,8 +51,8 @@ void combine_forward(float* out, const float* base, const float* expert_out, con
 }
 
 void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
-                      const int32_t* slot, const int32_t* row_choice, const float* probs, int64_t N,
-                      int64_t R, int64_t K, int64_t C) {
+                      const int32_t* slot, const int32_t* row_choice, const float* probs, int64_t N, int64_t R,
+                      int64_t K, int64_t C) {
   parallel_for(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       float* d = dexpert_out + r * C;

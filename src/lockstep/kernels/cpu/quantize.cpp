@@ -94,7 +94,9 @@ void column_amaxes(const float* x, int64_t cols, int64_t r0, int64_t r1, int64_t
 class Encoder {
  public:
   Encoder(ElemFormat f, const StochasticRounding& sr, int64_t cols)
-      : f_(f), sr_(sr), rng_(sr.seed, sr_purpose(sr.tensor_id, sr.step)),
+      : f_(f),
+        sr_(sr),
+        rng_(sr.seed, sr_purpose(sr.tensor_id, sr.step)),
         row_stride_(sr.global_cols > 0 ? sr.global_cols : cols) {}
   ElemFormat format() const { return f_; }
   bool stochastic() const { return sr_.enabled; }
@@ -108,10 +110,10 @@ class Encoder {
   int64_t row_stride_;
 };
 
-void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, ScaleFormat sf,
-             int64_t block_rows, int64_t block_cols) {
-  LOCKSTEP_CHECK(rows >= 0 && cols >= 0 && block_rows > 0 && block_cols > 0, "quantize sizes ", rows,
-                 "x", cols, " blocks ", block_rows, "x", block_cols);
+void prepare(QuantizedTensor& q, int64_t rows, int64_t cols, ElemFormat f, ScaleFormat sf, int64_t block_rows,
+             int64_t block_cols) {
+  LOCKSTEP_CHECK(rows >= 0 && cols >= 0 && block_rows > 0 && block_cols > 0, "quantize sizes ", rows, "x", cols,
+                 " blocks ", block_rows, "x", block_cols);
   LOCKSTEP_CHECK(f != ElemFormat::e2m1 || block_cols % 2 == 0 || block_cols >= cols,
                  "E2M1 blocks must span whole bytes (even block_cols), got ", block_cols);
   q.elem = f;
@@ -148,7 +150,8 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
   __m256i normal = _mm256_sub_epi32(_mm256_srli_epi32(a, sh), _mm256_set1_epi32((127 - L.bias) << L.M));
   const __m256i dropped = _mm256_and_si256(a, _mm256_set1_epi32((1 << sh) - 1));
   // |y| in units of the smallest subnormal (below 2^M in the subnormal range).
-  const __m256 units = _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
+  const __m256 units =
+      _mm256_mul_ps(_mm256_castsi256_ps(a), _mm256_set1_ps(float_formats_detail::pow2(L.M - L.emin())));
   __m256i subnormal;
   if constexpr (kStochastic) {
     const __m256 draw = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(draws, 8)), _mm256_set1_ps(0x1p-24f));
@@ -156,12 +159,13 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
     normal = _mm256_sub_epi32(normal, _mm256_castps_si256(_mm256_cmp_ps(draw, frac, _CMP_LT_OQ)));
     const __m256 whole = _mm256_round_ps(units, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
     const __m256 rest = _mm256_sub_ps(units, whole);
-    subnormal = _mm256_sub_epi32(_mm256_cvttps_epi32(whole), _mm256_castps_si256(_mm256_cmp_ps(draw, rest, _CMP_LT_OQ)));
+    subnormal =
+        _mm256_sub_epi32(_mm256_cvttps_epi32(whole), _mm256_castps_si256(_mm256_cmp_ps(draw, rest, _CMP_LT_OQ)));
   } else {
     const __m256i half = _mm256_set1_epi32(1 << (sh - 1));
     const __m256i odd = _mm256_srai_epi32(_mm256_slli_epi32(normal, 31), 31);  // all ones where odd
-    const __m256i up = _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half),
-                                       _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
+    const __m256i up =
+        _mm256_or_si256(_mm256_cmpgt_epi32(dropped, half), _mm256_and_si256(_mm256_cmpeq_epi32(dropped, half), odd));
     normal = _mm256_sub_epi32(normal, up);  // up is all ones (-1) where it rounds up
     subnormal = _mm256_cvttps_epi32(_mm256_round_ps(units, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
@@ -175,9 +179,9 @@ inline __m256i encode8(const float* x, __m256 mult, __m256i draws) {
 
 // The low byte of each of the eight lanes, in order (FP8: eight codes).
 inline void store8_bytes(uint8_t* out, __m256i codes) {
-  const __m256i bytes = _mm256_shuffle_epi8(codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                    -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
-                                                                    -1, -1, -1, -1, -1));
+  const __m256i bytes =
+      _mm256_shuffle_epi8(codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8,
+                                                  12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
   const __m256i packed = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
   _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
 }
@@ -185,9 +189,9 @@ inline void store8_bytes(uint8_t* out, __m256i codes) {
 // Eight E2M1 codes (one per lane, below 16) as four bytes, the even element in the low nibble.
 inline void store8_nibbles(uint8_t* out, __m256i codes) {
   const __m256i pairs = _mm256_or_si256(codes, _mm256_srli_epi64(codes, 28));  // lane 2i: lo | hi << 4
-  const __m256i bytes = _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                    -1, -1, -1, 0, 8, -1, -1, -1, -1, -1, -1, -1, -1,
-                                                                    -1, -1, -1, -1, -1, -1));
+  const __m256i bytes =
+      _mm256_shuffle_epi8(pairs, _mm256_setr_epi8(0, 8, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 8,
+                                                  -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1));
   const __m128i packed = _mm_unpacklo_epi16(_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1));
   const auto four = static_cast<uint32_t>(_mm_cvtsi128_si32(packed));
   std::memcpy(out, &four, 4);
@@ -243,8 +247,8 @@ inline void lanes32(const Encoder& enc, const float* row, int64_t r, int64_t& c,
 // (blocks span whole bytes), so each byte is written by one call. The format and the rounding are template
 // parameters so that the per-element encoding inlines.
 template <ElemFormat F, bool kStochastic>
-void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                   int64_t c1, const Mults& mult) {
+void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0, int64_t c1,
+                   const Mults& mult) {
   const float* row = x + r * q.cols;
   // The row's draws are consecutive indices: one Philox block serves four of them.
   uint64_t block_index = ~uint64_t{0};
@@ -266,7 +270,8 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
     uint8_t* out = q.codes.data() + r * q.cols;
     int64_t c = c0;
 #if LOCKSTEP_AVX2
-    lanes32<F, kStochastic>(enc, row, r, c, c1, mult, [&](int64_t at, __m256i codes) { store8_bytes(out + at, codes); });
+    lanes32<F, kStochastic>(enc, row, r, c, c1, mult,
+                            [&](int64_t at, __m256i codes) { store8_bytes(out + at, codes); });
 #endif
     for (; c < c1; ++c) out[c] = code(c);
   } else {
@@ -285,18 +290,21 @@ void encode_run_as(QuantizedTensor& q, const Encoder& enc, const float* x, int64
 }
 
 template <bool kStochastic>
-void encode_run_sr(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                   int64_t c1, const Mults& mult) {
+void encode_run_sr(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0, int64_t c1,
+                   const Mults& mult) {
   switch (enc.format()) {
-    case ElemFormat::e4m3: return encode_run_as<ElemFormat::e4m3, kStochastic>(q, enc, x, r, c0, c1, mult);
-    case ElemFormat::e5m2: return encode_run_as<ElemFormat::e5m2, kStochastic>(q, enc, x, r, c0, c1, mult);
-    case ElemFormat::e2m1: break;
+    case ElemFormat::e4m3:
+      return encode_run_as<ElemFormat::e4m3, kStochastic>(q, enc, x, r, c0, c1, mult);
+    case ElemFormat::e5m2:
+      return encode_run_as<ElemFormat::e5m2, kStochastic>(q, enc, x, r, c0, c1, mult);
+    case ElemFormat::e2m1:
+      break;
   }
   encode_run_as<ElemFormat::e2m1, kStochastic>(q, enc, x, r, c0, c1, mult);
 }
 
-void encode_run(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0,
-                int64_t c1, const Mults& mult) {
+void encode_run(QuantizedTensor& q, const Encoder& enc, const float* x, int64_t r, int64_t c0, int64_t c1,
+                const Mults& mult) {
   if (enc.stochastic()) {
     encode_run_sr<true>(q, enc, x, r, c0, c1, mult);
   } else {
@@ -344,7 +352,6 @@ void quantize_blocks(QuantizedTensor& q, const float* x, const Encoder& enc, Sca
   });
 }
 
-
 #ifdef LOCKSTEP_AVX2
 // decode() of 8 FP8 codes (int32 lanes 0..255) without a table (gathers are slow): the magnitude
 // bits shifted into an fp32's exponent and mantissa, times 2^(127 - bias), is the value exactly
@@ -361,7 +368,8 @@ inline __m256 decode8_fp8(ElemFormat f, __m256i code) {
   } else {
     v = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_slli_epi32(mag, 21)), _mm256_set1_ps(0x1p112f));
     const __m256 inf = _mm256_castsi256_ps(_mm256_set1_epi32(0x7F800000));
-    const __m256 special = _mm256_blendv_ps(inf, nan, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7C))));
+    const __m256 special =
+        _mm256_blendv_ps(inf, nan, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7C))));
     v = _mm256_blendv_ps(v, special, _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7B))));
   }
   return _mm256_or_ps(v, _mm256_castsi256_ps(sign_bits));
@@ -457,9 +465,8 @@ float amax(const float* x, int64_t n) {
   return m;
 }
 
-
-void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
-                         ElemFormat f, float scale, const StochasticRounding& sr) {
+void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols, ElemFormat f, float scale,
+                         const StochasticRounding& sr) {
   LOCKSTEP_CHECK(scale > 0.0f && std::isfinite(scale), "tensorwise FP8 scale must be positive and finite, got ", scale);
   prepare(out, rows, cols, f, ScaleFormat::f32, std::max<int64_t>(rows, 1), std::max<int64_t>(cols, 1));
   out.scales[0] = 1.0f / scale;
@@ -469,9 +476,8 @@ void quantize_tensorwise(QuantizedTensor& out, const float* x, int64_t rows, int
   });
 }
 
-void quantize_blockwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
-                        ElemFormat f, int64_t block_rows, int64_t block_cols,
-                        const StochasticRounding& sr) {
+void quantize_blockwise(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols, ElemFormat f,
+                        int64_t block_rows, int64_t block_cols, const StochasticRounding& sr) {
   prepare(out, rows, cols, f, ScaleFormat::f32, block_rows, block_cols);
   const float fmax = max_finite(f);
   quantize_blocks(out, x, Encoder(f, sr, cols), [fmax](float amax_b) {
@@ -503,8 +509,8 @@ void quantize_mxfp8(QuantizedTensor& out, const float* x, int64_t rows, int64_t 
   });
 }
 
-void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols,
-                    int64_t block_rows, const StochasticRounding& sr, const float* tensor_amax) {
+void quantize_nvfp4(QuantizedTensor& out, const float* x, int64_t rows, int64_t cols, int64_t block_rows,
+                    const StochasticRounding& sr, const float* tensor_amax) {
   LOCKSTEP_CHECK(block_rows == 1 || block_rows == 16, "NVFP4 blocks are 1x16 or 16x16, got ", block_rows, "x16");
   prepare(out, rows, cols, ElemFormat::e2m1, ScaleFormat::e4m3, block_rows, 16);
   constexpr float kRange = 6.0f * 448.0f;

@@ -42,9 +42,8 @@ void piece_tree_sum(float* out, const float* const* pieces, const PieceTree& tre
 
 void tree_push_block(float* out, const float* x, int64_t c, int level, bool last, int64_t n, float* stack,
                      int first_level) {
-  parallel_for(n, [&](int64_t i0, int64_t i1) {
-    tree_sum_push_block(out, x, c, level, last, n, stack, first_level, i0, i1);
-  });
+  parallel_for(
+      n, [&](int64_t i0, int64_t i1) { tree_sum_push_block(out, x, c, level, last, n, stack, first_level, i0, i1); });
 }
 
 void tree_fold(float* dst, const float* x, uint64_t held, float* const* levels, int64_t n, float* zero) {

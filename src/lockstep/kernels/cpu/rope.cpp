@@ -13,15 +13,14 @@ namespace {
 // Rotates each pair (lo[i], hi[i]) by +angle, or by -angle (kInverse: the transpose, which is the
 // backward of the rotation). Negating sin is exact, so both directions share one formula.
 template <bool kInverse>
-void rope_rotate(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads,
-                 int64_t HS, int64_t row_stride, const int32_t* positions) {
+void rope_rotate(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS,
+                 int64_t row_stride, const int32_t* positions) {
   LOCKSTEP_CHECK(HS % 2 == 0, "rope head size must be even, got ", HS);
-  LOCKSTEP_CHECK(heads * HS <= row_stride, "rope: ", heads, " heads of ", HS,
-                 " do not fit a row of ", row_stride);
+  LOCKSTEP_CHECK(heads * HS <= row_stride, "rope: ", heads, " heads of ", HS, " do not fit a row of ", row_stride);
   if (positions)
     for (int64_t n = 0; n < N; ++n)
-      LOCKSTEP_CHECK(positions[n] >= 0 && positions[n] < T, "rope: position ", positions[n],
-                     " of row ", n, " is outside the table [0, ", T, ")");
+      LOCKSTEP_CHECK(positions[n] >= 0 && positions[n] < T, "rope: position ", positions[n], " of row ", n,
+                     " is outside the table [0, ", T, ")");
   const int64_t half = HS / 2;
   parallel_for(N, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
@@ -46,13 +45,13 @@ void rope_rotate(float* x, const float* cos, const float* sin, int64_t N, int64_
 
 }  // namespace
 
-void rope_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads,
-                  int64_t HS, int64_t row_stride, const int32_t* positions) {
+void rope_forward(float* x, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS,
+                  int64_t row_stride, const int32_t* positions) {
   rope_rotate<false>(x, cos, sin, N, T, heads, HS, row_stride, positions);
 }
 
-void rope_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t T,
-                   int64_t heads, int64_t HS, int64_t row_stride, const int32_t* positions) {
+void rope_backward(float* dx, const float* cos, const float* sin, int64_t N, int64_t T, int64_t heads, int64_t HS,
+                   int64_t row_stride, const int32_t* positions) {
   rope_rotate<true>(dx, cos, sin, N, T, heads, HS, row_stride, positions);
 }
 

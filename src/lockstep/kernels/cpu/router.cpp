@@ -76,8 +76,8 @@ void aux_scores(float* a, const float* z, const RouterSpec& s) {
 
 }  // namespace
 
-void route_topk(int32_t* idx, float* probs, const float* logits, const float* expert_bias,
-                const RouterSpec& s, int64_t N) {
+void route_topk(int32_t* idx, float* probs, const float* logits, const float* expert_bias, const RouterSpec& s,
+                int64_t N) {
   const int64_t E = s.E, K = s.K;
   parallel_for(N, [&](int64_t t0, int64_t t1) {
     std::vector<float> sc(static_cast<size_t>(E)), sel(static_cast<size_t>(E));
@@ -214,8 +214,8 @@ void router_statistics(RouterStatistics& st, const float* logits, const RouterSp
   });
 }
 
-void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T, const double* g,
-                         const double* gseq, float scale, int64_t first, int64_t rows) {
+void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T,
+                         const double* g, const double* gseq, float scale, int64_t first, int64_t rows) {
   const int64_t E = s.E, N = B * T;
   const bool any_aux = s.aux_coeff > 0 && (s.aux || s.seq_aux || s.global_aux);
   const double n = static_cast<double>(N);
@@ -255,7 +255,6 @@ void aux_losses_backward(float* dlogits, const float* logits, const RouterSpec& 
     }
   });
 }
-
 
 void router_jitter(float* u, float* y, const float* x, const int64_t* rows, int64_t N, int64_t C, uint64_t seed,
                    uint64_t purpose, float lo, float width) {

@@ -19,8 +19,8 @@ namespace lockstep::vm {
 inline __m256 exp(__m256 x) {
   const __m256 underflow = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_LT_OQ);
   x = _mm256_min_ps(_mm256_set1_ps(kExpHi), _mm256_max_ps(_mm256_set1_ps(kExpLo), x));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Hi), x);
   r = _mm256_fmadd_ps(n, _mm256_set1_ps(-kLn2Lo), r);
   __m256 p = _mm256_set1_ps(kP0);
@@ -67,8 +67,14 @@ inline __m256 scaled(__m256 d, __m256 s) {
 // extensions give __m256 the operators + - * / and unary minus, one IEEE operation per lane (a
 // float operand is broadcast); kernels/math.h has the float overloads, these the __m256 ones.
 #ifdef LOCKSTEP_AVX2
-template <> inline __m256 load<__m256>(const float* p) { return _mm256_loadu_ps(p); }
-template <> inline __m256 splat<__m256>(float x) { return _mm256_set1_ps(x); }
+template <>
+inline __m256 load<__m256>(const float* p) {
+  return _mm256_loadu_ps(p);
+}
+template <>
+inline __m256 splat<__m256>(float x) {
+  return _mm256_set1_ps(x);
+}
 inline void store(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 inline __m256 fma(__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); }
 #endif

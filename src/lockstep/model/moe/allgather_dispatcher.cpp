@@ -110,8 +110,8 @@ void AllGatherDispatcher::combine_backward(float* dexpert_out, float* dprobs, co
   const int64_t all = S_ * N_;
   ep_.all_gather(gathered_.data(), dout, N_ * C_);
   count(N_ * C_, sizeof(float));
-  ops_.combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(),
-                             row_choice_.data(), probs_all_.data(), all, rows(), K_, C_);
+  ops_.combine_backward(dexpert_out, dprobs_all_.data(), gathered_.data(), expert_out, slot_.data(), row_choice_.data(),
+                        probs_all_.data(), all, rows(), K_, C_);
   // Each choice's gradient comes from the one rank holding its expert; the others add zeros (-0 in
   // layout mode, which adds exactly, also to a -0).
   if (exact_)

@@ -45,8 +45,8 @@ class Communicator;
 
 class AllGatherDispatcher final : public ExpertParallelDispatcher {
  public:
-  AllGatherDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
-                      bool pad);
+  AllGatherDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                      int64_t capacity, bool pad);
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;
@@ -65,17 +65,17 @@ class AllGatherDispatcher final : public ExpertParallelDispatcher {
 
   int64_t K_, N_ = 0, capacity_;
   bool pad_;
-  std::vector<int32_t> idx_all_;           // (S N, K) gathered choices
-  std::vector<uint8_t> kept_all_;          // (S N, K)
-  std::vector<int32_t> slot_, row_choice_; // (S N, K) row of each gathered choice or -1; (rows) choice or -1
-  std::vector<int64_t> choice_row_;        // (rows) row_choice_ as a row index (layout mode's scatter)
-  FloatBuffer gathered_;                   // (S N, C) tokens, then d(output)
-  FloatBuffer partial_;                    // (S N, C) per-rank sums before the reduce-scatter
-  FloatBuffer mine_;                       // (N, C) this rank's block after it
-  FloatBuffer probs_all_, dprobs_all_;     // (S N, K); probs saved for backward
-  bool exact_ = false;                     // set_layout_invariant()
-  FloatBuffer choice_rows_, mine_rows_;    // (S N, K, C), (N, K, C) in layout mode
-  mutable std::vector<int32_t> own_slot_;  // (N, K): t K + k when kept, else -1
+  std::vector<int32_t> idx_all_;            // (S N, K) gathered choices
+  std::vector<uint8_t> kept_all_;           // (S N, K)
+  std::vector<int32_t> slot_, row_choice_;  // (S N, K) row of each gathered choice or -1; (rows) choice or -1
+  std::vector<int64_t> choice_row_;         // (rows) row_choice_ as a row index (layout mode's scatter)
+  FloatBuffer gathered_;                    // (S N, C) tokens, then d(output)
+  FloatBuffer partial_;                     // (S N, C) per-rank sums before the reduce-scatter
+  FloatBuffer mine_;                        // (N, C) this rank's block after it
+  FloatBuffer probs_all_, dprobs_all_;      // (S N, K); probs saved for backward
+  bool exact_ = false;                      // set_layout_invariant()
+  FloatBuffer choice_rows_, mine_rows_;     // (S N, K, C), (N, K, C) in layout mode
+  mutable std::vector<int32_t> own_slot_;   // (N, K): t K + k when kept, else -1
 };
 
 }  // namespace lockstep

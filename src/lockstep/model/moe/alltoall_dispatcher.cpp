@@ -12,9 +12,12 @@ namespace lockstep {
 AllToAllDispatcher::AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C,
                                        int64_t max_tokens, int64_t capacity, bool pad)
     : ExpertParallelDispatcher(ops, ep, E, K, C, max_tokens, capacity, pad),
-      send_rows_(static_cast<size_t>(S_)), recv_rows_(static_cast<size_t>(S_)),
-      recv_counts_(static_cast<size_t>(S_ * El_)), recv_at_(static_cast<size_t>(S_ * El_)),
-      block_source_row_(static_cast<size_t>(S_ * El_)), block_rows_(static_cast<size_t>(S_ * El_)) {
+      send_rows_(static_cast<size_t>(S_)),
+      recv_rows_(static_cast<size_t>(S_)),
+      recv_counts_(static_cast<size_t>(S_ * El_)),
+      recv_at_(static_cast<size_t>(S_ * El_)),
+      block_source_row_(static_cast<size_t>(S_ * El_)),
+      block_rows_(static_cast<size_t>(S_ * El_)) {
   send_.resize(local_.max_rows() * C);
   back_.resize(local_.max_rows() * C);
   recv_.resize(max_rows_ * C);

@@ -43,7 +43,8 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
  public:
   // ep: the expert-parallel group (S ranks); E: experts of the layer (divisible by S); the rest as
   // LocalDispatcher's.
-  AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity, bool pad);
+  AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
+                     int64_t capacity, bool pad);
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;
@@ -52,7 +53,6 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   // expert_out is not read: the combine's own copy of the outputs on the source rank is.
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                         const float* probs) const override;
-
 
  private:
   // Rows received from each source (source-major) <-> rows by local expert (expert-major).
@@ -63,14 +63,14 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
                 const std::vector<int64_t>& in_rows) const;
 
   std::vector<int64_t> send_rows_, recv_rows_;  // (S) rows to / from each rank
-  std::vector<int64_t> recv_counts_;      // (S, El) rows of (source, local expert)
-  std::vector<int64_t> recv_tcounts_;     // (S, El, L) the same per token segment (layout mode)
-  std::vector<int64_t> recv_at_;          // (S, El) first row of each block in the source-major buffer
+  std::vector<int64_t> recv_counts_;            // (S, El) rows of (source, local expert)
+  std::vector<int64_t> recv_tcounts_;           // (S, El, L) the same per token segment (layout mode)
+  std::vector<int64_t> recv_at_;                // (S, El) first row of each block in the source-major buffer
   // (El, S): block (e, s)'s first row in the source-major buffer and its rows (segments_ holds its
   // first row in the expert-major one).
   std::vector<int64_t> block_source_row_, block_rows_;
-  FloatBuffer send_, recv_;               // (local rows, C) source layout / (max rows, C) received
-  FloatBuffer back_;                      // (local rows, C) expert outputs returned (saved for backward)
+  FloatBuffer send_, recv_;  // (local rows, C) source layout / (max rows, C) received
+  FloatBuffer back_;         // (local rows, C) expert outputs returned (saved for backward)
 };
 
 }  // namespace lockstep

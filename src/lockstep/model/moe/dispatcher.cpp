@@ -10,16 +10,20 @@ namespace lockstep {
 
 LocalDispatcher::LocalDispatcher(const Ops& ops, int64_t E, int64_t K, int64_t C, int64_t max_tokens, int64_t capacity,
                                  bool pad)
-    : Dispatcher(ops), E_(E), K_(K), C_(C), capacity_(capacity), pad_(pad), counts_(static_cast<size_t>(E)),
+    : Dispatcher(ops),
+      E_(E),
+      K_(K),
+      C_(C),
+      capacity_(capacity),
+      pad_(pad),
+      counts_(static_cast<size_t>(E)),
       offsets_(static_cast<size_t>(E + 1)) {
   LOCKSTEP_CHECK(!pad || capacity > 0, "padding needs a capacity");
   slot_.resize(static_cast<size_t>(max_tokens * K));
   row_choice_.resize(static_cast<size_t>(max_rows_for(max_tokens)));
 }
 
-int64_t LocalDispatcher::max_rows_for(int64_t tokens) const {
-  return pad_ ? E_ * capacity_ : tokens * K_;
-}
+int64_t LocalDispatcher::max_rows_for(int64_t tokens) const { return pad_ ? E_ * capacity_ : tokens * K_; }
 
 int64_t LocalDispatcher::max_rows() const { return static_cast<int64_t>(row_choice_.size()); }
 
@@ -67,17 +71,23 @@ void LocalDispatcher::combine(float* out, const float* base, const float* expert
   ops_.combine_forward(out, base, expert_out, slot_.data(), probs, N_, K_, C_);
 }
 
-void LocalDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout,
-                                       const float* expert_out, const float* probs) const {
+void LocalDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
+                                       const float* probs) const {
   ops_.combine_backward(dexpert_out, dprobs, dout, expert_out, slot_.data(), row_choice_.data(), probs, N_, rows(), K_,
                         C_);
 }
 
 ExpertParallelDispatcher::ExpertParallelDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C,
                                                    int64_t max_tokens, int64_t capacity, bool pad)
-    : Dispatcher(ops), ep_(ep), E_(E), El_(E / ep.size()), S_(ep.size()), C_(C),
+    : Dispatcher(ops),
+      ep_(ep),
+      E_(E),
+      El_(E / ep.size()),
+      S_(ep.size()),
+      C_(C),
       local_(ops, E, K, C, max_tokens, capacity, pad),
-      offsets_(static_cast<size_t>(El_ + 1)), segments_(static_cast<size_t>(El_ * S_ + 1)) {
+      offsets_(static_cast<size_t>(El_ + 1)),
+      segments_(static_cast<size_t>(El_ * S_ + 1)) {
   LOCKSTEP_CHECK(E % S_ == 0, "experts ", E, " not divisible by the expert-parallel size ", S_);
   max_rows_ = pad ? El_ * S_ * capacity : S_ * max_tokens * K;
   if (capacity > 0) max_rows_ = std::min(max_rows_, El_ * S_ * capacity);

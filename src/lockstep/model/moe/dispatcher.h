@@ -36,7 +36,7 @@ class Dispatcher {
                                 const float* probs) const = 0;
 
   virtual int64_t rows() const = 0;
-  virtual const int64_t* offsets() const = 0;              // (E + 1), local experts
+  virtual const int64_t* offsets() const = 0;  // (E + 1), local experts
   // Kept tokens this rank routed to each of the layer's experts (all of them, not only the local
   // ones; no padding).
   virtual const std::vector<int64_t>& tokens_per_expert() const = 0;

@@ -1,6 +1,5 @@
 #include "lockstep/model/moe/expert_tensor_parallel.h"
 
-
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 
@@ -8,10 +7,20 @@ namespace lockstep {
 
 ExpertTensorParallel::ExpertTensorParallel(const Ops& ops, Communicator& etp, int64_t El, int64_t S, int64_t C,
                                            int64_t max_rows)
-    : etp_(etp), El_(El), S_(S), C_(C), P_(etp.size()), r_(etp.rank()), max_rows_(max_rows),
-      peer_segments_(static_cast<size_t>(P_ * (El * S + 1))), peer_rows_(static_cast<size_t>(P_)),
-      peer_at_(static_cast<size_t>(P_)), offsets_(static_cast<size_t>(El + 1)),
-      segments_(static_cast<size_t>(El * S * P_ + 1)), ops_(ops), block_rank_row_(static_cast<size_t>(El * S * P_)),
+    : etp_(etp),
+      El_(El),
+      S_(S),
+      C_(C),
+      P_(etp.size()),
+      r_(etp.rank()),
+      max_rows_(max_rows),
+      peer_segments_(static_cast<size_t>(P_ * (El * S + 1))),
+      peer_rows_(static_cast<size_t>(P_)),
+      peer_at_(static_cast<size_t>(P_)),
+      offsets_(static_cast<size_t>(El + 1)),
+      segments_(static_cast<size_t>(El * S * P_ + 1)),
+      ops_(ops),
+      block_rank_row_(static_cast<size_t>(El * S * P_)),
       block_rows_(static_cast<size_t>(El * S * P_)) {
   send_.resize(P_ * max_rows * C);
   recv_.resize(P_ * max_rows * C);
@@ -92,8 +101,10 @@ void ExpertTensorParallel::reduce_scatter(float* mine, const float* all) const {
   // Every rank's part of this rank's rows, in rank order or along the canonical tree (layout).
   std::vector<const float*> parts(static_cast<size_t>(P_));
   for (int64_t p = 0; p < P_; ++p) parts[static_cast<size_t>(p)] = recv_.data() + p * m;
-  if (tree_) ops_.tree_sum(mine, parts.data(), P_, m);
-  else ops_.ordered_sum(mine, parts.data(), P_, m);
+  if (tree_)
+    ops_.tree_sum(mine, parts.data(), P_, m);
+  else
+    ops_.ordered_sum(mine, parts.data(), P_, m);
 }
 
 }  // namespace lockstep

@@ -86,9 +86,9 @@ class ExpertTensorParallel {
   // (El x S x P): block b's first row in the rank-major exchange layout and its rows (segments_
   // holds its first row in the expert-major one).
   std::vector<int64_t> block_rank_row_, block_rows_;
-  int64_t L_ = 0;                        // token segments per source (layout mode), 0: off
+  int64_t L_ = 0;  // token segments per source (layout mode), 0: off
   std::vector<int64_t> peer_tsegs_, tsegs_;
-  FloatBuffer send_, recv_;             // (P x max_rows, C) each
+  FloatBuffer send_, recv_;  // (P x max_rows, C) each
 };
 
 }  // namespace lockstep

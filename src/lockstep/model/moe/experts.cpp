@@ -5,12 +5,12 @@
 #include <cmath>
 #include <cstring>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/tensor/precision.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/parallel/context_parallel.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 
@@ -21,10 +21,20 @@ thread_local FloatBuffer GroupedExperts::chunk_recv;
 
 GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t E_, int64_t F_global, int64_t max_rows, const ExpertShard& shard)
-    : E(E_), C(m.hidden_size), F(F_global / shard.etp_size), sources(shard.sources),
-      self(shard.first / E_ * shard.etp_size + shard.etp_rank), swiglu(m.activation == "swiglu"),
-      has_proj_bias(m.bias), inert_padding(shard.inert_padding), etp_size(shard.etp_size),
-      layout_segments(shard.segments), tp_size(shard.tp_size), cp_size(shard.cp_size), tp(shard.tp), etp_group(shard.etp),
+    : E(E_),
+      C(m.hidden_size),
+      F(F_global / shard.etp_size),
+      sources(shard.sources),
+      self(shard.first / E_ * shard.etp_size + shard.etp_rank),
+      swiglu(m.activation == "swiglu"),
+      has_proj_bias(m.bias),
+      inert_padding(shard.inert_padding),
+      etp_size(shard.etp_size),
+      layout_segments(shard.segments),
+      tp_size(shard.tp_size),
+      cp_size(shard.cp_size),
+      tp(shard.tp),
+      etp_group(shard.etp),
       groups(shard.sources) {
   device_ = &ps.device();
   ops_ = &device_->ops;
@@ -66,7 +76,8 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
   proj_w = add("proj.weight", {E_global, C, F_global}, {ParamBox{{first, 0, r * F}, Shape{E, C, F}}}, Init::normal,
                out_std, true);
   // The row-parallel proj's bias is added once, by etp rank 0, to its partial sum.
-  if (m.bias && r == 0) proj_b = add("proj.bias", {E_global, C}, {ParamBox{{first, 0}, Shape{E, C}}}, Init::zeros, 0.0f, false);
+  if (m.bias && r == 0)
+    proj_b = add("proj.bias", {E_global, C}, {ParamBox{{first, 0}, Shape{E, C}}}, Init::zeros, 0.0f, false);
   if (kseg.on()) {  // low precision's canonical pieces of the hidden units (tensor/precision.h)
     const KSegmentBounds fc = k_segment_bounds(kseg, Fw);
     ps.set_layout_cut(fc_w, 1, layout_cut(fc.segments, fc.sections));
@@ -85,7 +96,8 @@ GroupedExperts::GroupedExperts(ParamStore& ps, Arena& arena, const std::string& 
       if (i >= 0) ps.set_module_pieces(i);
     // Run mode: every micro-batch's blocks summed in source order (set_layout replaces it).
     for (int k = 0; k < 4; ++k)
-      if (block_buffer(k).size()) source_sums[k] = ExpertSourceSum::rank_order(E, sources, block_buffer(k).size() / (E * sources));
+      if (block_buffer(k).size())
+        source_sums[k] = ExpertSourceSum::rank_order(E, sources, block_buffer(k).size() / (E * sources));
   }
 }
 
@@ -102,7 +114,8 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   LOCKSTEP_CHECK(tp_sum_ == ExpertTpSum::on_first ||
                      (sources == 1 && tp_size > 1 && cp_size == 1 && (tp_sum_ == ExpertTpSum::parts) == (micros == 1)),
                  "experts: the tp ranks' parts go to the data-parallel reduction as they are only with one micro-batch"
-                 " per rank (", micros, "), or as chunks with several, with one source (", sources,
+                 " per rank (",
+                 micros, "), or as chunks with several, with one source (", sources,
                  ") under tensor parallelism without context parallelism");
   tp_sum = tp_sum_;
   if (layout_segments) {
@@ -122,8 +135,8 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
   layout_micros = micros;
   // The per-block buffers hold E x groups blocks (the constructor sized them for E x sources).
   const int64_t Fw = fc_width(), kept = E * groups;
-  for (const auto& [b, per] : {std::pair<FloatBuffer*, int64_t>{&dfc_w, Fw * C}, {&dproj_w, C * F},
-                               {&dfc_b, Fw}, {&dproj_b, C}})
+  for (const auto& [b, per] :
+       {std::pair<FloatBuffer*, int64_t>{&dfc_w, Fw * C}, {&dproj_w, C * F}, {&dfc_b, Fw}, {&dproj_b, C}})
     if (b->size() && b->size() != kept * per) b->resize(kept * per);
   // G: the sources, or under tensor or context parallelism the micro-batch groups they make (see the header).
   const int64_t G = groups, n = G * micros, L = leaves ? leaves : n;
@@ -163,7 +176,6 @@ void GroupedExperts::set_layout(int64_t micros, int64_t leaves, int64_t first, c
 
 namespace {
 
-
 // Leaf g's out[g] (n) = the canonical tree over the `per` blocks of fine (leaves x per, n) that
 // follow g x per (into fine's first block of each leaf, then copied), a few thousand elements of
 // every block at a time so that the tree's levels run in cache.
@@ -177,8 +189,8 @@ void tree_over_blocks(const Ops& ops, float* const* out, const float* fine, int6
 
 // Leaf g's bias gradient db[g] (nout) assigned: the canonical tree over its `per` token segments of the
 // column sums of dy over each segment's rows, in row order (rows as token_segment_wgrad's).
-void token_segment_bias(const Ops& ops, float* const* db, const float* dy, const int64_t* rows, int64_t leaves, int64_t per,
-                        int64_t nout) {
+void token_segment_bias(const Ops& ops, float* const* db, const float* dy, const int64_t* rows, int64_t leaves,
+                        int64_t per, int64_t nout) {
   thread_local std::vector<float> bias;
   bias.assign(static_cast<size_t>(leaves * per * nout), 0.0f);
   ops.grouped_bias_grad(bias.data(), dy, rows, leaves * per, nout);
@@ -191,8 +203,8 @@ void token_segment_bias(const Ops& ops, float* const* db, const float* dy, const
 // order (db null: no bias). rows: (leaves x per + 1) boundaries (leaf g's segments are g x per ..
 // (g + 1) x per - 1). Every leaf is one segmented product (gemm.h k_segments) and all of them one
 // batch: each tile of a dw runs its segments' chains and their tree in cache and is written once.
-void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, const float* dy, const float* x, const int64_t* rows,
-                         int64_t leaves, int64_t per, int64_t nout, int64_t nin) {
+void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, const float* dy, const float* x,
+                         const int64_t* rows, int64_t leaves, int64_t per, int64_t nout, int64_t nin) {
   thread_local std::vector<int64_t> bounds;  // leaf g's segments relative to its first row, (per + 1) each
   thread_local std::vector<GemmBatchItem> items;
   bounds.resize(static_cast<size_t>(leaves * (per + 1)));
@@ -209,7 +221,6 @@ void token_segment_wgrad(const Ops& ops, float* const* dw, float* const* db, con
   ops.gemm_batch(items.data(), leaves);
   if (db) token_segment_bias(ops, db, dy, rows, leaves, per, nout);
 }
-
 
 }  // namespace
 
@@ -282,8 +293,10 @@ void GroupedExperts::forward_rows(const ParamStore& ps, const Arena& arena, floa
   const Precision::ExpertBlocks* qb = quantised_blocks(p, segments);
   const Precision::RowShare* rows_share = row_share(p, offsets);
   p.grouped_fprop(ps, fc_w, fc_b, arena(fc_out), x, offsets, E, fc_width(), C, qb, {}, false, rows_share);
-  if (swiglu) ps.device().ops.swiglu_forward(arena(act), arena(fc_out), R, F);
-  else ps.device().ops.gelu_forward(arena(act), arena(fc_out), R * F);
+  if (swiglu)
+    ps.device().ops.swiglu_forward(arena(act), arena(fc_out), R, F);
+  else
+    ps.device().ops.gelu_forward(arena(act), arena(fc_out), R * F);
   p.round(arena(act), R * F);
   if (inert_padding) ops_->zero_rows_of_zeros(arena(act), x, R, F, C);
   // Layout mode: the tree over the K segments; under expert tensor parallelism this rank's raw part.
@@ -335,7 +348,8 @@ std::vector<int64_t> balanced_ranges(const std::vector<int64_t>& rows, int64_t P
   constexpr int64_t kExpertCost = 16;  // an expert's passes that do not scale with its rows, in rows
   const int64_t E = static_cast<int64_t>(rows.size());
   std::vector<int64_t> prefix(static_cast<size_t>(E + 1), 0), b(static_cast<size_t>(P + 1), E);
-  for (int64_t e = 0; e < E; ++e) prefix[static_cast<size_t>(e + 1)] = prefix[static_cast<size_t>(e)] + rows[static_cast<size_t>(e)] + kExpertCost;
+  for (int64_t e = 0; e < E; ++e)
+    prefix[static_cast<size_t>(e + 1)] = prefix[static_cast<size_t>(e)] + rows[static_cast<size_t>(e)] + kExpertCost;
   b[0] = 0;
   for (int64_t r = 1; r < P; ++r) {
     int64_t e = b[static_cast<size_t>(r - 1)];
@@ -364,7 +378,8 @@ void GroupedExperts::reduce_over_tp(const ParamStore& ps, int w, int b, int64_t 
 }
 
 Communicator* GroupedExperts::share_group(const Precision& p) const {
-  if (!token_L || p.recipe(fc_w) != Precision::Recipe::nvfp4 || (sources == 1 ? tp_size == 1 : !partners)) return nullptr;
+  if (!token_L || p.recipe(fc_w) != Precision::Recipe::nvfp4 || (sources == 1 ? tp_size == 1 : !partners))
+    return nullptr;
   LOCKSTEP_CHECK(cp_size == 1 && (sources > 1 || tp),
                  "nvfp4 experts split over a micro-batch's ranks under context parallelism (refused by the config)");
   return sources == 1 ? tp : partners;
@@ -375,7 +390,8 @@ const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const i
   if (!group) return nullptr;
   const int64_t P = group->size(), q = group->rank();
   std::vector<int64_t> mine(static_cast<size_t>(E));
-  for (int64_t e = 0; e < E; ++e) mine[static_cast<size_t>(e)] = work.token_rows ? work.token_rows[e] : offsets[e + 1] - offsets[e];
+  for (int64_t e = 0; e < E; ++e)
+    mine[static_cast<size_t>(e)] = work.token_rows ? work.token_rows[e] : offsets[e + 1] - offsets[e];
   if (from_forward) {
     LOCKSTEP_CHECK(work.share_counts_valid && static_cast<int64_t>(work.share_counts.size()) == P * E &&
                        std::equal(mine.begin(), mine.end(), work.share_counts.begin() + q * E),
@@ -398,7 +414,8 @@ const Precision::RowShare* GroupedExperts::row_share(const Precision& p, const i
   if (work.token_rows)
     for (int64_t e = 0; e < E; ++e) {
       LOCKSTEP_CHECK(work.share_total[static_cast<size_t>(e)] <= offsets[e + 1] - offsets[e], "expert ", e, ": ",
-                     work.share_total[static_cast<size_t>(e)], " tokens over a capacity of ", offsets[e + 1] - offsets[e]);
+                     work.share_total[static_cast<size_t>(e)], " tokens over a capacity of ",
+                     offsets[e + 1] - offsets[e]);
       work.share_total[static_cast<size_t>(e)] = offsets[e + 1] - offsets[e];
     }
   work.share = Precision::RowShare{work.share_first.data(), work.share_total.data()};  // what the GEMMs read
@@ -432,15 +449,17 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   // received row of gathered row i, or -1 - j for this rank's own row j (padding).
   std::vector<int64_t> goff(static_cast<size_t>(e1 - e0 + 1), 0), from;
   for (int64_t e = e0; e < e1; ++e)
-    goff[static_cast<size_t>(e - e0 + 1)] = goff[static_cast<size_t>(e - e0)] + work.share_total[static_cast<size_t>(e)];
+    goff[static_cast<size_t>(e - e0 + 1)] =
+        goff[static_cast<size_t>(e - e0)] + work.share_total[static_cast<size_t>(e)];
   from.resize(static_cast<size_t>(goff.back()));
-  int64_t at = 0;  // the next received row
+  int64_t at = 0;                                           // the next received row
   std::vector<int64_t> fill(goff.begin(), goff.end() - 1);  // each owned expert's next gathered row
   for (int64_t r = 0; r < P; ++r)
     for (int64_t e = e0; e < e1; ++e)
       for (int64_t i = 0; i < count(r, e); ++i) from[static_cast<size_t>(fill[static_cast<size_t>(e - e0)]++)] = at++;
   for (int64_t e = e0; e < e1; ++e)  // padding: this rank's own padding rows of e (at least as many)
-    for (int64_t j = offsets[e] + count(q, e); fill[static_cast<size_t>(e - e0)] < goff[static_cast<size_t>(e - e0 + 1)]; ++j)
+    for (int64_t j = offsets[e] + count(q, e);
+         fill[static_cast<size_t>(e - e0)] < goff[static_cast<size_t>(e - e0 + 1)]; ++j)
       from[static_cast<size_t>(fill[static_cast<size_t>(e - e0)]++)] = -1 - j;
   const auto gather = [&](FloatBuffer& dst, const float* src, int64_t n) {
     std::vector<int64_t> s(send), r(recv);
@@ -449,8 +468,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
     const float* sent = src;
     if (work.token_rows) {
       work.gathered_send.resize(send_order.size() * static_cast<size_t>(n));
-      ops_->gather_rows(work.gathered_send.data(), src, nullptr, send_order.data(), static_cast<int64_t>(send_order.size()),
-                        n);
+      ops_->gather_rows(work.gathered_send.data(), src, nullptr, send_order.data(),
+                        static_cast<int64_t>(send_order.size()), n);
       sent = work.gathered_send.data();
     }
     work.gathered_recv.grow(at * n);
@@ -460,7 +479,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   };
   gather(work.gathered_dy, dy, nout);
   gather(work.gathered_x, in, nin);
-  p.grouped_wgrad_gathered(w, dw, db, work.gathered_dy.data(), work.gathered_x.data(), goff.data(), e0, e1, nout, nin, etp_group);
+  p.grouped_wgrad_gathered(w, dw, db, work.gathered_dy.data(), work.gathered_x.data(), goff.data(), e0, e1, nout, nin,
+                           etp_group);
   // The micro-batch's gradients on group rank 0, the others -0 (what keep_on_first leaves, the sum
   // over the group of each owner's experts and -0 elsewhere, exactly): rank 0 receives each owner's
   // experts in place (back to back in rank order: the experts' order after its own), the owners
@@ -490,7 +510,8 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
       continue;
     }
     std::vector<int64_t> sent(static_cast<size_t>(P), 0), received(static_cast<size_t>(P), 0);
-    if (q != 0) sent[0] = (e1 - e0) * n;
+    if (q != 0)
+      sent[0] = (e1 - e0) * n;
     else
       for (int64_t r = 1; r < P; ++r) received[static_cast<size_t>(r)] = (lo(r + 1) - lo(r)) * n;
     group.all_to_allv(g + (q == 0 ? lo(1) : 0) * n, received, g + e0 * n, sent);
@@ -498,9 +519,9 @@ void GroupedExperts::gathered_wgrad(Precision& p, int w, float* dw, float* db, c
   }
 }
 
-void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
-                              const float* x, const int64_t* offsets, const int64_t* segments,
-                              const ExpertsScratch& s, const int64_t* token_segments) {
+void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
+                              const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
+                              const int64_t* token_segments) {
   if (!in_token_order(token_segments))
     return backward_rows(ps, arena, dx, dout, x, offsets, segments, s, token_segments);
   // As forward: in the groups' token order, whose token segments are the groups' S in order.
@@ -511,7 +532,8 @@ void GroupedExperts::backward(const ParamStore& ps, const Arena& arena, float* d
   work.tok_dx.grow(R * C);
   ops_->gather_rows(work.tok_in.data(), x, nullptr, work.cp_order.data(), R, C);
   ops_->gather_rows(work.tok_out.data(), dout, nullptr, work.cp_order.data(), R, C);
-  backward_rows(ps, arena, work.tok_dx.data(), work.tok_out.data(), work.tok_in.data(), offsets, segments, s, work.cp_bounds.data());
+  backward_rows(ps, arena, work.tok_dx.data(), work.tok_out.data(), work.tok_in.data(), offsets, segments, s,
+                work.cp_bounds.data());
   ops_->scatter_rows(dx, work.tok_dx.data(), work.cp_order.data(), R, C);
 }
 
@@ -561,8 +583,8 @@ bool GroupedExperts::token_segment_gradients(const WgradArgs& a, int w, int b, F
     }
   }
   if (recipe == Precision::Recipe::none) {
-    token_segment_wgrad(ps.device().ops, work.dw_leaves.data(), b < 0 ? nullptr : work.db_leaves.data(), dy, in, token_segments, leaves,
-                        per, nout, nin);
+    token_segment_wgrad(ps.device().ops, work.dw_leaves.data(), b < 0 ? nullptr : work.db_leaves.data(), dy, in,
+                        token_segments, leaves, per, nout, nin);
   } else {
     p.grouped_wgrad_segments(w, work.dw_leaves.data(), dy, in, token_segments, leaves, per, qb, offsets, E, nout, nin);
     if (b >= 0) token_segment_bias(ps.device().ops, work.db_leaves.data(), dy, token_segments, leaves, per, nout);
@@ -648,8 +670,10 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   // The rows whose activation forward zeroed (inert_padding) pass no gradient back to the fc.
   if (inert_padding) ops_->zero_rows_of_zeros(s.dact, x, R, F, C);
   weight_gradients(args, proj_w, proj_b, dproj_w, dproj_b, dout, arena(act), C, F, 2);
-  if (swiglu) ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
-  else ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
+  if (swiglu)
+    ps.device().ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, R, F);
+  else
+    ps.device().ops.gelu_backward(s.dfc, arena(fc_out), s.dact, R * F);
   p.round(s.dfc, R * Fw);
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);

@@ -53,23 +53,20 @@
 // (expert, micro-batch group) blocks: groups = sources / tp_size of them per expert. With one
 // source and tp_size > 1 the rank sums its own S / tp segments, reduce_over_tp sums those over the
 // tp group per micro-batch (ReduceOp::tree_sum) and the ranks but tp rank 0 give -0, which the
-// expert data-parallel reduction over the tp x dp ranks adds exactly (docs/design/reductions.md#expert-tp-parts-and-slices); with one
-// micro-batch per rank and step that reduction sums the ranks' subtrees itself (set_layout's
-// tp_sum = parts) and reduce_over_tp is skipped, and with a subtree of micro-batches per rank each
-// micro-batch's sum is spread over the tp ranks, rank r keeping chunk r of each parameter (tp_sum =
-// slices: a reduce-scatter, -0 elsewhere, the data-parallel tree pushed on the chunk only). The FP8
-// recipes take the same token segments (Precision::grouped_wgrad_segments: each segment quantised
-// along the tokens on its own), with several sources per (expert, micro-batch group) block (its tp
-// sources' rows back to back, the micro-batch's rows of the expert in token order;
-// quantised_blocks), with one source per expert of the rank's rows (their per-tensor amax reduced
-// over tp x cp by the trainer's groups). NVFP4 keeps one quantised chain per (expert, micro-batch)
-// block (its Hadamard blocks run along the block's rows): with one source under tp each rank
-// quantises its rows as their part of the micro-batch's (row_share, Precision::RowShare) and the
-// weight gradients gather each expert's rows on one tp rank (gathered_wgrad); under cp the config
-// refuses it.
-// Context parallelism (one source; ExpertShard::cp_size): the rank's rows are its token pieces
-// (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp) segments in
-// all; each (expert, piece) is a leaf, the tree over the piece's segments written to the parameter's
+// expert data-parallel reduction over the tp x dp ranks adds exactly
+// (docs/design/reductions.md#expert-tp-parts-and-slices); with one micro-batch per rank and step that reduction sums
+// the ranks' subtrees itself (set_layout's tp_sum = parts) and reduce_over_tp is skipped, and with a subtree of
+// micro-batches per rank each micro-batch's sum is spread over the tp ranks, rank r keeping chunk r of each parameter
+// (tp_sum = slices: a reduce-scatter, -0 elsewhere, the data-parallel tree pushed on the chunk only). The FP8 recipes
+// take the same token segments (Precision::grouped_wgrad_segments: each segment quantised along the tokens on its own),
+// with several sources per (expert, micro-batch group) block (its tp sources' rows back to back, the micro-batch's rows
+// of the expert in token order; quantised_blocks), with one source per expert of the rank's rows (their per-tensor amax
+// reduced over tp x cp by the trainer's groups). NVFP4 keeps one quantised chain per (expert, micro-batch) block (its
+// Hadamard blocks run along the block's rows): with one source under tp each rank quantises its rows as their part of
+// the micro-batch's (row_share, Precision::RowShare) and the weight gradients gather each expert's rows on one tp rank
+// (gathered_wgrad); under cp the config refuses it. Context parallelism (one source; ExpertShard::cp_size): the rank's
+// rows are its token pieces (ParamStore::token_pieces: its chunks, or under tp its tp share of them), S / (tp cp)
+// segments in all; each (expert, piece) is a leaf, the tree over the piece's segments written to the parameter's
 // grad_piece, and the model combines the pieces over tp x cp (parallel/context_parallel.h
 // combine_token_pieces: one rank keeps the sum, the others -0) instead of reduce_over_tp. With
 // several sources a micro-batch group is its tp x cp consecutive sources (groups = sources / (tp cp)),
@@ -123,13 +120,13 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
-#include "lockstep/model/arena.h"
 #include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/ops.h"
+#include "lockstep/model/arena.h"
+#include "lockstep/parallel/reduction/expert_sources.h"
+#include "lockstep/parallel/reduction/expert_tp_sum.h"
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/parallel/reduction/expert_tp_sum.h"
-#include "lockstep/parallel/reduction/expert_sources.h"
 
 namespace lockstep {
 
@@ -142,16 +139,16 @@ struct ExpertsScratch {
 
 // Which part of a layer's experts a rank holds.
 struct ExpertShard {
-  int64_t first = 0, E_global = 0;  // experts [first, first + E) of E_global (0: E, all of them)
-  int64_t sources = 1;              // ranks whose rows reach these experts (dispatcher / etp sources())
+  int64_t first = 0, E_global = 0;     // experts [first, first + E) of E_global (0: E, all of them)
+  int64_t sources = 1;                 // ranks whose rows reach these experts (dispatcher / etp sources())
   int64_t etp_rank = 0, etp_size = 1;  // the slice of each expert's hidden units
-  int64_t segments = 0;             // determinism = "layout": canonical K segments of the whole hidden width
-                                    // and canonical token segments of a micro-batch
-  int64_t tp_size = 1;              // tensor parallelism: each source routes N / tp_size tokens
-  Communicator* tp = nullptr;       // the tp group (layout mode with one source: see above)
-  int64_t cp_size = 1;              // context parallelism: a rank's rows are N / cp_size tokens of 2B pieces
-  bool inert_padding = false;       // determinism = "layout", padding to capacity and biases: see forward
-  Communicator* etp = nullptr;      // the expert-tensor group (etp_size > 1)
+  int64_t segments = 0;                // determinism = "layout": canonical K segments of the whole hidden width
+                                       // and canonical token segments of a micro-batch
+  int64_t tp_size = 1;                 // tensor parallelism: each source routes N / tp_size tokens
+  Communicator* tp = nullptr;          // the tp group (layout mode with one source: see above)
+  int64_t cp_size = 1;                 // context parallelism: a rank's rows are N / cp_size tokens of 2B pieces
+  bool inert_padding = false;          // determinism = "layout", padding to capacity and biases: see forward
+  Communicator* etp = nullptr;         // the expert-tensor group (etp_size > 1)
 };
 
 struct GroupedExperts {
@@ -252,26 +249,26 @@ struct GroupedExperts {
   // then hold -0: what keep_on_first leaves); with set_layout's tp_sum = parts each rank keeps its own
   // experts instead, -0 elsewhere, and with slices each rank receives its chunk of every expert's
   // gradient from the ranks that computed it, -0 elsewhere.
-  void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in, const int64_t* offsets,
-                      int64_t nout, int64_t nin);
+  void gathered_wgrad(Precision& p, int w, float* dw, float* db, const float* dy, const float* in,
+                      const int64_t* offsets, int64_t nout, int64_t nin);
 
   int fc_w = -1, fc_b = -1, proj_w = -1, proj_b = -1;
-  int64_t E = 0, C = 0, F = 0, sources = 1;  // F: this rank's hidden units per expert
-  int64_t self = 0;                          // this rank's index among the sources: ep index x etp + etp rank
+  int64_t E = 0, C = 0, F = 0, sources = 1;    // F: this rank's hidden units per expert
+  int64_t self = 0;                            // this rank's index among the sources: ep index x etp + etp rank
   bool swiglu = false, has_proj_bias = false;  // proj.bias (held by etp rank 0 only)
   bool inert_padding = false;                  // ExpertShard::inert_padding
   int64_t etp_size = 1;
-  KSegments kseg;                              // this rank's K segments (layout mode)
+  KSegments kseg;                                         // this rank's K segments (layout mode)
   int64_t layout_segments = 0, tp_size = 1, cp_size = 1;  // ExpertShard's
   Communicator* tp = nullptr;
-  Communicator* etp_group = nullptr;           // ExpertShard::etp
-  int64_t token_L = 0;                         // token segments per source (layout mode), 0: off
-  Communicator* partners = nullptr;            // set_layout's: part of a micro-batch's tp ranks per group
+  Communicator* etp_group = nullptr;  // ExpertShard::etp
+  int64_t token_L = 0;                // token segments per source (layout mode), 0: off
+  Communicator* partners = nullptr;   // set_layout's: part of a micro-batch's tp ranks per group
   // Blocks per expert of the per-block buffers below: the sources (run mode, quantised), or the
   // micro-batch groups they make (sources / (tp_size x cp_size), token segments under tensor or
   // context parallelism).
   int64_t groups = 1;
-  FloatBuffer proj_bias;               // (E, C) etp rank 0's proj bias, for finish_proj
+  FloatBuffer proj_bias;  // (E, C) etp rank 0's proj bias, for finish_proj
   // Per-source weight gradients (E x sources blocks each; E x groups under layout), sources > 1 only.
   FloatBuffer dfc_w, dfc_b, dproj_w, dproj_b;
   // How each buffer's blocks become the parameter gradient (run: rank order; layout: trees over the
@@ -285,7 +282,7 @@ struct GroupedExperts {
   struct Work {
     int64_t micro = 0;
     Precision::ExpertBlocks qblocks;
-    std::vector<int64_t> group_segments;  // quantised under tp: (E x groups + 1) micro-batch blocks
+    std::vector<int64_t> group_segments;       // quantised under tp: (E x groups + 1) micro-batch blocks
     std::vector<float*> dw_leaves, db_leaves;  // token segments: each leaf's gradients
     // row_share's: every group rank's token rows of each expert (P x E), this rank's first row and the
     // micro-batch's rows per expert (share points at the last two); gathered_wgrad's rows (packed to
@@ -336,6 +333,7 @@ struct GroupedExperts {
                         const float* in, int64_t nout, int64_t nin, int which);
   bool token_segment_gradients(const WgradArgs& a, int w, int b, FloatBuffer& dw, FloatBuffer& db, const float* dy,
                                const float* in, int64_t nout, int64_t nin);
+
  private:
   Device* device_ = nullptr;  // ParamStore::device
   const Ops* ops_ = nullptr;  // its ops

@@ -4,23 +4,34 @@
 #include <cmath>
 #include <cstring>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/core/trace.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/moe/allgather_dispatcher.h"
 #include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/model/moe/expert_tensor_parallel.h"
 #include "lockstep/tensor/precision.h"
-#include "lockstep/core/trace.h"
 
 namespace lockstep {
 
 MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int64_t layer, const ModelConfig& m,
                    const MoeConfig& moe, int64_t B, int64_t T, const MoeGroups& groups)
-    : ops_(&ps.device().ops), spec_(moe), layer_(layer), B_(B), T_(T), N_(B * T), C_(m.hidden_size), E_(moe.num_experts),
-      K_(moe.router_topk), jitter_eps_(moe.input_jitter_eps), expert_bias_on_(moe.router_enable_expert_bias),
-      F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()), tp_(groups.tp), cp_(groups.cp),
+    : ops_(&ps.device().ops),
+      spec_(moe),
+      layer_(layer),
+      B_(B),
+      T_(T),
+      N_(B * T),
+      C_(m.hidden_size),
+      E_(moe.num_experts),
+      K_(moe.router_topk),
+      jitter_eps_(moe.input_jitter_eps),
+      expert_bias_on_(moe.router_enable_expert_bias),
+      F_(moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden()),
+      tp_(groups.tp),
+      cp_(groups.cp),
       Tg_(T * groups.cp.size) {
   LOCKSTEP_CHECK(N_ % tp_.size == 0, "MoE layer: ", N_, " tokens not divisible by the tensor-parallel size ", tp_.size);
   Nl_ = N_ / tp_.size;
@@ -165,8 +176,8 @@ void MoeLayer::drop_over_micro_batch(const float* batch_logits) {
   // Every token of the micro-batch routed again from its logits (each token on its own: the bits of
   // the rank that owns it), the capacity applied over all of them, then this rank's tokens' part.
   const int64_t Nb = B_ * Tg_, N = Nl_, K = K_;
-  ops_->route_topk(batch_idx_.data(), batch_probs_.data(), batch_logits, expert_bias_on_ ? expert_bias_.data() : nullptr,
-             spec_, Nb);
+  ops_->route_topk(batch_idx_.data(), batch_probs_.data(), batch_logits,
+                   expert_bias_on_ ? expert_bias_.data() : nullptr, spec_, Nb);
   ops_->apply_capacity(batch_kept_.data(), batch_idx_.data(), batch_probs_.data(), spec_, Nb);
   for (int64_t i = 0; i < N; ++i) {
     const int64_t t = global_row(row0_ + i);
@@ -178,8 +189,8 @@ void MoeLayer::drop_over_micro_batch(const float* batch_logits) {
 
 int64_t MoeLayer::max_rows() const { return etp_ ? etp_->max_rows() : dispatcher_->max_rows(); }
 
-void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
-                       bool training, uint64_t seed, int64_t step, int64_t micro) {
+void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in, bool training,
+                       uint64_t seed, int64_t step, int64_t micro) {
   // This rank's rows: all of resid_in under sequence parallelism (or without tp), else a slice.
   const bool slice = tp_.on() && !tp_.sequence;
   const float* in = slice ? resid_in + row0_ * C_ : resid_in;
@@ -192,8 +203,9 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   const float* rx = x;
   jittered_ = training && jitter_eps_ > 0;
   if (jittered_) {
-    const RandomStream rng(seed, mix_purpose(mix_purpose(purpose_id("moe/router_jitter"), static_cast<uint64_t>(layer_)),
-                                             static_cast<uint64_t>(step)));
+    const RandomStream rng(seed,
+                           mix_purpose(mix_purpose(purpose_id("moe/router_jitter"), static_cast<uint64_t>(layer_)),
+                                       static_cast<uint64_t>(step)));
     const float lo = static_cast<float>(1.0 - jitter_eps_), width = static_cast<float>(2.0 * jitter_eps_);
     // Each token's row in the step's batch (of its row in the whole micro-batch): its draws'.
     const int64_t micro_rows = B_ * Tg_;
@@ -222,8 +234,8 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's).
   std::function<void(int64_t*, int64_t)> sum_over_dp;
   if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };
-  aux_ = aux_losses_forward(*ops_, batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_, global_counts_.data(),
-                            counts_seq_, micro_counts_.data(), sum_over_dp);
+  aux_ = aux_losses_forward(*ops_, batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_,
+                            global_counts_.data(), counts_seq_, micro_counts_.data(), sum_over_dp);
 
   // Dispatch, experts, combine.
   dispatcher_->plan(idx_.data(), kept_.data(), N);
@@ -300,8 +312,8 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     for (int64_t i = 0, len = 1; i < N; i += len) {
       const int64_t g = global_row(row0_ + i);
       for (len = 1; i + len < N && global_row(row0_ + i + len) == g + len;) ++len;
-      aux_losses_backward(*ops_, s.dlogits + i * E_, arena(all_logits_), spec_, B_, Tg_, global_counts_.data(), counts_seq_,
-                          aux_scale, g, len);
+      aux_losses_backward(*ops_, s.dlogits + i * E_, arena(all_logits_), spec_, B_, Tg_, global_counts_.data(),
+                          counts_seq_, aux_scale, g, len);
     }
   }
   const float* rx = jittered_ ? arena(router_x_) : x;

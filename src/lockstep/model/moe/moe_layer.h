@@ -58,20 +58,20 @@ class ExpertTensorParallel;
 
 // The groups an MoE layer uses (null or size 1: none).
 struct MoeGroups {
-  TensorParallel tp;              // the dense tensor-parallel group (and sequence parallelism)
-  Communicator* ep = nullptr;     // expert parallel
-  Communicator* etp = nullptr;    // expert tensor parallel
-  ContextParallel cp;             // context parallel (the dense mesh's)
+  TensorParallel tp;            // the dense tensor-parallel group (and sequence parallelism)
+  Communicator* ep = nullptr;   // expert parallel
+  Communicator* etp = nullptr;  // expert tensor parallel
+  ContextParallel cp;           // context parallel (the dense mesh's)
 };
 
 // Backward scratch shared by every MoE layer of a model.
 struct MoeScratch {
-  float* dnorm;       // (N, C)
-  float* drouter_x;   // (N, C)
-  float* dlogits;     // (N, E)
-  float* dprobs;      // (N, K)
-  float* drows;       // (R, C)
-  float* drows_in;    // (R, C)
+  float* dnorm;      // (N, C)
+  float* drouter_x;  // (N, C)
+  float* dlogits;    // (N, E)
+  float* dprobs;     // (N, K)
+  float* drows;      // (R, C)
+  float* drows_in;   // (R, C)
   ExpertsScratch experts;
   SharedExpertScratch shared;
 };
@@ -94,10 +94,10 @@ class MoeLayer {
 
   // training: jitter on, counts recorded for the step's statistics, the expert bias update and the
   // global aux loss. micro: index of the micro-batch in the step (jitter's global element index).
-  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
-               bool training, uint64_t seed, int64_t step, int64_t micro);
-  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
-                const MoeScratch& s, float aux_scale);
+  void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in, bool training,
+               uint64_t seed, int64_t step, int64_t micro);
+  void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in, const MoeScratch& s,
+                float aux_scale);
 
   // Start of an optimizer step: clears the step's token counts and the global aux loss tracker.
   void begin_step();
@@ -165,11 +165,11 @@ class MoeLayer {
   int64_t layer_, B_, T_, N_, C_, E_, K_;
   double jitter_eps_;
   bool expert_bias_on_;
-  int64_t F_;           // expert width (all of it; this rank may compute a slice)
+  int64_t F_;  // expert width (all of it; this rank may compute a slice)
   TensorParallel tp_;
   ContextParallel cp_;
-  int64_t Tg_ = 0;  // positions of a whole sequence (T_ x cp)
-  int64_t Nl_, row0_;   // tokens this rank routes: rows [row0_, row0_ + Nl_) of the micro-batch
+  int64_t Tg_ = 0;     // positions of a whole sequence (T_ x cp)
+  int64_t Nl_, row0_;  // tokens this rank routes: rows [row0_, row0_ + Nl_) of the micro-batch
   Norm norm_;
   int router_w_ = -1;
   GroupedExperts experts_;
@@ -189,13 +189,13 @@ class MoeLayer {
   std::vector<int32_t> idx_;
   std::vector<uint8_t> kept_;
   std::vector<float> expert_bias_;
-  std::vector<int64_t> counts_seq_;                 // (B, E) aux-loss routing map counts
-  std::vector<int64_t> step_counts_;                // (E) tokens processed this step
-  std::vector<int64_t> global_counts_sum_;          // (E) aux routing counts over the step (and dp)
-  std::vector<int64_t> micro_counts_;               // (E) the last micro-batch's, summed over dp
+  std::vector<int64_t> counts_seq_;         // (B, E) aux-loss routing map counts
+  std::vector<int64_t> step_counts_;        // (E) tokens processed this step
+  std::vector<int64_t> global_counts_sum_;  // (E) aux routing counts over the step (and dp)
+  std::vector<int64_t> micro_counts_;       // (E) the last micro-batch's, summed over dp
   int64_t global_micro_ = 0;
-  Communicator* data_parallel_ = nullptr;           // set_data_parallel(); null: one replica
-  std::vector<float> global_counts_;                // (E) running mean used by this micro-batch
+  Communicator* data_parallel_ = nullptr;  // set_data_parallel(); null: one replica
+  std::vector<float> global_counts_;       // (E) running mean used by this micro-batch
   bool jittered_ = false;
   AuxLosses aux_;
   // The per-micro-batch state above (dispatcher_, etp_ ... aux_) of the slots not selected;
@@ -227,7 +227,7 @@ class MoeLayer {
   void drop_over_micro_batch(const float* batch_logits);  // kept_ from the micro-batch's drop mask
   std::string dispatcher_kind_;
   bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
-  void make_dispatcher();  // dispatcher_, source_layout_ and etp_ for one micro-batch
+  void make_dispatcher();          // dispatcher_, source_layout_ and etp_ for one micro-batch
   // Layout mode: d sums exactly and its plans count each expert's rows per token segment (experts.h).
   void make_layout_invariant(Dispatcher& d) {
     d.set_layout_invariant();

@@ -13,8 +13,8 @@ AuxLosses aux_losses_forward(const Ops& ops, const float* logits, const RouterSp
 }
 
 void aux_losses_backward(const Ops& ops, float* dlogits, const float* logits, const RouterSpec& s, int64_t B, int64_t T,
-                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale,
-                         int64_t first, int64_t rows) {
+                         const float* global_counts, const std::vector<int64_t>& counts_seq, float scale, int64_t first,
+                         int64_t rows) {
   const bool any_aux = s.aux_coeff > 0 && (s.aux || s.seq_aux || s.global_aux);
   if (!any_aux && s.z_coeff <= 0) return;
   thread_local std::vector<double> g, gseq;

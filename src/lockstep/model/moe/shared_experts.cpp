@@ -2,16 +2,16 @@
 
 #include <cmath>
 
-#include "lockstep/kernels/device.h"
 #include "lockstep/core/thread_pool.h"
-#include "lockstep/core/tree_sum.h"
-#include "lockstep/tensor/precision.h"
 #include "lockstep/core/trace.h"
+#include "lockstep/core/tree_sum.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/tensor/precision.h"
 
 namespace lockstep {
 
-SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
-                           int64_t F_, bool use_gate, int64_t N_)
+SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m, int64_t F_,
+                           bool use_gate, int64_t N_)
     : N(N_), C(m.hidden_size), F(F_), swiglu(m.activation == "swiglu") {
   const float std = static_cast<float>(m.init_std);
   const float out_std = static_cast<float>(m.init_std / std::sqrt(2.0 * static_cast<double>(m.num_layers)));
@@ -31,15 +31,17 @@ SharedExpert::SharedExpert(ParamStore& ps, Arena& arena, const std::string& pref
 void SharedExpert::forward(const ParamStore& ps, const Arena& arena, float* out, const float* base,
                            const float* x) const {
   fc.forward(ps, arena(fc_out), x, N);
-  if (swiglu) ps.device().ops.swiglu_forward(arena(act), arena(fc_out), N, F);
-  else ps.device().ops.gelu_forward(arena(act), arena(fc_out), N * F);
+  if (swiglu)
+    ps.device().ops.swiglu_forward(arena(act), arena(fc_out), N, F);
+  else
+    ps.device().ops.gelu_forward(arena(act), arena(fc_out), N * F);
   ps.precision().round(arena(act), N * F);
   proj.forward(ps, arena(y), arena(act), N);
   ps.device().ops.gate_forward(out, arena(gate), base, x, gate_w >= 0 ? ps.weight(gate_w) : nullptr, arena(y), N, C);
 }
 
-void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout,
-                            const float* x, const SharedExpertScratch& s) const {
+void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
+                            const SharedExpertScratch& s) const {
   const Ops& ops = ps.device().ops;
   const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
   // d(ungated output) = gate * dout; the gate logit's gradient dl_t = <dout_t, y_t> g (1 - g).
@@ -47,8 +49,10 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
   ops.gate_backward(s.dout, dlogit, dout, arena(y), arena(gate), w != nullptr, N, C);
   ps.precision().round(s.dout, N * C);
   proj.backward(ps, s.dact, s.dout, arena(act), N);
-  if (swiglu) ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
-  else ops.gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
+  if (swiglu)
+    ops.swiglu_backward(s.dfc, arena(fc_out), s.dact, N, F);
+  else
+    ops.gelu_backward(s.dfc, arena(fc_out), s.dact, N * F);
   ps.precision().round(s.dfc, N * fc_width());
   fc.backward(ps, s.dx, s.dfc, x, N);
   // dw_gate[c] += sum over tokens (in order) of dlogit_t x[t, c]: one thread per column range.

@@ -35,8 +35,12 @@ StagePart pipeline_part(const ParallelConfig& pc, int64_t num_layers, int stage)
 }
 
 Pipeline::Pipeline(Communicator& pp, const ParallelConfig& pc, int64_t micro_batches, int64_t tokens)
-    : pp_(pp), p_(static_cast<int>(pc.pipeline)), v_(static_cast<int>(pc.virtual_pipeline)), stage_(pp.rank()),
-      m_(micro_batches), tokens_per_micro_(tokens) {
+    : pp_(pp),
+      p_(static_cast<int>(pc.pipeline)),
+      v_(static_cast<int>(pc.virtual_pipeline)),
+      stage_(pp.rank()),
+      m_(micro_batches),
+      tokens_per_micro_(tokens) {
   LOCKSTEP_CHECK(pp.size() == p_, "pipeline group of ", pp.size(), " ranks for parallel.pipeline = ", p_);
   actions_ = pipeline_schedule(pc.pipeline_schedule, p_, v_, m_, stage_);
   in_flight_ = lockstep::max_in_flight(actions_);
@@ -60,7 +64,8 @@ Pipeline::StepResult Pipeline::run_step(PipelineStage& model, float grad_scale, 
     const int64_t mc = model_chunk(x.chunk);
     model.select_slot(slot(x.micro));
     if (x.forward && mc > 0) recvs.push_back({prev, activation_tag(mc), model.chunk_input(x.chunk), bytes});
-    if (!x.forward && mc < last_chunk) recvs.push_back({next, gradient_tag(mc), model.chunk_output_grad(x.chunk), bytes});
+    if (!x.forward && mc < last_chunk)
+      recvs.push_back({next, gradient_tag(mc), model.chunk_output_grad(x.chunk), bytes});
   };
   auto exchange = [&]() {
     if (!sends.empty() || !recvs.empty()) {
@@ -141,8 +146,10 @@ double Pipeline::evaluate(PipelineStage& model, const int32_t* tokens, const int
     const int64_t mc = model_chunk(c);
     if (mc > 0) pp_.recv(model.chunk_input(c), n, prev, activation_tag(mc));
     model.forward_chunk(c, tokens, 0, false);
-    if (mc < last_chunk) pp_.send(model.chunk_output(c), n, next, activation_tag(mc + 1));
-    else loss = model.evaluate_head(tokens, targets);
+    if (mc < last_chunk)
+      pp_.send(model.chunk_output(c), n, next, activation_tag(mc + 1));
+    else
+      loss = model.evaluate_head(tokens, targets);
   }
   return loss;
 }

@@ -35,8 +35,8 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
-#include "lockstep/parallel/pipeline/stage.h"
 #include "lockstep/parallel/pipeline/schedule.h"
+#include "lockstep/parallel/pipeline/stage.h"
 
 namespace lockstep {
 
@@ -53,16 +53,17 @@ class Pipeline {
   // Fills micro-batch `micro`'s tokens and targets (B, T); returns its tokens that carry a loss.
   using Fetch = std::function<int64_t(int64_t micro, int32_t* tokens, int32_t* targets)>;
   struct StepResult {
-    std::vector<double> lm_loss;  // per micro-batch: its mean LM loss (last stage; 0 elsewhere)
-    std::vector<int64_t> counted; // per micro-batch: fetch's count
-    double aux_loss = 0, mtp_loss = 0;  // summed over micro-batches (this stage's layers)
-    ExactSum aux_exact, mtp_exact;      // the same, exactly (determinism = "layout")
+    std::vector<double> lm_loss;           // per micro-batch: its mean LM loss (last stage; 0 elsewhere)
+    std::vector<int64_t> counted;          // per micro-batch: fetch's count
+    double aux_loss = 0, mtp_loss = 0;     // summed over micro-batches (this stage's layers)
+    ExactSum aux_exact, mtp_exact;         // the same, exactly (determinism = "layout")
     double seconds = 0, wait_seconds = 0;  // the schedule's time, and the part spent waiting for messages
   };
   // One step's forwards and backwards. before_last_backward runs before the first backward of the
   // rank's last micro-batch (data parallelism arms its bucket reduction there); in_final_backward()
   // tells a grads-ready hook whether the backward running now is a chunk's last of the step.
-  StepResult run_step(PipelineStage& model, float grad_scale, const Fetch& fetch, const std::function<void()>& before_last_backward);
+  StepResult run_step(PipelineStage& model, float grad_scale, const Fetch& fetch,
+                      const std::function<void()>& before_last_backward);
   bool in_final_backward() const { return final_backward_; }
   // The micro-batch (0 .. micro_batches - 1) whose backward is running now.
   int64_t backward_micro() const { return backward_micro_; }

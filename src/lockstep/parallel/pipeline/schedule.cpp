@@ -22,13 +22,12 @@ std::vector<PipelineAction> pipeline_schedule(const std::string& kind, int p, in
   if (v > 1 && m % p)
     user_error("interleaved pipeline (parallel.virtual_pipeline = ", v, "): the micro-batches per rank (", m,
                " = train.global_batch / (train.micro_batch x data-parallel size)) must be a multiple of "
-               "parallel.pipeline = ", p);
+               "parallel.pipeline = ",
+               p);
   // Virtual micro-batch k: forward of chunk (k mod pv) / p on micro-batch (k / pv) p + k mod p; the
   // k-th backward runs the chunks in reverse.
   const int64_t total = m * v, pv = static_cast<int64_t>(p) * v;
-  auto fwd = [&](int64_t k) {
-    return PipelineAction{true, static_cast<int>((k % pv) / p), (k / pv) * p + k % p};
-  };
+  auto fwd = [&](int64_t k) { return PipelineAction{true, static_cast<int>((k % pv) / p), (k / pv) * p + k % p}; };
   auto bwd = [&](int64_t k) {
     return PipelineAction{false, v - 1 - static_cast<int>((k % pv) / p), (k / pv) * p + k % p};
   };
@@ -81,8 +80,9 @@ double simulated_bubble(const std::string& kind, int p, int v, int64_t m, double
         // on the last model chunk its own forward.
         std::tuple<bool, int64_t, int64_t> dep{true, -1, 0};
         if (x.forward && mc > 0) dep = {true, mc - 1, x.micro};
-        if (!x.forward) dep = mc + 1 < chunks ? std::tuple<bool, int64_t, int64_t>{false, mc + 1, x.micro}
-                                              : std::tuple<bool, int64_t, int64_t>{true, mc, x.micro};
+        if (!x.forward)
+          dep = mc + 1 < chunks ? std::tuple<bool, int64_t, int64_t>{false, mc + 1, x.micro}
+                                : std::tuple<bool, int64_t, int64_t>{true, mc, x.micro};
         if (std::get<1>(dep) >= 0) {
           auto it = done.find(dep);
           if (it == done.end()) break;

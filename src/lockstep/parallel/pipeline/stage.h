@@ -16,8 +16,8 @@ class ParamStore;
 // The part of the model a rank builds. Default: the whole model.
 struct StagePart {
   std::vector<std::pair<int64_t, int64_t>> chunks;  // [first, end) global layers of each local chunk; {} = all
-  bool first = true;  // the embedding (before chunk 0)
-  bool last = true;   // the final norm, head, loss and MTP depths (after the last chunk)
+  bool first = true;                                // the embedding (before chunk 0)
+  bool last = true;                                 // the final norm, head, loss and MTP depths (after the last chunk)
   // determinism = "layout", a part that is first and last (one stage): the head and the MTP depths
   // use their own copy of the word (and position) embedding, as a pipeline's last stage does, so
   // that the lookups' gradient and theirs are summed over micro-batches apart and added after the

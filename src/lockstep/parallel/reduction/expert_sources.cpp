@@ -13,8 +13,10 @@ void sum_blocks(const Ops& ops, float* grad, const float* blocks, int64_t E, int
   std::vector<const float*> at(static_cast<size_t>(G));
   for (int64_t e = 0; e < E; ++e) {
     for (int64_t g = 0; g < G; ++g) at[static_cast<size_t>(g)] = blocks + (e * G + g) * n;
-    if (tree) ops.tree_sum(grad + e * n, at.data(), G, n);
-    else ops.ordered_sum(grad + e * n, at.data(), G, n);
+    if (tree)
+      ops.tree_sum(grad + e * n, at.data(), G, n);
+    else
+      ops.ordered_sum(grad + e * n, at.data(), G, n);
   }
 }
 
@@ -34,8 +36,8 @@ class Tree final : public ExpertSourceSum {
   Tree(Device& device, int64_t E, int64_t G, int64_t n, int64_t micros, const std::vector<std::vector<int64_t>>& pieces,
        std::vector<GroupPiece> group)
       : E_(E), G_(G), n_(n), micros_(micros), group_(std::move(group)) {
-    LOCKSTEP_CHECK(static_cast<int64_t>(pieces.size()) == G, "expert source trees: ", pieces.size(), " blocks' pieces for ",
-                   G, " blocks");
+    LOCKSTEP_CHECK(static_cast<int64_t>(pieces.size()) == G, "expert source trees: ", pieces.size(),
+                   " blocks' pieces for ", G, " blocks");
     trees_.resize(static_cast<size_t>(E * G));
     for (int64_t k = 0; k < E * G; ++k)  // block k = (expert k / G, block k % G)
       trees_[static_cast<size_t>(k)].reset(device, n, pieces[static_cast<size_t>(k % G)]);

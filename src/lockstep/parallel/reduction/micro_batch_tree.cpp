@@ -34,7 +34,7 @@ void MicroBatchTree::push(int64_t leaf, float* x, int64_t begin, int64_t end) {
   const uint64_t c = static_cast<uint64_t>(leaf - bounds_[k]);
   const bool last = leaf == bounds_[k + 1] - 1;
   float* done = last && k < held_.size() ? held_[k].data() : nullptr;  // a piece's sum but the final one
-  if (last && !done && c == 0) return;  // a one-leaf last piece: x is its sum
+  if (last && !done && c == 0) return;                                 // a one-leaf last piece: x is its sum
   const TreePush p = tree_push(static_cast<int64_t>(c), 0, last);
   float* levels[64];
   for (size_t j = 0; j < stack_.size(); ++j) levels[j] = stack_[j].data() + begin;
