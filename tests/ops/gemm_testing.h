@@ -153,4 +153,30 @@ struct StoredOperand {
   }
 };
 
+// The k_segments (and k_sections) layouts both GEMM tests run: sections, empty segments, 12 (not a
+// power of two) segments, 130 segments (past the one-pass limit of 128), K = 4000 (past 4 kernel K
+// blocks of 768 or 512) and K = 0.
+struct KSegmentLayout {
+  int64_t M, N, K;
+  std::vector<int64_t> sections, segments;
+};
+inline std::vector<KSegmentLayout> k_segment_layouts() {
+  std::vector<int64_t> many(131);
+  for (int64_t s = 0; s <= 130; ++s) many[static_cast<size_t>(s)] = s * 260 / 130;
+  const std::vector<int64_t> long_k = {0, 1000, 1000, 2500, 4000};
+  return {
+      {17, 67, 130, {}, {0, 40, 40, 77, 130}},
+      {17, 67, 130, {50, 30, 50}, {0, 12, 25, 37, 50, /**/ 0, 7, 7, 22, 30, /**/ 0, 12, 25, 25, 50}},
+      {17, 67, 130, {}, {0, 130}},
+      {17, 300, 130, {}, {0, 9, 30, 31, 77, 90, 130}},
+      {17, 67, 130, {}, {0, 5, 10, 20, 30, 40, 50, 60, 70, 80, 90, 100, 130}},
+      {70, 150, 96, {}, {0, 12, 24, 36, 48, 60, 72, 84, 96}},
+      {9, 70, 100, {60, 40}, {0, 0, 20, 60, /**/ 0, 10, 40, 40}},
+      {9, 70, 260, {}, many},
+      {9, 33, 4000, {}, long_k},
+      {5, 7, 0, {}, {0, 0, 0}},
+      {5, 7, 0, {0, 0}, {0, 0, 0, /**/ 0, 0, 0}},
+  };
+}
+
 }  // namespace lockstep::gemm_testing
