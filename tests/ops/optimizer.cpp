@@ -237,6 +237,82 @@ void add_optimizer_cases(Registry& reg) {
     }
   }
 
+  // The non-finite flag (the trainer's guard): false for an ordinary update; true when one written
+  // parameter overflows to inf (a huge learning rate) or turns NaN (a NaN gradient), wherever it
+  // lies (first element, a vector body, the tail), from both forms of the update.
+  {
+    const int64_t n = 2 * 16384 + 37;
+    for (const auto& [what, at] : {std::pair<const char*, int64_t>{"finite", -1},
+                                   {"inf (a huge learning rate)", 0},
+                                   {"nan in the body", 16384 + 5},
+                                   {"nan in the tail", n - 1}}) {
+      reg.add(
+          {"AdamW", "ReportsANonFiniteParameter", {"adamw_update", "adamw_update_hashed"}, what},
+          [=] {
+            std::vector<float> g = randn(n, 31, "grad");
+            if (at > 0) g[static_cast<size_t>(at)] = std::nanf("");
+            return Steps{{randn(n, 31, "param"), std::vector<float>(n, 0.0f), std::vector<float>(n, 0.0f)}, {g}};
+          },
+          [=](Run& r, const Steps& in) {
+            AdamW hp = kHp;
+            Buf<float> p = r.in(in.s0.p), m = r.in(in.s0.m), v = r.in(in.s0.v);
+            if (at == 0) {  // the step size lr / (1 - beta1) overflows: every parameter turns inf or NaN
+              hp.lr = 3e38f;
+              hp.weight_decay = 0.0f;
+            }
+            const Buf<float> g = r.in(in.grads[0]);
+            const bool plain = r.ops.adamw_update(p, m, v, g, n, hp, 1, 1.0f);
+            Buf<float> p2 = r.in(in.s0.p), m2 = r.in(in.s0.m), v2 = r.in(in.s0.v);
+            Buf<uint64_t> h = r.zeros<uint64_t>(4);
+            const AdamwHashedItem item{p2, m2, v2, g, n, hp, 0, n, h};
+            const bool hashed = r.ops.adamw_update_hashed(&item, 1, 1, 1.0f);
+            r.out("flags", std::vector<double>{plain ? 1.0 : 0.0, hashed ? 1.0 : 0.0});
+            r.out("param", p);
+          },
+          [=](const Result& got, const Steps&) {
+            const std::vector<double> flags = got.get<double>("flags");
+            const std::vector<float> p = got["param"];
+            bool any = false;
+            for (float x : p) any = any || !std::isfinite(x);
+            EXPECT_EQ(any, at >= 0);
+            EXPECT_EQ(flags[0], at >= 0 ? 1.0 : 0.0);
+            EXPECT_EQ(flags[1], at >= 0 ? 1.0 : 0.0);
+          });
+    }
+  }
+
+  // adam_state_hashes: adamw_update_hashed's hashes of the state as it is, which it leaves alone.
+  {
+    const int64_t n = 16384 + 99;
+    reg.add(
+        {"AdamW", "StateHashesWithoutAnUpdate", {"adam_state_hashes"}, str("n=", n)},
+        [=] {
+          return Steps{{randn(n, 33, "param"), randn(n, 33, "m"), randn(n, 33, "v")}, {randn(n, 33, "grad")}};
+        },
+        [=](Run& r, const Steps& in) {
+          Buf<float> p = r.in(in.s0.p), m = r.in(in.s0.m), v = r.in(in.s0.v);
+          const Buf<float> g = r.in(in.grads[0]);
+          Buf<uint64_t> h = r.zeros<uint64_t>(4);
+          const AdamwHashedItem item{p, m, v, g, n, kHp, 7, n - 3, h};
+          r.ops.adam_state_hashes(&item, 1);
+          r.out("hashes", h);
+          r.out("param", p);
+          r.out("m", m);
+          r.out("v", v);
+        },
+        [=](const Result& got, const Steps& in) {
+          EXPECT_TRUE(bitwise_equal(got["param"], in.s0.p, "param"));
+          EXPECT_TRUE(bitwise_equal(got["m"], in.s0.m, "m"));
+          EXPECT_TRUE(bitwise_equal(got["v"], in.s0.v, "v"));
+          const std::vector<uint64_t> h = got.get<uint64_t>("hashes");
+          ASSERT_EQ(h.size(), 4u);
+          EXPECT_EQ(h[0], hash_floats(in.grads[0].data() + 7, n - 10));
+          EXPECT_EQ(h[1], hash_floats(in.s0.m.data() + 7, n - 10));
+          EXPECT_EQ(h[2], hash_floats(in.s0.v.data() + 7, n - 10));
+          EXPECT_EQ(h[3], hash_floats(in.s0.p.data(), n));
+        });
+  }
+
   for (int64_t n : {0L, 1L, 15L, 17L, kNormBlock, kNormBlock + 1, 3 * kNormBlock + 100}) {
     reg.add(
         {"SumOfSquares", "MatchesReference", {"sum_of_squares"}, str("n=", n)}, [=] { return randn(n, 24, "x", 3.0f); },

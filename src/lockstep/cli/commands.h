@@ -12,5 +12,6 @@ int train_command(const std::vector<std::string>& args);
 int preprocess_command(const std::vector<std::string>& args);
 int diff_command(const std::vector<std::string>& args);
 int ckpt_command(const std::vector<std::string>& args);
+int replay_command(const std::vector<std::string>& args);
 
 }  // namespace lockstep::cli

@@ -2,7 +2,8 @@
 // in kCommands below.
 //
 // A user error is one line on stderr, "lockstep: error: ...", and exit status 2; a broken
-// internal invariant is "lockstep: internal error: ..." and exit status 3.
+// internal invariant is "lockstep: internal error: ..." and exit status 3; a training run stopped
+// by its non-finite guard is one error line and exit status 4.
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -44,6 +45,11 @@ const Command kCommands[] = {
      "      a checkpoint (RUN/checkpoints/step-NNNNNNNN; a directory of them or RUN: the newest): its tensors,\n"
      "      shapes, layout and sizes; a full check of checksums and completeness (exit 1 when bad); the\n"
      "      full model weights as safetensors (train.init_from reads them back)"},
+    {"replay", lockstep::cli::replay_command,
+     "lockstep replay RUN --step N [--out DIR] [key=value ...]\n"
+     "      re-run RUN's step N from its newest checkpoint before N with module tracing and per-module\n"
+     "      statistics, and check the replay reproduces RUN's fingerprints bit for bit (exit 1 when not);\n"
+     "      with key=value overrides, the change-one-thing experiment (compare two with lockstep diff)"},
     {"help", help_command,
      "lockstep help [config]\n"
      "      this text; `lockstep help config` lists every config key with its default"},
@@ -74,6 +80,9 @@ int main(int argc, char** argv) {
   } catch (const lockstep::UserError& e) {
     std::fprintf(stderr, "lockstep: error: %s\n", e.what());
     return 2;
+  } catch (const lockstep::NonFiniteError& e) {
+    if (e.report()) std::fprintf(stderr, "lockstep: error: %s\n", e.what());
+    return 4;
   } catch (const lockstep::InternalError& e) {
     std::fprintf(stderr, "lockstep: internal error: %s\n", e.what());
     return 3;

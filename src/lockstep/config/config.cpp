@@ -76,16 +76,18 @@ std::vector<bool> moe_layer_pattern(const std::string& text, int64_t L) {
 }  // namespace
 
 int64_t DebugConfig::inject_step() const {
-  const size_t colon = inject_ulp.find(':');
-  if (inject_ulp.empty() || colon == 0 || colon == std::string::npos || colon > 18) return 0;
+  const std::string& spec = injection();
+  const size_t colon = spec.find(':');
+  if (spec.empty() || colon == 0 || colon == std::string::npos || colon > 18) return 0;
   int64_t step = 0;
-  const auto [p, ec] = std::from_chars(inject_ulp.data(), inject_ulp.data() + colon, step);
-  return ec == std::errc() && p == inject_ulp.data() + colon ? step : 0;
+  const auto [p, ec] = std::from_chars(spec.data(), spec.data() + colon, step);
+  return ec == std::errc() && p == spec.data() + colon ? step : 0;
 }
 
 std::string DebugConfig::inject_module() const {
-  const size_t colon = inject_ulp.find(':');
-  return colon == std::string::npos ? "" : inject_ulp.substr(colon + 1);
+  const std::string& spec = injection();
+  const size_t colon = spec.find(':');
+  return colon == std::string::npos ? "" : spec.substr(colon + 1);
 }
 
 std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
@@ -282,6 +284,11 @@ const std::vector<Key>& keys() {
              "fresh), or a checkpoint directory; \"\" = start fresh"),
       LS_KEY(train.init_from, "initial weights from a .safetensors file (lockstep ckpt export); \"\" = random init"),
       LS_KEY(train.exit_interval, "stop once the step is a multiple of N (after saving, when saving); 0 = never"),
+      LS_KEY(train.on_nonfinite,
+             "a non-finite loss, grad norm or updated parameter: \"stop\" the job (exit status 4, no checkpoint "
+             "of that state), or \"skip_step\" (loss or grad norm: the update is not applied; a non-finite "
+             "updated parameter still stops)",
+             {"stop", "skip_step"}),
       LS_KEY(parallel.tensor, "tensor-parallel size (data parallel = world / (tensor x context x pipeline))"),
       LS_KEY(parallel.sequence_parallel,
              "shard the norms and residual stream along the tokens over the tensor-parallel "
@@ -389,6 +396,9 @@ const std::vector<Key>& keys() {
       LS_KEY(debug.inject_ulp,
              "\"STEP:MODULE\" (e.g. \"3:layers.1.attn.qkv\"): flip one ulp of MODULE's output in "
              "the first micro-batch of STEP, for testing lockstep diff; \"\" = off"),
+      LS_KEY(debug.inject_nan,
+             "\"STEP:MODULE\": set the first element of MODULE's output in the first micro-batch of STEP to "
+             "NaN, for testing the non-finite guard (train.on_nonfinite); \"\" = off"),
   };
   return table;
 }
@@ -916,12 +926,14 @@ void validate(const Config& c) {
   validate_precision(c.precision, m.num_layers);
   validate_layout_determinism(c);
   const DebugConfig& dbg = c.debug;
-  if (!dbg.inject_ulp.empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
-    user_error("debug.inject_ulp = \"", dbg.inject_ulp,
+  if (!dbg.inject_ulp.empty() && !dbg.inject_nan.empty())
+    user_error("debug.inject_ulp and debug.inject_nan are both set: inject one thing at a time");
+  if (!dbg.injection().empty() && (dbg.inject_step() <= 0 || dbg.inject_module().empty()))
+    user_error(dbg.injection_key(), " = \"", dbg.injection(),
                "\": expected \"STEP:MODULE\" with STEP >= 1, e.g. "
                "\"3:layers.1.attn.qkv\"");
   if (dbg.inject_step() > t.steps)
-    user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": step ", dbg.inject_step(),
+    user_error(dbg.injection_key(), " = \"", dbg.injection(), "\": step ", dbg.inject_step(),
                " is past train.steps = ", t.steps);
 }
 

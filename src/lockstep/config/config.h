@@ -59,6 +59,9 @@ struct TrainConfig {
   std::string resume;         // "" = start fresh; "auto" = newest in out_dir/checkpoints if any; or a path
   std::string init_from;      // PATH.safetensors: initial weights (lockstep ckpt export's format)
   int64_t exit_interval = 0;  // stop (after saving when save_interval > 0) once step % N == 0; 0 = never
+  // A non-finite loss, grad norm or updated parameter (docs/faults.md): "stop" the job (exit status
+  // 4, no checkpoint of that state) or "skip_step" (loss or grad norm: the update is not applied).
+  std::string on_nonfinite = "stop";
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };
@@ -150,8 +153,11 @@ struct MoeConfig {
 struct DebugConfig {
   std::string trace = "off";  // off | modules: RUN/trace/rank-NNNNN.jsonl
   std::string inject_ulp;     // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off
+  std::string inject_nan;     // "STEP:MODULE": a NaN into MODULE's output at STEP (the non-finite guard); "" = off
 
-  // inject_ulp parsed (validated by load_config): step 0 when off.
+  // The injection set (at most one; load_config checks), its key, and its parts: step 0 when off.
+  const std::string& injection() const { return inject_nan.empty() ? inject_ulp : inject_nan; }
+  const char* injection_key() const { return inject_nan.empty() ? "debug.inject_ulp" : "debug.inject_nan"; }
   int64_t inject_step() const;
   std::string inject_module() const;
 };

@@ -23,6 +23,18 @@ class UserError : public std::runtime_error {
   explicit UserError(const std::string& msg) : std::runtime_error(msg) {}
 };
 
+// A training run stopped by its non-finite guard (train.on_nonfinite, docs/faults.md): the CLI's
+// exit status 4. Every rank raises it at the same step; `report` is false on all but one (rank 0),
+// so that one line is printed.
+class NonFiniteError : public std::runtime_error {
+ public:
+  NonFiniteError(const std::string& msg, bool report) : std::runtime_error(msg), report_(report) {}
+  bool report() const { return report_; }
+
+ private:
+  bool report_;
+};
+
 class InternalError : public std::logic_error {
  public:
   explicit InternalError(const std::string& msg) : std::logic_error(msg) {}

@@ -32,12 +32,18 @@ class ModuleTrace {
     std::string module;
     bool grad_in = false;  // the gradient of the module's input, else its output
     uint64_t hash = 0;
-    int64_t chunk = -1;     // the model chunk (0 .. pipeline x virtual_pipeline - 1); -1 without a pipeline
-    bool backward = false;  // recorded in a pipeline's backward action (the head's loss output is)
+    int64_t chunk = -1;      // the model chunk (0 .. pipeline x virtual_pipeline - 1); -1 without a pipeline
+    bool backward = false;   // recorded in a pipeline's backward action (the head's loss output is)
+    bool nonfinite = false;  // the buffer holds an inf or a NaN (the non-finite guard names the first)
+    // Statistics for spike replay (lockstep replay): the buffer's L2 norm (summed in double, in
+    // order) and largest |value| (NaN when it holds one).
+    double norm = 0;
+    float max_abs = 0;
   };
 
-  // record: keep a Record per hook. inject_step > 0: flip one ulp of inject_module's output there.
-  ModuleTrace(bool record, int64_t inject_step, std::string inject_module);
+  // record: keep a Record per hook. inject_step > 0: flip one ulp of inject_module's output there
+  // (nan: set it to NaN instead, for the non-finite guard's tests).
+  ModuleTrace(bool record, int64_t inject_step, std::string inject_module, bool nan = false);
 
   // The micro-batch the next hooks belong to.
   void set_position(int64_t step, int64_t micro);
@@ -73,6 +79,7 @@ class ModuleTrace {
   bool record_;
   int64_t inject_step_;
   std::string inject_module_;
+  bool inject_nan_;
   bool injected_ = false;
   int64_t step_ = 0, micro_ = 0, chunk_ = -1, first_step_ = -1;
   bool backward_ = false;

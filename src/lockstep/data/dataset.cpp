@@ -62,29 +62,39 @@ class ByteDataset : public Dataset {
   uint64_t seed_;
 };
 
+// The entries of an indexed data.source: (PREFIX, WEIGHT) each, weight 1 when not given.
+std::vector<std::pair<std::string, double>> indexed_entries(const std::string& src) {
+  std::vector<std::pair<std::string, double>> out;
+  for (size_t p = 0; p <= src.size();) {
+    const size_t comma = std::min(src.find(',', p), src.size());
+    std::string entry = src.substr(p, comma - p);
+    p = comma + 1;
+    if (entry.rfind("indexed:", 0) != 0 || entry.size() == 8)
+      user_error("data.source = \"", src, "\": entry '", entry, "' is not indexed:PREFIX or indexed:PREFIX:WEIGHT");
+    std::string prefix = entry.substr(8);
+    double w = 1;
+    if (const size_t colon = prefix.rfind(':'); colon != std::string::npos) {
+      const std::string ws = prefix.substr(colon + 1);
+      char* end = nullptr;
+      w = std::strtod(ws.c_str(), &end);
+      if (ws.empty() || *end != 0 || !(w > 0) || !std::isfinite(w))
+        user_error("data.source = \"", src, "\": weight '", ws, "' of '", prefix.substr(0, colon),
+                   "' is not a positive number");
+      prefix.resize(colon);
+    }
+    out.emplace_back(std::move(prefix), w);
+    if (comma == src.size()) break;
+  }
+  return out;
+}
+
 class IndexedBlend : public Dataset {
  public:
   IndexedBlend(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed) : T_(seq_length) {
     std::vector<double> weights;
     const std::string& src = data.source;
     description_ = "indexed";
-    for (size_t p = 0; p <= src.size();) {
-      const size_t comma = std::min(src.find(',', p), src.size());
-      std::string entry = src.substr(p, comma - p);
-      p = comma + 1;
-      if (entry.rfind("indexed:", 0) != 0 || entry.size() == 8)
-        user_error("data.source = \"", src, "\": entry '", entry, "' is not indexed:PREFIX or indexed:PREFIX:WEIGHT");
-      std::string prefix = entry.substr(8);
-      double w = 1;
-      if (const size_t colon = prefix.rfind(':'); colon != std::string::npos) {
-        const std::string ws = prefix.substr(colon + 1);
-        char* end = nullptr;
-        w = std::strtod(ws.c_str(), &end);
-        if (ws.empty() || *end != 0 || !(w > 0) || !std::isfinite(w))
-          user_error("data.source = \"", src, "\": weight '", ws, "' of '", prefix.substr(0, colon),
-                     "' is not a positive number");
-        prefix.resize(colon);
-      }
+    for (const auto& [prefix, w] : indexed_entries(src)) {
       auto ds = std::make_shared<const IndexedDataset>(prefix);
       const std::vector<DocRange> parts = split_documents(data.split, ds->documents());
       train_.push_back(std::make_unique<GptSampler>(ds, parts[0], T_, vocab_size, seed, "train"));
@@ -92,7 +102,6 @@ class IndexedBlend : public Dataset {
       weights.push_back(w);
       description_ += str(weights.size() > 1 ? " + " : " ", "'", prefix, "' (", ds->documents(), " documents, ",
                           ds->tokens(), " tokens, weight ", w, ")");
-      if (comma == src.size()) break;
     }
     description_ += str(", split ", data.split);
     blend_train_ = std::make_unique<BlendSchedule>(weights);
@@ -119,6 +128,19 @@ class IndexedBlend : public Dataset {
 };
 
 }  // namespace
+
+std::vector<std::string> data_files(const DataConfig& data) {
+  if (data.source.rfind("indexed:", 0) == 0) {
+    std::vector<std::string> files;
+    for (const auto& [prefix, w] : indexed_entries(data.source)) {
+      files.push_back(prefix + ".bin");
+      files.push_back(prefix + ".idx");
+    }
+    return files;
+  }
+  if (data.source.rfind("text:", 0) == 0) return {data.source.substr(5)};
+  return {};
+}
 
 std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed) {
   if (data.source.rfind("indexed:", 0) == 0) return std::make_unique<IndexedBlend>(data, seq_length, vocab_size, seed);

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "lockstep/config/config.h"
 
@@ -42,5 +43,8 @@ class Dataset {
 // Opens data.source. Throws UserError naming the source, file or value at fault (a missing or
 // broken file, a split too short for one sample, a token id >= vocab_size when it is read).
 std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed);
+// The files data.source reads (text: the file; indexed: each PREFIX.bin and PREFIX.idx); none for
+// the synthetic corpus, which the binary generates.
+std::vector<std::string> data_files(const DataConfig& data);
 
 }  // namespace lockstep

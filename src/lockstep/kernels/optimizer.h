@@ -6,7 +6,8 @@
 //   m = beta1 * m + (1 - beta1) * g
 //   v = beta2 * v + (1 - beta2) * g * g
 //   p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
-// Elementwise, so trivially deterministic.
+// Elementwise, so trivially deterministic. The update also reports, in the same pass, whether any
+// parameter it wrote is not finite (inf or NaN): the trainer's non-finite guard (docs/faults.md).
 //
 // sum_of_squares: fixed blocks of kNormBlock elements, each summed in double over 16 fixed lanes
 // (element i to lane i % 16, lanes combined in one fixed tree), block sums added in block order in
@@ -44,8 +45,8 @@ struct AdamwHashedItem {
 
 // The ops, as a backend binds them (kernels/ops.h).
 struct OptimizerOps {
-  // step counts from 1.
-  Op<void(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+  // step counts from 1. Returns whether any updated parameter is not finite.
+  Op<bool(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
           float grad_scale)>
       adamw_update{"adamw_update"};
   // Each item's update (as adamw_update's, the same bits) on one thread, and XXH3-64 of the item's
@@ -54,8 +55,12 @@ struct OptimizerOps {
   // at most 16384 elements at a time and each piece is hashed right after it, while it is in cache,
   // instead of in another pass over memory. The items go to the threads whole, in the given order
   // (largest first is the caller's choice): the hashes do not depend on which thread ran an item.
-  Op<void(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale)> adamw_update_hashed{
+  // Returns whether any updated parameter of any item is not finite.
+  Op<bool(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale)> adamw_update_hashed{
       "adamw_update_hashed"};
+  // The hashes adamw_update_hashed writes, of the state as it is, without updating it (hp and the
+  // step are not read): a skipped step's fingerprint (train.on_nonfinite = "skip_step").
+  Op<void(const AdamwHashedItem* items, int64_t count)> adam_state_hashes{"adam_state_hashes"};
   // The grad norm's sum of squares under determinism = "run" (header comment).
   Op<double(const float* x, int64_t n)> sum_of_squares{"sum_of_squares"};
   // Under "layout": the sum of x[i]^2 exactly (core/exact_sum.h), the same for any split of x.
@@ -63,7 +68,7 @@ struct OptimizerOps {
 
   template <class F>
   void each(F&& f) {
-    f(adamw_update), f(adamw_update_hashed), f(sum_of_squares), f(exact_sum_of_squares);
+    f(adamw_update), f(adamw_update_hashed), f(adam_state_hashes), f(sum_of_squares), f(exact_sum_of_squares);
   }
 };
 

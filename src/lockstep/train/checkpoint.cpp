@@ -169,6 +169,7 @@ void add_info(ojson& j, const CheckpointInfo& info) {
   j["step"] = info.step;
   j["samples_consumed"] = info.samples_consumed;
   j["tokens_consumed"] = info.tokens_consumed;
+  if (info.skipped_steps > 0) j["skipped_steps"] = info.skipped_steps;
   j["rng"] = {{"generator", "philox4x32-10"}, {"seed", info.seed}};
   j["lr_scheduler"] = {{"schedule", info.lr_schedule}, {"step", info.step}, {"last_lr", info.lr}};
   const CheckpointLayout& l = info.layout;
@@ -358,7 +359,8 @@ const std::regex& step_dir_pattern() {
   return re;
 }
 
-// Complete checkpoints under root, oldest first: (step, path).
+}  // namespace
+
 std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& root) {
   std::vector<std::pair<int64_t, std::string>> out;
   std::error_code ec;
@@ -372,8 +374,6 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
   std::sort(out.begin(), out.end());
   return out;
 }
-
-}  // namespace
 
 void inject_checkpoint_write_fault(int64_t bytes, int error) {
   std::lock_guard<std::mutex> lock(fault_mutex);
@@ -436,6 +436,9 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir) {
     info.step = m.integer(body, "step", "step");
     info.samples_consumed = m.integer(body, "samples_consumed", "samples_consumed");
     info.tokens_consumed = m.integer(body, "tokens_consumed", "tokens_consumed");
+    if (body.contains("skipped_steps")) info.skipped_steps = m.integer(body, "skipped_steps", "skipped_steps");
+    if (info.skipped_steps < 0 || info.skipped_steps > info.step)
+      user_error("checkpoint file '", file, "': skipped_steps = ", info.skipped_steps, " is not in [0, step]");
     info.seed = m.unsigned_integer(m.at(body, "rng", "rng"), "seed", "rng.seed");
     const ojson& sched = m.at(body, "lr_scheduler", "lr_scheduler");
     info.lr_schedule = m.string(sched, "schedule", "lr_scheduler.schedule");

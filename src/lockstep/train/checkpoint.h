@@ -50,6 +50,7 @@ struct CheckpointInfo {
   int64_t step = 0;              // optimizer steps completed
   int64_t samples_consumed = 0;  // training sequences consumed (the loader's position)
   int64_t tokens_consumed = 0;
+  int64_t skipped_steps = 0;  // steps the non-finite guard skipped (train.on_nonfinite): Adam's count leaves them out
   uint64_t seed = 0;
   std::string lr_schedule;  // train.lr_schedule, for the record
   double lr = 0;            // LR of the last completed step
@@ -96,6 +97,8 @@ CheckpointMetadata read_checkpoint_metadata(const std::string& dir);
 
 // "RUN/checkpoints/step-00000100" for (RUN/checkpoints, 100).
 std::string checkpoint_dir(const std::string& checkpoints_root, int64_t step);
+// The complete checkpoints (with metadata.json) under checkpoints_root, oldest first: (step, path).
+std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::string& checkpoints_root);
 // The newest complete checkpoint directory under checkpoints_root; "" when there is none.
 std::string latest_checkpoint(const std::string& checkpoints_root);
 // path itself when it is a checkpoint (has metadata.json), else the newest complete checkpoint under

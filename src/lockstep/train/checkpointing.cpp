@@ -32,6 +32,7 @@ void Trainer::restore() {
   else if (!tc.init_from.empty())
     load_safetensors(tc.init_from, model_.params());
   start_step_ = resumed_.step + 1;
+  skipped_steps_ = resumed_.skipped_steps;
 }
 
 // The data stream continues at the checkpoint's position (0 for a fresh run).
@@ -49,6 +50,7 @@ void Trainer::save_checkpoint(int64_t step, double lr, bool exit_now) {
   info.step = step;
   info.samples_consumed = static_cast<int64_t>(first_sample_of(step + 1));
   info.tokens_consumed = info.samples_consumed * config_.model.seq_length;
+  info.skipped_steps = skipped_steps_;
   info.seed = tc.seed;
   info.lr_schedule = tc.lr_schedule;
   info.lr = lr;

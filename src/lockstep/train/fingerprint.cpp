@@ -55,7 +55,10 @@ std::string trace_lines(const std::vector<ModuleTrace::Record>& records) {
     JsonLine line;
     line.add("step", r.step).add("micro", r.micro);
     if (r.chunk >= 0) line.add("chunk", r.chunk).add("pass", r.backward ? "backward" : "forward");
-    s += line.add("module", r.module).add("kind", r.grad_in ? "grad_in" : "out").add("hash", hex64(r.hash)).str();
+    line.add("module", r.module).add("kind", r.grad_in ? "grad_in" : "out").add("hash", hex64(r.hash));
+    line.add("norm", r.norm, 9).add("max_abs", static_cast<double>(r.max_abs), 9);
+    if (r.nonfinite) line.add("nonfinite", true);
+    s += line.str();
   }
   return s;
 }

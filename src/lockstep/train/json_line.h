@@ -29,6 +29,11 @@ class JsonLine {
     return *this;
   }
   JsonLine& add(const char* key, int v) { return add(key, static_cast<int64_t>(v)); }
+  JsonLine& add(const char* key, bool v) {
+    field(key);
+    out_ += v ? "true" : "false";
+    return *this;
+  }
   JsonLine& add(const char* key, double v, int digits = 17) {
     field(key);
     if (!std::isfinite(v)) {

@@ -70,6 +70,8 @@ JsonLine metrics_line(const StepMetrics& m) {
         .add((key + "tokens_max").c_str(), st.max)
         .add((key + "imbalance").c_str(), st.imbalance, 6);
   }
+  if (!m.nonfinite.empty()) line.add("nonfinite", m.nonfinite).add("skipped", true);
+  if (m.skipped_steps > 0) line.add("skipped_steps", m.skipped_steps);
   if (m.ep_bytes >= 0) line.add("ep_bytes_sent", m.ep_bytes);
   if (m.etp_bytes >= 0) line.add("etp_bytes", m.etp_bytes);
   if (m.cp_bytes >= 0) line.add("cp_bytes", m.cp_bytes);
@@ -90,20 +92,25 @@ void add_stage_metrics(JsonLine& line, Communicator& pp, const StageMetrics& min
   }
 }
 
-void add_rank_metrics(JsonLine& line, Communicator& world, Device& device) {
-  const double mine[2] = {static_cast<double>(device.memory().peak_bytes()) / (1 << 20),
-                          static_cast<double>(device.take_host_syncs())};
-  std::vector<double> ranks(static_cast<size_t>(2 * world.size()));
-  world.all_gather(ranks.data(), mine, 2);
+int add_rank_metrics(JsonLine& line, Communicator& world, Device& device, bool params_nonfinite) {
+  constexpr int kFields = 3;
+  const double mine[kFields] = {static_cast<double>(device.memory().peak_bytes()) / (1 << 20),
+                                static_cast<double>(device.take_host_syncs()), params_nonfinite ? 1.0 : 0.0};
+  std::vector<double> ranks(static_cast<size_t>(kFields * world.size()));
+  world.all_gather(ranks.data(), mine, kFields);
   std::vector<double> peaks(static_cast<size_t>(world.size()));
   double syncs = 0;
+  int first_nonfinite = -1;
   for (int r = 0; r < world.size(); ++r) {
-    peaks[static_cast<size_t>(r)] = ranks[static_cast<size_t>(2 * r)];
-    syncs = std::max(syncs, ranks[static_cast<size_t>(2 * r + 1)]);
+    const double* v = ranks.data() + kFields * r;
+    peaks[static_cast<size_t>(r)] = v[0];
+    syncs = std::max(syncs, v[1]);
+    if (v[2] != 0 && first_nonfinite < 0) first_nonfinite = r;
   }
   line.add("alloc_peak_mb", *std::max_element(peaks.begin(), peaks.end()), 6)
       .add("alloc_peak_mb_ranks", peaks, 6)
       .add("host_syncs", static_cast<int64_t>(syncs));
+  return first_nonfinite;
 }
 
 std::string duration_text(double s) {

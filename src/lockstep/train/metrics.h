@@ -31,6 +31,12 @@ struct StepMetrics {
   // Bytes rank 0 sent this step: in its tp group; by its token dispatchers (expert parallelism); in
   // its etp and cp groups. -1 where that parallelism is off.
   int64_t tp_bytes = -1, ep_bytes = -1, etp_bytes = -1, cp_bytes = -1;
+  // The non-finite guard (train.on_nonfinite): the quantity that was not finite ("loss",
+  // "grad_norm"; empty: none), in which case the step was skipped (no update); the run's skipped
+  // steps so far; whether an updated parameter of this rank is not finite.
+  std::string nonfinite;
+  int64_t skipped_steps = 0;
+  bool params_nonfinite = false;
 };
 
 // The step's line of metrics.jsonl up to its per-stage and per-rank fields, with this process's
@@ -46,8 +52,10 @@ struct StageMetrics {
 // Adds every stage's StageMetrics as "pp.<stage>.*" (an all-gather over the pipeline group).
 void add_stage_metrics(JsonLine& line, Communicator& pp, const StageMetrics& mine);
 // Adds every rank's device memory high-water mark and the most host syncs of any rank this step
-// (kernels/device.h; an all-gather over world, and the step's host syncs are taken).
-void add_rank_metrics(JsonLine& line, Communicator& world, Device& device);
+// (kernels/device.h; an all-gather over world, and the step's host syncs are taken). The same
+// all-gather carries each rank's params_nonfinite: returns the first rank whose updated
+// parameters are not finite, -1 if none.
+int add_rank_metrics(JsonLine& line, Communicator& world, Device& device, bool params_nonfinite);
 
 std::string duration_text(double seconds);
 

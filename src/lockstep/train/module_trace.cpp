@@ -20,7 +20,7 @@ void check_injection(const std::vector<std::string>& modules, const DebugConfig&
   }
   std::string names;
   for (const std::string& k : kinds) names += (names.empty() ? "" : ", ") + k;
-  user_error("debug.inject_ulp = \"", dbg.inject_ulp, "\": the model has no module '", dbg.inject_module(),
+  user_error(dbg.injection_key(), " = \"", dbg.injection(), "\": the model has no module '", dbg.inject_module(),
              "'; its modules are: ", names, " (N: a layer index)");
 }
 
@@ -41,7 +41,7 @@ StepTrace::StepTrace(const DebugConfig& dbg, const std::vector<std::string>& my_
                     std::find(my_modules.begin(), my_modules.end(), inject_module_) != my_modules.end()) {
   const bool tracing = dbg.trace == "modules";
   if (tracing || dbg.inject_step() > 0)
-    trace_ = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), inject_module_);
+    trace_ = std::make_unique<ModuleTrace>(tracing, dbg.inject_step(), inject_module_, !dbg.inject_nan.empty());
   if (tracing) {
     const std::string path = trace_path(run_dir, rank);
     std::error_code ec;
@@ -56,7 +56,16 @@ void StepTrace::after_traced(bool first_step) {
     LOCKSTEP_CHECK(
         std::find(trace_->modules().begin(), trace_->modules().end(), inject_module_) != trace_->modules().end(),
         "GPT::module_names() lists '", inject_module_, "', which the forward did not trace");
-  if (log_) log_->write(trace_lines(trace_->take_records()));
+  if (!log_) return;
+  const std::vector<ModuleTrace::Record> records = trace_->take_records();
+  if (first_nonfinite_.empty())
+    for (const ModuleTrace::Record& r : records)
+      if (r.nonfinite) {
+        first_nonfinite_ =
+            str(r.module, r.grad_in ? "'s input gradient" : "'s output", ", step ", r.step, " micro-batch ", r.micro);
+        break;
+      }
+  log_->write(trace_lines(records));
 }
 
 }  // namespace lockstep

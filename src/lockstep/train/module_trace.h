@@ -36,12 +36,16 @@ class StepTrace {
   // After each traced micro-batch (or a pipeline's whole step): writes the records, and in the first
   // step checks that the rank whose part holds the injected module has traced it.
   void after_traced(bool first_step);
+  // The first record whose buffer held an inf or a NaN since the trace began, in execution order
+  // (this rank's): "module's output, step S micro-batch M"; empty when none or not tracing.
+  const std::string& first_nonfinite() const { return first_nonfinite_; }
 
  private:
   std::string inject_module_;
   bool injects_here_;
   std::unique_ptr<ModuleTrace> trace_;
   std::unique_ptr<LineLog> log_;
+  std::string first_nonfinite_;
 };
 
 }  // namespace lockstep

@@ -74,13 +74,23 @@ AdamW Optimizer::hyperparameters(int p, double lr) const {
   return hp;
 }
 
-void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
+bool Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
                        ShardHashes* hashes) {
+  return pass(ps, step, lr, grad_scale, ranges, hashes, true);
+}
+
+void Optimizer::hash_state(ParamStore& ps, const std::vector<ParamRange>& ranges, ShardHashes& hashes) {
+  pass(ps, 1, 0.0, 1.0f, ranges, &hashes, false);
+}
+
+bool Optimizer::pass(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
+                     ShardHashes* hashes, bool update) {
+  bool nonfinite = false;
   auto plain = [&](int p, int64_t begin, int64_t end) {
-    if (end <= begin) return;
+    if (end <= begin || !update) return;
     const int64_t s = state_index(p, begin);
-    ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin, end - begin,
-                                 hyperparameters(p, lr), step, grad_scale);
+    nonfinite |= ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin,
+                                              end - begin, hyperparameters(p, lr), step, grad_scale);
   };
   std::vector<ShardHashes::Block*> blocks;  // to update and hash
   for (const ParamRange& r : ranges) {
@@ -114,11 +124,16 @@ void Optimizer::update(ParamStore& ps, int64_t step, double lr, float grad_scale
                      b.end - b.begin, hyperparameters(b.param, lr), b.state_begin - b.begin, b.state_end - b.begin,
                      out.data() + 4 * i});
   }
-  ps.device().ops.adamw_update_hashed(items.data(), static_cast<int64_t>(items.size()), step, grad_scale);
+  if (update)
+    nonfinite |=
+        ps.device().ops.adamw_update_hashed(items.data(), static_cast<int64_t>(items.size()), step, grad_scale);
+  else
+    ps.device().ops.adam_state_hashes(items.data(), static_cast<int64_t>(items.size()));
   for (size_t i = 0; i < blocks.size(); ++i) {
     ShardHashes::Block& b = *blocks[i];
     b.grad = out[4 * i], b.m = out[4 * i + 1], b.v = out[4 * i + 2], b.value = out[4 * i + 3], b.done = true;
   }
+  return nonfinite;
 }
 
 ShardHashes::ShardHashes(std::vector<ParamRange> shard, const ParamStore* params)

@@ -76,13 +76,19 @@ class Optimizer {
   double step(ParamStore& ps, int64_t step, double lr);
   // The clip factor for a global gradient norm (1 when no clipping applies).
   float clip_scale(double grad_norm) const;
-  // AdamW on the owned elements, reading their gradients from ps.grads().
-  void update(ParamStore& ps, int64_t step, double lr, float grad_scale) { update(ps, step, lr, grad_scale, owned_); }
+  // AdamW on the owned elements, reading their gradients from ps.grads(). Returns whether any
+  // updated parameter is not finite (found in the update's own pass).
+  bool update(ParamStore& ps, int64_t step, double lr, float grad_scale) {
+    return update(ps, step, lr, grad_scale, owned_);
+  }
   // The same on `ranges`, which must be owned. With `hashes`: also hashes those of their elements
   // that hashes covers (each parameter's covered part must lie inside one of `ranges` or outside
   // all).
-  void update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
+  bool update(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
               ShardHashes* hashes = nullptr);
+  // The hashes update() would take, of the state as it is, without updating it: a skipped step's
+  // fingerprint (train.on_nonfinite = "skip_step").
+  void hash_state(ParamStore& ps, const std::vector<ParamRange>& ranges, ShardHashes& hashes);
 
   const std::vector<ParamRange>& owned() const { return owned_; }
   int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
@@ -104,6 +110,9 @@ class Optimizer {
  private:
   // Offset in m_ / v_ of element e of parameter p (which must be owned).
   int64_t state_index(int p, int64_t e) const;
+  // update (AdamW and the hashes) or hash_state (the hashes only).
+  bool pass(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
+            ShardHashes* hashes, bool update);
   AdamW hyperparameters(int p, double lr) const;
 
   std::vector<ParamRange> owned_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <chrono>
+#include <cmath>
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/hash.h"
@@ -41,7 +42,8 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   reduce_losses(sums, loss_tokens, m);
   const ShardHashes hashes = optimizer_step(step, m);
   Communicator* dense_dp = groups_.dense_dp.size() > 1 ? &groups_.dense_dp : nullptr;
-  m.moe = model_.finish_step(config_.moe.router_bias_update_rate, dense_dp);
+  // A skipped step updates no state: the expert biases neither.
+  m.moe = model_.finish_step(m.nonfinite.empty() ? config_.moe.router_bias_update_rate : 0.0, dense_dp);
   m.seconds = seconds_since(t0);
   if (step > start_step_ || start_step_ == tc.steps) step_seconds_.push_back(m.seconds);
   const int64_t dispatch_bytes = dispatch_total() - dispatch_bytes_before_;  // this step's
@@ -188,9 +190,20 @@ ShardHashes Trainer::optimizer_step(int64_t step, StepMetrics& m) {
   m.lr = learning_rate(config_.train, step);
   m.grad_norm = dp_.grad_norm();
   ShardHashes hashes(dp_.shard(), dp_.updates_whole() ? &model_.params() : nullptr);
+  // The loss and the grad norm are the same on every rank, so every rank takes the same branch.
+  m.nonfinite = !std::isfinite(m.loss) ? "loss" : !std::isfinite(m.grad_norm) ? "grad_norm" : "";
+  if (!m.nonfinite.empty()) {
+    // Skipped (or, with "stop", the last step): the state stays as it is; its hashes are taken as is.
+    ++skipped_steps_;
+    m.skipped_steps = skipped_steps_;
+    dp_.step([&](const std::vector<ParamRange>& ranges) { optimizer_.hash_state(model_.params(), ranges, hashes); });
+    return hashes;
+  }
+  m.skipped_steps = skipped_steps_;
   const float clip = optimizer_.clip_scale(m.grad_norm);
+  const int64_t adam_step = step - skipped_steps_;  // Adam's step count leaves out the skipped steps
   dp_.step([&](const std::vector<ParamRange>& ranges) {
-    optimizer_.update(model_.params(), step, m.lr, clip, ranges, &hashes);
+    m.params_nonfinite |= optimizer_.update(model_.params(), adam_step, m.lr, clip, ranges, &hashes);
   });
   return hashes;
 }

@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <thread>
 
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/train/build_info.h"
 
 namespace lockstep {
 
@@ -82,6 +84,7 @@ void Trainer::open_run_dir() {
   const bool resuming = !resume_dir_.empty();
   if (rank == 0) {
     write_file_atomic(tc.out_dir + "/config.toml", config_to_toml(config_));
+    write_file_atomic(tc.out_dir + "/build.json", current_build(config_.data).json());  // what replay checks
     if (resuming) cut_jsonl_after_step(tc.out_dir + "/metrics.jsonl", resumed_.step);
     metrics_ = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl", resuming);
   }
@@ -130,7 +133,7 @@ TrainSummary Trainer::run() {
   const auto start = Clock::now();
   for (int64_t step = start_step_; step <= tc.steps; ++step) {
     const StepOutcome outcome = train_step(step);
-    log_step(outcome);
+    guard_nonfinite(outcome.metrics, log_step(outcome));
     std::optional<double> eval_loss;
     if (tc.eval_interval > 0 && (step % tc.eval_interval == 0 || step == tc.steps)) eval_loss = evaluate_and_log(step);
     progress_.step(tc, outcome.metrics, seconds_since(start), eval_loss);
@@ -155,15 +158,38 @@ TrainSummary Trainer::run() {
 }
 
 // The step's line of metrics.jsonl (rank 0's), with every stage's and every rank's fields.
-void Trainer::log_step(const StepOutcome& outcome) {
+int Trainer::log_step(const StepOutcome& outcome) {
   const StepMetrics& m = outcome.metrics;
   JsonLine line = metrics_line(m);
   if (pipeline_) add_stage_metrics(line, groups_.pp_group, outcome.stage);
-  add_rank_metrics(line, groups_.world, *device_);
+  const int nonfinite_rank = add_rank_metrics(line, groups_.world, *device_, m.params_nonfinite);
   if (metrics_) metrics_->write(line.str());
   if (m.step == start_step_) summary_.first_loss = m.loss;
   summary_.last_loss = m.loss;
   summary_.steps = m.step;
+  return nonfinite_rank;
+}
+
+// Stops the job (every rank the same way: the loss, grad norm and the gathered flags are global)
+// before anything saves the step's state; a save already under way in the background is of an
+// earlier, finite step and is completed. With module tracing, names the first module whose
+// output went non-finite on this rank.
+void Trainer::guard_nonfinite(const StepMetrics& m, int nonfinite_rank) {
+  const bool skip = config_.train.on_nonfinite == "skip_step";
+  std::string what;
+  if (!m.nonfinite.empty() && !skip) {
+    const double v = m.nonfinite == "loss" ? m.loss : m.grad_norm;
+    what = str("the ", m.nonfinite == "loss" ? "loss" : "gradient norm", " is ",
+               std::isnan(v) ? "nan" : (v > 0 ? "inf" : "-inf"), "; the update was not applied");
+  } else if (nonfinite_rank >= 0)
+    what = str("the parameters AdamW updated are not finite (rank ", nonfinite_rank, " first)");
+  if (what.empty()) return;
+  write_pending_fingerprint();
+  saver_->finish();
+  const std::string& module = trace_->first_nonfinite();
+  throw NonFiniteError(str("step ", m.step, ": ", what, module.empty() ? "" : str("; first non-finite: ", module),
+                           " (train.on_nonfinite = \"", config_.train.on_nonfinite, "\"); no checkpoint of this state"),
+                       groups_.world.rank() == 0);
 }
 
 }  // namespace lockstep

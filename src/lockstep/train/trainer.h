@@ -110,7 +110,10 @@ class Trainer {
   int64_t dispatch_total() const;
 
   // After the step (trainer.cpp, evaluate.cpp, checkpointing.cpp).
-  void log_step(const StepOutcome& outcome);
+  // Returns the first rank whose updated parameters are not finite, -1 if none.
+  int log_step(const StepOutcome& outcome);
+  // The non-finite guard after a logged step (train.on_nonfinite): throws NonFiniteError to stop.
+  void guard_nonfinite(const StepMetrics& m, int nonfinite_rank);
   double evaluate();
   double evaluate_and_log(int64_t step);
   void save_checkpoint(int64_t step, double lr, bool exit_now);
@@ -140,6 +143,7 @@ class Trainer {
   std::string resume_dir_;  // empty: a fresh run
   CheckpointInfo resumed_;
   int64_t start_step_ = 1;
+  int64_t skipped_steps_ = 0;  // steps whose update the non-finite guard skipped, this run and before
 
   std::unique_ptr<LineLog> metrics_;  // rank 0's metrics.jsonl
   std::unique_ptr<LineLog> fingerprints_;

@@ -318,6 +318,8 @@ void run_threads(int nproc, double timeout_s, const std::function<void(Communica
     throw;  // already names the rank
   } catch (const UserError& e) {
     throw UserError(str("rank ", failure_rank, ": ", e.what()));
+  } catch (const NonFiniteError& e) {
+    throw NonFiniteError(e.what(), true);  // every rank stops at the same step: no rank to name
   } catch (const InternalError& e) {
     throw InternalError(str("rank ", failure_rank, ": ", e.what()));
   } catch (const std::exception& e) {

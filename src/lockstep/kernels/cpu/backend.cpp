@@ -100,6 +100,7 @@ void bind_cpu_ops(Ops& ops) {
   ops.hadamard16.bind(&hadamard16);
   ops.adamw_update.bind(&adamw_update);
   ops.adamw_update_hashed.bind(&adamw_update_hashed_items);
+  ops.adam_state_hashes.bind(&adam_state_hashes);
   ops.sum_of_squares.bind(&sum_of_squares);
   ops.exact_sum_of_squares.bind(&exact_sum_of_squares);
 }

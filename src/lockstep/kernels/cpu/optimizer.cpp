@@ -1,6 +1,8 @@
 #include "lockstep/kernels/cpu/optimizer.h"
 
 #include <algorithm>
+#include <atomic>
+#include <bit>
 #include <cmath>
 #include <vector>
 
@@ -19,9 +21,11 @@ struct AdamWScalars {
 
 // Plain IEEE operations in the header's order; the compiler vectorises this loop without changing
 // a bit (-ffp-contract=off, no fast-math). The scalars come by value so that it can keep them in
-// registers.
-void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict grad, int64_t n,
+// registers. Returns whether a written parameter is not finite: an OR over the exponent test (an
+// integer reduction, which vectorises; a float one would not without reassociation).
+bool adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, const float* __restrict grad, int64_t n,
                  const AdamWScalars s) {
+  uint32_t nonfinite = 0;
   for (int64_t i = 0; i < n; ++i) {
     const float g = grad[i] * s.grad_scale;
     const float pi = p[i] * s.decay;
@@ -29,8 +33,11 @@ void adamw_range(float* __restrict p, float* __restrict m, float* __restrict v, 
     const float vi = s.b2 * v[i] + s.c2 * g * g;
     m[i] = mi;
     v[i] = vi;
-    p[i] = pi - s.step_size * mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps);
+    const float pn = pi - s.step_size * mi / (std::sqrt(vi) / s.bc2_sqrt + s.eps);
+    p[i] = pn;
+    nonfinite |= (std::bit_cast<uint32_t>(pn) & 0x7f800000u) == 0x7f800000u;
   }
+  return nonfinite != 0;
 }
 }  // namespace
 
@@ -54,18 +61,22 @@ AdamWScalars adamw_scalars(const AdamW& hp, int64_t step, float grad_scale) {
 }
 }  // namespace
 
-void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+bool adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
                   float grad_scale) {
   const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
+  std::atomic<bool> nonfinite{false};
   parallel_for(n, [&](int64_t begin, int64_t end) {
-    adamw_range(param + begin, m + begin, v + begin, grad + begin, end - begin, s);
+    if (adamw_range(param + begin, m + begin, v + begin, grad + begin, end - begin, s))
+      nonfinite.store(true, std::memory_order_relaxed);
   });
+  return nonfinite.load();
 }
 
-void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+bool adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW* hp, int64_t step,
                          float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]) {
   LOCKSTEP_CHECK(0 <= state_begin && state_begin <= state_end && state_end <= n);
-  const AdamWScalars s = adamw_scalars(hp, step, grad_scale);
+  const AdamWScalars s = hp ? adamw_scalars(*hp, step, grad_scale) : AdamWScalars{};
+  bool nonfinite = false;
   // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed. The
   // pieces also end where the hashed state range does.
   constexpr int64_t kPiece = 16384;
@@ -75,7 +86,7 @@ void adamw_update_hashed(float* param, float* m, float* v, const float* grad, in
     for (const int64_t cut : {state_begin, state_end})
       if (cut > i && cut < next) next = cut;
     const int64_t len = next - i;
-    adamw_range(param + i, m + i, v + i, grad + i, len, s);
+    if (hp && adamw_range(param + i, m + i, v + i, grad + i, len, s)) nonfinite = true;
     const size_t bytes = static_cast<size_t>(len) * sizeof(float);
     ph.update(param + i, bytes);
     if (i >= state_begin && next <= state_end) {
@@ -89,6 +100,7 @@ void adamw_update_hashed(float* param, float* m, float* v, const float* grad, in
   hashes[1] = mh.digest();
   hashes[2] = vh.digest();
   hashes[3] = ph.digest();
+  return nonfinite;
 }
 
 namespace {
@@ -147,10 +159,16 @@ double sum_of_squares(const float* x, int64_t n) {
   return total;
 }
 
-void adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale) {
+namespace {
+// Each item on one thread, whole (the pool's threads claim them in order). update: AdamW and the
+// hashes, else the hashes only. Returns whether an updated parameter is not finite.
+bool hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale, bool update) {
+  std::atomic<bool> nonfinite{false};
   auto run = [&](int64_t i) {
     const AdamwHashedItem& t = items[i];
-    adamw_update_hashed(t.param, t.m, t.v, t.grad, t.n, t.hp, step, grad_scale, t.state_begin, t.state_end, t.hashes);
+    if (adamw_update_hashed(t.param, t.m, t.v, t.grad, t.n, update ? &t.hp : nullptr, step, grad_scale, t.state_begin,
+                            t.state_end, t.hashes))
+      nonfinite.store(true, std::memory_order_relaxed);
   };
   ThreadPool* pool = ThreadPool::current();
   if (pool && pool->threads() > 1 && count > 1) {
@@ -158,6 +176,14 @@ void adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int6
   } else {
     for (int64_t i = 0; i < count; ++i) run(i);
   }
+  return nonfinite.load();
 }
+}  // namespace
+
+bool adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale) {
+  return hashed_items(items, count, step, grad_scale, true);
+}
+
+void adam_state_hashes(const AdamwHashedItem* items, int64_t count) { hashed_items(items, count, 1, 1.0f, false); }
 
 }  // namespace lockstep

@@ -6,13 +6,15 @@
 
 namespace lockstep {
 
-void adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+bool adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
                   float grad_scale);
-void adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
+// hp == nullptr: hashes only, no update (adam_state_hashes).
+bool adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW* hp, int64_t step,
                          float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
 double sum_of_squares(const float* x, int64_t n);
 
 // The items of kernels/optimizer.h's adamw_update_hashed shared among the pool's threads.
-void adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale);
+bool adamw_update_hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale);
+void adam_state_hashes(const AdamwHashedItem* items, int64_t count);
 
 }  // namespace lockstep

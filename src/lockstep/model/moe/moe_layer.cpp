@@ -370,7 +370,7 @@ MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {
   }
   const double mean = static_cast<double>(total) / static_cast<double>(E_);
   st.imbalance = mean > 0 ? static_cast<double>(st.max) / mean : 0;
-  if (expert_bias_on_ && total > 0) {
+  if (expert_bias_on_ && total > 0 && bias_update_rate != 0) {  // 0: a skipped step (train.on_nonfinite)
     // Megatron's update: bias += rate * sign(mean load - load); underloaded experts gain.
     const float rate = static_cast<float>(bias_update_rate);
     for (int64_t e = 0; e < E_; ++e) {
