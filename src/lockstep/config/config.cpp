@@ -275,6 +275,8 @@ const std::vector<Key>& keys() {
       LS_KEY(train.eval_interval, "evaluate on held-out data every N steps; 0 = never"),
       LS_KEY(train.eval_batches, "micro-batches per evaluation"),
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
+      LS_KEY(train.tensorboard,
+             "also write metrics.jsonl's numbers as TensorBoard event files in out_dir/tensorboard (rank 0)"),
       LS_KEY(train.save_interval,
              "save a checkpoint to out_dir/checkpoints every N steps and at the last step; 0 = never"),
       LS_KEY(train.keep_last, "keep only the newest N complete checkpoints; 0 = keep all"),

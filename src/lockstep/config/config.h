@@ -52,6 +52,7 @@ struct TrainConfig {
   int64_t eval_interval = 100;  // 0 = never
   int64_t eval_batches = 4;     // micro-batches per evaluation
   int64_t log_interval = 10;    // plain-text progress lines (not on a terminal)
+  bool tensorboard = false;     // out_dir/tensorboard/ event files (train/tensorboard.h)
   // Checkpoints (train/checkpoint.h, docs/checkpoints.md) in out_dir/checkpoints.
   int64_t save_interval = 0;  // save every N steps and at the last step; 0 = never
   int64_t keep_last = 0;      // keep the newest N complete checkpoints; 0 = all

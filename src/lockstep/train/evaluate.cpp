@@ -37,14 +37,16 @@ double Trainer::evaluate() {
   return sum / static_cast<double>(tc.eval_batches);
 }
 
-// Evaluates the parameters of step `step` and writes the loss to metrics.jsonl.
+// Evaluates the parameters of step `step` and writes the loss to metrics.jsonl (and TensorBoard).
 double Trainer::evaluate_and_log(int64_t step) {
   dp_.wait_params();
   const double loss = evaluate();
   device_->take_host_syncs();  // evaluation's are not the next step's
   dispatch_bytes_before_ = dispatch_total();
   summary_.last_eval_loss = loss;
-  if (metrics_) metrics_->write(JsonLine().add("step", step).add("eval_loss", loss, 9).str());
+  const std::string line = JsonLine().add("step", step).add("eval_loss", loss, 9).str();
+  if (metrics_) metrics_->write(line);
+  if (tensorboard_) tensorboard_->write(line);
   return loss;
 }
 

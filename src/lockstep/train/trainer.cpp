@@ -87,6 +87,8 @@ void Trainer::open_run_dir() {
     write_file_atomic(tc.out_dir + "/build.json", current_build(config_.data).json());  // what replay checks
     if (resuming) cut_jsonl_after_step(tc.out_dir + "/metrics.jsonl", resumed_.step);
     metrics_ = std::make_unique<LineLog>(tc.out_dir + "/metrics.jsonl", resuming);
+    if (resuming) cut_tensorboard_after_step(tc.out_dir + "/tensorboard", resumed_.step);
+    if (tc.tensorboard) tensorboard_ = std::make_unique<TensorBoardWriter>(tc.out_dir + "/tensorboard");
   }
   if (resuming) cut_jsonl_after_step(fingerprint_path(tc.out_dir, rank), resumed_.step);
   fingerprints_ = std::make_unique<LineLog>(fingerprint_path(tc.out_dir, rank), resuming);
@@ -163,7 +165,9 @@ int Trainer::log_step(const StepOutcome& outcome) {
   JsonLine line = metrics_line(m);
   if (pipeline_) add_stage_metrics(line, groups_.pp_group, outcome.stage);
   const int nonfinite_rank = add_rank_metrics(line, groups_.world, *device_, m.params_nonfinite);
-  if (metrics_) metrics_->write(line.str());
+  const std::string text = line.str();
+  if (metrics_) metrics_->write(text);
+  if (tensorboard_) tensorboard_->write(text);
   if (m.step == start_step_) summary_.first_loss = m.loss;
   summary_.last_loss = m.loss;
   summary_.steps = m.step;

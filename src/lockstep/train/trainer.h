@@ -32,6 +32,7 @@
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
+#include "lockstep/train/tensorboard.h"
 
 namespace lockstep {
 
@@ -146,6 +147,8 @@ class Trainer {
   int64_t skipped_steps_ = 0;  // steps whose update the non-finite guard skipped, this run and before
 
   std::unique_ptr<LineLog> metrics_;  // rank 0's metrics.jsonl
+  // Rank 0's TensorBoard events file (train.tensorboard): the lines of metrics.jsonl.
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
   std::unique_ptr<LineLog> fingerprints_;
   std::unique_ptr<CheckpointSaver> saver_;
   std::unique_ptr<StepTrace> trace_;
