@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the benchmark peers need into bench/.venv (ignored by git): a Python virtual
-# environment with PyTorch from PyPI, for bench/torch_peer.py and bench/train_vs_torch.sh.
-# Idempotent: an existing environment that imports torch is left as it is.
+# environment with PyTorch from PyPI, for bench/torch_peer.py and bench/train_vs_torch.sh, and the
+# tensorboard package for bench/tensorboard_check.py.
+# Idempotent: an existing environment that imports torch and tensorboard is left as it is.
 #
 #   bench/setup_peers.sh                          python3's venv, torch (CPU wheel where it can)
 #   PYTHON=/usr/bin/python3 bench/setup_peers.sh  make the environment from another interpreter
@@ -38,6 +39,10 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "setup_peers.sh: creating $venv from $("$python" -c 'import sys; print(sys.executable)')"
   "$python" -m venv "$venv"
 fi
+
+# tensorboard, for bench/tensorboard_check.py (reads train.tensorboard's event files as TensorBoard does).
+"$venv/bin/python" -c 'import tensorboard' 2>/dev/null ||
+  "$venv/bin/python" -m pip install --disable-pip-version-check tensorboard
 
 # numpy too: torch warns on import without it.
 if "$venv/bin/python" -c 'import numpy, torch' 2>/dev/null; then
