@@ -77,6 +77,7 @@ TEST(Diff, IdenticalRunsSayOverHowManySteps) {
   const RunDiff d = diff_runs(write_run(dir, "a", 2, 5), write_run(dir, "b", 2, 5));
   EXPECT_TRUE(d.identical);
   EXPECT_TRUE(contains(d.report, "identical over 5 steps (1..5)")) << d.report;
+  EXPECT_EQ(d.first_step, -1);
 }
 
 TEST(Diff, NamesFirstStepRankCoordinatesAndFieldWithBothValues) {
@@ -91,6 +92,7 @@ TEST(Diff, NamesFirstStepRankCoordinatesAndFieldWithBothValues) {
   EXPECT_FALSE(d.identical);
   EXPECT_TRUE(contains(d.report, "first difference: step 4, rank 1 (dp 0, tp 1, pp 0, ep 0, cp 0, etp 0), grad_norm\n"))
       << d.report;
+  EXPECT_EQ(d.first_step, 4);
   EXPECT_TRUE(contains(d.report, a + ": 3ff4000000000000 (1.25)\n")) << d.report;
   EXPECT_TRUE(contains(d.report, b + ": 3ff4000000000001 (1.2500000000000002)\n")) << d.report;
   EXPECT_TRUE(contains(d.report, "also differing at step 4 on rank 1: params")) << d.report;

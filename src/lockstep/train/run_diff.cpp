@@ -383,6 +383,7 @@ RunDiff diff_runs(const std::string& dir_a, const std::string& dir_b) {
     const FingerprintLine& la = *a.by_step[first_rank].at(step);
     const FingerprintLine& lb = *b.by_step[first_rank].at(step);
     const std::string& key = first_fields.front();
+    out.first_step = step;
     if (per_rank)
       say(str("first difference: step ", step, ", ", where(la, first_rank), ", ", key));
     else

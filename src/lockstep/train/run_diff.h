@@ -16,6 +16,7 @@
 // hash differs while every record before it, its inputs included, matched.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace lockstep {
@@ -23,6 +24,8 @@ namespace lockstep {
 struct RunDiff {
   bool identical = false;  // over the common steps (and traces, when both runs have them)
   std::string report;      // lines for the user, each ending in '\n'
+  // The first step whose fingerprints differ (the report's "first difference"); -1 when none does.
+  int64_t first_step = -1;
 };
 
 // UserError naming the directory, file and line when a run directory, its fingerprint files or a
