@@ -13,5 +13,6 @@ int preprocess_command(const std::vector<std::string>& args);
 int diff_command(const std::vector<std::string>& args);
 int ckpt_command(const std::vector<std::string>& args);
 int replay_command(const std::vector<std::string>& args);
+int report_command(const std::vector<std::string>& args);
 
 }  // namespace lockstep::cli

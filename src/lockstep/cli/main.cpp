@@ -50,6 +50,11 @@ const Command kCommands[] = {
      "      re-run RUN's step N from its newest checkpoint before N with module tracing and per-module\n"
      "      statistics, and check the replay reproduces RUN's fingerprints bit for bit (exit 1 when not);\n"
      "      with key=value overrides, the change-one-thing experiment (compare two with lockstep diff)"},
+    {"report", lockstep::cli::report_command,
+     "lockstep report RUN [RUN ...] [-o FILE]\n"
+     "      one HTML page (no network) of the runs' loss, eval loss, grad norm, learning rate, tokens/s, MFU and\n"
+     "      MoE expert load over the steps; for two runs, their first divergent step (as lockstep diff) marked.\n"
+     "      FILE defaults to the first RUN's report.html"},
     {"help", help_command,
      "lockstep help [config]\n"
      "      this text; `lockstep help config` lists every config key with its default"},
