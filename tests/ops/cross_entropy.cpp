@@ -487,11 +487,11 @@ void add_cross_entropy_cases(Registry& reg) {
 
   // The layout form in shards, each a whole subtree of the S segments: the per-shard max, segment
   // sums, loss and backward, reduced over the shards as the tensor-parallel group does, give the
-  // whole-vocabulary call's bits (cross_entropy_segments), for every shard count. (V a multiple of
-  // S: cross_entropy_segments_sum refuses a shard whose end is a rounded-down bound s V / S, e.g.
-  // [0, 2086) of 4173 in 8 segments, which the contract's segments allow.)
-  {
-    const int64_t N = 6, V = 2 * kXentChunk + 80, ld = V + 3, S = 8;
+  // whole-vocabulary call's bits (cross_entropy_segments), for every shard count; with V a multiple
+  // of S and not (a shard then ends at a rounded-down bound s V / S, e.g. [0, 2086) of 4173 in 8
+  // segments).
+  for (const int64_t V : {2 * kXentChunk + 80, 2 * kXentChunk + 77}) {
+    const int64_t N = 6, ld = V + 3, S = 8;
     for (const int64_t P : {1, 2, 4, 8}) {
       reg.add(
           {"CrossEntropy",

@@ -267,8 +267,11 @@ void cross_entropy_segments_sum(float* stats, float* logits, const float* rowmax
                                 bool store) {
   const int64_t S = segments;
   const auto bound = [&](int64_t s) { return s * vocab_size / S; };
-  // This shard's segments [s0, s0 + n): its columns must be exactly theirs, and a subtree.
-  const int64_t s0 = vocab_begin * S / vocab_size, n = (vocab_begin + V) * S / vocab_size - s0;
+  // This shard's segments [s0, s0 + n): its columns must be exactly theirs, and a subtree. Segment s
+  // starts at bound(s) = floor(s vocab_size / S), so the first segment starting at or after column c
+  // is ceil(c S / vocab_size).
+  const auto first_at = [&](int64_t c) { return (c * S + vocab_size - 1) / vocab_size; };
+  const int64_t s0 = first_at(vocab_begin), n = first_at(vocab_begin + V) - s0;
   LOCKSTEP_CHECK(S > 0 && n > 0 && bound(s0) == vocab_begin && bound(s0 + n) == vocab_begin + V &&
                      std::has_single_bit(static_cast<uint64_t>(n)) && s0 % n == 0,
                  "cross_entropy_segments_sum: the columns [", vocab_begin, ", ", vocab_begin + V, ") of ", vocab_size,
