@@ -88,8 +88,9 @@ struct RouterOps {
   Op<void(uint8_t* kept, const int32_t* idx, const float* probs, const RouterSpec& s, int64_t N)> apply_capacity{
       "apply_capacity"};
   // The statistics of the B sequences of T tokens of logits (N = B T, E) that RouterStatistics holds
-  // (resized here); psum and counts only with an aux loss on, zsq only with the z-loss on. One thread
-  // per sequence, tokens in order.
+  // (resized here to B x E, B x E and B, and zeroed): psum and counts are filled only with an aux
+  // loss on, zsq only with the z-loss on; the others stay 0. One thread per sequence, tokens in
+  // order.
   Op<void(RouterStatistics& st, const float* logits, const RouterSpec& s, int64_t B, int64_t T)> router_statistics{
       "router_statistics"};
   // dlogits += scale * d(aux losses)/d(logits) for the tokens [first, first + rows) of the micro-batch
