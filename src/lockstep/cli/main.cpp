@@ -3,7 +3,8 @@
 //
 // A user error is one line on stderr, "lockstep: error: ...", and exit status 2; a broken
 // internal invariant is "lockstep: internal error: ..." and exit status 3; a training run stopped
-// by its non-finite guard is one error line and exit status 4.
+// by its non-finite guard is one error line and exit status 4; a failed rank (a collective timed
+// out, a peer failed or exited: CommError) exit status 75 (kExitRankFailure).
 #include <cstdio>
 #include <cstdlib>
 #include <exception>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "lockstep/cli/commands.h"
+#include "lockstep/comm/communicator.h"
 #include "lockstep/config/config.h"
 #include "lockstep/core/error.h"
 
@@ -95,11 +97,12 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "lockstep: error: out of memory\n");
     return 2;
   } catch (const std::exception& e) {
-    // A distributed failure (CommError: timeout, failed or exited peer). A rank thread may still be
-    // running (it never reached a collective): end the process without waiting for it.
+    // A distributed failure (CommError: timeout, failed or exited peer; the status that restarts
+    // the job under --max-restarts), or another error of a rank. A rank thread may still be running
+    // (it never reached a collective): end the process without waiting for it.
     std::fprintf(stderr, "lockstep: error: %s\n", e.what());
     std::fflush(stdout);
     std::fflush(stderr);
-    std::_Exit(1);
+    std::_Exit(dynamic_cast<const lockstep::CommError*>(&e) ? lockstep::kExitRankFailure : 1);
   }
 }

@@ -1,6 +1,7 @@
 #include "lockstep/comm/communicator.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -32,6 +33,7 @@ std::shared_ptr<OpState> ProgressThread::post(std::function<void()> run) {
   auto op = std::make_shared<OpState>();
   op->owner = this;
   op->run = std::move(run);
+  op->waited_ns = waited_ns_;
   {
     std::lock_guard lock(m_);
     queue_.push_back(op);
@@ -108,17 +110,18 @@ Work::~Work() {
 void Work::wait() {
   if (!op_) return;
   std::shared_ptr<OpState> op = std::move(op_);
-  {
-    // A finished operation's progress thread may be gone (a handle can outlive its communicator):
-    // only an unfinished one, whose thread is alive, is offered to run here.
-    std::unique_lock lock(op->m);
-    if (!op->done) {
-      lock.unlock();
-      op->owner->run_here(op);
-    }
-  }
   std::unique_lock lock(op->m);
-  op->cv.wait(lock, [&] { return op->done; });
+  // A finished operation's progress thread may be gone (a handle can outlive its communicator):
+  // only an unfinished one, whose thread is alive, is offered to run here.
+  if (!op->done) {
+    const auto t0 = std::chrono::steady_clock::now();
+    lock.unlock();
+    op->owner->run_here(op);
+    lock.lock();
+    op->cv.wait(lock, [&] { return op->done; });
+    op->waited_ns->fetch_add(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count());
+  }
   if (op->error) std::rethrow_exception(op->error);
 }
 
@@ -306,6 +309,7 @@ int Communicator::local_size() const { return transport_->local_size(); }
 std::string Communicator::backend() const { return transport_->backend(); }
 double Communicator::timeout_s() const { return transport_->timeout_s(); }
 int64_t Communicator::bytes_sent() const { return transport_->bytes_sent; }
+double Communicator::wait_seconds() const { return progress_->waited_seconds(); }
 
 namespace {
 

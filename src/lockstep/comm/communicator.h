@@ -50,6 +50,11 @@ class CommError : public std::runtime_error {
   explicit CommError(const std::string& msg) : std::runtime_error(msg) {}
 };
 
+// The exit status of a process that ends on a CommError (a rank failed: timeout, failed or exited
+// peer), which `lockstep train --max-restarts` and `lockstep launch` restart (docs/faults.md).
+// 75 is sysexits.h's EX_TEMPFAIL: a temporary failure, worth retrying.
+constexpr int kExitRankFailure = 75;
+
 enum class ReduceOp { sum, max, tree_sum };
 
 // Handle of an asynchronous operation. wait() blocks until the operation is complete and rethrows
@@ -88,6 +93,10 @@ class Communicator {
   // backend: what the algorithms above move, e.g. 2 (P - 1) / P x n elements for an all-reduce of
   // n). Read it while none of the group's operations is in flight.
   int64_t bytes_sent() const;
+  // Seconds this rank has spent blocked waiting for operations (Work::wait, the blocking forms
+  // included): the operation's own work when it runs on the caller's thread, and waiting for
+  // peers. One counter per rank, shared by all its groups; summed over the rank's waiting threads.
+  double wait_seconds() const;
 
   // Collective over this group: every rank with the same color forms a new group, ordered by key
   // (ties by rank). Megatron's groups: see comm/mesh.h and split_groups().

@@ -7,7 +7,9 @@
 // than a small collective itself.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -26,6 +28,9 @@ struct OpState {
   std::condition_variable cv;
   bool done = false;
   std::exception_ptr error;
+  // The rank's time blocked in Work::wait, in ns (its progress thread's counter, which the operation
+  // shares so that a wait ending after the thread is gone still counts safely).
+  std::shared_ptr<std::atomic<int64_t>> waited_ns;
 };
 
 class ProgressThread {
@@ -39,6 +44,9 @@ class ProgressThread {
   // When op is the next to run and none is running, runs it on the calling thread and returns
   // true (op done, its error stored); else false.
   bool run_here(const std::shared_ptr<OpState>& op);
+  // Seconds the rank's threads have spent blocked in Work::wait on this thread's operations: running
+  // one on the caller's thread (run_here) and waiting for peers, summed over waiting threads.
+  double waited_seconds() const { return static_cast<double>(waited_ns_->load()) * 1e-9; }
 
  private:
   void loop();
@@ -49,6 +57,7 @@ class ProgressThread {
   std::deque<std::shared_ptr<OpState>> queue_;
   bool stop_ = false;
   bool running_ = false;  // an operation is running, here or on a caller's thread (run_here)
+  const std::shared_ptr<std::atomic<int64_t>> waited_ns_ = std::make_shared<std::atomic<int64_t>>(0);
   std::thread thread_;
 };
 

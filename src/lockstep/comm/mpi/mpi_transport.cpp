@@ -155,7 +155,7 @@ void run_mpi(int expected_size, double timeout_s, const std::function<void(Commu
     std::fprintf(stderr, "lockstep: error: %s\n", msg.c_str());
     std::fflush(stderr);
     std::fflush(stdout);
-    MPI_Abort(MPI_COMM_WORLD, user ? 2 : 1);
+    MPI_Abort(MPI_COMM_WORLD, user ? 2 : dynamic_cast<const CommError*>(&e) ? kExitRankFailure : 1);
   }
   MPI_Finalize();
 }
