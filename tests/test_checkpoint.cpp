@@ -580,6 +580,22 @@ TEST(CheckpointAtomic, KeepLastPrunesOlderAndKeepsTheNewest) {
   EXPECT_EQ(names, (std::vector<std::string>{"step-00000004", "step-00000005"}));
 }
 
+// Partial checkpoints of saves a crash interrupted (step-NNNNNNNN.tmp, of any step) are removed by
+// the next save; other entries stay.
+TEST(CheckpointAtomic, LeftoverTmpDirectoriesAreRemovedOnTheNextSave) {
+  TempDir dir;
+  const std::string root = dir.path("run/checkpoints");
+  for (const char* name : {"step-00000001.tmp", "step-00000009.tmp", "step-0009.tmp", "notes.tmp"}) {
+    fs::create_directories(root + "/" + name);
+    std::ofstream(root + "/" + name + "/rank-00000.bin") << "partial";
+  }
+  quiet_train(job("debug.toml", dir.path("run"), {"train.steps=2", "train.save_interval=2", "train.eval_interval=0"}));
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(root)) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"notes.tmp", "step-00000002", "step-0009.tmp"}));
+}
+
 TEST(CheckpointAtomic, AWriteErrorFailsCleanlyAndKeepsThePreviousCheckpoint) {
   TempDir dir;
   const std::vector<std::string> keys = {"train.steps=4", "train.save_interval=2"};

@@ -375,6 +375,20 @@ std::vector<std::pair<int64_t, std::string>> complete_checkpoints(const std::str
   return out;
 }
 
+namespace {
+
+// Removes the step-NNNNNNNN.tmp directories under root: saves that a crash interrupted.
+void remove_partial_checkpoints(const std::string& root, std::error_code& ec) {
+  static const std::regex partial("step-[0-9]{8}\\.tmp");
+  std::vector<fs::path> stale;
+  for (const fs::directory_entry& e : fs::directory_iterator(root, ec))
+    if (std::regex_match(e.path().filename().string(), partial) && e.is_directory()) stale.push_back(e.path());
+  for (const fs::path& p : stale)
+    if (!ec) fs::remove_all(p, ec);
+}
+
+}  // namespace
+
 void inject_checkpoint_write_fault(int64_t bytes, int error) {
   std::lock_guard<std::mutex> lock(fault_mutex);
   fault_budget = bytes;
@@ -824,12 +838,13 @@ void CheckpointSaver::save(const CheckpointInfo& info, const std::vector<StateSh
   s.info = info;
   s.final_dir = checkpoint_dir(s.root, info.step);
   s.tmp_dir = s.final_dir + ".tmp";
-  // Rank 0 prepares the directory (a stale one from a crashed save is removed); the others wait.
+  // Rank 0 prepares the directory, removing the partial ones of saves that a crash interrupted (no
+  // save of this run is in flight: a pending one was finished above); the others wait.
   std::string message;
   if (comm.rank() == 0) {
     std::error_code ec;
     fs::create_directories(s.root, ec);
-    if (!ec) fs::remove_all(s.tmp_dir, ec);
+    if (!ec) remove_partial_checkpoints(s.root, ec);
     if (!ec) fs::create_directory(s.tmp_dir, ec);
     if (ec) message = str("checkpoint at step ", info.step, " failed: cannot create '", s.tmp_dir, "': ", ec.message());
   }

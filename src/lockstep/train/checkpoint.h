@@ -13,7 +13,8 @@
 // Atomic: the ranks write into step-NNNNNNNN.tmp/ (every file fsynced), rank 0 writes metadata.json,
 // fsyncs the directory and renames it to step-NNNNNNNN/, then fsyncs checkpoints/. A directory named
 // step-NNNNNNNN (no suffix) is therefore complete; a crash at any moment leaves the previous ones as
-// they were. keep_last prunes older complete checkpoints after the commit, never the newest.
+// they were (and a step-NNNNNNNN.tmp/, which the next save removes). keep_last prunes older complete
+// checkpoints after the commit, never the newest.
 //
 // Resharding: a piece of a tensor is a box (tensor / expert / pipeline cuts) plus a flat range of the
 // box (distributed-optimizer cuts), so pieces written under one layout are copied, run by run, into
