@@ -220,6 +220,24 @@ void validate_pipeline_parallel(const Config& c) {
   p.chunk_layers(c.model.num_layers);
 }
 
+// Injected faults and stragglers (debug.fail_*, debug.slow_*); the ranks are checked against the
+// world size in checked_mesh.
+void validate_faults(const Config& c) {
+  const DebugConfig& dbg = c.debug;
+  const TrainConfig& t = c.train;
+  if (dbg.slow_rank < 0) user_error("debug.slow_rank = ", dbg.slow_rank, ": must be >= 0");
+  if (!(dbg.slow_ms >= 0)) user_error("debug.slow_ms = ", dbg.slow_ms, ": must be >= 0 (0 = off)");
+  if (dbg.fail_rank < 0) user_error("debug.fail_rank = ", dbg.fail_rank, ": must be >= 0");
+  const int64_t k = dbg.fail_at_step;
+  if (k < 0 || k > t.steps)
+    user_error("debug.fail_at_step = ", k, ": must be in [0, train.steps = ", t.steps, "] (0 = never)");
+  const bool saves = t.save_interval > 0 &&
+                     (k % t.save_interval == 0 || k == t.steps || (t.exit_interval > 0 && k % t.exit_interval == 0));
+  if (k > 0 && dbg.fail_in == "save" && !saves)
+    user_error("debug.fail_in = \"save\": no checkpoint is saved at debug.fail_at_step = ", k,
+               " (train.save_interval = ", t.save_interval, ")");
+}
+
 const std::vector<Key>& keys() {
   static const std::vector<Key> table = {
       LS_KEY(determinism,
@@ -401,6 +419,20 @@ const std::vector<Key>& keys() {
       LS_KEY(debug.inject_nan,
              "\"STEP:MODULE\": set the first element of MODULE's output in the first micro-batch of STEP to "
              "NaN, for testing the non-finite guard (train.on_nonfinite); \"\" = off"),
+      LS_KEY(debug.fail_at_step,
+             "rank debug.fail_rank fails at this step, once per run directory (for testing --max-restarts; "
+             "docs/faults.md); 0 = never"),
+      LS_KEY(debug.fail_rank, "the rank that debug.fail_at_step fails"),
+      LS_KEY(debug.fail_in,
+             "where the injected failure strikes: step (after the rank's forward and backward) or save "
+             "(after the rank wrote its part of that step's checkpoint, before the commit)",
+             {"step", "save"}),
+      LS_KEY(debug.fail_mode,
+             "kill: SIGKILL to the rank's process (with the threads backend every rank's); hang: the rank "
+             "stops responding, so the others' collectives time out (dist.timeout_s)",
+             {"kill", "hang"}),
+      LS_KEY(debug.slow_rank, "the rank that debug.slow_ms slows down"),
+      LS_KEY(debug.slow_ms, "rank debug.slow_rank sleeps this long in every step (an injected straggler); 0 = off"),
   };
   return table;
 }
@@ -937,6 +969,7 @@ void validate(const Config& c) {
   if (dbg.inject_step() > t.steps)
     user_error(dbg.injection_key(), " = \"", dbg.injection(), "\": step ", dbg.inject_step(),
                " is past train.steps = ", t.steps);
+  validate_faults(c);
 }
 
 std::string toml_value(Config& c, const Key& key) {

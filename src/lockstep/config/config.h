@@ -155,6 +155,15 @@ struct DebugConfig {
   std::string trace = "off";  // off | modules: RUN/trace/rank-NNNNN.jsonl
   std::string inject_ulp;     // "STEP:MODULE": one ulp into MODULE's output at STEP; "" = off
   std::string inject_nan;     // "STEP:MODULE": a NaN into MODULE's output at STEP (the non-finite guard); "" = off
+  // Injected faults for restart tests (train/faults.h, docs/faults.md): rank fail_rank fails at
+  // step fail_at_step (0 = never), in the step or in that step's checkpoint save, killed or hung.
+  int64_t fail_at_step = 0;
+  int64_t fail_rank = 0;
+  std::string fail_in = "step";    // step | save
+  std::string fail_mode = "kill";  // kill | hang
+  // An injected straggler: rank slow_rank sleeps slow_ms in every step (0 = off).
+  int64_t slow_rank = 0;
+  double slow_ms = 0;
 
   // The injection set (at most one; load_config checks), its key, and its parts: step 0 when off.
   const std::string& injection() const { return inject_nan.empty() ? inject_ulp : inject_nan; }

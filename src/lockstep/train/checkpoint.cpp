@@ -831,7 +831,8 @@ CheckpointSaver::~CheckpointSaver() {
 
 bool CheckpointSaver::pending() const { return impl_->pending; }
 
-void CheckpointSaver::save(const CheckpointInfo& info, const std::vector<StateShard>& state) {
+void CheckpointSaver::save(const CheckpointInfo& info, const std::vector<StateShard>& state,
+                           const std::function<void()>& after_write) {
   Impl& s = *impl_;
   if (s.pending) finish();
   Communicator& comm = s.comm;
@@ -863,6 +864,7 @@ void CheckpointSaver::save(const CheckpointInfo& info, const std::vector<StateSh
   if (!s.async) {
     std::promise<std::string> done;
     done.set_value(s.write_rank_file());
+    if (after_write) after_write();
     s.write = done.get_future();
     s.commit();
     return;
@@ -875,7 +877,11 @@ void CheckpointSaver::save(const CheckpointInfo& info, const std::vector<StateSh
     p.src = s.staging.data() + at;
     at += p.bytes;
   }
-  s.write = std::async(std::launch::async, [&s] { return s.write_rank_file(); });
+  s.write = std::async(std::launch::async, [&s, after_write] {
+    std::string error = s.write_rank_file();
+    if (after_write) after_write();
+    return error;
+  });
 }
 
 void CheckpointSaver::poll() {

@@ -26,6 +26,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -141,7 +142,10 @@ class CheckpointSaver {
   CheckpointSaver(const CheckpointSaver&) = delete;
   CheckpointSaver& operator=(const CheckpointSaver&) = delete;
 
-  void save(const CheckpointInfo& info, const std::vector<StateShard>& state);
+  // after_write (optional) runs once this rank's file is written, before the commit (fault
+  // injection: train/faults.h), on the thread that writes it.
+  void save(const CheckpointInfo& info, const std::vector<StateShard>& state,
+            const std::function<void()>& after_write = {});
   void poll();
   void finish();
   bool pending() const;

@@ -58,7 +58,7 @@ void Trainer::save_checkpoint(int64_t step, double lr, bool exit_now) {
   info.layout = {groups_.world.size(),         mesh.tp(), mesh.cp(), mesh.dp(), mesh.pp(), mesh.ep(), mesh.etp(),
                  config_.optimizer.distributed};
   dp_.wait_params();  // the replicas written are complete (ddp.overlap_param_gather)
-  saver_->save(info, state_);
+  saver_->save(info, state_, [this, step] { faults_.in_save(step); });
 }
 
 }  // namespace lockstep

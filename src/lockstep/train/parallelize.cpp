@@ -161,6 +161,15 @@ Mesh checked_mesh(const Config& config, int world_size) {
   // The schedule refuses micro-batch counts it cannot run (interleaved 1F1B).
   if (mesh.pp() > 1)
     pipeline_schedule(pc.pipeline_schedule, mesh.pp(), static_cast<int>(pc.virtual_pipeline), accum, 0);
+  const DebugConfig& dbg = config.debug;
+  if (dbg.fail_at_step > 0 && dbg.fail_rank >= world_size)
+    user_error("debug.fail_rank = ", dbg.fail_rank, ": the job has ", world_size, " rank(s)");
+  if (dbg.fail_at_step > 0 && dbg.fail_mode == "hang" && world_size == 1)
+    user_error(
+        "debug.fail_mode = \"hang\" needs more than one rank: a hung rank is noticed by the others' "
+        "collectives timing out");
+  if (dbg.slow_ms > 0 && dbg.slow_rank >= world_size)
+    user_error("debug.slow_rank = ", dbg.slow_rank, ": the job has ", world_size, " rank(s)");
   // determinism = "layout" takes any micro-batch count and layout: blocks of micro-batches that are
   // not subtrees of the canonical tree go as their pieces (parallel/data_parallel.h, model/moe/experts.h;
   // under context parallelism cp rank 0's, the other cp ranks' blocks empty: set_context_parallel;

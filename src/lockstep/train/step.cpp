@@ -38,6 +38,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   m.step = step;
   LossSums sums = pipeline_ ? forward_backward_pipelined(step, first_sample, grad_scale, outcome.stage)
                             : forward_backward(step, first_sample, grad_scale);
+  faults_.in_step(step);
   reduce_grads();
   reduce_losses(sums, loss_tokens, m);
   const ShardHashes hashes = optimizer_step(step, m);

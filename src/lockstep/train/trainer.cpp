@@ -58,7 +58,8 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
       accum_(config.train.global_batch / (config.train.micro_batch * groups_.mesh.dp())),
       first_micro_(groups_.coords.dp * accum_),
       tokens_(static_cast<size_t>(config.train.micro_batch * config.model.seq_length)),
-      targets_(tokens_.size()) {
+      targets_(tokens_.size()),
+      faults_(config.debug, config.train.out_dir, world.rank()) {
   model_.params().init(config.train.seed);
   const DataConfig& dc = config.data;
   if (dc.reset_position_ids || dc.reset_attention_mask)

@@ -26,6 +26,7 @@
 #include "lockstep/parallel/data_parallel.h"
 #include "lockstep/parallel/pipeline/pipeline.h"
 #include "lockstep/train/checkpoint.h"
+#include "lockstep/train/faults.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/metrics.h"
 #include "lockstep/train/module_trace.h"
@@ -163,6 +164,7 @@ class Trainer {
   // are skipped).
   int64_t dispatch_bytes_before_ = 0;
   TrainSummary summary_;
+  FaultInjector faults_;  // debug.fail_*, debug.slow_*
 };
 
 }  // namespace lockstep
