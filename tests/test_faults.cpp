@@ -1,4 +1,5 @@
-// Surviving faults: injected faults fire once.
+// Surviving faults: injected faults fire once; per-rank step and wait times in metrics.jsonl and the
+// straggler warning.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -14,6 +15,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/fingerprint.h"
+#include "lockstep/train/stragglers.h"
 #include "lockstep/train/trainer.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -78,6 +80,13 @@ void expect_same_run(const std::string& whole, const std::string& run, int ranks
     EXPECT_NE(e.path().extension(), ".tmp") << "a partial checkpoint is left: " << e.path();
 }
 
+std::vector<nlohmann::json> json_lines(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::istringstream in(read_file(path));
+  for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
 // Without a supervisor: the fault leaves the save of step 4 partial (step-00000004.tmp, rank 0's file
 // in it) and step 2 the newest checkpoint; run again, it does not fire (RUN/injected_fault.json), the
 // save of step 4 removes the partial one, and the bits are the uninterrupted job's.
@@ -96,6 +105,84 @@ TEST(FaultInjection, AKillMidSaveLeavesAPartialCheckpointAndFiresOnce) {
   r = train_cli(dir, 1, "", fault + " train.resume=auto");
   EXPECT_EQ(r.status, 0) << r.out << r.err;
   expect_same_run(dir.path("whole"), dir.path("run"), 1);
+}
+
+// ---- stragglers ----
+
+// Rank times (step ms, wait ms) of `steps` steps in which rank `slow` computes `slow_ms` and the
+// others 10 ms; every rank's step takes as long as the slowest.
+std::string feed(StragglerWatch& w, int ranks, int slow, double slow_ms, int steps, int64_t first_step = 1) {
+  std::string warnings;
+  for (int s = 0; s < steps; ++s) {
+    std::vector<double> step_ms(ranks, std::max(10.0, slow_ms) + 1), wait_ms(ranks);
+    for (int r = 0; r < ranks; ++r) wait_ms[r] = step_ms[r] - (r == slow ? slow_ms : 10.0);
+    warnings += w.add(first_step + s, step_ms, wait_ms);
+  }
+  return warnings;
+}
+
+TEST(Stragglers, WarnsOfARankPersistentlySlowerThanTheMedianOfTheOthers) {
+  StragglerWatch watch(0.2);
+  EXPECT_EQ(feed(watch, 4, 2, 11.9, 30), "") << "19% slower: within the threshold";
+  StragglerWatch slow(0.2);
+  EXPECT_EQ(feed(slow, 4, 2, 12.5, 9), "") << "fewer steps than the window";
+  EXPECT_EQ(feed(slow, 4, 2, 12.5, 1, 10),
+            "lockstep: warning: rank 2 is slow: over steps 1-10 it computed 12.5 ms per step (step time less time "
+            "waiting in collectives), 1.25x the other ranks' median of 10.0 ms (train.straggler_threshold = 0.2)");
+  EXPECT_EQ(feed(slow, 4, 2, 12.5, 9, 11), "") << "the window starts again after a warning";
+  EXPECT_NE(feed(slow, 4, 2, 12.5, 1, 20), "");
+  StragglerWatch off(0);
+  EXPECT_EQ(feed(off, 4, 2, 100, 30), "") << "threshold 0: never";
+  StragglerWatch alone(0.2);
+  EXPECT_EQ(alone.add(1, {50}, {0}), "");
+  for (int s = 2; s <= 20; ++s) EXPECT_EQ(alone.add(s, {50}, {0}), "") << "one rank: no others to compare with";
+  // One slow step in the window does not make a straggler (medians).
+  StragglerWatch blip(0.2);
+  std::string w = feed(blip, 2, 1, 50, 1);
+  w += feed(blip, 2, 1, 10, 9, 2);
+  EXPECT_EQ(w, "");
+}
+
+// Two thread ranks, rank 1 sleeping 40 ms per step: every metrics line has both ranks' step and
+// wait times, rank 0 waits for rank 1, and the terminal says rank 1 is slow.
+TEST(Stragglers, PerRankTimesInMetricsAndTheWarningOfAnInjectedStraggler) {
+  TempDir dir;
+  std::vector<std::string> keys = {"train.steps=12",      "train.eval_interval=0",           "train.threads=1",
+                                   "train.micro_batch=2", "data.synthetic_bytes=65536",      "debug.slow_rank=1",
+                                   "debug.slow_ms=40",    "train.out_dir=" + dir.path("run")};
+  std::FILE* out = std::tmpfile();
+  run_threads(2, 60, [&](Communicator& comm) { train(load_config(kConfig, keys), out, comm); });
+  std::rewind(out);
+  std::string text;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, out)) > 0;) text.append(buf, n);
+  std::fclose(out);
+  EXPECT_NE(text.find("lockstep: warning: rank 1 is slow: over steps 1-10 it computed "), std::string::npos) << text;
+  const std::vector<nlohmann::json> lines = json_lines(dir.path("run/metrics.jsonl"));
+  ASSERT_EQ(lines.size(), 12u);
+  int waited = 0;
+  for (const nlohmann::json& j : lines) {
+    const std::vector<double> step = j["step_ms_ranks"], wait = j["comm_wait_ms_ranks"];
+    ASSERT_EQ(step.size(), 2u);
+    ASSERT_EQ(wait.size(), 2u);
+    for (int r = 0; r < 2; ++r) {
+      EXPECT_GE(wait[r], 0);
+      EXPECT_LE(wait[r], step[r]);
+    }
+    EXPECT_GE(step[1] - wait[1], 40) << "rank 1 sleeps 40 ms in its step";
+    waited += wait[0] >= 30;  // for rank 1, most steps
+  }
+  EXPECT_GE(waited, 9);
+  // Without it, or with the warning off: no warning.
+  keys.back() = "train.out_dir=" + dir.path("off");
+  keys.push_back("train.straggler_threshold=0");
+  out = std::tmpfile();
+  run_threads(2, 60, [&](Communicator& comm) { train(load_config(kConfig, keys), out, comm); });
+  std::rewind(out);
+  text.clear();
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, out)) > 0;) text.append(buf, n);
+  std::fclose(out);
+  EXPECT_EQ(text.find("warning"), std::string::npos) << text;
 }
 
 }  // namespace

@@ -225,6 +225,8 @@ void validate_pipeline_parallel(const Config& c) {
 void validate_faults(const Config& c) {
   const DebugConfig& dbg = c.debug;
   const TrainConfig& t = c.train;
+  if (!(t.straggler_threshold >= 0))
+    user_error("train.straggler_threshold = ", t.straggler_threshold, ": must be >= 0 (0 = never warn)");
   if (dbg.slow_rank < 0) user_error("debug.slow_rank = ", dbg.slow_rank, ": must be >= 0");
   if (!(dbg.slow_ms >= 0)) user_error("debug.slow_ms = ", dbg.slow_ms, ": must be >= 0 (0 = off)");
   if (dbg.fail_rank < 0) user_error("debug.fail_rank = ", dbg.fail_rank, ": must be >= 0");
@@ -295,6 +297,9 @@ const std::vector<Key>& keys() {
       LS_KEY(train.log_interval, "steps between progress lines when output is not a terminal"),
       LS_KEY(train.tensorboard,
              "also write metrics.jsonl's numbers as TensorBoard event files in out_dir/tensorboard (rank 0)"),
+      LS_KEY(train.straggler_threshold,
+             "warn when a rank's compute time per step (step time less time waiting in collectives) exceeds "
+             "the median of the other ranks' by this fraction over 10 steps; 0 = never"),
       LS_KEY(train.save_interval,
              "save a checkpoint to out_dir/checkpoints every N steps and at the last step; 0 = never"),
       LS_KEY(train.keep_last, "keep only the newest N complete checkpoints; 0 = keep all"),

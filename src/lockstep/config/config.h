@@ -53,6 +53,9 @@ struct TrainConfig {
   int64_t eval_batches = 4;     // micro-batches per evaluation
   int64_t log_interval = 10;    // plain-text progress lines (not on a terminal)
   bool tensorboard = false;     // out_dir/tensorboard/ event files (train/tensorboard.h)
+  // Warn when a rank's compute time per step exceeds the median of the others' by this fraction
+  // over a window of steps (train/stragglers.h); 0 = never.
+  double straggler_threshold = 0.2;
   // Checkpoints (train/checkpoint.h, docs/checkpoints.md) in out_dir/checkpoints.
   int64_t save_interval = 0;  // save every N steps and at the last step; 0 = never
   int64_t keep_last = 0;      // keep the newest N complete checkpoints; 0 = all

@@ -92,25 +92,30 @@ void add_stage_metrics(JsonLine& line, Communicator& pp, const StageMetrics& min
   }
 }
 
-int add_rank_metrics(JsonLine& line, Communicator& world, Device& device, bool params_nonfinite) {
-  constexpr int kFields = 3;
+RankTimes add_rank_metrics(JsonLine& line, Communicator& world, Device& device, const StepMetrics& m) {
+  constexpr int kFields = 5;
   const double mine[kFields] = {static_cast<double>(device.memory().peak_bytes()) / (1 << 20),
-                                static_cast<double>(device.take_host_syncs()), params_nonfinite ? 1.0 : 0.0};
+                                static_cast<double>(device.take_host_syncs()), m.seconds * 1e3,
+                                m.comm_wait_seconds * 1e3, m.params_nonfinite ? 1.0 : 0.0};
   std::vector<double> ranks(static_cast<size_t>(kFields * world.size()));
   world.all_gather(ranks.data(), mine, kFields);
   std::vector<double> peaks(static_cast<size_t>(world.size()));
   double syncs = 0;
-  int first_nonfinite = -1;
+  RankTimes times;
   for (int r = 0; r < world.size(); ++r) {
     const double* v = ranks.data() + kFields * r;
     peaks[static_cast<size_t>(r)] = v[0];
     syncs = std::max(syncs, v[1]);
-    if (v[2] != 0 && first_nonfinite < 0) first_nonfinite = r;
+    times.step_ms.push_back(v[2]);
+    times.comm_wait_ms.push_back(v[3]);
+    if (v[4] != 0 && times.first_nonfinite < 0) times.first_nonfinite = r;
   }
   line.add("alloc_peak_mb", *std::max_element(peaks.begin(), peaks.end()), 6)
       .add("alloc_peak_mb_ranks", peaks, 6)
-      .add("host_syncs", static_cast<int64_t>(syncs));
-  return first_nonfinite;
+      .add("host_syncs", static_cast<int64_t>(syncs))
+      .add("step_ms_ranks", times.step_ms, 6)
+      .add("comm_wait_ms_ranks", times.comm_wait_ms, 6);
+  return times;
 }
 
 std::string duration_text(double s) {
@@ -150,6 +155,11 @@ void Progress::stopping(int64_t step, int64_t exit_interval) {
   if (live_) std::fprintf(out_, "\n");
   std::fprintf(out_, "lockstep: stopping after step %lld (train.exit_interval = %lld)\n", (long long)step,
                (long long)exit_interval);
+}
+
+void Progress::warning(const std::string& line) {
+  std::fprintf(out_, "%s%s\n", live_ ? "\r\033[K" : "", line.c_str());
+  std::fflush(out_);
 }
 
 void Progress::done(const TrainSummary& summary, double elapsed_s) {

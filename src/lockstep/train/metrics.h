@@ -27,6 +27,7 @@ struct StepMetrics {
   int64_t step = 0;
   double loss = 0, lm_loss = 0, aux_loss = 0, mtp_loss = 0, grad_norm = 0, lr = 0;
   double seconds = 0, tokens_per_s = 0, mfu = 0;
+  double comm_wait_seconds = 0;    // of this rank's step, blocked in communication (Communicator::wait_seconds)
   std::vector<MoeTokenStats> moe;  // per MoE layer: tokens each expert processed
   // Bytes rank 0 sent this step: in its tp group; by its token dispatchers (expert parallelism); in
   // its etp and cp groups. -1 where that parallelism is off.
@@ -51,11 +52,16 @@ struct StageMetrics {
 };
 // Adds every stage's StageMetrics as "pp.<stage>.*" (an all-gather over the pipeline group).
 void add_stage_metrics(JsonLine& line, Communicator& pp, const StageMetrics& mine);
-// Adds every rank's device memory high-water mark and the most host syncs of any rank this step
-// (kernels/device.h; an all-gather over world, and the step's host syncs are taken). The same
-// all-gather carries each rank's params_nonfinite: returns the first rank whose updated
-// parameters are not finite, -1 if none.
-int add_rank_metrics(JsonLine& line, Communicator& world, Device& device, bool params_nonfinite);
+// Every rank's step time and time waiting in collectives, in rank order, and the first rank whose
+// updated parameters are not finite (StepMetrics::params_nonfinite; -1 if none).
+struct RankTimes {
+  std::vector<double> step_ms, comm_wait_ms;
+  int first_nonfinite = -1;
+};
+// Adds every rank's device memory high-water mark, step time and time waiting in collectives (m, this
+// rank's), and the most host syncs of any rank this step (kernels/device.h; an all-gather over world,
+// and the step's host syncs are taken; it carries the non-finite flags too). Returns the ranks' times.
+RankTimes add_rank_metrics(JsonLine& line, Communicator& world, Device& device, const StepMetrics& m);
 
 std::string duration_text(double seconds);
 
@@ -70,6 +76,8 @@ class Progress {
   // first and the last step, every train.log_interval steps and with an evaluation.
   void step(const TrainConfig& tc, const StepMetrics& m, double elapsed_s, std::optional<double> eval_loss);
   void stopping(int64_t step, int64_t exit_interval);
+  // A line of its own (below the live line on a terminal).
+  void warning(const std::string& line);
   void done(const TrainSummary& summary, double elapsed_s);
 
  private:

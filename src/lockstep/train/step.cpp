@@ -28,6 +28,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   const auto t0 = Clock::now();
   const int64_t tp_bytes_before = groups_.tp_group.bytes_sent(), etp_bytes_before = groups_.etp_group.bytes_sent(),
                 cp_bytes_before = groups_.cp_group.bytes_sent();
+  const double wait_before = groups_.world.wait_seconds();
   model_.params().zero_grads();
   const uint64_t first_sample = first_sample_of(step);
   const int64_t loss_tokens = count_loss_tokens(first_sample);
@@ -46,6 +47,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   // A skipped step updates no state: the expert biases neither.
   m.moe = model_.finish_step(m.nonfinite.empty() ? config_.moe.router_bias_update_rate : 0.0, dense_dp);
   m.seconds = seconds_since(t0);
+  m.comm_wait_seconds = groups_.world.wait_seconds() - wait_before;
   if (step > start_step_ || start_step_ == tc.steps) step_seconds_.push_back(m.seconds);
   const int64_t dispatch_bytes = dispatch_total() - dispatch_bytes_before_;  // this step's
   dispatch_bytes_before_ += dispatch_bytes;

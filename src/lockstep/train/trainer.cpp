@@ -59,7 +59,8 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
       first_micro_(groups_.coords.dp * accum_),
       tokens_(static_cast<size_t>(config.train.micro_batch * config.model.seq_length)),
       targets_(tokens_.size()),
-      faults_(config.debug, config.train.out_dir, world.rank()) {
+      faults_(config.debug, config.train.out_dir, world.rank()),
+      stragglers_(config.train.straggler_threshold) {
   model_.params().init(config.train.seed);
   const DataConfig& dc = config.data;
   if (dc.reset_position_ids || dc.reset_attention_mask)
@@ -165,14 +166,16 @@ int Trainer::log_step(const StepOutcome& outcome) {
   const StepMetrics& m = outcome.metrics;
   JsonLine line = metrics_line(m);
   if (pipeline_) add_stage_metrics(line, groups_.pp_group, outcome.stage);
-  const int nonfinite_rank = add_rank_metrics(line, groups_.world, *device_, m.params_nonfinite);
+  const RankTimes times = add_rank_metrics(line, groups_.world, *device_, m);
   const std::string text = line.str();
   if (metrics_) metrics_->write(text);
   if (tensorboard_) tensorboard_->write(text);
+  const std::string straggler = stragglers_.add(m.step, times.step_ms, times.comm_wait_ms);
+  if (!straggler.empty()) progress_.warning(straggler);
   if (m.step == start_step_) summary_.first_loss = m.loss;
   summary_.last_loss = m.loss;
   summary_.steps = m.step;
-  return nonfinite_rank;
+  return times.first_nonfinite;
 }
 
 // Stops the job (every rank the same way: the loss, grad norm and the gathered flags are global)

@@ -34,6 +34,7 @@
 #include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
 #include "lockstep/train/tensorboard.h"
+#include "lockstep/train/stragglers.h"
 
 namespace lockstep {
 
@@ -165,6 +166,7 @@ class Trainer {
   int64_t dispatch_bytes_before_ = 0;
   TrainSummary summary_;
   FaultInjector faults_;  // debug.fail_*, debug.slow_*
+  StragglerWatch stragglers_;
 };
 
 }  // namespace lockstep
