@@ -1,7 +1,6 @@
 // Checkpoints (train/checkpoint.h): the format and resharding between layouts, bitwise resume of
 // every model flavour, atomic commits under SIGKILL and write errors, one clear error per kind of
 // damage, asynchronous saves, and the ckpt tools with the safetensors round trip.
-#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -650,18 +649,8 @@ TEST(CheckpointAtomic, SigkillAtRandomMomentsLeavesALoadableLatestCheckpoint) {
     return latest.empty() ? 0 : std::stoll(latest.substr(latest.size() - 8));
   };
   for (int trial = 0; trial < 4; ++trial) {
-    const pid_t pid = fork();
+    const pid_t pid = testing::spawn_cli(args);
     ASSERT_GE(pid, 0);
-    if (pid == 0) {
-      std::vector<char*> argv = {const_cast<char*>(LOCKSTEP_BINARY)};
-      for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      const int null = open("/dev/null", O_WRONLY);
-      dup2(null, 1);
-      dup2(null, 2);
-      execv(LOCKSTEP_BINARY, argv.data());
-      _exit(127);
-    }
     // Once this process has committed a checkpoint of its own, kill it at a random moment of the
     // following steps, each of which trains and then saves.
     const auto t0 = std::chrono::steady_clock::now();

@@ -1,5 +1,7 @@
-// Surviving faults: injected faults fire once; per-rank step and wait times in metrics.jsonl and the
-// straggler warning.
+// Surviving faults (docs/faults.md): `lockstep train --max-restarts N` restarts a job whose rank
+// was killed (mid-step, mid-save) or hung, from its newest checkpoint, and the restarted job's
+// fingerprints and final checkpoint equal the uninterrupted job's; what is not restarted; injected
+// faults fire once; per-rank step and wait times in metrics.jsonl and the straggler warning.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/wait.h>
@@ -85,6 +87,158 @@ std::vector<nlohmann::json> json_lines(const std::string& path) {
   std::istringstream in(read_file(path));
   for (std::string line; std::getline(in, line);) out.push_back(nlohmann::json::parse(line));
   return out;
+}
+
+struct RestartCase {
+  int ranks;
+  const char* fault;  // debug.* keys
+  int64_t resume_step;
+  const char* cause;
+};
+
+// The job is killed (or hangs) once; the supervisor restarts it from the newest checkpoint and it
+// finishes with the uninterrupted job's bits.
+void expect_restart_equals_uninterrupted(const RestartCase& c) {
+  TempDir dir;
+  train_whole(dir, c.ranks, "whole");
+  const testing::CliResult r = train_cli(dir, c.ranks, "--max-restarts 1", c.fault);
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  const std::string line = std::string("lockstep: restart 1 of 1: the job ") + c.cause +
+                           "; resuming from run/checkpoints/step-00000002 (step 2)\n";
+  EXPECT_NE(r.out.find(line), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("lockstep: resumed from run/checkpoints/step-00000002"), std::string::npos) << r.out;
+  expect_same_run(dir.path("whole"), dir.path("run"), c.ranks);
+  const std::vector<nlohmann::json> restarts = json_lines(dir.path("run/restarts.jsonl"));
+  ASSERT_EQ(restarts.size(), 1u);
+  EXPECT_EQ(restarts[0]["restart"], 1);
+  EXPECT_EQ(restarts[0]["resume_step"], c.resume_step);
+  EXPECT_EQ(restarts[0]["cause"], std::string(c.cause));
+  EXPECT_TRUE(fs::exists(dir.path("run/injected_fault.json")));
+}
+
+TEST(Restart, KilledMidStepResumesBitwise) {
+  expect_restart_equals_uninterrupted({1, "debug.fail_at_step=3", 2, "was killed by signal 9 (SIGKILL)"});
+}
+
+TEST(Restart, KilledMidSaveResumesBitwise) {
+  expect_restart_equals_uninterrupted(
+      {1, "debug.fail_at_step=4 debug.fail_in=save", 2, "was killed by signal 9 (SIGKILL)"});
+}
+
+TEST(Restart, TwoRanksKilledMidStepResumeBitwise) {
+  expect_restart_equals_uninterrupted(
+      {2, "debug.fail_at_step=3 debug.fail_rank=1", 2, "was killed by signal 9 (SIGKILL)"});
+}
+
+TEST(Restart, TwoRanksKilledMidSaveResumeBitwise) {
+  expect_restart_equals_uninterrupted(
+      {2, "debug.fail_at_step=4 debug.fail_rank=1 debug.fail_in=save", 2, "was killed by signal 9 (SIGKILL)"});
+}
+
+// A hung rank: the other's collective times out, the process exits with the rank-failure status.
+TEST(Restart, AHungRankTimesOutAndTheJobResumesBitwise) {
+  expect_restart_equals_uninterrupted({2,
+                                       "debug.fail_at_step=3 debug.fail_rank=1 debug.fail_mode=hang dist.timeout_s=2",
+                                       2, "exited with status 75 (a rank failed)"});
+}
+
+// Killed before its first checkpoint: the restart starts the job again as it first started.
+TEST(Restart, WithoutACheckpointTheJobStartsAgain) {
+  TempDir dir;
+  train_whole(dir, 1, "whole");
+  const testing::CliResult r = train_cli(dir, 1, "--max-restarts 2", "debug.fail_at_step=1");
+  ASSERT_EQ(r.status, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("lockstep: restart 1 of 2: the job was killed by signal 9 (SIGKILL); it wrote no checkpoint "
+                       "yet: starting it again from the beginning\n"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("restart 2"), std::string::npos) << r.out;
+  expect_same_run(dir.path("whole"), dir.path("run"), 1);
+}
+
+// What is not restarted: a user error (exit 2) and a job out of restarts.
+TEST(Restart, NotAfterAUserErrorNorBeyondMaxRestarts) {
+  TempDir dir;
+  testing::CliResult r = train_cli(dir, 1, "--max-restarts 3", "train.resume=nowhere");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_EQ(r.err,
+            "lockstep: error: train.resume = \"nowhere\": checkpoint 'nowhere' does not exist or is not a directory\n");
+  EXPECT_EQ(r.out.find("restart"), std::string::npos) << r.out;
+  r = train_cli(dir, 1, "--max-restarts 0", "debug.fail_at_step=1");
+  EXPECT_EQ(r.status, 128 + SIGKILL) << r.out << r.err;
+  EXPECT_NE(r.err.find("lockstep: error: the job was killed by signal 9 (SIGKILL); not restarted: --max-restarts 0 "
+                       "allows none\n"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(dir.path("run/restarts.jsonl")));
+}
+
+// SIGTERM to the supervisor stops the job: passed on to the child, which is not restarted.
+TEST(Restart, ASupervisorAskedToStopStopsTheJob) {
+  TempDir dir;
+  const std::vector<std::string> args = {"train",
+                                         "--max-restarts",
+                                         "3",
+                                         "-c",
+                                         kConfig,
+                                         "train.steps=100000",
+                                         "train.eval_interval=0",
+                                         "train.threads=1",
+                                         "train.out_dir=" + dir.path("run")};
+  const pid_t pid = testing::spawn_cli(args, dir.path("out.txt"));
+  ASSERT_GE(pid, 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (!fs::exists(dir.path("run/metrics.jsonl")) && std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30))
+    usleep(10000);
+  kill(pid, SIGTERM);
+  int status = 0;
+  waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 128 + SIGTERM);
+  EXPECT_EQ(read_file(dir.path("out.txt")).find("restart"), std::string::npos);
+}
+
+TEST(Restart, BadCommandLinesGiveOneLine) {
+  TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"train --max-restarts -1", "command line: --max-restarts needs a number of restarts >= 0, got '-1'"},
+      {"train --max-restarts", "command line: --max-restarts needs a number of restarts >= 0, got ''"},
+      {"train dist.backend=mpi --max-restarts 1",
+       "--max-restarts under mpirun would restart one process of the job: supervise the whole job with `lockstep "
+       "launch --max-restarts N -- mpirun ... lockstep train ...`"},
+      {"launch --max-restarts 1 mpirun -n 2",
+       "command line: launch: unexpected 'mpirun' before `--` (usage: lockstep launch --max-restarts N -- mpirun -n "
+       "2 build/lockstep train ...)"},
+      {"launch --max-restarts 1",
+       "command line: launch: the command to run goes after `--` (usage: lockstep launch --max-restarts N -- mpirun "
+       "-n 2 build/lockstep train ...)"},
+      {"launch -- mpirun lockstep train",
+       "command line: launch: --max-restarts N is missing (usage: lockstep launch --max-restarts N -- mpirun -n 2 "
+       "build/lockstep train ...)"},
+      {"launch --max-restarts 1 -- mpirun -n 2 ls",
+       "command line: launch: the command must run `lockstep train ...`, with lockstep train's arguments last (got "
+       "'mpirun -n 2 ls')"},
+      {"launch --max-restarts 1 -- mpirun -n 2 lockstep train --max-restarts 1",
+       "command line: launch: the supervised lockstep train has --max-restarts too: give it to launch only"},
+      {"launch --max-restarts 1 -- mpirun lockstep train train.steps=0", "config: train.steps = 0: must be positive"},
+      {"train debug.fail_at_step=3 train.steps=2",
+       "config: debug.fail_at_step = 3: must be in [0, train.steps = 2] (0 = never)"},
+      {"train debug.fail_at_step=3 debug.fail_in=save train.save_interval=2",
+       "config: debug.fail_in = \"save\": no checkpoint is saved at debug.fail_at_step = 3 (train.save_interval = 2)"},
+      {"train --nproc 2 debug.fail_at_step=3 debug.fail_rank=2", "debug.fail_rank = 2: the job has 2 rank(s)"},
+      {"train debug.fail_at_step=3 debug.fail_mode=hang",
+       "debug.fail_mode = \"hang\" needs more than one rank: a hung rank is noticed by the others' collectives "
+       "timing out"},
+      {"train debug.slow_ms=-1", "config: debug.slow_ms = -1: must be >= 0 (0 = off)"},
+      {"train train.straggler_threshold=-0.5",
+       "config: train.straggler_threshold = -0.5: must be >= 0 (0 = never warn)"},
+  };
+  for (const auto& [args, expected] : cases) {
+    const testing::CliResult r = run_cli(dir, args);
+    EXPECT_EQ(r.status, 2) << args;
+    EXPECT_EQ(r.err, "lockstep: error: " + expected + "\n") << args;
+  }
+  EXPECT_FALSE(fs::exists(dir.path("runs"))) << "a failed start writes no run directory";
 }
 
 // Without a supervisor: the fault leaves the save of step 4 partial (step-00000004.tmp, rank 0's file

@@ -2,6 +2,7 @@
 // double-precision references, and central finite differences.
 #pragma once
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -154,6 +155,23 @@ inline CliResult run_cli(const TempDir& dir, const std::string& args) {
       std::string("cd '") + dir.path() + "' && '" + LOCKSTEP_BINARY + "' " + args + " >out.txt 2>err.txt";
   const int raw = std::system(cmd.c_str());
   return {WIFEXITED(raw) ? WEXITSTATUS(raw) : -1, read_file(dir.path("out.txt")), read_file(dir.path("err.txt"))};
+}
+
+// Starts the lockstep binary with `args` in the background, its stdout and stderr into `output`;
+// returns its pid (for kill and waitpid).
+inline pid_t spawn_cli(const std::vector<std::string>& args, const std::string& output = "/dev/null") {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    std::vector<char*> argv = {const_cast<char*>(LOCKSTEP_BINARY)};
+    for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    const int fd = open(output.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    execv(LOCKSTEP_BINARY, argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 }  // namespace lockstep::testing

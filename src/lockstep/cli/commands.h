@@ -14,5 +14,6 @@ int diff_command(const std::vector<std::string>& args);
 int ckpt_command(const std::vector<std::string>& args);
 int replay_command(const std::vector<std::string>& args);
 int report_command(const std::vector<std::string>& args);
+int launch_command(const std::vector<std::string>& args);
 
 }  // namespace lockstep::cli

@@ -29,10 +29,11 @@ int help_command(const std::vector<std::string>& args);
 
 const Command kCommands[] = {
     {"train", lockstep::cli::train_command,
-     "lockstep train [-c FILE.toml] [--nproc N] [key=value ...]\n"
+     "lockstep train [-c FILE.toml] [--nproc N] [--max-restarts N] [key=value ...]\n"
      "      train a GPT; with no arguments, the built-in default model on the built-in corpus.\n"
      "      Keys override the file: lockstep train -c configs/debug.toml train.steps=20\n"
-     "      --nproc N: N ranks as threads; under mpirun (mpirun -n N lockstep train ...) each process is a rank"},
+     "      --nproc N: N ranks as threads; under mpirun (mpirun -n N lockstep train ...) each process is a rank\n"
+     "      --max-restarts N: when a rank fails, restart the job from its newest checkpoint, up to N times"},
     {"preprocess", lockstep::cli::preprocess_command,
      "lockstep preprocess --input FILE [--input FILE ...] --output PREFIX [--tokenizer SPEC] [--json-key KEY]\n"
      "                    [--append-eod] [--workers N]\n"
@@ -57,6 +58,10 @@ const Command kCommands[] = {
      "      one HTML page (no network) of the runs' loss, eval loss, grad norm, learning rate, tokens/s, MFU and\n"
      "      MoE expert load over the steps; for two runs, their first divergent step (as lockstep diff) marked.\n"
      "      FILE defaults to the first RUN's report.html"},
+    {"launch", lockstep::cli::launch_command,
+     "lockstep launch --max-restarts N -- mpirun ... lockstep train ...\n"
+     "      run the command; when a rank fails (mpirun then ends the job), run it again from the newest\n"
+     "      checkpoint (train.resume=auto appended), up to N times"},
     {"help", help_command,
      "lockstep help [config]\n"
      "      this text; `lockstep help config` lists every config key with its default"},
