@@ -86,9 +86,13 @@ std::vector<std::pair<int64_t, std::map<std::string, float>>> metrics_lines(cons
     for (const auto& [key, v] : line.items()) {
       if (key == "step") continue;
       if (v.is_number()) values[tensorboard_tag(key)] = static_cast<float>(v.get<double>());
-      if (key == "alloc_peak_mb_ranks")
+      // Per-rank arrays (alloc_peak_mb_ranks, step_ms_ranks, ...): one tag per rank.
+      const std::string suffix = "_ranks";
+      if (v.is_array() && key.size() > suffix.size() &&
+          key.compare(key.size() - suffix.size(), suffix.size(), suffix) == 0)
         for (size_t r = 0; r < v.size(); ++r)
-          values["alloc_peak_mb/rank" + std::to_string(r)] = static_cast<float>(v[r].get<double>());
+          values[key.substr(0, key.size() - suffix.size()) + "/rank" + std::to_string(r)] =
+              static_cast<float>(v[r].get<double>());
     }
     lines.emplace_back(line["step"].get<int64_t>(), values);
   }

@@ -33,8 +33,8 @@
 #include "lockstep/train/optimizer.h"
 #include "lockstep/train/parallelize.h"
 #include "lockstep/train/run_dir.h"
-#include "lockstep/train/tensorboard.h"
 #include "lockstep/train/stragglers.h"
+#include "lockstep/train/tensorboard.h"
 
 namespace lockstep {
 
