@@ -270,5 +270,29 @@ TEST(NonFiniteGuard, BadInjectionsAreNamed) {
             std::string::npos);
 }
 
+// model.rope_scaling = "llama3" reaches the model's RoPE table: with an original context shorter
+// than the sequence the losses change from the first step; bad values are named.
+TEST(Training, Llama3RopeScalingChangesTheRunAndBadValuesAreNamed) {
+  TempDir dir;
+  const std::vector<std::string> llama = {"model.preset=llama", "train.steps=2", "train.eval_interval=0"};
+  std::vector<std::string> scaled = llama;
+  scaled.insert(scaled.end(), {"model.rope_scaling=llama3", "model.rope_original_max_position_embeddings=16",
+                               "model.rope_scaling_factor=4"});
+  quiet_train(debug_job(dir.path("a"), llama));
+  quiet_train(debug_job(dir.path("b"), scaled));
+  const std::vector<FingerprintLine> a = read_fingerprint_lines(fingerprint_path(dir.path("a"), 0));
+  const std::vector<FingerprintLine> b = read_fingerprint_lines(fingerprint_path(dir.path("b"), 0));
+  ASSERT_EQ(a.size(), 2u);
+  ASSERT_EQ(b.size(), 2u);
+  EXPECT_NE(*a[0].find("loss"), *b[0].find("loss"));
+  EXPECT_EQ(user_error_of([&] { debug_job(dir.path("c"), {"model.rope_scaling=llama3"}); }),
+            "config: model.rope_scaling = \"llama3\" needs model.position_embedding = \"rope\"");
+  EXPECT_EQ(
+      user_error_of([&] {
+        debug_job(dir.path("c"), {"model.preset=llama", "model.rope_scaling=llama3", "model.rope_low_freq_factor=4"});
+      }),
+      "config: model.rope_low_freq_factor = 4 and model.rope_high_freq_factor = 4: need 0 < low < high");
+}
+
 }  // namespace
 }  // namespace lockstep

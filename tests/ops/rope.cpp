@@ -94,6 +94,48 @@ Buf<float> rotate(Run& r, const RopeCase& k, const In& in, const std::vector<flo
 
 }  // namespace
 
+// Llama 3's scaling (Llama 3.1 8B's values: theta 500000, factor 8, low 1, high 4, 8192 positions),
+// against the formula written out in long double: with HS = 128 the 64 frequencies fall in all three
+// bands (kept, blended, divided by the factor), which the test checks it saw.
+TEST(Rope, Llama3ScalingMatchesTheFormulaInEveryBand) {
+  const int64_t T = 300, HS = 128, half = HS / 2;
+  const double theta = 500000.0;
+  const RopeScaling sc{8.0, 1.0, 4.0, 8192.0};
+  std::vector<float> c(T * half), s(T * half);
+  rope_table(c.data(), s.data(), T, HS, theta, sc);
+  std::vector<double> want_c(T * half), want_s(T * half);
+  int bands[3] = {0, 0, 0};
+  for (int64_t i = 0; i < half; ++i) {
+    const long double inv = std::pow(static_cast<long double>(theta), -2.0L * i / HS);
+    const long double wavelen = 2.0L * 3.14159265358979323846264338327950288L / inv;
+    long double scaled;
+    if (wavelen < 8192.0L / 4.0L) {
+      scaled = inv, ++bands[0];
+    } else if (wavelen > 8192.0L / 1.0L) {
+      scaled = inv / 8.0L, ++bands[2];
+    } else {
+      const long double smooth = (8192.0L / wavelen - 1.0L) / (4.0L - 1.0L);
+      scaled = (1.0L - smooth) * inv / 8.0L + smooth * inv, ++bands[1];
+    }
+    EXPECT_NEAR(static_cast<double>(rope_inv_freq(i, HS, theta, sc) / scaled), 1.0, 1e-14) << i;
+    for (int64_t t = 0; t < T; ++t) {
+      want_c[t * half + i] = static_cast<double>(std::cos(t * scaled));
+      want_s[t * half + i] = static_cast<double>(std::sin(t * scaled));
+    }
+  }
+  EXPECT_GT(bands[0], 0);
+  EXPECT_GT(bands[1], 0);
+  EXPECT_GT(bands[2], 0);
+  EXPECT_TRUE(all_close(c, want_c, 6e-8, 1e-12, "cos"));
+  EXPECT_TRUE(all_close(s, want_s, 6e-8, 1e-12, "sin"));
+  // Factor 1 is no scaling, bit for bit.
+  std::vector<float> c1(T * half), s1(T * half), c0(T * half), s0(T * half);
+  rope_table(c1.data(), s1.data(), T, HS, theta, RopeScaling{1.0, 1.0, 4.0, 8192.0});
+  rope_table(c0.data(), s0.data(), T, HS, theta);
+  EXPECT_TRUE(testing::bitwise_equal(c1, c0, "cos"));
+  EXPECT_TRUE(testing::bitwise_equal(s1, s0, "sin"));
+}
+
 TEST(Rope, TableMatchesDoubleAngles) {
   for (auto [T, HS] : {std::pair<int64_t, int64_t>{7, 10}, {2048, 64}}) {
     const int64_t half = HS / 2;

@@ -28,6 +28,12 @@ struct ModelConfig {
   bool tie_embeddings = true;                  // output head shares the word embedding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  // RoPE frequency scaling (kernels/rope.h RopeScaling): none | llama3 (Llama 3.1+ checkpoints).
+  std::string rope_scaling = "none";
+  double rope_scaling_factor = 8.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  int64_t rope_original_max_position_embeddings = 8192;
   double init_std = 0.02;
   int64_t mtp_num_layers = 0;            // multi-token prediction depths (model/mtp.h); 0 = off
   double mtp_loss_scaling_factor = 0.1;  // MTP loss = factor / depths * sum of the depths' losses

@@ -14,8 +14,22 @@
 
 namespace lockstep {
 
+// Llama 3's frequency scaling for long context (Hugging Face's rope_type "llama3"): with
+// wavelength w_i = 2 pi / inv_freq_i and L = original_max_position, frequencies whose wavelength
+// exceeds L / low_freq_factor are divided by factor, those below L / high_freq_factor are kept,
+// and the band between blends the two: s = (L / w_i - low) / (high - low),
+// inv_freq = (1 - s) inv_freq / factor + s inv_freq. factor = 1: off.
+struct RopeScaling {
+  double factor = 1.0;
+  double low_freq_factor = 1.0, high_freq_factor = 4.0;
+  double original_max_position = 8192.0;
+};
+
+// The frequency of pair i: theta^(-2i/HS), scaled (in double).
+double rope_inv_freq(int64_t i, int64_t HS, double theta, const RopeScaling& scaling = {});
+
 // cos, sin: (T, HS/2), angles computed in double and rounded once.
-void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta);
+void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta, const RopeScaling& scaling = {});
 
 // The ops, as a backend binds them (kernels/ops.h).
 struct RopeOps {
