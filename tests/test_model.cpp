@@ -29,8 +29,9 @@ Batch make_batch(int64_t n, int64_t V, uint64_t seed) {
 
 // For each parameter tensor p and a random unit direction d inside it, compares the analytic
 // directional derivative <grad p, d> with the central difference (L(p + h d) - L(p - h d)) / 2h.
-void check_gradients(const std::string& preset) {
-  const ModelConfig m = tiny(preset);
+void check_gradients(const std::string& preset, bool add_qkv_bias = false) {
+  ModelConfig m = tiny(preset);
+  m.add_qkv_bias = add_qkv_bias;
   const int64_t B = 2;
   GPT model(m, B);
   ParamStore& ps = model.params();
@@ -50,6 +51,7 @@ void check_gradients(const std::string& preset) {
 
 TEST(ModelGradients, Gpt2FlavourMatchesFiniteDifferences) { check_gradients("gpt2"); }
 TEST(ModelGradients, LlamaFlavourMatchesFiniteDifferences) { check_gradients("llama"); }
+TEST(ModelGradients, LlamaWithQkvBiasMatchesFiniteDifferences) { check_gradients("llama", true); }
 
 TEST(ModelGradients, SameWithTwoThreads) {
   const ModelConfig m = tiny("llama");
@@ -83,6 +85,15 @@ TEST(ParamTable, FlavoursDeclareTheDocumentedParameters) {
   EXPECT_EQ(qkv.shape, (Shape{(4 + 2 * 2) * 4, 16}));  // (NH + 2 NKV) * HS rows
   const ParamSpec& fc = ps.specs()[ps.find("layers.0.mlp.fc.weight")];
   EXPECT_EQ(fc.shape, (Shape{2 * 64, 16}));  // [gate | up], F = 8/3 * 16 rounded up to 64
+  // model.add_qkv_bias (Qwen2): the QKV projection's bias only.
+  ModelConfig qwen2 = tiny("llama");
+  qwen2.add_qkv_bias = true;
+  GPT with_bias(qwen2, 1);
+  const ParamStore& qs = with_bias.params();
+  ASSERT_GE(qs.find("layers.0.attn.qkv.bias"), 0);
+  EXPECT_EQ(qs.specs()[qs.find("layers.0.attn.qkv.bias")].shape, (Shape{(4 + 2 * 2) * 4}));
+  EXPECT_LT(qs.find("layers.0.attn.proj.bias"), 0);
+  EXPECT_LT(qs.find("layers.0.mlp.fc.bias"), 0);
 }
 
 TEST(ParamTable, InitIsAPureFunctionOfSeedAndName) {

@@ -79,6 +79,7 @@ const Row kRows[] = {
     {"gpt2_tp4_sp", "debug.toml", 4, {"parallel.tensor=4", SP}},
     {"gpt2_tp2_dp2", "debug.toml", 4, {"parallel.tensor=2"}},
     {"gpt2_tp2_sp_dp2", "debug.toml", 4, {"parallel.tensor=2", SP}},
+    {"llama_qkv_bias_tp2_sp", "debug.toml", 2, {LLAMA, "model.add_qkv_bias=true", "parallel.tensor=2", SP}},
     {"llama_gqa_tp2_sp", "debug.toml", 2, {LLAMA, "parallel.tensor=2", SP}},
     {"llama_gqa_tp4", "debug.toml", 4, {LLAMA, "parallel.tensor=4"}},
     {"llama_gqa_tp2_dp2", "debug.toml", 4, {LLAMA, "parallel.tensor=2"}},

@@ -273,6 +273,9 @@ const std::vector<Key>& keys() {
       LS_KEY(model.position_embedding, "position encoding", {"learned", "rope"}),
       LS_KEY(model.activation, "MLP activation", {"gelu", "swiglu"}),
       LS_KEY(model.bias, "biases in linear layers"),
+      LS_KEY(model.add_qkv_bias,
+             "biases in the attention's QKV projection even when model.bias = false (Qwen2, Megatron's "
+             "--add-qkv-bias)"),
       LS_KEY(model.tie_embeddings, "output head shares the word embedding"),
       LS_KEY(model.norm_eps, "epsilon of the norm layers"),
       LS_KEY(model.rope_theta, "RoPE base"),

@@ -25,6 +25,7 @@ struct ModelConfig {
   std::string position_embedding = "learned";  // learned | rope
   std::string activation = "gelu";             // gelu | swiglu
   bool bias = true;                            // biases in linear layers
+  bool add_qkv_bias = false;                   // biases in the QKV projection even without `bias` (Qwen2)
   bool tie_embeddings = true;                  // output head shares the word embedding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;

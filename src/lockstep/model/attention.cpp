@@ -30,7 +30,7 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
               static_cast<float>(m.norm_eps));
   if (tp.sequence) norm.set_sequence_parallel(ps);
   const int64_t q = m.num_heads * HS, kv = m.query_groups() * HS;
-  qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias, std);
+  qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias || m.add_qkv_bias, std);
   proj = Linear::row(ps, tp, prefix + "attn.proj", q, C, m.bias, out_std);
   core_name = prefix + "attn.core";
   normed = arena.reserve(tp.rows(N) * C);
