@@ -5,7 +5,6 @@
 
 #include <toml++/toml.h>
 #include <algorithm>
-#include <cstdio>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -32,9 +31,7 @@ std::string file_checksum(const std::string& path) {
     if (n > 0) h.update(buf.data(), static_cast<size_t>(n));
     bytes += n;
   }
-  char hex[17];
-  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(h.digest()));
-  return str(bytes, " bytes, xxh3 ", hex);
+  return str(bytes, " bytes, xxh3 ", hex64(h.digest()));
 }
 
 std::string trimmed(std::string s) {
