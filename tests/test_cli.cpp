@@ -74,7 +74,8 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
       {"ckpt inspect .",
        "lockstep: error: '.' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint\n"},
       {"ckpt export .",
-       "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"},
+       "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT "
+       "--format hf\n"},
   };
   for (const auto& [args, expected] : cases) {
     const Result r = run(dir, args);

@@ -76,7 +76,7 @@ TEST(Config, ResolvedTomlRoundTrips) {
 
 TEST(Config, ShippedPresetsLoad) {
   for (const char* name : {"debug", "gpt2-peer", "llama-tiny", "moe-debug", "moe-peer", "mixtral-tiny", "deepseek-tiny",
-                           "mixtral-8x7b", "deepseek-v3"}) {
+                           "mixtral-8x7b", "deepseek-v3", "qwen3-moe-tiny", "qwen3-30b-a3b"}) {
     SCOPED_TRACE(name);
     EXPECT_NO_THROW(load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/" + name + ".toml", {}));
   }
@@ -114,7 +114,15 @@ TEST(Config, WrongTypesNameKeyAndValue) {
 TEST(Config, ImpossibleValuesNameTheKeys) {
   const std::vector<std::pair<std::vector<std::string>, std::string>> cases = {
       {{"model.hidden_size=100", "model.num_heads=3"},
-       "config: model.hidden_size = 100 is not divisible by model.num_heads = 3"},
+       "config: model.hidden_size = 100 is not divisible by model.num_heads = 3 (or set model.kv_channels, the head "
+       "size)"},
+      {{"model.preset=llama", "model.kv_channels=7"},
+       "config: model.position_embedding = \"rope\" needs an even head size, got 7"},
+      {{"model.kv_channels=-1"}, "config: model.kv_channels = -1: must be >= 0 (0 = hidden_size / num_heads)"},
+      {{"determinism=layout", "model.qk_layernorm=true", "parallel.tensor=2"},
+       "config: determinism = \"layout\" with model.qk_layernorm and parallel.tensor = 2: each tensor-parallel rank "
+       "normalises its own heads, and the norms' weight gradients are not yet summed in layout mode's canonical "
+       "order across heads (run mode is supported)"},
       {{"train.global_batch=10", "train.micro_batch=4"},
        "config: train.global_batch = 10 is not divisible by train.micro_batch = 4"},
       {{"model.num_layers=0"}, "config: model.num_layers = 0: must be positive"},

@@ -52,6 +52,10 @@ const Row kRows[] = {
      {"moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", "moe.router_bias_update_rate=0.01",
       "moe.router_load_balancing_type=none"}},
     {"moe_capacity_drop_probs", "moe-debug.toml", {"moe.expert_capacity_factor=0.75"}},
+    {"moe_qwen3_qk_norm_head24",
+     "moe-debug.toml",
+     {"model.preset=llama", "model.qk_layernorm=true", "model.kv_channels=24", "model.num_query_groups=2"}},
+
     {"moe_capacity_drop_position_padded",
      "moe-debug.toml",
      {"moe.expert_capacity_factor=0.75", "moe.token_drop_policy=position", "moe.pad_expert_input_to_capacity=true"}},

@@ -303,6 +303,20 @@ TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}}, sixteen);
 }
 
+// QK layernorm with its own head size (Qwen3): the norms' weight gradients sum over (token, head)
+// rows, token-major, so data, context and pipeline parallelism keep one process's bits.
+TEST(LayoutDeterminism, QkLayernormMatchesSingleProcess) {
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"train.threads=1"}},
+                                {2, {"parallel.context=2"}},
+                                {2, {"parallel.pipeline=2"}},
+                                {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                            },
+                            {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2",
+                             "model.qk_layernorm=true", "model.kv_channels=24"});
+}
+
 // Context parallelism (layout_token_segments): each cp rank's chunks are whole token segments, its 2B
 // token pieces of every weight gradient and its two chunks' dK, dV trees are combined exactly over
 // the group (combine_token_pieces, reduce_scatter_dkv_pieces): CP 2, CP 2 x DP 2 (distributed

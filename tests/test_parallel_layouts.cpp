@@ -81,6 +81,11 @@ const Row kRows[] = {
     {"gpt2_tp2_sp_dp2", "debug.toml", 4, {"parallel.tensor=2", SP}},
     {"llama_qkv_bias_tp2_sp", "debug.toml", 2, {LLAMA, "model.add_qkv_bias=true", "parallel.tensor=2", SP}},
     {"llama_gqa_tp2_sp", "debug.toml", 2, {LLAMA, "parallel.tensor=2", SP}},
+    {"llama_qk_norm_head24_tp2_sp",
+     "debug.toml",
+     2,
+     {LLAMA, "model.qk_layernorm=true", "model.kv_channels=24", "parallel.tensor=2", SP}},
+
     {"llama_gqa_tp4", "debug.toml", 4, {LLAMA, "parallel.tensor=4"}},
     {"llama_gqa_tp2_dp2", "debug.toml", 4, {LLAMA, "parallel.tensor=2"}},
     {"llama_gqa_tp4_sp_dp2", "debug.toml", 8, {LLAMA, "parallel.tensor=4", SP}},

@@ -1,4 +1,4 @@
-// lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors
+// lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf
 //
 // DIR is a checkpoint (RUN/checkpoints/step-NNNNNNNN), a directory of them or a run directory (its newest
 // one). verify exits 1 on a bad checkpoint, with one line saying what and where.
@@ -6,8 +6,10 @@
 #include <map>
 
 #include "lockstep/cli/commands.h"
+#include "lockstep/config/hf_config.h"
 #include "lockstep/core/error.h"
 #include "lockstep/train/checkpoint.h"
+#include "lockstep/train/hf_checkpoint.h"
 #include "lockstep/train/safetensors.h"
 
 namespace lockstep::cli {
@@ -60,6 +62,23 @@ void export_weights(const std::string& dir, const std::string& out) {
               (long long)meta.info.step);
 }
 
+// A Hugging Face model directory (train/hf_checkpoint.h) from the checkpoint's parameters and the
+// model keys of the config it was written with.
+void export_hf(const std::string& dir, const std::string& out) {
+  const CheckpointMetadata meta = read_checkpoint_metadata(dir);
+  const Config config = load_config_text(meta.info.config_toml, "checkpoint '" + dir + "' config");
+  std::map<std::string, std::vector<char>> params;
+  for (const CheckpointTensor& t : meta.tensors)
+    if (t.name.rfind("param/", 0) == 0) params[t.name.substr(6)] = read_checkpoint_tensor(meta, t);
+  const int64_t n = write_hf_checkpoint(out, config.model, config.moe, [&](const std::string& name) {
+    const auto it = params.find(name);
+    if (it == params.end()) user_error("checkpoint '", dir, "' has no parameter '", name, "'");
+    return reinterpret_cast<const float*>(it->second.data());
+  });
+  std::printf("wrote %s: config.json (%s) and model.safetensors, %lld tensors from %s (step %lld)\n", out.c_str(),
+              hf_family(config.model, config.moe).c_str(), (long long)n, dir.c_str(), (long long)meta.info.step);
+}
+
 }  // namespace
 
 int ckpt_command(const std::vector<std::string>& args) {
@@ -84,7 +103,16 @@ int ckpt_command(const std::vector<std::string>& args) {
     export_weights(find_checkpoint(args[1]), args[2]);
     return 0;
   }
-  user_error("usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors");
+  if (sub == "export" && args.size() == 5 && args[3] == "--format") {
+    if (args[4] == "hf")
+      export_hf(find_checkpoint(args[1]), args[2]);
+    else if (args[4] == "safetensors")
+      export_weights(find_checkpoint(args[1]), args[2]);
+    else
+      user_error("ckpt export --format ", args[4], ": expected safetensors or hf");
+    return 0;
+  }
+  user_error("usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf");
 }
 
 }  // namespace lockstep::cli

@@ -11,10 +11,12 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <sstream>
 #include <variant>
 
+#include "lockstep/config/hf_config.h"
 #include "lockstep/core/error.h"
 
 namespace lockstep {
@@ -266,6 +268,9 @@ const std::vector<Key>& keys() {
       LS_KEY(model.hidden_size, "model width C"),
       LS_KEY(model.num_heads, "attention (query) heads"),
       LS_KEY(model.num_query_groups, "key/value heads for grouped-query attention; 0 = num_heads"),
+      LS_KEY(model.kv_channels,
+             "head size of queries, keys and values; 0 = hidden_size / num_heads (Megatron's --kv-channels, "
+             "Hugging Face's head_dim)"),
       LS_KEY(model.ffn_hidden_size, "MLP width; 0 = 4*hidden (gelu), 8/3*hidden rounded to 64 (swiglu)"),
       LS_KEY(model.seq_length, "tokens per sequence T"),
       LS_KEY(model.vocab_size, "vocabulary size V"),
@@ -276,6 +281,9 @@ const std::vector<Key>& keys() {
       LS_KEY(model.add_qkv_bias,
              "biases in the attention's QKV projection even when model.bias = false (Qwen2, Megatron's "
              "--add-qkv-bias)"),
+      LS_KEY(model.qk_layernorm,
+             "RMSNorm of each query and key head before RoPE, one weight of head size each (Qwen3, Megatron's "
+             "--qk-layernorm)"),
       LS_KEY(model.tie_embeddings, "output head shares the word embedding"),
       LS_KEY(model.norm_eps, "epsilon of the norm layers"),
       LS_KEY(model.rope_theta, "RoPE base"),
@@ -320,7 +328,9 @@ const std::vector<Key>& keys() {
       LS_KEY(train.resume,
              "\"auto\" = resume from the newest complete checkpoint in out_dir/checkpoints (else start "
              "fresh), or a checkpoint directory; \"\" = start fresh"),
-      LS_KEY(train.init_from, "initial weights from a .safetensors file (lockstep ckpt export); \"\" = random init"),
+      LS_KEY(train.init_from,
+             "initial weights: a .safetensors file (lockstep ckpt export), or \"hf:DIR\", a Hugging Face model "
+             "directory whose config.json sets the model keys (docs/hf.md); \"\" = random init"),
       LS_KEY(train.exit_interval, "stop once the step is a multiple of N (after saving, when saving); 0 = never"),
       LS_KEY(train.on_nonfinite,
              "a non-finite loss, grad norm or updated parameter: \"stop\" the job (exit status 4, no checkpoint "
@@ -840,6 +850,10 @@ void validate_layout_determinism(const Config& c) {
              "the micro-batch's token segments must fall on sample boundaries: train.micro_batch must divide "
              "layout_segments, with at most model.seq_length segments per sample");
   }
+  if (c.model.qk_layernorm && c.parallel.tensor > 1)
+    refuse(str("model.qk_layernorm and parallel.tensor = ", c.parallel.tensor),
+           "each tensor-parallel rank normalises its own heads, and the norms' weight gradients are not yet "
+           "summed in layout mode's canonical order across heads (run mode is supported)");
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).
@@ -898,13 +912,15 @@ void validate(const Config& c) {
   positive("train.micro_batch", t.micro_batch);
   if (m.num_query_groups < 0) user_error("model.num_query_groups = ", m.num_query_groups, ": must be >= 0");
   if (m.ffn_hidden_size < 0) user_error("model.ffn_hidden_size = ", m.ffn_hidden_size, ": must be >= 0");
-  if (m.hidden_size % m.num_heads)
-    user_error("model.hidden_size = ", m.hidden_size, " is not divisible by model.num_heads = ", m.num_heads);
+  if (m.kv_channels < 0)
+    user_error("model.kv_channels = ", m.kv_channels, ": must be >= 0 (0 = hidden_size / num_heads)");
+  if (m.kv_channels == 0 && m.hidden_size % m.num_heads)
+    user_error("model.hidden_size = ", m.hidden_size, " is not divisible by model.num_heads = ", m.num_heads,
+               " (or set model.kv_channels, the head size)");
   if (m.num_heads % m.query_groups())
     user_error("model.num_heads = ", m.num_heads, " is not divisible by model.num_query_groups = ", m.num_query_groups);
   if (m.position_embedding == "rope" && m.head_dim() % 2)
-    user_error("model.position_embedding = \"rope\" needs an even head size, got hidden_size / num_heads = ",
-               m.head_dim());
+    user_error("model.position_embedding = \"rope\" needs an even head size, got ", m.head_dim());
   if (!(m.norm_eps > 0)) user_error("model.norm_eps = ", m.norm_eps, ": must be positive");
   if (!(m.rope_theta > 0)) user_error("model.rope_theta = ", m.rope_theta, ": must be positive");
   if (m.rope_scaling == "llama3") {
@@ -1039,7 +1055,11 @@ std::string toml_value(Config& c, const Key& key) {
 
 }  // namespace
 
-Config load_config(const std::string& file, const std::vector<std::string>& overrides) {
+namespace {
+
+// file: the config's name in messages; text: its TOML, or nullopt to read the file.
+Config load(const std::string& file, const std::optional<std::string>& text,
+            const std::vector<std::string>& overrides) {
   // Gather (key, value, where) in order of precedence: file first, then the command line.
   struct Setting {
     const Key* key;
@@ -1049,13 +1069,15 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
   std::vector<Setting> settings;
 
   if (!file.empty()) {
-    if (std::FILE* f = std::fopen(file.c_str(), "rb"))
-      std::fclose(f);
-    else
-      user_error("cannot open config file '", file, "': ", std::strerror(errno));
+    if (!text) {
+      if (std::FILE* f = std::fopen(file.c_str(), "rb"))
+        std::fclose(f);
+      else
+        user_error("cannot open config file '", file, "': ", std::strerror(errno));
+    }
     toml::table doc;
     try {
-      doc = toml::parse_file(file);
+      doc = text ? toml::parse(*text, file) : toml::parse_file(file);
     } catch (const toml::parse_error& e) {
       const auto& src = e.source();
       user_error(file, ":", src.begin.line, ":", src.begin.column, ": ", e.description());
@@ -1085,12 +1107,37 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
     settings.push_back({key, parse_text(*key, arg.substr(eq + 1), "command line: "), "command line: "});
   }
 
+  // train.init_from = "hf:DIR": DIR/config.json sets the model (config/hf_config.h).
+  std::string init_from;
+  for (const Setting& s : settings)
+    if (s.key->name == "train.init_from" && std::holds_alternative<std::string>(s.value))
+      init_from = std::get<std::string>(s.value);
+  std::vector<Setting> hf;
+  if (const std::string dir = hf_model_dir(init_from); !dir.empty())
+    for (const HfSetting& h : read_hf_config(dir).settings) {
+      const std::string where = str("'", dir, "/config.json' (", h.source, "): ");
+      hf.push_back({find_key(h.key), parse_text(*find_key(h.key), h.value, where), where});
+    }
+
   Config c;
   // The preset goes first so that every explicit key can override what it sets.
-  for (const Setting& s : settings)
-    if (s.key->name == "model.preset") assign(c, *s.key, s.value, s.where);
+  for (const std::vector<Setting>* layer : {&hf, &settings})
+    for (const Setting& s : *layer)
+      if (s.key->name == "model.preset") assign(c, *s.key, s.value, s.where);
   for (const auto& [name, value] : presets().at(c.model.preset)) assign(c, *find_key(name), value, "preset: ");
+  for (const Setting& s : hf) assign(c, *s.key, s.value, s.where);
   for (const Setting& s : settings) assign(c, *s.key, s.value, s.where);
+  // A job may repeat what config.json says, not change it.
+  for (const Setting& h : hf) {
+    Config theirs = c;
+    assign(theirs, *h.key, h.value, h.where);
+    if (toml_value(theirs, *h.key) == toml_value(c, *h.key)) continue;
+    std::string where;
+    for (const Setting& s : settings)
+      if (s.key == h.key) where = s.where;
+    user_error(where, h.key->name, " = ", toml_value(c, *h.key), ", but ", h.where.substr(0, h.where.size() - 2),
+               " sets it to ", toml_value(theirs, *h.key), " (leave the key out: the checkpoint's config decides it)");
+  }
   try {
     validate(c);
   } catch (const UserError& e) {
@@ -1098,6 +1145,14 @@ Config load_config(const std::string& file, const std::vector<std::string>& over
   }
   return c;
 }
+
+}  // namespace
+
+Config load_config(const std::string& file, const std::vector<std::string>& overrides) {
+  return load(file, std::nullopt, overrides);
+}
+
+Config load_config_text(const std::string& text, const std::string& name) { return load(name, text, {}); }
 
 std::string config_to_toml(const Config& config) {
   Config c = config;

@@ -18,6 +18,7 @@ struct ModelConfig {
   int64_t hidden_size = 128;
   int64_t num_heads = 4;
   int64_t num_query_groups = 0;  // key/value heads (GQA); 0 = num_heads
+  int64_t kv_channels = 0;       // head size; 0 = hidden_size / num_heads (Qwen3: 128 with hidden 2048, 32 heads)
   int64_t ffn_hidden_size = 0;   // 0 = 4*hidden (gelu) or 8/3*hidden rounded up to 64 (swiglu)
   int64_t seq_length = 128;
   int64_t vocab_size = 256;
@@ -26,6 +27,7 @@ struct ModelConfig {
   std::string activation = "gelu";             // gelu | swiglu
   bool bias = true;                            // biases in linear layers
   bool add_qkv_bias = false;                   // biases in the QKV projection even without `bias` (Qwen2)
+  bool qk_layernorm = false;                   // RMSNorm of each query and key head before RoPE (Qwen3)
   bool tie_embeddings = true;                  // output head shares the word embedding
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
@@ -40,7 +42,7 @@ struct ModelConfig {
   double mtp_loss_scaling_factor = 0.1;  // MTP loss = factor / depths * sum of the depths' losses
 
   int64_t query_groups() const { return num_query_groups ? num_query_groups : num_heads; }
-  int64_t head_dim() const { return hidden_size / num_heads; }
+  int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_heads; }
   int64_t ffn_hidden() const;
 };
 
@@ -68,7 +70,7 @@ struct TrainConfig {
   int64_t keep_last = 0;      // keep the newest N complete checkpoints; 0 = all
   bool async_save = false;    // write in a background thread while training goes on
   std::string resume;         // "" = start fresh; "auto" = newest in out_dir/checkpoints if any; or a path
-  std::string init_from;      // PATH.safetensors: initial weights (lockstep ckpt export's format)
+  std::string init_from;      // PATH.safetensors (lockstep ckpt export's format) or hf:DIR (config/hf_config.h)
   int64_t exit_interval = 0;  // stop (after saving when save_interval > 0) once step % N == 0; 0 = never
   // A non-finite loss, grad norm or updated parameter (docs/faults.md): "stop" the job (exit status
   // 4, no checkpoint of that state) or "skip_step" (loss or grad norm: the update is not applied).
@@ -221,6 +223,8 @@ struct Config {
 // `overrides`), the TOML file (if non-empty), then the overrides ("model.num_layers=4"), then
 // validation. Throws UserError.
 Config load_config(const std::string& file, const std::vector<std::string>& overrides);
+// The same from TOML text (a checkpoint's resolved config); name stands for the file in messages.
+Config load_config_text(const std::string& text, const std::string& name);
 
 // The fully resolved configuration as TOML; load_config(path of this text, {}) gives it back.
 std::string config_to_toml(const Config& c);

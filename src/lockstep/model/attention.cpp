@@ -31,6 +31,16 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   if (tp.sequence) norm.set_sequence_parallel(ps);
   const int64_t q = m.num_heads * HS, kv = m.query_groups() * HS;
   qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias || m.add_qkv_bias, std);
+  if (m.qk_layernorm) {
+    qk_norm = true;
+    const float eps = static_cast<float>(m.norm_eps);
+    q_norm = Norm(ps, arena, prefix + "attn.q_norm", true, HS, N * NH, eps);
+    k_norm = Norm(ps, arena, prefix + "attn.k_norm", true, HS, N * NKV, eps);
+    // Every tensor-parallel rank normalises its own heads: the weights' gradients are partial sums.
+    if (tp.on()) q_norm.set_sequence_parallel(ps), k_norm.set_sequence_parallel(ps);
+    qk_in = arena.reserve(N * (NH + NKV) * HS);
+    qk_tmp = scratch_of && scratch_of->qk_norm ? scratch_of->qk_tmp : arena.reserve_scratch(2 * N * (NH + NKV) * HS);
+  }
   proj = Linear::row(ps, tp, prefix + "attn.proj", q, C, m.bias, out_std);
   core_name = prefix + "attn.core";
   normed = arena.reserve(tp.rows(N) * C);
@@ -63,6 +73,14 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   const float* x = enter_column_parallel(tp, tp.sequence ? arena(gathered) : nullptr, arena(normed), N, C);
   qkv.forward(ps, arena(qkv_out), x, N);
   const Precision& p = ps.precision();
+  if (qk_norm) {
+    const Ops& ops = ps.device().ops;
+    float *in = arena(qk_in), *out = arena(qk_tmp);
+    gather_qk(ops, in, arena(qkv_out));
+    q_norm.forward(ps, arena, out, in, N * NH);
+    k_norm.forward(ps, arena, out + N * NH * HS, in + N * NH * HS, N * NKV);
+    scatter_qk(ops, arena(qkv_out), out);
+  }
   if (rope) {
     ps.device().ops.rope_forward(arena(qkv_out), rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
     p.round(arena(qkv_out), N * qkv_width());
@@ -103,8 +121,31 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   if (rope) ps.device().ops.rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());
   trace_grad_in(core_name, s.dqkv, N * qkv_width());
+  if (qk_norm) {
+    const Ops& ops = ps.device().ops;
+    const int64_t heads = N * (NH + NKV) * HS;
+    float *dout = arena(qk_tmp), *din = dout + heads;
+    const float* in = arena(qk_in);
+    gather_qk(ops, dout, s.dqkv);
+    ops.fill(din, heads, -0.0f);  // backward adds into it; -0 is the identity of that sum
+    k_norm.backward(ps, arena, din + N * NH * HS, dout + N * NH * HS, in + N * NH * HS, N * NKV);
+    q_norm.backward(ps, arena, din, dout, in, N * NH);
+    scatter_qk(ops, s.dqkv, din);
+  }
   const float* dnorm = qkv.backward(ps, tp, s.datt, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);
   norm.backward(ps, arena, dresid, dnorm, resid_in, tp.rows(N));
+}
+
+void AttentionLayer::gather_qk(const Ops& ops, float* heads, const float* rows) const {
+  const int64_t N = B * T;
+  ops.copy_rows(heads, NH * HS, rows, qkv_width(), N, NH * HS);
+  ops.copy_rows(heads + N * NH * HS, NKV * HS, rows + NH * HS, qkv_width(), N, NKV * HS);
+}
+
+void AttentionLayer::scatter_qk(const Ops& ops, float* rows, const float* heads) const {
+  const int64_t N = B * T;
+  ops.copy_rows(rows, qkv_width(), heads, NH * HS, N, NH * HS);
+  ops.copy_rows(rows + NH * HS, qkv_width(), heads + N * NH * HS, NKV * HS, N, NKV * HS);
 }
 
 }  // namespace lockstep

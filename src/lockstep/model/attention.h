@@ -1,6 +1,7 @@
-// The attention sublayer: norm -> fused QKV projection -> RoPE (llama) -> causal GQA attention ->
-// output projection, added to the residual stream. Tensor parallelism (parallel/tensor_parallel.h):
-// QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
+// The attention sublayer: norm -> fused QKV projection -> QK layernorm (model.qk_layernorm: RMSNorm
+// of each query and key head, one weight of head size for the queries and one for the keys, as
+// Qwen3) -> RoPE (llama) -> causal GQA attention -> output projection, added to the residual stream. Tensor parallelism
+// (parallel/tensor_parallel.h): QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
 // parallelism the norm and the residual stream hold this rank's rows only. Context parallelism
 // (parallel/context_parallel.h): the layer holds T = seq_length / cp positions per sample (its
 // rank's two chunks); keys and values are all-gathered over the cp group for the attention.
@@ -46,10 +47,14 @@ struct AttentionLayer {
 
   Norm norm;
   Linear qkv, proj;
+  bool qk_norm = false;
+  Norm q_norm, k_norm;    // over (N x NH) and (N x NKV) rows of HS, token-major
   std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (core/trace.h)
   // The names forward traces, in order (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {
-    out.insert(out.end(), {norm.name, qkv.name, core_name, proj.name});
+    out.insert(out.end(), {norm.name, qkv.name});
+    if (qk_norm) out.insert(out.end(), {q_norm.name, k_norm.name});
+    out.insert(out.end(), {core_name, proj.name});
   }
   int64_t B = 0, T = 0, C = 0, NH = 0, NKV = 0, HS = 0;  // NH, NKV: this rank's heads and KV groups
   int64_t Tg = 0;                                        // positions per sample of the whole sequence (T x cp)
@@ -63,6 +68,12 @@ struct AttentionLayer {
   QueryChunks chunks;                    // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
+  ArenaSlice qk_in;                      // QK layernorm: the queries' and keys' heads before it, saved
+  ArenaSlice qk_tmp;                     // QK layernorm: their normalised values or gradients (scratch)
+  // QK layernorm: copies the query and key heads of qkv_out's rows (stride qkv_width) to or from a
+  // buffer of (N x NH) query rows then (N x NKV) key rows.
+  void gather_qk(const Ops& ops, float* heads, const float* rows) const;
+  void scatter_qk(const Ops& ops, float* rows, const float* heads) const;
 };
 
 }  // namespace lockstep

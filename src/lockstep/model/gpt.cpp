@@ -34,6 +34,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       L_(m.num_layers),
       N_(B * T_),
       Tg_(m.seq_length),
+      heads_width_(m.num_heads * m.head_dim()),
       Vl_(V_ / tp.size),
       Nl_(tp.rows(N_)) {
   params_.set_device(device_);
@@ -63,7 +64,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   attn_.resize(static_cast<size_t>(L_));
   mlp_.resize(static_cast<size_t>(L_));
   moe_.resize(static_cast<size_t>(L_));
-  const AttentionLayer* cp_scratch = nullptr;  // the first layer's context-parallel scratch, shared
+  const AttentionLayer* cp_scratch = nullptr;  // the first layer's scratch (context parallelism, QK norm), shared
   for (const auto& [first, end] : part_.chunks)
     for (int64_t l = first; l < end; ++l) {
       const std::string prefix = "layers." + std::to_string(l) + ".";
@@ -182,11 +183,13 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   int64_t F = 0, fcw = 0, qkvw = 0;
   for (const MlpLayer& mlp : mlp_) F = std::max(F, mlp.F), fcw = std::max(fcw, mlp.F ? mlp.fc_width() : 0);
   for (const auto& d : mtp_) F = std::max(F, d->mlp.F), fcw = std::max(fcw, d->mlp.fc_width());
-  for (const AttentionLayer& a : attn_) qkvw = std::max(qkvw, a.qkv_width());
+  int64_t attw = C_;  // the attention output's width (this rank's heads), when wider than the model
+  for (const AttentionLayer& a : attn_) qkvw = std::max(qkvw, a.qkv_width()), attw = std::max(attw, a.NH * a.HS);
+  for (const auto& d : mtp_) qkvw = std::max(qkvw, d->attn.qkv_width()), attw = std::max(attw, d->attn.NH * d->attn.HS);
   dresid_ = arena_.reserve_scratch(Nl_ * C_);
   dfinal_ = arena_.reserve_scratch(N_ * C_);
   dnorm_ = arena_.reserve_scratch(N_ * C_);
-  datt_ = arena_.reserve_scratch(N_ * C_);
+  datt_ = arena_.reserve_scratch(N_ * attw);
   dqkv_ = arena_.reserve_scratch(N_ * qkvw);
   dact_ =
       arena_.reserve_scratch(N_ * (tp_.sequence ? std::max(F, C_) : F));  // sequence parallelism: also d(norm)'s rows
@@ -683,7 +686,8 @@ double GPT::flops_per_token() const {
     matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
               tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
                                        d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out);
-  return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * Tg_ * C_);
+  // Scores and the weighted sum of values: 2 x (T x head size) per head, x3 with backward.
+  return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * Tg_ * heads_width_);
 }
 
 void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {

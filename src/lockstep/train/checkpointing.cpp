@@ -1,6 +1,8 @@
 // The trainer's checkpoints (the format and the saver are checkpoint.h): the state a rank holds,
 // resuming it, and saving it at the step boundaries train.save_interval asks for.
 #include "lockstep/comm/communicator.h"
+#include "lockstep/config/hf_config.h"
+#include "lockstep/train/hf_checkpoint.h"
 #include "lockstep/train/safetensors.h"
 #include "lockstep/train/trainer.h"
 
@@ -29,6 +31,8 @@ void Trainer::restore() {
   }
   if (!resume_dir_.empty())
     resumed_ = load_checkpoint(resume_dir_, state_);
+  else if (const std::string hf = hf_model_dir(tc.init_from); !hf.empty())
+    load_hf_checkpoint(hf, model_.params(), config_.model, config_.moe);
   else if (!tc.init_from.empty())
     load_safetensors(tc.init_from, model_.params());
   start_step_ = resumed_.step + 1;

@@ -1,0 +1,57 @@
+// Hugging Face checkpoints: a model directory (config.json, then model.safetensors or shards listed
+// by model.safetensors.index.json) of the families llama, mixtral, qwen2_moe and qwen3_moe, read
+// into lockstep's parameters (train.init_from = "hf:DIR") and written from them (`lockstep ckpt
+// export CKPT OUT --format hf`). config/hf_config.h maps config.json; this maps the tensors.
+//
+// Each lockstep parameter is one or more checkpoint tensors placed at boxes of it: the fused
+// attention.qkv is q_proj, k_proj and v_proj stacked by rows; the SwiGLU fc is gate_proj over
+// up_proj; the experts' (E, 2F, C) fc is every expert's gate and up (per-expert tensors, as the
+// published checkpoints and save_pretrained write them, or stacked gate_up_proj (E, 2F, C), as
+// transformers 5 holds them in memory; both are read, per-expert is written). Both checkpoint
+// formats rotate half of each head as lockstep does (no permutation). Widening is exact: BF16,
+// F16 and F8_E4M3 become the fp32 they stand for; an F8_E4M3 weight with a 128x128 block scale
+// `<name>_scale_inv` (DeepSeek-V3's layout) is code x scale, rounded once to fp32.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "lockstep/config/config.h"
+#include "lockstep/core/tensor.h"
+
+namespace lockstep {
+
+class ParamStore;
+
+// A checkpoint tensor as a box of a lockstep parameter.
+struct HfPiece {
+  std::string name;         // e.g. "model.layers.0.self_attn.k_proj.weight"
+  Shape file_shape;         // its shape in the checkpoint
+  std::vector<int64_t> at;  // the box's offset in the parameter
+  Shape box;                // the box's shape (file_shape's elements)
+};
+
+struct HfParam {
+  std::string param;  // lockstep's name, e.g. "layers.0.attn.qkv.weight"
+  Shape shape;        // the whole parameter
+  std::vector<HfPiece> pieces;
+  std::vector<HfPiece> stacked;  // experts: the alternative stacked form; empty otherwise
+};
+
+// Every parameter of the whole model (all layers, whatever the parallel layout) in the family's
+// checkpoint (config/hf_config.h's hf_family names the family for a model).
+std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family);
+
+// Sets every parameter of ps (this rank's boxes) from the model directory dir, whose config.json
+// the job's model keys were taken from. UserError naming the file and tensor when one is missing,
+// has another shape or dtype, or is left over (a tensor the model does not have).
+void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe);
+
+// Writes the model directory dir (config.json, model.safetensors in fp32) from whole parameters
+// (tensor(name): the parameter's global row-major values). dir must not exist: the directory is
+// written under a temporary name and renamed when complete. Returns the number of tensors.
+int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const MoeConfig& moe,
+                            const std::function<const float*(const std::string& param)>& tensor);
+
+}  // namespace lockstep

@@ -1,0 +1,204 @@
+#!/usr/bin/env python3
+"""Writes the Hugging Face fixtures that tests/test_hf_checkpoint.cpp checks lockstep against.
+
+Each case is a tiny random model built by Hugging Face `transformers` itself (the implementation
+people load these checkpoints with), saved with save_pretrained into tests/hf/fixtures/<case>/
+(config.json, model.safetensors or shards with model.safetensors.index.json), plus
+reference.safetensors: one batch's tokens and targets, and the loss and the gradient of every
+checkpoint tensor (under its name in the checkpoint) that transformers computes in float64 for
+that batch. The tests read the files only; they need neither Python nor transformers.
+
+    bench/setup_peers.sh && bench/.venv/bin/pip install transformers==5.25.0
+    bench/.venv/bin/python tests/hf/make_fixtures.py
+
+reference.safetensors: tokens, targets (B, T) I32; loss (1) F64, the mean cross-entropy of the
+logits at every position against targets (no shift: targets are the next tokens already);
+grad/<checkpoint tensor> F32. llama_fp8 has no reference batch: its model.safetensors holds
+float8_e4m3fn weights with 128x128 block scales (`weight_scale_inv`, DeepSeek-V3's layout) and
+reference.safetensors holds dequant/<tensor>, the float32 weights they stand for.
+
+"""
+import copy
+import json
+import os
+import shutil
+import tempfile
+
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+OUT = os.path.join(HERE, "fixtures")
+B, T = 2, 16
+# Routing is discontinuous: a near tie between the K-th and (K+1)-th expert could go either way in
+# lockstep's float32. Draws whose margins fall below this are redrawn.
+MIN_ROUTING_MARGIN = 1e-3
+
+COMMON = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              initializer_range=0.1)
+
+CASES = {
+    # Tied embeddings, Llama 3 RoPE scaling (original_max_position 64 puts the head's four
+    # frequencies in all three bands), written as two shards with an index.
+    "llama": (LlamaForCausalLM, LlamaConfig, dict(
+        COMMON, intermediate_size=48, tie_word_embeddings=True, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64)), "40KB"),
+    "mixtral": (MixtralForCausalLM, MixtralConfig, dict(
+        COMMON, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5), None),
+    # A shared expert with its sigmoid gate, q/k/v biases, softmax over all experts without
+    # renormalising the top k (norm_topk_prob false), and a dense layer (mlp_only_layers).
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=4,
+        num_experts_per_tok=2, norm_topk_prob=False, mlp_only_layers=[1], rms_norm_eps=1e-6), None),
+    # Per-head RMSNorm of queries and keys (q_norm, k_norm), renormalised top k.
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
+        COMMON, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8,
+        norm_topk_prob=True, rms_norm_eps=1e-6), None),
+}
+
+
+def randomise(model, gen):
+    """Every tensor drawn, so that a wrong mapping (a swapped gate and up, a norm weight on the wrong
+    layer) changes the loss: matrices N(0, 0.1^2), norm weights 1 + N(0, 0.1^2), biases N(0, 0.1^2)."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
+            p.copy_(1.0 + noise if "norm" in name else noise)
+
+
+def routing_margin(model, tokens):
+    """The smallest gap between the K-th and (K+1)-th router logit of any token in any MoE layer."""
+    k = getattr(model.config, "num_experts_per_tok", 0)
+    gaps = []
+
+    def hook(module, inputs, output):
+        logits = inputs[0].reshape(-1, inputs[0].shape[-1]) @ module.weight.T
+        top = logits.topk(k + 1, dim=-1).values
+        gaps.append((top[:, k - 1] - top[:, k]).min().item())
+
+    handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    with torch.no_grad():
+        model(input_ids=tokens)
+    for h in handles:
+        h.remove()
+    return min(gaps) if gaps else float("inf")
+
+
+def saved_tensors(model, directory):
+    """{name: tensor} as save_pretrained writes them (on-disk names, e.g. per-expert tensors)."""
+    model.save_pretrained(directory)
+    index = os.path.join(directory, "model.safetensors.index.json")
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if os.path.exists(index) else [
+        "model.safetensors"]
+    out = {}
+    for f in files:
+        with safe_open(os.path.join(directory, f), "pt") as st:
+            for name in st.keys():
+                out[name] = st.get_tensor(name)
+    return out
+
+
+def make_case(name, model_cls, config_cls, kw, shard):
+    for seed in range(100):
+        gen = torch.Generator().manual_seed(1000 + seed)
+        config = config_cls(**kw)
+        # The plain PyTorch paths (float64 runs through them; the fused ones are float32 only).
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = model_cls(config).float()
+        randomise(model, gen)
+        tokens = torch.randint(0, kw["vocab_size"], (B, T), generator=gen, dtype=torch.int64)
+        targets = torch.randint(0, kw["vocab_size"], (B, T), generator=gen, dtype=torch.int64)
+        model64 = copy.deepcopy(model).double()
+        if routing_margin(model64, tokens) >= MIN_ROUTING_MARGIN:
+            break
+    else:
+        raise SystemExit(f"{name}: no draw with routing margins >= {MIN_ROUTING_MARGIN}")
+
+    directory = os.path.join(OUT, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    if shard:
+        model.save_pretrained(directory, max_shard_size=shard)
+    else:
+        model.save_pretrained(directory)
+
+    logits = model64(input_ids=tokens).logits
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    loss.backward()
+    grads = copy.deepcopy(model64)
+    with torch.no_grad():
+        for (_, p), (_, g) in zip(model64.named_parameters(), grads.named_parameters()):
+            g.copy_(p.grad)
+    with tempfile.TemporaryDirectory() as tmp:
+        named_grads = saved_tensors(grads.float(), tmp)
+    reference = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32),
+                 "loss": loss.detach().reshape(1)}
+    reference.update({"grad/" + n: g.contiguous() for n, g in named_grads.items()})
+    save_file(reference, os.path.join(directory, "reference.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: seed {seed}, loss {loss.item():.6f}, {len(named_grads)} tensors")
+
+
+def quantise_blocks(w, block=128):
+    """DeepSeek-V3's weight FP8: per 128x128 block, scale_inv = amax / 448, codes = e4m3(w / scale_inv)."""
+    rows, cols = w.shape
+    br, bc = (rows + block - 1) // block, (cols + block - 1) // block
+    scale_inv = torch.empty(br, bc, dtype=torch.float32)
+    codes = torch.empty(rows, cols, dtype=torch.float8_e4m3fn)
+    for i in range(br):
+        for j in range(bc):
+            tile = w[i * block:(i + 1) * block, j * block:(j + 1) * block]
+            s = tile.abs().max().clamp(min=1e-12) / 448.0
+            scale_inv[i, j] = s
+            codes[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / s).to(torch.float8_e4m3fn)
+    return codes, scale_inv
+
+
+def make_fp8_case():
+    """A one-layer Llama whose projection weights are stored as DeepSeek-V3 stores them: 136 x 136
+    and 68 x 136 matrices cut into 128 x 128 blocks, partial blocks at the edges."""
+    kw = dict(vocab_size=64, hidden_size=136, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+              intermediate_size=136, tie_word_embeddings=False)
+    gen = torch.Generator().manual_seed(7)
+    model = LlamaForCausalLM(LlamaConfig(**kw)).float()
+    randomise(model, gen)
+    directory = os.path.join(OUT, "llama_fp8")
+    shutil.rmtree(directory, ignore_errors=True)
+    model.save_pretrained(directory)
+    tensors, reference = {}, {}
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as st:
+        for name in st.keys():
+            w = st.get_tensor(name)
+            if name.endswith("_proj.weight"):
+                codes, scale_inv = quantise_blocks(w)
+                tensors[name] = codes
+                tensors[name + "_scale_inv"] = scale_inv
+                expanded = scale_inv.repeat_interleave(128, 0)[:w.shape[0]].repeat_interleave(128, 1)[:, :w.shape[1]]
+                reference["dequant/" + name] = codes.to(torch.float32) * expanded
+            else:
+                tensors[name] = w
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(directory, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [128, 128]}
+    json.dump(config, open(os.path.join(directory, "config.json"), "w"), indent=2)
+    save_file(reference, os.path.join(directory, "reference.safetensors"))
+    print(f"llama_fp8: {len(tensors)} tensors")
+
+
+def main():
+    torch.manual_seed(0)
+    os.makedirs(OUT, exist_ok=True)
+    for name, (model_cls, config_cls, kw, shard) in CASES.items():
+        make_case(name, model_cls, config_cls, kw, shard)
+    make_fp8_case()
+
+
+if __name__ == "__main__":
+    main()
