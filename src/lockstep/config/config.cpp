@@ -436,6 +436,9 @@ const std::vector<Key>& keys() {
       LS_KEY(moe.layer_freq,
              "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
              "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
+      LS_KEY(moe.use_upcycling,
+             "train.init_from is a dense checkpoint: every expert starts as a slice of its layer's MLP, "
+             "granularity = model.ffn_hidden_size / moe.ffn_hidden_size (Megatron's --moe-use-upcycling)"),
       LS_KEY(moe.input_jitter_eps, "router input multiplied by uniform(1 - eps, 1 + eps) in training; 0 = off"),
       LS_KEY(debug.trace,
              "modules: hash every module's output and input gradient per micro-batch into "
@@ -648,6 +651,30 @@ const std::map<std::string, std::vector<std::pair<std::string, Value>>>& presets
         {"model.tie_embeddings", false}}},
   };
   return p;
+}
+
+// Upcycling (train/upcycling.h) makes the MoE model compute the dense one at step 0: expert groups
+// of G slices of the MLP, chosen whole by the top k, weighted to sum to one.
+void validate_upcycling(const Config& c) {
+  const MoeConfig& e = c.moe;
+  if (!e.use_upcycling) return;
+  const auto refuse = [](const std::string& what, const std::string& why) {
+    user_error("moe.use_upcycling = true with ", what, ": ", why);
+  };
+  if (e.num_experts == 0) refuse("moe.num_experts = 0", "there are no experts to make");
+  if (c.train.init_from.empty()) refuse("train.init_from = \"\"", "it needs the dense checkpoint to upcycle");
+  const int64_t F = c.model.ffn_hidden(), Fe = e.ffn_hidden_size ? e.ffn_hidden_size : F;
+  if (F % Fe) refuse(str("moe.ffn_hidden_size = ", Fe), str("it must divide the dense MLP's width ", F));
+  const int64_t G = F / Fe;
+  if (e.num_experts % G || e.router_topk % G)
+    refuse(str("granularity ", G, " (model.ffn_hidden_size / moe.ffn_hidden_size)"),
+           str("moe.num_experts = ", e.num_experts, " and moe.router_topk = ", e.router_topk,
+               " must be multiples of it, so that the top k take whole copies of the MLP"));
+  if (e.router_score_function != "softmax")
+    refuse("moe.router_score_function = \"sigmoid\"", "it needs softmax routing");
+  if (e.router_num_groups > 0) refuse("moe.router_num_groups", "group-limited routing is not supported");
+  if (e.shared_expert_intermediate_size > 0)
+    refuse("moe.shared_expert_intermediate_size", "the dense MLP has no counterpart of the shared expert");
 }
 
 void validate_moe(const MoeConfig& e, int64_t L) {
@@ -1003,6 +1030,7 @@ void validate(const Config& c) {
                  "(256 for the byte tokenizer)");
   }
   validate_moe(c.moe, m.num_layers);
+  validate_upcycling(c);
   validate_precision(c.precision, m.num_layers);
   validate_layout_determinism(c);
   const DebugConfig& dbg = c.debug;

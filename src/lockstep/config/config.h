@@ -156,6 +156,9 @@ struct MoeConfig {
   int64_t shared_expert_intermediate_size = 0;  // 0 = no shared expert
   bool shared_expert_gate = false;
   std::string layer_freq = "1";  // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
+  // train.init_from is a dense checkpoint: each MoE layer's experts are cut from its MLP
+  // (train/upcycling.h; granularity = model.ffn_hidden_size / moe.ffn_hidden_size).
+  bool use_upcycling = false;
   double input_jitter_eps = 0.0;
 
   // Layer l of L is an MoE layer (num_experts > 0 and layer_freq selects it).

@@ -176,10 +176,8 @@ HfModelConfig read_hf_config(const std::string& dir) {
       type == "qwen2_moe" ? "qkv_bias" : "model_type");
   add(out, "model.qk_layernorm", type == "qwen3_moe" ? "true" : "false", "model_type");
 
-  if (type == "llama") {
-    add(out, "moe.num_experts", "0", "model_type");
-    return out;
-  }
+  // A dense checkpoint leaves the moe.* keys to the job: moe.use_upcycling makes an MoE model of it.
+  if (type == "llama") return out;
   // Mixture of experts: softmax routing; Mixtral renormalises the top k (lockstep's softmax over
   // the chosen logits), Qwen does when norm_topk_prob is true.
   const bool qwen = type != "mixtral";

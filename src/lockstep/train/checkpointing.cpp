@@ -5,6 +5,7 @@
 #include "lockstep/train/hf_checkpoint.h"
 #include "lockstep/train/safetensors.h"
 #include "lockstep/train/trainer.h"
+#include "lockstep/train/upcycling.h"
 
 namespace lockstep {
 
@@ -31,12 +32,36 @@ void Trainer::restore() {
   }
   if (!resume_dir_.empty())
     resumed_ = load_checkpoint(resume_dir_, state_);
-  else if (const std::string hf = hf_model_dir(tc.init_from); !hf.empty())
-    load_hf_checkpoint(hf, model_.params(), config_.model, config_.moe);
   else if (!tc.init_from.empty())
-    load_safetensors(tc.init_from, model_.params());
+    init_weights();
   start_step_ = resumed_.step + 1;
   skipped_steps_ = resumed_.skipped_steps;
+}
+
+// train.init_from: lockstep's safetensors or a Hugging Face directory, as the model or upcycled.
+void Trainer::init_weights() {
+  const std::string& from = config_.train.init_from;
+  const std::string hf = hf_model_dir(from);
+  ParamStore& ps = model_.params();
+  if (!config_.moe.use_upcycling) {
+    if (hf.empty())
+      load_safetensors(from, ps);
+    else
+      load_hf_checkpoint(hf, ps, config_.model, config_.moe);
+    return;
+  }
+  if (!hf.empty()) {
+    upcycle(ps, config_.model, config_.moe, hf_dense_tensors(hf, config_.model));
+    return;
+  }
+  SafetensorsFile file(from);
+  upcycle(ps, config_.model, config_.moe, [&](const std::string& name, const Shape& shape) {
+    if (!file.has(name)) user_error("moe.use_upcycling: '", from, "' has no tensor '", name, "' (the dense model's)");
+    if (file.entry(name).shape != shape)
+      user_error("'", from, "': tensor '", name, "' has shape ", file.entry(name).shape.to_string(),
+                 ", the dense model's is ", shape.to_string());
+    return file.floats(name);
+  });
 }
 
 // The data stream continues at the checkpoint's position (0 for a fresh run).

@@ -200,8 +200,36 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
   return b.params;
 }
 
+std::function<std::vector<float>(const std::string&, const Shape&)> hf_dense_tensors(const std::string& dir,
+                                                                                     const ModelConfig& m) {
+  const std::string family = read_hf_config(dir).model_type;
+  if (family != "llama")
+    user_error("moe.use_upcycling: train.init_from = \"hf:", dir, "\" is a ", family,
+               " checkpoint; upcycling starts from a dense (llama) one");
+  auto files = std::make_shared<CheckpointFiles>(dir);
+  auto map = std::make_shared<std::vector<HfParam>>(hf_tensor_map(m, MoeConfig{}, family));
+  return [=](const std::string& name, const Shape& shape) {
+    const auto it = std::find_if(map->begin(), map->end(), [&](const HfParam& p) { return p.param == name; });
+    LOCKSTEP_CHECK(it != map->end() && it->shape == shape, "upcycling: no dense ", name, " ", shape.to_string());
+    std::vector<float> whole(static_cast<size_t>(shape.numel()));
+    const StateShard dst = whole_tensor(name, shape, whole.data(), true);
+    for (const HfPiece& x : it->pieces) {
+      if (!files->has(x.name)) user_error("'", dir, "' has no tensor '", x.name, "'");
+      if (files->entry(x.name).shape != x.file_shape)
+        user_error("'", files->path_of(x.name), "': tensor '", x.name, "' has shape ",
+                   files->entry(x.name).shape.to_string(), "; config.json makes it ", x.file_shape.to_string());
+      std::vector<float> values = files->floats(x.name);
+      copy_overlap(dst, piece_shard(*it, x, values.data()));
+    }
+    return whole;
+  };
+}
+
 void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe) {
   const std::string family = read_hf_config(dir).model_type;
+  if (family == "llama" && moe.num_experts > 0)
+    user_error("train.init_from = \"hf:", dir, "\" is a dense checkpoint and moe.num_experts = ", moe.num_experts,
+               ": set moe.use_upcycling = true to make the experts from its MLPs");
   const std::vector<HfParam> map = hf_tensor_map(m, moe, family);
   CheckpointFiles files(dir);
 

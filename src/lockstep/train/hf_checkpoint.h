@@ -48,6 +48,11 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
 // has another shape or dtype, or is left over (a tensor the model does not have).
 void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe);
 
+// The dense checkpoint's whole tensors under lockstep's parameter names, for upcycling
+// (train/upcycling.h): dir must hold a llama (dense) model.
+std::function<std::vector<float>(const std::string& name, const Shape& shape)> hf_dense_tensors(const std::string& dir,
+                                                                                                const ModelConfig& m);
+
 // Writes the model directory dir (config.json, model.safetensors in fp32) from whole parameters
 // (tensor(name): the parameter's global row-major values). dir must not exist: the directory is
 // written under a temporary name and renamed when complete. Returns the number of tensors.

@@ -92,6 +92,7 @@ class Trainer {
 
   // Set-up (trainer.cpp, checkpointing.cpp).
   void restore();
+  void init_weights();  // train.init_from (checkpointing.cpp)
   void open_run_dir();
   void print_banner() const;
   std::string checkpoints_root() const { return config_.train.out_dir + "/checkpoints"; }
