@@ -1,0 +1,186 @@
+// lockstep's MoE router against Megatron Core's own functions: tests/megatron/make_fixtures.py runs
+// megatron.core.transformer.moe.moe_utils on the CPU (top-k routing with every score option, the
+// aux, sequence aux and z losses with their gradients, capacity dropping) and records inputs and
+// outputs in tests/megatron/fixtures/moe.safetensors. Here the same inputs go through lockstep's
+// router ops (kernels/router.h, model/moe/router.h) configured from the same options, and the
+// outputs must match: the routing map exactly, values to 2e-6 of each tensor's largest element
+// (the losses' gradients, small sums of float32 terms: 1e-5), float32 on both sides, summed in
+// different orders.
+//
+// Where lockstep differs from Megatron on purpose: the aux losses' gradients are the same
+// function's, but lockstep adds them into the logits' gradient itself (Megatron attaches them to
+// the routing probabilities with MoEAuxLossAutoScaler); a token's K choices are kept in ascending
+// expert order, Megatron's in a dense (N, E) map (compared as that map); the position drop policy
+// keeps each expert's first tokens, where Megatron's keeps torch.topk's choice among them
+// (CapacityDroppingMatchesMegatron).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/config/config.h"
+#include "lockstep/kernels/device.h"
+#include "lockstep/model/moe/router.h"
+#include "lockstep/train/safetensors.h"
+#include "testing.h"
+
+namespace lockstep {
+namespace {
+
+SafetensorsFile& fixture() {
+  static SafetensorsFile f(std::string(LOCKSTEP_SOURCE_DIR) + "/tests/megatron/fixtures/moe.safetensors");
+  return f;
+}
+
+// The case's options (its metadata) as lockstep's moe.* keys.
+MoeConfig moe_of(const std::string& key) {
+  const nlohmann::json c = nlohmann::json::parse(fixture().metadata().at(key));
+  std::vector<std::string> keys = {
+      "moe.num_experts=" + std::to_string(c["E"].get<int>()), "moe.router_topk=" + std::to_string(c["K"].get<int>()),
+      "moe.router_score_function=" + c.value("score", std::string("softmax")), "moe.router_load_balancing_type=none"};
+  if (c.value("pre_softmax", false)) keys.push_back("moe.router_pre_softmax=true");
+  if (c.contains("scaling"))
+    keys.push_back("moe.router_topk_scaling_factor=" + std::to_string(c["scaling"].get<double>()));
+  if (c.contains("groups"))
+    keys.insert(keys.end(), {"moe.router_num_groups=" + std::to_string(c["groups"].get<int>()),
+                             "moe.router_group_topk=" + std::to_string(c["group_topk"].get<int>())});
+  if (c.value("bias", false)) keys.push_back("moe.router_enable_expert_bias=true");
+  std::string types;
+  for (const char* t : {"aux", "seq_aux"})
+    if (c.contains(t)) {
+      types += std::string(types.empty() ? "" : ",") + (std::string(t) == "aux" ? "aux_loss" : "seq_aux_loss");
+      keys.push_back("moe.aux_loss_coeff=" + std::to_string(c[t].get<double>()));
+    }
+  if (!types.empty()) keys.push_back("moe.router_load_balancing_type=" + types);
+  if (c.contains("z")) keys.push_back("moe.z_loss_coeff=" + std::to_string(c["z"].get<double>()));
+  if (c.contains("factor"))
+    keys.insert(keys.end(), {"moe.expert_capacity_factor=" + std::to_string(c["factor"].get<double>()),
+                             "moe.token_drop_policy=" + c["policy"].get<std::string>()});
+  return load_config("", keys).moe;
+}
+
+std::vector<std::string> cases(const std::string& kind) {
+  std::vector<std::string> out;
+  for (const auto& [key, value] : fixture().metadata())
+    if (key.rfind(kind + "/", 0) == 0) out.push_back(key.substr(kind.size() + 1));
+  return out;
+}
+
+double relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  double err = 0, scale = 1e-30;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err = std::max(err, std::abs(static_cast<double>(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return err / scale;
+}
+
+// (N, K) choices as Megatron's dense (N, E) map and probabilities.
+void densify(std::vector<float>& map, std::vector<float>& probs, const std::vector<int32_t>& idx,
+             const std::vector<float>& p, int64_t N, int64_t E, int64_t K) {
+  map.assign(static_cast<size_t>(N * E), 0.0f);
+  probs.assign(static_cast<size_t>(N * E), 0.0f);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t k = 0; k < K; ++k) {
+      map[static_cast<size_t>(n * E + idx[n * K + k])] = 1.0f;
+      probs[static_cast<size_t>(n * E + idx[n * K + k])] = p[static_cast<size_t>(n * K + k)];
+    }
+}
+
+TEST(MegatronOracle, TopKRoutingMatchesMegatron) {
+  const auto device = Device::cpu();
+  const Ops& ops = device->ops;
+  const std::vector<std::string> names = cases("route");
+  EXPECT_EQ(names.size(), 6u);
+  for (const std::string& name : names) {
+    const std::string at = "route/" + name + "/";
+    const RouterSpec s(moe_of("route/" + name));
+    const std::vector<float> logits = fixture().floats(at + "logits"), upstream = fixture().floats(at + "upstream");
+    const int64_t E = s.E, K = s.K, N = static_cast<int64_t>(logits.size()) / E;
+    const std::vector<float> bias =
+        fixture().has(at + "expert_bias") ? fixture().floats(at + "expert_bias") : std::vector<float>{};
+    std::vector<int32_t> idx(static_cast<size_t>(N * K));
+    std::vector<float> p(static_cast<size_t>(N * K)), map, probs;
+    ops.route_topk(idx.data(), p.data(), logits.data(), bias.empty() ? nullptr : bias.data(), s, N);
+    densify(map, probs, idx, p, N, E, K);
+    EXPECT_EQ(map, fixture().floats(at + "map")) << name << ": another expert chosen";
+    EXPECT_LE(relative_error(probs, fixture().floats(at + "probs")), 2e-6) << name << ": routing weights";
+    // d(sum probs * upstream)/d(logits): the upstream gradient at each choice.
+    std::vector<float> dprobs(static_cast<size_t>(N * K)), dlogits(static_cast<size_t>(N * E));
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t k = 0; k < K; ++k) dprobs[n * K + k] = upstream[n * E + idx[n * K + k]];
+    ops.route_topk_backward(dlogits.data(), dprobs.data(), logits.data(), idx.data(), s, N);
+    EXPECT_LE(relative_error(dlogits, fixture().floats(at + "dlogits")), 2e-6) << name << ": logits' gradient";
+  }
+}
+
+TEST(MegatronOracle, LoadBalancingLossesMatchMegatron) {
+  const auto device = Device::cpu();
+  const std::vector<std::string> names = cases("aux");
+  EXPECT_EQ(names.size(), 4u);
+  for (const std::string& name : names) {
+    const std::string at = "aux/" + name + "/";
+    const nlohmann::json c = nlohmann::json::parse(fixture().metadata().at("aux/" + name));
+    const RouterSpec s(moe_of("aux/" + name));
+    const int64_t B = c["B"], T = c["T"], E = s.E;
+    const std::vector<float> logits = fixture().floats(at + "logits");
+    std::vector<float> global_counts(static_cast<size_t>(E));
+    std::vector<int64_t> counts_seq;
+    const AuxLosses l =
+        aux_losses_forward(device->ops, logits.data(), s, B, T, nullptr, 0, global_counts.data(), counts_seq);
+    const double want = fixture().floats(at + "loss")[0];
+    EXPECT_NEAR(l.total(), want, 2e-6 * std::abs(want)) << name << ": loss";
+    std::vector<float> dlogits(static_cast<size_t>(B * T * E), 0.0f);
+    aux_losses_backward(device->ops, dlogits.data(), logits.data(), s, B, T, global_counts.data(), counts_seq, 1.0f);
+    EXPECT_LE(relative_error(dlogits, fixture().floats(at + "dlogits")), 1e-5) << name << ": logits' gradient";
+  }
+}
+
+TEST(MegatronOracle, CapacityDroppingMatchesMegatron) {
+  const auto device = Device::cpu();
+  const std::vector<std::string> names = cases("capacity");
+  EXPECT_EQ(names.size(), 2u);
+  for (const std::string& name : names) {
+    const std::string at = "capacity/" + name + "/";
+    const RouterSpec s(moe_of("capacity/" + name));
+    const std::vector<float> logits = fixture().floats(at + "logits");
+    const int64_t E = s.E, K = s.K, N = static_cast<int64_t>(logits.size()) / E;
+    std::vector<int32_t> idx(static_cast<size_t>(N * K));
+    std::vector<float> p(static_cast<size_t>(N * K)), map, probs;
+    device->ops.route_topk(idx.data(), p.data(), logits.data(), nullptr, s, N);
+    densify(map, probs, idx, p, N, E, K);
+    EXPECT_EQ(map, fixture().floats(at + "map")) << name;
+    std::vector<uint8_t> kept(static_cast<size_t>(N * K));
+    device->ops.apply_capacity(kept.data(), idx.data(), p.data(), s, N);
+    for (int64_t i = 0; i < N * K; ++i)
+      if (!kept[i]) p[i] = 0.0f;
+    std::vector<float> kept_map, kept_probs;
+    densify(kept_map, kept_probs, idx, p, N, E, K);
+    for (int64_t i = 0; i < N * K; ++i)
+      if (!kept[i]) kept_map[static_cast<size_t>((i / K) * E + idx[i])] = 0.0f;
+    const std::vector<float> theirs = fixture().floats(at + "kept_map");
+    if (name == "capacity_probs") {
+      EXPECT_EQ(kept_map, theirs) << name << ": another token dropped";
+      EXPECT_LE(relative_error(kept_probs, fixture().floats(at + "kept_probs")), 2e-6) << name;
+      continue;
+    }
+    // The position policy. Megatron takes torch.topk of the 0/1 routing map over the tokens, so
+    // which of an over-full expert's tokens survive is torch's tie order, not their position;
+    // lockstep keeps each expert's first `capacity` tokens, as the policy's name says. The same
+    // number survive per expert; lockstep's are the earliest.
+    const int64_t capacity = expert_capacity(s, N);
+    for (int64_t e = 0; e < E; ++e) {
+      int64_t ours = 0, megatron = 0, routed = 0;
+      for (int64_t n = 0; n < N; ++n) {
+        ours += kept_map[n * E + e] != 0.0f, megatron += theirs[n * E + e] != 0.0f, routed += map[n * E + e] != 0.0f;
+        if (kept_map[n * E + e] == 0.0f && map[n * E + e] != 0.0f) {
+          EXPECT_EQ(ours, capacity) << name << ": expert " << e << " dropped token " << n << " before it was full";
+        }
+      }
+      EXPECT_EQ(ours, megatron) << name << ": expert " << e;
+      EXPECT_EQ(ours, std::min(routed, capacity)) << name << ": expert " << e;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace lockstep
