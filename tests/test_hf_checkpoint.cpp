@@ -49,6 +49,15 @@ std::vector<float> piece_of(const HfParam& p, const HfPiece& piece, const float*
   return out;
 }
 
+// A whole lockstep tensor with its rows in the checkpoint's order (HfParam::row_perm undone).
+std::vector<float> checkpoint_rows(const HfParam& p, const float* ours) {
+  std::vector<float> out(ours, ours + p.shape.numel());
+  const int64_t width = p.shape.numel() / p.shape[0];
+  for (size_t r = 0; r < p.row_perm.size(); ++r)
+    std::copy_n(ours + static_cast<int64_t>(r) * width, width, out.data() + p.row_perm[r] * width);
+  return out;
+}
+
 // Largest |got - ref| over the tensor's largest |ref|.
 double relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
   double err = 0, scale = 1e-30;
@@ -71,7 +80,9 @@ void check_against_transformers(const std::string& family) {
 
   GPT model(c.model, c.train.micro_batch, c.moe);
   ParamStore& ps = model.params();
-  load_hf_checkpoint(dir, ps, c.model, c.moe);
+  std::vector<StateShard> state;  // DeepSeek's expert biases are module state
+  model.state_shards(state, true, true);
+  load_hf_checkpoint(dir, ps, c.model, c.moe, state);
   ps.zero_grads();
   model.begin_step(c.train.seed, 1);
   const double loss =
@@ -88,18 +99,24 @@ void check_against_transformers(const std::string& family) {
   if (report) std::printf("%s: loss rel err %.3e\n", family.c_str(), std::abs(loss - hf_loss) / hf_loss);
   double worst = 0;
   int64_t compared = 0;
-  for (const HfParam& p : hf_tensor_map(c.model, c.moe, family)) {
+  for (const HfParam& p : hf_tensor_map(c.model, c.moe, family, read_hf_config(dir).rope_interleave)) {
+    if (p.param.rfind("buffer/", 0) == 0) continue;  // not trained
     const int i = ps.find(p.param);
     ASSERT_GE(i, 0) << p.param;
     for (const HfPiece& piece : p.pieces) {
       ASSERT_TRUE(ref.has("grad/" + piece.name)) << family << ": transformers has no gradient of " << piece.name;
-      const double err = relative_error(piece_of(p, piece, ps.grad(i)), ref.floats("grad/" + piece.name));
+      const double err =
+          relative_error(piece_of(p, piece, checkpoint_rows(p, ps.grad(i)).data()), ref.floats("grad/" + piece.name));
       EXPECT_LE(err, 2e-5) << family << ": gradient of " << piece.name << " (lockstep's " << p.param << ")";
       worst = std::max(worst, err);
       ++compared;
     }
   }
-  EXPECT_EQ(compared, static_cast<int64_t>(ref.names().size()) - 3) << family << ": gradients not compared";
+  // Every gradient the reference holds was compared (the expert biases are module state, not
+  // trained: save_pretrained writes them with the gradients).
+  int64_t buffers = 0;
+  for (const std::string& name : ref.names()) buffers += name.ends_with("e_score_correction_bias");
+  EXPECT_EQ(compared, static_cast<int64_t>(ref.names().size()) - 3 - buffers) << family << ": gradients not compared";
   if (report)
     std::printf("%s: largest gradient rel err %.3e over %lld tensors\n", family.c_str(), worst, (long long)compared);
 }
@@ -108,6 +125,7 @@ TEST(HfCheckpoint, LlamaMatchesTransformers) { check_against_transformers("llama
 TEST(HfCheckpoint, MixtralMatchesTransformers) { check_against_transformers("mixtral"); }
 TEST(HfCheckpoint, Qwen2MoeMatchesTransformers) { check_against_transformers("qwen2_moe"); }
 TEST(HfCheckpoint, Qwen3MoeMatchesTransformers) { check_against_transformers("qwen3_moe"); }
+TEST(HfCheckpoint, DeepseekV3MatchesTransformers) { check_against_transformers("deepseek_v3"); }
 
 // The real-size presets have their published parameter counts (Mixtral-8x7B-v0.1 and
 // Qwen3-30B-A3B on the Hugging Face hub), counted from the tensor map without building them.
@@ -120,6 +138,13 @@ TEST(HfCheckpoint, RealSizePresetsHaveTheirPublishedParameterCounts) {
     for (const HfParam& p : hf_tensor_map(c.model, c.moe, family)) total += p.shape.numel();
     EXPECT_EQ(total, published) << preset;
   }
+  // DeepSeek-V3: "671B total parameters" without the multi-token prediction module, counted by the
+  // deepseek_v3 tensor map (the expert biases are module state, not parameters).
+  const Config dsv3 = load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/deepseek-v3.toml", {});
+  int64_t total = 0;
+  for (const HfParam& p : hf_tensor_map(dsv3.model, dsv3.moe, "deepseek_v3"))
+    if (p.param.rfind("buffer/", 0) != 0) total += p.shape.numel();
+  EXPECT_NEAR(static_cast<double>(total), 671e9, 671e9 * 1e-4);  // 671,026,404,352
 }
 
 // config.json becomes lockstep's keys: the fixtures' families, layer patterns and routing.
@@ -278,7 +303,7 @@ TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
       "family", [&](auto&) {}, R"({"model_type": "gpt2"})");
   EXPECT_EQ(load(dir), "'" + dir +
                            "/config.json': model_type = \"gpt2\": lockstep reads the families llama, mixtral, "
-                           "qwen2_moe, qwen3_moe");
+                           "qwen2_moe, qwen3_moe, deepseek_v3");
   dir = copy_with(
       "act", [&](auto&) {}, R"({"hidden_act": "gelu"})");
   EXPECT_EQ(load(dir), "'" + dir + "/config.json': hidden_act = \"gelu\": lockstep's SwiGLU uses silu");

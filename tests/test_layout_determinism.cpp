@@ -317,6 +317,21 @@ TEST(LayoutDeterminism, QkLayernormMatchesSingleProcess) {
                              "model.qk_layernorm=true", "model.kv_channels=24"});
 }
 
+// Multi-head latent attention (model/mla.h): the latent projections are ordinary layers, so data,
+// context, pipeline and expert parallelism keep one process's bits.
+TEST(LayoutDeterminism, MultiLatentAttentionMatchesSingleProcess) {
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {2, {"train.threads=1"}},
+          {2, {"parallel.context=2"}},
+          {2, {"parallel.pipeline=2"}},
+          {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      },
+      {"layout_token_segments=true", "model.preset=llama", "model.multi_latent_attention=true", "model.q_lora_rank=24",
+       "model.kv_lora_rank=16", "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=4", "model.v_head_dim=10"});
+}
+
 // Context parallelism (layout_token_segments): each cp rank's chunks are whole token segments, its 2B
 // token pieces of every weight gradient and its two chunks' dK, dV trees are combined exactly over
 // the group (combine_token_pieces, reduce_scatter_dkv_pieces): CP 2, CP 2 x DP 2 (distributed

@@ -3,6 +3,8 @@
 // init is a pure function of (seed, parameter name), and the head's weight-gradient plan.
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <bit>
 #include <cmath>
 
@@ -29,9 +31,11 @@ Batch make_batch(int64_t n, int64_t V, uint64_t seed) {
 
 // For each parameter tensor p and a random unit direction d inside it, compares the analytic
 // directional derivative <grad p, d> with the central difference (L(p + h d) - L(p - h d)) / 2h.
-void check_gradients(const std::string& preset, bool add_qkv_bias = false) {
+void check_gradients(const std::string& preset, bool add_qkv_bias = false,
+                     const std::function<void(ModelConfig&)>& edit = {}) {
   ModelConfig m = tiny(preset);
   m.add_qkv_bias = add_qkv_bias;
+  if (edit) edit(m);
   const int64_t B = 2;
   GPT model(m, B);
   ParamStore& ps = model.params();
@@ -52,6 +56,27 @@ void check_gradients(const std::string& preset, bool add_qkv_bias = false) {
 TEST(ModelGradients, Gpt2FlavourMatchesFiniteDifferences) { check_gradients("gpt2"); }
 TEST(ModelGradients, LlamaFlavourMatchesFiniteDifferences) { check_gradients("llama"); }
 TEST(ModelGradients, LlamaWithQkvBiasMatchesFiniteDifferences) { check_gradients("llama", true); }
+// Qwen3's attention: QK layernorm with a head size of its own (6, not hidden / heads = 4).
+TEST(ModelGradients, QkLayernormWithItsOwnHeadSizeMatchesFiniteDifferences) {
+  check_gradients("llama", false, [](ModelConfig& m) {
+    m.qk_layernorm = true;
+    m.kv_channels = 6;
+  });
+}
+// Multi-head latent attention (model/mla.h) with and without query compression: 4 heads of query /
+// key size 6 + 4 (RoPE) and value size 5, latents of rank 8 and 12.
+TEST(ModelGradients, MultiLatentAttentionMatchesFiniteDifferences) {
+  for (const int64_t q_lora : {0, 12})
+    check_gradients("llama", false, [&](ModelConfig& m) {
+      m.multi_latent_attention = true;
+      m.num_query_groups = 0;
+      m.q_lora_rank = q_lora;
+      m.kv_lora_rank = 8;
+      m.qk_head_dim = 6;
+      m.qk_pos_emb_head_dim = 4;
+      m.v_head_dim = 5;
+    });
+}
 
 TEST(ModelGradients, SameWithTwoThreads) {
   const ModelConfig m = tiny("llama");

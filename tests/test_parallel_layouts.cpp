@@ -60,6 +60,10 @@ void PrintTo(const Row& row, std::ostream* os) { *os << row.name; }
 #define A2A "moe.token_dispatcher=alltoall"
 #define AG "moe.token_dispatcher=allgather"
 // The Llama MoE flavour: SwiGLU experts, a gated shared expert, sigmoid scores with the expert bias.
+// Multi-head latent attention (model/mla.h): 4 heads of 12 + 4 RoPE (queries, keys) and 10 (values).
+#define MLA                                                                                                   \
+  "model.preset=llama", "model.multi_latent_attention=true", "model.kv_lora_rank=16", "model.qk_head_dim=12", \
+      "model.qk_pos_emb_head_dim=4", "model.v_head_dim=10"
 #define LLAMA_MOE                                                                                  \
   "model.preset=llama", "moe.router_score_function=sigmoid", "moe.router_enable_expert_bias=true", \
       "moe.router_bias_update_rate=0.01", "moe.shared_expert_intermediate_size=32", "moe.shared_expert_gate=true"
@@ -81,6 +85,10 @@ const Row kRows[] = {
     {"gpt2_tp2_sp_dp2", "debug.toml", 4, {"parallel.tensor=2", SP}},
     {"llama_qkv_bias_tp2_sp", "debug.toml", 2, {LLAMA, "model.add_qkv_bias=true", "parallel.tensor=2", SP}},
     {"llama_gqa_tp2_sp", "debug.toml", 2, {LLAMA, "parallel.tensor=2", SP}},
+    {"mla_tp2_sp", "debug.toml", 2, {MLA, "parallel.tensor=2", SP}},
+    {"mla_q_lora_tp2_dp2", "debug.toml", 4, {MLA, "model.q_lora_rank=24", "parallel.tensor=2"}},
+    {"mla_cp2", "debug.toml", 2, {MLA, "parallel.context=2"}},
+    {"mla_pp2", "debug.toml", 2, {MLA, "parallel.pipeline=2"}},
     {"llama_qk_norm_head24_tp2_sp",
      "debug.toml",
      2,

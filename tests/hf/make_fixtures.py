@@ -29,8 +29,8 @@ import torch.nn.functional as F
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import (LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
-                          Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
+                          MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "fixtures")
@@ -60,6 +60,15 @@ CASES = {
     "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig, dict(
         COMMON, intermediate_size=48, moe_intermediate_size=24, num_experts=4, num_experts_per_tok=2, head_dim=8,
         norm_topk_prob=True, rms_norm_eps=1e-6), None),
+    # Multi-head latent attention (query rank 12, key/value rank 8, heads of 6 + 4 RoPE for queries
+    # and keys, 5 for values, RoPE dimensions interleaved), a dense first layer, then sigmoid
+    # group-limited routing (top 4 of 8 experts in 4 groups, 2 kept) with a random
+    # e_score_correction_bias, renormalised and scaled by 2.5, one shared expert.
+    "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config, dict(
+        COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
+        q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
+        num_nextn_predict_layers=0, rms_norm_eps=1e-6), None),
 }
 
 
@@ -70,6 +79,9 @@ def randomise(model, gen):
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * 0.1
             p.copy_(1.0 + noise if "norm" in name else noise)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
 
 
 def routing_margin(model, tokens):
@@ -79,10 +91,22 @@ def routing_margin(model, tokens):
 
     def hook(module, inputs, output):
         logits = inputs[0].reshape(-1, inputs[0].shape[-1]) @ module.weight.T
+        bias = getattr(module, "e_score_correction_bias", None)
+        if bias is not None:  # DeepSeek: groups by their two best biased sigmoid scores, then top k
+            scores = logits.sigmoid() + bias
+            groups = model.config.n_group
+            per = scores.view(scores.shape[0], groups, -1).topk(2, dim=-1).values.sum(-1)
+            top = per.topk(model.config.topk_group + 1, dim=-1).values
+            gaps.append((top[:, -2] - top[:, -1]).min().item())
+            keep = per.topk(model.config.topk_group, dim=-1).indices
+            mask = torch.zeros_like(per).scatter(1, keep, 1).repeat_interleave(scores.shape[1] // groups, 1)
+            logits = scores.masked_fill(mask == 0, float("-inf"))
         top = logits.topk(k + 1, dim=-1).values
         gaps.append((top[:, k - 1] - top[:, k]).min().item())
 
     handles = [m.register_forward_hook(hook) for n, m in model.named_modules() if n.endswith("mlp.gate")]
+    if not handles and k and any(n.endswith("mlp.experts") for n, _ in model.named_modules()):
+        raise SystemExit("no router found to check the routing margins")
     with torch.no_grad():
         model(input_ids=tokens)
     for h in handles:

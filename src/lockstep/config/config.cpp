@@ -281,6 +281,14 @@ const std::vector<Key>& keys() {
       LS_KEY(model.add_qkv_bias,
              "biases in the attention's QKV projection even when model.bias = false (Qwen2, Megatron's "
              "--add-qkv-bias)"),
+      LS_KEY(model.multi_latent_attention,
+             "multi-head latent attention (DeepSeek-V2/V3): low-rank query and key/value projections with "
+             "normed latents, RoPE on a separate part of each head (Megatron's --multi-latent-attention)"),
+      LS_KEY(model.q_lora_rank, "MLA: the queries' latent rank; 0 = a plain query projection"),
+      LS_KEY(model.kv_lora_rank, "MLA: the keys' and values' latent rank"),
+      LS_KEY(model.qk_head_dim, "MLA: the query / key head size without the RoPE part"),
+      LS_KEY(model.qk_pos_emb_head_dim, "MLA: the RoPE part of each query / key head (one shared key part)"),
+      LS_KEY(model.v_head_dim, "MLA: the value head size"),
       LS_KEY(model.qk_layernorm,
              "RMSNorm of each query and key head before RoPE, one weight of head size each (Qwen3, Megatron's "
              "--qk-layernorm)"),
@@ -653,6 +661,35 @@ const std::map<std::string, std::vector<std::pair<std::string, Value>>>& presets
   return p;
 }
 
+void validate_mla(const Config& c) {
+  const ModelConfig& m = c.model;
+  const auto refuse = [](const std::string& what, const std::string& why) {
+    user_error("model.multi_latent_attention = true with ", what, ": ", why);
+  };
+  for (const auto& [name, v] : {std::pair<const char*, int64_t>{"model.kv_lora_rank", m.kv_lora_rank},
+                                {"model.qk_head_dim", m.qk_head_dim},
+                                {"model.qk_pos_emb_head_dim", m.qk_pos_emb_head_dim},
+                                {"model.v_head_dim", m.v_head_dim}})
+    if (v <= 0) refuse(str(name, " = ", v), "must be positive");
+  if (m.q_lora_rank < 0) refuse(str("model.q_lora_rank = ", m.q_lora_rank), "must be >= 0 (0 = no query compression)");
+  if (m.v_head_dim > m.head_dim())
+    refuse(str("model.v_head_dim = ", m.v_head_dim),
+           str("the values are padded to the query / key head size ", m.head_dim(), ", so it may not exceed it"));
+  if (m.position_embedding != "rope") refuse("model.position_embedding = \"learned\"", "its keys carry RoPE");
+  if (m.num_query_groups != 0 && m.num_query_groups != m.num_heads)
+    refuse(str("model.num_query_groups = ", m.num_query_groups), "every head has its own keys and values");
+  if (m.kv_channels != 0) refuse("model.kv_channels", "the head sizes are model.qk_head_dim and model.v_head_dim");
+  if (m.qk_layernorm || m.add_qkv_bias || m.bias)
+    refuse(m.qk_layernorm   ? "model.qk_layernorm"
+           : m.add_qkv_bias ? "model.add_qkv_bias"
+                            : "model.bias = true",
+           "not supported together");
+  if (c.determinism == "layout" && c.parallel.tensor > 1)
+    refuse(str("parallel.tensor = ", c.parallel.tensor, " under determinism = \"layout\""),
+           "the replicated down projections' gradients are partial sums over heads, not yet summed in layout mode's "
+           "canonical order (run mode is supported)");
+}
+
 // Upcycling (train/upcycling.h) makes the MoE model compute the dense one at step 0: expert groups
 // of G slices of the MLP, chosen whole by the top k, weighted to sum to one.
 void validate_upcycling(const Config& c) {
@@ -941,13 +978,14 @@ void validate(const Config& c) {
   if (m.ffn_hidden_size < 0) user_error("model.ffn_hidden_size = ", m.ffn_hidden_size, ": must be >= 0");
   if (m.kv_channels < 0)
     user_error("model.kv_channels = ", m.kv_channels, ": must be >= 0 (0 = hidden_size / num_heads)");
-  if (m.kv_channels == 0 && m.hidden_size % m.num_heads)
+  if (m.kv_channels == 0 && !m.multi_latent_attention && m.hidden_size % m.num_heads)
     user_error("model.hidden_size = ", m.hidden_size, " is not divisible by model.num_heads = ", m.num_heads,
                " (or set model.kv_channels, the head size)");
   if (m.num_heads % m.query_groups())
     user_error("model.num_heads = ", m.num_heads, " is not divisible by model.num_query_groups = ", m.num_query_groups);
-  if (m.position_embedding == "rope" && m.head_dim() % 2)
-    user_error("model.position_embedding = \"rope\" needs an even head size, got ", m.head_dim());
+  if (m.multi_latent_attention) validate_mla(c);
+  if (m.position_embedding == "rope" && m.rope_dim() % 2)
+    user_error("model.position_embedding = \"rope\" needs an even head size, got ", m.rope_dim());
   if (!(m.norm_eps > 0)) user_error("model.norm_eps = ", m.norm_eps, ": must be positive");
   if (!(m.rope_theta > 0)) user_error("model.rope_theta = ", m.rope_theta, ": must be positive");
   if (m.rope_scaling == "llama3") {

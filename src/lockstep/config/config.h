@@ -41,8 +41,26 @@ struct ModelConfig {
   int64_t mtp_num_layers = 0;            // multi-token prediction depths (model/mtp.h); 0 = off
   double mtp_loss_scaling_factor = 0.1;  // MTP loss = factor / depths * sum of the depths' losses
 
-  int64_t query_groups() const { return num_query_groups ? num_query_groups : num_heads; }
-  int64_t head_dim() const { return kv_channels ? kv_channels : hidden_size / num_heads; }
+  // Multi-head latent attention (DeepSeek-V2/V3; model/mla.h), Megatron's names and defaults.
+  bool multi_latent_attention = false;
+  int64_t q_lora_rank = 0;  // query compression rank; 0 = none (a plain query projection)
+  int64_t kv_lora_rank = 32;
+  int64_t qk_head_dim = 128;         // the part of a query / key head without RoPE
+  int64_t qk_pos_emb_head_dim = 64;  // the RoPE part
+  int64_t v_head_dim = 128;
+
+  int64_t query_groups() const {
+    return multi_latent_attention ? num_heads : num_query_groups ? num_query_groups : num_heads;
+  }
+  // The attention core's head size (MLA: of queries and keys; its values are padded to it).
+  int64_t head_dim() const {
+    if (multi_latent_attention) return qk_head_dim + qk_pos_emb_head_dim;
+    return kv_channels ? kv_channels : hidden_size / num_heads;
+  }
+  // The size of the RoPE part of a head (all of it but under MLA).
+  int64_t rope_dim() const { return multi_latent_attention ? qk_pos_emb_head_dim : head_dim(); }
+  // The attention output's width per head (the output projection's input is num_heads x this).
+  int64_t value_dim() const { return multi_latent_attention ? v_head_dim : head_dim(); }
   int64_t ffn_hidden() const;
 };
 

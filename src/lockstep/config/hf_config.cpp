@@ -14,6 +14,7 @@ using json = nlohmann::ordered_json;
 namespace {
 
 const char* const kFamilies = "llama, mixtral, qwen2_moe, qwen3_moe";
+const char* const kReadFamilies = "llama, mixtral, qwen2_moe, qwen3_moe, deepseek_v3";
 
 std::string text_of(const json& v) {
   if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
@@ -141,8 +142,9 @@ HfModelConfig read_hf_config(const std::string& dir) {
     user_error("'", path, "' has no model_type (a Hugging Face model's config.json names its family)");
   out.model_type = f.at("model_type").get<std::string>();
   const std::string& type = out.model_type;
-  if (type != "llama" && type != "mixtral" && type != "qwen2_moe" && type != "qwen3_moe")
-    f.refuse("model_type", std::string("lockstep reads the families ") + kFamilies);
+  if (type != "llama" && type != "mixtral" && type != "qwen2_moe" && type != "qwen3_moe" && type != "deepseek_v3")
+    f.refuse("model_type", std::string("lockstep reads the families ") + kReadFamilies);
+  const bool deepseek = type == "deepseek_v3";
 
   // The architecture every family shares: RMSNorm, RoPE, SwiGLU, no biases but the ones below.
   add(out, "model.preset", "llama", "model_type");
@@ -150,10 +152,25 @@ HfModelConfig read_hf_config(const std::string& dir) {
   add(out, "model.num_layers", std::to_string(L), "num_hidden_layers");
   add(out, "model.hidden_size", std::to_string(C), "hidden_size");
   add(out, "model.num_heads", std::to_string(NH), "num_attention_heads");
-  add(out, "model.num_query_groups", std::to_string(f.integer("num_key_value_heads", NH)), "num_key_value_heads");
-  // transformers' default head size is hidden_size / num_attention_heads; Qwen3 sets its own.
-  const int64_t HS = f.integer("head_dim", NH > 0 ? C / NH : 0);
-  add(out, "model.kv_channels", HS * NH == C ? "0" : std::to_string(HS), "head_dim");
+  if (deepseek) {
+    // Multi-head latent attention; its config's num_key_value_heads and head_dim describe nothing
+    // lockstep has (every head has its own keys; head_dim is the RoPE part).
+    add(out, "model.multi_latent_attention", "true", "model_type");
+    add(out, "model.q_lora_rank", std::to_string(f.integer("q_lora_rank", 0)), "q_lora_rank");
+    add(out, "model.kv_lora_rank", std::to_string(f.integer("kv_lora_rank")), "kv_lora_rank");
+    add(out, "model.qk_head_dim", std::to_string(f.integer("qk_nope_head_dim")), "qk_nope_head_dim");
+    add(out, "model.qk_pos_emb_head_dim", std::to_string(f.integer("qk_rope_head_dim")), "qk_rope_head_dim");
+    add(out, "model.v_head_dim", std::to_string(f.integer("v_head_dim")), "v_head_dim");
+    add(out, "model.num_query_groups", "0", "model_type");
+    out.rope_interleave = f.boolean("rope_interleave", true);
+    if (f.integer("num_nextn_predict_layers", 0) > 0)
+      f.refuse("num_nextn_predict_layers", "importing DeepSeek's multi-token prediction layers is not implemented");
+  } else {
+    add(out, "model.num_query_groups", std::to_string(f.integer("num_key_value_heads", NH)), "num_key_value_heads");
+    // transformers' default head size is hidden_size / num_attention_heads; Qwen3 sets its own.
+    const int64_t HS = f.integer("head_dim", NH > 0 ? C / NH : 0);
+    add(out, "model.kv_channels", HS * NH == C ? "0" : std::to_string(HS), "head_dim");
+  }
   add(out, "model.ffn_hidden_size", std::to_string(f.integer("intermediate_size")), "intermediate_size");
   add(out, "model.vocab_size", std::to_string(f.integer("vocab_size")), "vocab_size");
   add(out, "model.norm_eps", text_of(json(f.number("rms_norm_eps", 1e-6))), "rms_norm_eps");
@@ -178,6 +195,39 @@ HfModelConfig read_hf_config(const std::string& dir) {
 
   // A dense checkpoint leaves the moe.* keys to the job: moe.use_upcycling makes an MoE model of it.
   if (type == "llama") return out;
+  if (deepseek) {
+    // Sigmoid scores, group-limited top k with the aux-loss-free expert bias
+    // (e_score_correction_bias), renormalised and scaled; a shared expert without a gate; the first
+    // first_k_dense_replace layers dense.
+    if (!f.boolean("norm_topk_prob", true))
+      f.refuse("norm_topk_prob", "lockstep's sigmoid routing always renormalises the chosen weights");
+    const int64_t E = f.integer("n_routed_experts"), Fe = f.integer("moe_intermediate_size");
+    // DeepSeek scores a group by its two best experts; Megatron and lockstep by its best
+    // num_experts_per_tok / topk_group (the same for DeepSeek-V3: 8 / 4).
+    if (f.has("n_group") && f.integer("n_group") > 1 &&
+        f.integer("num_experts_per_tok") != 2 * f.integer("topk_group", 1))
+      f.refuse("num_experts_per_tok",
+               "with group-limited routing it must be 2 x topk_group: DeepSeek scores a group by its two best "
+               "experts, lockstep by its best num_experts_per_tok / topk_group");
+    add(out, "moe.num_experts", std::to_string(E), "n_routed_experts");
+    add(out, "moe.router_topk", std::to_string(f.integer("num_experts_per_tok")), "num_experts_per_tok");
+    add(out, "moe.router_score_function", "sigmoid", "model_type");
+    add(out, "moe.router_pre_softmax", "false", "model_type");
+    add(out, "moe.router_num_groups", std::to_string(f.integer("n_group", 1)), "n_group");
+    add(out, "moe.router_group_topk", std::to_string(f.integer("topk_group", 1)), "topk_group");
+    add(out, "moe.router_topk_scaling_factor", text_of(json(f.number("routed_scaling_factor", 1.0))),
+        "routed_scaling_factor");
+    add(out, "moe.router_enable_expert_bias", "true", "model_type");
+    add(out, "moe.ffn_hidden_size", std::to_string(Fe), "moe_intermediate_size");
+    add(out, "moe.shared_expert_intermediate_size", std::to_string(f.integer("n_shared_experts", 0) * Fe),
+        "n_shared_experts");
+    add(out, "moe.shared_expert_gate", "false", "model_type");
+    const int64_t dense = f.integer("first_k_dense_replace", 0), every = f.integer("moe_layer_freq", 1);
+    std::string pattern = "[";
+    for (int64_t l = 0; l < L; ++l) pattern += std::string(l ? "," : "") + (l >= dense && l % every == 0 ? "1" : "0");
+    add(out, "moe.layer_freq", pattern + "]", "first_k_dense_replace, moe_layer_freq");
+    return out;
+  }
   // Mixture of experts: softmax routing; Mixtral renormalises the top k (lockstep's softmax over
   // the chosen logits), Qwen does when norm_topk_prob is true.
   const bool qwen = type != "mixtral";
@@ -211,6 +261,8 @@ std::string hf_family(const ModelConfig& m, const MoeConfig& moe) {
   if (m.activation != "swiglu") refuse("model.activation = \"" + m.activation + "\"", "they use swiglu");
   if (m.bias) refuse("model.bias = true", "they have no biases but q/k/v ones (model.add_qkv_bias)");
   if (m.mtp_num_layers > 0) refuse("model.mtp_num_layers", "they have no multi-token prediction layers");
+  if (m.multi_latent_attention)
+    refuse("model.multi_latent_attention", "writing deepseek_v3 checkpoints is not implemented (reading is)");
   if (moe.num_experts == 0) {
     if (m.add_qkv_bias || m.qk_layernorm)
       refuse(m.add_qkv_bias ? "model.add_qkv_bias" : "model.qk_layernorm",

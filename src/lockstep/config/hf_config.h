@@ -1,6 +1,6 @@
 // Hugging Face model configurations (a model directory's config.json) in lockstep's terms, both
-// ways. The families: llama (dense), mixtral, qwen2_moe, qwen3_moe. The weights that go with them
-// are train/hf_checkpoint.h; docs/hf.md is the user's page.
+// ways. The families: llama (dense), mixtral, qwen2_moe, qwen3_moe, and deepseek_v3 (read only). The weights that go
+// with them are train/hf_checkpoint.h; docs/hf.md is the user's page.
 //
 // Reading: train.init_from = "hf:DIR" makes DIR/config.json a layer of the job's configuration
 // (config.h's load_config: after the preset, before the job's file and overrides), and every key it
@@ -27,8 +27,11 @@ struct HfSetting {
 
 struct HfModelConfig {
   std::string dir;         // the model directory
-  std::string model_type;  // llama | mixtral | qwen2_moe | qwen3_moe
+  std::string model_type;  // llama | mixtral | qwen2_moe | qwen3_moe | deepseek_v3
   std::vector<HfSetting> settings;
+  // deepseek_v3: the checkpoint's RoPE dimensions are interleaved pairs (x0, x1), (x2, x3), ...
+  // (its rope_interleave, true by default); lockstep rotates halves, so they are permuted on import.
+  bool rope_interleave = false;
 };
 
 // "hf:DIR" -> DIR; "" for any other train.init_from.

@@ -30,7 +30,10 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
               static_cast<float>(m.norm_eps));
   if (tp.sequence) norm.set_sequence_parallel(ps);
   const int64_t q = m.num_heads * HS, kv = m.query_groups() * HS;
-  qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias || m.add_qkv_bias, std);
+  if (m.multi_latent_attention)
+    mla = LatentProjections(ps, arena, prefix, m, N, NH, tp, scratch_of ? &scratch_of->mla : nullptr);
+  else
+    qkv = Linear::column(ps, tp, prefix + "attn.qkv", C, {q, kv, kv}, m.bias || m.add_qkv_bias, std);
   if (m.qk_layernorm) {
     qk_norm = true;
     const float eps = static_cast<float>(m.norm_eps);
@@ -41,7 +44,11 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
     qk_in = arena.reserve(N * (NH + NKV) * HS);
     qk_tmp = scratch_of && scratch_of->qk_norm ? scratch_of->qk_tmp : arena.reserve_scratch(2 * N * (NH + NKV) * HS);
   }
-  proj = Linear::row(ps, tp, prefix + "attn.proj", q, C, m.bias, out_std);
+  proj = Linear::row(ps, tp, prefix + "attn.proj", m.num_heads * m.value_dim(), C, m.bias, out_std);
+  if (mla.on()) {
+    att_c = arena.reserve(N * mla.out_width());
+    datt_full = scratch_of && scratch_of->mla.on() ? scratch_of->datt_full : arena.reserve_scratch(N * NH * HS);
+  }
   core_name = prefix + "attn.core";
   normed = arena.reserve(tp.rows(N) * C);
   qkv_out = arena.reserve(N * qkv_width());
@@ -71,8 +78,11 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   const int64_t N = B * T;
   norm.forward(ps, arena, arena(normed), resid_in, tp.rows(N));
   const float* x = enter_column_parallel(tp, tp.sequence ? arena(gathered) : nullptr, arena(normed), N, C);
-  qkv.forward(ps, arena(qkv_out), x, N);
   const Precision& p = ps.precision();
+  if (mla.on())
+    mla.forward(ps, arena, arena(qkv_out), x, rope_cos, rope_sin, Tg, positions);
+  else
+    qkv.forward(ps, arena(qkv_out), x, N);
   if (qk_norm) {
     const Ops& ops = ps.device().ops;
     float *in = arena(qk_in), *out = arena(qk_tmp);
@@ -81,7 +91,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
     k_norm.forward(ps, arena, out + N * NH * HS, in + N * NH * HS, N * NKV);
     scatter_qk(ops, arena(qkv_out), out);
   }
-  if (rope) {
+  if (rope && !mla.on()) {
     ps.device().ops.rope_forward(arena(qkv_out), rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
     p.round(arena(qkv_out), N * qkv_width());
   }
@@ -94,7 +104,9 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
   }
   p.round(arena(att), N * NH * HS);
   trace_out(core_name, arena(att), N * NH * HS);
-  proj.forward_residual(ps, tp, resid_out, resid_in, arena(att), N, tp.on() ? arena(partial) : nullptr);
+  const float* heads = arena(att);
+  if (mla.on()) mla.compact(ps.device().ops, arena(att_c), heads), heads = arena(att_c);
+  proj.forward_residual(ps, tp, resid_out, resid_in, heads, N, tp.on() ? arena(partial) : nullptr);
 }
 
 void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
@@ -103,11 +115,13 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   const int64_t N = B * T;
   // The full output gradient (gathered into dnorm, free until qkv's backward).
   const float* dy = leave_row_parallel_backward(tp, s.dnorm, dresid, N, C);
-  proj.backward(ps, s.datt, dy, arena(att), N);
+  proj.backward(ps, s.datt, dy, mla.on() ? arena(att_c) : arena(att), N);
+  const float* datt = s.datt;
+  if (mla.on()) mla.expand(ps.device().ops, arena(datt_full), s.datt), datt = arena(datt_full);
   if (cp.on()) {
     // layout_token_segments: each chunk's tree over its query segments, combined exactly over the group.
     const int64_t segments = tp.token_segments ? tp.segments / B : 0;
-    ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), s.datt, arena(qkv_out), arena(kv), arena(att),
+    ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), datt, arena(qkv_out), arena(kv), arena(att),
                                               arena(lse), B, Tg, chunks, NH, NKV, HS, doc_start, segments);
     if (segments)
       reduce_scatter_dkv_pieces(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
@@ -115,8 +129,16 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
       reduce_scatter_dkv(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
-    ps.device().ops.attention_backward(s.dqkv, s.datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,
+    ps.device().ops.attention_backward(s.dqkv, datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,
                                        doc_start, tp.token_segments ? tp.segments / B : 0);
+  }
+  if (mla.on()) {
+    // The latent projections undo RoPE themselves; their input gradient is this rank's part.
+    trace_grad_in(core_name, s.dqkv, N * qkv_width());
+    const float* x = tp.sequence ? arena(gathered) : arena(normed);
+    mla.backward(ps, arena, s.dnorm, s.dqkv, x, rope_cos, rope_sin, Tg, positions);
+    norm.backward(ps, arena, dresid, enter_column_parallel_backward(tp, s.datt, s.dnorm, N, C), resid_in, tp.rows(N));
+    return;
   }
   if (rope) ps.device().ops.rope_backward(s.dqkv, rope_cos, rope_sin, N, Tg, NH + NKV, HS, qkv_width(), positions);
   ps.precision().round(s.dqkv, N * qkv_width());

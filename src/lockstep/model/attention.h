@@ -1,6 +1,8 @@
 // The attention sublayer: norm -> fused QKV projection -> QK layernorm (model.qk_layernorm: RMSNorm
 // of each query and key head, one weight of head size for the queries and one for the keys, as
-// Qwen3) -> RoPE (llama) -> causal GQA attention -> output projection, added to the residual stream. Tensor parallelism
+// Qwen3) -> RoPE (llama) -> causal GQA attention -> output projection, added to the residual stream.
+// Multi-head latent attention (model.multi_latent_attention, model/mla.h) replaces the QKV
+// projection and RoPE with its latent projections; the core and the output projection stay. Tensor parallelism
 // (parallel/tensor_parallel.h): QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
 // parallelism the norm and the residual stream hold this rank's rows only. Context parallelism
 // (parallel/context_parallel.h): the layer holds T = seq_length / cp positions per sample (its
@@ -13,6 +15,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/model/linear.h"
+#include "lockstep/model/mla.h"
 #include "lockstep/model/norm.h"
 #include "lockstep/parallel/context_parallel.h"
 
@@ -20,7 +23,7 @@ namespace lockstep {
 
 struct AttentionScratch {
   float* dnorm;  // (N, C)
-  float* datt;   // (N, C) (under sequence parallelism also the gathered output gradient)
+  float* datt;   // (N, max(C, NH x HS)) (under sequence parallelism also the gathered output gradient)
   float* dqkv;   // (N, QKV)
 };
 
@@ -49,10 +52,15 @@ struct AttentionLayer {
   Linear qkv, proj;
   bool qk_norm = false;
   Norm q_norm, k_norm;    // over (N x NH) and (N x NKV) rows of HS, token-major
+  LatentProjections mla;  // multi-head latent attention: in place of qkv (and of RoPE)
   std::string core_name;  // "<prefix>attn.core": RoPE + attention, for the trace (core/trace.h)
   // The names forward traces, in order (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {
-    out.insert(out.end(), {norm.name, qkv.name});
+    out.push_back(norm.name);
+    if (mla.on())
+      mla.trace_names(out);
+    else
+      out.push_back(qkv.name);
     if (qk_norm) out.insert(out.end(), {q_norm.name, k_norm.name});
     out.insert(out.end(), {core_name, proj.name});
   }
@@ -68,6 +76,7 @@ struct AttentionLayer {
   QueryChunks chunks;                    // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
+  ArenaSlice att_c, datt_full;           // MLA: the output heads without padding (saved); its gradient padded
   ArenaSlice qk_in;                      // QK layernorm: the queries' and keys' heads before it, saved
   ArenaSlice qk_tmp;                     // QK layernorm: their normalised values or gradients (scratch)
   // QK layernorm: copies the query and key heads of qkv_out's rows (stride qkv_width) to or from a

@@ -34,7 +34,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       L_(m.num_layers),
       N_(B * T_),
       Tg_(m.seq_length),
-      heads_width_(m.num_heads * m.head_dim()),
+      heads_width_(m.num_heads * (m.head_dim() + m.value_dim()) / 2),
       Vl_(V_ / tp.size),
       Nl_(tp.rows(N_)) {
   params_.set_device(device_);
@@ -234,7 +234,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   order_.resize(static_cast<size_t>(N_));
 
   if (m.position_embedding == "rope") {
-    const int64_t HS = m.head_dim();
+    const int64_t HS = m.rope_dim();
     rope_cos_.resize(static_cast<size_t>(Tg_ * HS / 2));
     rope_sin_.resize(rope_cos_.size());
     RopeScaling scaling;  // factor 1: none

@@ -239,7 +239,7 @@ class GPT final : public PipelineStage {
   ContextParallel cp_;
   int64_t B_, T_, C_, V_, L_, N_;  // T_: positions per sample this rank holds (seq_length / cp)
   int64_t Tg_;                     // seq_length
-  int64_t heads_width_;            // num_heads x head size: the attention's width (C unless kv_channels)
+  int64_t heads_width_;            // num_heads x (query + value head size) / 2: the attention core's FLOPs per position
   int64_t Vl_, Nl_;    // this rank's vocabulary rows and residual-stream rows (tensor / sequence parallelism)
   int64_t head_rows_;  // rows of logits per chunk
   // determinism = "layout": the canonical vocabulary segments of the head's input gradient

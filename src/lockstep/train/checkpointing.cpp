@@ -47,7 +47,7 @@ void Trainer::init_weights() {
     if (hf.empty())
       load_safetensors(from, ps);
     else
-      load_hf_checkpoint(hf, ps, config_.model, config_.moe);
+      load_hf_checkpoint(hf, ps, config_.model, config_.moe, state_);  // state_: the buffers too
     return;
   }
   if (!hf.empty()) {

@@ -145,7 +145,8 @@ StateShard piece_shard(const HfParam& p, const HfPiece& piece, float* data) {
 
 }  // namespace
 
-std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family) {
+std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family,
+                                   bool rope_interleave) {
   const int64_t C = m.hidden_size, HS = m.head_dim(), NH = m.num_heads, NKV = m.query_groups(), V = m.vocab_size;
   const int64_t F = m.ffn_hidden(), E = moe.num_experts, FE = moe.ffn_hidden_size ? moe.ffn_hidden_size : F;
   const int64_t FS = moe.shared_expert_intermediate_size;
@@ -155,7 +156,36 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
     const std::string ours = "layers." + std::to_string(l) + ".", theirs = "model.layers." + std::to_string(l) + ".";
     const std::string attn = theirs + "self_attn.";
     b.same(ours + "attn_norm.weight", theirs + "input_layernorm.weight", Shape{C});
+    if (m.multi_latent_attention) {
+      // DeepSeek's names; the RoPE rows of each query head and of the shared key part de-interleaved
+      // (lockstep row j of a RoPE part of size DR is the checkpoint's row 2j, then 2(j - DR/2) + 1).
+      const int64_t DN = m.qk_head_dim, DR = m.qk_pos_emb_head_dim, DV = m.v_head_dim, D = DN + DR;
+      const int64_t QL = m.q_lora_rank, KL = m.kv_lora_rank;
+      auto perm = [&](int64_t rows, int64_t every, int64_t first) {
+        std::vector<int64_t> p(static_cast<size_t>(rows));
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t j = (r % every) - first;
+          p[static_cast<size_t>(r)] =
+              !rope_interleave || j < 0 ? r : r - j + (j < DR / 2 ? 2 * j : 2 * (j - DR / 2) + 1);
+        }
+        return p;
+      };
+      if (QL > 0) {
+        b.same(ours + "attn.q_down.weight", attn + "q_a_proj.weight", Shape{QL, C});
+        b.same(ours + "attn.q_down_norm.weight", attn + "q_a_layernorm.weight", Shape{QL});
+        b.same(ours + "attn.q_up.weight", attn + "q_b_proj.weight", Shape{NH * D, QL});
+      } else {
+        b.same(ours + "attn.q.weight", attn + "q_proj.weight", Shape{NH * D, C});
+      }
+      b.params.back().row_perm = perm(NH * D, D, DN);
+      b.same(ours + "attn.kv_down.weight", attn + "kv_a_proj_with_mqa.weight", Shape{KL + DR, C});
+      b.params.back().row_perm = perm(KL + DR, KL + DR, KL);
+      b.same(ours + "attn.kv_down_norm.weight", attn + "kv_a_layernorm.weight", Shape{KL});
+      b.same(ours + "attn.kv_up.weight", attn + "kv_b_proj.weight", Shape{NH * (DN + DV), KL});
+      b.same(ours + "attn.proj.weight", attn + "o_proj.weight", Shape{C, NH * DV});
+    }
     for (const std::string kind : {"weight", "bias"}) {
+      if (m.multi_latent_attention) break;
       if (kind == "bias" && !m.add_qkv_bias) continue;
       const bool w = kind == "weight";
       b.rows(ours + "attn.qkv." + kind, w ? Shape{(NH + 2 * NKV) * HS, C} : Shape{(NH + 2 * NKV) * HS},
@@ -167,7 +197,7 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
       b.same(ours + "attn.q_norm.weight", attn + "q_norm.weight", Shape{HS});
       b.same(ours + "attn.k_norm.weight", attn + "k_norm.weight", Shape{HS});
     }
-    b.same(ours + "attn.proj.weight", attn + "o_proj.weight", Shape{C, NH * HS});
+    if (!m.multi_latent_attention) b.same(ours + "attn.proj.weight", attn + "o_proj.weight", Shape{C, NH * HS});
     b.same(ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight", Shape{C});
     if (!moe.is_moe_layer(l, m.num_layers)) {
       b.rows(ours + "mlp.fc.weight", Shape{2 * F, C},
@@ -179,6 +209,8 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
     const std::string block = theirs + (mixtral ? "block_sparse_moe." : "mlp.");
     const std::string expert = block + "experts.{e}.";
     b.same(ours + "moe.router.weight", block + "gate.weight", Shape{E, C});
+    if (moe.router_enable_expert_bias)
+      b.same("buffer/" + ours + "moe.router.expert_bias", block + "gate.e_score_correction_bias", Shape{E});
     // Stacked names as transformers 5 holds them (the module is "mlp" in every family).
     b.experts(ours + "moe.experts.fc.weight", E, C,
               {{expert + (mixtral ? "w1.weight" : "gate_proj.weight"), FE},
@@ -187,10 +219,10 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
     b.experts(ours + "moe.experts.proj.weight", E, FE, {{expert + (mixtral ? "w2.weight" : "down_proj.weight"), C}},
               theirs + "mlp.experts.down_proj");
     if (FS > 0) {
+      const std::string shared = block + (family == "deepseek_v3" ? "shared_experts." : "shared_expert.");
       b.rows(ours + "moe.shared.fc.weight", Shape{2 * FS, C},
-             {{block + "shared_expert.gate_proj.weight", Shape{FS, C}},
-              {block + "shared_expert.up_proj.weight", Shape{FS, C}}});
-      b.same(ours + "moe.shared.proj.weight", block + "shared_expert.down_proj.weight", Shape{C, FS});
+             {{shared + "gate_proj.weight", Shape{FS, C}}, {shared + "up_proj.weight", Shape{FS, C}}});
+      b.same(ours + "moe.shared.proj.weight", shared + "down_proj.weight", Shape{C, FS});
       if (moe.shared_expert_gate)
         b.same(ours + "moe.shared.gate.weight", block + "shared_expert_gate.weight", Shape{1, C});
     }
@@ -225,12 +257,14 @@ std::function<std::vector<float>(const std::string&, const Shape&)> hf_dense_ten
   };
 }
 
-void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe) {
-  const std::string family = read_hf_config(dir).model_type;
+void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe,
+                        const std::vector<StateShard>& buffers) {
+  const HfModelConfig hf = read_hf_config(dir);
+  const std::string& family = hf.model_type;
   if (family == "llama" && moe.num_experts > 0)
     user_error("train.init_from = \"hf:", dir, "\" is a dense checkpoint and moe.num_experts = ", moe.num_experts,
                ": set moe.use_upcycling = true to make the experts from its MLPs");
-  const std::vector<HfParam> map = hf_tensor_map(m, moe, family);
+  const std::vector<HfParam> map = hf_tensor_map(m, moe, family, hf.rope_interleave);
   CheckpointFiles files(dir);
 
   // Which form each parameter takes, and every checkpoint tensor accounted for.
@@ -264,21 +298,45 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
                  "', which is not part of the model its config.json describes");
   }
 
-  for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) {
-    const ParamSpec& spec = ps.specs()[i];
-    const auto it = std::find_if(map.begin(), map.end(), [&](const HfParam& p) { return p.param == spec.name; });
+  // The whole tensor of a map entry: its pieces assembled, then its rows permuted.
+  auto assemble = [&](const HfParam& p) {
+    std::vector<float> whole(static_cast<size_t>(p.shape.numel()));
+    const StateShard dst = whole_tensor(p.param, p.shape, whole.data(), true);
+    for (const HfPiece& x : *form.at(p.param)) {
+      std::vector<float> values = files.floats(x.name);
+      copy_overlap(dst, piece_shard(p, x, values.data()));
+    }
+    if (p.row_perm.empty()) return whole;
+    const int64_t width = p.shape.numel() / p.shape[0];
+    std::vector<float> permuted(whole.size());
+    for (int64_t r = 0; r < p.shape[0]; ++r)
+      std::copy_n(whole.data() + p.row_perm[static_cast<size_t>(r)] * width, width, permuted.data() + r * width);
+    return permuted;
+  };
+  auto entry = [&](const std::string& name) {
+    const auto it = std::find_if(map.begin(), map.end(), [&](const HfParam& p) { return p.param == name; });
     if (it == map.end())
       user_error("train.init_from = \"hf:", dir, "\": the ", family, " checkpoint has no counterpart of lockstep's '",
-                 spec.name, "'");
+                 name, "'");
+    return it;
+  };
+  for (int i = 0; i < static_cast<int>(ps.specs().size()); ++i) {
+    const ParamSpec& spec = ps.specs()[i];
+    const auto it = entry(spec.name);
     LOCKSTEP_CHECK(it->shape == spec.global_shape, "hf map: ", spec.name, " is ", it->shape.to_string(),
                    ", the model's ", spec.global_shape.to_string());
     std::vector<StateShard> mine;
     ps.shards_of(mine, i, spec.name, 0, spec.shape.numel(), ps.value(i), true, true, true);
-    for (const HfPiece& x : *form.at(spec.name)) {
-      std::vector<float> values = files.floats(x.name);
-      const StateShard piece = piece_shard(*it, x, values.data());
-      for (const StateShard& s : mine) copy_overlap(s, piece);
-    }
+    std::vector<float> whole = assemble(*it);
+    const StateShard src = whole_tensor(spec.name, spec.global_shape, whole.data(), false);
+    for (const StateShard& s : mine) copy_overlap(s, src);
+  }
+  for (const HfParam& p : map) {
+    if (p.param.rfind("buffer/", 0) != 0) continue;
+    std::vector<float> whole = assemble(p);
+    const StateShard src = whole_tensor(p.param, p.shape, whole.data(), false);
+    for (const StateShard& s : buffers)
+      if (s.name == p.param) copy_overlap(s, src);
   }
 }
 
@@ -292,6 +350,7 @@ int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const 
   std::vector<std::vector<float>> data;
   std::vector<SafetensorsTensor> tensors;
   for (const HfParam& p : hf_tensor_map(m, moe, family)) {
+    LOCKSTEP_CHECK(p.row_perm.empty() && p.param.rfind("buffer/", 0) != 0, "hf export of ", p.param);
     const float* whole = tensor(p.param);
     const StateShard src = whole_tensor(p.param, p.shape, const_cast<float*>(whole), false);
     for (const HfPiece& x : p.pieces) {

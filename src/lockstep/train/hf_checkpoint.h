@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
+#include "lockstep/core/state_shard.h"
 #include "lockstep/core/tensor.h"
 
 namespace lockstep {
@@ -33,20 +34,27 @@ struct HfPiece {
 };
 
 struct HfParam {
-  std::string param;  // lockstep's name, e.g. "layers.0.attn.qkv.weight"
+  std::string param;  // lockstep's name, e.g. "layers.0.attn.qkv.weight", or "buffer/..." for module state
   Shape shape;        // the whole parameter
   std::vector<HfPiece> pieces;
   std::vector<HfPiece> stacked;  // experts: the alternative stacked form; empty otherwise
+  // Row r of the parameter is row row_perm[r] of the pieces assembled (DeepSeek's interleaved RoPE
+  // dimensions); empty: the identity.
+  std::vector<int64_t> row_perm;
 };
 
 // Every parameter of the whole model (all layers, whatever the parallel layout) in the family's
-// checkpoint (config/hf_config.h's hf_family names the family for a model).
-std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family);
+// checkpoint (config/hf_config.h's hf_family names the family for a model), and the module state
+// it carries (DeepSeek's e_score_correction_bias: "buffer/layers.<l>.moe.router.expert_bias").
+std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family,
+                                   bool rope_interleave = false);
 
-// Sets every parameter of ps (this rank's boxes) from the model directory dir, whose config.json
-// the job's model keys were taken from. UserError naming the file and tensor when one is missing,
-// has another shape or dtype, or is left over (a tensor the model does not have).
-void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe);
+// Sets every parameter of ps (this rank's boxes) and every buffer listed in buffers (the model's
+// "buffer/" state shards) from the model directory dir, whose config.json the job's model keys were
+// taken from. UserError naming the file and tensor when one is missing, has another shape or dtype,
+// or is left over (a tensor the model does not have).
+void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfig& m, const MoeConfig& moe,
+                        const std::vector<StateShard>& buffers = {});
 
 // The dense checkpoint's whole tensors under lockstep's parameter names, for upcycling
 // (train/upcycling.h): dir must hold a llama (dense) model.
