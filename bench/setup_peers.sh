@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the benchmark peers need into bench/.venv (ignored by git): a Python virtual
-# environment with PyTorch from PyPI, for bench/torch_peer.py and bench/train_vs_torch.sh, and the
-# tensorboard package for bench/tensorboard_check.py.
+# environment with PyTorch from PyPI, for bench/torch_peer.py and bench/train_vs_torch.sh, the
+# tensorboard package for bench/tensorboard_check.py, and transformers and megatron-core for the
+# oracle fixtures (tests/hf/, tests/megatron/).
 # Idempotent: an existing environment that imports torch and tensorboard is left as it is.
 #
 #   bench/setup_peers.sh                          python3's venv, torch (CPU wheel where it can)
@@ -44,8 +45,16 @@ fi
 "$venv/bin/python" -c 'import tensorboard' 2>/dev/null ||
   "$venv/bin/python" -m pip install --disable-pip-version-check tensorboard
 
+# The oracles' fixture generators (tests/hf/make_fixtures.py, tests/megatron/make_fixtures.py) use
+# Hugging Face transformers and Megatron Core, pinned to the versions the committed fixtures came from.
+oracles() {
+  "$venv/bin/python" -c 'import transformers, megatron.core' 2>/dev/null ||
+    "$venv/bin/python" -m pip install --disable-pip-version-check transformers==5.25.0 megatron-core==0.16.1
+}
+
 # numpy too: torch warns on import without it.
 if "$venv/bin/python" -c 'import numpy, torch' 2>/dev/null; then
+  oracles
   echo "setup_peers.sh: $venv has torch $("$venv/bin/python" -c 'import torch; print(torch.__version__)')"
   exit 0
 fi
@@ -60,3 +69,4 @@ if ! "$venv/bin/python" -c 'import torch' 2>/dev/null; then
 fi
 "$venv/bin/python" -c 'import numpy' 2>/dev/null || "${pip[@]}" numpy
 "$venv/bin/python" -c 'import torch; print("setup_peers.sh: torch", torch.__version__, "in bench/.venv")'
+oracles

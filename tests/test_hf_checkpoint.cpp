@@ -185,15 +185,21 @@ TEST(HfCheckpoint, ExportWritesTheImportedCheckpointBack) {
   // LOCKSTEP_HF_EXPORT_DIR=DIR keeps the exports as DIR/<family> (tests/hf/check_export.py loads
   // them in transformers).
   const char* keep = std::getenv("LOCKSTEP_HF_EXPORT_DIR");
-  for (const std::string family : {"llama", "mixtral", "qwen2_moe", "qwen3_moe"}) {
+  for (const std::string family : {"llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}) {
     TempDir tmp;
     const Config c = fixture_job(fixture(family));
     GPT model(c.model, c.train.micro_batch, c.moe);
     ParamStore& ps = model.params();
-    load_hf_checkpoint(fixture(family), ps, c.model, c.moe);
+    std::vector<StateShard> state;
+    model.state_shards(state, true, true);
+    load_hf_checkpoint(fixture(family), ps, c.model, c.moe, state);
     EXPECT_EQ(hf_family(c.model, c.moe), family);
-    const int64_t n = write_hf_checkpoint(tmp.path("out"), c.model, c.moe,
-                                          [&](const std::string& name) { return ps.value(ps.find(name)); });
+    const int64_t n = write_hf_checkpoint(tmp.path("out"), c.model, c.moe, [&](const std::string& name) {
+      if (name.rfind("buffer/", 0) != 0) return static_cast<const float*>(ps.value(ps.find(name)));
+      const auto it = std::find_if(state.begin(), state.end(), [&](const StateShard& s) { return s.name == name; });
+      EXPECT_NE(it, state.end()) << name;
+      return static_cast<const float*>(it->data);
+    });
     SafetensorsFile written(tmp.path("out/model.safetensors"));
     EXPECT_EQ(static_cast<int64_t>(written.names().size()), n);
     // The fixture's tensors, from however many shards.
@@ -318,7 +324,7 @@ TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
   ModelConfig gpt2;
   EXPECT_EQ(user_error_of([&] { hf_family(gpt2, MoeConfig{}); }),
             "--format hf: model.normalization = \"layernorm\": they use rmsnorm (the Hugging Face families lockstep "
-            "writes: llama, mixtral, qwen2_moe, qwen3_moe)");
+            "writes: llama, mixtral, qwen2_moe, qwen3_moe, deepseek_v3)");
 }
 
 // From the command line: a run's checkpoint exported as a Hugging Face directory initialises a run
@@ -345,6 +351,21 @@ TEST(HfCheckpoint, ExportedDirectoryTrainsLikeTheSafetensorsExport) {
     ASSERT_EQ(r.status, 0) << r.err;
   }
   EXPECT_EQ(read_file(fingerprint_path(dir.path("a"), 0)), read_file(fingerprint_path(dir.path("b"), 0)));
+
+  // DeepSeek-V3's shape (MLA, expert bias; without the MTP depth, which the family has no place for)
+  // goes out as deepseek_v3 with its trained expert biases and comes back in.
+  const std::string ds = " -c " + std::string(LOCKSTEP_SOURCE_DIR) +
+                         "/configs/deepseek-tiny.toml model.mtp_num_layers=0 model.multi_latent_attention=true "
+                         "model.q_lora_rank=32 model.kv_lora_rank=32 model.qk_head_dim=16 model.qk_pos_emb_head_dim=8 "
+                         "model.v_head_dim=16 model.num_query_groups=0 train.global_batch=4 train.micro_batch=2 "
+                         "train.eval_interval=0";
+  r = testing::run_cli(dir, "train" + ds + " train.steps=2 train.save_interval=2 train.out_dir=ds");
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = testing::run_cli(dir, "ckpt export ds ds-hf --format hf");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("config.json (deepseek_v3)"), std::string::npos) << r.out;
+  r = testing::run_cli(dir, "train" + ds + " train.steps=1 train.init_from=hf:ds-hf train.out_dir=ds2");
+  EXPECT_EQ(r.status, 0) << r.err;
 }
 
 }  // namespace

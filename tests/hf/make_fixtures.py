@@ -8,7 +8,7 @@ reference.safetensors: one batch's tokens and targets, and the loss and the grad
 checkpoint tensor (under its name in the checkpoint) that transformers computes in float64 for
 that batch. The tests read the files only; they need neither Python nor transformers.
 
-    bench/setup_peers.sh && bench/.venv/bin/pip install transformers==5.25.0
+    bench/setup_peers.sh                                 (installs transformers 5.25.0)
     bench/.venv/bin/python tests/hf/make_fixtures.py
 
 reference.safetensors: tokens, targets (B, T) I32; loss (1) F64, the mean cross-entropy of the

@@ -16,7 +16,7 @@ Every tensor is float32, as Megatron's router computes. Draws whose top-k margin
 group) fall below 1e-4 are redrawn: a near tie could go either way. One file,
 tests/megatron/fixtures/moe.safetensors; each case's parameters are JSON in its metadata.
 
-    bench/setup_peers.sh && bench/.venv/bin/pip install megatron-core==0.16.1
+    bench/setup_peers.sh                                 (installs megatron-core 0.16.1)
     bench/.venv/bin/python tests/megatron/make_fixtures.py
 """
 import json

@@ -69,7 +69,10 @@ void export_hf(const std::string& dir, const std::string& out) {
   const Config config = load_config_text(meta.info.config_toml, "checkpoint '" + dir + "' config");
   std::map<std::string, std::vector<char>> params;
   for (const CheckpointTensor& t : meta.tensors)
-    if (t.name.rfind("param/", 0) == 0) params[t.name.substr(6)] = read_checkpoint_tensor(meta, t);
+    if (t.name.rfind("param/", 0) == 0)
+      params[t.name.substr(6)] = read_checkpoint_tensor(meta, t);
+    else if (t.name.ends_with(".moe.router.expert_bias"))  // "buffer/...": deepseek_v3's e_score_correction_bias
+      params[t.name] = read_checkpoint_tensor(meta, t);
   const int64_t n = write_hf_checkpoint(out, config.model, config.moe, [&](const std::string& name) {
     const auto it = params.find(name);
     if (it == params.end()) user_error("checkpoint '", dir, "' has no parameter '", name, "'");

@@ -13,8 +13,7 @@ using json = nlohmann::ordered_json;
 
 namespace {
 
-const char* const kFamilies = "llama, mixtral, qwen2_moe, qwen3_moe";
-const char* const kReadFamilies = "llama, mixtral, qwen2_moe, qwen3_moe, deepseek_v3";
+const char* const kFamilies = "llama, mixtral, qwen2_moe, qwen3_moe, deepseek_v3";
 
 std::string text_of(const json& v) {
   if (v.is_boolean()) return v.get<bool>() ? "true" : "false";
@@ -143,7 +142,7 @@ HfModelConfig read_hf_config(const std::string& dir) {
   out.model_type = f.at("model_type").get<std::string>();
   const std::string& type = out.model_type;
   if (type != "llama" && type != "mixtral" && type != "qwen2_moe" && type != "qwen3_moe" && type != "deepseek_v3")
-    f.refuse("model_type", std::string("lockstep reads the families ") + kReadFamilies);
+    f.refuse("model_type", std::string("lockstep reads the families ") + kFamilies);
   const bool deepseek = type == "deepseek_v3";
 
   // The architecture every family shares: RMSNorm, RoPE, SwiGLU, no biases but the ones below.
@@ -261,8 +260,28 @@ std::string hf_family(const ModelConfig& m, const MoeConfig& moe) {
   if (m.activation != "swiglu") refuse("model.activation = \"" + m.activation + "\"", "they use swiglu");
   if (m.bias) refuse("model.bias = true", "they have no biases but q/k/v ones (model.add_qkv_bias)");
   if (m.mtp_num_layers > 0) refuse("model.mtp_num_layers", "they have no multi-token prediction layers");
-  if (m.multi_latent_attention)
-    refuse("model.multi_latent_attention", "writing deepseek_v3 checkpoints is not implemented (reading is)");
+  if (m.multi_latent_attention) {
+    // deepseek_v3: dense first layers, then MoE layers with sigmoid scores, the expert bias, an
+    // ungated shared expert that is a whole number of experts wide.
+    const auto is_moe = [&](int64_t l) { return moe.num_experts > 0 && moe.is_moe_layer(l, m.num_layers); };
+    for (int64_t l = 1; l < m.num_layers; ++l)
+      if (is_moe(l - 1) && !is_moe(l)) refuse("moe.layer_freq", "deepseek_v3's dense layers come first, then MoE");
+    if (moe.num_experts > 0) {
+      const int64_t Fe = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
+      if (moe.router_score_function != "sigmoid")
+        refuse("moe.router_score_function", "deepseek_v3 routes with sigmoid");
+      if (!moe.router_enable_expert_bias)
+        refuse("moe.router_enable_expert_bias = false", "deepseek_v3 routes with its e_score_correction_bias");
+      if (moe.router_num_groups > 1 && moe.router_topk != 2 * moe.router_group_topk)
+        refuse("moe.router_topk",
+               "deepseek_v3 scores a group by its two best experts: it must be 2 x router_group_topk");
+      if (moe.shared_expert_gate) refuse("moe.shared_expert_gate", "deepseek_v3's shared experts have no gate");
+      if (moe.shared_expert_intermediate_size % Fe)
+        refuse("moe.shared_expert_intermediate_size", "deepseek_v3's shared expert is n_shared_experts experts wide");
+    }
+    if (m.qk_layernorm || m.add_qkv_bias) refuse("model.qk_layernorm", "deepseek_v3 has neither it nor q/k/v biases");
+    return "deepseek_v3";
+  }
   if (moe.num_experts == 0) {
     if (m.add_qkv_bias || m.qk_layernorm)
       refuse(m.add_qkv_bias ? "model.add_qkv_bias" : "model.qk_layernorm",
@@ -298,11 +317,26 @@ std::string hf_family(const ModelConfig& m, const MoeConfig& moe) {
   return "mixtral";
 }
 
-std::string hf_config_json(const ModelConfig& m, const MoeConfig& moe, const std::string& family) {
+namespace {
+
+json rope_json(const ModelConfig& m) {
+  json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling == "llama3" ? "llama3" : "default"}};
+  if (m.rope_scaling == "llama3") {
+    rope["factor"] = m.rope_scaling_factor;
+    rope["low_freq_factor"] = m.rope_low_freq_factor;
+    rope["high_freq_factor"] = m.rope_high_freq_factor;
+    rope["original_max_position_embeddings"] = m.rope_original_max_position_embeddings;
+  }
+  return rope;
+}
+
+// The fields every family's config.json has.
+json common_json(const ModelConfig& m, const std::string& family) {
   static const std::map<std::string, std::string> architectures = {{"llama", "LlamaForCausalLM"},
                                                                    {"mixtral", "MixtralForCausalLM"},
                                                                    {"qwen2_moe", "Qwen2MoeForCausalLM"},
-                                                                   {"qwen3_moe", "Qwen3MoeForCausalLM"}};
+                                                                   {"qwen3_moe", "Qwen3MoeForCausalLM"},
+                                                                   {"deepseek_v3", "DeepseekV3ForCausalLM"}};
   json c;
   c["architectures"] = {architectures.at(family)};
   c["model_type"] = family;
@@ -312,25 +346,59 @@ std::string hf_config_json(const ModelConfig& m, const MoeConfig& moe, const std
   c["num_hidden_layers"] = m.num_layers;
   c["num_attention_heads"] = m.num_heads;
   c["num_key_value_heads"] = m.query_groups();
-  c["head_dim"] = m.head_dim();
-  c["intermediate_size"] =
-      family == "mixtral" ? moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden() : m.ffn_hidden();
+  c["intermediate_size"] = m.ffn_hidden();
   c["hidden_act"] = "silu";
   c["rms_norm_eps"] = m.norm_eps;
   c["max_position_embeddings"] = m.seq_length;
   c["initializer_range"] = m.init_std;
   c["tie_word_embeddings"] = m.tie_embeddings;
-  json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling == "llama3" ? "llama3" : "default"}};
-  if (m.rope_scaling == "llama3") {
-    rope["factor"] = m.rope_scaling_factor;
-    rope["low_freq_factor"] = m.rope_low_freq_factor;
-    rope["high_freq_factor"] = m.rope_high_freq_factor;
-    rope["original_max_position_embeddings"] = m.rope_original_max_position_embeddings;
-  }
+  const json rope = rope_json(m);
   c["rope_parameters"] = rope;
   // Earlier transformers versions read these two.
   c["rope_theta"] = m.rope_theta;
   if (m.rope_scaling == "llama3") c["rope_scaling"] = rope;
+  return c;
+}
+
+// DeepSeek's RoPE layout (rope_interleave: train/hf_checkpoint.h permutes the rows back).
+std::string deepseek_config_json(const ModelConfig& m, const MoeConfig& moe) {
+  int64_t dense = 0;
+  while (dense < m.num_layers && !(moe.num_experts > 0 && moe.is_moe_layer(dense, m.num_layers))) ++dense;
+  const int64_t Fe = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
+  json c = common_json(m, "deepseek_v3");
+  c["q_lora_rank"] = m.q_lora_rank > 0 ? json(m.q_lora_rank) : json(nullptr);
+  c["kv_lora_rank"] = m.kv_lora_rank;
+  c["qk_nope_head_dim"] = m.qk_head_dim;
+  c["qk_rope_head_dim"] = m.qk_pos_emb_head_dim;
+  c["qk_head_dim"] = m.qk_head_dim + m.qk_pos_emb_head_dim;
+  c["head_dim"] = m.qk_pos_emb_head_dim;
+  c["v_head_dim"] = m.v_head_dim;
+  c["rope_interleave"] = true;
+  c["attention_bias"] = false;
+  c["first_k_dense_replace"] = dense;
+  c["moe_layer_freq"] = 1;
+  c["n_routed_experts"] = std::max<int64_t>(moe.num_experts, 1);
+  c["num_experts_per_tok"] = moe.num_experts > 0 ? moe.router_topk : 1;
+  c["moe_intermediate_size"] = Fe;
+  c["n_shared_experts"] = Fe > 0 ? moe.shared_expert_intermediate_size / Fe : 0;
+  c["n_group"] = std::max<int64_t>(moe.router_num_groups, 1);
+  c["topk_group"] = std::max<int64_t>(moe.router_group_topk, 1);
+  c["routed_scaling_factor"] = moe.router_topk_scaling_factor;
+  // lockstep renormalises the sigmoid weights of more than one choice (docs/moe.md).
+  c["norm_topk_prob"] = moe.router_topk > 1;
+  c["topk_method"] = "noaux_tc";
+  c["scoring_func"] = "sigmoid";
+  c["num_nextn_predict_layers"] = 0;
+  return c.dump(2) + "\n";
+}
+
+}  // namespace
+
+std::string hf_config_json(const ModelConfig& m, const MoeConfig& moe, const std::string& family) {
+  if (family == "deepseek_v3") return deepseek_config_json(m, moe);
+  json c = common_json(m, family);
+  c["head_dim"] = m.head_dim();
+  if (family == "mixtral") c["intermediate_size"] = moe.ffn_hidden_size ? moe.ffn_hidden_size : m.ffn_hidden();
   if (family == "llama") {
     c["attention_bias"] = false;
     c["mlp_bias"] = false;

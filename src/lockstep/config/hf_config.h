@@ -1,5 +1,5 @@
 // Hugging Face model configurations (a model directory's config.json) in lockstep's terms, both
-// ways. The families: llama (dense), mixtral, qwen2_moe, qwen3_moe, and deepseek_v3 (read only). The weights that go
+// ways. The families: llama (dense), mixtral, qwen2_moe, qwen3_moe, deepseek_v3. The weights that go
 // with them are train/hf_checkpoint.h; docs/hf.md is the user's page.
 //
 // Reading: train.init_from = "hf:DIR" makes DIR/config.json a layer of the job's configuration

@@ -349,9 +349,16 @@ int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const 
   fs::create_directories(tmp);
   std::vector<std::vector<float>> data;
   std::vector<SafetensorsTensor> tensors;
-  for (const HfParam& p : hf_tensor_map(m, moe, family)) {
-    LOCKSTEP_CHECK(p.row_perm.empty() && p.param.rfind("buffer/", 0) != 0, "hf export of ", p.param);
+  for (const HfParam& p : hf_tensor_map(m, moe, family, family == "deepseek_v3")) {
     const float* whole = tensor(p.param);
+    std::vector<float> rows;  // the checkpoint's row order (row_perm undone)
+    if (!p.row_perm.empty()) {
+      const int64_t width = p.shape.numel() / p.shape[0];
+      rows.resize(static_cast<size_t>(p.shape.numel()));
+      for (int64_t r = 0; r < p.shape[0]; ++r)
+        std::copy_n(whole + r * width, width, rows.data() + p.row_perm[static_cast<size_t>(r)] * width);
+      whole = rows.data();
+    }
     const StateShard src = whole_tensor(p.param, p.shape, const_cast<float*>(whole), false);
     for (const HfPiece& x : p.pieces) {
       data.emplace_back(static_cast<size_t>(x.box.numel()));

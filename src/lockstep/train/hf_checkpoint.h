@@ -62,7 +62,8 @@ std::function<std::vector<float>(const std::string& name, const Shape& shape)> h
                                                                                                 const ModelConfig& m);
 
 // Writes the model directory dir (config.json, model.safetensors in fp32) from whole parameters
-// (tensor(name): the parameter's global row-major values). dir must not exist: the directory is
+// (tensor(name): the parameter's or, for "buffer/" names, the module state's global row-major
+// values). dir must not exist: the directory is
 // written under a temporary name and renamed when complete. Returns the number of tensors.
 int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const MoeConfig& moe,
                             const std::function<const float*(const std::string& param)>& tensor);
