@@ -68,8 +68,9 @@ double relative_error(const std::vector<float>& got, const std::vector<float>& r
   return err / scale;
 }
 
-void check_against_transformers(const std::string& family) {
-  const std::string dir = fixture(family);
+void check_against_transformers(const std::string& name) {
+  const std::string dir = fixture(name);
+  const std::string family = read_hf_config(dir).model_type;
   const Config c = fixture_job(dir);
   SafetensorsFile ref(dir + "/reference.safetensors");
   const std::vector<char> tok = ref.bytes("tokens"), tgt = ref.bytes("targets"), loss_bytes = ref.bytes("loss");
@@ -126,6 +127,8 @@ TEST(HfCheckpoint, MixtralMatchesTransformers) { check_against_transformers("mix
 TEST(HfCheckpoint, Qwen2MoeMatchesTransformers) { check_against_transformers("qwen2_moe"); }
 TEST(HfCheckpoint, Qwen3MoeMatchesTransformers) { check_against_transformers("qwen3_moe"); }
 TEST(HfCheckpoint, DeepseekV3MatchesTransformers) { check_against_transformers("deepseek_v3"); }
+// DeepSeek-V3's YaRN: the frequency ramp and the softmax scale's m(factor, mscale_all_dim)^2.
+TEST(HfCheckpoint, DeepseekV3WithYarnMatchesTransformers) { check_against_transformers("deepseek_v3_yarn"); }
 
 // The real-size presets have their published parameter counts (Mixtral-8x7B-v0.1 and
 // Qwen3-30B-A3B on the Hugging Face hub), counted from the tensor map without building them.
@@ -183,16 +186,17 @@ TEST(HfCheckpoint, ConfigJsonSetsTheModel) {
 // and a config.json that reads back as the same model.
 TEST(HfCheckpoint, ExportWritesTheImportedCheckpointBack) {
   // LOCKSTEP_HF_EXPORT_DIR=DIR keeps the exports as DIR/<family> (tests/hf/check_export.py loads
-  // them in transformers).
+  // them in transformers), named by fixture.
   const char* keep = std::getenv("LOCKSTEP_HF_EXPORT_DIR");
-  for (const std::string family : {"llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3"}) {
+  for (const std::string name : {"llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn"}) {
     TempDir tmp;
-    const Config c = fixture_job(fixture(family));
+    const std::string family = read_hf_config(fixture(name)).model_type;
+    const Config c = fixture_job(fixture(name));
     GPT model(c.model, c.train.micro_batch, c.moe);
     ParamStore& ps = model.params();
     std::vector<StateShard> state;
     model.state_shards(state, true, true);
-    load_hf_checkpoint(fixture(family), ps, c.model, c.moe, state);
+    load_hf_checkpoint(fixture(name), ps, c.model, c.moe, state);
     EXPECT_EQ(hf_family(c.model, c.moe), family);
     const int64_t n = write_hf_checkpoint(tmp.path("out"), c.model, c.moe, [&](const std::string& name) {
       if (name.rfind("buffer/", 0) != 0) return static_cast<const float*>(ps.value(ps.find(name)));
@@ -204,7 +208,7 @@ TEST(HfCheckpoint, ExportWritesTheImportedCheckpointBack) {
     EXPECT_EQ(static_cast<int64_t>(written.names().size()), n);
     // The fixture's tensors, from however many shards.
     std::map<std::string, std::vector<float>> theirs;
-    for (const auto& entry : fs::directory_iterator(fixture(family))) {
+    for (const auto& entry : fs::directory_iterator(fixture(name))) {
       const std::string leaf = entry.path().filename().string();
       if (leaf.rfind("model", 0) != 0 || entry.path().extension() != ".safetensors") continue;
       SafetensorsFile f(entry.path().string());
@@ -226,9 +230,9 @@ TEST(HfCheckpoint, ExportWritesTheImportedCheckpointBack) {
     };
     EXPECT_EQ(model_keys(fixture_job(tmp.path("out"))), model_keys(c)) << family;
     if (keep) {
-      fs::remove_all(std::string(keep) + "/" + family);
+      fs::remove_all(std::string(keep) + "/" + name);
       fs::create_directories(keep);
-      fs::rename(tmp.path("out"), std::string(keep) + "/" + family);
+      fs::rename(tmp.path("out"), std::string(keep) + "/" + name);
     }
   }
 }
@@ -314,10 +318,10 @@ TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
       "act", [&](auto&) {}, R"({"hidden_act": "gelu"})");
   EXPECT_EQ(load(dir), "'" + dir + "/config.json': hidden_act = \"gelu\": lockstep's SwiGLU uses silu");
   dir = copy_with(
-      "rope", [&](auto&) {}, R"({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}})");
+      "rope", [&](auto&) {}, R"({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e6}})");
   EXPECT_EQ(load(dir), "'" + dir +
-                           "/config.json': rope_parameters = {\"rope_theta\":1000000.0,\"rope_type\":\"yarn\"}: "
-                           "RoPE scaling \"yarn\" is not supported (lockstep has llama3; yarn is not implemented)");
+                           "/config.json': rope_parameters = {\"rope_theta\":1000000.0,\"rope_type\":\"dynamic\"}: "
+                           "RoPE scaling \"dynamic\" is not supported (lockstep has llama3 and yarn)");
   EXPECT_EQ(load(tmp.path("nowhere")), "train.init_from = \"hf:" + tmp.path("nowhere") + "\": cannot open '" +
                                            tmp.path("nowhere") + "/config.json'");
   // A model no family holds is refused by the key that rules it out.

@@ -69,6 +69,15 @@ CASES = {
         n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1, routed_scaling_factor=2.5,
         q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=6, v_head_dim=5,
         num_nextn_predict_layers=0, rms_norm_eps=1e-6), None),
+    # DeepSeek-V3's YaRN (factor 40 there; 4 here, original context 8 < the batch's 16 positions,
+    # mscale = mscale_all_dim = 1: the softmax scale grows by m^2, cos and sin stay).
+    "deepseek_v3_yarn": (DeepseekV3ForCausalLM, DeepseekV3Config, dict(
+        COMMON, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=16, n_shared_experts=1,
+        n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.5, q_lora_rank=12, kv_lora_rank=8, qk_rope_head_dim=8, qk_nope_head_dim=6,
+        v_head_dim=5, num_nextn_predict_layers=0, rms_norm_eps=1e-6,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=8,
+                             beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)), None),
 }
 
 

@@ -1,6 +1,7 @@
 // Rotary position embedding (kernels/rope.h) on every backend: the forward against the double
 // rotation, the backward against central differences, every element against the float formula,
 // explicit positions, and the thread settings. The table (rope_table, host code) is checked once.
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <utility>
@@ -134,6 +135,47 @@ TEST(Rope, Llama3ScalingMatchesTheFormulaInEveryBand) {
   rope_table(c0.data(), s0.data(), T, HS, theta);
   EXPECT_TRUE(testing::bitwise_equal(c1, c0, "cos"));
   EXPECT_TRUE(testing::bitwise_equal(s1, s0, "sin"));
+}
+
+// YaRN with DeepSeek-V3's settings (factor 40, original length 4096, betas 32 and 1, head RoPE part
+// 64): the ramp's three regions (kept, blended, interpolated) and the table's attention factor
+// m(40, 1) / m(40, 1) = 1; and with mscale 1 alone (Qwen-style) the factor 0.1 ln 40 + 1.
+TEST(Rope, YarnScalingMatchesTheFormulaInEveryRegion) {
+  const int64_t T = 64, HS = 64, half = HS / 2;
+  const double theta = 10000.0, factor = 40.0, L = 4096.0;
+  for (const double all_dim : {1.0, 0.0}) {
+    RopeScaling sc;
+    sc.factor = factor;
+    sc.original_max_position = L;
+    sc.yarn = true;
+    sc.mscale_all_dim = all_dim;
+    const long double pi = 3.14159265358979323846264338327950288L;
+    auto dim = [&](long double r) { return HS * std::log(L / (r * 2 * pi)) / (2 * std::log((long double)theta)); };
+    const long double low = std::max(std::floor(dim(32)), 0.0L),
+                      high = std::min(std::ceil(dim(1)), (long double)HS - 1);
+    const long double attention = all_dim != 0 ? 1.0L : 0.1L * std::log((long double)factor) + 1.0L;
+    EXPECT_NEAR(rope_attention_factor(sc), static_cast<double>(attention), 1e-15);
+    std::vector<float> c(T * half), s(T * half);
+    rope_table(c.data(), s.data(), T, HS, theta, sc);
+    std::vector<double> want_c(T * half), want_s(T * half);
+    int regions[3] = {0, 0, 0};
+    for (int64_t i = 0; i < half; ++i) {
+      const long double inv = std::pow(static_cast<long double>(theta), -2.0L * i / HS);
+      const long double ramp = std::clamp((i - low) / (high - low), 0.0L, 1.0L);
+      const long double scaled = ramp * inv / factor + (1 - ramp) * inv;
+      ++regions[ramp == 0 ? 0 : ramp == 1 ? 2 : 1];
+      EXPECT_NEAR(static_cast<double>(rope_inv_freq(i, HS, theta, sc) / scaled), 1.0, 1e-14) << i;
+      for (int64_t t = 0; t < T; ++t) {
+        want_c[t * half + i] = static_cast<double>(attention * std::cos(t * scaled));
+        want_s[t * half + i] = static_cast<double>(attention * std::sin(t * scaled));
+      }
+    }
+    EXPECT_GT(regions[0], 0);
+    EXPECT_GT(regions[1], 0);
+    EXPECT_GT(regions[2], 0);
+    EXPECT_TRUE(all_close(c, want_c, 6e-8, 1e-12, "cos"));
+    EXPECT_TRUE(all_close(s, want_s, 6e-8, 1e-12, "sin"));
+  }
 }
 
 TEST(Rope, TableMatchesDoubleAngles) {

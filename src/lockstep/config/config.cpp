@@ -296,15 +296,21 @@ const std::vector<Key>& keys() {
       LS_KEY(model.norm_eps, "epsilon of the norm layers"),
       LS_KEY(model.rope_theta, "RoPE base"),
       LS_KEY(model.rope_scaling,
-             "RoPE frequency scaling: none, or llama3 (Llama 3.1+: long wavelengths divided by "
-             "model.rope_scaling_factor, short ones kept, a smooth blend between)",
-             {"none", "llama3"}),
-      LS_KEY(model.rope_scaling_factor, "llama3 scaling: the factor long wavelengths are stretched by"),
+             "RoPE frequency scaling: none; llama3 (Llama 3.1+: long wavelengths divided by "
+             "model.rope_scaling_factor, short ones kept, a smooth blend between); or yarn (DeepSeek-V3, Qwen "
+             "long context: a ramp between the bounds below, cos and sin scaled)",
+             {"none", "llama3", "yarn"}),
+      LS_KEY(model.rope_scaling_factor, "llama3 and yarn: the factor long wavelengths are stretched by"),
       LS_KEY(model.rope_low_freq_factor,
              "llama3 scaling: wavelengths above original_max_position_embeddings / this are scaled"),
       LS_KEY(model.rope_high_freq_factor,
              "llama3 scaling: wavelengths below original_max_position_embeddings / this are kept"),
-      LS_KEY(model.rope_original_max_position_embeddings, "llama3 scaling: the context length before scaling"),
+      LS_KEY(model.rope_original_max_position_embeddings, "llama3 and yarn: the context length before scaling"),
+      LS_KEY(model.rope_yarn_beta_fast, "yarn: rotations below which frequencies are interpolated fully"),
+      LS_KEY(model.rope_yarn_beta_slow, "yarn: rotations above which frequencies are kept"),
+      LS_KEY(model.rope_yarn_mscale, "yarn: cos and sin times m(factor, mscale) / m(factor, mscale_all_dim)"),
+      LS_KEY(model.rope_yarn_mscale_all_dim,
+             "yarn: with MLA the softmax scale times m(factor, this)^2 (DeepSeek-V3: 1); 0 = off"),
       LS_KEY(model.init_std, "std of the normal init (residual projections: std / sqrt(2 * layers))"),
       LS_KEY(model.mtp_num_layers, "multi-token prediction depths D (DeepSeek-V3 / Megatron MTP); 0 = off"),
       LS_KEY(model.mtp_loss_scaling_factor, "MTP loss = factor / D * sum of the depths' mean losses"),
@@ -988,17 +994,25 @@ void validate(const Config& c) {
     user_error("model.position_embedding = \"rope\" needs an even head size, got ", m.rope_dim());
   if (!(m.norm_eps > 0)) user_error("model.norm_eps = ", m.norm_eps, ": must be positive");
   if (!(m.rope_theta > 0)) user_error("model.rope_theta = ", m.rope_theta, ": must be positive");
-  if (m.rope_scaling == "llama3") {
+  if (m.rope_scaling != "none") {
     if (m.position_embedding != "rope")
-      user_error("model.rope_scaling = \"llama3\" needs model.position_embedding = \"rope\"");
+      user_error("model.rope_scaling = \"", m.rope_scaling, "\" needs model.position_embedding = \"rope\"");
     if (!(m.rope_scaling_factor >= 1))
       user_error("model.rope_scaling_factor = ", m.rope_scaling_factor, ": must be >= 1");
-    if (!(m.rope_low_freq_factor > 0 && m.rope_high_freq_factor > m.rope_low_freq_factor))
-      user_error("model.rope_low_freq_factor = ", m.rope_low_freq_factor,
-                 " and model.rope_high_freq_factor = ", m.rope_high_freq_factor, ": need 0 < low < high");
     if (m.rope_original_max_position_embeddings < 1)
       user_error("model.rope_original_max_position_embeddings = ", m.rope_original_max_position_embeddings,
                  ": must be positive");
+  }
+  if (m.rope_scaling == "yarn" && !(m.rope_yarn_beta_fast > m.rope_yarn_beta_slow && m.rope_yarn_beta_slow > 0))
+    user_error("model.rope_yarn_beta_fast = ", m.rope_yarn_beta_fast,
+               " and model.rope_yarn_beta_slow = ", m.rope_yarn_beta_slow, ": need 0 < slow < fast");
+  if (m.rope_yarn_mscale_all_dim != 0 && !(m.rope_scaling == "yarn" && m.multi_latent_attention))
+    user_error("model.rope_yarn_mscale_all_dim = ", m.rope_yarn_mscale_all_dim,
+               ": scales the softmax of multi-head latent attention under yarn only (DeepSeek); set it to 0");
+  if (m.rope_scaling == "llama3") {
+    if (!(m.rope_low_freq_factor > 0 && m.rope_high_freq_factor > m.rope_low_freq_factor))
+      user_error("model.rope_low_freq_factor = ", m.rope_low_freq_factor,
+                 " and model.rope_high_freq_factor = ", m.rope_high_freq_factor, ": need 0 < low < high");
   }
   if (!(m.init_std > 0)) user_error("model.init_std = ", m.init_std, ": must be positive");
   if (m.mtp_num_layers < 0 || m.mtp_num_layers >= m.seq_length)

@@ -32,11 +32,14 @@ struct ModelConfig {
   double norm_eps = 1e-5;
   double rope_theta = 10000.0;
   // RoPE frequency scaling (kernels/rope.h RopeScaling): none | llama3 (Llama 3.1+ checkpoints).
-  std::string rope_scaling = "none";
+  std::string rope_scaling = "none";  // none | llama3 | yarn
   double rope_scaling_factor = 8.0;
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   int64_t rope_original_max_position_embeddings = 8192;
+  // yarn (kernels/rope.h): the ramp's rotation bounds and the attention scale's m(factor, k) terms.
+  double rope_yarn_beta_fast = 32.0, rope_yarn_beta_slow = 1.0;
+  double rope_yarn_mscale = 1.0, rope_yarn_mscale_all_dim = 0.0;
   double init_std = 0.02;
   int64_t mtp_num_layers = 0;            // multi-token prediction depths (model/mtp.h); 0 = off
   double mtp_loss_scaling_factor = 0.1;  // MTP loss = factor / depths * sum of the depths' losses

@@ -84,8 +84,30 @@ void read_rope(const Fields& f, HfModelConfig& out, double default_theta) {
     add(out, "model.rope_scaling", "none", field);
     return;
   }
+  if (type == "yarn") {
+    add(out, "model.rope_scaling", "yarn", field + ".rope_type");
+    if (params.contains("attention_factor") || params.value("truncate", true) != true)
+      f.refuse(field, "yarn with attention_factor or truncate = false is not supported");
+    const std::pair<const char*, const char*> keys[] = {
+        {"factor", "model.rope_scaling_factor"},
+        {"original_max_position_embeddings", "model.rope_original_max_position_embeddings"},
+        {"beta_fast", "model.rope_yarn_beta_fast"},
+        {"beta_slow", "model.rope_yarn_beta_slow"},
+        {"mscale", "model.rope_yarn_mscale"},
+        {"mscale_all_dim", "model.rope_yarn_mscale_all_dim"}};
+    for (const auto& [k, key] : keys)
+      if (params.contains(k) && !params[k].is_null()) add(out, key, text_of(params[k]), field + "." + k);
+    if (!params.contains("factor")) f.refuse(field, "yarn RoPE scaling needs 'factor'");
+    // transformers uses mscale only together with mscale_all_dim.
+    if (params.contains("mscale_all_dim") && (!params.contains("mscale") || params["mscale"].is_null()))
+      add(out, "model.rope_yarn_mscale", "0", field + ".mscale");
+    if (!params.contains("original_max_position_embeddings"))
+      add(out, "model.rope_original_max_position_embeddings", std::to_string(f.integer("max_position_embeddings")),
+          "max_position_embeddings");
+    return;
+  }
   if (type != "llama3")
-    f.refuse(field, "RoPE scaling \"" + type + "\" is not supported (lockstep has llama3; yarn is not implemented)");
+    f.refuse(field, "RoPE scaling \"" + type + "\" is not supported (lockstep has llama3 and yarn)");
   add(out, "model.rope_scaling", "llama3", field + ".rope_type");
   const std::pair<const char*, const char*> keys[] = {
       {"factor", "model.rope_scaling_factor"},
@@ -320,7 +342,15 @@ std::string hf_family(const ModelConfig& m, const MoeConfig& moe) {
 namespace {
 
 json rope_json(const ModelConfig& m) {
-  json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling == "llama3" ? "llama3" : "default"}};
+  json rope = {{"rope_theta", m.rope_theta}, {"rope_type", m.rope_scaling == "none" ? "default" : m.rope_scaling}};
+  if (m.rope_scaling == "yarn") {
+    rope["factor"] = m.rope_scaling_factor;
+    rope["original_max_position_embeddings"] = m.rope_original_max_position_embeddings;
+    rope["beta_fast"] = m.rope_yarn_beta_fast;
+    rope["beta_slow"] = m.rope_yarn_beta_slow;
+    rope["mscale"] = m.rope_yarn_mscale;
+    rope["mscale_all_dim"] = m.rope_yarn_mscale_all_dim;
+  }
   if (m.rope_scaling == "llama3") {
     rope["factor"] = m.rope_scaling_factor;
     rope["low_freq_factor"] = m.rope_low_freq_factor;
@@ -356,7 +386,7 @@ json common_json(const ModelConfig& m, const std::string& family) {
   c["rope_parameters"] = rope;
   // Earlier transformers versions read these two.
   c["rope_theta"] = m.rope_theta;
-  if (m.rope_scaling == "llama3") c["rope_scaling"] = rope;
+  if (m.rope_scaling != "none") c["rope_scaling"] = rope;
   return c;
 }
 

@@ -19,14 +19,26 @@ namespace lockstep {
 // exceeds L / low_freq_factor are divided by factor, those below L / high_freq_factor are kept,
 // and the band between blends the two: s = (L / w_i - low) / (high - low),
 // inv_freq = (1 - s) inv_freq / factor + s inv_freq. factor = 1: off.
+//
+// YaRN (yarn = true; Hugging Face's rope_type "yarn", Megatron's --rope-type yarn): with
+// d(r) = HS ln(L / (2 pi r)) / (2 ln theta), low = floor(d(beta_fast)), high = ceil(d(beta_slow))
+// (clamped to [0, HS - 1]; high = low + 0.001 when equal) and ramp_i = clamp((i - low) / (high -
+// low), 0, 1): inv_freq = ramp_i inv_freq / factor + (1 - ramp_i) inv_freq. The table's cos and sin
+// are multiplied by attention_factor = m(factor, mscale) / m(factor, mscale_all_dim) (or
+// m(factor, 1) when either is 0), m(s, k) = 1 for s <= 1, else 0.1 k ln s + 1.
 struct RopeScaling {
   double factor = 1.0;
   double low_freq_factor = 1.0, high_freq_factor = 4.0;
   double original_max_position = 8192.0;
+  bool yarn = false;
+  double beta_fast = 32.0, beta_slow = 1.0, mscale = 1.0, mscale_all_dim = 0.0;
 };
 
 // The frequency of pair i: theta^(-2i/HS), scaled (in double).
 double rope_inv_freq(int64_t i, int64_t HS, double theta, const RopeScaling& scaling = {});
+// YaRN's m(scale, k) and the factor on the table's cos and sin (1 without YaRN).
+double yarn_mscale(double scale, double k);
+double rope_attention_factor(const RopeScaling& scaling);
 
 // cos, sin: (T, HS/2), angles computed in double and rounded once.
 void rope_table(float* cos, float* sin, int64_t T, int64_t HS, double theta, const RopeScaling& scaling = {});

@@ -8,6 +8,21 @@
 
 namespace lockstep {
 
+RopeScaling rope_scaling_of(const ModelConfig& m) {
+  RopeScaling s;  // factor 1: none
+  if (m.rope_scaling == "none") return s;
+  s.factor = m.rope_scaling_factor;
+  s.original_max_position = static_cast<double>(m.rope_original_max_position_embeddings);
+  s.low_freq_factor = m.rope_low_freq_factor;
+  s.high_freq_factor = m.rope_high_freq_factor;
+  s.yarn = m.rope_scaling == "yarn";
+  s.beta_fast = m.rope_yarn_beta_fast;
+  s.beta_slow = m.rope_yarn_beta_slow;
+  s.mscale = m.rope_yarn_mscale;
+  s.mscale_all_dim = m.rope_yarn_mscale_all_dim;
+  return s;
+}
+
 AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& prefix, const ModelConfig& m,
                                int64_t B_, int64_t T_, const TensorParallel& tp_, const ContextParallel& cp_,
                                const AttentionLayer* scratch_of)

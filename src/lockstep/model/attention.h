@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lockstep/config/config.h"
+#include "lockstep/kernels/rope.h"
 #include "lockstep/model/arena.h"
 #include "lockstep/model/linear.h"
 #include "lockstep/model/mla.h"
@@ -20,6 +21,9 @@
 #include "lockstep/parallel/context_parallel.h"
 
 namespace lockstep {
+
+// The model's RoPE frequency scaling (kernels/rope.h) from its model.rope_* keys.
+RopeScaling rope_scaling_of(const ModelConfig& m);
 
 struct AttentionScratch {
   float* dnorm;  // (N, C)

@@ -237,11 +237,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     const int64_t HS = m.rope_dim();
     rope_cos_.resize(static_cast<size_t>(Tg_ * HS / 2));
     rope_sin_.resize(rope_cos_.size());
-    RopeScaling scaling;  // factor 1: none
-    if (m.rope_scaling == "llama3")
-      scaling = {m.rope_scaling_factor, m.rope_low_freq_factor, m.rope_high_freq_factor,
-                 static_cast<double>(m.rope_original_max_position_embeddings)};
-    rope_table(rope_cos_.data(), rope_sin_.data(), Tg_, HS, m.rope_theta, scaling);
+    rope_table(rope_cos_.data(), rope_sin_.data(), Tg_, HS, m.rope_theta, rope_scaling_of(m));
   }
   if (cp_.on()) {
     positions_.resize(static_cast<size_t>(N_));

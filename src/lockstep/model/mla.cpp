@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "lockstep/kernels/device.h"
+#include "lockstep/kernels/rope.h"
 #include "lockstep/tensor/precision.h"
 
 namespace lockstep {
@@ -44,10 +45,14 @@ LatentProjections::LatentProjections(ParamStore& ps, Arena& arena, const std::st
   kv_up = Linear::column(ps, tp, prefix + "attn.kv_up", KL, {heads * (DN + DV)}, false, std);
   c = arena.reserve(N * KL);
   c_n = arena.reserve(N * KL);
+  if (m.rope_scaling == "yarn" && m.rope_yarn_mscale_all_dim != 0) {
+    const double mscale = yarn_mscale(m.rope_scaling_factor, m.rope_yarn_mscale_all_dim);
+    q_scale = static_cast<float>(mscale * mscale);
+  }
   const int64_t L = std::max(QL, KL);
   scratch = scratch_of && scratch_of->on()
                 ? scratch_of->scratch
-                : arena.reserve_scratch(N * (NH * D + NH * (DN + DV) + (KL + DR) + 2 * L + C + 2 * DR));
+                : arena.reserve_scratch(N * (2 * NH * D + NH * (DN + DV) + (KL + DR) + 2 * L + C + 2 * DR));
 }
 
 void LatentProjections::forward(const ParamStore& ps, const Arena& arena, float* qkv_out, const float* x,
@@ -65,6 +70,7 @@ void LatentProjections::forward(const ParamStore& ps, const Arena& arena, float*
   } else {
     q.forward(ps, qb, x, N);
   }
+  if (q_scale != 1.0f) scale_queries(ops, arena, qb);
   ops.copy_rows(qkv_out, W, qb, NH * D, N, NH * D);
   kv_down.forward(ps, ckv, x, N);
   ops.copy_rows(arena(c), KL, ckv, KL + DR, N, KL);
@@ -79,6 +85,13 @@ void LatentProjections::forward(const ParamStore& ps, const Arena& arena, float*
   }
   for (int64_t h = 0; h < 2 * NH; ++h) ops.rope_forward(qkv_out + h * D + DN, cos, sin, N, T, 1, DR, W, positions);
   ps.precision().round(qkv_out, N * W);
+}
+
+void LatentProjections::scale_queries(const Ops& ops, const Arena& arena, float* q) const {
+  const int64_t L = std::max(QL, KL);
+  float* factor = arena(scratch) + N * (NH * D + NH * (DN + DV) + (KL + DR) + 2 * L + C + 2 * DR);
+  ops.fill(factor, N * NH * D, q_scale);
+  ops.multiply(q, q, factor, N * NH * D);
 }
 
 void LatentProjections::compact(const Ops& ops, float* att_c, const float* att) const {
@@ -107,6 +120,7 @@ void LatentProjections::backward(const ParamStore& ps, const Arena& arena, float
   const float* dk = dqkv + NH * D;
   const float* dv = dk + NH * D;
   ops.copy_rows(dq, NH * D, dqkv, W, N, NH * D);
+  if (q_scale != 1.0f) scale_queries(ops, arena, dq);
   for (int64_t h = 0; h < NH; ++h) {
     ops.copy_rows(dkv + h * (DN + DV), KV, dk + h * D, W, N, DN);
     ops.copy_rows(dkv + h * (DN + DV) + DN, KV, dv + h * D, W, N, DV);

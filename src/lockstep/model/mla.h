@@ -59,14 +59,19 @@ struct LatentProjections {
                 const float* sin, int64_t T, const int32_t* positions) const;
 
   void trace_names(std::vector<std::string>& out) const;
+  // q (N, NH D) *= q_scale.
+  void scale_queries(const Ops& ops, const Arena& arena, float* q) const;
 
   int64_t N = 0, C = 0, NH = 0;
   int64_t DN = 0, DR = 0, DV = 0, D = 0;  // qk_head_dim, qk_pos_emb_head_dim, v_head_dim, DN + DR
   int64_t QL = 0, KL = 0;                 // q_lora_rank (0: no query compression), kv_lora_rank
+  // YaRN with rope_yarn_mscale_all_dim (DeepSeek): the softmax scale's extra factor m^2, applied to
+  // the queries (scores are linear in them); 1 otherwise.
+  float q_scale = 1.0f;
   Linear q, q_down, q_up, kv_down, kv_up;
   Norm q_norm, kv_norm;
   ArenaSlice cq, cq_n, c, c_n;  // saved: the latents before and after their norms
-  ArenaSlice scratch;           // q (N, NH D) | kv (N, NH (DN + DV)) | d latents | dx part | dk_pe x 2
+  ArenaSlice scratch;  // q (N, NH D) | kv (N, NH (DN + DV)) | d latents | dx part | dk_pe x 2 | q_scale (N, NH D)
 };
 
 }  // namespace lockstep
