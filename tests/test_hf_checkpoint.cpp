@@ -58,15 +58,7 @@ std::vector<float> checkpoint_rows(const HfParam& p, const float* ours) {
   return out;
 }
 
-// Largest |got - ref| over the tensor's largest |ref|.
-double relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
-  double err = 0, scale = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    err = std::max(err, std::abs(static_cast<double>(got[i]) - ref[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return err / scale;
-}
+using testing::relative_error;
 
 void check_against_transformers(const std::string& name) {
   const std::string dir = fixture(name);

@@ -65,14 +65,7 @@ std::vector<std::string> cases(const std::string& kind) {
   return out;
 }
 
-double relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
-  double err = 0, scale = 1e-30;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    err = std::max(err, std::abs(static_cast<double>(got[i]) - ref[i]));
-    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
-  }
-  return err / scale;
-}
+using testing::relative_error;
 
 // (N, K) choices as Megatron's dense (N, E) map and probabilities.
 void densify(std::vector<float>& map, std::vector<float>& probs, const std::vector<int32_t>& idx,

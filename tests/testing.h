@@ -8,6 +8,7 @@
 
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -68,6 +69,17 @@ inline ::testing::AssertionResult all_close(const std::vector<float>& got, const
                                             double atol, const std::string& what = "") {
   if (got.size() != ref.size()) return ::testing::AssertionFailure() << what << ": size mismatch";
   return all_close(got.data(), ref.data(), static_cast<int64_t>(got.size()), rtol, atol, what);
+}
+
+// Largest |got - ref| over the tensor's largest |ref| (elements near zero are judged on the tensor's
+// scale): how the oracle tests (Hugging Face, Megatron) measure a tensor's error.
+inline double relative_error(const std::vector<float>& got, const std::vector<float>& ref) {
+  double err = 0, scale = 1e-30;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    err = std::max(err, std::abs(static_cast<double>(got[i]) - ref[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(ref[i])));
+  }
+  return err / scale;
 }
 
 inline ::testing::AssertionResult bitwise_equal(const float* a, const float* b, int64_t n,
