@@ -38,26 +38,6 @@ Config fixture_job(const std::string& dir, std::vector<std::string> extra = {}) 
   return load_config("", extra);
 }
 
-// The values of one checkpoint tensor cut out of a whole lockstep tensor.
-std::vector<float> piece_of(const HfParam& p, const HfPiece& piece, const float* whole) {
-  std::vector<float> out(static_cast<size_t>(piece.box.numel()));
-  StateShard dst = whole_tensor(p.param, p.shape, out.data(), true);
-  dst.box_offset = piece.at;
-  dst.box_shape = piece.box;
-  dst.flat_end = piece.box.numel();
-  copy_overlap(dst, whole_tensor(p.param, p.shape, const_cast<float*>(whole), false));
-  return out;
-}
-
-// A whole lockstep tensor with its rows in the checkpoint's order (HfParam::row_perm undone).
-std::vector<float> checkpoint_rows(const HfParam& p, const float* ours) {
-  std::vector<float> out(ours, ours + p.shape.numel());
-  const int64_t width = p.shape.numel() / p.shape[0];
-  for (size_t r = 0; r < p.row_perm.size(); ++r)
-    std::copy_n(ours + static_cast<int64_t>(r) * width, width, out.data() + p.row_perm[r] * width);
-  return out;
-}
-
 using testing::relative_error;
 
 void check_against_transformers(const std::string& name) {
@@ -98,8 +78,7 @@ void check_against_transformers(const std::string& name) {
     ASSERT_GE(i, 0) << p.param;
     for (const HfPiece& piece : p.pieces) {
       ASSERT_TRUE(ref.has("grad/" + piece.name)) << family << ": transformers has no gradient of " << piece.name;
-      const double err =
-          relative_error(piece_of(p, piece, checkpoint_rows(p, ps.grad(i)).data()), ref.floats("grad/" + piece.name));
+      const double err = relative_error(hf_checkpoint_tensor(p, piece, ps.grad(i)), ref.floats("grad/" + piece.name));
       EXPECT_LE(err, 2e-5) << family << ": gradient of " << piece.name << " (lockstep's " << p.param << ")";
       worst = std::max(worst, err);
       ++compared;
@@ -241,8 +220,8 @@ TEST(HfCheckpoint, Fp8BlockScaledWeightsAreDequantised) {
   for (const HfParam& p : hf_tensor_map(c.model, c.moe, "llama"))
     for (const HfPiece& piece : p.pieces)
       if (ref.has("dequant/" + piece.name)) {
-        EXPECT_TRUE(
-            testing::bitwise_equal(piece_of(p, piece, ps.value(ps.find(p.param))), ref.floats("dequant/" + piece.name)))
+        EXPECT_TRUE(testing::bitwise_equal(hf_checkpoint_tensor(p, piece, ps.value(ps.find(p.param))),
+                                           ref.floats("dequant/" + piece.name)))
             << piece.name;
         ++compared;
       }

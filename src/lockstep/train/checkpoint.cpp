@@ -19,6 +19,7 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
+#include "lockstep/tensor/param_table.h"
 
 namespace lockstep {
 
@@ -896,6 +897,14 @@ void CheckpointSaver::poll() {
 void CheckpointSaver::finish() {
   Impl& s = *impl_;
   if (s.pending) s.commit();
+}
+
+void set_param_from_whole(ParamStore& ps, int i, const float* whole) {
+  const ParamSpec& p = ps.specs()[static_cast<size_t>(i)];
+  std::vector<StateShard> mine;
+  ps.shards_of(mine, i, p.name, 0, p.shape.numel(), ps.value(i), true, true, true);
+  const StateShard src = whole_tensor(p.name, p.global_shape, const_cast<float*>(whole), false);
+  for (const StateShard& s : mine) copy_overlap(s, src);
 }
 
 }  // namespace lockstep

@@ -35,6 +35,8 @@
 
 namespace lockstep {
 
+class ParamStore;
+
 class Communicator;
 
 constexpr int kCheckpointFormatVersion = 1;
@@ -124,6 +126,10 @@ std::vector<char> read_checkpoint_tensor(const CheckpointMetadata& meta, const C
 // the last dimension (the resharding step); returns how many. Both must describe the same global
 // tensor and dtype.
 int64_t copy_overlap(const StateShard& dst, const StateShard& src);
+
+// Sets this rank's boxes of parameter i of ps from the whole parameter (its global row-major values):
+// how initial weights (train.init_from, upcycling) reach any parallel layout.
+void set_param_from_whole(ParamStore& ps, int i, const float* whole);
 
 // Verifies a checkpoint completely: metadata, every file's size and xxh3, every piece's xxh3.
 // UserError on the first problem.

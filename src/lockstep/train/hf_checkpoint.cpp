@@ -31,7 +31,7 @@ class MapBuilder {
   }
   // A parameter that is checkpoint tensors stacked by rows (dimension 0).
   void rows(const std::string& param, const Shape& shape, const std::vector<std::pair<std::string, Shape>>& parts) {
-    HfParam p{param, shape, {}, {}};
+    HfParam p{param, shape, {}, {}, {}};
     int64_t row = 0;
     for (const auto& [name, file_shape] : parts) {
       std::vector<int64_t> at(static_cast<size_t>(shape.rank()), 0);
@@ -47,7 +47,7 @@ class MapBuilder {
                const std::vector<std::pair<std::string, int64_t>>& parts, const std::string& stacked) {
     int64_t R = 0;
     for (const auto& part : parts) R += part.second;
-    HfParam p{param, Shape{E, R, K}, {}, {}};
+    HfParam p{param, Shape{E, R, K}, {}, {}, {}};
     for (int64_t e = 0; e < E; ++e) {
       int64_t row = 0;
       for (const auto& [pattern, r] : parts) {
@@ -92,6 +92,7 @@ class CheckpointFiles {
         if (!where_.count(name)) where_[name] = f;
   }
 
+  const std::string& dir() const { return dir_; }
   bool has(const std::string& name) const { return where_.count(name) > 0; }
   const std::map<std::string, std::string>& tensors() const { return where_; }
   const SafetensorsFile::Entry& entry(const std::string& name) { return of(name).entry(name); }
@@ -141,6 +142,46 @@ StateShard piece_shard(const HfParam& p, const HfPiece& piece, float* data) {
   s.box_shape = piece.box;
   s.flat_end = piece.box.numel();
   return s;
+}
+
+}  // namespace
+
+std::vector<float> permute_rows(const HfParam& p, const float* src, bool to_ours) {
+  std::vector<float> out(src, src + p.shape.numel());
+  const int64_t width = p.shape.numel() / p.shape[0];
+  for (size_t r = 0; r < p.row_perm.size(); ++r) {
+    const int64_t ours = static_cast<int64_t>(r), theirs = p.row_perm[r];
+    std::copy_n(src + (to_ours ? theirs : ours) * width, width, out.data() + (to_ours ? ours : theirs) * width);
+  }
+  return out;
+}
+
+std::vector<float> hf_checkpoint_tensor(const HfParam& p, const HfPiece& piece, const float* whole) {
+  const std::vector<float> rows = permute_rows(p, whole, false);
+  std::vector<float> out(static_cast<size_t>(piece.box.numel()));
+  copy_overlap(piece_shard(p, piece, out.data()),
+               whole_tensor(p.param, p.shape, const_cast<float*>(rows.data()), false));
+  return out;
+}
+
+namespace {
+
+// The whole parameter from the given pieces (its split or stacked form), checked to be there with
+// the shapes config.json implies, in lockstep's row order.
+std::vector<float> assemble(CheckpointFiles& files, const HfParam& p, const std::vector<HfPiece>& pieces) {
+  std::vector<float> whole(static_cast<size_t>(p.shape.numel()));
+  const StateShard dst = whole_tensor(p.param, p.shape, whole.data(), true);
+  for (const HfPiece& x : pieces) {
+    if (!files.has(x.name))
+      user_error("'", files.dir(), "' has no tensor '", x.name, "' (lockstep's ", p.param, " ", p.shape.to_string(),
+                 " needs it; compare config.json with the checkpoint)");
+    if (files.entry(x.name).shape != x.file_shape)
+      user_error("'", files.path_of(x.name), "': tensor '", x.name, "' has shape ",
+                 files.entry(x.name).shape.to_string(), "; config.json makes it ", x.file_shape.to_string());
+    std::vector<float> values = files.floats(x.name);
+    copy_overlap(dst, piece_shard(p, x, values.data()));
+  }
+  return p.row_perm.empty() ? whole : permute_rows(p, whole.data(), true);
 }
 
 }  // namespace
@@ -243,17 +284,7 @@ std::function<std::vector<float>(const std::string&, const Shape&)> hf_dense_ten
   return [=](const std::string& name, const Shape& shape) {
     const auto it = std::find_if(map->begin(), map->end(), [&](const HfParam& p) { return p.param == name; });
     LOCKSTEP_CHECK(it != map->end() && it->shape == shape, "upcycling: no dense ", name, " ", shape.to_string());
-    std::vector<float> whole(static_cast<size_t>(shape.numel()));
-    const StateShard dst = whole_tensor(name, shape, whole.data(), true);
-    for (const HfPiece& x : it->pieces) {
-      if (!files->has(x.name)) user_error("'", dir, "' has no tensor '", x.name, "'");
-      if (files->entry(x.name).shape != x.file_shape)
-        user_error("'", files->path_of(x.name), "': tensor '", x.name, "' has shape ",
-                   files->entry(x.name).shape.to_string(), "; config.json makes it ", x.file_shape.to_string());
-      std::vector<float> values = files->floats(x.name);
-      copy_overlap(dst, piece_shard(*it, x, values.data()));
-    }
-    return whole;
+    return assemble(*files, *it, it->pieces);
   };
 }
 
@@ -274,20 +305,12 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
     const bool split =
         std::all_of(p.pieces.begin(), p.pieces.end(), [&](const HfPiece& x) { return files.has(x.name); });
     const bool stacked = !p.stacked.empty() && files.has(p.stacked[0].name);
-    if (!split && !stacked)
-      for (const HfPiece& x : p.pieces)
-        if (!files.has(x.name))
-          user_error("'", dir, "' has no tensor '", x.name, "' (lockstep's ", p.param, " ", p.shape.to_string(),
-                     " needs it; compare config.json with the checkpoint)");
-    const std::vector<HfPiece>& pieces = split ? p.pieces : p.stacked;
+    // Neither form complete: the split one names what is missing (assemble, below, reads it).
+    const std::vector<HfPiece>& pieces = split || !stacked ? p.pieces : p.stacked;
     form[p.param] = &pieces;
     for (const HfPiece& x : pieces) {
       used.insert(x.name);
       used.insert(x.name + "_scale_inv");
-      const SafetensorsFile::Entry& e = files.entry(x.name);
-      if (e.shape != x.file_shape)
-        user_error("'", files.path_of(x.name), "': tensor '", x.name, "' has shape ", e.shape.to_string(),
-                   "; config.json makes it ", x.file_shape.to_string());
     }
   }
   for (const auto& [name, file] : files.tensors()) {
@@ -298,21 +321,7 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
                  "', which is not part of the model its config.json describes");
   }
 
-  // The whole tensor of a map entry: its pieces assembled, then its rows permuted.
-  auto assemble = [&](const HfParam& p) {
-    std::vector<float> whole(static_cast<size_t>(p.shape.numel()));
-    const StateShard dst = whole_tensor(p.param, p.shape, whole.data(), true);
-    for (const HfPiece& x : *form.at(p.param)) {
-      std::vector<float> values = files.floats(x.name);
-      copy_overlap(dst, piece_shard(p, x, values.data()));
-    }
-    if (p.row_perm.empty()) return whole;
-    const int64_t width = p.shape.numel() / p.shape[0];
-    std::vector<float> permuted(whole.size());
-    for (int64_t r = 0; r < p.shape[0]; ++r)
-      std::copy_n(whole.data() + p.row_perm[static_cast<size_t>(r)] * width, width, permuted.data() + r * width);
-    return permuted;
-  };
+  auto whole = [&](const HfParam& p) { return assemble(files, p, *form.at(p.param)); };
   auto entry = [&](const std::string& name) {
     const auto it = std::find_if(map.begin(), map.end(), [&](const HfParam& p) { return p.param == name; });
     if (it == map.end())
@@ -325,16 +334,12 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
     const auto it = entry(spec.name);
     LOCKSTEP_CHECK(it->shape == spec.global_shape, "hf map: ", spec.name, " is ", it->shape.to_string(),
                    ", the model's ", spec.global_shape.to_string());
-    std::vector<StateShard> mine;
-    ps.shards_of(mine, i, spec.name, 0, spec.shape.numel(), ps.value(i), true, true, true);
-    std::vector<float> whole = assemble(*it);
-    const StateShard src = whole_tensor(spec.name, spec.global_shape, whole.data(), false);
-    for (const StateShard& s : mine) copy_overlap(s, src);
+    set_param_from_whole(ps, i, whole(*it).data());
   }
   for (const HfParam& p : map) {
     if (p.param.rfind("buffer/", 0) != 0) continue;
-    std::vector<float> whole = assemble(p);
-    const StateShard src = whole_tensor(p.param, p.shape, whole.data(), false);
+    std::vector<float> values = whole(p);
+    const StateShard src = whole_tensor(p.param, p.shape, values.data(), false);
     for (const StateShard& s : buffers)
       if (s.name == p.param) copy_overlap(s, src);
   }
@@ -350,19 +355,8 @@ int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const 
   std::vector<std::vector<float>> data;
   std::vector<SafetensorsTensor> tensors;
   for (const HfParam& p : hf_tensor_map(m, moe, family, family == "deepseek_v3")) {
-    const float* whole = tensor(p.param);
-    std::vector<float> rows;  // the checkpoint's row order (row_perm undone)
-    if (!p.row_perm.empty()) {
-      const int64_t width = p.shape.numel() / p.shape[0];
-      rows.resize(static_cast<size_t>(p.shape.numel()));
-      for (int64_t r = 0; r < p.shape[0]; ++r)
-        std::copy_n(whole + r * width, width, rows.data() + p.row_perm[static_cast<size_t>(r)] * width);
-      whole = rows.data();
-    }
-    const StateShard src = whole_tensor(p.param, p.shape, const_cast<float*>(whole), false);
     for (const HfPiece& x : p.pieces) {
-      data.emplace_back(static_cast<size_t>(x.box.numel()));
-      copy_overlap(piece_shard(p, x, data.back().data()), src);
+      data.push_back(hf_checkpoint_tensor(p, x, tensor(p.param)));
       tensors.push_back({x.name, DType::f32, x.file_shape, nullptr});
     }
   }

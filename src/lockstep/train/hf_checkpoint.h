@@ -49,6 +49,12 @@ struct HfParam {
 std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family,
                                    bool rope_interleave = false);
 
+// Between lockstep's row order and the checkpoint's (HfParam::row_perm): to_ours, lockstep row r
+// is checkpoint row row_perm[r]; else the reverse. A copy when there is no permutation.
+std::vector<float> permute_rows(const HfParam& p, const float* src, bool to_ours);
+// The checkpoint tensor `piece` of parameter p, cut from the whole parameter (lockstep's rows).
+std::vector<float> hf_checkpoint_tensor(const HfParam& p, const HfPiece& piece, const float* whole);
+
 // Sets every parameter of ps (this rank's boxes) and every buffer listed in buffers (the model's
 // "buffer/" state shards) from the model directory dir, whose config.json the job's model keys were
 // taken from. UserError naming the file and tensor when one is missing, has another shape or dtype,

@@ -164,10 +164,7 @@ void load_safetensors(const std::string& path, ParamStore& ps) {
       user_error("'", path, "': tensor '", p.name, "' is ", e.dtype, "; lockstep reads F32 and BF16");
     std::vector<float> whole = file.floats(p.name);
     // This rank's boxes of the global tensor (all of it without tensor parallelism).
-    std::vector<StateShard> mine;
-    ps.shards_of(mine, i, p.name, 0, p.shape.numel(), ps.value(i), true, true, true);
-    const StateShard file_tensor = whole_tensor(p.name, e.shape, whole.data(), false);
-    for (const StateShard& s : mine) copy_overlap(s, file_tensor);
+    set_param_from_whole(ps, i, whole.data());
   }
 }
 

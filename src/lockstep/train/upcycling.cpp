@@ -67,10 +67,7 @@ void upcycle(ParamStore& ps, const ModelConfig& m, const MoeConfig& moe,
         user_error("moe.use_upcycling: the dense checkpoint has no counterpart of '", spec.name, "'");
       }
     }
-    std::vector<StateShard> mine;
-    ps.shards_of(mine, i, spec.name, 0, spec.shape.numel(), ps.value(i), true, true, true);
-    const StateShard src = whole_tensor(spec.name, spec.global_shape, whole.data(), false);
-    for (const StateShard& s : mine) copy_overlap(s, src);
+    set_param_from_whole(ps, i, whole.data());
   }
 }
 
