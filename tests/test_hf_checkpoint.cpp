@@ -67,6 +67,17 @@ void check_against_transformers(const std::string& name) {
       hf_loss, 2e-6 * hf_loss)
       << family;
 
+  // DeepSeek's multi-token prediction layer: the depth's loss (make_mtp_case).
+  const bool mtp = ref.has("mtp_loss");
+  EXPECT_EQ(mtp, c.model.mtp_num_layers > 0) << family;
+  if (mtp) {
+    double hf_mtp;
+    std::memcpy(&hf_mtp, ref.bytes("mtp_loss").data(), 8);
+    EXPECT_NEAR(model.mtp_loss(), hf_mtp, 2e-6 * hf_mtp) << family;
+    if (std::getenv("LOCKSTEP_REFERENCE_REPORT"))
+      std::printf("%s: mtp loss rel err %.3e\n", name.c_str(), std::abs(model.mtp_loss() - hf_mtp) / hf_mtp);
+  }
+
   // Every gradient transformers has, under its name; none left over.
   const bool report = std::getenv("LOCKSTEP_REFERENCE_REPORT") != nullptr;
   if (report) std::printf("%s: loss rel err %.3e\n", family.c_str(), std::abs(loss - hf_loss) / hf_loss);
@@ -74,6 +85,7 @@ void check_against_transformers(const std::string& name) {
   int64_t compared = 0;
   for (const HfParam& p : hf_tensor_map(c.model, c.moe, family, read_hf_config(dir).rope_interleave)) {
     if (p.param.rfind("buffer/", 0) == 0) continue;  // not trained
+    if (p.copy) continue;                            // the MTP layer's embedding and head: shared
     const int i = ps.find(p.param);
     ASSERT_GE(i, 0) << p.param;
     for (const HfPiece& piece : p.pieces) {
@@ -88,7 +100,8 @@ void check_against_transformers(const std::string& name) {
   // trained: save_pretrained writes them with the gradients).
   int64_t buffers = 0;
   for (const std::string& name : ref.names()) buffers += name.ends_with("e_score_correction_bias");
-  EXPECT_EQ(compared, static_cast<int64_t>(ref.names().size()) - 3 - buffers) << family << ": gradients not compared";
+  EXPECT_EQ(compared, static_cast<int64_t>(ref.names().size()) - 3 - mtp - buffers)
+      << family << ": gradients not compared";
   if (report)
     std::printf("%s: largest gradient rel err %.3e over %lld tensors\n", family.c_str(), worst, (long long)compared);
 }
@@ -100,6 +113,9 @@ TEST(HfCheckpoint, Qwen3MoeMatchesTransformers) { check_against_transformers("qw
 TEST(HfCheckpoint, DeepseekV3MatchesTransformers) { check_against_transformers("deepseek_v3"); }
 // DeepSeek-V3's YaRN: the frequency ramp and the softmax scale's m(factor, mscale_all_dim)^2.
 TEST(HfCheckpoint, DeepseekV3WithYarnMatchesTransformers) { check_against_transformers("deepseek_v3_yarn"); }
+// DeepSeek-V3's multi-token prediction layer as its release stores it (model.layers.<L>.*), its
+// transformer layer MoE like the last decoder layer, against transformers' own decoder layer.
+TEST(HfCheckpoint, DeepseekV3WithMtpMatchesTransformers) { check_against_transformers("deepseek_v3_mtp"); }
 
 // The real-size presets have their published parameter counts (Mixtral-8x7B-v0.1 and
 // Qwen3-30B-A3B on the Hugging Face hub), counted from the tensor map without building them.
@@ -112,13 +128,19 @@ TEST(HfCheckpoint, RealSizePresetsHaveTheirPublishedParameterCounts) {
     for (const HfParam& p : hf_tensor_map(c.model, c.moe, family)) total += p.shape.numel();
     EXPECT_EQ(total, published) << preset;
   }
-  // DeepSeek-V3: "671B total parameters" without the multi-token prediction module, counted by the
-  // deepseek_v3 tensor map (the expert biases are module state, not parameters).
+  // DeepSeek-V3: "671B of the Main Model weights and 14B of the Multi-Token Prediction (MTP) Module
+  // weights" (685B on the hub), counted by the deepseek_v3 tensor map (the expert biases are module
+  // state, not parameters); the MTP layer as the release stores it, with its copies of the embedding
+  // and the output head: 13.46B, which DeepSeek rounds to 14B.
   const Config dsv3 = load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/deepseek-v3.toml", {});
-  int64_t total = 0;
-  for (const HfParam& p : hf_tensor_map(dsv3.model, dsv3.moe, "deepseek_v3"))
-    if (p.param.rfind("buffer/", 0) != 0) total += p.shape.numel();
-  EXPECT_NEAR(static_cast<double>(total), 671e9, 671e9 * 1e-4);  // 671,026,404,352
+  int64_t main = 0, mtp = 0;
+  for (const HfParam& p : hf_tensor_map(dsv3.model, dsv3.moe, "deepseek_v3")) {
+    if (p.param.rfind("buffer/", 0) == 0) continue;
+    (p.copy || p.param.rfind("mtp.", 0) == 0 ? mtp : main) += p.shape.numel();
+  }
+  EXPECT_NEAR(static_cast<double>(main), 671e9, 671e9 * 1e-4);  // 671,026,404,352
+  EXPECT_NEAR(static_cast<double>(mtp), 13.5e9, 0.5e9);         // 13,463,426,048
+  EXPECT_NEAR(static_cast<double>(main + mtp), 685e9, 1e9);
 }
 
 // config.json becomes lockstep's keys: the fixtures' families, layer patterns and routing.
@@ -159,7 +181,8 @@ TEST(HfCheckpoint, ExportWritesTheImportedCheckpointBack) {
   // LOCKSTEP_HF_EXPORT_DIR=DIR keeps the exports as DIR/<family> (tests/hf/check_export.py loads
   // them in transformers), named by fixture.
   const char* keep = std::getenv("LOCKSTEP_HF_EXPORT_DIR");
-  for (const std::string name : {"llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn"}) {
+  for (const std::string name :
+       {"llama", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "deepseek_v3_yarn", "deepseek_v3_mtp"}) {
     TempDir tmp;
     const std::string family = read_hf_config(fixture(name)).model_type;
     const Config c = fixture_job(fixture(name));
@@ -231,9 +254,8 @@ TEST(HfCheckpoint, Fp8BlockScaledWeightsAreDequantised) {
 // One error line naming the file and the tensor or field, for each kind of bad directory.
 TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
   TempDir tmp;
-  const std::string src = fixture("mixtral");
   auto copy_with = [&](const std::string& leaf, const std::function<void(std::vector<SafetensorsTensor>&)>& edit,
-                       const std::string& config_edit = "") {
+                       const std::string& config_edit = "", const std::string& src = fixture("mixtral")) {
     const std::string dir = tmp.path(leaf);
     fs::create_directories(dir);
     std::string config = read_file(src + "/config.json");
@@ -293,6 +315,28 @@ TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
   EXPECT_EQ(load(dir), "'" + dir +
                            "/config.json': rope_parameters = {\"rope_theta\":1000000.0,\"rope_type\":\"dynamic\"}: "
                            "RoPE scaling \"dynamic\" is not supported (lockstep has llama3 and yarn)");
+  // DeepSeek's MTP layer: its copy of the output head must be the head lockstep's depth shares;
+  // config.json's num_nextn_predict_layers asks for the layer's tensors.
+  const std::string mtp_head = "model.layers.2.shared_head.head.weight";
+  std::vector<float> changed;
+  dir = copy_with(
+      "mtp_head",
+      [&](auto& t) {
+        auto it = std::find_if(t.begin(), t.end(), [&](const SafetensorsTensor& x) { return x.name == mtp_head; });
+        const float* head = static_cast<const float*>(it->data);
+        changed.assign(head, head + it->shape.numel());
+        changed[5] += 1.0f;
+        it->data = changed.data();
+      },
+      "", fixture("deepseek_v3_mtp"));
+  EXPECT_EQ(load(dir), "'" + dir + "/model.safetensors': tensor '" + mtp_head +
+                           "' differs from 'lm_head.weight'; lockstep's multi-token prediction depths share the "
+                           "model's");
+  dir = copy_with(
+      "mtp_missing", [&](auto&) {}, R"({"num_nextn_predict_layers": 1})", fixture("deepseek_v3"));
+  EXPECT_EQ(load(dir), "'" + dir +
+                           "' has no tensor 'model.layers.2.enorm.weight' (lockstep's mtp.layers.0.enorm.weight (32) "
+                           "needs it; compare config.json with the checkpoint)");
   EXPECT_EQ(load(tmp.path("nowhere")), "train.init_from = \"hf:" + tmp.path("nowhere") + "\": cannot open '" +
                                            tmp.path("nowhere") + "/config.json'");
   // A model no family holds is refused by the key that rules it out.

@@ -300,7 +300,7 @@ void check_model_gradients(const TinyMoe& t) {
       model.begin_step(1, 1);
       const double lm = model.evaluate(tokens.data(), targets.data());
       EXPECT_EQ(routing_of(model), routing) << p.name << ": routing changed under the finite-difference step";
-      return lm + model.aux_loss();
+      return lm + model.aux_loss() + model.mtp_loss();
     };
     const double numeric = (loss_at(h) - loss_at(-h)) / (2 * h);
     std::copy(saved.begin(), saved.end(), v);
@@ -324,6 +324,50 @@ TEST(MoeModel, GradientsMatchFiniteDifferences) {
        "moe.router_group_topk=2", "moe.router_topk_scaling_factor=2.5", "moe.router_enable_expert_bias=true",
        "moe.router_load_balancing_type=seq_aux_loss", "moe.aux_loss_coeff=0.1", "moe.ffn_hidden_size=16",
        "moe.shared_expert_intermediate_size=24", "moe.shared_expert_gate=true", "moe.layer_freq=[0,1]"}));
+}
+
+// A multi-token prediction depth after an MoE last layer is MoE too (model/mtp.h), as DeepSeek-V3's:
+// its router, experts and shared expert get their gradients (and its aux loss its share) through
+// the depth's loss; after a dense last layer the depth keeps the MLP.
+TEST(MoeModel, MtpDepthAfterAnMoeLayerIsMoe) {
+  const std::vector<std::string> keys = {"moe.num_experts=4",
+                                         "moe.router_topk=2",
+                                         "moe.router_score_function=sigmoid",
+                                         "moe.router_topk_scaling_factor=2.5",
+                                         "moe.router_enable_expert_bias=true",
+                                         "moe.router_load_balancing_type=seq_aux_loss",
+                                         "moe.aux_loss_coeff=0.1",
+                                         "moe.ffn_hidden_size=16",
+                                         "moe.shared_expert_intermediate_size=24",
+                                         "moe.layer_freq=[0,1]",
+                                         "model.mtp_num_layers=1"};
+  TinyMoe t = tiny_moe("llama", keys);
+  t.m.mtp_loss_scaling_factor = 0.7;
+  {
+    GPT model(t.m, 1, t.moe);
+    ASSERT_EQ(model.moe_layers().size(), 3u);  // layers 0 (dense), 1, then the depth's
+    EXPECT_EQ(model.moe_layers()[0], nullptr);
+    EXPECT_NE(model.moe_layers()[2], nullptr);
+    int depth_moe = 0;
+    for (const ParamSpec& p : model.params().specs()) {
+      depth_moe += p.name.rfind("mtp.layers.0.moe.", 0) == 0;
+      EXPECT_EQ(p.name.rfind("mtp.layers.0.mlp.", 0), std::string::npos) << p.name;
+    }
+    EXPECT_GE(depth_moe, 4);  // router, experts' fc and proj, shared expert
+    std::vector<StateShard> shards;
+    model.state_shards(shards, true, true);
+    bool bias = false;
+    for (const StateShard& sh : shards) bias = bias || sh.name == "buffer/mtp.layers.0.moe.router.expert_bias";
+    EXPECT_TRUE(bias);
+  }
+  check_model_gradients(t);
+  TinyMoe dense_last =
+      tiny_moe("llama", {"moe.num_experts=4", "moe.router_topk=2", "moe.layer_freq=[1,0]", "model.mtp_num_layers=1"});
+  GPT model(dense_last.m, 1, dense_last.moe);
+  EXPECT_EQ(model.moe_layers().size(), 2u);
+  bool mlp = false;
+  for (const ParamSpec& p : model.params().specs()) mlp = mlp || p.name == "mtp.layers.0.mlp.fc.weight";
+  EXPECT_TRUE(mlp);
 }
 
 TEST(MoeModel, OneExpertTopOneEqualsTheDenseMlp) {

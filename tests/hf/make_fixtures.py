@@ -13,7 +13,7 @@ that batch. The tests read the files only; they need neither Python nor transfor
 
 reference.safetensors: tokens, targets (B, T) I32; loss (1) F64, the mean cross-entropy of the
 logits at every position against targets (no shift: targets are the next tokens already);
-grad/<checkpoint tensor> F32. llama_fp8 has no reference batch: its model.safetensors holds
+grad/<checkpoint tensor> F32; deepseek_v3_mtp adds mtp_loss (1) F64 (make_mtp_case). llama_fp8 has no reference batch: its model.safetensors holds
 float8_e4m3fn weights with 128x128 block scales (`weight_scale_inv`, DeepSeek-V3's layout) and
 reference.safetensors holds dequant/<tensor>, the float32 weights they stand for.
 
@@ -31,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import (DeepseekV3Config, DeepseekV3ForCausalLM, LlamaConfig, LlamaForCausalLM, MixtralConfig,
                           MixtralForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "fixtures")
@@ -93,8 +94,9 @@ def randomise(model, gen):
                 buf.copy_(torch.randn(buf.shape, generator=gen) * 0.05)
 
 
-def routing_margin(model, tokens):
-    """The smallest gap between the K-th and (K+1)-th router logit of any token in any MoE layer."""
+def routing_margin(model, tokens, run=None):
+    """The smallest gap between the K-th and (K+1)-th router logit of any token in any MoE layer,
+    over model(input_ids=tokens) or run()."""
     k = getattr(model.config, "num_experts_per_tok", 0)
     gaps = []
 
@@ -117,7 +119,7 @@ def routing_margin(model, tokens):
     if not handles and k and any(n.endswith("mlp.experts") for n, _ in model.named_modules()):
         raise SystemExit("no router found to check the routing margins")
     with torch.no_grad():
-        model(input_ids=tokens)
+        run() if run else model(input_ids=tokens)
     for h in handles:
         h.remove()
     return min(gaps) if gaps else float("inf")
@@ -178,6 +180,105 @@ def make_case(name, model_cls, config_cls, kw, shard):
     print(f"{name}: seed {seed}, loss {loss.item():.6f}, {len(named_grads)} tensors")
 
 
+class MtpDepth(torch.nn.Module):
+    """The parts of DeepSeek-V3's multi-token prediction layer that are not a decoder layer, under
+    their checkpoint names (model.layers.<L>.enorm, .hnorm, .eh_proj, .shared_head.norm)."""
+
+    def __init__(self, config):
+        super().__init__()
+        C = config.hidden_size
+        self.enorm = DeepseekV3RMSNorm(C, eps=config.rms_norm_eps)
+        self.hnorm = DeepseekV3RMSNorm(C, eps=config.rms_norm_eps)
+        self.eh_proj = torch.nn.Linear(2 * C, C, bias=False)
+        self.shared_head = torch.nn.Module()
+        self.shared_head.norm = DeepseekV3RMSNorm(C, eps=config.rms_norm_eps)
+
+
+def mtp_losses(model, depth, tokens, targets):
+    """The main model's loss and the depth's (k = 1), as Megatron and lockstep define multi-token
+    prediction and vLLM runs DeepSeek-V3's layer: model holds L + 1 decoder layers, the first L the
+    main model's, layer L the depth's transformer layer (transformers' own DeepseekV3DecoderLayer,
+    MoE as the last decoder layer is). The depth reads the tokens one ahead (rolled within the
+    sequence), e = enorm(embed(t_{i+1})), x = eh_proj([e | hnorm(h)]), h_1 = shared_head.norm(layer(x)),
+    and predicts targets one ahead through the shared output head (the last position has none)."""
+    inner, L = model.model, len(model.model.layers) - 1
+    inner.config.num_hidden_layers = L  # the main model's forward stops before the depth's layer
+    h = inner(input_ids=tokens).last_hidden_state
+    inner.config.num_hidden_layers = L + 1
+    V = model.config.vocab_size
+    lm = F.cross_entropy(model.lm_head(h).reshape(-1, V), targets.reshape(-1))
+    ahead = torch.roll(tokens, -1, dims=1)
+    ahead_targets = torch.cat([targets[:, 1:], torch.full_like(targets[:, :1], -100)], dim=1)
+    x = depth.eh_proj(torch.cat([depth.enorm(inner.embed_tokens(ahead)), depth.hnorm(h)], dim=-1))
+    positions = torch.arange(tokens.shape[1])[None]
+    mask = torch.full((tokens.shape[1],) * 2, float("-inf"), dtype=x.dtype).triu(1)[None, None]
+    y = inner.layers[L](x, attention_mask=mask, position_ids=positions,
+                        position_embeddings=inner.rotary_emb(x, positions))
+    ce = F.cross_entropy(model.lm_head(depth.shared_head.norm(y)).reshape(-1, V), ahead_targets.reshape(-1),
+                         ignore_index=-100)
+    return lm, ce
+
+
+def make_mtp_case(name, kw, weight=0.1):
+    """deepseek_v3 with one multi-token prediction layer (num_nextn_predict_layers = 1), written as
+    DeepSeek's release writes it: model.layers.<L>.* after the decoder's L layers, with copies of the
+    embedding (embed_tokens) and the output head (shared_head.head). transformers has no MTP: the
+    reference is mtp_losses over its modules. reference.safetensors adds mtp_loss (weight x the
+    depth's loss, lockstep's mtp_loss with mtp_loss_scaling_factor = weight) and the gradients are
+    those of loss + mtp_loss."""
+    L = kw["num_hidden_layers"]
+    for seed in range(100):
+        gen = torch.Generator().manual_seed(2000 + seed)
+        config = DeepseekV3Config(**dict(kw, num_hidden_layers=L + 1, num_nextn_predict_layers=0))
+        config._attn_implementation = "eager"
+        config._experts_implementation = "eager"
+        model = DeepseekV3ForCausalLM(config).float()
+        depth = MtpDepth(config).float()
+        randomise(model, gen)
+        randomise(depth, gen)
+        tokens = torch.randint(0, kw["vocab_size"], (B, T), generator=gen, dtype=torch.int64)
+        targets = torch.randint(0, kw["vocab_size"], (B, T), generator=gen, dtype=torch.int64)
+        model64, depth64 = copy.deepcopy(model).double(), copy.deepcopy(depth).double()
+        if routing_margin(model64, tokens, lambda: mtp_losses(model64, depth64, tokens, targets)) >= MIN_ROUTING_MARGIN:
+            break
+    else:
+        raise SystemExit(f"{name}: no draw with routing margins >= {MIN_ROUTING_MARGIN}")
+
+    directory = os.path.join(OUT, name)
+    shutil.rmtree(directory, ignore_errors=True)
+    tensors = saved_tensors(model, directory)
+    layer = f"model.layers.{L}."
+    head = tensors["lm_head.weight"] if "lm_head.weight" in tensors else tensors["model.embed_tokens.weight"]
+    extras = {n: p.detach().clone() for n, p in depth.named_parameters()}
+    extras.update({"embed_tokens.weight": tensors["model.embed_tokens.weight"].clone(),
+                   "shared_head.head.weight": head.clone()})
+    tensors.update({layer + n: t.contiguous() for n, t in extras.items()})
+    for f in os.listdir(directory):
+        if f.endswith(".safetensors"):
+            os.remove(os.path.join(directory, f))
+    save_file(tensors, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
+    config_path = os.path.join(directory, "config.json")
+    saved = json.load(open(config_path))
+    saved.update(num_hidden_layers=L, num_nextn_predict_layers=1)
+    json.dump(saved, open(config_path, "w"), indent=2)
+
+    lm, ce = mtp_losses(model64, depth64, tokens, targets)
+    (lm + weight * ce).backward()
+    grads = copy.deepcopy(model64)
+    with torch.no_grad():
+        for (_, p), (_, g) in zip(model64.named_parameters(), grads.named_parameters()):
+            g.copy_(p.grad)
+    with tempfile.TemporaryDirectory() as tmp:
+        named_grads = saved_tensors(grads.float(), tmp)
+    named_grads.update({layer + n: p.grad.float().contiguous() for n, p in depth64.named_parameters()})
+    reference = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32),
+                 "loss": lm.detach().reshape(1), "mtp_loss": (weight * ce).detach().reshape(1)}
+    reference.update({"grad/" + n: g.contiguous() for n, g in named_grads.items()})
+    save_file(reference, os.path.join(directory, "reference.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__})
+    print(f"{name}: seed {seed}, loss {lm.item():.6f}, mtp {ce.item():.6f}, {len(named_grads)} tensors")
+
+
 def quantise_blocks(w, block=128):
     """DeepSeek-V3's weight FP8: per 128x128 block, scale_inv = amax / 448, codes = e4m3(w / scale_inv)."""
     rows, cols = w.shape
@@ -231,6 +332,7 @@ def main():
     for name, (model_cls, config_cls, kw, shard) in CASES.items():
         make_case(name, model_cls, config_cls, kw, shard)
     make_fp8_case()
+    make_mtp_case("deepseek_v3_mtp", CASES["deepseek_v3"][2])
 
 
 if __name__ == "__main__":

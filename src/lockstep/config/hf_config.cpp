@@ -184,8 +184,9 @@ HfModelConfig read_hf_config(const std::string& dir) {
     add(out, "model.v_head_dim", std::to_string(f.integer("v_head_dim")), "v_head_dim");
     add(out, "model.num_query_groups", "0", "model_type");
     out.rope_interleave = f.boolean("rope_interleave", true);
-    if (f.integer("num_nextn_predict_layers", 0) > 0)
-      f.refuse("num_nextn_predict_layers", "importing DeepSeek's multi-token prediction layers is not implemented");
+    // Multi-token prediction: the layers after the decoder's (model/mtp.h; hf_checkpoint.h).
+    add(out, "model.mtp_num_layers", std::to_string(f.integer("num_nextn_predict_layers", 0)),
+        "num_nextn_predict_layers");
   } else {
     add(out, "model.num_query_groups", std::to_string(f.integer("num_key_value_heads", NH)), "num_key_value_heads");
     // transformers' default head size is hidden_size / num_attention_heads; Qwen3 sets its own.
@@ -281,7 +282,8 @@ std::string hf_family(const ModelConfig& m, const MoeConfig& moe) {
     refuse("model.position_embedding = \"" + m.position_embedding + "\"", "they use rope");
   if (m.activation != "swiglu") refuse("model.activation = \"" + m.activation + "\"", "they use swiglu");
   if (m.bias) refuse("model.bias = true", "they have no biases but q/k/v ones (model.add_qkv_bias)");
-  if (m.mtp_num_layers > 0) refuse("model.mtp_num_layers", "they have no multi-token prediction layers");
+  if (m.mtp_num_layers > 0 && !m.multi_latent_attention)
+    refuse("model.mtp_num_layers", "only deepseek_v3 (model.multi_latent_attention) has multi-token prediction layers");
   if (m.multi_latent_attention) {
     // deepseek_v3: dense first layers, then MoE layers with sigmoid scores, the expert bias, an
     // ungated shared expert that is a whole number of experts wide.
@@ -418,7 +420,7 @@ std::string deepseek_config_json(const ModelConfig& m, const MoeConfig& moe) {
   c["norm_topk_prob"] = moe.router_topk > 1;
   c["topk_method"] = "noaux_tc";
   c["scoring_func"] = "sigmoid";
-  c["num_nextn_predict_layers"] = 0;
+  c["num_nextn_predict_layers"] = m.mtp_num_layers;
   return c.dump(2) + "\n";
 }
 

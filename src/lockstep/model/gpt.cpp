@@ -95,8 +95,11 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       params_.set_stage_copy(head_wpe_);
     }
     out_ = m.tie_embeddings ? head_wte_ : tp_.vocab_weight(params_, "output.weight", V_, C_, std);
+    // The depths are built like the last decoder layer (model/mtp.h): MoE when it is.
+    const bool moe_depths = moe.num_experts > 0 && moe.is_moe_layer(L_ - 1, L_);
     for (int64_t k = 0; k < m.mtp_num_layers; ++k)
-      mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_, cp_));
+      mtp_.push_back(std::make_unique<MtpLayer>(params_, arena_, k, m, B_, T_, tp_, cp_, moe_depths ? &moe : nullptr,
+                                                MoeGroups{tp_, ep, etp, cp_}));
   }
   // layout_token_segments: every gradient is computed in token segments (ParamStore::token_segments).
   if (tp_.token_segments)
@@ -202,9 +205,12 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
     for (ArenaSlice* sl : {&mtp_dh_, &mtp_dnext_, &mtp_dx_, &mtp_de_, &mtp_dhn_, &mtp_demb_})
       *sl = arena_.reserve_scratch(Nl_ * C_);
   }
+  for (const auto& layer : moe_) moe_all_.push_back(layer.get());
+  for (const auto& d : mtp_)
+    if (d->moe) moe_all_.push_back(d->moe.get());
   const MoeLayer* first_moe = nullptr;
-  for (const auto& layer : moe_)
-    if (layer && !first_moe) first_moe = layer.get();
+  for (MoeLayer* layer : moe_all_)
+    if (layer && !first_moe) first_moe = layer;
   if (first_moe) {
     // Every MoE layer has the same sizes, so one set of backward scratch serves them all.
     const int64_t R = first_moe->max_rows();
@@ -264,7 +270,7 @@ void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attenti
 void GPT::select_slot(int k) {
   arena_.select(k);
   precision_.select_slot(k);
-  for (auto& layer : moe_)
+  for (MoeLayer* layer : moe_all_)
     if (layer) layer->select(k);
 }
 
@@ -494,10 +500,17 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
   }
   const int wte = head_wte_, wpe = head_wpe_;
   const float* prev = arena_(final_out_);
+  const MtpPass pass{backward, seed_, step_, micro_};
+  mtp_aux_exact_ = ExactSum();
   for (int64_t k = 0; k < D; ++k) {
     mtp_[k]->forward(params_, arena_, mtp_tokens_.data() + k * N_, prev, wte, wpe, positions(), doc_start(),
-                     rope_cos_.data(), rope_sin_.data(), local_tokens_.data());
+                     rope_cos_.data(), rope_sin_.data(), pass, local_tokens_.data());
     prev = mtp_[k]->out(arena_);
+    if (const MoeLayer* moe = mtp_[k]->moe.get()) {
+      aux_loss_ += moe->aux_losses().total();
+      aux_exact_.add(moe->aux_losses().total());
+      mtp_aux_exact_.add(moe->aux_losses().total());
+    }
   }
   const double weight = m_.mtp_loss_scaling_factor / static_cast<double>(D);
   float* dh = arena_(mtp_dh_);
@@ -507,7 +520,8 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
                      arena_(mtp_dhn_),
                      arena_(mtp_demb_),
                      MlpScratch{arena_(dnorm_), arena_(dact_), arena_(dfc_)},
-                     AttentionScratch{arena_(dnorm_), arena_(datt_), arena_(dqkv_)}};
+                     AttentionScratch{arena_(dnorm_), arena_(datt_), arena_(dqkv_)},
+                     &moe_scratch_};
   std::vector<double> depth_loss(static_cast<size_t>(D), 0.0);
   // Deepest first: depth k's input gradient (dnext) joins depth k-1's head gradient.
   for (int64_t k = D - 1; k >= 0; --k) {
@@ -524,7 +538,8 @@ void GPT::mtp(const int32_t* tokens, const int32_t* targets, bool backward, floa
     device_->ops.fill(dnext, Nl_ * C_, 0.0f);
     const float* h_prev = k == 0 ? arena_(final_out_) : mtp_[k - 1]->out(arena_);
     mtp_[k]->backward(params_, arena_, dnext, dh, mtp_tokens_.data() + k * N_, h_prev, wte, wpe, positions(),
-                      doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), local_tokens_.data());
+                      doc_start(), rope_cos_.data(), rope_sin_.data(), s, order_.data(), aux_scale,
+                      local_tokens_.data());
     fold_pieces(wte);  // the depth's embedding lookup
     if (wpe >= 0) fold_pieces(wpe);
   }
@@ -680,8 +695,9 @@ double GPT::flops_per_token() const {
   }
   for (const auto& d : mtp_)
     matmul += static_cast<double>(2 * C_ * C_ + V_ * C_) +
-              tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out +
-                                       d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out);
+              tp * static_cast<double>(d->attn.qkv.in * d->attn.qkv.out + d->attn.proj.in * d->attn.proj.out) +
+              (d->moe ? d->moe->matmul_params_per_token()
+                      : tp * static_cast<double>(d->mlp.fc.in * d->mlp.fc.out + d->mlp.proj.in * d->mlp.proj.out));
   // Scores and the weighted sum of values: 2 x (T x head size) per head, x3 with backward.
   return 6.0 * matmul + 6.0 * static_cast<double>(attn_layers * Tg_ * heads_width_);
 }
@@ -691,7 +707,7 @@ void GPT::begin_step(uint64_t seed, int64_t step, int64_t first_micro) {
   step_ = step;
   micro_ = first_micro_ = first_micro;
   std::fill(weights_stale_.begin(), weights_stale_.end(), 1);
-  for (auto& layer : moe_)
+  for (MoeLayer* layer : moe_all_)
     if (layer) layer->begin_step();
 }
 
@@ -699,14 +715,14 @@ std::vector<MoeTokenStats> GPT::finish_step(double bias_update_rate, Communicato
   precision_.end_step();
   if (!moe_.empty()) device_->host_sync("moe.token_stats");  // the step's counts, for the expert bias
   std::vector<MoeTokenStats> stats;
-  for (auto& layer : moe_)
+  for (MoeLayer* layer : moe_all_)
     if (layer) stats.push_back(layer->finish_step(bias_update_rate, dp));
   return stats;
 }
 
 void GPT::state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first, bool etp_first) {
   params_.state_shards(out, dp_first, tp_first, edp_first);
-  for (auto& layer : moe_)
+  for (MoeLayer* layer : moe_all_)
     if (layer) layer->state_shards(out, dp_first && tp_first);
   for (const Precision::NamedHistory& h : precision_.amax_histories()) {
     const int64_t H = static_cast<int64_t>(h.history->amax.size());
@@ -729,7 +745,7 @@ namespace {
 // the expert biases' when `biases`.
 template <typename Keep>
 uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_blocks, Keep keep,
-                       const std::vector<std::unique_ptr<MoeLayer>>& moe, bool biases) {
+                       const std::vector<MoeLayer*>& moe, bool biases) {
   std::vector<uint64_t> pairs;
   size_t at = 0;
   for (size_t i = 0; i < ps.specs().size(); ++i) {
@@ -743,7 +759,7 @@ uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_
   LOCKSTEP_CHECK(at == param_blocks.size(), "parameter block hashes for another table");
   if (biases) {
     BlockHasher h;
-    for (const auto& layer : moe)
+    for (const MoeLayer* layer : moe)
       if (layer) h.update(layer->expert_bias().data(), layer->expert_bias().size() * sizeof(float));
     const std::vector<uint64_t> b = h.block_hashes();
     pairs.insert(pairs.end(), b.begin(), b.end());
@@ -754,12 +770,12 @@ uint64_t combine_state(const ParamStore& ps, const std::vector<uint64_t>& param_
 
 uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks) const {
   return combine_state(
-      params_, param_blocks, [](size_t) { return true; }, moe_, true);
+      params_, param_blocks, [](size_t) { return true; }, moe_all_, true);
 }
 
 uint64_t GPT::state_hash(const std::vector<uint64_t>& param_blocks, bool experts) const {
   return combine_state(
-      params_, param_blocks, [&](size_t i) { return params_.specs()[i].expert == experts; }, moe_, !experts);
+      params_, param_blocks, [&](size_t i) { return params_.specs()[i].expert == experts; }, moe_all_, !experts);
 }
 
 }  // namespace lockstep

@@ -89,7 +89,9 @@ class GPT final : public PipelineStage {
   // (reset_position_ids) and the attention's document starts (reset_attention_mask) of each
   // token from the tokens and the end-of-document id eod.
   void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
-  // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model).
+  // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model); with
+  // MTP depths that are MoE (model/mtp.h) theirs too, once the depths have run (forward_backward,
+  // evaluate; under pipelining after the last chunk's backward_chunk: mtp_aux_loss()).
   double aux_loss() const override { return aux_loss_; }
   // The same, each layer's term added exactly (determinism = "layout"): pipeline stages that each
   // hold some of the layers merge to the bits of one process.
@@ -100,6 +102,9 @@ class GPT final : public PipelineStage {
   // Context parallelism: this rank's share (its positions' losses over the micro-batch's count of
   // each depth's targets), summed over the cp group like lm_loss.
   double mtp_loss() const override { return mtp_loss_; }
+  // The MTP depths' MoE aux losses of their last run (part of aux_loss(), above).
+  double mtp_aux_loss() const override { return mtp_aux_exact_.value(); }
+  const ExactSum& mtp_aux_loss_exact() const override { return mtp_aux_exact_; }
 
   // MoE bookkeeping around an optimizer step: begin_step before its micro-batches (router jitter
   // draws from (seed, layer, step, global element index); clears the step's counters; with bf16
@@ -133,7 +138,9 @@ class GPT final : public PipelineStage {
   uint64_t state_hash(const std::vector<uint64_t>& param_blocks, bool experts) const;
   // The parameters' block pairs in one pass of their own.
   std::vector<uint64_t> param_block_hashes() const;
-  const std::vector<std::unique_ptr<MoeLayer>>& moe_layers() const { return moe_; }
+  // Every MoE layer: decoder layer l's at l (null where dense or not on this pipeline stage), then
+  // the MTP depths' (model/mtp.h) on the last stage.
+  const std::vector<MoeLayer*>& moe_layers() const { return moe_all_; }
   // The model's state for checkpoints (core/state_shard.h): the parameters (ParamStore::
   // state_shards: dp_first, tp_first say whether this rank is the first replica that writes them)
   // and the MoE expert biases (replicated: written by the first replica). Delayed scaling's amax
@@ -255,6 +262,7 @@ class GPT final : public PipelineStage {
   std::vector<AttentionLayer> attn_;
   std::vector<MlpLayer> mlp_;                   // dense layers (default-constructed on MoE layers)
   std::vector<std::unique_ptr<MoeLayer>> moe_;  // MoE layers (null on dense layers)
+  std::vector<MoeLayer*> moe_all_;              // moe_layers()
   Norm final_norm_;
   std::vector<float> rope_cos_, rope_sin_;
   // Activations: resid[l] is layer l's input (N, C), resid[L] the last output; mid[l] the residual
@@ -286,6 +294,7 @@ class GPT final : public PipelineStage {
   std::vector<int32_t> mtp_tokens_, mtp_targets_, mtp_shifted_;
   ArenaSlice mtp_dh_, mtp_dnext_, mtp_dx_, mtp_de_, mtp_dhn_, mtp_demb_;
   double mtp_loss_ = 0;
+  ExactSum mtp_aux_exact_;
   // Packed documents: (N) each, filled by forward when the flag is on; null pointers otherwise.
   int32_t eod_ = -1;
   std::vector<int32_t> positions_, doc_start_;

@@ -10,7 +10,8 @@
 namespace lockstep {
 
 MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfig& m, int64_t B_, int64_t T_,
-                   const TensorParallel& tp_, const ContextParallel& cp)
+                   const TensorParallel& tp_, const ContextParallel& cp, const MoeConfig* moe_config,
+                   const MoeGroups& groups)
     : B(B_), T(T_), N(B_ * T_), C(m.hidden_size), V(m.vocab_size), Tg(T_ * cp.size), tp(tp_), rows(tp_.rows(B_ * T_)) {
   const std::string prefix = "mtp.layers." + std::to_string(depth) + ".";
   const bool rms = m.normalization == "rmsnorm";
@@ -21,7 +22,10 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
   ps.set_token_sum(proj_w);  // a sum over the stream's rows, which sequence parallelism splits
   proj_name = prefix + "eh_proj";
   attn = AttentionLayer(ps, arena, prefix, m, B, T, tp, cp);
-  mlp = MlpLayer(ps, arena, prefix, m, N, tp);
+  if (moe_config)
+    moe = std::make_unique<MoeLayer>(ps, arena, prefix, m.num_layers + depth, m, *moe_config, B, T, groups);
+  else
+    mlp = MlpLayer(ps, arena, prefix, m, N, tp);
   final_norm = Norm(ps, arena, prefix + "final_norm", rms, C, rows, eps);
   // Sequence parallelism: these see this rank's rows only, so their gradients are partial sums.
   if (tp.sequence) {
@@ -36,7 +40,7 @@ MtpLayer::MtpLayer(ParamStore& ps, Arena& arena, int64_t depth, const ModelConfi
 
 void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* tokens_k, const float* h_prev, int wte,
                        int wpe, const int32_t* positions, const int32_t* doc_start, const float* rope_cos,
-                       const float* rope_sin, int32_t* local_tokens) const {
+                       const float* rope_sin, const MtpPass& pass, int32_t* local_tokens) const {
   const Precision& p = ps.precision();
   const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream from here on
@@ -59,19 +63,25 @@ void MtpLayer::forward(const ParamStore& ps, const Arena& arena, const int32_t* 
   p.round(arena(x), N * C);
   trace_out(proj_name, arena(x), N * C);
   attn.forward(ps, arena, arena(mid), arena(x), rope_cos, rope_sin, positions, doc_start);
-  mlp.forward(ps, arena, arena(y), arena(mid));
+  if (moe)
+    moe->forward(ps, arena, arena(y), arena(mid), pass.training, pass.seed, pass.step, pass.micro);
+  else
+    mlp.forward(ps, arena, arena(y), arena(mid));
   final_norm.forward(ps, arena, arena(h), arena(y), N);
 }
 
 void MtpLayer::backward(const ParamStore& ps, const Arena& arena, float* dh_prev, float* dh, const int32_t* tokens_k,
                         const float* h_prev, int wte, int wpe, const int32_t* positions, const int32_t* doc_start,
                         const float* rope_cos, const float* rope_sin, const MtpScratch& s, int32_t* order,
-                        int32_t* local_tokens) const {
+                        float aux_scale, int32_t* local_tokens) const {
   const Ops& ops = ps.device().ops;
   const int64_t N = rows;  // this rank's rows of the stream
   ops.fill(s.dx, N * C, 0.0f);
   final_norm.backward(ps, arena, s.dx, dh, arena(y), N);
-  mlp.backward(ps, arena, s.dx, arena(mid), s.mlp);
+  if (moe)
+    moe->backward(ps, arena, s.dx, arena(mid), *s.moe, aux_scale);
+  else
+    mlp.backward(ps, arena, s.dx, arena(mid), s.mlp);
   attn.backward(ps, arena, s.dx, arena(x), rope_cos, rope_sin, s.attn, positions, doc_start);
   // eh_proj: d[e | hn] = dx W, dW += dx^T [e | hn], each half on its own columns.
   const float* w = ps.weight(proj_w);

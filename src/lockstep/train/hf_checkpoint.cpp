@@ -193,8 +193,8 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
   const int64_t FS = moe.shared_expert_intermediate_size;
   MapBuilder b;
   b.same("embedding.word.weight", "model.embed_tokens.weight", Shape{V, C});
-  for (int64_t l = 0; l < m.num_layers; ++l) {
-    const std::string ours = "layers." + std::to_string(l) + ".", theirs = "model.layers." + std::to_string(l) + ".";
+  // One decoder layer: lockstep's names under `ours`, the checkpoint's under `theirs`.
+  auto layer = [&](const std::string& ours, const std::string& theirs, bool moe_layer) {
     const std::string attn = theirs + "self_attn.";
     b.same(ours + "attn_norm.weight", theirs + "input_layernorm.weight", Shape{C});
     if (m.multi_latent_attention) {
@@ -240,11 +240,11 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
     }
     if (!m.multi_latent_attention) b.same(ours + "attn.proj.weight", attn + "o_proj.weight", Shape{C, NH * HS});
     b.same(ours + "mlp_norm.weight", theirs + "post_attention_layernorm.weight", Shape{C});
-    if (!moe.is_moe_layer(l, m.num_layers)) {
+    if (!moe_layer) {
       b.rows(ours + "mlp.fc.weight", Shape{2 * F, C},
              {{theirs + "mlp.gate_proj.weight", Shape{F, C}}, {theirs + "mlp.up_proj.weight", Shape{F, C}}});
       b.same(ours + "mlp.proj.weight", theirs + "mlp.down_proj.weight", Shape{C, F});
-      continue;
+      return;
     }
     const bool mixtral = family == "mixtral";
     const std::string block = theirs + (mixtral ? "block_sparse_moe." : "mlp.");
@@ -267,9 +267,30 @@ std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, c
       if (moe.shared_expert_gate)
         b.same(ours + "moe.shared.gate.weight", block + "shared_expert_gate.weight", Shape{1, C});
     }
-  }
+  };
+  for (int64_t l = 0; l < m.num_layers; ++l)
+    layer("layers." + std::to_string(l) + ".", "model.layers." + std::to_string(l) + ".",
+          moe.is_moe_layer(l, m.num_layers));
   b.same("final_norm.weight", "model.norm.weight", Shape{C});
   if (!m.tie_embeddings) b.same("output.weight", "lm_head.weight", Shape{V, C});
+  // DeepSeek's multi-token prediction layers follow the decoder's as model.layers.<L + k> (the
+  // release's layer 61): the depth's norms and eh_proj, its transformer layer built like the last
+  // decoder layer (model/mtp.h), its final norm as shared_head.norm, and copies of the embedding and
+  // the output head (lockstep's depths share the main model's).
+  for (int64_t k = 0; family == "deepseek_v3" && k < m.mtp_num_layers; ++k) {
+    const std::string ours = "mtp.layers." + std::to_string(k) + ".",
+                      theirs = "model.layers." + std::to_string(m.num_layers + k) + ".";
+    b.same(ours + "enorm.weight", theirs + "enorm.weight", Shape{C});
+    b.same(ours + "hnorm.weight", theirs + "hnorm.weight", Shape{C});
+    b.same(ours + "eh_proj.weight", theirs + "eh_proj.weight", Shape{C, 2 * C});
+    layer(ours, theirs, moe.num_experts > 0 && moe.is_moe_layer(m.num_layers - 1, m.num_layers));
+    b.same(ours + "final_norm.weight", theirs + "shared_head.norm.weight", Shape{C});
+    b.same("embedding.word.weight", theirs + "embed_tokens.weight", Shape{V, C});
+    b.params.back().copy = true;
+    b.same(m.tie_embeddings ? "embedding.word.weight" : "output.weight", theirs + "shared_head.head.weight",
+           Shape{V, C});
+    b.params.back().copy = true;
+  }
   return b.params;
 }
 
@@ -307,7 +328,7 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
     const bool stacked = !p.stacked.empty() && files.has(p.stacked[0].name);
     // Neither form complete: the split one names what is missing (assemble, below, reads it).
     const std::vector<HfPiece>& pieces = split || !stacked ? p.pieces : p.stacked;
-    form[p.param] = &pieces;
+    if (!p.copy) form[p.param] = &pieces;
     for (const HfPiece& x : pieces) {
       used.insert(x.name);
       used.insert(x.name + "_scale_inv");
@@ -323,7 +344,7 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
 
   auto whole = [&](const HfParam& p) { return assemble(files, p, *form.at(p.param)); };
   auto entry = [&](const std::string& name) {
-    const auto it = std::find_if(map.begin(), map.end(), [&](const HfParam& p) { return p.param == name; });
+    const auto it = std::find_if(map.begin(), map.end(), [&](const HfParam& p) { return p.param == name && !p.copy; });
     if (it == map.end())
       user_error("train.init_from = \"hf:", dir, "\": the ", family, " checkpoint has no counterpart of lockstep's '",
                  name, "'");
@@ -335,6 +356,12 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
     LOCKSTEP_CHECK(it->shape == spec.global_shape, "hf map: ", spec.name, " is ", it->shape.to_string(),
                    ", the model's ", spec.global_shape.to_string());
     set_param_from_whole(ps, i, whole(*it).data());
+  }
+  for (const HfParam& p : map) {
+    if (!p.copy || !files.has(p.pieces[0].name)) continue;
+    if (assemble(files, p, p.pieces) != whole(*entry(p.param)))
+      user_error("'", files.path_of(p.pieces[0].name), "': tensor '", p.pieces[0].name, "' differs from '",
+                 entry(p.param)->pieces[0].name, "'; lockstep's multi-token prediction depths share the model's");
   }
   for (const HfParam& p : map) {
     if (p.param.rfind("buffer/", 0) != 0) continue;

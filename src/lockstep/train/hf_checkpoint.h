@@ -41,11 +41,16 @@ struct HfParam {
   // Row r of the parameter is row row_perm[r] of the pieces assembled (DeepSeek's interleaved RoPE
   // dimensions); empty: the identity.
   std::vector<int64_t> row_perm;
+  // A second copy of `param` the checkpoint carries (DeepSeek's MTP layer holds the embedding and
+  // the output head again): export writes it; import reads the original and, when the copy is there,
+  // refuses a copy that differs (lockstep's depths share them).
+  bool copy = false;
 };
 
 // Every parameter of the whole model (all layers, whatever the parallel layout) in the family's
 // checkpoint (config/hf_config.h's hf_family names the family for a model), and the module state
-// it carries (DeepSeek's e_score_correction_bias: "buffer/layers.<l>.moe.router.expert_bias").
+// it carries (DeepSeek's e_score_correction_bias: "buffer/layers.<l>.moe.router.expert_bias"); with
+// model.mtp_num_layers (deepseek_v3 only), DeepSeek's MTP layers after the decoder's.
 std::vector<HfParam> hf_tensor_map(const ModelConfig& m, const MoeConfig& moe, const std::string& family,
                                    bool rope_interleave = false);
 

@@ -8,12 +8,15 @@ namespace lockstep {
 
 namespace {
 
-// "layers.<l>.moe.<rest>" -> (l, rest); l = -1 for any other name.
-std::pair<int64_t, std::string> moe_param(const std::string& name) {
-  const std::string head = "layers.";
-  const size_t dot = name.find('.', head.size());
-  if (name.rfind(head, 0) != 0 || dot == std::string::npos || name.compare(dot, 5, ".moe.") != 0) return {-1, ""};
-  return {std::stoll(name.substr(head.size(), dot - head.size())), name.substr(dot + 5)};
+// "<layer>moe.<rest>" -> ("<layer>", rest), <layer> a decoder layer's "layers.<l>." or an MTP depth's
+// "mtp.layers.<k>."; ("", "") for any other name.
+std::pair<std::string, std::string> moe_param(const std::string& name) {
+  const size_t at = name.find(".moe.");
+  const std::string layer = at == std::string::npos ? "" : name.substr(0, at + 1);
+  for (const std::string head : {"layers.", "mtp.layers."})
+    if (layer.rfind(head, 0) == 0 && layer.find('.', head.size()) == layer.size() - 1)
+      return {layer, name.substr(at + 5)};
+  return {"", ""};
 }
 
 }  // namespace
@@ -30,7 +33,7 @@ void upcycle(ParamStore& ps, const ModelConfig& m, const MoeConfig& moe,
     const ParamSpec& spec = ps.specs()[i];
     const auto [layer, rest] = moe_param(spec.name);
     std::vector<float> whole;
-    if (layer < 0) {
+    if (layer.empty()) {
       whole = dense(spec.name, spec.global_shape);
     } else if (rest == "router.weight") {
       // The job's own draw, its first E / G rows each repeated G times (the router is never split).
@@ -39,7 +42,7 @@ void upcycle(ParamStore& ps, const ModelConfig& m, const MoeConfig& moe,
       whole.resize(static_cast<size_t>(E * C));
       for (int64_t e = 0; e < E; ++e) std::copy_n(drawn + (e / G) * C, C, whole.data() + e * C);
     } else {
-      const std::string mlp = "layers." + std::to_string(layer) + ".mlp.";
+      const std::string mlp = layer + "mlp.";
       whole.resize(static_cast<size_t>(spec.global_shape.numel()));
       if (rest == "experts.fc.weight" || rest == "experts.fc.bias") {
         // (E, halves x Fe[, C]): expert e's half h is rows [h F + g Fe, h F + (g+1) Fe) of the dense fc.

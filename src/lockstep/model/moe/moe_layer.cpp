@@ -339,8 +339,7 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
 }
 
 void MoeLayer::state_shards(std::vector<StateShard>& out, bool writer) {
-  out.push_back(whole_tensor("buffer/layers." + std::to_string(layer_) + ".moe.router.expert_bias", Shape{E_},
-                             expert_bias_.data(), writer));
+  out.push_back(whole_tensor("buffer/" + router_name_ + ".expert_bias", Shape{E_}, expert_bias_.data(), writer));
 }
 
 void MoeLayer::begin_step() {
@@ -370,14 +369,8 @@ MoeTokenStats MoeLayer::finish_step(double bias_update_rate, Communicator* dp) {
   }
   const double mean = static_cast<double>(total) / static_cast<double>(E_);
   st.imbalance = mean > 0 ? static_cast<double>(st.max) / mean : 0;
-  if (expert_bias_on_ && total > 0 && bias_update_rate != 0) {  // 0: a skipped step (train.on_nonfinite)
-    // Megatron's update: bias += rate * sign(mean load - load); underloaded experts gain.
-    const float rate = static_cast<float>(bias_update_rate);
-    for (int64_t e = 0; e < E_; ++e) {
-      const double off = mean - static_cast<double>(step_counts_[e]);
-      expert_bias_[e] += off > 0 ? rate : off < 0 ? -rate : 0.0f;
-    }
-  }
+  if (expert_bias_on_ && total > 0 && bias_update_rate != 0)  // 0: a skipped step (train.on_nonfinite)
+    update_expert_bias(expert_bias_.data(), step_counts_.data(), E_, static_cast<float>(bias_update_rate));
   return st;
 }
 

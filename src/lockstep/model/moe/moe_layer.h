@@ -127,7 +127,8 @@ class MoeLayer {
 
   const AuxLosses& aux_losses() const { return aux_; }
   const std::vector<float>& expert_bias() const { return expert_bias_; }
-  // The expert bias for checkpoints: "buffer/layers.<l>.moe.router.expert_bias" (E).
+  // The expert bias for checkpoints: "buffer/<prefix>moe.router.expert_bias" (E): layers.<l>. of a
+  // decoder layer, mtp.layers.<k>. of a multi-token prediction depth.
   void state_shards(std::vector<StateShard>& out, bool writer);
   // This rank's tokens laid out over all the layer's experts (routing, capacity, padding).
   const LocalDispatcher& dispatcher() const { return *source_layout_; }

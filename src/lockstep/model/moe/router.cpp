@@ -22,4 +22,14 @@ void aux_losses_backward(const Ops& ops, float* dlogits, const float* logits, co
   ops.aux_losses_backward(dlogits, logits, s, B, T, g.data(), gseq.data(), scale, first, rows < 0 ? B * T : rows);
 }
 
+void update_expert_bias(float* bias, const int64_t* counts, int64_t E, float rate) {
+  int64_t total = 0;
+  for (int64_t e = 0; e < E; ++e) total += counts[e];
+  const double mean = static_cast<double>(total) / static_cast<double>(E);
+  for (int64_t e = 0; e < E; ++e) {
+    const double off = mean - static_cast<double>(counts[e]);
+    bias[e] += off > 0 ? rate : off < 0 ? -rate : 0.0f;
+  }
+}
+
 }  // namespace lockstep

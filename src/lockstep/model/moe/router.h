@@ -24,4 +24,9 @@ void aux_losses_backward(const Ops& ops, float* dlogits, const float* logits, co
                          const float* global_counts, const std::vector<int64_t>& counts_seq, float scale,
                          int64_t first = 0, int64_t rows = -1);
 
+// The aux-loss-free expert bias update (Megatron's get_updated_expert_bias) from a step's tokens per
+// expert (E, summed over the replicas): bias += rate * sign(mean load - load); underloaded experts
+// gain, an expert exactly at the mean keeps its bias.
+void update_expert_bias(float* bias, const int64_t* counts, int64_t E, float rate);
+
 }  // namespace lockstep

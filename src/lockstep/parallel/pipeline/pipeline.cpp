@@ -121,6 +121,8 @@ Pipeline::StepResult Pipeline::run_step(PipelineStage& model, float grad_scale, 
           res.lm_loss[static_cast<size_t>(x.micro)] = lm;
           res.mtp_loss += model.mtp_loss();
           res.mtp_exact.add(model.mtp_loss());
+          res.aux_loss += model.mtp_aux_loss();  // the depths' MoE sublayers ran in this backward
+          res.aux_exact.merge(model.mtp_aux_loss_exact());
         }
         // The input gradient lives in scratch the next backward overwrites: a pair's backward is
         // its last action, so the batch below still reads this one's.

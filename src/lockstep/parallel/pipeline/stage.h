@@ -45,10 +45,13 @@ class PipelineStage {
   virtual void forward_chunk(int c, const int32_t* tokens, int64_t micro, bool training = true) = 0;
   virtual double backward_chunk(int c, const int32_t* tokens, const int32_t* targets, float grad_scale,
                                 int64_t micro) = 0;
-  // The last forward_chunk's MoE aux loss (and exactly), the last backward_chunk's MTP loss.
+  // The last forward_chunk's MoE aux loss (and exactly), the last backward_chunk's MTP loss and the
+  // aux loss of its MTP depths' MoE sublayers (last stage, last chunk; exactly too).
   virtual double aux_loss() const = 0;
   virtual const ExactSum& aux_loss_exact() const = 0;
   virtual double mtp_loss() const = 0;
+  virtual double mtp_aux_loss() const = 0;
+  virtual const ExactSum& mtp_aux_loss_exact() const = 0;
   // Before an evaluation's forwards; after the last chunk's forward_chunk(training = false) on the
   // last stage: the mean LM loss (mtp_loss() too).
   virtual void begin_evaluation() = 0;
