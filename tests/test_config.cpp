@@ -119,10 +119,6 @@ TEST(Config, ImpossibleValuesNameTheKeys) {
       {{"model.preset=llama", "model.kv_channels=7"},
        "config: model.position_embedding = \"rope\" needs an even head size, got 7"},
       {{"model.kv_channels=-1"}, "config: model.kv_channels = -1: must be >= 0 (0 = hidden_size / num_heads)"},
-      {{"determinism=layout", "model.qk_layernorm=true", "parallel.tensor=2"},
-       "config: determinism = \"layout\" with model.qk_layernorm and parallel.tensor = 2: each tensor-parallel rank "
-       "normalises its own heads, and the norms' weight gradients are not yet summed in layout mode's canonical "
-       "order across heads (run mode is supported)"},
       {{"train.global_batch=10", "train.micro_batch=4"},
        "config: train.global_batch = 10 is not divisible by train.micro_batch = 4"},
       {{"model.num_layers=0"}, "config: model.num_layers = 0: must be positive"},

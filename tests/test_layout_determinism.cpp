@@ -303,8 +303,9 @@ TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}}, sixteen);
 }
 
-// QK layernorm with its own head size (Qwen3): the norms' weight gradients sum over (token, head)
-// rows, token-major, so data, context and pipeline parallelism keep one process's bits.
+// QK layernorm with its own head size (Qwen3): the norms' weight gradients are taken head by head
+// in each token segment and added over all heads in head order (AttentionLayer::head_norm_backward),
+// so data, context, pipeline and tensor parallelism (which splits the heads) keep one process's bits.
 TEST(LayoutDeterminism, QkLayernormMatchesSingleProcess) {
   rows_match_single_process("moe-debug",
                             {
@@ -312,24 +313,50 @@ TEST(LayoutDeterminism, QkLayernormMatchesSingleProcess) {
                                 {2, {"parallel.context=2"}},
                                 {2, {"parallel.pipeline=2"}},
                                 {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {2, {"parallel.tensor=2"}},
+                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2"}},
                             },
                             {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2",
                              "model.qk_layernorm=true", "model.kv_channels=24"});
 }
 
+// A multi-token prediction depth after an MoE layer is MoE (model/mtp.h): its router, dispatch,
+// experts, expert bias and aux loss keep one process's bits on the last pipeline stage, over
+// expert, context and data parallelism (tensor parallelism: MoeTensorParallelLayoutsMatchSingleProcess).
+TEST(LayoutDeterminism, MoeMtpDepthMatchesSingleProcess) {
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"parallel.pipeline=2"}},
+                                {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {2, {"parallel.context=2"}},
+                                {4, {"parallel.pipeline=2", "parallel.expert=2", "optimizer.distributed=true"}},
+                            },
+                            {"layout_token_segments=true", "model.mtp_num_layers=1", "model.num_layers=4",
+                             "moe.router_enable_expert_bias=true", "moe.router_score_function=sigmoid"});
+}
+
 // Multi-head latent attention (model/mla.h): the latent projections are ordinary layers, so data,
-// context, pipeline and expert parallelism keep one process's bits.
+// context, pipeline and expert parallelism keep one process's bits; under tensor parallelism the
+// sums over heads (the latents' and the shared k_pe's gradients) are taken in one process's order
+// before the replicated down projections (with and without query compression, with sequence
+// parallelism).
 TEST(LayoutDeterminism, MultiLatentAttentionMatchesSingleProcess) {
-  rows_match_single_process(
-      "moe-debug",
-      {
-          {2, {"train.threads=1"}},
-          {2, {"parallel.context=2"}},
-          {2, {"parallel.pipeline=2"}},
-          {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-      },
-      {"layout_token_segments=true", "model.preset=llama", "model.multi_latent_attention=true", "model.q_lora_rank=24",
-       "model.kv_lora_rank=16", "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=4", "model.v_head_dim=10"});
+  const std::vector<std::string> mla = {
+      "layout_token_segments=true", "model.preset=llama",   "model.multi_latent_attention=true", "model.q_lora_rank=24",
+      "model.kv_lora_rank=16",      "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=4",       "model.v_head_dim=10"};
+  rows_match_single_process("moe-debug",
+                            {
+                                {2, {"train.threads=1"}},
+                                {2, {"parallel.context=2"}},
+                                {2, {"parallel.pipeline=2"}},
+                                {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+                                {2, {"parallel.tensor=2"}},
+                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2"}},
+                            },
+                            mla);
+  std::vector<std::string> uncompressed = mla;
+  uncompressed.push_back("model.q_lora_rank=0");
+  rows_match_single_process("debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}}, uncompressed);
 }
 
 // Context parallelism (layout_token_segments): each cp rank's chunks are whole token segments, its 2B

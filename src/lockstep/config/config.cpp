@@ -690,10 +690,6 @@ void validate_mla(const Config& c) {
            : m.add_qkv_bias ? "model.add_qkv_bias"
                             : "model.bias = true",
            "not supported together");
-  if (c.determinism == "layout" && c.parallel.tensor > 1)
-    refuse(str("parallel.tensor = ", c.parallel.tensor, " under determinism = \"layout\""),
-           "the replicated down projections' gradients are partial sums over heads, not yet summed in layout mode's "
-           "canonical order (run mode is supported)");
 }
 
 // Upcycling (train/upcycling.h) makes the MoE model compute the dense one at step 0: expert groups
@@ -920,10 +916,6 @@ void validate_layout_determinism(const Config& c) {
              "the micro-batch's token segments must fall on sample boundaries: train.micro_batch must divide "
              "layout_segments, with at most model.seq_length segments per sample");
   }
-  if (c.model.qk_layernorm && c.parallel.tensor > 1)
-    refuse(str("model.qk_layernorm and parallel.tensor = ", c.parallel.tensor),
-           "each tensor-parallel rank normalises its own heads, and the norms' weight gradients are not yet "
-           "summed in layout mode's canonical order across heads (run mode is supported)");
   const MoeConfig& e = c.moe;
   // MoE under tensor parallelism: each tp rank routes its own N / tp tokens, whole token segments of the
   // micro-batch (model/moe/experts.h); a capacity is the micro-batch's (model/moe/moe_layer.h).

@@ -2,7 +2,9 @@
 
 #include <cmath>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/core/trace.h"
+#include "lockstep/core/tree_sum.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/tensor/precision.h"
 
@@ -54,8 +56,15 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
     const float eps = static_cast<float>(m.norm_eps);
     q_norm = Norm(ps, arena, prefix + "attn.q_norm", true, HS, N * NH, eps);
     k_norm = Norm(ps, arena, prefix + "attn.k_norm", true, HS, N * NKV, eps);
-    // Every tensor-parallel rank normalises its own heads: the weights' gradients are partial sums.
-    if (tp.on()) q_norm.set_sequence_parallel(ps), k_norm.set_sequence_parallel(ps);
+    // Every tensor-parallel rank normalises its own heads: under "run" the weights' gradients are
+    // partial sums over the group; under "layout" whole (head_norm_backward).
+    if (tp.on() && !tp.layout()) q_norm.set_sequence_parallel(ps), k_norm.set_sequence_parallel(ps);
+    if (tp.layout()) {
+      const int64_t S = tp.segments, heads = std::max(NH, NKV) * tp.size;
+      head_rows = scratch_of && scratch_of->qk_norm ? scratch_of->head_rows : arena.reserve_scratch(3 * N * HS + N);
+      head_sums = scratch_of && scratch_of->qk_norm ? scratch_of->head_sums
+                                                    : arena.reserve_scratch((heads + heads / tp.size + 1) * S * HS);
+    }
     qk_in = arena.reserve(N * (NH + NKV) * HS);
     qk_tmp = scratch_of && scratch_of->qk_norm ? scratch_of->qk_tmp : arena.reserve_scratch(2 * N * (NH + NKV) * HS);
   }
@@ -165,12 +174,72 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
     const float* in = arena(qk_in);
     gather_qk(ops, dout, s.dqkv);
     ops.fill(din, heads, -0.0f);  // backward adds into it; -0 is the identity of that sum
-    k_norm.backward(ps, arena, din + N * NH * HS, dout + N * NH * HS, in + N * NH * HS, N * NKV);
-    q_norm.backward(ps, arena, din, dout, in, N * NH);
+    if (tp.layout()) {
+      head_norm_backward(ps, arena, k_norm, din + N * NH * HS, dout + N * NH * HS, in + N * NH * HS, NKV);
+      head_norm_backward(ps, arena, q_norm, din, dout, in, NH);
+    } else {
+      k_norm.backward(ps, arena, din + N * NH * HS, dout + N * NH * HS, in + N * NH * HS, N * NKV);
+      q_norm.backward(ps, arena, din, dout, in, N * NH);
+    }
     scatter_qk(ops, s.dqkv, din);
   }
   const float* dnorm = qkv.backward(ps, tp, s.datt, s.dnorm, s.dqkv, tp.sequence ? arena(gathered) : arena(normed), N);
   norm.backward(ps, arena, dresid, dnorm, resid_in, tp.rows(N));
+}
+
+void AttentionLayer::head_norm_backward(const ParamStore& ps, const Arena& arena, const Norm& n, float* din,
+                                        const float* dout, const float* in, int64_t heads) const {
+  const Ops& ops = ps.device().ops;
+  const int64_t N = B * T, K = ps.token_pieces(n.w), tokens = N / K, G = tp.size;
+  float* dout_h = arena(head_rows);
+  float* in_h = dout_h + N * HS;
+  float* din_h = in_h + N * HS;
+  float* rstd_h = din_h + N * HS;
+  const float* rstd = arena(n.rstd);
+  for (int64_t k = 0; k < K; ++k) {
+    const std::vector<int64_t> bounds = canonical_segments(tokens, ps.token_segments(n.w));
+    const int64_t S = std::max<int64_t>(1, static_cast<int64_t>(bounds.size()) - 1);
+    // own: (S, heads, HS) this rank's heads' sums per segment; all: (G, S, heads, HS) the group's;
+    // leaves: (S, HS) the segments' sums over all heads.
+    float* all = arena(head_sums);
+    float* own = G > 1 ? all + G * S * heads * HS : all;
+    float* leaves = own + S * heads * HS;
+    ops.fill(own, S * heads * HS, 0.0f);
+    for (int64_t h = 0; h < heads; ++h) {
+      const int64_t r0 = k * tokens * heads + h;  // the piece's first row of head h; rows `heads` apart
+      ops.copy_rows(dout_h, HS, dout + r0 * HS, heads * HS, tokens, HS);
+      ops.copy_rows(in_h, HS, in + r0 * HS, heads * HS, tokens, HS);
+      ops.copy_rows(rstd_h, 1, rstd + r0, heads, tokens, 1);
+      ops.fill(din_h, tokens * HS, -0.0f);
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t b0 = bounds.empty() ? 0 : bounds[s], b1 = bounds.empty() ? tokens : bounds[s + 1];
+        ops.rmsnorm_backward(din_h + b0 * HS, own + (s * heads + h) * HS, dout_h + b0 * HS, in_h + b0 * HS,
+                             ps.weight(n.w), rstd_h + b0, b1 - b0, HS, 0);
+      }
+      ops.copy_rows(din + r0 * HS, heads * HS, din_h, HS, tokens, HS);
+    }
+    if (G > 1) tp.comm->all_gather(all, own, S * heads * HS);
+    // Segment s: the group's heads in head order (rank r's heads after rank r - 1's), into leaf s.
+    for (int64_t s = 0; s < S; ++s) {
+      float* leaf = leaves + s * HS;
+      ops.copy(leaf, all + s * heads * HS, HS);
+      for (int64_t h = 1; h < G * heads; ++h)
+        ops.add(leaf, leaf, all + (((h / heads) * S + s) * heads + h % heads) * HS, HS);
+    }
+    // The canonical tree over the segments, added to the piece's gradient.
+    auto tree = [&](auto&& self, float* x, int64_t L) -> void {
+      if (L <= 1) return;
+      const int64_t half = canonical_split(L);
+      self(self, x, half);
+      self(self, x + half * HS, L - half);
+      ops.add(x, x, x + half * HS, HS);
+    };
+    tree(tree, leaves, S);
+    float* g = ps.grad_piece(n.w, k);
+    ops.add(g, g, leaves, HS);
+  }
+  ps.precision().round(din, N * heads * HS);
+  trace_grad_in(n.name, din, N * heads * HS);
 }
 
 void AttentionLayer::gather_qk(const Ops& ops, float* heads, const float* rows) const {

@@ -87,6 +87,14 @@ struct AttentionLayer {
   // buffer of (N x NH) query rows then (N x NKV) key rows.
   void gather_qk(const Ops& ops, float* heads, const float* rows) const;
   void scatter_qk(const Ops& ops, float* rows, const float* heads) const;
+  // QK layernorm under determinism = "layout": a norm's backward over (N x heads) token-major rows
+  // (heads: this rank's) with its weight's gradient taken head by head, so that tensor parallelism,
+  // which splits the heads, keeps one process's bits: in each token segment (per token piece), each
+  // head's rows summed in token order, those sums added over all the group's heads in head order
+  // (all-gathered), then the canonical tree over the segments. Every rank gets the whole gradient.
+  void head_norm_backward(const ParamStore& ps, const Arena& arena, const Norm& n, float* din, const float* dout,
+                          const float* in, int64_t heads) const;
+  ArenaSlice head_rows, head_sums;  // its scratch: one head's rows, the segments' per-head sums
 };
 
 }  // namespace lockstep

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/kernels/device.h"
 #include "lockstep/kernels/rope.h"
 #include "lockstep/tensor/precision.h"
@@ -23,15 +24,19 @@ LatentProjections::LatentProjections(ParamStore& ps, Arena& arena, const std::st
       KL(m.kv_lora_rank) {
   const float std = static_cast<float>(m.init_std), eps = static_cast<float>(m.norm_eps);
   const int64_t heads = m.num_heads;
-  // Replicated over the tensor-parallel group, with gradients from this rank's heads only.
+  // Replicated over the tensor-parallel group; under "run" with gradients from this rank's heads only.
+  whole_latents = tp.on() && tp.layout();
+  group = tp;
+  group.sequence = false;
+  const bool partial = tp.on() && !whole_latents;
   auto replicated = [&](Linear& l) {
-    if (tp.on()) ps.set_sequence_parallel(l.w);
+    if (partial) ps.set_sequence_parallel(l.w);
   };
   if (QL > 0) {
     q_down = Linear(ps, prefix + "attn.q_down", C, QL, false, std);
     replicated(q_down);
     q_norm = Norm(ps, arena, prefix + "attn.q_down_norm", true, QL, N, eps);
-    if (tp.on()) q_norm.set_sequence_parallel(ps);
+    if (partial) q_norm.set_sequence_parallel(ps);
     q_up = Linear::column(ps, tp, prefix + "attn.q_up", QL, {heads * D}, false, std);
     cq = arena.reserve(N * QL);
     cq_n = arena.reserve(N * QL);
@@ -41,7 +46,7 @@ LatentProjections::LatentProjections(ParamStore& ps, Arena& arena, const std::st
   kv_down = Linear(ps, prefix + "attn.kv_down", C, KL + DR, false, std);
   replicated(kv_down);
   kv_norm = Norm(ps, arena, prefix + "attn.kv_down_norm", true, KL, N, eps);
-  if (tp.on()) kv_norm.set_sequence_parallel(ps);
+  if (partial) kv_norm.set_sequence_parallel(ps);
   kv_up = Linear::column(ps, tp, prefix + "attn.kv_up", KL, {heads * (DN + DV)}, false, std);
   c = arena.reserve(N * KL);
   c_n = arena.reserve(N * KL);
@@ -53,6 +58,9 @@ LatentProjections::LatentProjections(ParamStore& ps, Arena& arena, const std::st
   scratch = scratch_of && scratch_of->on()
                 ? scratch_of->scratch
                 : arena.reserve_scratch(N * (2 * NH * D + NH * (DN + DV) + (KL + DR) + 2 * L + C + 2 * DR));
+  if (whole_latents)
+    pe_parts =
+        scratch_of && scratch_of->on() ? scratch_of->pe_parts : arena.reserve_scratch((tp.size + 1) * N * NH * DR);
 }
 
 void LatentProjections::forward(const ParamStore& ps, const Arena& arena, float* qkv_out, const float* x,
@@ -125,14 +133,34 @@ void LatentProjections::backward(const ParamStore& ps, const Arena& arena, float
     ops.copy_rows(dkv + h * (DN + DV), KV, dk + h * D, W, N, DN);
     ops.copy_rows(dkv + h * (DN + DV) + DN, KV, dv + h * D, W, N, DV);
   }
-  // k_pe feeds every head: its gradient is their sum, in head order.
-  ops.copy_rows(dpe, DR, dk + DN, W, N, DR);
-  for (int64_t h = 1; h < NH; ++h) {
-    ops.copy_rows(tmp, DR, dk + h * D + DN, W, N, DR);
-    ops.add(dpe, dpe, tmp, N * DR);
+  // k_pe feeds every head: its gradient is their sum, in head order (of all the group's heads:
+  // gathered, determinism = "layout").
+  if (whole_latents) {
+    float* own = arena(pe_parts);
+    float* all = own + N * NH * DR;
+    for (int64_t h = 0; h < NH; ++h) ops.copy_rows(own + h * DR, NH * DR, dk + h * D + DN, W, N, DR);
+    group.comm->all_gather(all, own, N * NH * DR);
+    ops.copy_rows(dpe, DR, all, NH * DR, N, DR);
+    for (int64_t h = 1; h < NH * group.size; ++h) {
+      ops.copy_rows(tmp, DR, all + (h / NH) * N * NH * DR + (h % NH) * DR, NH * DR, N, DR);
+      ops.add(dpe, dpe, tmp, N * DR);
+    }
+  } else {
+    ops.copy_rows(dpe, DR, dk + DN, W, N, DR);
+    for (int64_t h = 1; h < NH; ++h) {
+      ops.copy_rows(tmp, DR, dk + h * D + DN, W, N, DR);
+      ops.add(dpe, dpe, tmp, N * DR);
+    }
   }
   // Keys and values: kv_up, the latent norm (it adds into its input gradient), kv_down.
-  kv_up.backward(ps, dlat, dkv, arena(c_n), N);
+  // An up projection's input gradient: this rank's heads' part, or (whole_latents) all heads'.
+  auto up_backward = [&](const Linear& up, float* dlatent, const float* dy, const float* latent) {
+    if (whole_latents)
+      up.backward(ps, group, nullptr, dlatent, dy, latent, N);
+    else
+      up.backward(ps, dlatent, dy, latent, N);
+  };
+  up_backward(kv_up, dlat, dkv, arena(c_n));
   ops.fill(dlat_in, N * KL, -0.0f);
   kv_norm.backward(ps, arena, dlat_in, dlat, arena(c), N);
   ops.copy_rows(dckv, KL + DR, dlat_in, KL, N, KL);
@@ -140,14 +168,16 @@ void LatentProjections::backward(const ParamStore& ps, const Arena& arena, float
   kv_down.backward(ps, dx, dckv, x, N);
   // Queries.
   if (QL > 0) {
-    q_up.backward(ps, dlat, dq, arena(cq_n), N);
+    up_backward(q_up, dlat, dq, arena(cq_n));
     ops.fill(dlat_in, N * QL, -0.0f);
     q_norm.backward(ps, arena, dlat_in, dlat, arena(cq), N);
     q_down.backward(ps, dx_q, dlat_in, x, N);
   } else {
-    q.backward(ps, dx_q, dq, x, N);
+    up_backward(q, dx_q, dq, x);
   }
   ops.add(dx, dx, dx_q, N * C);
+  // Whole on every rank: passed on once (the caller sums the group's).
+  if (whole_latents && group.rank != 0) ops.fill(dx, N * C, -0.0f);
 }
 
 void LatentProjections::trace_names(std::vector<std::string>& out) const {

@@ -17,10 +17,16 @@
 // part of P V (D / v_head_dim more work there: 1.5x for DeepSeek-V3's 192 / 128).
 //
 // Tensor parallelism: Wq / Wq_up and Wkv_up are column-parallel by heads, the output projection
-// row-parallel; Wq_down, Wkv_down and the two latent norms are replicated, and each rank's
-// gradients of them come from its own heads only (partial sums over the group:
-// GradRole::sequence_parallel), as is its input gradient, summed over the group by the caller with
-// the rest (enter_column_parallel_backward).
+// row-parallel; Wq_down, Wkv_down and the two latent norms are replicated. Under determinism = "run"
+// each rank's gradients of them come from its own heads only (partial sums over the group:
+// GradRole::sequence_parallel), as does its input gradient, summed over the group by the caller
+// with the rest (enter_column_parallel_backward). Under "layout" the sums over heads are taken
+// first, in one process's order whatever the group: the latents' gradients are the up projections'
+// column-parallel input gradients (their canonical K segments, reduced over the group), the shared
+// k_pe's is the sum of all heads' in head order (their parts all-gathered), so every rank computes
+// the down projections' and the norms' whole gradients (replicated parameters), and the input
+// gradient, whole, is passed on by tp rank 0 (-0 from the others, the identity of the caller's
+// sum).
 #pragma once
 
 #include <string>
@@ -72,6 +78,11 @@ struct LatentProjections {
   Norm q_norm, kv_norm;
   ArenaSlice cq, cq_n, c, c_n;  // saved: the latents before and after their norms
   ArenaSlice scratch;  // q (N, NH D) | kv (N, NH (DN + DV)) | d latents | dx part | dk_pe x 2 | q_scale (N, NH D)
+  // determinism = "layout" under tensor parallelism (above): the group without sequence parallelism,
+  // and the all-gathered heads' k_pe gradients (tp x (N, NH DR)).
+  bool whole_latents = false;
+  TensorParallel group;
+  ArenaSlice pe_parts;
 };
 
 }  // namespace lockstep
