@@ -12,13 +12,15 @@
 // the routing probabilities with MoEAuxLossAutoScaler); a token's K choices are kept in ascending
 // expert order, Megatron's in a dense (N, E) map (compared as that map); the position drop policy
 // keeps each expert's first tokens, where Megatron's keeps torch.topk's choice among them
-// (CapacityDroppingMatchesMegatron).
+// (CapacityDroppingMatchesMegatron); with pad_to_capacity Megatron fills an expert's rows with other
+// tokens at weight 0, lockstep with rows of zeros it never combines (PermuteAndCombineMatchMegatron).
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>
 
 #include "lockstep/config/config.h"
 #include "lockstep/kernels/device.h"
+#include "lockstep/model/moe/dispatcher.h"
 #include "lockstep/model/moe/router.h"
 #include "lockstep/train/safetensors.h"
 #include "testing.h"
@@ -45,9 +47,9 @@ MoeConfig moe_of(const std::string& key) {
                              "moe.router_group_topk=" + std::to_string(c["group_topk"].get<int>())});
   if (c.value("bias", false)) keys.push_back("moe.router_enable_expert_bias=true");
   std::string types;
-  for (const char* t : {"aux", "seq_aux"})
+  for (const std::string t : {"aux", "seq_aux", "global_aux"})
     if (c.contains(t)) {
-      types += std::string(types.empty() ? "" : ",") + (std::string(t) == "aux" ? "aux_loss" : "seq_aux_loss");
+      types += (types.empty() ? "" : ",") + t + "_loss";
       keys.push_back("moe.aux_loss_coeff=" + std::to_string(c[t].get<double>()));
     }
   if (!types.empty()) keys.push_back("moe.router_load_balancing_type=" + types);
@@ -172,6 +174,102 @@ TEST(MegatronOracle, CapacityDroppingMatchesMegatron) {
       EXPECT_EQ(ours, megatron) << name << ": expert " << e;
       EXPECT_EQ(ours, std::min(routed, capacity)) << name << ": expert " << e;
     }
+  }
+}
+
+// The global aux loss over a step's micro-batches on one rank: each micro-batch's loss uses the
+// running mean of the tokens per expert so far (Megatron's global_tokens_per_expert / ga_steps).
+TEST(MegatronOracle, GlobalAuxLossMatchesMegatron) {
+  const auto device = Device::cpu();
+  const std::vector<std::string> names = cases("global_aux");
+  EXPECT_EQ(names.size(), 2u);
+  for (const std::string& name : names) {
+    const nlohmann::json c = nlohmann::json::parse(fixture().metadata().at("global_aux/" + name));
+    const RouterSpec s(moe_of("global_aux/" + name));
+    const int64_t B = c["B"], T = c["T"], E = s.E;
+    std::vector<int64_t> sum(static_cast<size_t>(E), 0), micro_counts(static_cast<size_t>(E)), counts_seq;
+    std::vector<float> global_counts(static_cast<size_t>(E));
+    for (int64_t m = 0; m < c["micros"].get<int64_t>(); ++m) {
+      const std::string at = "global_aux/" + name + "/" + std::to_string(m) + "/";
+      const std::vector<float> logits = fixture().floats(at + "logits");
+      const AuxLosses l = aux_losses_forward(device->ops, logits.data(), s, B, T, sum.data(), m, global_counts.data(),
+                                             counts_seq, micro_counts.data());
+      const double want = fixture().floats(at + "loss")[0];
+      EXPECT_NEAR(l.total(), want, 2e-6 * std::abs(want)) << name << " micro-batch " << m << ": loss";
+      std::vector<float> dlogits(static_cast<size_t>(B * T * E), 0.0f);
+      aux_losses_backward(device->ops, dlogits.data(), logits.data(), s, B, T, global_counts.data(), counts_seq, 1.0f);
+      EXPECT_LE(relative_error(dlogits, fixture().floats(at + "dlogits")), 1e-5)
+          << name << " micro-batch " << m << ": logits' gradient";
+      for (int64_t e = 0; e < E; ++e) sum[e] += micro_counts[e];
+    }
+  }
+}
+
+TEST(MegatronOracle, ExpertBiasUpdateMatchesMegatron) {
+  const std::string at = "bias/expert_bias_update/";
+  const nlohmann::json c = nlohmann::json::parse(fixture().metadata().at("bias/expert_bias_update"));
+  const std::vector<float> counts_f = fixture().floats(at + "counts");
+  std::vector<int64_t> counts(counts_f.begin(), counts_f.end());
+  std::vector<float> bias = fixture().floats(at + "bias");
+  update_expert_bias(bias.data(), counts.data(), static_cast<int64_t>(bias.size()), c["rate"].get<float>());
+  EXPECT_TRUE(testing::bitwise_equal(bias, fixture().floats(at + "updated")));
+  EXPECT_EQ(bias[0], fixture().floats(at + "bias")[0]);  // exactly at the mean load: unchanged
+}
+
+// Dispatch (Megatron's permute: rows grouped by expert, tokens in order inside) and combine
+// (unpermute with the routing weights), with and without capacity padding.
+TEST(MegatronOracle, PermuteAndCombineMatchMegatron) {
+  const auto device = Device::cpu();
+  const std::vector<std::string> names = cases("permute");
+  EXPECT_EQ(names.size(), 2u);
+  for (const std::string& name : names) {
+    const std::string at = "permute/" + name + "/";
+    const nlohmann::json c = nlohmann::json::parse(fixture().metadata().at("permute/" + name));
+    const bool pad = c.value("pad", false);
+    MoeConfig moe = moe_of("permute/" + name);
+    moe.pad_expert_input_to_capacity = pad;
+    const RouterSpec s(moe);
+    const std::vector<float> logits = fixture().floats(at + "logits"), tokens = fixture().floats(at + "tokens");
+    const int64_t E = s.E, K = s.K, N = static_cast<int64_t>(logits.size()) / E, C = c["C"];
+    std::vector<int32_t> idx(static_cast<size_t>(N * K));
+    std::vector<float> p(static_cast<size_t>(N * K));
+    std::vector<uint8_t> kept(static_cast<size_t>(N * K), 1);
+    device->ops.route_topk(idx.data(), p.data(), logits.data(), nullptr, s, N);
+    if (pad) device->ops.apply_capacity(kept.data(), idx.data(), p.data(), s, N);
+    const int64_t capacity = pad ? expert_capacity(s, N) : 0;
+    LocalDispatcher d(device->ops, E, K, C, N, capacity, pad);
+    d.plan(idx.data(), kept.data(), N);
+    const std::vector<float> permuted = fixture().floats(at + "permuted"),
+                             expert_out = fixture().floats(at + "expert_out");
+    ASSERT_EQ(d.rows() * C, static_cast<int64_t>(permuted.size())) << name << ": rows";
+    std::vector<float> rows(static_cast<size_t>(d.rows() * C));
+    d.dispatch(rows.data(), tokens.data());
+    // Each expert's rows: its tokens in token order, bit for bit; then (padding) lockstep's zero rows
+    // where Megatron repeats other tokens, which its routing weights (0) leave out of the combine.
+    const std::vector<float> megatron_probs = fixture().floats(at + "probs");
+    const std::vector<float> order = fixture().floats(at + "sorted_indices");
+    for (int64_t e = 0; e < E; ++e)
+      for (int64_t r = d.offsets()[e]; r < d.offsets()[e + 1]; ++r) {
+        const bool real = r - d.offsets()[e] < d.tokens_per_expert()[e];
+        const float* ours = rows.data() + r * C;
+        const float* theirs = permuted.data() + r * C;
+        for (int64_t j = 0; j < C; ++j) {
+          if (real)
+            ASSERT_EQ(std::bit_cast<uint32_t>(ours[j]), std::bit_cast<uint32_t>(theirs[j])) << name << " row " << r;
+          else
+            ASSERT_EQ(ours[j], 0.0f) << name << ": padding row " << r;
+        }
+        if (!real) {
+          const int64_t token = static_cast<int64_t>(order[static_cast<size_t>(r)]);
+          EXPECT_EQ(megatron_probs[static_cast<size_t>(token * E + e)], 0.0f)
+              << name << ": Megatron's padding row " << r;
+        }
+      }
+    for (int64_t i = 0; i < N * K; ++i)
+      if (!kept[i]) p[i] = 0.0f;
+    std::vector<float> zeros(static_cast<size_t>(N * C), 0.0f), out(static_cast<size_t>(N * C));
+    d.combine(out.data(), zeros.data(), expert_out.data(), p.data());
+    EXPECT_LE(relative_error(out, fixture().floats(at + "combined")), 2e-6) << name << ": combine";
   }
 }
 

@@ -10,7 +10,13 @@ compute, from random logits, what lockstep's router ops must reproduce:
   aux/<case>       switch_load_balancing_loss_func on compute_routing_scores_for_aux_loss's scores
                    (the aux loss; the sequence aux loss composed as TopKRouter._apply_seq_aux_loss
                    does on one rank), z_loss_func, and their logits' gradients;
-  capacity/<case>  apply_router_token_dropping (probs and position policies).
+  capacity/<case>  apply_router_token_dropping (probs and position policies);
+  global_aux/<case> the global aux loss as TopKRouter._apply_global_aux_loss computes it over a
+                   step's micro-batches on one rank (the running mean of the tokens per expert),
+                   each micro-batch's loss and logits' gradient;
+  bias/<case>      get_updated_expert_bias (the aux-loss-free expert bias update);
+  permute/<case>   permute and unpermute (the dispatch to expert rows and the weighted combine),
+                   also after apply_router_token_dropping with pad_to_capacity (drop_and_pad).
 
 Every tensor is float32, as Megatron's router computes. Draws whose top-k margins (expert or
 group) fall below 1e-4 are redrawn: a near tie could go either way. One file,
@@ -50,6 +56,15 @@ AUX = {
 CAPACITY = {
     "capacity_probs": dict(E=8, K=2, N=64, factor=0.5, policy="probs"),
     "capacity_position": dict(E=8, K=2, N=64, factor=0.75, policy="position"),
+}
+GLOBAL_AUX = {
+    "global_aux_softmax": dict(E=8, K=2, B=2, T=32, global_aux=0.01, micros=3),
+    "global_aux_sigmoid": dict(E=8, K=3, B=2, T=32, global_aux=0.01, micros=2, score="sigmoid"),
+}
+BIAS = {"expert_bias_update": dict(E=16, rate=1e-3)}
+PERMUTE = {
+    "permute_top2": dict(E=8, K=2, N=64, C=16),
+    "permute_pad_to_capacity": dict(E=8, K=2, N=64, C=16, factor=0.5, policy="probs", pad=True),
 }
 
 
@@ -140,6 +155,66 @@ def capacity_case(name, c, gen, out, meta):
     meta[f"capacity/{name}"] = json.dumps(c)
 
 
+def global_aux_case(name, c, gen, out, meta):
+    E, K, B, T = c["E"], c["K"], c["B"], c["T"]
+    score = c.get("score", "softmax")
+    N = B * T
+    running = torch.zeros(E)
+    for m in range(c["micros"]):
+        logits = draw(gen, N, E, lambda l: margin(torch.softmax(l, -1) if score == "softmax" else torch.sigmoid(l),
+                                                  K) >= MIN_MARGIN).requires_grad_(True)
+        routing_map, scores = mu.compute_routing_scores_for_aux_loss(logits, K, score)
+        running = running + routing_map.sum(0)  # TopKRouter.global_tokens_per_expert, one rank
+        loss = mu.switch_load_balancing_loss_func(scores, running / (m + 1), N, K, E, c["global_aux"])
+        loss.backward()
+        at = f"global_aux/{name}/{m}/"
+        out.update({at + "logits": logits.detach(), at + "loss": loss.detach().reshape(1), at + "dlogits": logits.grad})
+    meta[f"global_aux/{name}"] = json.dumps(c)
+
+
+def bias_case(name, c, gen, out, meta):
+    E = c["E"]
+    for _ in range(100):  # one expert exactly at the mean load (no update), the rest off it
+        counts = torch.randint(0, 50, (E,), generator=gen).float()
+        counts[0] = 25
+        counts[-1] = 25 * E - counts[:-1].sum()
+        if counts[-1] >= 0 and counts[-1] != 25:
+            break
+    bias = torch.randn(E, generator=gen) * 0.1
+    # One rank: the all-reduce over the tensor x data x context group is the identity.
+    reduce, group = torch.distributed.all_reduce, mu.parallel_state.get_tensor_and_data_parallel_group
+    torch.distributed.all_reduce = lambda *a, **k: None
+    mu.parallel_state.get_tensor_and_data_parallel_group = lambda *a, **k: None
+    try:
+        updated = mu.get_updated_expert_bias(counts.clone(), bias, c["rate"])
+    finally:
+        torch.distributed.all_reduce, mu.parallel_state.get_tensor_and_data_parallel_group = reduce, group
+    out.update({f"bias/{name}/counts": counts, f"bias/{name}/bias": bias, f"bias/{name}/updated": updated})
+    meta[f"bias/{name}"] = json.dumps(c)
+
+
+def permute_case(name, c, gen, out, meta):
+    E, K, N, C = c["E"], c["K"], c["N"], c["C"]
+    logits = draw(gen, N, E, lambda l: margin(torch.softmax(l, -1), K) >= MIN_MARGIN)
+    probs, routing_map = mu.topk_routing_with_score_function(logits, K)
+    tokens = torch.randn(N, C, generator=gen)
+    at = f"permute/{name}/"
+    if c.get("pad"):
+        probs, routing_map = mu.apply_router_token_dropping(probs, routing_map, K, c["factor"], c["policy"],
+                                                            pad_to_capacity=True)
+        rows = int(routing_map.sum(0)[0]) * E
+        permuted, _, order = mu.permute(tokens, routing_map, num_out_tokens=rows, drop_and_pad=True)
+    else:
+        permuted, _, order = mu.permute(tokens, routing_map)
+    expert_out = torch.randn(permuted.shape, generator=gen)
+    combined = mu.unpermute(expert_out, order, tokens.shape, probs=probs, routing_map=routing_map,
+                            drop_and_pad=bool(c.get("pad")))
+    out.update({at + "logits": logits, at + "tokens": tokens, at + "permuted": permuted,
+                at + "sorted_indices": order.float(), at + "expert_out": expert_out,
+                at + "combined": combined, at + "probs": probs})
+    meta[f"permute/{name}"] = json.dumps(c)
+
+
 def main():
     gen = torch.Generator().manual_seed(2026)
     out, meta = {}, {"megatron_core": megatron.core.__version__, "torch": torch.__version__}
@@ -149,6 +224,12 @@ def main():
         aux_case(name, c, gen, out, meta)
     for name, c in CAPACITY.items():
         capacity_case(name, c, gen, out, meta)
+    for name, c in GLOBAL_AUX.items():
+        global_aux_case(name, c, gen, out, meta)
+    for name, c in BIAS.items():
+        bias_case(name, c, gen, out, meta)
+    for name, c in PERMUTE.items():
+        permute_case(name, c, gen, out, meta)
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
     path = os.path.join(HERE, "fixtures", "moe.safetensors")
     save_file({k: v.contiguous() for k, v in out.items()}, path, metadata=meta)
