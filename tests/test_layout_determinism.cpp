@@ -303,19 +303,18 @@ TEST(LayoutDeterminism, TokenSegmentHeadChunksMatchSingleProcess) {
   rows_match_single_process("debug", {{2, {"parallel.context=2"}}}, sixteen);
 }
 
+// The layouts an attention variant must keep one process's bits under (moe-debug).
+const std::vector<Row> kAttentionRows = {
+    {2, {"train.threads=1"}},     {2, {"parallel.context=2"}},
+    {2, {"parallel.pipeline=2"}}, {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+    {2, {"parallel.tensor=2"}},   {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2"}},
+};
+
 // QK layernorm with its own head size (Qwen3): the norms' weight gradients are taken head by head
 // in each token segment and added over all heads in head order (AttentionLayer::head_norm_backward),
 // so data, context, pipeline and tensor parallelism (which splits the heads) keep one process's bits.
 TEST(LayoutDeterminism, QkLayernormMatchesSingleProcess) {
-  rows_match_single_process("moe-debug",
-                            {
-                                {2, {"train.threads=1"}},
-                                {2, {"parallel.context=2"}},
-                                {2, {"parallel.pipeline=2"}},
-                                {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-                                {2, {"parallel.tensor=2"}},
-                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2"}},
-                            },
+  rows_match_single_process("moe-debug", kAttentionRows,
                             {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2",
                              "model.qk_layernorm=true", "model.kv_channels=24"});
 }
@@ -344,16 +343,7 @@ TEST(LayoutDeterminism, MultiLatentAttentionMatchesSingleProcess) {
   const std::vector<std::string> mla = {
       "layout_token_segments=true", "model.preset=llama",   "model.multi_latent_attention=true", "model.q_lora_rank=24",
       "model.kv_lora_rank=16",      "model.qk_head_dim=12", "model.qk_pos_emb_head_dim=4",       "model.v_head_dim=10"};
-  rows_match_single_process("moe-debug",
-                            {
-                                {2, {"train.threads=1"}},
-                                {2, {"parallel.context=2"}},
-                                {2, {"parallel.pipeline=2"}},
-                                {2, {"parallel.expert=2", "moe.token_dispatcher=alltoall"}},
-                                {2, {"parallel.tensor=2"}},
-                                {4, {"parallel.tensor=2", "parallel.sequence_parallel=true", "parallel.context=2"}},
-                            },
-                            mla);
+  rows_match_single_process("moe-debug", kAttentionRows, mla);
   std::vector<std::string> uncompressed = mla;
   uncompressed.push_back("model.q_lora_rank=0");
   rows_match_single_process("debug", {{2, {"parallel.tensor=2", "parallel.sequence_parallel=true"}}}, uncompressed);

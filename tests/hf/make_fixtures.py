@@ -139,6 +139,17 @@ def saved_tensors(model, directory):
     return out
 
 
+def saved_grads(model):
+    """{checkpoint name: float32 gradient} of a model after backward, under the names save_pretrained
+    gives the tensors."""
+    grads = copy.deepcopy(model)
+    with torch.no_grad():
+        for (_, p), (_, g) in zip(model.named_parameters(), grads.named_parameters()):
+            g.copy_(p.grad)
+    with tempfile.TemporaryDirectory() as tmp:
+        return saved_tensors(grads.float(), tmp)
+
+
 def make_case(name, model_cls, config_cls, kw, shard):
     for seed in range(100):
         gen = torch.Generator().manual_seed(1000 + seed)
@@ -166,12 +177,7 @@ def make_case(name, model_cls, config_cls, kw, shard):
     logits = model64(input_ids=tokens).logits
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
     loss.backward()
-    grads = copy.deepcopy(model64)
-    with torch.no_grad():
-        for (_, p), (_, g) in zip(model64.named_parameters(), grads.named_parameters()):
-            g.copy_(p.grad)
-    with tempfile.TemporaryDirectory() as tmp:
-        named_grads = saved_tensors(grads.float(), tmp)
+    named_grads = saved_grads(model64)
     reference = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32),
                  "loss": loss.detach().reshape(1)}
     reference.update({"grad/" + n: g.contiguous() for n, g in named_grads.items()})
@@ -264,12 +270,7 @@ def make_mtp_case(name, kw, weight=0.1):
 
     lm, ce = mtp_losses(model64, depth64, tokens, targets)
     (lm + weight * ce).backward()
-    grads = copy.deepcopy(model64)
-    with torch.no_grad():
-        for (_, p), (_, g) in zip(model64.named_parameters(), grads.named_parameters()):
-            g.copy_(p.grad)
-    with tempfile.TemporaryDirectory() as tmp:
-        named_grads = saved_tensors(grads.float(), tmp)
+    named_grads = saved_grads(model64)
     named_grads.update({layer + n: p.grad.float().contiguous() for n, p in depth64.named_parameters()})
     reference = {"tokens": tokens.to(torch.int32), "targets": targets.to(torch.int32),
                  "loss": lm.detach().reshape(1), "mtp_loss": (weight * ce).detach().reshape(1)}
