@@ -75,7 +75,7 @@ TEST(Cli, BadInputsGiveOneLineAndExitTwo) {
        "lockstep: error: '.' is not a checkpoint (no metadata.json) and holds no complete step-NNNNNNNN checkpoint\n"},
       {"ckpt export .",
        "lockstep: error: usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT "
-       "--format hf\n"},
+       "--format hf [--tokenizer TOKENIZER_JSON_OR_DIR]\n"},
   };
   for (const auto& [args, expected] : cases) {
     const Result r = run(dir, args);

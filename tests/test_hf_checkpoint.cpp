@@ -19,6 +19,7 @@
 #include "lockstep/train/safetensors.h"
 #include "model_testing.h"
 #include "testing.h"
+#include "tokenizer_fixtures.h"
 
 namespace lockstep {
 namespace {
@@ -351,7 +352,8 @@ TEST(HfCheckpoint, BadDirectoriesAreRefusedByName) {
 TEST(HfCheckpoint, ExportedDirectoryTrainsLikeTheSafetensorsExport) {
   TempDir dir;
   const std::string config = std::string(LOCKSTEP_SOURCE_DIR) + "/configs/mixtral-tiny.toml";
-  const std::string small = " model.num_layers=2 train.global_batch=4 train.micro_batch=2 train.eval_interval=0";
+  const std::string small =
+      " model.num_layers=2 model.vocab_size=512 train.global_batch=4 train.micro_batch=2 train.eval_interval=0";
   testing::CliResult r =
       testing::run_cli(dir, "train -c " + config + small + " train.steps=1 train.save_interval=1 train.out_dir=run");
   ASSERT_EQ(r.status, 0) << r.err;
@@ -371,20 +373,43 @@ TEST(HfCheckpoint, ExportedDirectoryTrainsLikeTheSafetensorsExport) {
   }
   EXPECT_EQ(read_file(fingerprint_path(dir.path("a"), 0)), read_file(fingerprint_path(dir.path("b"), 0)));
 
-  // DeepSeek-V3's shape (MLA, expert bias; without the MTP depth, which the family has no place for)
-  // goes out as deepseek_v3 with its trained expert biases and comes back in.
+  // DeepSeek-V3's shape (MLA, expert bias, an MoE MTP depth: configs/deepseek-tiny.toml) goes out as
+  // deepseek_v3 with its trained expert biases and comes back in.
   const std::string ds = " -c " + std::string(LOCKSTEP_SOURCE_DIR) +
-                         "/configs/deepseek-tiny.toml model.mtp_num_layers=0 model.multi_latent_attention=true "
-                         "model.q_lora_rank=32 model.kv_lora_rank=32 model.qk_head_dim=16 model.qk_pos_emb_head_dim=8 "
-                         "model.v_head_dim=16 model.num_query_groups=0 train.global_batch=4 train.micro_batch=2 "
-                         "train.eval_interval=0";
+                         "/configs/deepseek-tiny.toml train.global_batch=4 train.micro_batch=2 train.eval_interval=0";
   r = testing::run_cli(dir, "train" + ds + " train.steps=2 train.save_interval=2 train.out_dir=ds");
   ASSERT_EQ(r.status, 0) << r.err;
   r = testing::run_cli(dir, "ckpt export ds ds-hf --format hf");
   ASSERT_EQ(r.status, 0) << r.err;
   EXPECT_NE(r.out.find("config.json (deepseek_v3)"), std::string::npos) << r.out;
-  r = testing::run_cli(dir, "train" + ds + " train.steps=1 train.init_from=hf:ds-hf train.out_dir=ds2");
+  EXPECT_FALSE(fs::exists(dir.path("ds-hf/tokenizer.json")));  // the run had none
+  r = testing::run_cli(dir, "train" + ds +
+                                " train.steps=1 train.save_interval=1 train.init_from=hf:ds-hf "
+                                "train.out_dir=ds2");
   EXPECT_EQ(r.status, 0) << r.err;
+
+  // The tokenizer's files: --tokenizer's, checked against the vocabulary, or those of the directory
+  // the run was initialised from.
+  fs::create_directories(dir.path("tok"));
+  const std::string tokenizer = dir.write("tok/tokenizer.json", testing::byte_fallback_json().dump());
+  r = testing::run_cli(dir, "ckpt export ds ds-tok --format hf --tokenizer tok/tokenizer.json");
+  EXPECT_EQ(r.status, 2);
+  EXPECT_NE(r.err.find("'tok/tokenizer.json' has 271 tokens; the model's vocabulary (model.vocab_size) is 256"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(fs::exists(dir.path("ds-tok")));
+  r = testing::run_cli(dir, "ckpt export ds ds-tok --format hf --tokenizer nowhere");
+  EXPECT_NE(r.err.find("--tokenizer 'nowhere': no such file or directory"), std::string::npos) << r.err;
+  r = testing::run_cli(dir, "ckpt export run hf-tok --format hf --tokenizer tok");  // 512 tokens
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_NE(r.out.find("model.safetensors, tokenizer.json;"), std::string::npos) << r.out;
+  EXPECT_EQ(read_file(dir.path("hf-tok/tokenizer.json")), read_file(tokenizer));
+  r = testing::run_cli(dir, "train -c " + config + small +
+                                " train.steps=1 train.save_interval=1 train.init_from=hf:hf-tok train.out_dir=c");
+  ASSERT_EQ(r.status, 0) << r.err;
+  r = testing::run_cli(dir, "ckpt export c c-hf --format hf");
+  ASSERT_EQ(r.status, 0) << r.err;
+  EXPECT_EQ(read_file(dir.path("c-hf/tokenizer.json")), read_file(tokenizer));
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include "lockstep/data/tokenizer.h"
 #include "lockstep/data/unicode.h"
 #include "testing.h"
+#include "tokenizer_fixtures.h"
 
 namespace lockstep {
 namespace {
@@ -183,41 +184,7 @@ TEST(Tokenizer, RoundTripsHardText) {
   EXPECT_EQ(byte->decode({104, 105, 256}), "hi<|endoftext|>");
 }
 
-// Llama-2-style tokenizer.json: Prepend("▁") + Replace(" ", "▁") normalizer, no pre-tokenizer,
-// byte_fallback with <0xNN> tokens, special tokens <unk> <s> </s>.
-json byte_fallback_json() {
-  json vocab = {{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}};
-  for (int b = 0; b < 256; ++b) {
-    char buf[8];
-    std::snprintf(buf, sizeof buf, "<0x%02X>", b);
-    vocab[buf] = 3 + b;
-  }
-  int next = 259;
-  for (const char* t : {"▁", "h", "i", "t", "e", "r", "▁h", "▁hi", "▁t", "he", "▁the", "re"}) vocab[t] = next++;
-  json j;
-  j["model"] = {{"type", "BPE"},
-                {"dropout", nullptr},
-                {"unk_token", "<unk>"},
-                {"byte_fallback", true},
-                {"fuse_unk", true},
-                {"vocab", vocab},
-                {"merges", {"▁ h", "▁h i", "▁ t", "h e", "▁t he", "r e"}}};
-  j["normalizer"] = {{"type", "Sequence"},
-                     {"normalizers",
-                      {{{"type", "Prepend"}, {"prepend", "▁"}},
-                       {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", "▁"}}}}};
-  j["pre_tokenizer"] = nullptr;
-  j["added_tokens"] = json::array();
-  for (auto [c, id] : std::vector<std::pair<const char*, int>>{{"<unk>", 0}, {"<s>", 1}, {"</s>", 2}})
-    j["added_tokens"].push_back({{"id", id},
-                                 {"content", c},
-                                 {"single_word", false},
-                                 {"lstrip", false},
-                                 {"rstrip", false},
-                                 {"normalized", false},
-                                 {"special", true}});
-  return j;
-}
+using testing::byte_fallback_json;
 
 TEST(Tokenizer, HfByteFallbackEncodesExpectedIds) {
   TempDir dir;

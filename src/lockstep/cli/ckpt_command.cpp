@@ -1,8 +1,10 @@
-// lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf
+// lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors
+//              | export DIR OUT --format hf [--tokenizer TOKENIZER_JSON_OR_DIR]
 //
 // DIR is a checkpoint (RUN/checkpoints/step-NNNNNNNN), a directory of them or a run directory (its newest
 // one). verify exits 1 on a bad checkpoint, with one line saying what and where.
 #include <cstdio>
+#include <filesystem>
 #include <map>
 
 #include "lockstep/cli/commands.h"
@@ -63,23 +65,36 @@ void export_weights(const std::string& dir, const std::string& out) {
 }
 
 // A Hugging Face model directory (train/hf_checkpoint.h) from the checkpoint's parameters and the
-// model keys of the config it was written with.
-void export_hf(const std::string& dir, const std::string& out) {
+// model keys of the config it was written with, and the tokenizer files: `tokenizer`'s, or, with
+// none given, those of the Hugging Face directory the run was initialised from (train.init_from =
+// "hf:DIR"), when it has them.
+void export_hf(const std::string& dir, const std::string& out, const std::string& tokenizer) {
   const CheckpointMetadata meta = read_checkpoint_metadata(dir);
   const Config config = load_config_text(meta.info.config_toml, "checkpoint '" + dir + "' config");
+  const std::string& init = config.train.init_from;
+  const std::vector<std::string> tokenizer_files =
+      !tokenizer.empty()          ? hf_tokenizer_files(tokenizer, config.model.vocab_size, true)
+      : init.rfind("hf:", 0) == 0 ? hf_tokenizer_files(init.substr(3), config.model.vocab_size, false)
+                                  : std::vector<std::string>{};
   std::map<std::string, std::vector<char>> params;
   for (const CheckpointTensor& t : meta.tensors)
     if (t.name.rfind("param/", 0) == 0)
       params[t.name.substr(6)] = read_checkpoint_tensor(meta, t);
     else if (t.name.ends_with(".moe.router.expert_bias"))  // "buffer/...": deepseek_v3's e_score_correction_bias
       params[t.name] = read_checkpoint_tensor(meta, t);
-  const int64_t n = write_hf_checkpoint(out, config.model, config.moe, [&](const std::string& name) {
-    const auto it = params.find(name);
-    if (it == params.end()) user_error("checkpoint '", dir, "' has no parameter '", name, "'");
-    return reinterpret_cast<const float*>(it->second.data());
-  });
-  std::printf("wrote %s: config.json (%s) and model.safetensors, %lld tensors from %s (step %lld)\n", out.c_str(),
-              hf_family(config.model, config.moe).c_str(), (long long)n, dir.c_str(), (long long)meta.info.step);
+  const int64_t n = write_hf_checkpoint(
+      out, config.model, config.moe,
+      [&](const std::string& name) {
+        const auto it = params.find(name);
+        if (it == params.end()) user_error("checkpoint '", dir, "' has no parameter '", name, "'");
+        return reinterpret_cast<const float*>(it->second.data());
+      },
+      tokenizer_files);
+  std::string extra;
+  for (const std::string& f : tokenizer_files) extra += ", " + std::filesystem::path(f).filename().string();
+  std::printf("wrote %s: config.json (%s), model.safetensors%s; %lld tensors from %s (step %lld)\n", out.c_str(),
+              hf_family(config.model, config.moe).c_str(), extra.c_str(), (long long)n, dir.c_str(),
+              (long long)meta.info.step);
 }
 
 }  // namespace
@@ -106,16 +121,20 @@ int ckpt_command(const std::vector<std::string>& args) {
     export_weights(find_checkpoint(args[1]), args[2]);
     return 0;
   }
-  if (sub == "export" && args.size() == 5 && args[3] == "--format") {
+  const bool tokenizer = args.size() == 7 && args[5] == "--tokenizer";
+  if (sub == "export" && (args.size() == 5 || tokenizer) && args[3] == "--format") {
     if (args[4] == "hf")
-      export_hf(find_checkpoint(args[1]), args[2]);
-    else if (args[4] == "safetensors")
+      export_hf(find_checkpoint(args[1]), args[2], tokenizer ? args[6] : "");
+    else if (args[4] == "safetensors" && !tokenizer)
       export_weights(find_checkpoint(args[1]), args[2]);
     else
-      user_error("ckpt export --format ", args[4], ": expected safetensors or hf");
+      user_error("ckpt export --format ", args[4], tokenizer ? " --tokenizer" : "", ": expected safetensors or hf",
+                 tokenizer ? " (a tokenizer goes with --format hf)" : "");
     return 0;
   }
-  user_error("usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf");
+  user_error(
+      "usage: lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf "
+      "[--tokenizer TOKENIZER_JSON_OR_DIR]");
 }
 
 }  // namespace lockstep::cli

@@ -44,10 +44,13 @@ const Command kCommands[] = {
      "      compare two run directories' fingerprints: the first differing step, rank and field with both\n"
      "      values (exit 1), or \"identical over N steps\" (exit 0); with module traces (debug.trace), the module"},
     {"ckpt", lockstep::cli::ckpt_command,
-     "lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors\n"
+     "lockstep ckpt inspect DIR | verify DIR | export DIR OUT.safetensors | export DIR OUT --format hf\n"
+     "      [--tokenizer TOKENIZER_JSON_OR_DIR]\n"
      "      a checkpoint (RUN/checkpoints/step-NNNNNNNN; a directory of them or RUN: the newest): its tensors,\n"
      "      shapes, layout and sizes; a full check of checksums and completeness (exit 1 when bad); the\n"
-     "      full model weights as safetensors (train.init_from reads them back)"},
+     "      full model weights as safetensors (train.init_from reads them back); a Hugging Face model\n"
+     "      directory (config.json, model.safetensors, the tokenizer's files: --tokenizer's, or those of\n"
+     "      the train.init_from = \"hf:DIR\" the run started from)"},
     {"replay", lockstep::cli::replay_command,
      "lockstep replay RUN --step N [--out DIR] [key=value ...]\n"
      "      re-run RUN's step N from its newest checkpoint before N with module tracing and per-module\n"

@@ -9,6 +9,7 @@
 
 #include "lockstep/config/hf_config.h"
 #include "lockstep/core/error.h"
+#include "lockstep/data/tokenizer.h"
 #include "lockstep/tensor/param_table.h"
 #include "lockstep/train/checkpoint.h"
 #include "lockstep/train/run_dir.h"
@@ -372,8 +373,36 @@ void load_hf_checkpoint(const std::string& dir, ParamStore& ps, const ModelConfi
   }
 }
 
+std::vector<std::string> hf_tokenizer_files(const std::string& from, int64_t V, bool required) {
+  std::vector<std::string> files;
+  if (fs::is_directory(from)) {
+    for (const char* leaf : {"tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                             "vocab.json", "merges.txt", "generation_config.json"})
+      if (fs::is_regular_file(fs::path(from) / leaf)) files.push_back((fs::path(from) / leaf).string());
+    const bool tokenizer = std::any_of(files.begin(), files.end(), [](const std::string& f) {
+      const std::string leaf = fs::path(f).filename().string();
+      return leaf == "tokenizer.json" || leaf == "tokenizer.model" || leaf == "vocab.json";
+    });
+    if (!tokenizer) {
+      if (required) user_error("--tokenizer '", from, "': no tokenizer.json, tokenizer.model or vocab.json in it");
+      return {};
+    }
+  } else if (fs::is_regular_file(from)) {
+    files.push_back(from);
+  } else {
+    user_error("--tokenizer '", from, "': no such file or directory");
+  }
+  for (const std::string& f : files) {
+    if (fs::path(f).filename() != "tokenizer.json") continue;
+    const int64_t n = make_tokenizer("hf:" + f)->vocab_size();
+    if (n > V) user_error("'", f, "' has ", n, " tokens; the model's vocabulary (model.vocab_size) is ", V);
+  }
+  return files;
+}
+
 int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const MoeConfig& moe,
-                            const std::function<const float*(const std::string& param)>& tensor) {
+                            const std::function<const float*(const std::string& param)>& tensor,
+                            const std::vector<std::string>& tokenizer_files) {
   const std::string family = hf_family(m, moe);
   if (fs::exists(dir)) user_error("'", dir, "' exists; --format hf writes a new directory");
   const std::string tmp = dir + ".tmp";
@@ -390,6 +419,11 @@ int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const 
   for (size_t k = 0; k < tensors.size(); ++k) tensors[k].data = data[k].data();
   write_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
   write_file_atomic(tmp + "/config.json", hf_config_json(m, moe, family));
+  for (const std::string& f : tokenizer_files) {
+    const fs::path to = fs::path(tmp) / fs::path(f).filename();
+    if (fs::exists(to)) user_error("two tokenizer files named '", to.filename().string(), "'");  // config.json too
+    fs::copy_file(f, to);
+  }
   fs::rename(tmp, dir);
   return static_cast<int64_t>(tensors.size());
 }

@@ -74,9 +74,17 @@ std::function<std::vector<float>(const std::string& name, const Shape& shape)> h
 
 // Writes the model directory dir (config.json, model.safetensors in fp32) from whole parameters
 // (tensor(name): the parameter's or, for "buffer/" names, the module state's global row-major
-// values). dir must not exist: the directory is
-// written under a temporary name and renamed when complete. Returns the number of tensors.
+// values) and the tokenizer files listed (copied under their own names; hf_tokenizer_files). dir must
+// not exist: the directory is written under a temporary name and renamed when complete. Returns
+// the number of tensors.
 int64_t write_hf_checkpoint(const std::string& dir, const ModelConfig& m, const MoeConfig& moe,
-                            const std::function<const float*(const std::string& param)>& tensor);
+                            const std::function<const float*(const std::string& param)>& tensor,
+                            const std::vector<std::string>& tokenizer_files = {});
+// The tokenizer files to write beside a model of vocabulary V: `from` is a tokenizer.json or a
+// directory whose tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model,
+// vocab.json, merges.txt and generation_config.json are taken (those present; a directory without
+// a tokenizer gives none unless `required`). UserError when a tokenizer.json does not load or has
+// more tokens than V.
+std::vector<std::string> hf_tokenizer_files(const std::string& from, int64_t V, bool required);
 
 }  // namespace lockstep
