@@ -346,6 +346,21 @@ const std::vector<Key>& keys() {
              "initial weights: a .safetensors file (lockstep ckpt export), or \"hf:DIR\", a Hugging Face model "
              "directory whose config.json sets the model keys (docs/hf.md); \"\" = random init"),
       LS_KEY(train.exit_interval, "stop once the step is a multiple of N (after saving, when saving); 0 = never"),
+      LS_KEY(train.recompute_granularity,
+             "activation recompute (Megatron's recompute_granularity): \"none\" keeps every layer's activations "
+             "for backward; \"full\" keeps only the inputs of groups of layers (train.recompute_method) and runs "
+             "their forward again in backward: less activation memory for one more forward of those layers, "
+             "the same bits",
+             {"none", "full"}),
+      LS_KEY(train.recompute_method,
+             "full recompute's groups (Megatron's recompute_method): \"uniform\": each run of "
+             "train.recompute_num_layers consecutive layers of a model chunk is one group; \"block\": the first "
+             "train.recompute_num_layers layers of each model chunk are recomputed, one group each, the others "
+             "keep their activations; \"\" without full recompute",
+             {"", "uniform", "block"}),
+      LS_KEY(train.recompute_num_layers,
+             "full recompute: layers per group (uniform) or layers recomputed per model chunk (block); 0 "
+             "without full recompute"),
       LS_KEY(train.on_nonfinite,
              "a non-finite loss, grad norm or updated parameter: \"stop\" the job (exit status 4, no checkpoint "
              "of that state), or \"skip_step\" (loss or grad norm: the update is not applied; a non-finite "
@@ -972,6 +987,17 @@ void validate(const Config& c) {
   positive("train.steps", t.steps);
   positive("train.global_batch", t.global_batch);
   positive("train.micro_batch", t.micro_batch);
+  // Megatron's rules: full recompute needs its method and layer count; nothing else takes them.
+  if (t.recompute_granularity == "full") {
+    if (t.recompute_method.empty())
+      user_error("train.recompute_granularity = \"full\" needs train.recompute_method (\"uniform\" or \"block\")");
+    if (t.recompute_num_layers <= 0)
+      user_error("train.recompute_granularity = \"full\" needs train.recompute_num_layers >= 1, got ",
+                 t.recompute_num_layers);
+  } else if (!t.recompute_method.empty() || t.recompute_num_layers != 0) {
+    user_error(!t.recompute_method.empty() ? "train.recompute_method" : "train.recompute_num_layers",
+               " is for train.recompute_granularity = \"full\" (it is \"", t.recompute_granularity, "\")");
+  }
   if (m.num_query_groups < 0) user_error("model.num_query_groups = ", m.num_query_groups, ": must be >= 0");
   if (m.ffn_hidden_size < 0) user_error("model.ffn_hidden_size = ", m.ffn_hidden_size, ": must be >= 0");
   if (m.kv_channels < 0)

@@ -96,6 +96,11 @@ struct TrainConfig {
   // A non-finite loss, grad norm or updated parameter (docs/faults.md): "stop" the job (exit status
   // 4, no checkpoint of that state) or "skip_step" (loss or grad norm: the update is not applied).
   std::string on_nonfinite = "stop";
+  // Activation recompute (Megatron's recompute_granularity / method / num_layers; model/gpt.h):
+  // "full" keeps only the inputs of groups of layers and runs their forward again in backward.
+  std::string recompute_granularity = "none";  // none | full
+  std::string recompute_method;                // uniform | block (full only)
+  int64_t recompute_num_layers = 0;            // layers per group (uniform), recomputed per chunk (block)
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };

@@ -44,13 +44,13 @@ ModuleTrace::Record record_of(int64_t step, int64_t micro, std::string_view modu
 }  // namespace
 
 void ModuleTrace::out(std::string_view module, float* y, int64_t n) {
-  if (step_ == first_step_ && micro_ == 0) modules_.emplace_back(module);
+  if (step_ == first_step_ && micro_ == 0 && !replay_) modules_.emplace_back(module);
   if (step_ == inject_step_ && micro_ == 0 && n > 0 && module == inject_module_) {
     y[0] = inject_nan_ ? std::numeric_limits<float>::quiet_NaN()
                        : std::bit_cast<float>(std::bit_cast<uint32_t>(y[0]) ^ 1u);
     injected_ = true;
   }
-  if (record_) records_.push_back(record_of(step_, micro_, module, false, y, n, chunk_, backward_));
+  if (record_ && !replay_) records_.push_back(record_of(step_, micro_, module, false, y, n, chunk_, backward_));
 }
 
 void ModuleTrace::grad_in(std::string_view module, const float* dx, int64_t n) {

@@ -74,6 +74,24 @@ class ModuleTrace {
 
   static ModuleTrace* current() { return current_; }
 
+  // RAII: a recomputed forward (activation recompute, model/gpt.h) runs inside: its outputs are
+  // not recorded again, and an injected bit flip is applied again, so that the recomputed values
+  // are the ones the first forward made.
+  class Replay {
+   public:
+    Replay() : t_(current_) {
+      if (t_) t_->replay_ = true;
+    }
+    ~Replay() {
+      if (t_) t_->replay_ = false;
+    }
+    Replay(const Replay&) = delete;
+    Replay& operator=(const Replay&) = delete;
+
+   private:
+    ModuleTrace* t_;
+  };
+
  private:
   inline static thread_local ModuleTrace* current_ = nullptr;
   bool record_;
@@ -83,6 +101,7 @@ class ModuleTrace {
   bool injected_ = false;
   int64_t step_ = 0, micro_ = 0, chunk_ = -1, first_step_ = -1;
   bool backward_ = false;
+  bool replay_ = false;
   std::vector<Record> records_;
   std::vector<std::string> modules_;
 };

@@ -20,7 +20,7 @@ constexpr int64_t kHeadChunkFloats = int64_t{1} << 22;
 
 GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionConfig& precision,
          const TensorParallel& tp, Communicator* ep, Communicator* etp, const StagePart& part,
-         const ContextParallel& cp, Device* device)
+         const ContextParallel& cp, Device* device, const Recompute& recompute)
     : own_device_(device ? nullptr : Device::cpu()),
       device_(device ? device : own_device_.get()),
       m_(m),
@@ -64,9 +64,31 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   attn_.resize(static_cast<size_t>(L_));
   mlp_.resize(static_cast<size_t>(L_));
   moe_.resize(static_cast<size_t>(L_));
-  const AttentionLayer* cp_scratch = nullptr;  // the first layer's scratch (context parallelism, QK norm), shared
+  // Activation recompute's groups (Recompute), per model chunk.
+  group_start_.assign(static_cast<size_t>(L_), -1);
+  group_end_.assign(static_cast<size_t>(L_), -1);
+  const int64_t per_group = recompute.num_layers;
   for (const auto& [first, end] : part_.chunks)
+    for (int64_t a = first; per_group > 0 && a < end; ++a) {
+      if (recompute.method == "block" && a >= first + per_group) break;
+      const int64_t b = recompute.method == "uniform" ? std::min(a + per_group, end) : a + 1;
+      LOCKSTEP_CHECK(recompute.method == "uniform" || recompute.method == "block", "recompute method ",
+                     recompute.method);
+      for (int64_t l = a; l < b; ++l) group_start_[l] = a, group_end_[l] = b;
+      a = b - 1;
+    }
+  // Activations: resid[l] is layer l's input (N, C), resid[L] the last output; mid[l] the residual
+  // between the attention and MLP sublayers (under recompute a group's are in its region but its input).
+  resid_.resize(static_cast<size_t>(L_ + 1));
+  mid_.resize(static_cast<size_t>(L_));
+  const AttentionLayer* cp_scratch = nullptr;  // the first layer's scratch (context parallelism, QK norm), shared
+  for (const auto& [first, end] : part_.chunks) {
     for (int64_t l = first; l < end; ++l) {
+      const bool grouped = group_start_[l] >= 0;
+      if (resid_[l].offset < 0 && !(grouped && l > group_start_[l])) resid_[l] = arena_.reserve(Nl_ * C_);
+      if (grouped && l == group_start_[l]) arena_.begin_recompute();
+      if (grouped && l > group_start_[l]) resid_[l] = arena_.reserve(Nl_ * C_);
+      mid_[l] = arena_.reserve(Nl_ * C_);
       const std::string prefix = "layers." + std::to_string(l) + ".";
       layer_first_[l] = static_cast<int>(params_.specs().size());
       attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_, cp_scratch);
@@ -76,7 +98,10 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       else
         mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
       layer_end_[l] = static_cast<int>(params_.specs().size());
+      if (grouped && l + 1 == group_end_[l]) arena_.end_recompute();
     }
+    if (resid_[end].offset < 0) resid_[end] = arena_.reserve(Nl_ * C_);
+  }
   head_first_ = static_cast<int>(params_.specs().size());
   if (part_.last) {
     final_norm_ =
@@ -144,13 +169,6 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   if (precision_.bf16()) params_.use_bf16_weights();
   weights_stale_.assign(part_.chunks.size(), 1);
 
-  resid_.resize(static_cast<size_t>(L_ + 1));
-  mid_.resize(static_cast<size_t>(L_));
-  for (const auto& [first, end] : part_.chunks) {
-    for (int64_t l = first; l <= end; ++l)
-      if (resid_[l].offset < 0) resid_[l] = arena_.reserve(Nl_ * C_);
-    for (int64_t l = first; l < end; ++l) mid_[l] = arena_.reserve(Nl_ * C_);
-  }
   if (!whole)
     for (size_t c = 0; c < part_.chunks.size(); ++c) grad_in_.push_back(arena_.reserve(Nl_ * C_));
   if (part_.last) final_out_ = arena_.reserve(Nl_ * C_);
@@ -351,6 +369,18 @@ void GPT::layout_documents(const int32_t* tokens) {
   int32_t* pos = !reset_positions_ ? nullptr : cp_.on() ? full_positions_.data() : positions_.data();
   document_layout(pos, doc_start_.empty() ? nullptr : doc_start_.data(), tokens, B_, Tg_, eod_);
   if (cp_.on() && reset_positions_) cp_.take_local(positions_.data(), full_positions_.data(), B_, Tg_);
+}
+
+void GPT::recompute(int64_t first, int64_t end) {
+  ModuleTrace::Replay replay;  // the outputs are the first forward's: not traced again
+  for (int64_t l = first; l < end; ++l) {
+    attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
+                     positions(), doc_start());
+    if (moe_[l])
+      moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), true, seed_, step_, micro_, true);
+    else
+      mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+  }
 }
 
 void GPT::need_params(int first, int end, bool stale) {
@@ -615,6 +645,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   const MlpScratch ms{arena_(dnorm_), arena_(dact_), arena_(dfc_)};
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
   for (int64_t l = l1 - 1; l >= l0; --l) {
+    if (group_start_[l] >= 0 && l + 1 == group_end_[l]) recompute(group_start_[l], l + 1);
     if (moe_[l])
       moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
     else

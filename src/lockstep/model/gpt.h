@@ -59,6 +59,21 @@ namespace lockstep {
 
 class Communicator;
 
+// Activation recompute (train.recompute_granularity = "full", Megatron's full recompute): the
+// layers of each model chunk are cut into groups, "uniform": runs of num_layers consecutive layers,
+// "block": the chunk's first num_layers layers, one group each (the others keep their activations).
+// A group keeps only its input; its layers' saved activations live in the arena's recompute region
+// (model/arena.h), and backward runs the group's forward again (replay: no aux losses, counters or
+// trace records taken twice) right before the group's backward. The replayed forward computes the
+// same bits, so every gradient, loss and fingerprint is the one without recompute.
+struct Recompute {
+  std::string method;  // "uniform" | "block"; "" = none
+  int64_t num_layers = 0;
+  static Recompute of(const TrainConfig& t) {
+    return t.recompute_granularity == "full" ? Recompute{t.recompute_method, t.recompute_num_layers} : Recompute{};
+  }
+};
+
 class GPT final : public PipelineStage {
  public:
   // B: sequences per micro-batch; T = m.seq_length. Declares and allocates every parameter (not
@@ -73,7 +88,8 @@ class GPT final : public PipelineStage {
   GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe = MoeConfig{},
       const PrecisionConfig& precision = PrecisionConfig{}, const TensorParallel& tp = TensorParallel{},
       Communicator* ep = nullptr, Communicator* etp = nullptr, const StagePart& part = StagePart{},
-      const ContextParallel& cp = ContextParallel{}, Device* device = nullptr);
+      const ContextParallel& cp = ContextParallel{}, Device* device = nullptr,
+      const Recompute& recompute = Recompute{});
 
   // One micro-batch, forward and backward. tokens, targets: (B, T). Parameter gradients
   // accumulate; the loss gradient is scaled by grad_scale (1 / tokens in the global batch).
@@ -203,7 +219,9 @@ class GPT final : public PipelineStage {
   // The module names a training micro-batch's forward traces on this rank (core/trace.h), in
   // execution order: what debug.inject_ulp may name, known before anything runs.
   std::vector<std::string> module_names() const;
-  int64_t activation_bytes() const { return arena_.total_floats() * 4 + arena_.scratch_floats() * 4; }
+  int64_t activation_bytes() const {
+    return (arena_.total_floats() + arena_.scratch_floats() + arena_.recompute_floats()) * 4;
+  }
 
   // layout_token_segments: the head's weight gradient, planned once (plan_head in gpt.cpp): row chunks
   // of at most head_rows_ that end on a segment bound (or inside a segment longer than a chunk), and
@@ -266,7 +284,7 @@ class GPT final : public PipelineStage {
   Norm final_norm_;
   std::vector<float> rope_cos_, rope_sin_;
   // Activations: resid[l] is layer l's input (N, C), resid[L] the last output; mid[l] the residual
-  // between the attention and MLP sublayers.
+  // between the attention and MLP sublayers (a recompute group's in its region but its input's).
   // Under pipeline parallelism only this rank's layers' entries are reserved; grad_in_[c]: chunk
   // c's output gradient as received from the next stage.
   std::vector<ArenaSlice> resid_, mid_, grad_in_;
@@ -333,6 +351,10 @@ class GPT final : public PipelineStage {
   // Forward reads parameters [first, end) next: the params-needed hook, then (the chunk's first
   // forward of a step) the refresh of their bf16 copy.
   void need_params(int first, int end, bool stale);
+  // Activation recompute: layer l's group [group_start_[l], group_end_[l]) (-1: kept), and the
+  // group's forward again (Recompute).
+  std::vector<int64_t> group_start_, group_end_;
+  void recompute(int64_t first, int64_t end);
   std::vector<char> weights_stale_;  // per chunk
   int64_t first_micro_ = 0;
 };

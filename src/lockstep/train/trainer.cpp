@@ -51,7 +51,7 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
       device_(Device::cpu()),
       data_(open_dataset(config.data, config.model.seq_length, config.model.vocab_size, config.train.seed)),
       model_(config.model, config.train.micro_batch, config.moe, config.precision, groups_.tp, groups_.ep(),
-             groups_.etp(), stage_part(config, groups_), groups_.cp, device_.get()),
+             groups_.etp(), stage_part(config, groups_), groups_.cp, device_.get(), Recompute::of(config.train)),
       dp_(model_.params(), groups_.dense_dp, groups_.expert_dp, config.ddp, config.optimizer.distributed),
       pipeline_(parallelize(model_, dp_, groups_, config)),
       optimizer_(model_.params(), config.optimizer, dp_.optimizer_ranges()),

@@ -190,7 +190,7 @@ void MoeLayer::drop_over_micro_batch(const float* batch_logits) {
 int64_t MoeLayer::max_rows() const { return etp_ ? etp_->max_rows() : dispatcher_->max_rows(); }
 
 void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in, bool training,
-                       uint64_t seed, int64_t step, int64_t micro) {
+                       uint64_t seed, int64_t step, int64_t micro, bool replay) {
   // This rank's rows: all of resid_in under sequence parallelism (or without tp), else a slice.
   const bool slice = tp_.on() && !tp_.sequence;
   const float* in = slice ? resid_in + row0_ * C_ : resid_in;
@@ -231,11 +231,14 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
     batch_logits = arena(all_logits_);
   }
   if (batch_capacity_) drop_over_micro_batch(batch_logits);
-  // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's).
-  std::function<void(int64_t*, int64_t)> sum_over_dp;
-  if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };
-  aux_ = aux_losses_forward(*ops_, batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_,
-                            global_counts_.data(), counts_seq_, micro_counts_.data(), sum_over_dp);
+  // Training: the global aux loss's counts are summed over the data-parallel group (Megatron's). A
+  // replay keeps the first forward's aux losses and the counts backward reads.
+  if (!replay) {
+    std::function<void(int64_t*, int64_t)> sum_over_dp;
+    if (training && data_parallel_) sum_over_dp = [this](int64_t* c, int64_t n) { data_parallel_->all_reduce(c, n); };
+    aux_ = aux_losses_forward(*ops_, batch_logits, spec_, B_, Tg_, global_counts_sum_.data(), global_micro_,
+                              global_counts_.data(), counts_seq_, micro_counts_.data(), sum_over_dp);
+  }
 
   // Dispatch, experts, combine.
   dispatcher_->plan(idx_.data(), kept_.data(), N);
@@ -263,7 +266,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   if (slice) tp_.comm->all_gather(resid_out, out, N * C_);
   trace_out(name_, resid_out, (slice ? N_ : N) * C_);
 
-  if (training) {
+  if (training && !replay) {
     const std::vector<int64_t>& counts = dispatcher_->tokens_per_expert();
     for (int64_t e = 0; e < E_; ++e) step_counts_[e] += counts[e];
     for (int64_t e = 0; e < E_; ++e) global_counts_sum_[e] += micro_counts_[e];

@@ -94,8 +94,10 @@ class MoeLayer {
 
   // training: jitter on, counts recorded for the step's statistics, the expert bias update and the
   // global aux loss. micro: index of the micro-batch in the step (jitter's global element index).
+  // replay: the micro-batch's forward again (activation recompute, model/gpt.h), after its first:
+  // the same routing, dispatch and outputs, its aux losses and counts not taken again.
   void forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in, bool training,
-               uint64_t seed, int64_t step, int64_t micro);
+               uint64_t seed, int64_t step, int64_t micro, bool replay = false);
   void backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in, const MoeScratch& s,
                 float aux_scale);
 
