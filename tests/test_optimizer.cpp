@@ -1,12 +1,17 @@
 // The optimizer's fingerprint hashes (train/optimizer.h: ShardHashes over Optimizer::update). The
 // AdamW and sum-of-squares ops on every backend are tested by the op harness: tests/ops/optimizer.cpp.
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "lockstep/core/error.h"
 #include "lockstep/core/hash.h"
 #include "lockstep/core/thread_pool.h"
+#include "lockstep/train/checkpoint.h"
+#include "lockstep/train/fingerprint.h"
 #include "lockstep/train/optimizer.h"
+#include "lockstep/train/trainer.h"
+#include "model_testing.h"
 #include "testing.h"
 
 namespace lockstep {
@@ -81,6 +86,80 @@ TEST(ShardHashes, EqualBlockHashesAfterAPlainUpdateForAnyThreadsAndCalls) {
   EXPECT_THROW(opt.update(ps, 1, 1e-2, 0.5f, {{0, 0, 5000}}, &h), InternalError);
   ShardHashes with_params(shard, &ps);
   EXPECT_THROW(opt.update(ps, 1, 1e-2, 0.5f, {{2, 0, 4500}}, &with_params), InternalError);
+}
+
+// The precision-aware optimizer (optimizer.exp_avg_dtype / exp_avg_sq_dtype = "bf16"): the moments
+// take half the bytes; the fingerprint's shard hashes of the bf16 moments equal BlockHasher over
+// them (Optimizer::hash), with one update call or two, on 1 and 2 threads.
+TEST(PrecisionAwareOptimizer, Bf16MomentsHashAsTheyAreStored) {
+  const std::vector<ParamRange> shard = {{0, 1000, 2 * 262144 + 900}, {2, 100, 4000}, {1, 0, 10}};
+  OptimizerConfig oc;
+  oc.exp_avg_dtype = oc.exp_avg_sq_dtype = "bf16";
+  std::vector<uint64_t> moments;
+  for (int threads : {1, 2})
+    for (bool split : {false, true}) {
+      with_threads(threads, [&] {
+        ParamStore ps = hash_table();
+        Optimizer opt(ps, oc, shard);
+        EXPECT_EQ(opt.state_bytes(), Optimizer(ps, OptimizerConfig{}, shard).state_bytes() / 2);
+        ShardHashes h(shard);
+        if (split) {
+          opt.update(ps, 1, 1e-3, 1.0f, {shard[0]}, &h);
+          opt.update(ps, 1, 1e-3, 1.0f, {shard[1], shard[2]}, &h);
+        } else {
+          opt.update(ps, 1, 1e-3, 1.0f, shard, &h);
+        }
+        EXPECT_EQ(h.moments(), opt.hash(shard));
+        moments.push_back(h.moments());
+      });
+    }
+  for (uint64_t m : moments) EXPECT_EQ(m, moments[0]);
+}
+
+// Training with bf16 moments: fingerprints equal over 1 and 2 threads and for a resumed run; the
+// checkpoint holds the moments in bf16, and resuming it with fp32 moments is refused by name; the
+// loss stays near the fp32 moments' run; alloc_peak_mb falls.
+TEST(PrecisionAwareOptimizer, Bf16MomentsTrainDeterministicallyAndResume) {
+  testing::TempDir dir;
+  auto job = [&](const std::string& out, std::vector<std::string> keys) {
+    keys.insert(keys.end(), {"train.out_dir=" + dir.path(out), "train.eval_interval=0", "train.steps=6"});
+    return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml", keys);
+  };
+  const std::vector<std::string> bf16 = {"optimizer.exp_avg_dtype=bf16", "optimizer.exp_avg_sq_dtype=bf16"};
+  auto with = [&](std::vector<std::string> keys) {
+    keys.insert(keys.end(), bf16.begin(), bf16.end());
+    return keys;
+  };
+  testing::quiet_train(job("a", with({"train.threads=1", "train.save_interval=3"})));
+  testing::quiet_train(job("b", with({"train.threads=2"})));
+  testing::quiet_train(job("fp32", {}));
+  const std::string a = testing::read_file(fingerprint_path(dir.path("a"), 0));
+  EXPECT_EQ(a, testing::read_file(fingerprint_path(dir.path("b"), 0)));
+  // Resumed from step 3: the same fingerprints from there on.
+  std::filesystem::create_directories(dir.path("r"));
+  std::filesystem::copy(dir.path("a/checkpoints"), dir.path("r/checkpoints"), std::filesystem::copy_options::recursive);
+  std::filesystem::remove_all(dir.path("r/checkpoints/step-00000006"));
+  testing::quiet_train(job("r", with({"train.resume=auto"})));
+  const std::string r = testing::read_file(fingerprint_path(dir.path("r"), 0));
+  EXPECT_NE(r, "");
+  EXPECT_NE(a.find(r), std::string::npos) << "the resumed steps' fingerprints are not the uninterrupted run's";
+  const CheckpointMetadata meta = read_checkpoint_metadata(dir.path("a/checkpoints/step-00000006"));
+  int low = 0;
+  for (const CheckpointTensor& t : meta.tensors) low += t.name.rfind("optim/exp_avg", 0) == 0 && t.dtype == DType::bf16;
+  EXPECT_GT(low, 0);
+  const std::string refused = testing::user_error_of([&] {
+    testing::quiet_train(job("a", {"train.resume=auto", "train.steps=8"}));
+  });
+  EXPECT_NE(refused.find("is bf16"), std::string::npos) << refused;
+  // Close to the fp32 moments' losses, and less memory.
+  const auto ours = testing::trajectory(dir.path("b")), theirs = testing::trajectory(dir.path("fp32"));
+  EXPECT_LT(testing::largest_loss_difference(ours, theirs, 6), 0.02);
+  auto peak = [&](const std::string& run) {
+    const std::string m = testing::read_file(dir.path(run + "/metrics.jsonl"));
+    const size_t at = m.find("\"alloc_peak_mb\":");
+    return std::stod(m.substr(at + 16));
+  };
+  EXPECT_LT(peak("b"), peak("fp32"));
 }
 
 }  // namespace

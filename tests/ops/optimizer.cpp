@@ -9,6 +9,7 @@
 
 #include "../op_harness.h"
 #include "../testing.h"
+#include "lockstep/core/dtype.h"
 #include "lockstep/core/error.h"
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/core/hash.h"
@@ -34,6 +35,21 @@ void ref_adamw(std::vector<double>& p, std::vector<double>& m, std::vector<doubl
     v[i] = b2 * v[i] + (1.0 - b2) * g * g;
     p[i] -= lr / bc1 * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + eps);
   }
+}
+
+// The header's float formula for one element, operation for operation (the kernels give these bits).
+void scalar_adamw(float& p, float& m, float& v, float grad, const AdamW& hp, int64_t step, float grad_scale) {
+  const double lr = hp.lr;
+  const float decay = static_cast<float>(1.0 - lr * static_cast<double>(hp.weight_decay));
+  const float c1 = static_cast<float>(1.0 - static_cast<double>(hp.beta1));
+  const float c2 = static_cast<float>(1.0 - static_cast<double>(hp.beta2));
+  const float step_size = static_cast<float>(lr / (1.0 - std::pow(double(hp.beta1), step)));
+  const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double(hp.beta2), step)));
+  const float g = grad * grad_scale;
+  p = p * decay;
+  m = hp.beta1 * m + c1 * g;
+  v = hp.beta2 * v + c2 * g * g;
+  p = p - step_size * m / (std::sqrt(v) / bc2_sqrt + hp.eps);
 }
 
 struct State {
@@ -117,19 +133,7 @@ void add_optimizer_cases(Registry& reg) {
         },
         [=](const Result& got, const In& in) {
           auto sp = in.s.p, sm = in.s.m, sv = in.s.v;
-          const double lr = kHp.lr;
-          const float decay = static_cast<float>(1.0 - lr * static_cast<double>(kHp.weight_decay));
-          const float c1 = static_cast<float>(1.0 - static_cast<double>(kHp.beta1));
-          const float c2 = static_cast<float>(1.0 - static_cast<double>(kHp.beta2));
-          const float step_size = static_cast<float>(lr / (1.0 - std::pow(double(kHp.beta1), step)));
-          const float bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(double(kHp.beta2), step)));
-          for (int64_t i = 0; i < n; ++i) {
-            const float g = in.grad[i] * grad_scale;
-            sp[i] = sp[i] * decay;
-            sm[i] = kHp.beta1 * sm[i] + c1 * g;
-            sv[i] = kHp.beta2 * sv[i] + c2 * g * g;
-            sp[i] = sp[i] - step_size * sm[i] / (std::sqrt(sv[i]) / bc2_sqrt + kHp.eps);
-          }
+          for (int64_t i = 0; i < n; ++i) scalar_adamw(sp[i], sm[i], sv[i], in.grad[i], kHp, step, grad_scale);
           EXPECT_TRUE(bitwise_equal(got["param"], sp, "param"));
           EXPECT_TRUE(bitwise_equal(got["m"], sm, "m"));
           EXPECT_TRUE(bitwise_equal(got["v"], sv, "v"));
@@ -232,6 +236,75 @@ void add_optimizer_cases(Registry& reg) {
               EXPECT_EQ(h[1], hash_floats(m.data() + sb, se - sb));
               EXPECT_EQ(h[2], hash_floats(v.data() + sb, se - sb));
               EXPECT_EQ(h[3], hash_floats(p.data(), n));
+            }
+          });
+    }
+  }
+
+  // bf16 moments (the precision-aware optimizer): each step is the fp32 update of the moments
+  // widened exactly, then each moment rounded to nearest, ties to even; the hashes are of the bf16
+  // bytes. Over pieces and a tail, one moment in bf16 or both.
+  {
+    const int64_t n = 2 * 16384 + 333;
+    for (const auto& [m_low, v_low] : {std::pair<bool, bool>{true, true}, {true, false}, {false, true}}) {
+      reg.add(
+          {"AdamW",
+           "Bf16MomentsAreTheFp32UpdateRounded",
+           {"adamw_update_hashed", "adamw_update"},
+           str("m ", m_low ? "bf16" : "fp32", ", v ", v_low ? "bf16" : "fp32")},
+          [=] {
+            return Steps{{randn(n, 31, "param"), std::vector<float>(n, 0.0f), std::vector<float>(n, 0.0f)},
+                         {randn(n, 31, "grad"), randn(n, 32, "grad")}};
+          },
+          [=](Run& r, const Steps& in) {
+            Buf<float> p = r.in(in.s0.p), m = r.in(in.s0.m), v = r.in(in.s0.v);
+            Buf<uint16_t> m16 = r.zeros<uint16_t>(n), v16 = r.zeros<uint16_t>(n);
+            for (int64_t step = 1; step <= 2; ++step) {
+              Buf<uint64_t> h = r.zeros<uint64_t>(4);
+              const Buf<float> g = r.in(in.grads[static_cast<size_t>(step - 1)]);
+              AdamwHashedItem item{p, m, v, g, n, kHp, 0, n, h};
+              if (m_low) item.m_bf16 = reinterpret_cast<bf16*>(static_cast<uint16_t*>(m16));
+              if (v_low) item.v_bf16 = reinterpret_cast<bf16*>(static_cast<uint16_t*>(v16));
+              r.ops.adamw_update_hashed(&item, 1, step, 0.7f);
+              r.out(str("step ", step, " param"), p);
+              if (m_low)
+                r.out(str("step ", step, " m"), m16);
+              else
+                r.out(str("step ", step, " m"), m);
+              if (v_low)
+                r.out(str("step ", step, " v"), v16);
+              else
+                r.out(str("step ", step, " v"), v);
+              r.out(str("step ", step, " hashes"), h);
+            }
+          },
+          [=](const Result& got, const Steps& in) {
+            // The reference: the fp32 formula on host copies, the bf16 moments rounded after each step.
+            std::vector<float> p = in.s0.p, m = in.s0.m, v = in.s0.v;
+            for (int64_t step = 1; step <= 2; ++step) {
+              SCOPED_TRACE(step);
+              const std::vector<float>& g = in.grads[static_cast<size_t>(step - 1)];
+              for (int64_t i = 0; i < n; ++i) {
+                scalar_adamw(p[i], m[i], v[i], g[i], kHp, step, 0.7f);
+                if (m_low) m[i] = to_f32(to_bf16(m[i]));
+                if (v_low) v[i] = to_f32(to_bf16(v[i]));
+              }
+              const std::string s = str("step ", step, " ");
+              EXPECT_TRUE(bitwise_equal(got[s + "param"], p, "param"));
+              const std::vector<uint64_t> h = got.get<uint64_t>(s + "hashes");
+              for (const auto& [low, name, ref, k] :
+                   {std::tuple<bool, const char*, const std::vector<float>*, int>{m_low, "m", &m, 1},
+                    {v_low, "v", &v, 2}}) {
+                if (!low) {
+                  EXPECT_TRUE(bitwise_equal(got[s + name], *ref, name));
+                  EXPECT_EQ(h[k], hash_floats(ref->data(), n)) << name;
+                  continue;
+                }
+                const std::vector<uint16_t> bits = got.get<uint16_t>(s + name);
+                ASSERT_EQ(static_cast<int64_t>(bits.size()), n);
+                for (int64_t i = 0; i < n; ++i) ASSERT_EQ(bits[i], to_bf16((*ref)[i]).bits) << name << " element " << i;
+                EXPECT_EQ(h[k], hash_bytes(bits.data(), bits.size() * sizeof(uint16_t))) << name;
+              }
             }
           });
     }

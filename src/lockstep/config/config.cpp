@@ -406,6 +406,13 @@ const std::vector<Key>& keys() {
       LS_KEY(optimizer.distributed,
              "ZeRO-1: each data-parallel rank keeps the Adam moments of its shard of the "
              "parameters only, then all-gathers the updated parameters"),
+      LS_KEY(optimizer.exp_avg_dtype,
+             "storage of AdamW's first moment (Megatron's --exp-avg-dtype): the update runs in fp32 and rounds "
+             "the moment to it (bf16: to nearest, ties to even); half the memory in bf16",
+             {"fp32", "bf16"}),
+      LS_KEY(optimizer.exp_avg_sq_dtype,
+             "storage of AdamW's second moment (Megatron's --exp-avg-sq-dtype), as optimizer.exp_avg_dtype",
+             {"fp32", "bf16"}),
       LS_KEY(data.source,
              "synthetic (built-in corpus), text:PATH (bytes of a file, vocabulary 256) or "
              "indexed:PREFIX[:WEIGHT],... (Megatron .bin/.idx datasets, blended by weight)"),

@@ -112,6 +112,10 @@ struct OptimizerConfig {
   double weight_decay = 0.1;  // on weight matrices only (not biases, norms)
   double clip_grad = 1.0;     // global grad-norm clip; 0 = off
   bool distributed = false;   // ZeRO-1: Adam state sharded over data-parallel ranks
+  // Megatron's precision-aware optimizer: the Adam moments' storage (fp32 | bf16); the update runs
+  // in fp32 and rounds each moment to its storage (train/optimizer.h).
+  std::string exp_avg_dtype = "fp32";
+  std::string exp_avg_sq_dtype = "fp32";
 };
 
 // Sizes of the parallel layout; data parallel is what remains of the world (comm/mesh.h).

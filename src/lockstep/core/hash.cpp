@@ -44,11 +44,11 @@ void BlockHasher::update(const void* data, size_t n) {
     blocks_.push_back({bytes + begin, std::min(kHashBlockBytes, n - begin)});
 }
 
-void BlockHasher::update_elements(const float* at_begin, int64_t begin, int64_t end) {
+void BlockHasher::update_elements(const void* at_begin, int64_t begin, int64_t end, size_t size) {
   for (int64_t b = begin; b < end;) {
     const int64_t next = block_end(b, end);
-    const auto* data = reinterpret_cast<const unsigned char*>(at_begin + (b - begin));
-    blocks_.push_back({data, static_cast<size_t>(next - b) * sizeof(float)});
+    const auto* data = static_cast<const unsigned char*>(at_begin) + static_cast<size_t>(b - begin) * size;
+    blocks_.push_back({data, static_cast<size_t>(next - b) * size});
     b = next;
   }
 }

@@ -53,7 +53,11 @@ class BlockHasher {
   // array's own grid of kHashBlockFloats elements from element 0 cuts (so the first and the last
   // block may be shorter): the blocks a part of a parameter has in the fingerprint's hashes,
   // whichever part of it a rank holds. update_elements(x, 0, n) is update(x, n * 4).
-  void update_elements(const float* at_begin, int64_t begin, int64_t end);
+  void update_elements(const float* at_begin, int64_t begin, int64_t end) {
+    update_elements(at_begin, begin, end, sizeof(float));
+  }
+  // The same over elements of `size` bytes (bf16: 2), on the same grid of elements.
+  void update_elements(const void* at_begin, int64_t begin, int64_t end, size_t size);
   // Where the block of that grid holding element e ends, capped at end.
   static int64_t block_end(int64_t e, int64_t end) {
     return std::min(end, (e / kHashBlockFloats + 1) * kHashBlockFloats);

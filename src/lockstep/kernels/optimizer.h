@@ -8,6 +8,8 @@
 //   p = p - (lr / (1 - beta1^step)) * m / (sqrt(v) / sqrt(1 - beta2^step) + eps)
 // Elementwise, so trivially deterministic. The update also reports, in the same pass, whether any
 // parameter it wrote is not finite (inf or NaN): the trainer's non-finite guard (docs/faults.md).
+// A moment stored in bf16 (the precision-aware optimizer, AdamwHashedItem::m_bf16 / v_bf16) is read
+// exactly into fp32, updated as above, and rounded back to nearest, ties to even (core/dtype.h).
 //
 // sum_of_squares: fixed blocks of kNormBlock elements, each summed in double over 16 fixed lanes
 // (element i to lane i % 16, lanes combined in one fixed tree), block sums added in block order in
@@ -16,6 +18,7 @@
 
 #include <cstdint>
 
+#include "lockstep/core/dtype.h"
 #include "lockstep/core/exact_sum.h"
 #include "lockstep/kernels/op.h"
 
@@ -41,6 +44,10 @@ struct AdamwHashedItem {
   AdamW hp;
   int64_t state_begin, state_end;
   uint64_t* hashes;  // [4]
+  // The moments stored in bf16 here instead of m, v (null: fp32 at m, v); their hashes are of the
+  // bf16 bytes.
+  bf16* m_bf16 = nullptr;
+  bf16* v_bf16 = nullptr;
 };
 
 // The ops, as a backend binds them (kernels/ops.h).

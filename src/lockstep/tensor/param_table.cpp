@@ -180,7 +180,7 @@ Precision& ParamStore::precision() const {
 }
 
 void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end,
-                           float* data, bool dp_first, bool tp_first, bool edp_first) const {
+                           void* data, bool dp_first, bool tp_first, bool edp_first, DType dtype) const {
   const ParamSpec& p = specs_[static_cast<size_t>(i)];
   int64_t at = 0;  // the box's first element in local storage
   for (const ParamBox& b : p.boxes) {
@@ -189,7 +189,9 @@ void ParamStore::shards_of(std::vector<StateShard>& out, int i, const std::strin
     if (lo < hi) {
       const bool writer =
           (p.expert ? edp_first : dp_first) && (tp_first || !p.role.tp_replicated) && !p.role.stage_copy;
-      StateShard s = whole_tensor(name, p.global_shape, data + (lo - begin), writer);
+      StateShard s =
+          whole_tensor(name, p.global_shape,
+                       static_cast<char*>(data) + static_cast<size_t>(lo - begin) * dtype_size(dtype), writer, dtype);
       s.box_offset = b.offset;
       s.box_shape = b.shape;
       s.flat_begin = lo - at;

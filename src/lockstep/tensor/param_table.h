@@ -235,8 +235,8 @@ class ParamStore {
   // meet, each a flat range of its box. writer: this rank writes them if it is the first replica:
   // dp_first for dense parameters (edp_first, of the expert data-parallel group, for MoE experts'),
   // and also tp_first for those every tensor-parallel rank holds whole (tp_replicated).
-  void shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end, float* data,
-                 bool dp_first, bool tp_first, bool edp_first) const;
+  void shards_of(std::vector<StateShard>& out, int i, const std::string& name, int64_t begin, int64_t end, void* data,
+                 bool dp_first, bool tp_first, bool edp_first, DType dtype = DType::f32) const;
   // Every parameter, whole, as "param/<name>" (shards_of).
   void state_shards(std::vector<StateShard>& out, bool dp_first, bool tp_first, bool edp_first) const;
 

@@ -38,10 +38,12 @@ Optimizer::Optimizer(const ParamStore& ps, const OptimizerConfig& oc, std::vecto
     n += r.end - r.begin;
   }
   for (const ParamSpec& p : ps.specs()) decay_.push_back(p.decay);
+  m_bf16_ = oc.exp_avg_dtype == "bf16";
+  v_bf16_ = oc.exp_avg_sq_dtype == "bf16";
   m_.set_allocator(&ps.device().memory());
   v_.set_allocator(&ps.device().memory());
-  m_.resize(n);
-  v_.resize(n);
+  m_.resize(m_bf16_ ? (n + 1) / 2 : n);
+  v_.resize(v_bf16_ ? (n + 1) / 2 : n);
 }
 
 int64_t Optimizer::state_index(int p, int64_t e) const {
@@ -86,12 +88,22 @@ void Optimizer::hash_state(ParamStore& ps, const std::vector<ParamRange>& ranges
 bool Optimizer::pass(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
                      ShardHashes* hashes, bool update) {
   bool nonfinite = false;
+  std::vector<AdamwHashedItem> low;  // ranges with a bf16 moment, not hashed: the hashed update's items
+  uint64_t unused[4];
   auto plain = [&](int p, int64_t begin, int64_t end) {
     if (end <= begin || !update) return;
     const int64_t s = state_index(p, begin);
-    nonfinite |= ps.device().ops.adamw_update(ps.value(p) + begin, m_.data() + s, v_.data() + s, ps.grad(p) + begin,
-                                              end - begin, hyperparameters(p, lr), step, grad_scale);
+    if (m_bf16_ || v_bf16_)
+      low.push_back({ps.value(p) + begin, m32(s), v32(s), ps.grad(p) + begin, end - begin, hyperparameters(p, lr), 0, 0,
+                     unused, m16(s), v16(s)});
+    else
+      nonfinite |= ps.device().ops.adamw_update(ps.value(p) + begin, m32(s), v32(s), ps.grad(p) + begin, end - begin,
+                                                hyperparameters(p, lr), step, grad_scale);
   };
+  if (hashes) {
+    hashes->m_size_ = m_bf16_ ? sizeof(bf16) : sizeof(float);
+    hashes->v_size_ = v_bf16_ ? sizeof(bf16) : sizeof(float);
+  }
   std::vector<ShardHashes::Block*> blocks;  // to update and hash
   for (const ParamRange& r : ranges) {
     const size_t p = static_cast<size_t>(r.param);
@@ -120,10 +132,13 @@ bool Optimizer::pass(ParamStore& ps, int64_t step, double lr, float grad_scale, 
   for (size_t i = 0; i < blocks.size(); ++i) {
     const ShardHashes::Block& b = *blocks[i];
     const int64_t s = state_index(b.param, b.begin);
-    items.push_back({ps.value(b.param) + b.begin, m_.data() + s, v_.data() + s, ps.grad(b.param) + b.begin,
-                     b.end - b.begin, hyperparameters(b.param, lr), b.state_begin - b.begin, b.state_end - b.begin,
-                     out.data() + 4 * i});
+    items.push_back({ps.value(b.param) + b.begin, m32(s), v32(s), ps.grad(b.param) + b.begin, b.end - b.begin,
+                     hyperparameters(b.param, lr), b.state_begin - b.begin, b.state_end - b.begin, out.data() + 4 * i,
+                     m16(s), v16(s)});
   }
+  // The unhashed bf16 ranges one after the other (each item's update is parallel over nothing: the
+  // items are shared among the threads, so one at a time keeps it simple and elementwise).
+  for (AdamwHashedItem& item : low) nonfinite |= ps.device().ops.adamw_update_hashed(&item, 1, step, grad_scale);
   if (update)
     nonfinite |=
         ps.device().ops.adamw_update_hashed(items.data(), static_cast<int64_t>(items.size()), step, grad_scale);
@@ -170,7 +185,7 @@ void ShardHashes::check_done() const {
 }
 
 // (hash, length) of the shard's part of each block, in shard range order.
-std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash) const {
+std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash, size_t size) const {
   check_done();
   std::vector<uint64_t> pairs;
   for (const ParamRange& r : shard_) {
@@ -178,7 +193,7 @@ std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash) const {
     for (size_t i = first_block_[p]; i < first_block_[p + 1]; ++i) {
       const Block& b = blocks_[i];
       if (b.state_end > b.state_begin)
-        pairs.insert(pairs.end(), {b.*hash, static_cast<uint64_t>(b.state_end - b.state_begin) * sizeof(float)});
+        pairs.insert(pairs.end(), {b.*hash, static_cast<uint64_t>(b.state_end - b.state_begin) * size});
     }
   }
   return pairs;
@@ -187,8 +202,8 @@ std::vector<uint64_t> ShardHashes::state_pairs(uint64_t Block::*hash) const {
 uint64_t ShardHashes::grads() const { return combine_block_hashes(state_pairs(&Block::grad)); }
 
 uint64_t ShardHashes::moments() const {
-  std::vector<uint64_t> pairs = state_pairs(&Block::m);
-  const std::vector<uint64_t> v = state_pairs(&Block::v);
+  std::vector<uint64_t> pairs = state_pairs(&Block::m, m_size_);
+  const std::vector<uint64_t> v = state_pairs(&Block::v, v_size_);
   pairs.insert(pairs.end(), v.begin(), v.end());
   return combine_block_hashes(pairs);
 }
@@ -207,18 +222,24 @@ void Optimizer::state_shards(const ParamStore& ps, std::vector<StateShard>& out,
   for (const ParamRange& r : owned_) {
     if (r.end <= r.begin) continue;
     const std::string& name = ps.specs()[r.param].name;
-    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_.data() + first_[r.param], dp_first, tp_first,
-                 edp_first);
-    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_.data() + first_[r.param], dp_first,
-                 tp_first, edp_first);
+    const int64_t s = first_[r.param];
+    ps.shards_of(out, r.param, "optim/exp_avg/" + name, r.begin, r.end, m_bf16_ ? (void*)m16(s) : m32(s), dp_first,
+                 tp_first, edp_first, m_bf16_ ? DType::bf16 : DType::f32);
+    ps.shards_of(out, r.param, "optim/exp_avg_sq/" + name, r.begin, r.end, v_bf16_ ? (void*)v16(s) : v32(s), dp_first,
+                 tp_first, edp_first, v_bf16_ ? DType::bf16 : DType::f32);
   }
 }
 
 uint64_t Optimizer::hash(const std::vector<ParamRange>& ranges) const {
   BlockHasher h;
-  for (const FloatBuffer* state : {&m_, &v_})
-    for (const ParamRange& r : ranges)
-      if (r.end > r.begin) h.update_elements(state->data() + state_index(r.param, r.begin), r.begin, r.end);
+  for (const bool first : {true, false})
+    for (const ParamRange& r : ranges) {
+      if (r.end <= r.begin) continue;
+      const int64_t s = state_index(r.param, r.begin);
+      const bool low = first ? m_bf16_ : v_bf16_;
+      const void* at = first ? (low ? (const void*)m16(s) : m32(s)) : (low ? (const void*)v16(s) : v32(s));
+      h.update_elements(at, r.begin, r.end, low ? sizeof(bf16) : sizeof(float));
+    }
   return h.digest();
 }
 

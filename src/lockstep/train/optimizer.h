@@ -7,7 +7,10 @@
 // It owns every element of the table, or (optimizer.distributed, ZeRO-1) one data-parallel rank's
 // shard of it (parallel/data_parallel.h): a list of ParamRanges, at most one per parameter. The
 // Adam moments exist for the owned elements only; with fp32 parameters the master weights are the
-// parameters themselves, updated in place where owned.
+// parameters themselves, updated in place where owned. Megatron's precision-aware optimizer: each
+// moment is stored in fp32 or bf16 (optimizer.exp_avg_dtype, exp_avg_sq_dtype); the update runs in
+// fp32 and rounds a bf16 moment back to nearest, ties to even (kernels/optimizer.h), so it stays as
+// deterministic as the fp32 one; checkpoints hold the moments in their storage type.
 //
 // Determinism: the update is elementwise, so an element's new value does not depend on which
 // ranges it was updated in (the distributed and the replicated optimizer give the same bits).
@@ -61,7 +64,9 @@ class ShardHashes {
   std::vector<Block> blocks_;        // parameter order, then element order
   std::vector<size_t> first_block_;  // per parameter, and one past the last
   void check_done() const;
-  std::vector<uint64_t> state_pairs(uint64_t Block::*hash) const;
+  // Bytes of a first and of a second moment (the optimizer's storage, set by its update).
+  size_t m_size_ = sizeof(float), v_size_ = sizeof(float);
+  std::vector<uint64_t> state_pairs(uint64_t Block::*hash, size_t size = sizeof(float)) const;
 };
 
 class Optimizer {
@@ -91,7 +96,7 @@ class Optimizer {
   void hash_state(ParamStore& ps, const std::vector<ParamRange>& ranges, ShardHashes& hashes);
 
   const std::vector<ParamRange>& owned() const { return owned_; }
-  int64_t state_bytes() const { return 2 * m_.size() * int64_t(sizeof(float)); }
+  int64_t state_bytes() const { return (m_.size() + v_.size()) * int64_t(sizeof(float)); }
 
   // BlockHasher of the first moments then the second moments of `ranges` (owned elements), in
   // list order, each on its parameter's grid: ShardHashes::moments() in one pass of its own.
@@ -119,7 +124,14 @@ class Optimizer {
   std::vector<int64_t> first_;        // per parameter: state offset of its owned range, -1 = none
   std::vector<int64_t> begin_, end_;  // per parameter: its owned range
   std::vector<bool> decay_;
+  // The moments: fp32, or (optimizer.exp_avg_dtype / exp_avg_sq_dtype = "bf16") bf16 values packed
+  // two to a float of the buffer, which then holds half as many floats.
   FloatBuffer m_, v_;
+  bool m_bf16_ = false, v_bf16_ = false;
+  float* m32(int64_t s) const { return m_bf16_ ? nullptr : m_.data() + s; }
+  float* v32(int64_t s) const { return v_bf16_ ? nullptr : v_.data() + s; }
+  bf16* m16(int64_t s) const { return m_bf16_ ? reinterpret_cast<bf16*>(m_.data()) + s : nullptr; }
+  bf16* v16(int64_t s) const { return v_bf16_ ? reinterpret_cast<bf16*>(v_.data()) + s : nullptr; }
   OptimizerConfig oc_;
 };
 

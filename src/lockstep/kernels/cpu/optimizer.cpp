@@ -72,27 +72,49 @@ bool adamw_update(float* param, float* m, float* v, const float* grad, int64_t n
   return nonfinite.load();
 }
 
-bool adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW* hp, int64_t step,
-                         float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]) {
+bool adamw_update_hashed(const AdamwHashedItem& t, bool update, int64_t step, float grad_scale) {
+  const int64_t n = t.n, state_begin = t.state_begin, state_end = t.state_end;
+  float *param = t.param, *m = t.m, *v = t.v;
+  const float* grad = t.grad;
+  uint64_t* hashes = t.hashes;
   LOCKSTEP_CHECK(0 <= state_begin && state_begin <= state_end && state_end <= n);
-  const AdamWScalars s = hp ? adamw_scalars(*hp, step, grad_scale) : AdamWScalars{};
+  const AdamWScalars s = update ? adamw_scalars(t.hp, step, grad_scale) : AdamWScalars{};
   bool nonfinite = false;
   // 4 x 64 KiB per piece: the piece's gradient, m, v and parameters stay in L2 until hashed. The
   // pieces also end where the hashed state range does.
   constexpr int64_t kPiece = 16384;
+  // A bf16 moment: the piece's values widened into fp32 here, updated, rounded back.
+  thread_local std::vector<float> wide_m, wide_v;
+  auto widen = [](std::vector<float>& w, const bf16* x, int64_t len) {
+    w.resize(static_cast<size_t>(len));
+    for (int64_t j = 0; j < len; ++j) w[static_cast<size_t>(j)] = to_f32(x[j]);
+    return w.data();
+  };
   Hasher g, mh, vh, ph;
   for (int64_t i = 0; i < n;) {
     int64_t next = std::min(i + kPiece, n);
     for (const int64_t cut : {state_begin, state_end})
       if (cut > i && cut < next) next = cut;
     const int64_t len = next - i;
-    if (hp && adamw_range(param + i, m + i, v + i, grad + i, len, s)) nonfinite = true;
-    const size_t bytes = static_cast<size_t>(len) * sizeof(float);
+    if (update) {
+      float* mi = t.m_bf16 ? widen(wide_m, t.m_bf16 + i, len) : m + i;
+      float* vi = t.v_bf16 ? widen(wide_v, t.v_bf16 + i, len) : v + i;
+      if (adamw_range(param + i, mi, vi, grad + i, len, s)) nonfinite = true;
+      for (int64_t j = 0; t.m_bf16 && j < len; ++j) t.m_bf16[i + j] = to_bf16(mi[j]);
+      for (int64_t j = 0; t.v_bf16 && j < len; ++j) t.v_bf16[i + j] = to_bf16(vi[j]);
+    }
+    const size_t bytes = static_cast<size_t>(len) * sizeof(float), half = static_cast<size_t>(len) * sizeof(bf16);
     ph.update(param + i, bytes);
     if (i >= state_begin && next <= state_end) {
       g.update(grad + i, bytes);
-      mh.update(m + i, bytes);
-      vh.update(v + i, bytes);
+      if (t.m_bf16)
+        mh.update(t.m_bf16 + i, half);
+      else
+        mh.update(m + i, bytes);
+      if (t.v_bf16)
+        vh.update(t.v_bf16 + i, half);
+      else
+        vh.update(v + i, bytes);
     }
     i = next;
   }
@@ -165,10 +187,7 @@ namespace {
 bool hashed_items(const AdamwHashedItem* items, int64_t count, int64_t step, float grad_scale, bool update) {
   std::atomic<bool> nonfinite{false};
   auto run = [&](int64_t i) {
-    const AdamwHashedItem& t = items[i];
-    if (adamw_update_hashed(t.param, t.m, t.v, t.grad, t.n, update ? &t.hp : nullptr, step, grad_scale, t.state_begin,
-                            t.state_end, t.hashes))
-      nonfinite.store(true, std::memory_order_relaxed);
+    if (adamw_update_hashed(items[i], update, step, grad_scale)) nonfinite.store(true, std::memory_order_relaxed);
   };
   ThreadPool* pool = ThreadPool::current();
   if (pool && pool->threads() > 1 && count > 1) {

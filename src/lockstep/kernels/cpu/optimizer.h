@@ -8,9 +8,8 @@ namespace lockstep {
 
 bool adamw_update(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW& hp, int64_t step,
                   float grad_scale);
-// hp == nullptr: hashes only, no update (adam_state_hashes).
-bool adamw_update_hashed(float* param, float* m, float* v, const float* grad, int64_t n, const AdamW* hp, int64_t step,
-                         float grad_scale, int64_t state_begin, int64_t state_end, uint64_t hashes[4]);
+// One item of adamw_update_hashed; update false: hashes only, no update (adam_state_hashes).
+bool adamw_update_hashed(const AdamwHashedItem& t, bool update, int64_t step, float grad_scale);
 double sum_of_squares(const float* x, int64_t n);
 
 // The items of kernels/optimizer.h's adamw_update_hashed shared among the pool's threads.
