@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstring>
 #include <numeric>
+#include <thread>
 
+#include "lockstep/comm/link_model.h"
 #include "lockstep/comm/progress.h"
 #include "lockstep/comm/transport.h"
 #include "lockstep/core/error.h"
@@ -201,9 +203,19 @@ OpInfo op_info(const Transport& t, const char* name) {
 }
 
 // Every step of every operation goes through here: the bytes this rank sends are counted.
+// With a link model the step also completes no earlier than the model delivers its last message.
 void exchange(Transport& t, const std::vector<SendSpec>& sends, const std::vector<RecvSpec>& recvs, const OpInfo& op) {
   for (const SendSpec& send : sends) t.bytes_sent += send.bytes;
+  const auto start = LinkModel::Clock::now();
   t.exchange(sends, recvs, op);
+  if (!t.link) return;
+  const int me = t.world_rank(t.rank());
+  LinkModel::Clock::time_point done = start;
+  for (const SendSpec& s : sends) done = std::max(done, t.link->deliver(me, t.world_rank(s.peer), s.bytes, start));
+  for (const RecvSpec& r : recvs)
+    done = std::max(done, start + std::chrono::duration_cast<LinkModel::Clock::duration>(std::chrono::duration<double>(
+                                      t.link->wire_seconds(t.world_rank(r.peer), me, r.bytes))));
+  std::this_thread::sleep_until(done);
 }
 
 // One reduce-scatter step: block `me` (block r = [off[r], off[r+1])) of every rank's `in`, reduced
@@ -575,9 +587,13 @@ Communicator Communicator::split(int color, int key) {
       if (all[2 * q] == color) members.push_back(q);
     std::stable_sort(members.begin(), members.end(), [&](int a, int b) { return all[2 * a + 1] < all[2 * b + 1]; });
     sub = t->subgroup(color, key, members);
+    sub->link = t->link;
   })).wait();
   return Communicator(std::move(sub), progress_);
 }
+
+void Communicator::set_link_model(std::shared_ptr<LinkModel> link) { transport_->link = std::move(link); }
+LinkModel* Communicator::link_model() const { return transport_->link.get(); }
 
 Communicator Communicator::split_groups(const std::vector<std::vector<int>>& groups) {
   int color = -1, key = -1;

@@ -41,6 +41,7 @@ namespace lockstep {
 
 class Transport;
 class ProgressThread;
+class LinkModel;
 struct OpState;
 
 // A distributed failure: timeout, failed or exited peer. The message names the rank, the operation
@@ -97,6 +98,11 @@ class Communicator {
   // included): the operation's own work when it runs on the caller's thread, and waiting for
   // peers. One counter per rank, shared by all its groups; summed over the rank's waiting threads.
   double wait_seconds() const;
+
+  // The wire model of this rank's operations (comm/link_model.h; this group's and every group split
+  // from it afterwards). Set before any operation is in flight.
+  void set_link_model(std::shared_ptr<LinkModel> link);
+  LinkModel* link_model() const;
 
   // Collective over this group: every rank with the same color forms a new group, ordered by key
   // (ties by rank). Megatron's groups: see comm/mesh.h and split_groups().

@@ -16,6 +16,8 @@
 
 namespace lockstep {
 
+class LinkModel;
+
 struct SendSpec {
   int peer;  // rank in the group
   const void* data;
@@ -57,6 +59,9 @@ class Transport {
   // Bytes sent by this rank in this group's operations (counted by communicator.cpp on the
   // group's progress thread; Communicator::bytes_sent reads it between operations).
   int64_t bytes_sent = 0;
+  // The wire model every step waits for (comm/link_model.h; null: none), the rank's, shared by its
+  // groups.
+  std::shared_ptr<LinkModel> link;
 
   // "rank 3: all_reduce over ranks [0, 1, 2, 3]" for error messages.
   std::string where(const OpInfo& op) const;

@@ -17,6 +17,7 @@
 #include <variant>
 
 #include "lockstep/config/hf_config.h"
+#include "lockstep/config/link_spec.h"
 #include "lockstep/core/error.h"
 
 namespace lockstep {
@@ -389,6 +390,9 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.expert_tensor,
              "expert tensor parallelism: each expert's hidden units split over this many ranks "
              "(may differ from parallel.tensor)"),
+      LS_KEY(parallel.ranks_per_node,
+             "consecutive job ranks per node, for dist.link's intra- and inter-node levels; 0 = every rank on one "
+             "node"),
       LS_KEY(ddp.overlap_grad_reduce,
              "reduce each gradient bucket while backward goes on (bitwise the same as after it)"),
       LS_KEY(ddp.overlap_param_gather,
@@ -398,6 +402,15 @@ const std::vector<Key>& keys() {
       LS_KEY(dist.backend, "communication backend: auto = mpi under mpirun, else threads (lockstep train --nproc N)",
              {"auto", "threads", "mpi"}),
       LS_KEY(dist.timeout_s, "seconds a collective may wait for a peer before every rank stops with an error"),
+      LS_KEY(dist.link,
+             "a model of the wire between ranks (docs/distributed.md#the-link-model): "
+             "\"intra=900GB/s:2us,inter=50GB/s:5us\", each message then delivered no earlier than latency + "
+             "bytes / bandwidth on its link (intra- or inter-node by parallel.ranks_per_node; one link's "
+             "messages in FIFO order), waited for by a timer; the bits never depend on it; \"\" = none"),
+      LS_KEY(dist.link_scale,
+             "scales dist.link's speed (bandwidths times it, latencies divided by it): a positive number, or "
+             "\"h100\" = this CPU's measured GEMM peak / the H100's dense bf16 peak (989.4 TFLOP/s), so that a "
+             "step's communication / compute ratio here is a cluster's"),
       LS_KEY(optimizer.beta1, "AdamW beta1"),
       LS_KEY(optimizer.beta2, "AdamW beta2"),
       LS_KEY(optimizer.eps, "AdamW epsilon"),
@@ -994,6 +1007,10 @@ void validate(const Config& c) {
   positive("train.steps", t.steps);
   positive("train.global_batch", t.global_batch);
   positive("train.micro_batch", t.micro_batch);
+  parse_link_spec(c.dist.link, "dist.link");
+  parse_link_scale(c.dist.link_scale, "dist.link_scale");
+  if (c.parallel.ranks_per_node < 0)
+    user_error("parallel.ranks_per_node = ", c.parallel.ranks_per_node, ": must be >= 0 (0 = every rank on one node)");
   // Megatron's rules: full recompute needs its method and layer count; nothing else takes them.
   if (t.recompute_granularity == "full") {
     if (t.recompute_method.empty())

@@ -131,6 +131,7 @@ struct ParallelConfig {
   int64_t virtual_pipeline = 1;
   int64_t expert = 1;
   int64_t expert_tensor = 1;
+  int64_t ranks_per_node = 0;  // consecutive job ranks per node, for dist.link; 0 = every rank on one node
 
   // The transformer layers of each of the pipeline x virtual_pipeline model chunks, in model order
   // (chunk c runs on pipeline rank c % pipeline): parallel.pipeline_layers, or L split evenly.
@@ -149,6 +150,11 @@ struct DdpConfig {
 struct DistConfig {
   std::string backend = "auto";  // auto (mpi under mpirun, else threads) | threads | mpi
   double timeout_s = 300;        // a collective not complete by then fails on every rank
+  // The wire model (comm/link_model.h): "intra=900GB/s:2us,inter=50GB/s:5us"; "" = none. link_scale
+  // multiplies its bandwidths: a number, or "h100" (this CPU's measured GEMM peak / the H100's dense
+  // bf16 peak).
+  std::string link;
+  std::string link_scale = "1";
 };
 
 struct DataConfig {

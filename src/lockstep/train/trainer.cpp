@@ -8,7 +8,9 @@
 #include <thread>
 
 #include "lockstep/comm/communicator.h"
+#include "lockstep/comm/link_model.h"
 #include "lockstep/comm/threads/thread_transport.h"
+#include "lockstep/config/link_spec.h"
 #include "lockstep/train/build_info.h"
 
 namespace lockstep {
@@ -35,6 +37,13 @@ TrainSummary train(const Config& config, std::FILE* out) {
 }
 
 TrainSummary train(const Config& config, std::FILE* out, Communicator& comm) {
+  // The wire model (comm/link_model.h) before the groups are split from the world: they share it.
+  if (const LinkSpec link = parse_link_spec(config.dist.link, "dist.link"); link.on()) {
+    auto model = std::make_shared<LinkModel>(link, config.parallel.ranks_per_node);
+    if (const double scale = parse_link_scale(config.dist.link_scale, "dist.link_scale"); scale > 0)
+      model->scale_bandwidths(scale);
+    comm.set_link_model(std::move(model));
+  }
   Trainer trainer(config, out, comm);
   return trainer.run();
 }
@@ -68,6 +77,12 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
   restore();
   open_run_dir();
   peak_gflops_ = measure_gemm_peak(device_->ops);
+  // dist.link_scale = "h100": the wire's bandwidths times this CPU's GEMM peak / the H100 SXM's dense
+  // bf16 peak, so that communication / compute here is a cluster's.
+  constexpr double kH100Bf16Flops = 989.4e12;
+  if (LinkModel* link = groups_.world.link_model();
+      link && parse_link_scale(config.dist.link_scale, "dist.link_scale") == 0)
+    link->scale_bandwidths(peak_gflops_ * 1e9 / kH100Bf16Flops);
   flops_per_token_ = model_.flops_per_token();
   if (pipeline_) groups_.pp_group.all_reduce(&flops_per_token_, 1);  // the stages' parts of the model
   print_banner();
