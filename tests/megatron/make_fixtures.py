@@ -218,18 +218,10 @@ def permute_case(name, c, gen, out, meta):
 def main():
     gen = torch.Generator().manual_seed(2026)
     out, meta = {}, {"megatron_core": megatron.core.__version__, "torch": torch.__version__}
-    for name, c in ROUTE.items():
-        route_case(name, c, gen, out, meta)
-    for name, c in AUX.items():
-        aux_case(name, c, gen, out, meta)
-    for name, c in CAPACITY.items():
-        capacity_case(name, c, gen, out, meta)
-    for name, c in GLOBAL_AUX.items():
-        global_aux_case(name, c, gen, out, meta)
-    for name, c in BIAS.items():
-        bias_case(name, c, gen, out, meta)
-    for name, c in PERMUTE.items():
-        permute_case(name, c, gen, out, meta)
+    for cases, make in ((ROUTE, route_case), (AUX, aux_case), (CAPACITY, capacity_case),
+                        (GLOBAL_AUX, global_aux_case), (BIAS, bias_case), (PERMUTE, permute_case)):
+        for name, c in cases.items():
+            make(name, c, gen, out, meta)
     os.makedirs(os.path.join(HERE, "fixtures"), exist_ok=True)
     path = os.path.join(HERE, "fixtures", "moe.safetensors")
     save_file({k: v.contiguous() for k, v in out.items()}, path, metadata=meta)
