@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Activation recompute's memory and time (train.recompute_granularity = "full", docs/performance.md):
 # `lockstep train` on gpt2-peer, moe-peer and a long-sequence case (gpt2-peer at 2048 tokens, one
-# sequence per micro-batch) with recompute off, uniform (1 and 2 layers per group) and block (2 of
-# the 4 layers), 2 threads, 6 steps each. Per row: alloc_peak_mb as the metrics report it, the
+# sequence per micro-batch) with recompute off, uniform (1 and 2 layers per group), block (2 of
+# the 4 layers) and selective (the MLP or MoE sublayers), 2 threads, 6 steps each. Per row: alloc_peak_mb as the metrics report it, the
 # median step_ms of steps 2..6, and both against "off" (the fingerprints are the same bits: the
 # script checks that too). The options of one model run one after the other, round by round, so
 # that the machine's load moves them alike.
@@ -18,7 +18,8 @@ median() { sort -g | awk '{v[NR] = $1} END {print v[int((NR + 1) / 2)]}'; }
 echo "load: $(uptime | sed 's/.*load average: //')"
 options=("off|" "uniform 1|train.recompute_granularity=full train.recompute_method=uniform train.recompute_num_layers=1"
   "uniform 2|train.recompute_granularity=full train.recompute_method=uniform train.recompute_num_layers=2"
-  "block 2|train.recompute_granularity=full train.recompute_method=block train.recompute_num_layers=2")
+  "block 2|train.recompute_granularity=full train.recompute_method=block train.recompute_num_layers=2"
+  "mlp,moe|train.recompute_granularity=selective train.recompute_modules=mlp,moe")
 printf '%-28s %-10s %14s %10s %12s %10s\n' model recompute alloc_peak_mb vs_off step_ms vs_off
 for model in "gpt2-peer|configs/gpt2-peer.toml|" "moe-peer|configs/moe-peer.toml|" \
   "gpt2-peer 2048 tokens|configs/gpt2-peer.toml|model.seq_length=2048 train.micro_batch=1 train.global_batch=1"; do

@@ -22,6 +22,14 @@
 
 namespace lockstep {
 
+std::vector<std::string> TrainConfig::recompute_module_list() const {
+  std::vector<std::string> out;
+  std::stringstream ss(recompute_modules);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
 int64_t ModelConfig::ffn_hidden() const {
   if (ffn_hidden_size) return ffn_hidden_size;
   if (activation == "swiglu") return (8 * hidden_size / 3 + 63) / 64 * 64;
@@ -350,9 +358,9 @@ const std::vector<Key>& keys() {
       LS_KEY(train.recompute_granularity,
              "activation recompute (Megatron's recompute_granularity): \"none\" keeps every layer's activations "
              "for backward; \"full\" keeps only the inputs of groups of layers (train.recompute_method) and runs "
-             "their forward again in backward: less activation memory for one more forward of those layers, "
-             "the same bits",
-             {"none", "full"}),
+             "their forward again in backward; \"selective\" does so for the modules train.recompute_modules "
+             "names: less activation memory for one more forward of what is recomputed, the same bits",
+             {"none", "full", "selective"}),
       LS_KEY(train.recompute_method,
              "full recompute's groups (Megatron's recompute_method): \"uniform\": each run of "
              "train.recompute_num_layers consecutive layers of a model chunk is one group; \"block\": the first "
@@ -362,6 +370,11 @@ const std::vector<Key>& keys() {
       LS_KEY(train.recompute_num_layers,
              "full recompute: layers per group (uniform) or layers recomputed per model chunk (block); 0 "
              "without full recompute"),
+      LS_KEY(train.recompute_modules,
+             "selective recompute's modules (Megatron's recompute_modules), comma-separated: \"mlp\" (a dense "
+             "layer's MLP sublayer), \"moe\" (an MoE sublayer: router, dispatch, experts, combine); Megatron's "
+             "others (core_attn, layernorm, moe_act, shared_experts, mla_up_proj) are refused, not yet "
+             "implemented"),
       LS_KEY(train.on_nonfinite,
              "a non-finite loss, grad norm or updated parameter: \"stop\" the job (exit status 4, no checkpoint "
              "of that state), or \"skip_step\" (loss or grad norm: the update is not applied; a non-finite "
@@ -1021,6 +1034,19 @@ void validate(const Config& c) {
   } else if (!t.recompute_method.empty() || t.recompute_num_layers != 0) {
     user_error(!t.recompute_method.empty() ? "train.recompute_method" : "train.recompute_num_layers",
                " is for train.recompute_granularity = \"full\" (it is \"", t.recompute_granularity, "\")");
+  }
+  if (t.recompute_granularity == "selective") {
+    for (const std::string& name : t.recompute_module_list()) {
+      if (name == "mlp" || name == "moe") continue;
+      const bool megatron = name == "core_attn" || name == "layernorm" || name == "moe_act" ||
+                            name == "shared_experts" || name == "mla_up_proj";
+      user_error("train.recompute_modules = \"", t.recompute_modules, "\": \"", name, "\" ",
+                 megatron ? "is not implemented yet" : "is not a module name",
+                 " (lockstep recomputes \"mlp\" and \"moe\")");
+    }
+  } else if (t.recompute_modules != TrainConfig{}.recompute_modules) {
+    user_error("train.recompute_modules is for train.recompute_granularity = \"selective\" (it is \"",
+               t.recompute_granularity, "\")");
   }
   if (m.num_query_groups < 0) user_error("model.num_query_groups = ", m.num_query_groups, ": must be >= 0");
   if (m.ffn_hidden_size < 0) user_error("model.ffn_hidden_size = ", m.ffn_hidden_size, ": must be >= 0");

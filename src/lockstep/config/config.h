@@ -98,9 +98,11 @@ struct TrainConfig {
   std::string on_nonfinite = "stop";
   // Activation recompute (Megatron's recompute_granularity / method / num_layers; model/gpt.h):
   // "full" keeps only the inputs of groups of layers and runs their forward again in backward.
-  std::string recompute_granularity = "none";  // none | full
-  std::string recompute_method;                // uniform | block (full only)
-  int64_t recompute_num_layers = 0;            // layers per group (uniform), recomputed per chunk (block)
+  std::string recompute_granularity = "none";              // none | full | selective
+  std::string recompute_method;                            // uniform | block (full only)
+  int64_t recompute_num_layers = 0;                        // layers per group (uniform), recomputed per chunk (block)
+  std::string recompute_modules = "core_attn";             // selective: Megatron's module names, comma-separated
+  std::vector<std::string> recompute_module_list() const;  // recompute_modules' names
 
   int64_t accumulation_steps() const { return global_batch / micro_batch; }
 };

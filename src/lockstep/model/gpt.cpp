@@ -67,6 +67,7 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
   // Activation recompute's groups (Recompute), per model chunk.
   group_start_.assign(static_cast<size_t>(L_), -1);
   group_end_.assign(static_cast<size_t>(L_), -1);
+  sublayer_recompute_.assign(static_cast<size_t>(L_), 0);
   const int64_t per_group = recompute.num_layers;
   for (const auto& [first, end] : part_.chunks)
     for (int64_t a = first; per_group > 0 && a < end; ++a) {
@@ -93,10 +94,14 @@ GPT::GPT(const ModelConfig& m, int64_t B, const MoeConfig& moe, const PrecisionC
       layer_first_[l] = static_cast<int>(params_.specs().size());
       attn_[l] = AttentionLayer(params_, arena_, prefix, m, B_, T_, tp_, cp_, cp_scratch);
       cp_scratch = &attn_[l];
-      if (moe.is_moe_layer(l, L_))
+      const bool moe_layer = moe.is_moe_layer(l, L_);
+      sublayer_recompute_[l] = !grouped && (moe_layer ? recompute.moe : recompute.mlp);
+      if (sublayer_recompute_[l]) arena_.begin_recompute();
+      if (moe_layer)
         moe_[l] = std::make_unique<MoeLayer>(params_, arena_, prefix, l, m, moe, B_, T_, MoeGroups{tp_, ep, etp, cp_});
       else
         mlp_[l] = MlpLayer(params_, arena_, prefix, m, N_, tp_);
+      if (sublayer_recompute_[l]) arena_.end_recompute();
       layer_end_[l] = static_cast<int>(params_.specs().size());
       if (grouped && l + 1 == group_end_[l]) arena_.end_recompute();
     }
@@ -383,6 +388,14 @@ void GPT::recompute(int64_t first, int64_t end) {
   }
 }
 
+void GPT::recompute_sublayer(int64_t l) {
+  ModuleTrace::Replay replay;
+  if (moe_[l])
+    moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), true, seed_, step_, micro_, true);
+  else
+    mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+}
+
 void GPT::need_params(int first, int end, bool stale) {
   if (params_needed_) params_needed_(first, end);
   // The bf16 copy of a range is refreshed once its master values are final for this step.
@@ -646,6 +659,7 @@ double GPT::backward_chunk(int c, const int32_t* tokens, const int32_t* targets,
   const AttentionScratch as{arena_(dnorm_), arena_(datt_), arena_(dqkv_)};
   for (int64_t l = l1 - 1; l >= l0; --l) {
     if (group_start_[l] >= 0 && l + 1 == group_end_[l]) recompute(group_start_[l], l + 1);
+    if (sublayer_recompute_[l]) recompute_sublayer(l);
     if (moe_[l])
       moe_[l]->backward(params_, arena_, dresid, arena_(mid_[l]), moe_scratch_, aux_scale);
     else

@@ -66,11 +66,21 @@ class Communicator;
 // (model/arena.h), and backward runs the group's forward again (replay: no aux losses, counters or
 // trace records taken twice) right before the group's backward. The replayed forward computes the
 // same bits, so every gradient, loss and fingerprint is the one without recompute.
+//
+// Selective recompute (train.recompute_granularity = "selective", train.recompute_modules): the
+// named sublayers of every layer not in a full-recompute group, each its own group, their input
+// (the residual stream between the sublayers) kept: "mlp" a dense layer's MLP, "moe" an MoE
+// sublayer (replayed as above).
 struct Recompute {
   std::string method;  // "uniform" | "block"; "" = none
   int64_t num_layers = 0;
+  bool mlp = false, moe = false;  // selective
   static Recompute of(const TrainConfig& t) {
-    return t.recompute_granularity == "full" ? Recompute{t.recompute_method, t.recompute_num_layers} : Recompute{};
+    Recompute r;
+    if (t.recompute_granularity == "full") r.method = t.recompute_method, r.num_layers = t.recompute_num_layers;
+    if (t.recompute_granularity == "selective")
+      for (const std::string& name : t.recompute_module_list()) r.mlp |= name == "mlp", r.moe |= name == "moe";
+    return r;
   }
 };
 
@@ -355,6 +365,9 @@ class GPT final : public PipelineStage {
   // group's forward again (Recompute).
   std::vector<int64_t> group_start_, group_end_;
   void recompute(int64_t first, int64_t end);
+  // Selective recompute: whether layer l's MLP or MoE sublayer is replayed before its backward.
+  std::vector<char> sublayer_recompute_;
+  void recompute_sublayer(int64_t l);
   std::vector<char> weights_stale_;  // per chunk
   int64_t first_micro_ = 0;
 };
