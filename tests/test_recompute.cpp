@@ -127,6 +127,10 @@ TEST(Recompute, FingerprintsAreTheSameInEveryLayout) {
                                plus({"determinism=layout", "parallel.pipeline=2", "model.mtp_num_layers=1"}));
   recompute_keeps_fingerprints("debug", 2,
                                plus({"determinism=layout", "layout_token_segments=true", "parallel.context=2"}));
+  recompute_keeps_fingerprints(
+      "moe-debug", 2,
+      plus({"determinism=layout", "parallel.expert=2", "moe.token_dispatcher=alltoall", "parallel.tensor=1"}));
+  recompute_keeps_fingerprints("moe-debug", 2, plus({"determinism=layout", "parallel.tensor=2"}));
 }
 
 // alloc_peak_mb, what the metrics report, falls with recompute.
