@@ -136,6 +136,41 @@ TEST(ExpertParallel, AllToAllEp2Mxfp8MatchesDp2Bitwise) {
   alltoall_matches_data_parallel_bitwise(2, {"precision.params=bf16", "precision.fp8=mxfp8"}, 1e-14);
 }
 
+// moe.shared_expert_overlap: the shared expert runs while the all-to-all is in flight, with the
+// same bits on every rank (run and layout mode, and under the link model, where the exchange
+// takes real time); refused without a shared expert or with another dispatcher.
+TEST(ExpertParallel, SharedExpertOverlapKeepsTheBits) {
+  testing::TempDir dir;
+  auto job = [&](const std::string& out, std::vector<std::string> keys) {
+    keys.insert(keys.end(),
+                {"train.out_dir=" + dir.path(out), "train.steps=2", "train.eval_interval=0", "parallel.expert=2",
+                 "moe.token_dispatcher=alltoall", "moe.shared_expert_intermediate_size=32"});
+    return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", keys);
+  };
+  int k = 0;
+  for (const std::vector<std::string>& keys :
+       {std::vector<std::string>{}, std::vector<std::string>{"determinism=layout"},
+        std::vector<std::string>{"dist.link=intra=2GB/s:20us"}}) {
+    const std::string off = "off" + std::to_string(k), on = "on" + std::to_string(k++);
+    testing::train_ranks(2, job(off, keys));
+    std::vector<std::string> with = keys;
+    with.push_back("moe.shared_expert_overlap=true");
+    testing::train_ranks(2, job(on, with));
+    for (int rank = 0; rank < 2; ++rank) {
+      const std::string a = testing::read_file(fingerprint_path(dir.path(off), rank));
+      EXPECT_FALSE(a.empty());
+      EXPECT_EQ(testing::read_file(fingerprint_path(dir.path(on), rank)), a) << on << " rank " << rank;
+    }
+  }
+  auto error = [](std::vector<std::string> keys) { return testing::user_error_of([&] { load_config("", keys); }); };
+  EXPECT_EQ(error({"moe.num_experts=4", "moe.shared_expert_overlap=true"}),
+            "config: moe.shared_expert_overlap = true needs moe.shared_expert_intermediate_size > 0");
+  EXPECT_EQ(error({"moe.num_experts=4", "moe.shared_expert_overlap=true", "moe.shared_expert_intermediate_size=16",
+                   "moe.token_dispatcher=allgather"}),
+            "config: moe.shared_expert_overlap = true needs moe.token_dispatcher = \"alltoall\" (it is "
+            "\"allgather\"), as Megatron's");
+}
+
 TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
   TempDir dir;
   EXPECT_EQ(

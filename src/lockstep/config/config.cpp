@@ -495,6 +495,10 @@ const std::vector<Key>& keys() {
       LS_KEY(moe.ffn_hidden_size, "expert MLP width; 0 = the dense MLP width"),
       LS_KEY(moe.shared_expert_intermediate_size, "width of the shared expert; 0 = none"),
       LS_KEY(moe.shared_expert_gate, "scale the shared expert's output by sigmoid(x . w_gate)"),
+      LS_KEY(moe.shared_expert_overlap,
+             "compute the shared expert while the routed tokens' all-to-all is in flight (Megatron's "
+             "--moe-shared-expert-overlap; needs a shared expert and moe.token_dispatcher = \"alltoall\"); the "
+             "same bits"),
       LS_KEY(moe.layer_freq,
              "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
              "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
@@ -812,6 +816,11 @@ void validate_moe(const MoeConfig& e, int64_t L) {
     user_error("moe.shared_expert_intermediate_size = ", e.shared_expert_intermediate_size, ": must be >= 0");
   if (e.shared_expert_gate && e.shared_expert_intermediate_size == 0)
     user_error("moe.shared_expert_gate = true needs moe.shared_expert_intermediate_size > 0");
+  if (e.shared_expert_overlap && e.shared_expert_intermediate_size == 0)
+    user_error("moe.shared_expert_overlap = true needs moe.shared_expert_intermediate_size > 0");
+  if (e.shared_expert_overlap && e.token_dispatcher != "alltoall")
+    user_error("moe.shared_expert_overlap = true needs moe.token_dispatcher = \"alltoall\" (it is \"",
+               e.token_dispatcher, "\"), as Megatron's");
   if (!(e.input_jitter_eps >= 0 && e.input_jitter_eps < 1))
     user_error("moe.input_jitter_eps = ", e.input_jitter_eps, ": must be in [0, 1)");
   moe_layer_pattern(e.layer_freq, L);

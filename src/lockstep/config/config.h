@@ -193,6 +193,9 @@ struct MoeConfig {
   int64_t ffn_hidden_size = 0;                  // expert width; 0 = model.ffn_hidden_size
   int64_t shared_expert_intermediate_size = 0;  // 0 = no shared expert
   bool shared_expert_gate = false;
+  // The shared expert's forward runs while the routed tokens' all-to-all is in flight (Megatron's
+  // moe_shared_expert_overlap; model/moe/moe_layer.h).
+  bool shared_expert_overlap = false;
   std::string layer_freq = "1";  // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
   // train.init_from is a dense checkpoint: each MoE layer's experts are cut from its MLP
   // (train/upcycling.h; granularity = model.ffn_hidden_size / moe.ffn_hidden_size).

@@ -90,20 +90,31 @@ void AllToAllDispatcher::ungroup(float* by_source, const float* by_expert) const
                        C_);
 }
 
-void AllToAllDispatcher::exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
-                                  const std::vector<int64_t>& in_rows) const {
+Work AllToAllDispatcher::exchange_async(float* out, const std::vector<int64_t>& out_rows, const float* in,
+                                        const std::vector<int64_t>& in_rows) const {
   std::vector<int64_t> recv(static_cast<size_t>(S_)), send(static_cast<size_t>(S_));
   for (int64_t r = 0; r < S_; ++r) {
     recv[r] = out_rows[r] * C_;
     send[r] = in_rows[r] * C_;
     if (r != ep_.rank()) bytes_sent_ += send[r] * static_cast<int64_t>(sizeof(float));
   }
-  ep_.all_to_allv(out, recv, in, send);
+  return ep_.all_to_allv_async(out, recv, in, send);
+}
+
+void AllToAllDispatcher::exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
+                                  const std::vector<int64_t>& in_rows) const {
+  exchange_async(out, out_rows, in, in_rows).wait();
 }
 
 void AllToAllDispatcher::dispatch(float* expert_in, const float* x) const {
+  dispatch(expert_in, x, [] {});
+}
+
+void AllToAllDispatcher::dispatch(float* expert_in, const float* x, const std::function<void()>& meanwhile) const {
   local_.dispatch(send_.data(), x);
-  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  Work in_flight = exchange_async(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  meanwhile();
+  in_flight.wait();
   regroup(expert_in, recv_.data());
 }
 

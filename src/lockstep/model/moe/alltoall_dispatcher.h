@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "lockstep/comm/communicator.h"
 #include "lockstep/core/tensor.h"
 #include "lockstep/model/moe/dispatcher.h"
 
@@ -48,6 +49,8 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
 
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;
+  // The exchange runs on the rank's progress thread while meanwhile() runs here.
+  void dispatch(float* expert_in, const float* x, const std::function<void()>& meanwhile) const override;
   void dispatch_backward(float* dx, const float* dexpert_in) const override;
   void combine(float* out, const float* base, const float* expert_out, const float* probs) const override;
   // expert_out is not read: the combine's own copy of the outputs on the source rank is.
@@ -61,6 +64,8 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   // One all-to-allv of rows: out_rows[r] rows from rank r, in_rows[r] rows to rank r.
   void exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
                 const std::vector<int64_t>& in_rows) const;
+  Work exchange_async(float* out, const std::vector<int64_t>& out_rows, const float* in,
+                      const std::vector<int64_t>& in_rows) const;
 
   std::vector<int64_t> send_rows_, recv_rows_;  // (S) rows to / from each rank
   std::vector<int64_t> recv_counts_;            // (S, El) rows of (source, local expert)

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "lockstep/kernels/ops.h"
@@ -27,6 +28,12 @@ class Dispatcher {
   virtual void plan(const int32_t* idx, const uint8_t* kept, int64_t N) = 0;
   // expert_in (rows(), C) = the routed tokens of x (N, C).
   virtual void dispatch(float* expert_in, const float* x) const = 0;
+  // The same, running `meanwhile` while the tokens are in flight (moe.shared_expert_overlap); a
+  // dispatcher without an exchange runs it after. meanwhile must not touch x's rows or expert_in.
+  virtual void dispatch(float* expert_in, const float* x, const std::function<void()>& meanwhile) const {
+    dispatch(expert_in, x);
+    meanwhile();
+  }
   // dx (N, C) += the gradient of dispatch from dexpert_in (rows(), C).
   virtual void dispatch_backward(float* dx, const float* dexpert_in) const = 0;
   // out (N, C) = base + sum over kept choices k (in order) of probs[t, k] * expert_out[row].

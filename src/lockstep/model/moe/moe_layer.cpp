@@ -54,6 +54,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   }
   pad_ = moe.pad_expert_input_to_capacity;
   dispatcher_kind_ = moe.token_dispatcher;
+  shared_overlap_ = moe.shared_expert_overlap;
   groups_ = groups;
   Communicator* ep = groups.ep;
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
@@ -240,9 +241,12 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
                               global_counts_.data(), counts_seq_, micro_counts_.data(), sum_over_dp);
   }
 
-  // Dispatch, experts, combine.
+  // Dispatch, experts, combine; the shared expert while the tokens travel (moe.shared_expert_overlap).
   dispatcher_->plan(idx_.data(), kept_.data(), N);
-  dispatcher_->dispatch(arena(rows_in_), x);
+  if (shared_ && shared_overlap_)
+    dispatcher_->dispatch(arena(rows_in_), x, [&] { shared_->forward(ps, arena, out, in, x); });
+  else
+    dispatcher_->dispatch(arena(rows_in_), x);
   if (etp_) {
     etp_->plan(dispatcher_->segments(), dispatcher_->token_segments(), dispatcher_->token_segments_per_source());
     etp_->gather(arena(etp_in_), arena(rows_in_));
@@ -258,7 +262,7 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   trace_out(experts_name_, arena(rows_out_), dispatcher_->rows() * C_);
   const float* base = in;
   if (shared_) {
-    shared_->forward(ps, arena, out, in, x);
+    if (!shared_overlap_) shared_->forward(ps, arena, out, in, x);
     base = out;
   }
   dispatcher_->combine(out, base, arena(rows_out_), probs);

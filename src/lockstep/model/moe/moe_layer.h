@@ -153,8 +153,10 @@ class MoeLayer {
   double matmul_params_per_token() const;  // for the FLOP count: router, K experts, shared
   // The names forward traces (core/trace.h).
   void trace_names(std::vector<std::string>& out) const {
-    out.insert(out.end(), {norm_.name, router_name_, experts_name_});
-    if (shared_) out.insert(out.end(), {shared_->fc.name, shared_->proj.name});
+    out.insert(out.end(), {norm_.name, router_name_});
+    if (shared_ && shared_overlap_) out.insert(out.end(), {shared_->fc.name, shared_->proj.name});
+    out.push_back(experts_name_);
+    if (shared_ && !shared_overlap_) out.insert(out.end(), {shared_->fc.name, shared_->proj.name});
     out.push_back(name_);
   }
 
@@ -229,6 +231,7 @@ class MoeLayer {
   std::vector<uint8_t> batch_kept_;
   void drop_over_micro_batch(const float* batch_logits);  // kept_ from the micro-batch's drop mask
   std::string dispatcher_kind_;
+  bool shared_overlap_ = false;    // moe.shared_expert_overlap
   bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
   void make_dispatcher();          // dispatcher_, source_layout_ and etp_ for one micro-batch
   // Layout mode: d sums exactly and its plans count each expert's rows per token segment (experts.h).
