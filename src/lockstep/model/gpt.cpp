@@ -353,12 +353,10 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
     need_params(layer_first_[l], layer_end_[l], stale);
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
                      positions(), doc_start());
+    mlp_or_moe_forward(l, training, false);
     if (moe_[l]) {
-      moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), training, seed_, step_, micro_);
       aux_loss_ += moe_[l]->aux_losses().total();
       aux_exact_.add(moe_[l]->aux_losses().total());
-    } else {
-      mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
     }
   }
   if (part_.last && c == num_chunks() - 1) {
@@ -381,17 +379,18 @@ void GPT::recompute(int64_t first, int64_t end) {
   for (int64_t l = first; l < end; ++l) {
     attn_[l].forward(params_, arena_, arena_(mid_[l]), arena_(resid_[l]), rope_cos_.data(), rope_sin_.data(),
                      positions(), doc_start());
-    if (moe_[l])
-      moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), true, seed_, step_, micro_, true);
-    else
-      mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
+    mlp_or_moe_forward(l, true, true);
   }
 }
 
 void GPT::recompute_sublayer(int64_t l) {
   ModuleTrace::Replay replay;
+  mlp_or_moe_forward(l, true, true);
+}
+
+void GPT::mlp_or_moe_forward(int64_t l, bool training, bool replay) {
   if (moe_[l])
-    moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), true, seed_, step_, micro_, true);
+    moe_[l]->forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]), training, seed_, step_, micro_, replay);
   else
     mlp_[l].forward(params_, arena_, arena_(resid_[l + 1]), arena_(mid_[l]));
 }

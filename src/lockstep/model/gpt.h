@@ -368,6 +368,8 @@ class GPT final : public PipelineStage {
   // Selective recompute: whether layer l's MLP or MoE sublayer is replayed before its backward.
   std::vector<char> sublayer_recompute_;
   void recompute_sublayer(int64_t l);
+  // Layer l's second sublayer, mid_[l] -> resid_[l + 1] (replay: MoeLayer::forward's).
+  void mlp_or_moe_forward(int64_t l, bool training, bool replay);
   std::vector<char> weights_stale_;  // per chunk
   int64_t first_micro_ = 0;
 };
