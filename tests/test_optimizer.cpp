@@ -111,6 +111,11 @@ TEST(PrecisionAwareOptimizer, Bf16MomentsHashAsTheyAreStored) {
         }
         EXPECT_EQ(h.moments(), opt.hash(shard));
         moments.push_back(h.moments());
+        // The same update without hashes (the unhashed bf16 ranges' path) writes the same moments.
+        ParamStore plain_ps = hash_table();
+        Optimizer plain(plain_ps, oc, shard);
+        plain.update(plain_ps, 1, 1e-3, 1.0f);
+        EXPECT_EQ(plain.hash(shard), opt.hash(shard));
       });
     }
   for (uint64_t m : moments) EXPECT_EQ(m, moments[0]);

@@ -88,14 +88,14 @@ void Optimizer::hash_state(ParamStore& ps, const std::vector<ParamRange>& ranges
 bool Optimizer::pass(ParamStore& ps, int64_t step, double lr, float grad_scale, const std::vector<ParamRange>& ranges,
                      ShardHashes* hashes, bool update) {
   bool nonfinite = false;
-  std::vector<AdamwHashedItem> low;  // ranges with a bf16 moment, not hashed: the hashed update's items
-  uint64_t unused[4];
+  // Ranges with a bf16 moment that are not hashed: items of the hashed update (its hashes unused).
+  std::vector<AdamwHashedItem> low;
   auto plain = [&](int p, int64_t begin, int64_t end) {
     if (end <= begin || !update) return;
     const int64_t s = state_index(p, begin);
     if (m_bf16_ || v_bf16_)
       low.push_back({ps.value(p) + begin, m32(s), v32(s), ps.grad(p) + begin, end - begin, hyperparameters(p, lr), 0, 0,
-                     unused, m16(s), v16(s)});
+                     nullptr, m16(s), v16(s)});
     else
       nonfinite |= ps.device().ops.adamw_update(ps.value(p) + begin, m32(s), v32(s), ps.grad(p) + begin, end - begin,
                                                 hyperparameters(p, lr), step, grad_scale);
@@ -136,9 +136,11 @@ bool Optimizer::pass(ParamStore& ps, int64_t step, double lr, float grad_scale, 
                      hyperparameters(b.param, lr), b.state_begin - b.begin, b.state_end - b.begin, out.data() + 4 * i,
                      m16(s), v16(s)});
   }
-  // The unhashed bf16 ranges one after the other (each item's update is parallel over nothing: the
-  // items are shared among the threads, so one at a time keeps it simple and elementwise).
-  for (AdamwHashedItem& item : low) nonfinite |= ps.device().ops.adamw_update_hashed(&item, 1, step, grad_scale);
+  // The unhashed bf16 ranges in one call, shared among the threads like the hashed ones.
+  std::vector<uint64_t> unused(4 * low.size());
+  for (size_t i = 0; i < low.size(); ++i) low[i].hashes = unused.data() + 4 * i;
+  if (!low.empty())
+    nonfinite |= ps.device().ops.adamw_update_hashed(low.data(), static_cast<int64_t>(low.size()), step, grad_scale);
   if (update)
     nonfinite |=
         ps.device().ops.adamw_update_hashed(items.data(), static_cast<int64_t>(items.size()), step, grad_scale);
