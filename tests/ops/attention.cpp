@@ -391,6 +391,115 @@ void add_attention_cases(Registry& reg) {
         });
   }
 
+  // Ring attention (attention_forward_partial / attention_backward_partial / attention_merge): every
+  // rank of a ring of P simulated in one process. Rank r holds chunks r and 2P-1-r; at ring step i it
+  // attends to rank (r - i) mod P's key chunks and merges the partial result into its own in ring
+  // order. The merged out and lse and the assembled gradient (dq summed over the steps, each key
+  // chunk's dK, dV summed over the ranks) match the double reference; the small case also central
+  // differences. Chunks of 24, 16, 8, 5 and 64 positions; GQA; packed documents (queries that see no
+  // key of a step: lse -inf there).
+  for (const ChunkCase& c : {ChunkCase{{2, 96, 4, 2, 16}, 2, false}, ChunkCase{{1, 96, 4, 1, 12}, 3, false},
+                             ChunkCase{{2, 64, 2, 2, 8}, 4, false}, ChunkCase{{1, 256, 2, 1, 16}, 2, false},
+                             ChunkCase{{5, 200, 4, 2, 12}, 4, true}, ChunkCase{{1, 40, 2, 2, 8}, 4, true},
+                             ChunkCase{{1, 12, 2, 1, 4}, 2, true}}) {
+    reg.add(
+        {"AttentionRing",
+         "RingStepsMergedMatchReference",
+         {"attention_forward_partial", "attention_backward_partial", "attention_merge"},
+         name(c.d) + str(" P=", c.P, c.docs ? " documents" : "")},
+        [=] {
+          return make(c.d, 13,
+                      !c.docs       ? DocStarts{}
+                      : c.d.T == 12 ? doc_starts(c.d, {{5}})
+                                    : doc_starts(c.d, layouts()));
+        },
+        [=](Run& r, const In& in) {
+          const Dims& d = in.d;
+          const int64_t C3 = d.C3(), NHS = d.NH * d.HS, KV = 2 * d.NKV * d.HS, Tl = d.T / c.P;
+          const std::vector<float> kv_all = all_kv(d, in.qkv);
+          const Buf<int32_t> doc = r.in(in.ds);
+          std::vector<float> dqkv(in.qkv.size(), 0.0f), out_all(static_cast<size_t>(d.out_size())),
+              lse_all(static_cast<size_t>(d.lse_size()));
+          for (int rank = 0; rank < c.P; ++rank) {
+            const Local l = rank_rows(d, c.P, rank);
+            const Buf<float> q = r.in(local_rows(d, in.qkv, C3, l.chunks)),
+                             go = r.in(local_rows(d, in.dout, NHS, l.chunks));
+            Buf<float> out = r.zeros(d.B * Tl * NHS),
+                       lse = r.full(d.B * d.NH * Tl, -std::numeric_limits<float>::infinity());
+            Buf<float> part = r.zeros(d.B * Tl * NHS), part_lse = r.zeros(d.B * d.NH * Tl);
+            for (int i = 0; i < c.P; ++i) {
+              const QueryChunks kc = rank_rows(d, c.P, (rank - i + c.P) % c.P).chunks;
+              const Buf<float> kv = r.in(local_rows(d, kv_all, KV, kc));
+              r.ops.attention_forward_partial(part, part_lse, q, kv, d.B, d.T, l.chunks, kc, d.NH, d.NKV, d.HS, doc);
+              r.ops.attention_merge(out, lse, part, part_lse, d.B, Tl, d.NH, d.HS);
+            }
+            Buf<float> dq = r.zeros(q.size());
+            for (int i = 0; i < c.P; ++i) {
+              const QueryChunks kc = rank_rows(d, c.P, (rank - i + c.P) % c.P).chunks;
+              const Buf<float> kv = r.in(local_rows(d, kv_all, KV, kc));
+              Buf<float> dkv = r.full(kv.size(), std::numeric_limits<float>::quiet_NaN());
+              r.ops.attention_backward_partial(dq, dkv, go, q, kv, out, lse, d.B, d.T, l.chunks, kc, d.NH, d.NKV, d.HS,
+                                               doc);
+              const std::vector<float> g = r.get(dkv);
+              int64_t row = 0;
+              for (int64_t b = 0; b < d.B; ++b)
+                for (const auto& [begin, end] : kc)
+                  for (int64_t t = begin; t < end; ++t, ++row)
+                    for (int64_t j = 0; j < KV; ++j) dqkv[(b * d.T + t) * C3 + NHS + j] += g[row * KV + j];
+            }
+            const std::vector<float> o = r.get(out), ls = r.get(lse), g = r.get(dq);
+            for (size_t i = 0; i < l.rows.size(); ++i) {
+              const int64_t n = l.rows[i], b = n / d.T, t = n % d.T, li = static_cast<int64_t>(i);
+              std::copy_n(o.begin() + li * NHS, NHS, out_all.begin() + n * NHS);
+              std::copy_n(g.begin() + li * C3, NHS, dqkv.begin() + n * C3);
+              for (int64_t h = 0; h < d.NH; ++h)
+                lse_all[static_cast<size_t>((b * d.NH + h) * d.T + t)] =
+                    ls[static_cast<size_t>((b * d.NH + h) * Tl + li % Tl)];
+            }
+          }
+          r.out("out", out_all);
+          r.out("lse", lse_all);
+          r.out("dqkv", dqkv);
+        },
+        [=](const Result& got, const In& in) {
+          check_reference(got, in);
+          if (in.d.T == 12) check_finite_differences(got, in);
+        });
+  }
+
+  // One key chunk of the whole sequence is the whole-sequence call, bit for bit (the partial forms
+  // walk the same key blocks).
+  {
+    const Dims d{2, 130, 4, 2, 16};
+    reg.add(
+        {"AttentionRing",
+         "WholeSequenceAsOneKeyChunkIsTheWholeCallBitwise",
+         {"attention_forward_partial", "attention_backward_partial", "attention_forward", "attention_backward"},
+         name(d)},
+        [=] { return make(d, 14, doc_starts(d, layouts())); },
+        [=](Run& r, const In& in) {
+          run_attention(r, in, "whole ");
+          const QueryChunks all{{0, d.T}};
+          const Buf<float> q = r.in(in.qkv), go = r.in(in.dout), kv = r.in(all_kv(d, in.qkv));
+          const Buf<int32_t> doc = r.in(in.ds);
+          Buf<float> out = r.zeros(d.out_size()), lse = r.zeros(d.lse_size());
+          r.ops.attention_forward_partial(out, lse, q, kv, d.B, d.T, all, all, d.NH, d.NKV, d.HS, doc);
+          Buf<float> dq = r.zeros(q.size()), dkv = r.zeros(kv.size());
+          r.ops.attention_backward_partial(dq, dkv, go, q, kv, out, lse, d.B, d.T, all, all, d.NH, d.NKV, d.HS, doc);
+          r.out("partial out", out);
+          r.out("partial lse", lse);
+          std::vector<float> dqkv = r.get(dq);
+          const std::vector<float> g = r.get(dkv);
+          const int64_t C3 = d.C3(), NHS = d.NH * d.HS, KV = 2 * d.NKV * d.HS;
+          for (int64_t n = 0; n < d.B * d.T; ++n) std::copy_n(g.begin() + n * KV, KV, dqkv.begin() + n * C3 + NHS);
+          r.out("partial dqkv", dqkv);
+        },
+        [](const Result& got, const In&) {
+          for (const char* o : {"out", "lse", "dqkv"})
+            EXPECT_TRUE(bitwise_equal(got[std::string("partial ") + o], got[std::string("whole ") + o], o));
+        });
+  }
+
   // Query segments (determinism = "layout" with layout_token_segments): the whole-sequence
   // backward with G segments keeps dq bitwise, its dK, dV are the canonical tree over the G
   // segments' chains (each segment computed alone, as a one-segment chunk) bitwise, it matches the

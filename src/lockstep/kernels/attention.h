@@ -94,9 +94,31 @@ struct AttentionOps {
           const int32_t* doc_start, int64_t query_segments)>
       attention_backward_chunks{"attention_backward_chunks"};
 
+  // Ring attention (parallel/context_attention.h): the local query rows (q_chunks, as above) against
+  // only the keys and values at k_chunks' positions, kv (B, Tk, 2*NKV*HS) their rows back to back.
+  // out (B, Tl, NH*HS), lse (B, NH, Tl): the attention over the keys each query sees among them; a
+  // query that sees none gets out 0 and lse -inf.
+  Op<void(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T, const QueryChunks& q_chunks,
+          const QueryChunks& k_chunks, int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start)>
+      attention_forward_partial{"attention_forward_partial"};
+  // Its backward, given the merged out and lse of every key: the query columns of dqkv get these
+  // keys' contributions to dq added (one FMA chain over these keys, then times scale, then added);
+  // dkv (B, Tk, 2*NKV*HS) is assigned these queries' contributions to these keys.
+  Op<void(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv, const float* out,
+          const float* lse, int64_t B, int64_t T, const QueryChunks& q_chunks, const QueryChunks& k_chunks, int64_t NH,
+          int64_t NKV, int64_t HS, const int32_t* doc_start)>
+      attention_backward_partial{"attention_backward_partial"};
+  // (out, lse) <- the attention over both key sets: with m = max(lse, part_lse),
+  // L = m + logf(expf(lse - m) + expf(part_lse - m)), out = fma(part_out, expf(part_lse - L), out * expf(lse - L)),
+  // lse = L; a side at -inf (no keys) takes no part. out (B, Tq, NH*HS), lse (B, NH, Tq).
+  Op<void(float* out, float* lse, const float* part_out, const float* part_lse, int64_t B, int64_t Tq, int64_t NH,
+          int64_t HS)>
+      attention_merge{"attention_merge"};
+
   template <class F>
   void each(F&& f) {
     f(attention_forward), f(attention_backward), f(attention_forward_chunks), f(attention_backward_chunks);
+    f(attention_forward_partial), f(attention_backward_partial), f(attention_merge);
   }
 };
 

@@ -232,6 +232,12 @@ struct QBlock {
   int64_t segment;  // query segments: its canonical segment's index among the chunk's (else 0)
 };
 
+// A block of at most kBlk key rows: positions [k0, k0 + nk), rows [row, row + nk) of the key tensor,
+// at row srow of the backward's padded copy (each key chunk padded to a multiple of 4 rows there).
+struct KBlock {
+  int64_t k0, nk, row, srow;
+};
+
 struct Shape {
   int64_t B, T, NH, NKV, HS;
   int64_t Tl;                      // query rows per sample (T without context parallelism)
@@ -244,6 +250,13 @@ struct Shape {
   int64_t segments = 0;        // per sample (0: one chain over all queries)
   int64_t max_chunk_segs = 0;  // the most segments a chunk holds
   int64_t chunks = 1;
+  // The keys: blocks of kBlk positions from 0 (the whole sequence: rows = positions), or, for ring
+  // attention's partial calls, each key chunk's blocks from its start, its rows back to back.
+  std::span<const KBlock> kblocks{};
+  std::span<const std::pair<int64_t, int64_t>> kchunks{};  // partial: the key chunks (else empty)
+  int64_t Tk = 0;                                        // key rows per sample
+  int64_t Tks = 0;                                       // rows of the backward's padded key copy
+  bool partial = false;  // forward: a query may see no key (out 0, lse -inf); backward: dq accumulated
 };
 
 // Where the operands live. q (B, Tl, ldq) query head h at column h * HS; k, v (B, T, ldkv) key /
@@ -308,6 +321,31 @@ Shape make_shape(int64_t B, int64_t T, int64_t NH, int64_t NKV, int64_t HS, Chun
   return s;
 }
 
+// The key blocks: the whole sequence's (kchunks empty) or those of each key chunk.
+void set_keys(Shape& s, Chunks kchunks) {
+  thread_local std::vector<KBlock> kb;
+  kb.clear();
+  if (kchunks.empty()) {
+    for (int64_t k0 = 0; k0 < s.T; k0 += kBlk) kb.push_back({k0, std::min(kBlk, s.T - k0), k0, k0});
+    s.Tk = s.T;
+    s.Tks = round_up(s.T, 4);
+  } else {
+    int64_t prev_end = 0;
+    for (const auto& [begin, end] : kchunks) {
+      LOCKSTEP_CHECK(begin >= prev_end && begin < end && end <= s.T, "attention: key chunk [", begin, ", ", end,
+                     ") is not ascending inside [0, ", s.T, ")");
+      prev_end = end;
+      for (int64_t k0 = begin; k0 < end; k0 += kBlk)
+        kb.push_back({k0, std::min(kBlk, end - k0), s.Tk + k0 - begin, s.Tks + k0 - begin});
+      s.Tk += end - begin;
+      s.Tks += round_up(end - begin, 4);
+    }
+    s.partial = true;
+    s.kchunks = kchunks;
+  }
+  s.kblocks = kb;
+}
+
 // Scratch that grows to the largest shape seen on this thread, then stays.
 float* thread_scratch(size_t n) {
   thread_local std::vector<float> buf;
@@ -319,18 +357,20 @@ float* thread_scratch(size_t n) {
 // statistics of 8 queries advance together and the sums over keys need no horizontal reduction.
 // Key j may be seen by query i when k0 + j <= q0 + i, i.e. i >= j - diag with diag = q0 - k0.
 // Returns how many rows of query chunk [c, c + 8) hold a visible key: rows past it are all masked.
-inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) { return std::min(nk, c + 8 + diag); }
+inline int64_t visible_rows(int64_t c, int64_t diag, int64_t nk) {
+  return std::max<int64_t>(0, std::min(nk, c + 8 + diag));
+}
 
 // Document starts of a query block: dsf[i] = doc_start of query q0 + i as float (exact below 2^24
 // positions; 0 for padding queries, which then see what plain causal attention shows them).
-// Returns the first key block that any query of the block sees.
+// Returns the first key position that any query of the block sees.
 int64_t block_doc_starts(float* dsf, const int32_t* ds, int64_t q0, int64_t nq, int64_t nqp) {
   int64_t lo = q0;
   for (int64_t i = 0; i < nqp; ++i) {
     dsf[i] = i < nq ? static_cast<float>(ds[q0 + i]) : 0.0f;
     if (i < nq) lo = std::min<int64_t>(lo, ds[q0 + i]);
   }
-  return lo / kBlk;
+  return lo;
 }
 
 // The largest document start among queries [c, c + 8): keys at or past it need no document mask.
@@ -364,9 +404,9 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
   float* dsf = corr + kBlk;      // (kBlk) document starts of the queries (doc_start only)
 
   const int64_t g = h / s.group;
-  const float* kbase = io.k + b * s.T * io.ldkv + g * s.HS;
-  const float* vbase = io.v + b * s.T * io.ldkv + g * s.HS;
-  const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
+  const float* kbase = io.k + b * s.Tk * io.ldkv + g * s.HS;
+  const float* vbase = io.v + b * s.Tk * io.ldkv + g * s.HS;
+  const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8);
   copy_transposed(qt, HSp, io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS, io.ldq, nq, nqp, s.HS, s.scale);
   std::fill(acc, acc + nqp * HSp, 0.0f);
   std::fill(m, m + nqp, -kInf);
@@ -374,15 +414,19 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
   // Key blocks before every query's document hold only masked keys: skipping them drops terms
   // that are exact zeros (see finite_shift below), so the bits are those of computing them.
   const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
-  const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
+  const int64_t lo = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
 
-  for (int64_t kb = kb_begin; kb <= qb; ++kb) {
-    const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
-    // diag >= 0: a query block lies inside one kBlk-aligned block. A query's row in the tile does
-    // not change its arithmetic: more masked keys in its visible rows only add exact zeros.
+  // Key blocks in order, up to the last one holding a key at or before the block's last query.
+  for (const KBlock& key : s.kblocks) {
+    if (key.k0 >= q0 + nq) break;
+    if (key.k0 + key.nk <= lo) continue;
+    const int64_t k0 = key.k0, nk = key.nk, nkp = round_up(nk, 4);
+    // The whole sequence: diag >= 0, a query block lies inside one kBlk-aligned block. A query's row
+    // in the tile does not change its arithmetic: more masked keys in its visible rows only add exact
+    // zeros. (Partial calls: keys may start after a block's first query, diag < 0.)
     const int64_t diag = q0 - k0;
-    copy_rows(kr, HSp, kbase + k0 * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
-    copy_rows(vr, HSp, vbase + k0 * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
+    copy_rows(kr, HSp, kbase + key.row * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
+    copy_rows(vr, HSp, vbase + key.row * io.ldkv, io.ldkv, nk, nkp, s.HS, 1.0f);
     tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, Band{.n_begin_off = -diag});
     for (int64_t c = 0; c < nqp; c += 8) {
       const int64_t rows = visible_rows(c, diag, nk);
@@ -427,6 +471,11 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
 
   for (int64_t i = 0; i < nq; ++i) {
     float* ar = acc + i * HSp;
+    if (l[i] == 0.0f) {  // a partial call's query that sees none of the keys (never the whole sequence)
+      std::fill_n(out + ((b * s.Tl + blk.row + i) * s.NH + h) * s.HS, s.HS, 0.0f);
+      lse[(b * s.NH + h) * s.Tl + blk.row + i] = -kInf;
+      continue;
+    }
     const V lv = O::set1(l[i]);
     for (int64_t d = 0; d < HSp; d += 8) O::store(ar + d, O::div(O::load(ar + d), lv));
     std::memcpy(out + ((b * s.Tl + blk.row + i) * s.NH + h) * s.HS, ar, s.HS * sizeof(float));
@@ -436,8 +485,9 @@ void forward_block(float* out, float* lse, const Io& io, const int32_t* doc_star
 
 template <class O>
 void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, Chunks chunks, int64_t NH, int64_t NKV,
-             int64_t HS, const int32_t* doc_start) {
-  const Shape s = make_shape(B, T, NH, NKV, HS, chunks, 0);
+             int64_t HS, const int32_t* doc_start, Chunks kchunks = {}) {
+  Shape s = make_shape(B, T, NH, NKV, HS, chunks, 0);
+  set_keys(s, kchunks);
   check_doc_start(doc_start, B, T);
   const size_t need = static_cast<size_t>(4 * kBlk * s.HSp + kBlk * kBlk + 4 * kBlk);
   const auto nb = static_cast<int64_t>(s.blocks.size());
@@ -450,15 +500,16 @@ void forward(float* out, float* lse, const Io& io, int64_t B, int64_t T, Chunks 
   });
 }
 
-// dk, dv (Tk, HSp) of (b, kv head g) into chunk j's (B, T, ...) gradient (chunk 0 without query
+// dk, dv (Tks, HSp) of (b, kv head g) into chunk j's (B, Tk, ...) gradient (chunk 0 without query
 // segments).
 void write_dkv(const Io& io, const Shape& s, int64_t b, int64_t g, int64_t j, const float* dk, const float* dv) {
-  const int64_t HSp = s.HSp, base = j * s.B * s.T * io.lddkv;
-  for (int64_t t = 0; t < s.T; ++t) {
-    const int64_t at = base + (b * s.T + t) * io.lddkv + g * s.HS;
-    std::memcpy(io.dk + at, dk + t * HSp, s.HS * sizeof(float));
-    std::memcpy(io.dv + at, dv + t * HSp, s.HS * sizeof(float));
-  }
+  const int64_t HSp = s.HSp, base = j * s.B * s.Tk * io.lddkv;
+  for (const KBlock& key : s.kblocks)
+    for (int64_t t = 0; t < key.nk; ++t) {
+      const int64_t at = base + (b * s.Tk + key.row + t) * io.lddkv + g * s.HS;
+      std::memcpy(io.dk + at, dk + (key.srow + t) * HSp, s.HS * sizeof(float));
+      std::memcpy(io.dv + at, dv + (key.srow + t) * HSp, s.HS * sizeof(float));
+    }
 }
 
 // One (b, kv head g): dk, dv of g and dq of its query heads, all assigned.
@@ -467,7 +518,7 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
                     const Shape& s, int64_t b, int64_t g, float* scratch) {
   using V = typename O::V;
   const auto nb = static_cast<int64_t>(s.blocks.size());
-  const int64_t HSp = s.HSp, Tk = round_up(s.T, 4), Tq = nb * kBlk, C = s.NH * s.HS;
+  const int64_t HSp = s.HSp, Tk = s.Tks, Tq = nb * kBlk, C = s.NH * s.HS;
   float* kall = scratch;          // (Tk, HSp) keys
   float* vall = kall + Tk * HSp;  // (Tk, HSp) values
   float* dk = vall + Tk * HSp;    // (Tk, HSp)
@@ -487,8 +538,18 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
   const int64_t M = 2 * Tk * HSp;    // dk and dv, back to back
   const int32_t* ds = doc_start ? doc_start + b * s.T : nullptr;
 
-  copy_rows(kall, HSp, io.k + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
-  copy_rows(vall, HSp, io.v + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
+  if (s.kchunks.empty()) {
+    copy_rows(kall, HSp, io.k + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
+    copy_rows(vall, HSp, io.v + b * s.T * io.ldkv + g * s.HS, io.ldkv, s.T, Tk, s.HS, 1.0f);
+  } else {
+    // Each key chunk at its padded offset (that of its first block), its padding zero.
+    for (int64_t row = 0, srow = 0; const auto& [begin, end] : s.kchunks) {
+      const int64_t n = end - begin, at = (b * s.Tk + row) * io.ldkv + g * s.HS;
+      copy_rows(kall + srow * HSp, HSp, io.k + at, io.ldkv, n, round_up(n, 4), s.HS, 1.0f);
+      copy_rows(vall + srow * HSp, HSp, io.v + at, io.ldkv, n, round_up(n, 4), s.HS, 1.0f);
+      row += n, srow += round_up(n, 4);
+    }
+  }
   std::fill(dk, dk + 2 * Tk * HSp, 0.0f);
   for (int64_t hh = 0; hh < s.group; ++hh) {
     const int64_t h = g * s.group + hh;
@@ -526,7 +587,7 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
       const int64_t h = g * s.group + hh;
       for (int64_t qbi = i0; qbi < i1; ++qbi) {
         const QBlock& blk = s.blocks[static_cast<size_t>(qbi)];
-        const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8), qb = q0 / kBlk;
+        const int64_t q0 = blk.q0, nq = blk.nq, nqp = round_up(nq, 8);
         const float* qrow = io.q + (b * s.Tl + blk.row) * io.ldq + h * s.HS;
         const float* gorow = dout + (b * s.Tl + blk.row) * C + h * s.HS;
         copy_rows(qs, HSp, qrow, io.ldq, nq, nqp, s.HS, s.scale);
@@ -536,14 +597,16 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
         std::fill(dq, dq + nqp * HSp, 0.0f);
         const float* lse_q = lse_g + hh * Tq + qbi * kBlk;
         const float* d_q = dd + hh * Tq + qbi * kBlk;
-        const int64_t kb_begin = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
-        for (int64_t kb = kb_begin; kb <= qb; ++kb) {
-          const int64_t k0 = kb * kBlk, nk = std::min(kBlk, s.T - k0), nkp = round_up(nk, 4);
+        const int64_t lo = ds ? block_doc_starts(dsf, ds, q0, nq, nqp) : 0;
+        for (const KBlock& key : s.kblocks) {
+          if (key.k0 >= q0 + nq) break;
+          if (key.k0 + key.nk <= lo) continue;
+          const int64_t k0 = key.k0, nk = key.nk, nkp = round_up(nk, 4);
           const int64_t diag = q0 - k0;
-          const float* kr = kall + k0 * HSp;
+          const float* kr = kall + key.srow * HSp;
           const Band score_band{.n_begin_off = -diag};
           tile_mm<O>(pt, kBlk, kr, HSp, 1, qt, kBlk, nkp, nqp, HSp, false, score_band);
-          tile_mm<O>(dst, kBlk, vall + k0 * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
+          tile_mm<O>(dst, kBlk, vall + key.srow * HSp, HSp, 1, got, kBlk, nkp, nqp, HSp, false, score_band);
           for (int64_t c = 0; c < nqp; c += 8) {
             const int64_t rows = visible_rows(c, diag, nk);
             const int64_t doc_rows = ds ? std::min(rows, chunk_doc_start(dsf, c) - k0) : 0;
@@ -565,13 +628,16 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
             }
           }
           const Band key_band{.k_begin_off = -diag};
-          tile_mm<O>(dv + k0 * HSp, HSp, pt, kBlk, 1, go, HSp, nkp, HSp, nqp, true, key_band);
-          tile_mm<O>(dk + k0 * HSp, HSp, dst, kBlk, 1, qs, HSp, nkp, HSp, nqp, true, key_band);
+          tile_mm<O>(dv + key.srow * HSp, HSp, pt, kBlk, 1, go, HSp, nkp, HSp, nqp, true, key_band);
+          tile_mm<O>(dk + key.srow * HSp, HSp, dst, kBlk, 1, qs, HSp, nkp, HSp, nqp, true, key_band);
           tile_mm<O>(dq, HSp, dst, 1, kBlk, kr, HSp, nqp, HSp, nkp, true, Band{.k_end_off = 4 + diag});
         }
         for (int64_t i = 0; i < nq; ++i) {
           float* drow = io.dq + (b * s.Tl + blk.row + i) * io.lddq + h * s.HS;
-          for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
+          if (s.partial)
+            for (int64_t d = 0; d < s.HS; ++d) drow[d] = drow[d] + dq[i * HSp + d] * s.scale;
+          else
+            for (int64_t d = 0; d < s.HS; ++d) drow[d] = dq[i * HSp + d] * s.scale;
         }
       }
     }
@@ -588,10 +654,11 @@ void backward_group(const Io& io, const float* dout, const float* out, const flo
 
 template <class O>
 void backward(const Io& io, const float* dout, const float* out, const float* lse, int64_t B, int64_t T, Chunks chunks,
-              int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t segments) {
-  const Shape s = make_shape(B, T, NH, NKV, HS, chunks, segments);
+              int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t segments, Chunks kchunks = {}) {
+  Shape s = make_shape(B, T, NH, NKV, HS, chunks, segments);
+  set_keys(s, kchunks);
   check_doc_start(doc_start, B, T);
-  const int64_t Tk = round_up(T, 4), Tq = static_cast<int64_t>(s.blocks.size()) * kBlk;
+  const int64_t Tk = s.Tks, Tq = static_cast<int64_t>(s.blocks.size()) * kBlk;
   const size_t need = static_cast<size_t>((4 + 2 * tree_sum_stack(s.max_chunk_segs)) * Tk * s.HSp + 2 * s.group * Tq +
                                           5 * kBlk * s.HSp + 2 * kBlk * kBlk + 2 * s.HSp + kBlk);
   parallel_for(B * NKV, [&](int64_t begin, int64_t end) {
@@ -655,6 +722,50 @@ void attention_backward_chunks(float* dqkv, float* dkv, const float* dout, const
                                int64_t NH, int64_t NKV, int64_t HS, const int32_t* doc_start, int64_t query_segments) {
   backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, chunks, NH, NKV, HS, doc_start,
                     query_segments);
+}
+
+void attention_forward_partial(float* out, float* lse, const float* qkv, const float* kv, int64_t B, int64_t T,
+                               const QueryChunks& q_chunks, const QueryChunks& k_chunks, int64_t NH, int64_t NKV,
+                               int64_t HS, const int32_t* doc_start) {
+  LOCKSTEP_CHECK(!k_chunks.empty(), "attention_forward_partial: no key chunks");
+  forward<FastOps>(out, lse, chunk_io(qkv, kv, nullptr, nullptr, NH, NKV, HS), B, T, q_chunks, NH, NKV, HS, doc_start,
+                   k_chunks);
+}
+
+void attention_backward_partial(float* dqkv, float* dkv, const float* dout, const float* qkv, const float* kv,
+                                const float* out, const float* lse, int64_t B, int64_t T, const QueryChunks& q_chunks,
+                                const QueryChunks& k_chunks, int64_t NH, int64_t NKV, int64_t HS,
+                                const int32_t* doc_start) {
+  LOCKSTEP_CHECK(!k_chunks.empty(), "attention_backward_partial: no key chunks");
+  backward<FastOps>(chunk_io(qkv, kv, dqkv, dkv, NH, NKV, HS), dout, out, lse, B, T, q_chunks, NH, NKV, HS, doc_start,
+                    0, k_chunks);
+}
+
+void attention_merge(float* out, float* lse, const float* part_out, const float* part_lse, int64_t B, int64_t Tq,
+                     int64_t NH, int64_t HS) {
+  parallel_for(B * NH, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t b = u / NH, h = u % NH;
+      for (int64_t t = 0; t < Tq; ++t) {
+        float& a = lse[u * Tq + t];
+        const float p = part_lse[u * Tq + t];
+        if (p == -kInf) continue;  // the part saw no key: nothing to add
+        float* o = out + ((b * Tq + t) * NH + h) * HS;
+        const float* po = part_out + ((b * Tq + t) * NH + h) * HS;
+        if (a == -kInf) {  // nothing merged yet
+          std::memcpy(o, po, static_cast<size_t>(HS) * sizeof(float));
+          a = p;
+          continue;
+        }
+        // lse = max + log(exp(a - max) + exp(p - max)); each side weighted by exp(its lse - lse).
+        const float mx = std::max(a, p);
+        const float merged = mx + libm::logf(libm::expf(a - mx) + libm::expf(p - mx));
+        const float wa = libm::expf(a - merged), wp = libm::expf(p - merged);
+        for (int64_t d = 0; d < HS; ++d) o[d] = std::fma(po[d], wp, o[d] * wa);
+        a = merged;
+      }
+    }
+  });
 }
 
 namespace detail {

@@ -64,6 +64,9 @@ void bind_cpu_ops(Ops& ops) {
   ops.attention_backward.bind(&attention_backward);
   ops.attention_forward_chunks.bind(&attention_forward_chunks);
   ops.attention_backward_chunks.bind(&attention_backward_chunks);
+  ops.attention_forward_partial.bind(&attention_forward_partial);
+  ops.attention_backward_partial.bind(&attention_backward_partial);
+  ops.attention_merge.bind(&attention_merge);
   ops.layernorm_forward.bind(&layernorm_forward);
   ops.layernorm_backward.bind(&layernorm_backward);
   ops.rmsnorm_forward.bind(&rmsnorm_forward);
