@@ -58,6 +58,39 @@ TEST(ContextParallel, CommunicationVolumeMatchesTheFormula) {
   }
 }
 
+// The same for the other parallel.cp_comm_type values, per layer and micro-batch, n = B x T / cp rows:
+// p2p sends its n rows' keys and values on P - 1 times forward and P - 1 times backward, and their
+// gradients P times (the last hop brings them home): (3P - 2) x n x 2 NKV HS floats. a2a trades
+// (A - 1) / A of its rows' q, k, v and of the output forward, and of the output gradient and the
+// q, k, v gradient backward: 2 (A - 1) / A x n x ((NH + 2 NKV) HS + NH HS). a2a+p2p (A, P): the
+// all-to-all on the rank's rows, then the ring of the group's A n rows of NKV / A groups.
+TEST(ContextParallel, CommunicationVolumeOfEachTypeMatchesTheFormula) {
+  const int64_t L = 2, T = 64, NH = 4, NKV = 4, HS = 16, B = 2, global = 8;
+  struct Case {
+    const char* type;
+    int64_t a2a, ring;
+  };
+  for (const Case& c :
+       {Case{"p2p", 1, 2}, Case{"p2p", 1, 4}, Case{"a2a", 2, 1}, Case{"a2a", 4, 1}, Case{"a2a+p2p", 2, 2}}) {
+    testing::TempDir dir;
+    const int64_t cp = c.a2a * c.ring, n = B * T / cp, micro = global / B;
+    std::vector<std::string> keys = {str("parallel.context=", cp), str("parallel.cp_comm_type=", c.type)};
+    if (std::string(c.type) == "a2a+p2p")
+      keys.push_back(str("parallel.hierarchical_context_parallel_sizes=", c.a2a, ",", c.ring));
+    testing::train_ranks(static_cast<int>(cp), job(dir.path("run"), keys));
+    const int64_t a2a_floats = 2 * (c.a2a - 1) * n / c.a2a * ((NH + 2 * NKV) * HS + NH * HS);
+    const int64_t ring_floats = c.ring > 1 ? (3 * c.ring - 2) * (c.a2a * n) * 2 * (NKV / c.a2a) * HS : 0;
+    const int64_t expected = 4 * micro * L * (a2a_floats + ring_floats);
+    std::istringstream in(testing::read_file(dir.path("run") + "/metrics.jsonl"));
+    int steps = 0;
+    for (std::string line; std::getline(in, line); ++steps)
+      EXPECT_EQ(nlohmann::json::parse(line).value("cp_bytes", int64_t{-1}), expected) << c.type << " cp " << cp;
+    EXPECT_EQ(steps, 2);
+    std::printf("[ debug ] %s cp %lld: %lld bytes per step per rank\n", c.type, static_cast<long long>(cp),
+                static_cast<long long>(expected));
+  }
+}
+
 // combine_held_pieces (the MoE partners' combine under CP, and combine_token_pieces' core): 4 ranks
 // holding 2 pieces each of the 8 leaves of a tree, in a scrambled order; rank 0 gets the canonical
 // tree over the leaves in token order bit for bit (the serial tree_sum), the others -0 in every
@@ -122,6 +155,41 @@ TEST(ContextParallel, RefusesWhatItDoesNotSupportByName) {
     EXPECT_EQ(e.rfind("config: parallel.context = 2 with " + named + ": ", 0), 0u) << e;
     EXPECT_EQ(e.find('\n'), std::string::npos) << e;
   }
+  // Attention's communication types (model/context_attention.h): the all-to-all's head split, the
+  // hierarchical sizes, ring attention under layout mode, an unknown type.
+  EXPECT_EQ(error("debug.toml", {"parallel.context=8", "parallel.cp_comm_type=a2a"}),
+            "config: parallel.context = 8 with parallel.cp_comm_type = \"a2a\": the all-to-all gives each of "
+            "parallel.tensor x 8 = 8 ranks whole heads: model.num_heads = 4 and query groups = 4 must be divisible by "
+            "it");
+  EXPECT_EQ(error("debug.toml", {"parallel.context=4", "parallel.tensor=2", "parallel.cp_comm_type=a2a+p2p",
+                                 "parallel.hierarchical_context_parallel_sizes=4,1"}),
+            "config: parallel.context = 4 with parallel.cp_comm_type = \"a2a+p2p\": the all-to-all gives each of "
+            "parallel.tensor x 4 = 8 ranks whole heads: model.num_heads = 4 and query groups = 4 must be divisible by "
+            "it");
+  for (const char* sizes : {"", "2", "2,3", "0,4", "x,2", "2,2,1"})
+    EXPECT_EQ(error("debug.toml", {"parallel.context=4", "parallel.cp_comm_type=a2a+p2p",
+                                   str("parallel.hierarchical_context_parallel_sizes=", sizes)}),
+              str("config: parallel.hierarchical_context_parallel_sizes = \"", sizes,
+                  "\": cp_comm_type = \"a2a+p2p\" needs \"A,P\", two positive sizes whose product is "
+                  "parallel.context = 4"));
+  EXPECT_EQ(error("debug.toml", {"parallel.context=4", "parallel.cp_comm_type=p2p",
+                                 "parallel.hierarchical_context_parallel_sizes=2,2"}),
+            "config: parallel.hierarchical_context_parallel_sizes = \"2,2\": only for parallel.cp_comm_type = "
+            "\"a2a+p2p\" (it is \"p2p\")");
+  for (const char* type : {"p2p", "a2a+p2p"}) {
+    const std::string e = error(
+        "debug.toml", {"parallel.context=4", str("parallel.cp_comm_type=", type), "determinism=layout",
+                       "layout_token_segments=true", "layout_segments=16",
+                       "parallel.hierarchical_context_parallel_sizes=" + std::string(type[0] == 'a' ? "2,2" : "")});
+    EXPECT_EQ(e.rfind(str("config: parallel.context = 4 with parallel.cp_comm_type = \"", type,
+                          "\" and determinism = \"layout\": ring attention merges"),
+                      0),
+              0u)
+        << e;
+  }
+  EXPECT_NE(error("debug.toml", {"parallel.context=2", "parallel.cp_comm_type=ring"}).find("parallel.cp_comm_type"),
+            std::string::npos);
+
   // MoE under layout: the key, then an MoE model's limits: an expert x expert-tensor group that does
   // not tile a micro-batch's tp x cp ranks, NVFP4 experts of one rank or padded, NVFP4 shared
   // expert units of whole 16-token blocks, and under tensor parallelism a tp rank's rows of whole

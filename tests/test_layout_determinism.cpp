@@ -496,6 +496,35 @@ TEST(LayoutDeterminism, ContextParallelMatchesSingleProcess) {
 // one rank, their expert data-parallel reduction adding the others' -0). Micro-batches per rank a power
 // of two or not (the expert group's kept blocks), DP, TP + SP, TP 4 with micro-batches of 1, CP 4, a
 // capacity (both drop policies, padding), router jitter and expert bias, Llama bf16, PP.
+// parallel.cp_comm_type = "a2a" (model/context_attention.h): each rank runs the single-process kernel on
+// the whole sequence of its heads, so attention needs no combine: CP 2 and 4, with TP 2 x SP and DP,
+// GPT-2 and Llama GQA bf16 (with RoPE and PP), an MoE model with EP, bitwise equal to one process.
+TEST(LayoutDeterminism, ContextParallelAllToAllMatchesSingleProcess) {
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2", "parallel.cp_comm_type=a2a"}},
+                                {4, {"parallel.context=4", "parallel.cp_comm_type=a2a"}},
+                                {8,
+                                 {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+                                  "parallel.cp_comm_type=a2a", "optimizer.distributed=true"}},
+                            },
+                            {"layout_token_segments=true", "layout_segments=16"});
+  rows_match_single_process("debug",
+                            {
+                                {2, {"parallel.context=2", "parallel.cp_comm_type=a2a"}},
+                                {4, {"parallel.context=2", "parallel.cp_comm_type=a2a", "parallel.pipeline=2"}},
+                            },
+                            {"layout_token_segments=true", "model.preset=llama", "model.num_query_groups=2",
+                             "precision.params=bf16", "model.num_layers=4"});
+  rows_match_single_process(
+      "moe-debug",
+      {
+          {4,
+           {"parallel.context=2", "parallel.cp_comm_type=a2a", "parallel.expert=2", "moe.token_dispatcher=alltoall"}},
+      },
+      {"layout_token_segments=true"});
+}
+
 TEST(LayoutDeterminism, ContextParallelMoeMatchesSingleProcess) {
   const std::vector<std::string> key = {"layout_token_segments=true", "moe.shared_expert_intermediate_size=64",
                                         "moe.shared_expert_gate=true"};

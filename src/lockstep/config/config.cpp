@@ -101,6 +101,25 @@ std::string DebugConfig::inject_module() const {
   return colon == std::string::npos ? "" : spec.substr(colon + 1);
 }
 
+std::pair<int64_t, int64_t> ParallelConfig::context_a2a_ring() const {
+  if (context == 1) return {1, 1};
+  if (cp_comm_type == "a2a") return {context, 1};
+  if (cp_comm_type != "a2a+p2p") return {1, context};
+  const std::string& s = hierarchical_context_parallel_sizes;
+  const size_t comma = s.find(',');
+  const auto number = [&](const std::string& part) -> int64_t {
+    if (part.empty() || part.size() > 6 || part.find_first_not_of("0123456789") != std::string::npos) return 0;
+    return std::stoll(part);
+  };
+  const int64_t a = comma == std::string::npos ? 0 : number(s.substr(0, comma));
+  const int64_t p = comma == std::string::npos ? 0 : number(s.substr(comma + 1));
+  if (a < 1 || p < 1 || a * p != context)
+    user_error("parallel.hierarchical_context_parallel_sizes = \"", s,
+               "\": cp_comm_type = \"a2a+p2p\" needs \"A,P\", two positive sizes whose product is parallel.context = ",
+               context);
+  return {a, p};
+}
+
 std::vector<int64_t> ParallelConfig::chunk_layers(int64_t L) const {
   const int64_t chunks = pipeline * virtual_pipeline;
   std::vector<int64_t> n;
@@ -387,6 +406,16 @@ const std::vector<Key>& keys() {
       LS_KEY(parallel.context,
              "context-parallel size: each sequence cut into 2 x context chunks, rank r holding chunks r and 2 x "
              "context - 1 - r (docs/parallelism.md)"),
+      LS_KEY(parallel.cp_comm_type,
+             "how attention crosses the context-parallel group: all_gather (keys and values gathered, kept whole), "
+             "p2p (ring attention: key/value chunks passed around the ring, partial results merged by log-sum-exp), "
+             "a2a (all-to-all from sequence to head shards and back; heads and query groups divisible by tensor x "
+             "context), a2a+p2p (a2a inside parallel.hierarchical_context_parallel_sizes' first size, ring across) "
+             "(docs/parallelism.md#context-parallel-communication)",
+             {"all_gather", "p2p", "a2a", "a2a+p2p"}),
+      LS_KEY(parallel.hierarchical_context_parallel_sizes,
+             "cp_comm_type = \"a2a+p2p\": \"A,P\", the all-to-all size (consecutive cp ranks) and the ring size, "
+             "A x P = parallel.context"),
       LS_KEY(parallel.pipeline, "pipeline-parallel size: the layers split over this many stages (docs/parallelism.md)"),
       LS_KEY(parallel.pipeline_layers,
              "transformer layers of each model chunk, e.g. \"[1,2,1]\" (pipeline x "
@@ -891,6 +920,9 @@ void refuse_split_experts(const Config& c, int64_t ranks, const std::string& ran
 // parallelism or in an MoE layer under tensor parallelism); what it does not support yet is refused by name.
 void validate_context_parallel(const Config& c) {
   const int64_t cp = c.parallel.context;
+  if (!c.parallel.hierarchical_context_parallel_sizes.empty() && c.parallel.cp_comm_type != "a2a+p2p")
+    user_error("parallel.hierarchical_context_parallel_sizes = \"", c.parallel.hierarchical_context_parallel_sizes,
+               "\": only for parallel.cp_comm_type = \"a2a+p2p\" (it is \"", c.parallel.cp_comm_type, "\")");
   if (cp == 1) return;
   const ModelConfig& m = c.model;
   const bool sp = c.parallel.sequence_parallel;
@@ -906,6 +938,18 @@ void validate_context_parallel(const Config& c) {
   const auto refuse = [cp](const std::string& what, const std::string& why) {
     user_error("parallel.context = ", cp, " with ", what, ": ", why);
   };
+  // Attention's communication (parallel/context_attention.h): the all-to-all hands each rank whole heads
+  // and query groups of its group's sequence.
+  const auto [a2a, ring] = c.parallel.context_a2a_ring();
+  const std::string type = str("parallel.cp_comm_type = \"", c.parallel.cp_comm_type, "\"");
+  if (a2a > 1 && (m.num_heads % (tp * a2a) || m.query_groups() % (tp * a2a)))
+    refuse(type, str("the all-to-all gives each of parallel.tensor x ", a2a, " = ", tp * a2a,
+                     " ranks whole heads: model.num_heads = ", m.num_heads, " and query groups = ", m.query_groups(),
+                     " must be divisible by it"));
+  if (ring > 1 && c.parallel.cp_comm_type != "all_gather" && c.determinism == "layout")
+    refuse(str(type, " and determinism = \"layout\""),
+           "ring attention merges each rank's partial results in ring order, which depends on the layout; use "
+           "cp_comm_type = \"a2a\" (bitwise the single process) or \"all_gather\"");
   // Layout: every sum over a micro-batch's tokens in token segments (layout_token_segments), each rank's
   // chunks whole segments: its 2B token pieces, combined exactly over the group (combine_token_pieces).
   if (c.determinism == "layout") {

@@ -125,6 +125,11 @@ struct ParallelConfig {
   int64_t tensor = 1;
   bool sequence_parallel = false;
   int64_t context = 1;
+  // How attention crosses the context-parallel group (Megatron's cp_comm_type,
+  // parallel/context_attention.h): all_gather | p2p | a2a | a2a+p2p; for a2a+p2p the a2a (inner,
+  // consecutive ranks) and p2p (ring) sizes, "A,P" with A x P = context.
+  std::string cp_comm_type = "all_gather";
+  std::string hierarchical_context_parallel_sizes;
   int64_t pipeline = 1;
   // Pipeline parallelism (parallel/pipeline/): layers per model chunk ("" = even split), the
   // schedule, and the model chunks (virtual stages) per pipeline rank (> 1: interleaved 1F1B).
@@ -139,6 +144,10 @@ struct ParallelConfig {
   // (chunk c runs on pipeline rank c % pipeline): parallel.pipeline_layers, or L split evenly.
   // UserError naming the keys when they do not add up to L.
   std::vector<int64_t> chunk_layers(int64_t L) const;
+  // The all-to-all (inner) and ring sizes of context parallelism's attention: {context, 1} for a2a,
+  // {1, context} for p2p and all_gather, hierarchical_context_parallel_sizes for a2a+p2p; {1, 1} without
+  // context parallelism.
+  std::pair<int64_t, int64_t> context_a2a_ring() const;
 };
 
 // Data-parallel gradient reduction (parallel/data_parallel.h).

@@ -80,20 +80,9 @@ AttentionLayer::AttentionLayer(ParamStore& ps, Arena& arena, const std::string& 
   lse = arena.reserve(B * NH * T);
   if (tp.on()) partial = arena.reserve(N * C);
   if (tp.sequence) gathered = arena.reserve(N * C);
-  if (cp.on()) {
-    const int64_t KV = 2 * NKV * HS;
-    this->kv = arena.reserve(B * Tg * KV);
-    if (scratch_of) {
-      cp_buf = scratch_of->cp_buf;
-      dkv = scratch_of->dkv;
-    } else {
-      // layout_token_segments: two chunks' dK, dV and the pieces' all-to-all (reduce_scatter_dkv_pieces).
-      const bool pieces = tp.token_segments;
-      cp_buf = arena.reserve_scratch(pieces ? dkv_pieces_buffer(cp, B, Tg, NKV, HS) : (B * Tg + N) * KV);
-      dkv = arena.reserve_scratch((pieces ? 2 : 1) * B * Tg * KV);
-    }
-    chunks = cp.chunks(Tg);
-  }
+  if (cp.on())
+    context = ContextAttention(cp, arena, B, Tg, NH, NKV, HS, tp.token_segments,
+                               scratch_of && scratch_of->cp.on() ? &scratch_of->context : nullptr);
 }
 
 void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_out, const float* resid_in,
@@ -120,9 +109,7 @@ void AttentionLayer::forward(const ParamStore& ps, const Arena& arena, float* re
     p.round(arena(qkv_out), N * qkv_width());
   }
   if (cp.on()) {
-    gather_kv(ps.device().ops, cp, arena(kv), arena(cp_buf), arena(qkv_out), B, Tg, NH, NKV, HS);
-    ps.device().ops.attention_forward_chunks(arena(att), arena(lse), arena(qkv_out), arena(kv), B, Tg, chunks, NH, NKV,
-                                             HS, doc_start);
+    context.forward(ps.device().ops, p, arena, arena(att), arena(lse), arena(qkv_out), doc_start);
   } else {
     ps.device().ops.attention_forward(arena(att), arena(lse), arena(qkv_out), B, T, NH, NKV, HS, doc_start);
   }
@@ -143,14 +130,9 @@ void AttentionLayer::backward(const ParamStore& ps, const Arena& arena, float* d
   const float* datt = s.datt;
   if (mla.on()) mla.expand(ps.device().ops, arena(datt_full), s.datt), datt = arena(datt_full);
   if (cp.on()) {
-    // layout_token_segments: each chunk's tree over its query segments, combined exactly over the group.
-    const int64_t segments = tp.token_segments ? tp.segments / B : 0;
-    ps.device().ops.attention_backward_chunks(s.dqkv, arena(dkv), datt, arena(qkv_out), arena(kv), arena(att),
-                                              arena(lse), B, Tg, chunks, NH, NKV, HS, doc_start, segments);
-    if (segments)
-      reduce_scatter_dkv_pieces(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
-    else
-      reduce_scatter_dkv(ps.device().ops, cp, s.dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
+    // layout_token_segments: dK, dV in the sequence's token segments, S / B per sample.
+    context.backward(ps.device().ops, arena, s.dqkv, datt, arena(qkv_out), arena(att), arena(lse), doc_start,
+                     tp.token_segments ? tp.segments / B : 0);
   } else {
     // layout_token_segments: dK, dV in the micro-batch's token segments, S / B per sample.
     ps.device().ops.attention_backward(s.dqkv, datt, arena(qkv_out), arena(att), arena(lse), B, T, NH, NKV, HS,

@@ -6,7 +6,8 @@
 // (parallel/tensor_parallel.h): QKV column-parallel (this rank's heads and KV groups), proj row-parallel; with sequence
 // parallelism the norm and the residual stream hold this rank's rows only. Context parallelism
 // (parallel/context_parallel.h): the layer holds T = seq_length / cp positions per sample (its
-// rank's two chunks); keys and values are all-gathered over the cp group for the attention.
+// rank's two chunks); the attention core crosses the group as parallel.cp_comm_type says
+// (model/context_attention.h).
 #pragma once
 
 #include <string>
@@ -15,6 +16,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/kernels/rope.h"
 #include "lockstep/model/arena.h"
+#include "lockstep/model/context_attention.h"
 #include "lockstep/model/linear.h"
 #include "lockstep/model/mla.h"
 #include "lockstep/model/norm.h"
@@ -73,11 +75,9 @@ struct AttentionLayer {
   bool rope = false;
   TensorParallel tp;
   ContextParallel cp;
-  ArenaSlice kv;  // context parallelism: the gathered keys and values (B, Tg, 2*NKV*HS), saved
-  // and the scratch of the gather / reduce-scatter, the full dK, dV: one for all layers (a layer's
-  // forward or backward uses it within the call; the constructor's scratch_of shares another's)
-  ArenaSlice cp_buf, dkv;
-  QueryChunks chunks;                    // context parallelism: this rank's query chunks (cp.chunks(Tg)), fixed
+  // Context parallelism: the attention core across the cp group, by parallel.cp_comm_type (its scratch
+  // shared with the constructor's scratch_of).
+  ContextAttention context;
   ArenaSlice normed, qkv_out, att, lse;  // saved for backward
   ArenaSlice gathered, partial;          // tensor parallelism: the gathered norm output, proj's partial sums
   ArenaSlice att_c, datt_full;           // MLA: the output heads without padding (saved); its gradient padded

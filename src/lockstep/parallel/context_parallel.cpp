@@ -25,12 +25,26 @@ ContextParallel::ContextParallel(Communicator* group, Communicator* tp_cp)
                  tp_cp ? tp_cp->size() : 0, " is not cp rank ", rank, " of ", size, " (tp the faster)");
 }
 
+void ContextParallel::set_comm_type(const std::string& type, Communicator* a2a_group, Communicator* ring_group) {
+  comm_type = type;
+  a2a = a2a_group, ring = ring_group;
+  a2a_size = a2a ? a2a->size() : 1, a2a_rank = a2a ? a2a->rank() : 0;
+  ring_size = ring ? ring->size() : size / a2a_size, ring_rank = ring ? ring->rank() : rank / a2a_size;
+  LOCKSTEP_CHECK(a2a_size * ring_size == size && rank == ring_rank * a2a_size + a2a_rank,
+                 "context parallelism: cp rank ", rank, " of ", size, " is not ring rank ", ring_rank, " of ",
+                 ring_size, " x a2a rank ", a2a_rank, " of ", a2a_size);
+}
+
+QueryChunks balanced_chunks(int64_t T, int64_t P, int64_t r) {
+  LOCKSTEP_CHECK(T % (2 * P) == 0, "context parallelism: ", T, " positions do not split into 2 x ", P, " chunks");
+  const int64_t c = chunk_tokens(P, T);
+  const int64_t late = late_chunk(P, r);
+  return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
+}
+
 QueryChunks ContextParallel::chunks(int64_t T, int r) const {
   if (size == 1) return {{0, T}};
-  LOCKSTEP_CHECK(T % (2 * size) == 0, "context parallelism: ", T, " positions do not split into 2 x ", size, " chunks");
-  const int64_t c = chunk_tokens(size, T);
-  const int64_t late = late_chunk(size, r);
-  return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
+  return balanced_chunks(T, size, r);
 }
 
 int64_t ContextParallel::global_row(int64_t n, int64_t T) const {

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <utility>
 
 #include "lockstep/kernels/ops.h"
@@ -41,6 +42,9 @@ class Communicator;
 // rank holds them) as its piece u % K: {the rank in the tp x cp (tp = 1: cp) group, the piece}.
 std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64_t tp, int64_t g);
 
+// The two load-balanced chunks of rank r of P ([r, r + 1) and [2P - 1 - r, 2P - r) x T / (2P)).
+QueryChunks balanced_chunks(int64_t T, int64_t P, int64_t r);
+
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
   int rank = 0, size = 1;
@@ -49,11 +53,20 @@ struct ContextParallel {
   // parameters' token pieces (combine_token_pieces); null otherwise. sequence_tp: its tp size.
   Communicator* sequence_group = nullptr;
   int sequence_tp = 1;
+  // Attention's communication (parallel.cp_comm_type, model/context_attention.h): cp = a2a x ring,
+  // cp rank = ring rank x a2a_size + a2a rank. all_gather: ring_size = cp but no ring group.
+  std::string comm_type = "all_gather";
+  Communicator* a2a = nullptr;   // a2a, a2a+p2p: the all-to-all group (consecutive cp ranks)
+  Communicator* ring = nullptr;  // p2p, a2a+p2p: the ring (cp ranks a2a_size apart)
+  int a2a_size = 1, a2a_rank = 0, ring_size = 1, ring_rank = 0;
 
   ContextParallel() = default;
   // tp_cp: the tp x cp group, for the sequence_tp pieces (layout mode, sequence parallelism or an MoE
   // model under tensor parallelism).
   explicit ContextParallel(Communicator* group, Communicator* tp_cp = nullptr);
+  // The attention's groups: a2a_group (size A) and ring_group (size P) split from the cp group, A x P =
+  // size (either may be null for a size of 1).
+  void set_comm_type(const std::string& type, Communicator* a2a_group, Communicator* ring_group);
   bool on() const { return size > 1; }
   // Positions per sample a rank holds: T / size.
   int64_t local(int64_t T) const { return T / size; }

@@ -45,8 +45,42 @@ TensorParallel tensor_parallel(Communicator& tp_group, const Config& config) {
 ContextParallel context_parallel(ParallelGroups& g, const Config& config) {
   const bool sequence_pieces = config.determinism == "layout" &&
                                (config.parallel.sequence_parallel || config.moe.num_experts > 0) && g.mesh.tp() > 1;
-  return ContextParallel(g.mesh.cp() > 1 ? &g.cp_group : nullptr,
-                         g.mesh.cp() > 1 && sequence_pieces ? &g.tp_cp_group : nullptr);
+  ContextParallel cp(g.mesh.cp() > 1 ? &g.cp_group : nullptr,
+                     g.mesh.cp() > 1 && sequence_pieces ? &g.tp_cp_group : nullptr);
+  if (cp.on()) {
+    // One kind alone runs on the cp group itself; a2a+p2p on its subgroups.
+    const auto [A, P] = config.parallel.context_a2a_ring();
+    const bool ring = config.parallel.cp_comm_type != "all_gather" && P > 1;
+    cp.set_comm_type(config.parallel.cp_comm_type,
+                     A == 1   ? nullptr
+                     : P == 1 ? &g.cp_group
+                              : &*g.cp_a2a,
+                     !ring    ? nullptr
+                     : A == 1 ? &g.cp_group
+                              : &*g.cp_ring);
+  }
+  return cp;
+}
+
+// parallel.cp_comm_type = "a2a+p2p" with both sizes above 1: the cp group split in two ways.
+bool hierarchical_context(const Config& config) {
+  const auto [A, P] = config.parallel.context_a2a_ring();
+  return config.parallel.cp_comm_type == "a2a+p2p" && A > 1 && P > 1;
+}
+
+// Each cp group (in cp rank order) cut into its all-to-all groups of A consecutive ranks (ring = false)
+// or its rings of the ranks A apart (ring = true).
+std::vector<std::vector<int>> context_subgroups(const Mesh& mesh, int64_t A, bool ring) {
+  std::vector<std::vector<int>> out;
+  for (const std::vector<int>& group : mesh.groups(MeshGroup::cp)) {
+    const auto P = static_cast<int64_t>(group.size()) / A;
+    for (int64_t k = 0; k < (ring ? A : P); ++k) {
+      std::vector<int>& sub = out.emplace_back();
+      for (int64_t j = 0; j < (ring ? P : A); ++j)
+        sub.push_back(group[static_cast<size_t>(ring ? j * A + k : k * A + j)]);
+    }
+  }
+  return out;
 }
 
 // FP8 per-tensor scales come from amax values reduced over every rank holding a piece or replica
@@ -199,6 +233,10 @@ ParallelGroups::ParallelGroups(Communicator& w, const Config& config)
       partners(
           split_if(config.determinism == "layout" && experts_split() && mesh.ep() * mesh.etp() < mesh.tp() * mesh.cp(),
                    w, same_expert_groups(mesh, MeshGroup::tp_cp, true))),
+      cp_a2a(split_if(hierarchical_context(config), w,
+                      context_subgroups(mesh, config.parallel.context_a2a_ring().first, false))),
+      cp_ring(split_if(hierarchical_context(config), w,
+                       context_subgroups(mesh, config.parallel.context_a2a_ring().first, true))),
       tp(tensor_parallel(tp_group, config)),
       cp(context_parallel(*this, config)) {}
 

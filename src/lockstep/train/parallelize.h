@@ -59,6 +59,15 @@ struct ParallelGroups {
   // too, which sum each micro-batch's parts of the experts (model/moe/experts.h).
   std::optional<Communicator> same_experts;
   std::optional<Communicator> partners;
+  // Context parallelism's attention under parallel.cp_comm_type = "a2a+p2p" (model/context_attention.h):
+  // the all-to-all groups (consecutive cp ranks) and the rings, split from each cp group (the other
+  // types run on cp_group).
+  std::optional<Communicator> cp_a2a;
+  std::optional<Communicator> cp_ring;
+  // Bytes this rank has sent in its cp group and its subgroups.
+  int64_t cp_bytes_sent() const {
+    return cp_group.bytes_sent() + (cp_a2a ? cp_a2a->bytes_sent() : 0) + (cp_ring ? cp_ring->bytes_sent() : 0);
+  }
 
   TensorParallel tp;
   ContextParallel cp;

@@ -27,7 +27,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   const TrainConfig& tc = config_.train;
   const auto t0 = Clock::now();
   const int64_t tp_bytes_before = groups_.tp_group.bytes_sent(), etp_bytes_before = groups_.etp_group.bytes_sent(),
-                cp_bytes_before = groups_.cp_group.bytes_sent();
+                cp_bytes_before = groups_.cp_bytes_sent();
   const double wait_before = groups_.world.wait_seconds();
   model_.params().zero_grads();
   const uint64_t first_sample = first_sample_of(step);
@@ -58,7 +58,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   if (groups_.tp.on()) m.tp_bytes = groups_.tp_group.bytes_sent() - tp_bytes_before;
   if (groups_.ep()) m.ep_bytes = dispatch_bytes;
   if (groups_.etp()) m.etp_bytes = groups_.etp_group.bytes_sent() - etp_bytes_before;
-  if (groups_.cp.on()) m.cp_bytes = groups_.cp_group.bytes_sent() - cp_bytes_before;
+  if (groups_.cp.on()) m.cp_bytes = groups_.cp_bytes_sent() - cp_bytes_before;
   if (pipeline_) {
     outcome.stage.in_flight = static_cast<double>(model_.activation_slots());
     outcome.stage.activation_mb = static_cast<double>(model_.activation_bytes_held()) / (1 << 20);
