@@ -101,6 +101,11 @@ std::string DebugConfig::inject_module() const {
   return colon == std::string::npos ? "" : spec.substr(colon + 1);
 }
 
+int64_t Config::packing_pad_multiple() const {
+  if (data.packing_pad_multiple > 0) return data.packing_pad_multiple;
+  return (parallel.context > 1 ? 2 * parallel.context : 1) * (parallel.sequence_parallel ? parallel.tensor : 1);
+}
+
 std::pair<int64_t, int64_t> ParallelConfig::context_a2a_ring() const {
   if (context == 1) return {1, 1};
   if (cp_comm_type == "a2a") return {context, 1};
@@ -480,6 +485,16 @@ const std::vector<Key>& keys() {
       LS_KEY(data.eod_mask_loss,
              "no loss at positions whose input is the end-of-document token; the loss is "
              "the mean over the other tokens of the step (needs data.eod_token)"),
+      LS_KEY(data.packing,
+             "\"thd\": each sample is whole documents packed into model.seq_length tokens (longer ones cut), "
+             "each padded to 2 x parallel.context (x parallel.tensor under sequence parallelism), no loss across "
+             "documents or on padding; implies reset_position_ids and reset_attention_mask; needs indexed data "
+             "and data.eod_token (docs/data.md#packed-documents)",
+             {"none", "thd"}),
+      LS_KEY(data.packing_pad_multiple,
+             "thd: pad each document to a multiple of this (a multiple of what the layout needs; the same value "
+             "makes runs of different layouts see the same samples); 0 = 2 x parallel.context x parallel.tensor "
+             "(under sequence parallelism)"),
       LS_KEY(precision.params,
              "compute precision: fp32, or bf16 mixed precision (bf16 weights and activations, "
              "fp32 master weights, gradients and accumulation; docs/precision.md)",
@@ -1190,18 +1205,30 @@ void validate(const Config& c) {
   if (d.eod_token < -1 || d.eod_token >= m.vocab_size)
     user_error("data.eod_token = ", d.eod_token, ": must be -1 (none) or in [0, model.vocab_size = ", m.vocab_size,
                ")");
-  for (const auto& [name, on] : {std::pair{"data.reset_position_ids", d.reset_position_ids},
-                                 {"data.reset_attention_mask", d.reset_attention_mask},
-                                 {"data.eod_mask_loss", d.eod_mask_loss}}) {
+  for (const auto& [name, on] : {std::pair{"data.reset_position_ids = true", d.reset_position_ids},
+                                 {"data.reset_attention_mask = true", d.reset_attention_mask},
+                                 {"data.eod_mask_loss = true", d.eod_mask_loss},
+                                 {"data.packing = \"thd\"", d.thd()}}) {
     if (!on) continue;
     if (!indexed)
-      user_error(name, " = true needs documents ended by an end-of-document token, but data.source = \"", d.source,
+      user_error(name, " needs documents ended by an end-of-document token, but data.source = \"", d.source,
                  "\" is bytes without one: use indexed data and set data.eod_token");
     if (d.eod_token < 0)
       user_error(name,
-                 " = true needs data.eod_token, the end-of-document id of the data's tokenizer "
+                 " needs data.eod_token, the end-of-document id of the data's tokenizer "
                  "(256 for the byte tokenizer)");
   }
+  // Packed documents: each padded to the multiple context (and sequence) parallelism cut it into.
+  const int64_t natural =
+      (c.parallel.context > 1 ? 2 * c.parallel.context : 1) * (c.parallel.sequence_parallel ? c.parallel.tensor : 1);
+  if (d.packing_pad_multiple < 0 || (d.packing_pad_multiple > 0 && d.packing_pad_multiple % natural))
+    user_error("data.packing_pad_multiple = ", d.packing_pad_multiple,
+               ": must be 0 (automatic) or a multiple of 2 x parallel.context x parallel.tensor (with sequence "
+               "parallelism) = ",
+               natural);
+  if (d.thd() && m.seq_length % c.packing_pad_multiple())
+    user_error("data.packing = \"thd\": model.seq_length = ", m.seq_length,
+               " is not a multiple of the documents' padding (data.packing_pad_multiple) = ", c.packing_pad_multiple());
   validate_moe(c.moe, m.num_layers);
   validate_upcycling(c);
   validate_precision(c.precision, m.num_layers);

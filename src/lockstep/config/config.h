@@ -178,6 +178,13 @@ struct DataConfig {
   bool reset_position_ids = false;    // positions restart at 0 after each EOD
   bool reset_attention_mask = false;  // attention stays inside each document
   bool eod_mask_loss = false;         // no loss where the input token is EOD
+  // "thd": samples of whole documents packed into model.seq_length tokens, each padded (data/packed_dataset.h);
+  // implies reset_position_ids and reset_attention_mask.
+  std::string packing = "none";
+  int64_t packing_pad_multiple = 0;  // thd: each document padded to a multiple of this; 0 = what the layout needs
+  bool thd() const { return packing == "thd"; }
+  // Some targets are masked (-1): the loss is the mean over the global batch's tokens with a target.
+  bool masked_targets() const { return eod_mask_loss || thd(); }
 };
 
 // Mixture of experts (Megatron's --moe-* options without the prefix; docs/moe.md has the formulas).
@@ -270,6 +277,9 @@ struct Config {
   PrecisionConfig precision;
   MoeConfig moe;
   DebugConfig debug;
+  // data.packing = "thd": the multiple each document is padded to: data.packing_pad_multiple, or (0) 2 x
+  // parallel.context (with context parallelism) times parallel.tensor (with sequence parallelism), else 1.
+  int64_t packing_pad_multiple() const;
 };
 
 // Builds the configuration: defaults, the preset named by model.preset (from `file` or

@@ -11,6 +11,7 @@
 #include "lockstep/core/error.h"
 #include "lockstep/core/philox.h"
 #include "lockstep/data/gpt_dataset.h"
+#include "lockstep/data/packed_dataset.h"
 #include "lockstep/data/synthetic_corpus.h"
 
 namespace lockstep {
@@ -88,17 +89,41 @@ std::vector<std::pair<std::string, double>> indexed_entries(const std::string& s
   return out;
 }
 
+// One split of one indexed dataset: GPT-style windows (gpt_dataset.h) or packed documents
+// (data.packing = "thd", packed_dataset.h).
+struct SplitSampler {
+  std::unique_ptr<GptSampler> windows;
+  std::unique_ptr<PackedSampler> packed;
+  void sample(int32_t* tokens, int32_t* targets, uint64_t j, std::vector<int32_t>& buf) const {
+    if (packed) return packed->sample(tokens, targets, j);
+    const auto T = static_cast<int64_t>(buf.size()) - 1;
+    windows->sample(buf.data(), j);
+    std::copy(buf.begin(), buf.end() - 1, tokens);
+    std::copy(buf.begin() + 1, buf.end(), targets);
+    (void)T;
+  }
+};
+
 class IndexedBlend : public Dataset {
  public:
-  IndexedBlend(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed) : T_(seq_length) {
+  IndexedBlend(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed, int64_t pad_multiple)
+      : T_(seq_length) {
     std::vector<double> weights;
     const std::string& src = data.source;
-    description_ = "indexed";
+    description_ = data.packing == "thd" ? "indexed, packed (thd)" : "indexed";
     for (const auto& [prefix, w] : indexed_entries(src)) {
       auto ds = std::make_shared<const IndexedDataset>(prefix);
       const std::vector<DocRange> parts = split_documents(data.split, ds->documents());
-      train_.push_back(std::make_unique<GptSampler>(ds, parts[0], T_, vocab_size, seed, "train"));
-      eval_.push_back(std::make_unique<GptSampler>(ds, parts[1], T_, vocab_size, seed, "valid"));
+      for (int k = 0; k < 2; ++k) {
+        const char* name = k == 0 ? "train" : "valid";
+        SplitSampler s;
+        if (data.packing == "thd")
+          s.packed = std::make_unique<PackedSampler>(ds, parts[static_cast<size_t>(k)], T_, vocab_size,
+                                                     static_cast<int32_t>(data.eod_token), pad_multiple, seed, name);
+        else
+          s.windows = std::make_unique<GptSampler>(ds, parts[static_cast<size_t>(k)], T_, vocab_size, seed, name);
+        (k == 0 ? train_ : eval_).push_back(std::move(s));
+      }
       weights.push_back(w);
       description_ += str(weights.size() > 1 ? " + " : " ", "'", prefix, "' (", ds->documents(), " documents, ",
                           ds->tokens(), " tokens, weight ", w, ")");
@@ -109,21 +134,19 @@ class IndexedBlend : public Dataset {
   }
 
   void batch(int32_t* tokens, int32_t* targets, Split split, uint64_t first, int64_t batch) const override {
-    const std::vector<std::unique_ptr<GptSampler>>& samplers = split == Split::train ? train_ : eval_;
+    const std::vector<SplitSampler>& samplers = split == Split::train ? train_ : eval_;
     const BlendSchedule& blend = split == Split::train ? *blend_train_ : *blend_eval_;
-    std::vector<int32_t> s(static_cast<size_t>(T_ + 1));
+    std::vector<int32_t> buf(static_cast<size_t>(T_ + 1));
     for (int64_t b = 0; b < batch; ++b) {
       uint64_t local = first + static_cast<uint64_t>(b);
       const int d = samplers.size() == 1 ? 0 : blend.pick(local, &local);
-      samplers[d]->sample(s.data(), local);
-      std::copy(s.begin(), s.end() - 1, tokens + b * T_);
-      std::copy(s.begin() + 1, s.end(), targets + b * T_);
+      samplers[static_cast<size_t>(d)].sample(tokens + b * T_, targets + b * T_, local, buf);
     }
   }
 
  private:
   int64_t T_;
-  std::vector<std::unique_ptr<GptSampler>> train_, eval_;
+  std::vector<SplitSampler> train_, eval_;
   std::unique_ptr<BlendSchedule> blend_train_, blend_eval_;
 };
 
@@ -142,8 +165,10 @@ std::vector<std::string> data_files(const DataConfig& data) {
   return {};
 }
 
-std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed) {
-  if (data.source.rfind("indexed:", 0) == 0) return std::make_unique<IndexedBlend>(data, seq_length, vocab_size, seed);
+std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed,
+                                      int64_t pad_multiple) {
+  if (data.source.rfind("indexed:", 0) == 0)
+    return std::make_unique<IndexedBlend>(data, seq_length, vocab_size, seed, pad_multiple);
   return std::make_unique<ByteDataset>(data, seq_length, seed);
 }
 

@@ -7,7 +7,8 @@
 //   data.source = "indexed:PREFIX[:WEIGHT],indexed:PREFIX2[:WEIGHT2],..."
 //                               - Megatron indexed datasets (PREFIX.bin/.idx), blended by weight,
 //                                 documents split into train/valid by data.split; GPT-style
-//                                 samples crossing document boundaries (gpt_dataset.h)
+//                                 samples crossing document boundaries (gpt_dataset.h), or with
+//                                 data.packing = "thd" whole documents packed (packed_dataset.h)
 //
 // Byte sources: sample i of a split is the window of seq_length + 1 tokens starting at an offset
 // drawn from Philox(seed, purpose "data/<split>", i).
@@ -42,7 +43,9 @@ class Dataset {
 
 // Opens data.source. Throws UserError naming the source, file or value at fault (a missing or
 // broken file, a split too short for one sample, a token id >= vocab_size when it is read).
-std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed);
+// pad_multiple: data.packing = "thd" pads each document to a multiple of it (packed_dataset.h).
+std::unique_ptr<Dataset> open_dataset(const DataConfig& data, int64_t seq_length, int64_t vocab_size, uint64_t seed,
+                                      int64_t pad_multiple = 1);
 // The files data.source reads (text: the file; indexed: each PREFIX.bin and PREFIX.idx); none for
 // the synthetic corpus, which the binary generates.
 std::vector<std::string> data_files(const DataConfig& data);

@@ -9,7 +9,6 @@
 #include "lockstep/core/philox.h"
 
 namespace lockstep {
-namespace {
 
 // Fisher-Yates driven by Philox: position i swaps with a draw in [0, i] from the 64-bit number
 // at counters (2i, 2i+1). The modulo bias (< n / 2^64) is irrelevant; what matters is that the
@@ -21,8 +20,6 @@ void shuffle(std::vector<int64_t>& v, uint64_t seed, uint64_t purpose) {
     std::swap(v[i], v[r % (i + 1)]);
   }
 }
-
-}  // namespace
 
 std::vector<DocRange> split_documents(const std::string& split, int64_t documents) {
   std::vector<double> w;

@@ -37,6 +37,9 @@ struct DocRange {
 };
 std::vector<DocRange> split_documents(const std::string& split, int64_t documents);
 
+// v permuted by Philox(seed, purpose) (Fisher-Yates; a pure function of seed, purpose and v).
+void shuffle(std::vector<int64_t>& v, uint64_t seed, uint64_t purpose);
+
 class GptSampler {
  public:
   // split_name ("train", "valid") keys the shuffles and names the split in errors.

@@ -75,6 +75,7 @@ JsonLine metrics_line(const StepMetrics& m) {
   if (m.ep_bytes >= 0) line.add("ep_bytes_sent", m.ep_bytes);
   if (m.etp_bytes >= 0) line.add("etp_bytes", m.etp_bytes);
   if (m.cp_bytes >= 0) line.add("cp_bytes", m.cp_bytes);
+  if (m.loss_tokens >= 0) line.add("loss_tokens", m.loss_tokens);
   return line;
 }
 

@@ -32,6 +32,8 @@ struct StepMetrics {
   // Bytes rank 0 sent this step: in its tp group; by its token dispatchers (expert parallelism); in
   // its etp and cp groups. -1 where that parallelism is off.
   int64_t tp_bytes = -1, ep_bytes = -1, etp_bytes = -1, cp_bytes = -1;
+  // The global batch's tokens with a target (data.eod_mask_loss, data.packing = "thd"); -1 otherwise.
+  int64_t loss_tokens = -1;
   // The non-finite guard (train.on_nonfinite): the quantity that was not finite ("loss",
   // "grad_norm"; empty: none), in which case the step was skipped (no update); the run's skipped
   // steps so far; whether an updated parameter of this rank is not finite.

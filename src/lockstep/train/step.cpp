@@ -37,6 +37,7 @@ Trainer::StepOutcome Trainer::train_step(int64_t step) {
   StepOutcome outcome;
   StepMetrics& m = outcome.metrics;
   m.step = step;
+  if (config_.data.masked_targets()) m.loss_tokens = loss_tokens;
   LossSums sums = pipeline_ ? forward_backward_pipelined(step, first_sample, grad_scale, outcome.stage)
                             : forward_backward(step, first_sample, grad_scale);
   faults_.in_step(step);
@@ -72,7 +73,8 @@ int64_t Trainer::fetch(uint64_t first_sample, int64_t micro, int32_t* tokens, in
   const int64_t B = config_.train.micro_batch, N = B * config_.model.seq_length;
   data_->batch(tokens, targets, Split::train, first_sample + static_cast<uint64_t>((first_micro_ + micro) * B), B);
   const DataConfig& dc = config_.data;
-  return dc.eod_mask_loss ? mask_eod_targets(targets, tokens, N, static_cast<int32_t>(dc.eod_token)) : N;
+  if (dc.eod_mask_loss) return mask_eod_targets(targets, tokens, N, static_cast<int32_t>(dc.eod_token));
+  return dc.thd() ? count_targets(targets, N) : N;  // packed documents: no target across them or on padding
 }
 
 // The loss is the mean over the global batch's unmasked tokens, so they are counted (over every
@@ -81,7 +83,7 @@ int64_t Trainer::fetch(uint64_t first_sample, int64_t micro, int32_t* tokens, in
 int64_t Trainer::count_loss_tokens(uint64_t first_sample) {
   const int64_t dp_size = groups_.mesh.dp();
   int64_t loss_tokens = config_.train.micro_batch * config_.model.seq_length * accum_ * dp_size;
-  if (config_.data.eod_mask_loss) {
+  if (config_.data.masked_targets()) {
     loss_tokens = 0;
     for (int64_t micro = 0; micro < accum_; ++micro)
       loss_tokens += fetch(first_sample, micro, tokens_.data(), targets_.data());
@@ -92,7 +94,7 @@ int64_t Trainer::count_loss_tokens(uint64_t first_sample) {
 
 Trainer::LossSums Trainer::forward_backward(int64_t step, uint64_t first_sample, float grad_scale) {
   LossSums s;
-  const bool eod_mask_loss = config_.data.eod_mask_loss;
+  const bool per_token = config_.data.masked_targets();
   // Every rank of a cp group computes the whole micro-batch's aux losses: counted once, on cp rank 0.
   const bool aux_here = groups_.coords.cp == 0;
   for (int64_t micro = 0; micro < accum_; ++micro) {
@@ -107,7 +109,7 @@ Trainer::LossSums Trainer::forward_backward(int64_t step, uint64_t first_sample,
     }
     trace_->after_traced(step == start_step_);
     write_pending_fingerprint();
-    const double micro_sums[3] = {eod_mask_loss ? micro_loss * static_cast<double>(counted) : micro_loss,
+    const double micro_sums[3] = {per_token ? micro_loss * static_cast<double>(counted) : micro_loss,
                                   aux_here ? model_.aux_loss() : 0.0, model_.mtp_loss()};
     for (int k = 0; k < 3; ++k) s.sums[k] += micro_sums[k];
     // The aux losses layer by layer, as pipeline stages that hold some of the layers add them.
@@ -121,7 +123,7 @@ Trainer::LossSums Trainer::forward_backward(int64_t step, uint64_t first_sample,
 Trainer::LossSums Trainer::forward_backward_pipelined(int64_t step, uint64_t first_sample, float grad_scale,
                                                       StageMetrics& stage) {
   LossSums s;
-  const bool eod_mask_loss = config_.data.eod_mask_loss;
+  const bool per_token = config_.data.masked_targets();
   const bool aux_here = groups_.coords.cp == 0;
   trace_->set_position(step, 0);
   Pipeline::StepResult piped;
@@ -137,7 +139,7 @@ Trainer::LossSums Trainer::forward_backward_pipelined(int64_t step, uint64_t fir
   trace_->after_traced(step == start_step_);
   for (int64_t micro = 0; micro < accum_; ++micro) {
     const double lm = piped.lm_loss[static_cast<size_t>(micro)];
-    const double term = eod_mask_loss ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
+    const double term = per_token ? lm * static_cast<double>(piped.counted[static_cast<size_t>(micro)]) : lm;
     s.sums[0] += term;
     s.exact[0].add(term);  // 0 on the stages without the head
   }
@@ -179,7 +181,7 @@ void Trainer::reduce_losses(LossSums& s, int64_t loss_tokens, StepMetrics& m) {
   }
   const double micros = static_cast<double>(accum_ * groups_.mesh.dp());
   m.lm_loss =
-      s.sums[0] / (config_.data.eod_mask_loss ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
+      s.sums[0] / (config_.data.masked_targets() ? static_cast<double>(std::max<int64_t>(loss_tokens, 1)) : micros);
   m.aux_loss = s.sums[1] / micros;
   m.mtp_loss = s.sums[2] / micros;
   // The training loss: Megatron adds each micro-batch's aux (and MTP) losses with weight 1 / micro-batches.

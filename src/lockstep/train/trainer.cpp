@@ -58,7 +58,8 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
       pool_(threads_),
       bind_pool_(&pool_),
       device_(Device::cpu()),
-      data_(open_dataset(config.data, config.model.seq_length, config.model.vocab_size, config.train.seed)),
+      data_(open_dataset(config.data, config.model.seq_length, config.model.vocab_size, config.train.seed,
+                         config.packing_pad_multiple())),
       model_(config.model, config.train.micro_batch, config.moe, config.precision, groups_.tp, groups_.ep(),
              groups_.etp(), stage_part(config, groups_), groups_.cp, device_.get(), Recompute::of(config.train)),
       dp_(model_.params(), groups_.dense_dp, groups_.expert_dp, config.ddp, config.optimizer.distributed),
@@ -72,8 +73,9 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
       stragglers_(config.train.straggler_threshold) {
   model_.params().init(config.train.seed);
   const DataConfig& dc = config.data;
-  if (dc.reset_position_ids || dc.reset_attention_mask)
-    model_.set_documents(static_cast<int32_t>(dc.eod_token), dc.reset_position_ids, dc.reset_attention_mask);
+  if (dc.reset_position_ids || dc.reset_attention_mask || dc.thd())
+    model_.set_documents(static_cast<int32_t>(dc.eod_token), dc.reset_position_ids || dc.thd(),
+                         dc.reset_attention_mask || dc.thd());
   restore();
   open_run_dir();
   peak_gflops_ = measure_gemm_peak(device_->ops);
