@@ -13,6 +13,7 @@
 #include "lockstep/config/config.h"
 #include "lockstep/data/indexed_dataset.h"
 #include "lockstep/data/packed_dataset.h"
+#include "lockstep/parallel/context_parallel.h"
 #include "lockstep/train/trainer.h"
 #include "model_testing.h"
 #include "testing.h"
@@ -112,7 +113,10 @@ Config packed_job(const std::string& prefix, const std::string& out, const std::
 }
 
 // The loss is the mean over the step's tokens with a target: one micro-batch of 4, four of 1, two
-// data-parallel ranks and context parallelism 2 (ring attention) agree; each step reports its count.
+// data-parallel ranks and context parallelism, which cuts each document into its own chunks (CP 2 with
+// each cp_comm_type but a2a+p2p), agree; each step reports its count. With documents padded to 8 (other
+// samples), the one-process run against CP 4 with a2a+p2p (2, 2) and CP 2 x TP 2 x SP; the MoE model
+// with the sequence aux loss and router jitter against CP 2.
 TEST(Packing, LossIsTheMeanOverTheStepsTargetsInEveryLayout) {
   testing::TempDir dir;
   const std::string prefix = dir.path("docs");
@@ -121,22 +125,40 @@ TEST(Packing, LossIsTheMeanOverTheStepsTargetsInEveryLayout) {
     const char* micro;
     int ranks;
     std::vector<std::string> keys;
+    std::string config = "debug";
   };
-  std::vector<std::vector<std::pair<double, double>>> runs;
+  const std::vector<std::string> seq_aux = {"moe.router_load_balancing_type=seq_aux_loss", "moe.input_jitter_eps=0.01"};
+  const std::vector<std::vector<Layout>> groups = {
+      {{"4", 1, {}},
+       {"1", 1, {}},
+       {"2", 2, {}},
+       {"1", 2, {"parallel.context=2", "parallel.cp_comm_type=p2p"}},
+       {"1", 2, {"parallel.context=2"}},
+       {"1", 2, {"parallel.context=2", "parallel.cp_comm_type=a2a"}}},
+      {{"1", 1, {"data.packing_pad_multiple=8"}},
+       {"1",
+        4,
+        {"parallel.context=4", "parallel.cp_comm_type=a2a+p2p", "parallel.hierarchical_context_parallel_sizes=2,2",
+         "data.packing_pad_multiple=8"}},
+       {"1",
+        4,
+        {"parallel.context=2", "parallel.tensor=2", "parallel.sequence_parallel=true",
+         "data.packing_pad_multiple=8"}}}};
   int k = 0;
-  for (const Layout& l : {Layout{"4", 1, {}}, Layout{"1", 1, {}}, Layout{"2", 2, {}},
-                          Layout{"4", 2, {"parallel.context=2", "parallel.cp_comm_type=p2p"}}}) {
-    std::vector<std::string> keys = l.keys;
-    keys.push_back(std::string("train.micro_batch=") + l.micro);
-    const std::string out = dir.path(str("run", k++));
-    testing::train_ranks(l.ranks, packed_job(prefix, out, keys));
-    runs.push_back(testing::trajectory(out));
-    const std::string metrics = testing::read_file(out + "/metrics.jsonl");
-    EXPECT_NE(metrics.find("\"loss_tokens\""), std::string::npos);
+  for (const std::vector<Layout>& group : groups) {
+    std::vector<std::vector<std::pair<double, double>>> runs;
+    for (const Layout& l : group) {
+      std::vector<std::string> keys = l.keys;
+      keys.push_back(std::string("train.micro_batch=") + l.micro);
+      const std::string out = dir.path(str("run", k++));
+      testing::train_ranks(l.ranks, packed_job(prefix, out, keys, l.config));
+      runs.push_back(testing::trajectory(out));
+      EXPECT_NE(testing::read_file(out + "/metrics.jsonl").find("\"loss_tokens\""), std::string::npos);
+    }
+    for (size_t r = 1; r < runs.size(); ++r)
+      for (size_t s = 0; s < runs[0].size(); ++s)
+        EXPECT_NEAR(runs[r][s].first, runs[0][s].first, 1e-5 * runs[0][s].first) << "run " << k << ", " << r;
   }
-  for (size_t r = 1; r < runs.size(); ++r)
-    for (size_t s = 0; s < runs[0].size(); ++s)
-      EXPECT_NEAR(runs[r][s].first, runs[0][s].first, 1e-5 * runs[0][s].first) << "run " << r << " step " << s;
 }
 
 // determinism = "layout": packed documents under TP 2 x SP, CP 2 (all-gather and all-to-all), PP 2,
@@ -173,6 +195,35 @@ TEST(Packing, LayoutModeLayoutsMatchOneProcessBitwise) {
   }
 }
 
+// The per-document cut: units end where a document (with its padding) does; every rank holds an early
+// and a late chunk of each, and its local rows map to those positions.
+TEST(Packing, ContextParallelCutsEachDocumentIntoItsOwnChunks) {
+  // T 32, padding 4: documents of 6 (+2 padding), 12, 3 (+1), then the tail (8), EOD = 9.
+  std::vector<int32_t> tokens = {1, 2, 3, 4, 5, 9, 9, 9, 1, 2, 3, 4, 5, 6, 7, 8,
+                                 1, 2, 3, 9, 1, 2, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9};
+  ContextParallel cp;
+  cp.size = 2;
+  cp.rank = 1;
+  cp.cut_documents();
+  cp.set_documents(tokens.data(), 32, 9, 4);
+  EXPECT_EQ(cp.units->bounds, (std::vector<int64_t>{0, 8, 20, 32}));
+  EXPECT_EQ(cp.chunks(32), (QueryChunks{{2, 4}, {4, 6}, {11, 14}, {14, 17}, {23, 26}, {26, 29}}));
+  EXPECT_EQ(cp.ring_chunks(32, 1, 0), (QueryChunks{{0, 4}, {4, 8}, {8, 14}, {14, 20}, {20, 26}, {26, 32}}));
+  for (int64_t n = 0; n < 16; ++n) {
+    int64_t k = n;
+    int64_t want = -1;
+    for (const auto& [begin, end] : cp.chunks(32)) {
+      if (k < end - begin) {
+        want = begin + k;
+        break;
+      }
+      k -= end - begin;
+    }
+    EXPECT_EQ(cp.global_row(n, 32), want) << n;
+    EXPECT_EQ(cp.global_row(16 + n, 32), 32 + want) << n;  // the next sample (same units)
+  }
+}
+
 TEST(Packing, RefusesWhatItCannotPackByName) {
   auto error = [](std::vector<std::string> keys) {
     return testing::user_error_of([&] { load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/debug.toml", keys); });
@@ -188,6 +239,10 @@ TEST(Packing, RefusesWhatItCannotPackByName) {
             "config: data.packing_pad_multiple = 6: must be 0 (automatic) or a multiple of 2 x parallel.context x "
             "parallel.tensor (with sequence parallelism) = 4");
   EXPECT_NE(error({"data.packing=bshd"}).find("data.packing"), std::string::npos);
+  EXPECT_EQ(error({"data.packing=thd", "data.source=indexed:x", "model.vocab_size=259", "data.eod_token=256",
+                   "parallel.context=2", "train.micro_batch=2"}),
+            "config: data.packing = \"thd\" with parallel.context = 2: train.micro_batch = 2 must be 1 (each packed "
+            "sample's documents are cut into their own context-parallel chunks)");
 }
 
 }  // namespace

@@ -1226,6 +1226,10 @@ void validate(const Config& c) {
                ": must be 0 (automatic) or a multiple of 2 x parallel.context x parallel.tensor (with sequence "
                "parallelism) = ",
                natural);
+  if (d.thd() && c.parallel.context > 1 && c.determinism != "layout" && c.train.micro_batch != 1)
+    user_error("data.packing = \"thd\" with parallel.context = ", c.parallel.context,
+               ": train.micro_batch = ", c.train.micro_batch,
+               " must be 1 (each packed sample's documents are cut into their own context-parallel chunks)");
   if (d.thd() && m.seq_length % c.packing_pad_multiple())
     user_error("data.packing = \"thd\": model.seq_length = ", m.seq_length,
                " is not a multiple of the documents' padding (data.packing_pad_multiple) = ", c.packing_pad_multiple());

@@ -1,5 +1,6 @@
 #include "lockstep/model/context_attention.h"
 
+#include <algorithm>
 #include <limits>
 #include <utility>
 
@@ -25,7 +26,6 @@ ContextAttention::ContextAttention(const ContextParallel& cp_, Arena& arena, int
       cp_buf = arena.reserve_scratch(token_segments ? dkv_pieces_buffer(cp, B, Tg, NKV, HS) : (B * Tg + N) * KV);
       dkv = arena.reserve_scratch((token_segments ? 2 : 1) * B * Tg * KV);
     }
-    chunks = cp.chunks(Tg);
     return;
   }
   const int64_t A = cp.a2a_size, P = cp.ring_size;
@@ -41,10 +41,10 @@ ContextAttention::ContextAttention(const ContextParallel& cp_, Arena& arena, int
     dqkv_h = scratch_of ? scratch_of->dqkv_h : arena.reserve_scratch(N * C3);
   }
   if (P > 1) {
-    chunks = balanced_chunks(Tg, P, cp.ring_rank);
-    // kv x 2, dkv x 2, the partial dkv, the partial out and lse.
+    // kv x 2, then backward's dkv x 2 and partial dkv, where forward keeps its partial out and lse.
     const int64_t n = B * Tv * 2 * nkv * HS;
-    ring_buf = scratch_of ? scratch_of->ring_buf : arena.reserve_scratch(5 * n + B * Tv * nh * HS + B * nh * Tv);
+    ring_buf = scratch_of ? scratch_of->ring_buf
+                          : arena.reserve_scratch(2 * n + std::max(3 * n, B * Tv * nh * HS + B * nh * Tv));
   }
 }
 
@@ -52,7 +52,7 @@ void ContextAttention::forward(const Ops& ops, const Precision& p, const Arena& 
                                const float* qkv, const int32_t* doc_start) const {
   if (cp.comm_type == "all_gather") {
     gather_kv(ops, cp, arena(kv), arena(cp_buf), qkv, B, Tg, NH, NKV, HS);
-    ops.attention_forward_chunks(att, lse, qkv, arena(kv), B, Tg, chunks, NH, NKV, HS, doc_start);
+    ops.attention_forward_chunks(att, lse, qkv, arena(kv), B, Tg, cp.chunks(Tg), NH, NKV, HS, doc_start);
     return;
   }
   const bool a2a = cp.a2a_size > 1;
@@ -74,7 +74,7 @@ void ContextAttention::backward(const Ops& ops, const Arena& arena, float* dqkv,
                                 const float* att, const float* lse, const int32_t* doc_start, int64_t segments) const {
   if (cp.comm_type == "all_gather") {
     // layout_token_segments: each chunk's tree over its query segments, combined exactly over the group.
-    ops.attention_backward_chunks(dqkv, arena(dkv), datt, qkv, arena(kv), att, lse, B, Tg, chunks, NH, NKV, HS,
+    ops.attention_backward_chunks(dqkv, arena(dkv), datt, qkv, arena(kv), att, lse, B, Tg, cp.chunks(Tg), NH, NKV, HS,
                                   doc_start, segments);
     if (segments)
       reduce_scatter_dkv_pieces(ops, cp, dqkv, arena(cp_buf), arena(dkv), B, Tg, NH, NKV, HS);
@@ -102,7 +102,8 @@ void ContextAttention::ring_forward(const Ops& ops, const Arena& arena, float* o
   const int64_t KV = 2 * nkv * HS, n = B * Tv * KV;
   float* cur = arena(ring_buf);
   float* other = cur + n;
-  float* part_out = cur + 5 * n;
+  float* part_out = cur + 2 * n;
+  const QueryChunks mine = cp.ring_chunks(Tg, P, o);
   float* part_lse = part_out + B * Tv * nh * HS;
   ops.copy_rows(cur, KV, qkv + nh * HS, width(), B * Tv, KV);
   ops.fill(out, B * Tv * nh * HS, 0.0f);
@@ -111,8 +112,8 @@ void ContextAttention::ring_forward(const Ops& ops, const Arena& arena, float* o
   for (int i = 0; i < P; ++i) {
     Work arriving;
     if (i + 1 < P) arriving = cp.ring->send_recv_async(cur, n, next, other, n, prev);
-    const QueryChunks keys = balanced_chunks(Tg, P, (o - i + P) % P);
-    ops.attention_forward_partial(part_out, part_lse, qkv, cur, B, Tg, chunks, keys, nh, nkv, HS, doc_start);
+    const QueryChunks keys = cp.ring_chunks(Tg, P, (o - i + P) % P);
+    ops.attention_forward_partial(part_out, part_lse, qkv, cur, B, Tg, mine, keys, nh, nkv, HS, doc_start);
     ops.attention_merge(out, lse, part_out, part_lse, B, Tv, nh, HS);
     if (i + 1 < P) arriving.wait(), std::swap(cur, other);
   }
@@ -128,6 +129,7 @@ void ContextAttention::ring_backward(const Ops& ops, const Arena& arena, float* 
   float* dcur = cur + 2 * n;
   float* dother = cur + 3 * n;
   float* part = cur + 4 * n;
+  const QueryChunks mine = cp.ring_chunks(Tg, P, o);
   ops.copy_rows(cur, KV, qkv + nh * HS, width(), B * Tv, KV);
   ops.fill(dqkv, B * Tv * width(), 0.0f);  // dq accumulates over the steps; dK, dV are written last
   // Step i: ring rank o - i's keys and values (the next arriving) and their dK, dV so far (the ranks
@@ -135,8 +137,8 @@ void ContextAttention::ring_backward(const Ops& ops, const Arena& arena, float* 
   Work arriving, grads;
   for (int i = 0; i < P; ++i) {
     if (i + 1 < P) arriving = cp.ring->send_recv_async(cur, n, next, other, n, prev);
-    const QueryChunks keys = balanced_chunks(Tg, P, (o - i + P) % P);
-    ops.attention_backward_partial(dqkv, part, dout, qkv, cur, out, lse, B, Tg, chunks, keys, nh, nkv, HS, doc_start);
+    const QueryChunks keys = cp.ring_chunks(Tg, P, (o - i + P) % P);
+    ops.attention_backward_partial(dqkv, part, dout, qkv, cur, out, lse, B, Tg, mine, keys, nh, nkv, HS, doc_start);
     if (i == 0) {
       ops.copy(dcur, part, n);
     } else {
@@ -151,19 +153,30 @@ void ContextAttention::ring_backward(const Ops& ops, const Arena& arena, float* 
 }
 
 namespace {
-// The all-to-all's rows: block i (rank i of the group, B x T / cp rows, each sample's early then late
-// chunk of c rows) <-> the group's rows (B, Tv): rank i's early chunk at i c, its late one at
-// Tv / 2 + (A - 1 - i) c of each sample (the group's chunks are adjacent, rank 0's late one last).
+// The all-to-all's rows: block i (rank i of the group, B x T / cp rows) <-> the group's rows (B, Tv).
+// In each unit (the sample, or each packed document: ContextParallel::units) of cp chunks of c
+// positions, rank i holds its early then its late chunk (c rows each); the group holds its ranks'
+// early chunks back to back (rank 0 first), then their late ones (rank A - 1 first): the group's own
+// early and late chunk of the unit, as a ring of cp / A cuts it.
 struct RowBlocks {
   std::vector<int64_t> block_row, group_row, rows;
-  RowBlocks(int64_t A, int64_t B, int64_t Tl, int64_t Tv) {
-    const int64_t c = Tl / 2;
+  RowBlocks(const ContextParallel& cp, int64_t A, int64_t B, int64_t Tg) {
+    const int64_t Tl = cp.local(Tg), Tv = A * Tl;
+    std::vector<int64_t> unit_len;
+    if (cp.units && !cp.units->bounds.empty())
+      for (size_t k = 0; k + 1 < cp.units->bounds.size(); ++k)
+        unit_len.push_back(cp.units->bounds[k + 1] - cp.units->bounds[k]);
+    else
+      unit_len.push_back(Tg);
     for (int64_t i = 0; i < A; ++i)
-      for (int64_t b = 0; b < B; ++b) {
-        block_row.insert(block_row.end(), {(i * B + b) * Tl, (i * B + b) * Tl + c});
-        group_row.insert(group_row.end(), {b * Tv + i * c, b * Tv + Tv / 2 + (A - 1 - i) * c});
-        rows.insert(rows.end(), {c, c});
-      }
+      for (int64_t b = 0; b < B; ++b)
+        for (int64_t at = 0, at_v = 0; int64_t len : unit_len) {
+          const int64_t c = len / (2 * cp.size);
+          block_row.insert(block_row.end(), {(i * B + b) * Tl + at, (i * B + b) * Tl + at + c});
+          group_row.insert(group_row.end(), {b * Tv + at_v + i * c, b * Tv + at_v + A * c + (A - 1 - i) * c});
+          rows.insert(rows.end(), {c, c});
+          at += 2 * c, at_v += 2 * A * c;
+        }
   }
   int64_t blocks() const { return static_cast<int64_t>(rows.size()); }
 };
@@ -183,7 +196,7 @@ void ContextAttention::to_heads(const Ops& ops, const Arena& arena, float* heads
       off += w, off_h += w / A;
     }
   cp.a2a->all_to_all(recv, send, n);
-  const RowBlocks rb(A, B, Tl, Tv);
+  const RowBlocks rb(cp, A, B, Tg);
   ops.copy_row_blocks(heads, rb.group_row.data(), recv, rb.block_row.data(), rb.rows.data(), rb.blocks(), Wh);
 }
 
@@ -195,7 +208,7 @@ void ContextAttention::to_rows(const Ops& ops, const Arena& arena, float* rows, 
   const int64_t Wh = W / A, n = N * Wh;
   float* send = arena(a2a_buf);
   float* recv = send + A * n;
-  const RowBlocks rb(A, B, Tl, Tv);
+  const RowBlocks rb(cp, A, B, Tg);
   ops.copy_row_blocks(send, rb.block_row.data(), heads, rb.group_row.data(), rb.rows.data(), rb.blocks(), Wh);
   cp.a2a->all_to_all(recv, send, n);
   for (int64_t j = 0; j < A; ++j)

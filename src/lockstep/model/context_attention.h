@@ -60,13 +60,13 @@ struct ContextAttention {
   int64_t B = 0, Tg = 0, NH = 0, NKV = 0, HS = 0;
   int64_t nh = 0, nkv = 0;  // heads and groups after the all-to-all (NH / A, NKV / A)
   int64_t Tv = 0;           // rows per sample after the all-to-all (A x T / cp)
-  QueryChunks chunks;       // all_gather: the rank's chunks; the ring: its group's (ring_chunks)
   // all_gather: the whole K, V (saved), the gather's scratch and the full dK, dV (context_parallel.h).
   ArenaSlice kv, cp_buf, dkv;
   // a2a: the head-sharded q, k, v, out and lse (saved); the all-to-all's send and receive blocks and
   // the head-sharded gradients (scratch).
   ArenaSlice qkv_h, out_h, lse_h, a2a_buf, dout_h, dqkv_h;
-  // p2p: two K, V ring buffers, two dK, dV ones, a partial dK, dV and a partial out and lse (scratch).
+  // p2p: two K, V ring buffers; backward's two dK, dV ones and a partial dK, dV, whose room forward uses
+  // for its partial out and lse (scratch): 5 x the rank's K, V rows.
   ArenaSlice ring_buf;
 
  private:

@@ -282,8 +282,9 @@ const int32_t* GPT::local(const int32_t* global, std::vector<int32_t>& buf) cons
   return buf.data();
 }
 
-void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask) {
+void GPT::set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask, int64_t cp_pad) {
   eod_ = eod;
+  cp_pad_ = cp_pad;
   reset_positions_ = reset_position_ids;
   if (!cp_.on()) positions_.assign(reset_position_ids ? static_cast<size_t>(N_) : 0, 0);
   if (cp_.on() && reset_position_ids) full_positions_.assign(static_cast<size_t>(B_ * Tg_), 0);
@@ -368,6 +369,8 @@ void GPT::forward_chunk(int c, const int32_t* tokens, int64_t micro, bool traini
 }
 
 void GPT::layout_documents(const int32_t* tokens) {
+  // Packed documents under context parallelism: the micro-batch's chunks are per document.
+  if (cp_.per_document()) cp_.set_documents(tokens, Tg_, eod_, cp_pad_);
   if (!reset_positions_ && !doc_start()) return;
   int32_t* pos = !reset_positions_ ? nullptr : cp_.on() ? full_positions_.data() : positions_.data();
   document_layout(pos, doc_start_.empty() ? nullptr : doc_start_.data(), tokens, B_, Tg_, eod_);

@@ -114,7 +114,9 @@ class GPT final : public PipelineStage {
   // Packed documents (data/documents.h): from here on every forward derives the positions
   // (reset_position_ids) and the attention's document starts (reset_attention_mask) of each
   // token from the tokens and the end-of-document id eod.
-  void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask);
+  // cp_pad: packed documents cut per document under context parallelism (ContextParallel::per_document),
+  // the multiple the data padded each to.
+  void set_documents(int32_t eod, bool reset_position_ids, bool reset_attention_mask, int64_t cp_pad = 0);
   // The MoE auxiliary losses of the last forward, summed over layers (0 for a dense model); with
   // MTP depths that are MoE (model/mtp.h) theirs too, once the depths have run (forward_backward,
   // evaluate; under pipelining after the last chunk's backward_chunk: mtp_aux_loss()).
@@ -325,6 +327,7 @@ class GPT final : public PipelineStage {
   ExactSum mtp_aux_exact_;
   // Packed documents: (N) each, filled by forward when the flag is on; null pointers otherwise.
   int32_t eod_ = -1;
+  int64_t cp_pad_ = 0;
   std::vector<int32_t> positions_, doc_start_;
   const int32_t* positions() const { return positions_.empty() ? nullptr : positions_.data(); }
   const int32_t* doc_start() const { return doc_start_.empty() ? nullptr : doc_start_.data(); }

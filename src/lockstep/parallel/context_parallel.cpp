@@ -42,13 +42,35 @@ QueryChunks balanced_chunks(int64_t T, int64_t P, int64_t r) {
   return {{r * c, (r + 1) * c}, {late * c, (late + 1) * c}};
 }
 
-QueryChunks ContextParallel::chunks(int64_t T, int r) const {
-  if (size == 1) return {{0, T}};
-  return balanced_chunks(T, size, r);
+QueryChunks ContextParallel::ring_chunks(int64_t T, int64_t P, int64_t r) const {
+  if (!units || units->bounds.empty()) return balanced_chunks(T, P, r);
+  QueryChunks out, late;
+  const std::vector<int64_t>& u = units->bounds;
+  for (size_t k = 0; k + 1 < u.size(); ++k) {
+    const int64_t c = (u[k + 1] - u[k]) / (2 * P);
+    out.push_back({u[k] + r * c, u[k] + (r + 1) * c});
+    out.push_back({u[k] + (2 * P - 1 - r) * c, u[k] + (2 * P - r) * c});
+  }
+  return out;
+}
+
+void ContextParallel::set_documents(const int32_t* tokens, int64_t T, int32_t eod, int64_t pad) {
+  LOCKSTEP_CHECK(units && pad % (2 * size) == 0 && T % pad == 0, "context parallelism: documents padded to ", pad,
+                 " in ", T, " positions do not cut into 2 x ", size, " chunks");
+  std::vector<int64_t>& u = units->bounds;
+  u.assign(1, 0);
+  for (int64_t p = pad; p < T; p += pad)
+    if (tokens[p - 1] == eod && tokens[p] != eod) u.push_back(p);
+  u.push_back(T);
+  units->local.clear();
+  for (const auto& [begin, end] : chunks(T))
+    for (int64_t t = begin; t < end; ++t) units->local.push_back(t);
 }
 
 int64_t ContextParallel::global_row(int64_t n, int64_t T) const {
-  const int64_t Tl = local(T), c = chunk_tokens(size, T), j = n % Tl;
+  const int64_t Tl = local(T);
+  if (units && !units->bounds.empty()) return n / Tl * T + units->local[static_cast<size_t>(n % Tl)];
+  const int64_t c = chunk_tokens(size, T), j = n % Tl;
   const int64_t chunk = j < c ? rank : late_chunk(size, rank);
   return n / Tl * T + chunk * c + j % c;
 }

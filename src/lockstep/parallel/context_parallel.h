@@ -23,8 +23,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "lockstep/kernels/ops.h"
 #include "lockstep/tensor/context_chunks.h"
@@ -45,6 +47,16 @@ std::pair<int64_t, int64_t> unit_holder(int64_t P, int64_t sub, int64_t K, int64
 // The two load-balanced chunks of rank r of P ([r, r + 1) and [2P - 1 - r, 2P - r) x T / (2P)).
 QueryChunks balanced_chunks(int64_t T, int64_t P, int64_t r);
 
+// Packed documents under context parallelism (data.packing = "thd", run mode, one sample per
+// micro-batch): the micro-batch's units, each a document with its padding (the sample's tail padding
+// joins the last one), each cut into its own 2 x P chunks so that every rank gets an early and a late
+// chunk of every document (Megatron's and Transformer Engine's THD split). Set for each micro-batch
+// from its tokens (ContextParallel::set_documents) and shared by every copy of the ContextParallel.
+struct DocumentUnits {
+  std::vector<int64_t> bounds;  // 0 = b0 < b1 < ... < bk = T; empty: the whole sample, one unit
+  std::vector<int64_t> local;   // this rank's local row -> its position in the sample
+};
+
 struct ContextParallel {
   Communicator* comm = nullptr;  // the context-parallel group (comm/mesh.h MeshGroup::cp); null: none
   int rank = 0, size = 1;
@@ -64,16 +76,25 @@ struct ContextParallel {
   // tp_cp: the tp x cp group, for the sequence_tp pieces (layout mode, sequence parallelism or an MoE
   // model under tensor parallelism).
   explicit ContextParallel(Communicator* group, Communicator* tp_cp = nullptr);
+  // Packed documents (DocumentUnits): from here on the chunks are per unit.
+  void cut_documents() { units = std::make_shared<DocumentUnits>(); }
+  bool per_document() const { return units != nullptr; }
+  // The micro-batch's units from its tokens (T, one sample): a unit ends at each position p, a multiple of
+  // pad (which 2 x size divides), that follows an EOD and starts a token that is not EOD.
+  void set_documents(const int32_t* tokens, int64_t T, int32_t eod, int64_t pad);
+  std::shared_ptr<DocumentUnits> units;
   // The attention's groups: a2a_group (size A) and ring_group (size P) split from the cp group, A x P =
   // size (either may be null for a size of 1).
   void set_comm_type(const std::string& type, Communicator* a2a_group, Communicator* ring_group);
   bool on() const { return size > 1; }
   // Positions per sample a rank holds: T / size.
   int64_t local(int64_t T) const { return T / size; }
-  // The two chunks of rank r ([r, r + 1) and [2 size - 1 - r, 2 size - r) x T / (2 size)), or the
-  // whole [0, T) without context parallelism.
-  QueryChunks chunks(int64_t T, int r) const;
+  // The two chunks of rank r ([r, r + 1) and [2 size - 1 - r, 2 size - r) x T / (2 size)), of each
+  // unit with packed documents, or the whole [0, T) without context parallelism.
+  QueryChunks chunks(int64_t T, int r) const { return size == 1 ? QueryChunks{{0, T}} : ring_chunks(T, size, r); }
   QueryChunks chunks(int64_t T) const { return chunks(T, rank); }
+  // The same for rank r of a ring of P (P divides size; model/context_attention.h's a2a+p2p).
+  QueryChunks ring_chunks(int64_t T, int64_t P, int64_t r) const;
   // The row in the whole micro-batch (b x T + global position) of local row n of B x T / size.
   int64_t global_row(int64_t n, int64_t T) const;
   // The global position of each local row n of B x T / size: (B x T / size).

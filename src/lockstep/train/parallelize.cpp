@@ -47,6 +47,9 @@ ContextParallel context_parallel(ParallelGroups& g, const Config& config) {
                                (config.parallel.sequence_parallel || config.moe.num_experts > 0) && g.mesh.tp() > 1;
   ContextParallel cp(g.mesh.cp() > 1 ? &g.cp_group : nullptr,
                      g.mesh.cp() > 1 && sequence_pieces ? &g.tp_cp_group : nullptr);
+  // Packed documents in run mode: each document cut into its own chunks (layout mode keeps the
+  // sample's, on which its token segments lie).
+  if (cp.on() && config.data.thd() && config.determinism != "layout") cp.cut_documents();
   if (cp.on()) {
     // One kind alone runs on the cp group itself; a2a+p2p on its subgroups.
     const auto [A, P] = config.parallel.context_a2a_ring();

@@ -75,7 +75,7 @@ Trainer::Trainer(const Config& config, std::FILE* out, Communicator& world)
   const DataConfig& dc = config.data;
   if (dc.reset_position_ids || dc.reset_attention_mask || dc.thd())
     model_.set_documents(static_cast<int32_t>(dc.eod_token), dc.reset_position_ids || dc.thd(),
-                         dc.reset_attention_mask || dc.thd());
+                         dc.reset_attention_mask || dc.thd(), config.packing_pad_multiple());
   restore();
   open_run_dir();
   peak_gflops_ = measure_gemm_peak(device_->ops);
