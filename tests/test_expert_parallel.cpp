@@ -20,7 +20,10 @@
 #include "lockstep/comm/communicator.h"
 #include "lockstep/comm/threads/thread_transport.h"
 #include "lockstep/config/config.h"
+#include "lockstep/core/dtype.h"
+#include "lockstep/kernels/device.h"
 #include "lockstep/model/gpt.h"
+#include "lockstep/model/moe/alltoall_dispatcher.h"
 #include "lockstep/train/fingerprint.h"
 #include "lockstep/train/trainer.h"
 #include "model_testing.h"
@@ -190,6 +193,68 @@ TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
   EXPECT_NE(message.find("parallel: world size 3 is not divisible by expert_tensor (1) x expert (2) x pipeline (1)"),
             std::string::npos)
       << message;
+}
+
+}  // namespace
+}  // namespace lockstep
+
+namespace lockstep {
+namespace {
+
+// The all-to-all's bf16 payload (precision.params = "bf16", model/moe/alltoall_dispatcher.h): the same
+// dispatch, combine and their backwards on two ranks with the rows as fp32 and as bf16 words. The
+// dispatched rows, the combined output, the combine's backward rows once rounded (as the layer rounds
+// them) and the input gradient are bitwise the fp32 payload's, and three of the four exchanges send
+// half the bytes.
+TEST(ExpertParallel, Bf16PayloadKeepsTheBitsAndHalvesTheRows) {
+  const int64_t N = 12, E = 4, K = 2, C = 16;
+  auto bf16_values = [](int64_t n, uint64_t seed, const std::string& name) {
+    std::vector<float> v = testing::randn(n, seed, name);
+    for (float& x : v) x = to_f32(to_bf16(x));
+    return v;
+  };
+  std::vector<std::vector<std::vector<float>>> got(2, std::vector<std::vector<float>>(2));
+  std::vector<std::vector<int64_t>> bytes(2, std::vector<int64_t>(2));
+  for (int payload = 0; payload < 2; ++payload) {
+    run_threads(2, 60, [&](Communicator& comm) {
+      const std::unique_ptr<Device> device = Device::cpu();
+      const Ops& ops = device->ops;
+      const int r = comm.rank();
+      std::vector<int32_t> idx(static_cast<size_t>(N * K));
+      for (int64_t t = 0; t < N; ++t)  // two different experts per token, spread over both ranks
+        idx[t * K] = static_cast<int32_t>((t + r) % E), idx[t * K + 1] = static_cast<int32_t>((t + r + 1 + t % 2) % E);
+      const std::vector<uint8_t> kept(static_cast<size_t>(N * K), 1);
+      const std::vector<float> x = bf16_values(N * C, 1 + r, "x"), dout = testing::randn(N * C, 3 + r, "dout");
+      std::vector<float> probs = testing::randn(N * K, 5 + r, "probs");
+      AllToAllDispatcher d(ops, comm, E, K, C, N, 0, false);
+      d.set_bf16_payload(payload == 1);
+      d.plan(idx.data(), kept.data(), N);
+      const int64_t R = d.rows();
+      std::vector<float> rows(static_cast<size_t>(std::max<int64_t>(R, 1) * C)), out(N * C, 0.0f), dx(N * C, 0.0f),
+          drows(rows.size()), dprobs(N * K);
+      d.dispatch(rows.data(), x.data());
+      std::vector<float> expert_out = bf16_values(R * C, 7 + r, "expert out");  // the experts' rounded outputs
+      d.combine(out.data(), x.data(), expert_out.data(), probs.data());
+      d.combine_backward(drows.data(), dprobs.data(), dout.data(), expert_out.data(), probs.data());
+      ops.round_bf16(drows.data(), drows.data(), R * C);  // as MoeLayer::backward does
+      const std::vector<float> dexpert_in = testing::randn(R * C, 9 + r, "dexpert in");
+      d.dispatch_backward(dx.data(), dexpert_in.data());
+      std::vector<float>& all = got[static_cast<size_t>(r)][static_cast<size_t>(payload)];
+      for (const std::vector<float>* v : {&rows, &out, &drows, &dprobs, &dx})
+        all.insert(all.end(), v->begin(), v->end());
+      bytes[static_cast<size_t>(r)][static_cast<size_t>(payload)] = d.bytes_sent();
+    });
+  }
+  // Counts (E / S int64 per peer), then rows: each remote element 4 x 4 bytes in fp32; in bf16 2 bytes in
+  // the dispatch, combine and combine backward, 4 in the dispatch backward. Over the group every row one
+  // rank sends out is one another sends back, so the sums are 16 and 10 bytes per remote element.
+  int64_t rows32 = 0, rows16 = 0;
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(testing::bitwise_equal(got[r][1], got[r][0], str("rank ", r)));
+    rows32 += bytes[r][0] - (E / 2) * 8, rows16 += bytes[r][1] - (E / 2) * 8;
+  }
+  EXPECT_GT(rows32, 0);
+  EXPECT_EQ(rows16 * 16, rows32 * 10);
 }
 
 }  // namespace

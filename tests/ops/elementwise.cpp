@@ -201,6 +201,40 @@ void add_elementwise_cases(Registry& reg) {
     }
   }
 
+  // pack_bf16 / unpack_bf16 (the MoE dispatch payload): unpack(pack(x)) is round_bf16(x) bit for bit,
+  // the packed words are to_bf16's, specials included.
+  for (const int64_t n : kSizes) {
+    reg.add(
+        {"Elementwise", "PackedBf16IsRoundBf16", {"pack_bf16", "unpack_bf16", "round_bf16"}, str("n=", n)},
+        [=] {
+          std::vector<float> x = values(n, 12, "x");
+          const float special[] = {
+              from_bits(0x3f808000u), from_bits(0x3f818000u), from_bits(0x7f7fffffu), from_bits(0x7fa00001u), -0.0f,
+              from_bits(0x80008000u)};
+          for (int64_t i = 2; i < n; i += 7) x[i] = special[(i / 7) % 6];
+          return x;
+        },
+        [=](Run& r, const std::vector<float>& x0) {
+          const Buf<float> x = r.in(x0);
+          Buf<uint16_t> packed = r.zeros<uint16_t>(n);
+          Buf<float> y = r.zeros(n), rounded = r.zeros(n);
+          r.ops.pack_bf16(packed, x, n);
+          r.ops.unpack_bf16(y, packed, n);
+          r.ops.round_bf16(rounded, x, n);
+          r.out("unpacked", y);
+          r.out("rounded", rounded);
+          std::vector<float> words;
+          for (uint16_t w : r.get(packed)) words.push_back(from_bits(static_cast<uint32_t>(w)));
+          r.out("words", words);
+        },
+        [=](const Result& got, const std::vector<float>& x) {
+          EXPECT_TRUE(bitwise_equal(got["unpacked"], got["rounded"], "unpack(pack(x)) vs round_bf16(x)"));
+          std::vector<float> want(n);
+          for (int64_t i = 0; i < n; ++i) want[i] = from_bits(to_bf16(x[i]).bits);
+          EXPECT_TRUE(bitwise_equal(got["words"], want, "the packed words"));
+        });
+  }
+
   // round_bf16: core/dtype.h's to_f32(to_bf16(x)) (nearest, ties to even; NaN stays NaN, quiet;
   // infinities stay), out of place and in place; plus hand-picked ties and overflow.
   for (const int64_t n : kSizes) {

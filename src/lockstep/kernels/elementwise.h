@@ -25,12 +25,17 @@ struct ElementwiseOps {
       "add_group_bias"};
   // y[i] = x[i] rounded to bf16 (round to nearest even), kept in fp32 (y may be x).
   Op<void(float* y, const float* x, int64_t n)> round_bf16{"round_bf16"};
+  // y[i] = the bf16 bits of x[i] rounded as round_bf16 rounds it (a payload half the size), and back:
+  // y[i] = the fp32 of bf16 bits x[i] (exact). unpack(pack(x)) is round_bf16(x), bit for bit.
+  Op<void(uint16_t* y, const float* x, int64_t n)> pack_bf16{"pack_bf16"};
+  Op<void(float* y, const uint16_t* x, int64_t n)> unpack_bf16{"unpack_bf16"};
   // Row r of act (R, F) = +0 where row r of x (R, C) is all zeros (+0 or -0); the other rows kept.
   Op<void(float* act, const float* x, int64_t R, int64_t F, int64_t C)> zero_rows_of_zeros{"zero_rows_of_zeros"};
 
   template <class F>
   void each(F&& f) {
-    f(add), f(multiply), f(add_product), f(add_bias_rows), f(add_group_bias), f(round_bf16), f(zero_rows_of_zeros);
+    f(add), f(multiply), f(add_product), f(add_bias_rows), f(add_group_bias), f(round_bf16), f(pack_bf16);
+    f(unpack_bf16), f(zero_rows_of_zeros);
   }
 };
 

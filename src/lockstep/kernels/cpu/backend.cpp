@@ -53,6 +53,8 @@ void bind_cpu_ops(Ops& ops) {
   ops.add_bias_rows.bind(&add_bias_rows);
   ops.add_group_bias.bind(&add_group_bias);
   ops.round_bf16.bind(&round_bf16);
+  ops.pack_bf16.bind(&pack_bf16);
+  ops.unpack_bf16.bind(&unpack_bf16);
   ops.zero_rows_of_zeros.bind(&zero_rows_of_zeros);
   ops.gemm.bind(&gemm);
   ops.gemm_batch.bind(&gemm_batch);

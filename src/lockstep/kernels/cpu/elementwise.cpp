@@ -59,6 +59,18 @@ void round_bf16(float* y, const float* x, int64_t n) {
   });
 }
 
+void pack_bf16(uint16_t* y, const float* x, int64_t n) {
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = to_bf16(x[i]).bits;
+  });
+}
+
+void unpack_bf16(float* y, const uint16_t* x, int64_t n) {
+  parallel_for(n, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) y[i] = to_f32(bf16{x[i]});
+  });
+}
+
 void zero_rows_of_zeros(float* act, const float* x, int64_t R, int64_t F, int64_t C) {
   parallel_for(R, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {

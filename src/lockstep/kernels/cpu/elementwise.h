@@ -14,6 +14,8 @@ void add_bias_rows(float* y, const float* x, const float* bias, float zero, cons
                    int64_t cols);
 void add_group_bias(float* y, const float* bias, const int64_t* offsets, int64_t G, int64_t cols);
 void round_bf16(float* y, const float* x, int64_t n);
+void pack_bf16(uint16_t* y, const float* x, int64_t n);
+void unpack_bf16(float* y, const uint16_t* x, int64_t n);
 void zero_rows_of_zeros(float* act, const float* x, int64_t R, int64_t F, int64_t C);
 
 }  // namespace lockstep

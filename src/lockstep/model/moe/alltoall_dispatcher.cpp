@@ -90,20 +90,39 @@ void AllToAllDispatcher::ungroup(float* by_source, const float* by_expert) const
                        C_);
 }
 
+void AllToAllDispatcher::set_bf16_payload(bool on) {
+  bf16_ = on;
+  if (!on) return;
+  send_words_.resize(std::max(local_.max_rows(), max_rows_) * C_);
+  recv_words_.resize(send_words_.size());
+}
+
 Work AllToAllDispatcher::exchange_async(float* out, const std::vector<int64_t>& out_rows, const float* in,
-                                        const std::vector<int64_t>& in_rows) const {
+                                        const std::vector<int64_t>& in_rows, bool bf16) const {
   std::vector<int64_t> recv(static_cast<size_t>(S_)), send(static_cast<size_t>(S_));
+  int64_t sent = 0;
   for (int64_t r = 0; r < S_; ++r) {
     recv[r] = out_rows[r] * C_;
     send[r] = in_rows[r] * C_;
-    if (r != ep_.rank()) bytes_sent_ += send[r] * static_cast<int64_t>(sizeof(float));
+    sent += send[r];
+    if (r != ep_.rank()) bytes_sent_ += send[r] * static_cast<int64_t>(bf16 ? sizeof(uint16_t) : sizeof(float));
   }
-  return ep_.all_to_allv_async(out, recv, in, send);
+  if (!bf16) return ep_.all_to_allv_async(out, recv, in, send);
+  ops_.pack_bf16(send_words_.data(), in, sent);
+  return ep_.all_to_allv_async(recv_words_.data(), recv, send_words_.data(), send);
+}
+
+void AllToAllDispatcher::finish_exchange(float* out, const std::vector<int64_t>& out_rows, bool bf16) const {
+  if (!bf16) return;
+  int64_t n = 0;
+  for (int64_t r = 0; r < S_; ++r) n += out_rows[r] * C_;
+  ops_.unpack_bf16(out, recv_words_.data(), n);
 }
 
 void AllToAllDispatcher::exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
-                                  const std::vector<int64_t>& in_rows) const {
-  exchange_async(out, out_rows, in, in_rows).wait();
+                                  const std::vector<int64_t>& in_rows, bool bf16) const {
+  exchange_async(out, out_rows, in, in_rows, bf16).wait();
+  finish_exchange(out, out_rows, bf16);
 }
 
 void AllToAllDispatcher::dispatch(float* expert_in, const float* x) const {
@@ -112,22 +131,23 @@ void AllToAllDispatcher::dispatch(float* expert_in, const float* x) const {
 
 void AllToAllDispatcher::dispatch(float* expert_in, const float* x, const std::function<void()>& meanwhile) const {
   local_.dispatch(send_.data(), x);
-  Work in_flight = exchange_async(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  Work in_flight = exchange_async(recv_.data(), recv_rows_, send_.data(), send_rows_, bf16_);
   meanwhile();
   in_flight.wait();
+  finish_exchange(recv_.data(), recv_rows_, bf16_);
   regroup(expert_in, recv_.data());
 }
 
 void AllToAllDispatcher::combine(float* out, const float* base, const float* expert_out, const float* probs) const {
   ungroup(recv_.data(), expert_out);
-  exchange(back_.data(), send_rows_, recv_.data(), recv_rows_);
+  exchange(back_.data(), send_rows_, recv_.data(), recv_rows_, bf16_);
   local_.combine(out, base, back_.data(), probs);
 }
 
 void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float*,
                                           const float* probs) const {
   local_.combine_backward(send_.data(), dprobs, dout, back_.data(), probs);
-  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_);
+  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_, bf16_);
   regroup(dexpert_out, recv_.data());
 }
 

@@ -20,6 +20,12 @@
 // rank from its own micro-batch (as Megatron does), so a rank drops exactly the choices it drops
 // when it runs as a data-parallel rank without expert parallelism.
 //
+// Payload (set_bf16_payload, under precision.params = "bf16"): the rows travel as bf16 words, half the
+// bytes, where that keeps every bit: the dispatched rows (the norm's output) and the expert outputs are
+// bf16 values already, and the combine's backward rows are rounded to bf16 on arrival anyway (the
+// sender rounds them instead: the same rounding, once). The experts' input gradients stay fp32 on the
+// wire: the source rank sums each token's k rows before rounding, as one process does.
+//
 // Determinism: every expert output row is one grouped-GEMM row (bitwise independent of which rank
 // computes it and of the other rows), the combine runs on the source rank in the single-process
 // order, and the regroup is a copy; so the forward is bitwise the one of the same micro-batch on a
@@ -47,6 +53,7 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   AllToAllDispatcher(const Ops& ops, Communicator& ep, int64_t E, int64_t K, int64_t C, int64_t max_tokens,
                      int64_t capacity, bool pad);
 
+  void set_bf16_payload(bool on);
   void plan(const int32_t* idx, const uint8_t* kept, int64_t N) override;
   void dispatch(float* expert_in, const float* x) const override;
   // The exchange runs on the rank's progress thread while meanwhile() runs here.
@@ -62,10 +69,13 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   void regroup(float* by_expert, const float* by_source) const;
   void ungroup(float* by_source, const float* by_expert) const;
   // One all-to-allv of rows: out_rows[r] rows from rank r, in_rows[r] rows to rank r.
-  void exchange(float* out, const std::vector<int64_t>& out_rows, const float* in,
-                const std::vector<int64_t>& in_rows) const;
+  void exchange(float* out, const std::vector<int64_t>& out_rows, const float* in, const std::vector<int64_t>& in_rows,
+                bool bf16 = false) const;
+  // bf16: the rows as bf16 words (in rounded by pack_bf16; out unpacked by finish_exchange after the
+  // wait).
   Work exchange_async(float* out, const std::vector<int64_t>& out_rows, const float* in,
-                      const std::vector<int64_t>& in_rows) const;
+                      const std::vector<int64_t>& in_rows, bool bf16 = false) const;
+  void finish_exchange(float* out, const std::vector<int64_t>& out_rows, bool bf16) const;
 
   std::vector<int64_t> send_rows_, recv_rows_;  // (S) rows to / from each rank
   std::vector<int64_t> recv_counts_;            // (S, El) rows of (source, local expert)
@@ -76,6 +86,8 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   std::vector<int64_t> block_source_row_, block_rows_;
   FloatBuffer send_, recv_;  // (local rows, C) source layout / (max rows, C) received
   FloatBuffer back_;         // (local rows, C) expert outputs returned (saved for backward)
+  bool bf16_ = false;        // set_bf16_payload
+  mutable std::vector<uint16_t> send_words_, recv_words_;  // the bf16 payload's buffers
 };
 
 }  // namespace lockstep

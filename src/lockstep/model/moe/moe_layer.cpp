@@ -56,6 +56,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   dispatcher_kind_ = moe.token_dispatcher;
   shared_overlap_ = moe.shared_expert_overlap;
   groups_ = groups;
+  bf16_payload_ = ps.precision().bf16();
   Communicator* ep = groups.ep;
   const int64_t S = ep ? ep->size() : 1, El = E_ / S, first = ep ? ep->rank() * El : 0;
   make_dispatcher();
@@ -122,6 +123,7 @@ void MoeLayer::make_dispatcher() {
     dispatcher_ = std::move(local);
   } else if (dispatcher_kind_ == "alltoall") {
     auto a2a = std::make_unique<AllToAllDispatcher>(*ops_, *ep, E_, K_, C_, Nl_, capacity_, pad_);
+    a2a->set_bf16_payload(bf16_payload_);
     source_layout_ = &a2a->source_layout();
     dispatcher_ = std::move(a2a);
   } else {
