@@ -38,9 +38,10 @@ std::shared_ptr<const PackedSampler::Epoch> PackedSampler::epoch(uint64_t e) con
   std::vector<int64_t> docs(static_cast<size_t>(docs_.end - docs_.begin));
   std::iota(docs.begin(), docs.end(), docs_.begin);
   shuffle(docs, seed_, mix_purpose(doc_purpose_, e));
-  // Greedy packing in stream order: a piece joins the current sample while the sample has room for
-  // its padded length.
-  int64_t used = T_;  // the current sample is full: the first piece opens one
+  // First fit in stream order: a piece goes into the earliest of the last kOpenSamples samples with room
+  // for its padded length, else opens a new sample (the oldest open one is then closed).
+  std::vector<int64_t> row_of;  // each piece's sample
+  std::vector<int64_t> used;    // each sample's tokens so far
   for (const int64_t d : docs) {
     const int64_t begin = data_->document_begin(d), n = data_->document_begin(d + 1) - begin;
     if (n == 0) continue;
@@ -50,11 +51,29 @@ std::shared_ptr<const PackedSampler::Epoch> PackedSampler::epoch(uint64_t e) con
     const int64_t L = n + (appended ? 1 : 0);
     for (int64_t off = 0; off < L; off += T_) {
       const int64_t len = std::min(T_, L - off), padded = (len + pad_ - 1) / pad_ * pad_;
-      if (used + padded > T_) ep->rows.push_back(static_cast<int64_t>(ep->pieces.size())), used = 0;
+      const auto open_from = static_cast<int64_t>(used.size()) - std::min<int64_t>(kOpenSamples, used.size());
+      int64_t row = open_from;
+      while (row < static_cast<int64_t>(used.size()) && used[static_cast<size_t>(row)] + padded > T_) ++row;
+      if (row == static_cast<int64_t>(used.size())) used.push_back(0);
+      used[static_cast<size_t>(row)] += padded;
+      row_of.push_back(row);
       ep->pieces.push_back({d, off, len, padded, appended, L});
-      used += padded;
     }
   }
+  // The pieces grouped by sample, each sample's in stream order.
+  std::vector<int64_t> by_row(ep->pieces.size());
+  std::iota(by_row.begin(), by_row.end(), 0);
+  std::stable_sort(by_row.begin(), by_row.end(), [&](int64_t a, int64_t b) {
+    return row_of[static_cast<size_t>(a)] < row_of[static_cast<size_t>(b)];
+  });
+  std::vector<Piece> sorted;
+  sorted.reserve(by_row.size());
+  for (size_t k = 0; k < by_row.size(); ++k) {
+    const int64_t row = row_of[static_cast<size_t>(by_row[k])];
+    if (k == 0 || row != row_of[static_cast<size_t>(by_row[k - 1])]) ep->rows.push_back(static_cast<int64_t>(k));
+    sorted.push_back(ep->pieces[static_cast<size_t>(by_row[k])]);
+  }
+  ep->pieces = std::move(sorted);
   ep->rows.push_back(static_cast<int64_t>(ep->pieces.size()));
   ep->order.resize(ep->rows.size() - 1);
   std::iota(ep->order.begin(), ep->order.end(), 0);

@@ -2,9 +2,10 @@
 // Transformer Engine's THD layout) from an indexed dataset.
 //
 // A sample is a budget of seq_length tokens filled with whole documents: the split's documents in the
-// epoch's shuffled order (Philox(seed, "data/docs/<split>", e), GptSampler's stream), each placed in
-// the current sample while it fits, else in the next one. A document longer than the budget is cut
-// into budget-sized pieces (each a sample of its own, the last one packed like a document). Every
+// epoch's shuffled order (Philox(seed, "data/docs/<split>", e), GptSampler's stream), each placed by
+// first fit into the earliest of the last kOpenSamples samples with room for it, else into a new one.
+// A document longer than the budget is cut into budget-sized pieces (each a sample of its own, the
+// last one packed like a document). Every
 // document ends with data.eod_token (one is appended when the document does not end with it), which
 // is how the model finds the boundaries (data/documents.h: positions restart and attention stays
 // inside each document). Each document is padded to a multiple of `pad_multiple` (2 x context
@@ -33,6 +34,8 @@ namespace lockstep {
 
 class PackedSampler {
  public:
+  static constexpr int64_t kOpenSamples = 64;  // samples first fit may still add to
+
   PackedSampler(std::shared_ptr<const IndexedDataset> data, DocRange docs, int64_t seq_length, int64_t vocab_size,
                 int32_t eod, int64_t pad_multiple, uint64_t seed, const std::string& split_name);
 
