@@ -254,8 +254,8 @@ struct Shape {
   // attention's partial calls, each key chunk's blocks from its start, its rows back to back.
   std::span<const KBlock> kblocks{};
   std::span<const std::pair<int64_t, int64_t>> kchunks{};  // partial: the key chunks (else empty)
-  int64_t Tk = 0;                                        // key rows per sample
-  int64_t Tks = 0;                                       // rows of the backward's padded key copy
+  int64_t Tk = 0;                                          // key rows per sample
+  int64_t Tks = 0;                                         // rows of the backward's padded key copy
   bool partial = false;  // forward: a query may see no key (out 0, lse -inf); backward: dq accumulated
 };
 
