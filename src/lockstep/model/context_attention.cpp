@@ -182,40 +182,53 @@ struct RowBlocks {
 };
 }  // namespace
 
-void ContextAttention::to_heads(const Ops& ops, const Arena& arena, float* heads, const float* rows,
-                                const std::vector<int64_t>& sections) const {
-  const int64_t A = cp.a2a_size, Tl = cp.local(Tg), N = B * Tl;
-  int64_t W = 0;
-  for (int64_t w : sections) W += w;
-  const int64_t Wh = W / A, n = N * Wh;
-  float* send = arena(a2a_buf);
-  float* recv = send + A * n;
-  for (int64_t j = 0; j < A; ++j)
+// The all-to-all's blocks: A of n = (B x T / cp rows) x (W / A) floats each, sent and received, and the
+// column parts of the rank's rows (section s's part j: its columns [j w_s / A, (j + 1) w_s / A)) that
+// block j holds back to back.
+struct ContextAttention::Trade {
+  int64_t A, N, W, n;
+  float *send, *recv;
+  const std::vector<int64_t>& sections;
+  // f(offset in the rank's rows, offset in a block, width) for each section's part of block j.
+  template <class F>
+  void parts(int64_t j, F&& f) const {
     for (int64_t off = 0, off_h = 0; int64_t w : sections) {
-      ops.copy_rows(send + j * n + off_h, Wh, rows + off + j * (w / A), W, N, w / A);
+      f(off + j * (w / A), off_h, w / A);
       off += w, off_h += w / A;
     }
-  cp.a2a->all_to_all(recv, send, n);
-  const RowBlocks rb(cp, A, B, Tg);
-  ops.copy_row_blocks(heads, rb.group_row.data(), recv, rb.block_row.data(), rb.rows.data(), rb.blocks(), Wh);
+  }
+};
+
+ContextAttention::Trade ContextAttention::trade(const Arena& arena, const std::vector<int64_t>& sections) const {
+  const int64_t A = cp.a2a_size, N = B * cp.local(Tg);
+  int64_t W = 0;
+  for (int64_t w : sections) W += w;
+  float* send = arena(a2a_buf);
+  return Trade{A, N, W, N * (W / A), send, send + A * N * (W / A), sections};
+}
+
+void ContextAttention::to_heads(const Ops& ops, const Arena& arena, float* heads, const float* rows,
+                                const std::vector<int64_t>& sections) const {
+  const Trade t = trade(arena, sections);
+  for (int64_t j = 0; j < t.A; ++j)
+    t.parts(j, [&](int64_t at, int64_t at_h, int64_t w) {
+      ops.copy_rows(t.send + j * t.n + at_h, t.W / t.A, rows + at, t.W, t.N, w);
+    });
+  cp.a2a->all_to_all(t.recv, t.send, t.n);
+  const RowBlocks rb(cp, t.A, B, Tg);
+  ops.copy_row_blocks(heads, rb.group_row.data(), t.recv, rb.block_row.data(), rb.rows.data(), rb.blocks(), t.W / t.A);
 }
 
 void ContextAttention::to_rows(const Ops& ops, const Arena& arena, float* rows, const float* heads,
                                const std::vector<int64_t>& sections) const {
-  const int64_t A = cp.a2a_size, Tl = cp.local(Tg), N = B * Tl;
-  int64_t W = 0;
-  for (int64_t w : sections) W += w;
-  const int64_t Wh = W / A, n = N * Wh;
-  float* send = arena(a2a_buf);
-  float* recv = send + A * n;
-  const RowBlocks rb(cp, A, B, Tg);
-  ops.copy_row_blocks(send, rb.block_row.data(), heads, rb.group_row.data(), rb.rows.data(), rb.blocks(), Wh);
-  cp.a2a->all_to_all(recv, send, n);
-  for (int64_t j = 0; j < A; ++j)
-    for (int64_t off = 0, off_h = 0; int64_t w : sections) {
-      ops.copy_rows(rows + off + j * (w / A), W, recv + j * n + off_h, Wh, N, w / A);
-      off += w, off_h += w / A;
-    }
+  const Trade t = trade(arena, sections);
+  const RowBlocks rb(cp, t.A, B, Tg);
+  ops.copy_row_blocks(t.send, rb.block_row.data(), heads, rb.group_row.data(), rb.rows.data(), rb.blocks(), t.W / t.A);
+  cp.a2a->all_to_all(t.recv, t.send, t.n);
+  for (int64_t j = 0; j < t.A; ++j)
+    t.parts(j, [&](int64_t at, int64_t at_h, int64_t w) {
+      ops.copy_rows(rows + at, t.W, t.recv + j * t.n + at_h, t.W / t.A, t.N, w);
+    });
 }
 
 }  // namespace lockstep
