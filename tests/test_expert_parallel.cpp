@@ -174,6 +174,40 @@ TEST(ExpertParallel, SharedExpertOverlapKeepsTheBits) {
             "\"allgather\"), as Megatron's");
 }
 
+// moe.delay_wgrad_compute: the experts' fc weight gradients while the dispatch backward's rows travel.
+// The same fingerprints in run and layout mode, with expert tensor parallelism, bf16 (its bf16 payload)
+// and the link model on; refused without the all-to-all dispatcher.
+TEST(ExpertParallel, DelayedWeightGradientsKeepTheBits) {
+  testing::TempDir dir;
+  int k = 0;
+  for (const auto& [ranks, keys] : std::vector<std::pair<int, std::vector<std::string>>>{
+           {2, {}},
+           {2, {"determinism=layout"}},
+           {4, {"parallel.expert_tensor=2", "precision.params=bf16", "train.micro_batch=2"}},
+           {2,
+            {"dist.link=intra=2GB/s:20us", "moe.shared_expert_intermediate_size=32",
+             "moe.shared_expert_overlap=true"}}}) {
+    auto job = [&](const std::string& out, std::vector<std::string> extra) {
+      extra.insert(extra.begin(), keys.begin(), keys.end());
+      extra.insert(extra.end(), {"train.out_dir=" + dir.path(out), "train.steps=2", "train.eval_interval=0",
+                                 "parallel.expert=2", "moe.token_dispatcher=alltoall"});
+      return load_config(std::string(LOCKSTEP_SOURCE_DIR) + "/configs/moe-debug.toml", extra);
+    };
+    const std::string off = "off" + std::to_string(k), on = "on" + std::to_string(k++);
+    testing::train_ranks(ranks, job(off, {}));
+    testing::train_ranks(ranks, job(on, {"moe.delay_wgrad_compute=true"}));
+    for (int rank = 0; rank < ranks; ++rank) {
+      const std::string a = testing::read_file(fingerprint_path(dir.path(off), rank));
+      EXPECT_FALSE(a.empty());
+      EXPECT_EQ(testing::read_file(fingerprint_path(dir.path(on), rank)), a) << on << " rank " << rank;
+    }
+  }
+  EXPECT_EQ(testing::user_error_of([&] {
+              load_config("", {"moe.num_experts=4", "moe.delay_wgrad_compute=true", "moe.token_dispatcher=allgather"});
+            }),
+            "config: moe.delay_wgrad_compute = true needs moe.token_dispatcher = \"alltoall\" (it is \"allgather\")");
+}
+
 TEST(ExpertParallel, ConfigurationErrorsNameTheSizes) {
   TempDir dir;
   EXPECT_EQ(

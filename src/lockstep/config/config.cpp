@@ -543,6 +543,9 @@ const std::vector<Key>& keys() {
              "compute the shared expert while the routed tokens' all-to-all is in flight (Megatron's "
              "--moe-shared-expert-overlap; needs a shared expert and moe.token_dispatcher = \"alltoall\"); the "
              "same bits"),
+      LS_KEY(moe.delay_wgrad_compute,
+             "compute the experts' fc weight gradients while the dispatch backward's all-to-all is in flight "
+             "(Megatron's --delay-wgrad-compute; needs moe.token_dispatcher = \"alltoall\"); the same bits"),
       LS_KEY(moe.layer_freq,
              "MoE layers: \"N\" = every N-th layer from layer 0, or a 0/1 pattern such as "
              "\"[0,1,1,1]\" or \"([0]*1+[1]*3)\""),
@@ -865,6 +868,9 @@ void validate_moe(const MoeConfig& e, int64_t L) {
   if (e.shared_expert_overlap && e.token_dispatcher != "alltoall")
     user_error("moe.shared_expert_overlap = true needs moe.token_dispatcher = \"alltoall\" (it is \"",
                e.token_dispatcher, "\"), as Megatron's");
+  if (e.delay_wgrad_compute && e.token_dispatcher != "alltoall")
+    user_error("moe.delay_wgrad_compute = true needs moe.token_dispatcher = \"alltoall\" (it is \"", e.token_dispatcher,
+               "\")");
   if (!(e.input_jitter_eps >= 0 && e.input_jitter_eps < 1))
     user_error("moe.input_jitter_eps = ", e.input_jitter_eps, ": must be in [0, 1)");
   moe_layer_pattern(e.layer_freq, L);

@@ -212,6 +212,9 @@ struct MoeConfig {
   // The shared expert's forward runs while the routed tokens' all-to-all is in flight (Megatron's
   // moe_shared_expert_overlap; model/moe/moe_layer.h).
   bool shared_expert_overlap = false;
+  // The experts' fc weight gradients run while the dispatch backward's all-to-all is in flight
+  // (Megatron's delay_wgrad_compute; model/moe/experts.h).
+  bool delay_wgrad_compute = false;
   std::string layer_freq = "1";  // N (every N-th layer) or a 0/1 pattern "[0,1,1,1]"
   // train.init_from is a dense checkpoint: each MoE layer's experts are cut from its MLP
   // (train/upcycling.h; granularity = model.ffn_hidden_size / moe.ffn_hidden_size).

@@ -152,8 +152,15 @@ void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, con
 }
 
 void AllToAllDispatcher::dispatch_backward(float* dx, const float* dexpert_in) const {
+  dispatch_backward(dx, dexpert_in, [] {});
+}
+
+void AllToAllDispatcher::dispatch_backward(float* dx, const float* dexpert_in,
+                                           const std::function<void()>& meanwhile) const {
   ungroup(recv_.data(), dexpert_in);
-  exchange(send_.data(), send_rows_, recv_.data(), recv_rows_);
+  Work in_flight = exchange_async(send_.data(), send_rows_, recv_.data(), recv_rows_);
+  meanwhile();
+  in_flight.wait();
   local_.dispatch_backward(dx, send_.data());
 }
 

@@ -59,6 +59,7 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   // The exchange runs on the rank's progress thread while meanwhile() runs here.
   void dispatch(float* expert_in, const float* x, const std::function<void()>& meanwhile) const override;
   void dispatch_backward(float* dx, const float* dexpert_in) const override;
+  void dispatch_backward(float* dx, const float* dexpert_in, const std::function<void()>& meanwhile) const override;
   void combine(float* out, const float* base, const float* expert_out, const float* probs) const override;
   // expert_out is not read: the combine's own copy of the outputs on the source rank is.
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,

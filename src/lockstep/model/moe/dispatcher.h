@@ -36,6 +36,12 @@ class Dispatcher {
   }
   // dx (N, C) += the gradient of dispatch from dexpert_in (rows(), C).
   virtual void dispatch_backward(float* dx, const float* dexpert_in) const = 0;
+  // The same, running `meanwhile` while the rows are in flight (moe.delay_wgrad_compute); a dispatcher
+  // without an exchange runs it first. meanwhile must not touch dx or dexpert_in.
+  virtual void dispatch_backward(float* dx, const float* dexpert_in, const std::function<void()>& meanwhile) const {
+    meanwhile();
+    dispatch_backward(dx, dexpert_in);
+  }
   // out (N, C) = base + sum over kept choices k (in order) of probs[t, k] * expert_out[row].
   virtual void combine(float* out, const float* base, const float* expert_out, const float* probs) const = 0;
   // dexpert_out (rows(), C) and dprobs (N, K) from dout (N, C).

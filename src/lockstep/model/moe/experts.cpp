@@ -677,8 +677,22 @@ void GroupedExperts::backward_rows(const ParamStore& ps, const Arena& arena, flo
   p.round(s.dfc, R * Fw);
   // Layout mode: K = the hidden units of each section, segmented (a raw part under etp).
   p.grouped_dgrad(ps, fc_w, dx, s.dfc, offsets, E, Fw, C, qb, kseg, partial(), rows_share);
-  weight_gradients(args, fc_w, fc_b, dfc_w, dfc_b, s.dfc, x, Fw, C, 0);
-  ++work.micro;
+  const float* dfc = s.dfc;
+  auto fc_wgrad = [this, args, dfc, x, Fw] {
+    weight_gradients(args, fc_w, fc_b, dfc_w, dfc_b, dfc, x, Fw, C, 0);
+    ++work.micro;
+  };
+  if (delay_wgrad)
+    pending_wgrad_ = fc_wgrad;
+  else
+    fc_wgrad();
+}
+
+void GroupedExperts::finish_wgrad() {
+  LOCKSTEP_CHECK(pending_wgrad_, "experts: finish_wgrad without a delayed weight gradient");
+  const std::function<void()> run = std::move(pending_wgrad_);
+  pending_wgrad_ = nullptr;
+  run();
 }
 
 }  // namespace lockstep

@@ -175,6 +175,11 @@ struct GroupedExperts {
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
                 const int64_t* offsets, const int64_t* segments, const ExpertsScratch& s,
                 const int64_t* token_segments);
+  // moe.delay_wgrad_compute: backward leaves the fc weight gradient (and the micro-batch's count) to
+  // finish_wgrad(), which the layer runs while the dispatch backward's rows are in flight (Megatron's
+  // delay_wgrad_compute). The same arithmetic in the same order: the bits do not change.
+  bool delay_wgrad = false;
+  void finish_wgrad();
   // Start of an optimizer step: clears the per-source gradient buffers (sources > 1).
   void begin_step();
   // determinism = "layout" with `micros` micro-batches per rank and step (sources > 1 only; see
@@ -301,6 +306,7 @@ struct GroupedExperts {
     FloatBuffer tok_in, tok_out, tok_dx;
   };
   Work work;
+  std::function<void()> pending_wgrad_;  // delay_wgrad: backward's fc weight gradient, for finish_wgrad
   // Context parallelism with several sources (layout mode): Work's rows in token order are used.
   bool in_token_order(const int64_t* token_segments) const {
     return token_segments && token_L && sources > 1 && cp_size > 1 && !cp_partners;

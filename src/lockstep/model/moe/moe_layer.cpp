@@ -71,6 +71,7 @@ MoeLayer::MoeLayer(ParamStore& ps, Arena& arena, const std::string& prefix, int6
   }
   const int64_t expert_rows = etp_ ? etp_->max_rows() : R;
   experts_ = GroupedExperts(ps, arena, prefix + "moe.experts.", m, El, F_, expert_rows, shard);
+  experts_.delay_wgrad = moe.delay_wgrad_compute;
   if (moe.shared_expert_intermediate_size > 0) {
     const int first_shared = static_cast<int>(ps.specs().size());
     shared_ = std::make_unique<SharedExpert>(ps, arena, prefix + "moe.shared.", m, moe.shared_expert_intermediate_size,
@@ -280,6 +281,14 @@ void MoeLayer::forward(const ParamStore& ps, const Arena& arena, float* resid_ou
   }
 }
 
+void MoeLayer::dispatch_backward(float* dx, const float* dexpert_in) {
+  // moe.delay_wgrad_compute: the experts' delayed weight gradient fills the exchange's wait.
+  if (experts_.delay_wgrad)
+    dispatcher_->dispatch_backward(dx, dexpert_in, [this] { experts_.finish_wgrad(); });
+  else
+    dispatcher_->dispatch_backward(dx, dexpert_in);
+}
+
 void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid, const float* resid_in,
                         const MoeScratch& s, float aux_scale) {
   // Without sequence parallelism dresid (N, C) is the same on every tp rank: this rank back-
@@ -301,14 +310,14 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     if (experts_.partial()) ps.precision().round(s.drows, dispatcher_->rows() * C_);
     trace_grad_in(experts_name_, s.drows, dispatcher_->rows() * C_);
     ps.device().ops.fill(s.dnorm, N * C_, 0.0f);
-    dispatcher_->dispatch_backward(s.dnorm, s.drows);
+    dispatch_backward(s.dnorm, s.drows);
   } else {
     experts_.set_token_rows(pad_ ? dispatcher_->tokens_per_expert().data() : nullptr);
     experts_.backward(ps, arena, s.drows_in, s.drows, arena(rows_in_), dispatcher_->offsets(), dispatcher_->segments(),
                       s.experts, dispatcher_->token_segments());
     trace_grad_in(experts_name_, s.drows_in, dispatcher_->rows() * C_);
     ps.device().ops.fill(s.dnorm, N * C_, 0.0f);
-    dispatcher_->dispatch_backward(s.dnorm, s.drows_in);
+    dispatch_backward(s.dnorm, s.drows_in);
   }
   if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
 

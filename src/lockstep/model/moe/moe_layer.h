@@ -231,8 +231,11 @@ class MoeLayer {
   std::vector<uint8_t> batch_kept_;
   void drop_over_micro_batch(const float* batch_logits);  // kept_ from the micro-batch's drop mask
   std::string dispatcher_kind_;
-  bool bf16_payload_ = false;      // precision.params = "bf16": the all-to-all's rows travel as bf16 words
-  bool shared_overlap_ = false;    // moe.shared_expert_overlap
+  bool bf16_payload_ = false;    // precision.params = "bf16": the all-to-all's rows travel as bf16 words
+  bool shared_overlap_ = false;  // moe.shared_expert_overlap
+  // dx += the dispatch's backward of dexpert_in, with the experts' delayed weight gradient
+  // (moe.delay_wgrad_compute) while its rows are in flight.
+  void dispatch_backward(float* dx, const float* dexpert_in);
   bool layout_invariant_ = false;  // set_layout(): every dispatcher made, now or later, sums exactly
   void make_dispatcher();          // dispatcher_, source_layout_ and etp_ for one micro-batch
   // Layout mode: d sums exactly and its plans count each expert's rows per token segment (experts.h).
