@@ -416,7 +416,7 @@ const std::vector<Key>& keys() {
              "p2p (ring attention: key/value chunks passed around the ring, partial results merged by log-sum-exp), "
              "a2a (all-to-all from sequence to head shards and back; heads and query groups divisible by tensor x "
              "context), a2a+p2p (a2a inside parallel.hierarchical_context_parallel_sizes' first size, ring across) "
-             "(docs/parallelism.md#context-parallel-communication)",
+             "(docs/parallelism.md#context-parallel-communication-parallelcp_comm_type)",
              {"all_gather", "p2p", "a2a", "a2a+p2p"}),
       LS_KEY(parallel.hierarchical_context_parallel_sizes,
              "cp_comm_type = \"a2a+p2p\": \"A,P\", the all-to-all size (consecutive cp ranks) and the ring size, "
@@ -489,7 +489,7 @@ const std::vector<Key>& keys() {
              "\"thd\": each sample is whole documents packed into model.seq_length tokens (longer ones cut), "
              "each padded to 2 x parallel.context (x parallel.tensor under sequence parallelism), no loss across "
              "documents or on padding; implies reset_position_ids and reset_attention_mask; needs indexed data "
-             "and data.eod_token (docs/data.md#packed-documents)",
+             "and data.eod_token (docs/data.md#packed-variable-length-samples-datapacking--thd)",
              {"none", "thd"}),
       LS_KEY(data.packing_pad_multiple,
              "thd: pad each document to a multiple of this (a multiple of what the layout needs; the same value "
