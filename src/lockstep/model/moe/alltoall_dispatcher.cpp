@@ -144,10 +144,18 @@ void AllToAllDispatcher::combine(float* out, const float* base, const float* exp
   local_.combine(out, base, back_.data(), probs);
 }
 
-void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float*,
+void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                                           const float* probs) const {
+  combine_backward(dexpert_out, dprobs, dout, expert_out, probs, [] {});
+}
+
+void AllToAllDispatcher::combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float*,
+                                          const float* probs, const std::function<void()>& meanwhile) const {
   local_.combine_backward(send_.data(), dprobs, dout, back_.data(), probs);
-  exchange(recv_.data(), recv_rows_, send_.data(), send_rows_, bf16_);
+  Work in_flight = exchange_async(recv_.data(), recv_rows_, send_.data(), send_rows_, bf16_);
+  meanwhile();
+  in_flight.wait();
+  finish_exchange(recv_.data(), recv_rows_, bf16_);
   regroup(dexpert_out, recv_.data());
 }
 

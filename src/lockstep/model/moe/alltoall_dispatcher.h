@@ -64,6 +64,8 @@ class AllToAllDispatcher final : public ExpertParallelDispatcher {
   // expert_out is not read: the combine's own copy of the outputs on the source rank is.
   void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                         const float* probs) const override;
+  void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
+                        const float* probs, const std::function<void()>& meanwhile) const override;
 
  private:
   // Rows received from each source (source-major) <-> rows by local expert (expert-major).

@@ -47,6 +47,13 @@ class Dispatcher {
   // dexpert_out (rows(), C) and dprobs (N, K) from dout (N, C).
   virtual void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
                                 const float* probs) const = 0;
+  // The same, running `meanwhile` while the rows are in flight (moe.shared_expert_overlap's backward); a
+  // dispatcher without an exchange runs it first. meanwhile must not touch dexpert_out or dprobs.
+  virtual void combine_backward(float* dexpert_out, float* dprobs, const float* dout, const float* expert_out,
+                                const float* probs, const std::function<void()>& meanwhile) const {
+    meanwhile();
+    combine_backward(dexpert_out, dprobs, dout, expert_out, probs);
+  }
 
   virtual int64_t rows() const = 0;
   virtual const int64_t* offsets() const = 0;  // (E + 1), local experts

@@ -299,7 +299,13 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
   const int64_t N = Nl_;
   const float* x = arena(normed_);
   const float* logits = arena(logits_);
-  dispatcher_->combine_backward(s.drows, s.dprobs, dout, arena(rows_out_), arena(probs_));
+  // moe.shared_expert_overlap: the shared expert's backward while the combine's rows travel; its input
+  // gradient is added where it was without the overlap (below), so the sums keep their order.
+  if (shared_ && shared_overlap_)
+    dispatcher_->combine_backward(s.drows, s.dprobs, dout, arena(rows_out_), arena(probs_),
+                                  [&] { shared_->branch_backward(ps, arena, dout, x, s.shared); });
+  else
+    dispatcher_->combine_backward(s.drows, s.dprobs, dout, arena(rows_out_), arena(probs_));
   ps.precision().round(s.drows, dispatcher_->rows() * C_);
   if (etp_) {
     // The expert outputs' gradient to every etp rank, the partial input gradients back.
@@ -319,7 +325,10 @@ void MoeLayer::backward(const ParamStore& ps, const Arena& arena, float* dresid,
     ps.device().ops.fill(s.dnorm, N * C_, 0.0f);
     dispatch_backward(s.dnorm, s.drows_in);
   }
-  if (shared_) shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
+  if (shared_ && shared_overlap_)
+    shared_->add_input_grad(ps, arena, s.dnorm, s.shared);
+  else if (shared_)
+    shared_->backward(ps, arena, s.dnorm, dout, x, s.shared);
 
   ops_->route_topk_backward(s.dlogits, s.dprobs, logits, idx_.data(), spec_, N);
   if (!cp_.on()) {

@@ -40,8 +40,8 @@ void SharedExpert::forward(const ParamStore& ps, const Arena& arena, float* out,
   ps.device().ops.gate_forward(out, arena(gate), base, x, gate_w >= 0 ? ps.weight(gate_w) : nullptr, arena(y), N, C);
 }
 
-void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
-                            const SharedExpertScratch& s) const {
+void SharedExpert::branch_backward(const ParamStore& ps, const Arena& arena, const float* dout, const float* x,
+                                   const SharedExpertScratch& s) const {
   const Ops& ops = ps.device().ops;
   const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
   // d(ungated output) = gate * dout; the gate logit's gradient dl_t = <dout_t, y_t> g (1 - g).
@@ -65,7 +65,12 @@ void SharedExpert::backward(const ParamStore& ps, const Arena& arena, float* dx,
     for (int64_t k = 0; k < K; ++k)
       ops.gate_weight_grad(ps.grad_piece(gate_w, k), dlogit + k * rows, x + k * rows * C, rows, C, segments);
   }
-  ops.gate_input_grad(dx, s.dx, dlogit, w, N, C);
+}
+
+void SharedExpert::add_input_grad(const ParamStore& ps, const Arena& arena, float* dx,
+                                  const SharedExpertScratch& s) const {
+  const float* w = gate_w >= 0 ? ps.weight(gate_w) : nullptr;
+  ps.device().ops.gate_input_grad(dx, s.dx, w ? arena(dgate) : nullptr, w, N, C);
 }
 
 }  // namespace lockstep

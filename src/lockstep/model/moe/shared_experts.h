@@ -28,9 +28,16 @@ struct SharedExpert {
 
   // out (N, C) = base + gate * proj(act(fc(x))). out may alias base.
   void forward(const ParamStore& ps, const Arena& arena, float* out, const float* base, const float* x) const;
-  // dx (N, C) += gradient through the shared expert of dout (N, C).
+  // dx (N, C) += gradient through the shared expert of dout (N, C): branch_backward (every gradient
+  // but that add, its input gradient in s.dx) then add_input_grad.
   void backward(const ParamStore& ps, const Arena& arena, float* dx, const float* dout, const float* x,
-                const SharedExpertScratch& s) const;
+                const SharedExpertScratch& s) const {
+    branch_backward(ps, arena, dout, x, s);
+    add_input_grad(ps, arena, dx, s);
+  }
+  void branch_backward(const ParamStore& ps, const Arena& arena, const float* dout, const float* x,
+                       const SharedExpertScratch& s) const;
+  void add_input_grad(const ParamStore& ps, const Arena& arena, float* dx, const SharedExpertScratch& s) const;
 
   int64_t fc_width() const { return swiglu ? 2 * F : F; }
 
