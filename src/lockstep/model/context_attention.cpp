@@ -96,22 +96,37 @@ void ContextAttention::backward(const Ops& ops, const Arena& arena, float* dqkv,
   if (a2a) to_rows(ops, arena, dqkv, dq, {NH * HS, NKV * HS, NKV * HS});
 }
 
-void ContextAttention::ring_forward(const Ops& ops, const Arena& arena, float* out, float* lse, const float* qkv,
-                                    const int32_t* doc_start) const {
-  const int P = cp.ring_size, o = cp.ring_rank, next = (o + 1) % P, prev = (o + P - 1) % P;
+// The ring's geometry and buffers: this rank's keys and values (its chunks of qkv) copied into cur.
+struct ContextAttention::Ring {
+  int P, o, next, prev;
+  int64_t KV, n;  // a K, V row; the rank's K, V floats
+  float *cur, *other;
+  QueryChunks mine;
+};
+
+ContextAttention::Ring ContextAttention::ring_start(const Ops& ops, const Arena& arena, const float* qkv) const {
+  const int P = cp.ring_size, o = cp.ring_rank;
   const int64_t KV = 2 * nkv * HS, n = B * Tv * KV;
   float* cur = arena(ring_buf);
-  float* other = cur + n;
-  float* part_out = cur + 2 * n;
-  const QueryChunks mine = cp.ring_chunks(Tg, P, o);
-  float* part_lse = part_out + B * Tv * nh * HS;
   ops.copy_rows(cur, KV, qkv + nh * HS, width(), B * Tv, KV);
+  return Ring{P, o, (o + 1) % P, (o + P - 1) % P, KV, n, cur, cur + n, cp.ring_chunks(Tg, P, o)};
+}
+
+void ContextAttention::ring_forward(const Ops& ops, const Arena& arena, float* out, float* lse, const float* qkv,
+                                    const int32_t* doc_start) const {
+  Ring r = ring_start(ops, arena, qkv);
+  const int P = r.P, o = r.o;
+  const int64_t n = r.n;
+  float *&cur = r.cur, *&other = r.other;
+  float* part_out = cur + 2 * n;
+  float* part_lse = part_out + B * Tv * nh * HS;
+  const QueryChunks& mine = r.mine;
   ops.fill(out, B * Tv * nh * HS, 0.0f);
   ops.fill(lse, B * nh * Tv, -std::numeric_limits<float>::infinity());
   // Step i: the keys and values of ring rank o - i, while those of o - i - 1 arrive.
   for (int i = 0; i < P; ++i) {
     Work arriving;
-    if (i + 1 < P) arriving = cp.ring->send_recv_async(cur, n, next, other, n, prev);
+    if (i + 1 < P) arriving = cp.ring->send_recv_async(cur, n, r.next, other, n, r.prev);
     const QueryChunks keys = cp.ring_chunks(Tg, P, (o - i + P) % P);
     ops.attention_forward_partial(part_out, part_lse, qkv, cur, B, Tg, mine, keys, nh, nkv, HS, doc_start);
     ops.attention_merge(out, lse, part_out, part_lse, B, Tv, nh, HS);
@@ -122,15 +137,14 @@ void ContextAttention::ring_forward(const Ops& ops, const Arena& arena, float* o
 void ContextAttention::ring_backward(const Ops& ops, const Arena& arena, float* dqkv, const float* dout,
                                      const float* qkv, const float* out, const float* lse,
                                      const int32_t* doc_start) const {
-  const int P = cp.ring_size, o = cp.ring_rank, next = (o + 1) % P, prev = (o + P - 1) % P;
-  const int64_t KV = 2 * nkv * HS, n = B * Tv * KV;
-  float* cur = arena(ring_buf);
-  float* other = cur + n;
+  Ring r = ring_start(ops, arena, qkv);
+  const int P = r.P, o = r.o, next = r.next, prev = r.prev;
+  const int64_t KV = r.KV, n = r.n;
+  float *&cur = r.cur, *&other = r.other;
   float* dcur = cur + 2 * n;
   float* dother = cur + 3 * n;
   float* part = cur + 4 * n;
-  const QueryChunks mine = cp.ring_chunks(Tg, P, o);
-  ops.copy_rows(cur, KV, qkv + nh * HS, width(), B * Tv, KV);
+  const QueryChunks& mine = r.mine;
   ops.fill(dqkv, B * Tv * width(), 0.0f);  // dq accumulates over the steps; dK, dV are written last
   // Step i: ring rank o - i's keys and values (the next arriving) and their dK, dV so far (the ranks
   // o - i .. o - 1's parts, in that order), to which this rank adds its part and passes them on.

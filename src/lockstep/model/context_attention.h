@@ -82,6 +82,8 @@ struct ContextAttention {
                 const std::vector<int64_t>& sections) const;
   void to_rows(const Ops& ops, const Arena& arena, float* rows, const float* heads,
                const std::vector<int64_t>& sections) const;
+  struct Ring;
+  Ring ring_start(const Ops& ops, const Arena& arena, const float* qkv) const;
   struct Trade;
   Trade trade(const Arena& arena, const std::vector<int64_t>& sections) const;
 };
