@@ -96,11 +96,9 @@ struct SplitSampler {
   std::unique_ptr<PackedSampler> packed;
   void sample(int32_t* tokens, int32_t* targets, uint64_t j, std::vector<int32_t>& buf) const {
     if (packed) return packed->sample(tokens, targets, j);
-    const auto T = static_cast<int64_t>(buf.size()) - 1;
     windows->sample(buf.data(), j);
     std::copy(buf.begin(), buf.end() - 1, tokens);
     std::copy(buf.begin() + 1, buf.end(), targets);
-    (void)T;
   }
 };
 
